@@ -1,0 +1,99 @@
+"""mc-groups: who talks to whom, and the one layer through which they talk.
+
+- :class:`RankGenerator`: pure rank arithmetic for a parallel layout.
+- :class:`ProcessGroupCollection` and :func:`initialize_model_parallel`: the groups of a
+  layout, built once and passed explicitly.
+- :mod:`mc_groups.collectives`: typed, validated, recorded collectives
+  (:func:`record_collectives` lists what ran).
+- :mod:`mc_groups.device`: stream/synchronise helpers that are no-ops on CPU.
+- :class:`ModelParallelConfig`: the validated parallel config (Megatron field names).
+- :mod:`mc_groups.testing`: a reusable multi-process CPU harness for tests.
+"""
+
+from __future__ import annotations
+
+from mc_groups.collection import GROUP_FIELDS, MissingGroupError, ProcessGroupCollection
+from mc_groups.collectives import (
+    CoalescedBatch,
+    CollectiveError,
+    CollectiveHandle,
+    ReduceOp,
+    all_gather,
+    all_gather_objects,
+    all_reduce,
+    all_to_all,
+    barrier,
+    broadcast,
+    coalesced,
+    group_rank,
+    group_ranks,
+    group_size,
+    recv,
+    reduce_scatter,
+    send,
+)
+from mc_groups.config import ModelParallelConfig
+from mc_groups.initialize import (
+    DistributedNotInitializedError,
+    ParallelSizes,
+    clear_default_collection,
+    destroy_model_parallel,
+    get_default_collection,
+    initialize_model_parallel,
+    set_default_collection,
+    validate_sizes,
+)
+from mc_groups.pipeline import (
+    get_pipeline_next_rank,
+    get_pipeline_prev_rank,
+    is_pipeline_first_stage,
+    is_pipeline_last_stage,
+    pipeline_rank,
+    pipeline_size,
+)
+from mc_groups.rank_generator import AXES, RankGenerator
+from mc_groups.recorder import CollectiveRecord, record_collectives
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AXES",
+    "GROUP_FIELDS",
+    "CoalescedBatch",
+    "CollectiveError",
+    "CollectiveHandle",
+    "CollectiveRecord",
+    "DistributedNotInitializedError",
+    "MissingGroupError",
+    "ModelParallelConfig",
+    "ParallelSizes",
+    "ProcessGroupCollection",
+    "RankGenerator",
+    "ReduceOp",
+    "all_gather",
+    "all_gather_objects",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "clear_default_collection",
+    "coalesced",
+    "destroy_model_parallel",
+    "get_default_collection",
+    "get_pipeline_next_rank",
+    "get_pipeline_prev_rank",
+    "group_rank",
+    "group_ranks",
+    "group_size",
+    "initialize_model_parallel",
+    "is_pipeline_first_stage",
+    "is_pipeline_last_stage",
+    "pipeline_rank",
+    "pipeline_size",
+    "record_collectives",
+    "recv",
+    "reduce_scatter",
+    "send",
+    "set_default_collection",
+    "validate_sizes",
+]

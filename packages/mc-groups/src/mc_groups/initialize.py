@@ -1,0 +1,320 @@
+"""``initialize_model_parallel``: build every process group of a layout once.
+
+The layout (Megatron-Core's)::
+
+    world = tp · gtp_remat · cp · dp · pp                    (dense generator)
+          = etp · egtp_remat · ep · edp · pp                 (expert generator)
+
+Both generators share ``pp`` and the ``order`` string; the dense one has ``ep = 1``, the
+expert one ``cp = 1``. All sizes are validated before any group is created, so a bad layout
+fails with a ``ValueError`` on every rank instead of a hang inside ``new_group``.
+
+Every rank calls ``torch.distributed.new_group`` for every distinct rank list, in the same
+order (a collective requirement of ``new_group``); a rank list needed by several roles
+(e.g. ``tp`` and ``mp`` when ``pp = 1``) becomes one process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from mc_groups.collection import ProcessGroupCollection
+from mc_groups.rank_generator import RankGenerator
+
+__all__ = [
+    "DistributedNotInitializedError",
+    "ParallelSizes",
+    "clear_default_collection",
+    "destroy_model_parallel",
+    "get_default_collection",
+    "initialize_model_parallel",
+    "set_default_collection",
+    "validate_sizes",
+]
+
+
+class DistributedNotInitializedError(RuntimeError, ValueError):
+    """``torch.distributed`` has no default process group yet."""
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Validated sizes of a layout (derived data-parallel sizes included)."""
+
+    world: int
+    tp: int
+    pp: int
+    vpp: int | None
+    cp: int
+    ep: int
+    etp: int
+    gtp_remat: int
+    expert_gtp_remat: int
+    dp: int
+    expert_dp: int
+    dist_opt_instances: int
+
+
+def _int_arg(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _divide(world: int, parts: dict[str, int], what: str) -> int:
+    product = 1
+    for v in parts.values():
+        product *= v
+    if world % product:
+        shown = " × ".join(f"{k}={v}" for k, v in parts.items())
+        raise ValueError(
+            f"world size {world} is not divisible by {shown} = {product}; {what} must be a "
+            "whole number"
+        )
+    return world // product
+
+
+def validate_sizes(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    gtp_remat_size: int = 1,
+    expert_gtp_remat_size: int = 1,
+    num_distributed_optimizer_instances: int = 1,
+) -> ParallelSizes:
+    """Check a layout against ``world_size`` and derive the data-parallel sizes."""
+    tp = _int_arg("tensor_model_parallel_size", tensor_model_parallel_size)
+    pp = _int_arg("pipeline_model_parallel_size", pipeline_model_parallel_size)
+    cp = _int_arg("context_parallel_size", context_parallel_size)
+    ep = _int_arg("expert_model_parallel_size", expert_model_parallel_size)
+    etp = (
+        tp
+        if expert_tensor_parallel_size is None
+        else _int_arg("expert_tensor_parallel_size", expert_tensor_parallel_size)
+    )
+    gtp = _int_arg("gtp_remat_size", gtp_remat_size)
+    egtp = _int_arg("expert_gtp_remat_size", expert_gtp_remat_size)
+    inst = _int_arg("num_distributed_optimizer_instances", num_distributed_optimizer_instances)
+    vpp = virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        _int_arg("virtual_pipeline_model_parallel_size", vpp)
+        if pp <= 1:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size"
+                f" > 1 (got {pp}); drop the virtual size or use more pipeline stages"
+            )
+    dp = _divide(
+        world_size, {"tp": tp, "gtp_remat": gtp, "cp": cp, "pp": pp}, "the data-parallel size"
+    )
+    edp = _divide(
+        world_size,
+        {"etp": etp, "expert_gtp_remat": egtp, "ep": ep, "pp": pp},
+        "the expert data-parallel size",
+    )
+    if (dp * cp) % inst:
+        raise ValueError(
+            f"num_distributed_optimizer_instances={inst} must divide the data-parallel × "
+            f"context-parallel size {dp} × {cp} = {dp * cp}"
+        )
+    if inst > 1 and (gtp > 1 or egtp > 1):
+        raise ValueError(
+            f"gtp_remat_size={gtp} / expert_gtp_remat_size={egtp} cannot be combined with "
+            f"num_distributed_optimizer_instances={inst} > 1; use one instance with gtp_remat"
+        )
+    return ParallelSizes(world_size, tp, pp, vpp, cp, ep, etp, gtp, egtp, dp, edp, inst)
+
+
+def _role_rank_lists(sizes: ParallelSizes, order: str) -> dict[str, list[list[int]]]:
+    """Every role's rank lists (all groups of that role, not only this rank's)."""
+    dense = RankGenerator(
+        sizes.tp, 1, sizes.dp, sizes.pp, sizes.cp, order, gtp_remat=sizes.gtp_remat
+    )
+    expert = RankGenerator(
+        sizes.etp,
+        sizes.ep,
+        sizes.expert_dp,
+        sizes.pp,
+        1,
+        order,
+        gtp_remat=sizes.expert_gtp_remat,
+        is_expert=True,
+    )
+    pp_lists = dense.get_ranks("pp")
+    roles = {
+        "tp": dense.get_ranks("tp"),
+        "pp": pp_lists,
+        "mp": dense.get_ranks("tp-gtp_remat-pp"),
+        "embd": [sorted({r[0], r[-1]}) for r in pp_lists],
+        "pos_embd": [[r[0]] for r in pp_lists],
+        "cp": dense.get_ranks("cp"),
+        "tp_cp": dense.get_ranks("tp-cp"),
+        "tp_dp_cp": dense.get_ranks("tp-dp-cp"),
+        "dp": dense.get_ranks("dp"),
+        "dp_cp": dense.get_ranks("dp-cp"),
+        "dp_cp_gtp_remat": dense.get_ranks("dp-cp-gtp_remat"),
+        "gtp_remat": dense.get_ranks("gtp_remat"),
+        "ep": expert.get_ranks("ep"),
+        "expt_tp": expert.get_ranks("tp"),
+        "tp_ep": expert.get_ranks("tp-ep"),
+        "tp_ep_pp": expert.get_ranks("tp-ep-pp"),
+        "expt_gtp_remat": expert.get_ranks("gtp_remat"),
+        "expt_dp": expert.get_ranks("dp"),
+        "expt_dp_gtp_remat": expert.get_ranks("dp-gtp_remat"),
+        "world": [list(range(sizes.world))],
+    }
+    roles.update(_dist_opt_rank_lists(sizes, roles["dp_cp"], roles["expt_dp"]))
+    return roles
+
+
+def _dist_opt_rank_lists(
+    sizes: ParallelSizes, dp_cp: list[list[int]], expt_dp: list[list[int]]
+) -> dict[str, list[list[int]]]:
+    """Distributed-optimizer instance groups.
+
+    With k instances, each dp·cp group is cut into k contiguous chunks (one instance each:
+    ``intra_dp_cp``); ``inter_dist_opt`` links the ranks holding the same shard position in
+    every instance (stride = chunk length); ``intra_dist_opt`` is every rank of one instance:
+    the world cut into k contiguous blocks.
+    """
+    k = sizes.dist_opt_instances
+    if k == 1:
+        return {
+            "intra_dp_cp": dp_cp,
+            "intra_expt_dp": expt_dp,
+            "intra_dist_opt": [list(range(sizes.world))],
+        }
+    chunk = len(dp_cp[0]) // k
+    e_chunk = max(len(expt_dp[0]) // k, 1)
+    block = sizes.world // k
+    return {
+        "intra_dp_cp": [g[i * chunk : (i + 1) * chunk] for g in dp_cp for i in range(k)],
+        "inter_dist_opt": [g[i::chunk] for g in dp_cp for i in range(chunk)],
+        "intra_expt_dp": [
+            g[i * e_chunk : (i + 1) * e_chunk] for g in expt_dp for i in range(len(g) // e_chunk)
+        ],
+        "intra_dist_opt": [list(range(i * block, (i + 1) * block)) for i in range(k)],
+    }
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    gtp_remat_size: int = 1,
+    expert_gtp_remat_size: int = 1,
+    num_distributed_optimizer_instances: int = 1,
+    order: str = "tp-cp-ep-dp-pp",
+    timeout: timedelta | None = None,
+    *,
+    set_default: bool = False,
+) -> ProcessGroupCollection:
+    """Create every process group of the layout and return this rank's collection.
+
+    Must be called by every rank with the same arguments (group creation is collective).
+    Sizes are validated before any group exists. ``timeout`` bounds every collective on the
+    new groups (default: the default group's timeout). With ``set_default=True`` the
+    collection is also registered as the process default (see
+    :func:`get_default_collection`); nothing in mc requires that.
+
+    Returns a collection holding: tp, pp, mp (tp·gtp_remat·pp), embd (first and last
+    pipeline rank; ``None`` on middle stages), pos_embd (first pipeline rank; ``None``
+    elsewhere), cp, tp_cp, tp_dp_cp, dp, dp_cp, dp_cp_gtp_remat, gtp_remat, ep, expt_tp,
+    tp_ep, tp_ep_pp, expt_gtp_remat, expt_dp, expt_dp_gtp_remat, intra_dp_cp,
+    intra_expt_dp, inter_dist_opt (only with several optimizer instances), intra_dist_opt,
+    world.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise DistributedNotInitializedError(
+            "initialize_model_parallel needs torch.distributed to be initialised first: call "
+            "torch.distributed.init_process_group(backend='gloo' or 'nccl', ...) (torchrun "
+            "sets the environment for init_method='env://'), or use mc_groups.testing.RankPool"
+        )
+    sizes = validate_sizes(
+        dist.get_world_size(),
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+        expert_tensor_parallel_size,
+        gtp_remat_size,
+        expert_gtp_remat_size,
+        num_distributed_optimizer_instances,
+    )
+    roles = _role_rank_lists(sizes, order)
+    groups = _create_groups(roles, timeout)
+    me = dist.get_rank()
+    mine: dict[str, dist.ProcessGroup | None] = {}
+    for role, lists in roles.items():
+        member = next((tuple(r) for r in lists if me in r), None)
+        mine[role] = None if member is None else groups[member]
+    collection = ProcessGroupCollection(**mine)
+    if set_default:
+        set_default_collection(collection)
+    return collection
+
+
+def _create_groups(
+    roles: dict[str, list[list[int]]], timeout: timedelta | None
+) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """One ``new_group`` per distinct rank list, in the same order on every rank."""
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    world = dist.group.WORLD
+    for role, lists in roles.items():
+        for ranks in lists:
+            key = tuple(ranks)
+            if key in groups:
+                continue
+            if role == "world" and world is not None:
+                groups[key] = world
+                continue
+            # Non-members receive a placeholder from new_group and never look it up.
+            groups[key] = dist.new_group(list(key), timeout=timeout, group_desc=role)
+    return groups
+
+
+def destroy_model_parallel(collection: ProcessGroupCollection) -> None:
+    """Destroy the groups of ``collection`` (each once) and unregister it as default."""
+    seen: set[int] = set()
+    for _, group in collection.items():
+        if id(group) in seen or group is dist.group.WORLD:
+            continue
+        seen.add(id(group))
+        dist.destroy_process_group(group)
+    if get_default_collection() is collection:
+        clear_default_collection()
+
+
+class _DefaultSlot:
+    """Holds the optional process default collection (the one permitted global)."""
+
+    collection: ProcessGroupCollection | None = None
+
+
+def set_default_collection(collection: ProcessGroupCollection) -> None:
+    """Register ``collection`` for callers that pass ``pg_collection=None``."""
+    if not isinstance(collection, ProcessGroupCollection):
+        raise TypeError(f"collection={collection!r} must be a ProcessGroupCollection")
+    _DefaultSlot.collection = collection
+
+
+def get_default_collection() -> ProcessGroupCollection | None:
+    """The registered default collection, or ``None`` when none was registered."""
+    return _DefaultSlot.collection
+
+
+def clear_default_collection() -> None:
+    """Forget the registered default collection."""
+    _DefaultSlot.collection = None

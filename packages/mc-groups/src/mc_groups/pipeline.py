@@ -1,0 +1,74 @@
+"""Pipeline-stage helpers: where this rank sits in its pipeline, from the collection's pp group.
+
+Stage ``s`` of ``P`` is this rank's rank in ``pg_collection.pp``; the next stage is
+``(s + 1) mod P`` and the previous one ``(s − 1) mod P`` (returned as global ranks, for
+point-to-point calls). With virtual pipelining, a model chunk ``vp_stage`` of ``V`` is the
+first stage only when ``s = 0`` and ``vp_stage = 0``, the last only when ``s = P − 1`` and
+``vp_stage = V − 1``.
+"""
+
+from __future__ import annotations
+
+from mc_groups.collection import ProcessGroupCollection
+from mc_groups.collectives import group_ranks
+
+__all__ = [
+    "get_pipeline_next_rank",
+    "get_pipeline_prev_rank",
+    "is_pipeline_first_stage",
+    "is_pipeline_last_stage",
+    "pipeline_rank",
+    "pipeline_size",
+]
+
+
+def pipeline_rank(pg_collection: ProcessGroupCollection) -> int:
+    """This rank's pipeline stage."""
+    return int(pg_collection.require("pp", "pipeline_rank").rank())
+
+
+def pipeline_size(pg_collection: ProcessGroupCollection) -> int:
+    """Number of pipeline stages."""
+    return int(pg_collection.require("pp", "pipeline_size").size())
+
+
+def _check_vp(vp_stage: int | None, vp_size: int | None) -> None:
+    if vp_stage is None:
+        return
+    if vp_size is None or not 0 <= vp_stage < vp_size:
+        raise ValueError(
+            f"vp_stage={vp_stage} needs vp_size (got {vp_size}) with 0 <= vp_stage < vp_size"
+        )
+
+
+def is_pipeline_first_stage(
+    pg_collection: ProcessGroupCollection,
+    vp_stage: int | None = None,
+    vp_size: int | None = None,
+) -> bool:
+    """True on pipeline stage 0 (and, with virtual stages, for chunk 0 only)."""
+    _check_vp(vp_stage, vp_size)
+    return pipeline_rank(pg_collection) == 0 and (vp_stage is None or vp_stage == 0)
+
+
+def is_pipeline_last_stage(
+    pg_collection: ProcessGroupCollection,
+    vp_stage: int | None = None,
+    vp_size: int | None = None,
+) -> bool:
+    """True on the last pipeline stage (and, with virtual stages, for the last chunk only)."""
+    _check_vp(vp_stage, vp_size)
+    last = pipeline_rank(pg_collection) == pipeline_size(pg_collection) - 1
+    return last and (vp_stage is None or vp_size is None or vp_stage == vp_size - 1)
+
+
+def get_pipeline_next_rank(pg_collection: ProcessGroupCollection) -> int:
+    """Global rank of the next pipeline stage (wrapping around)."""
+    ranks = group_ranks(pg_collection.require("pp", "get_pipeline_next_rank"))
+    return ranks[(pipeline_rank(pg_collection) + 1) % len(ranks)]
+
+
+def get_pipeline_prev_rank(pg_collection: ProcessGroupCollection) -> int:
+    """Global rank of the previous pipeline stage (wrapping around)."""
+    ranks = group_ranks(pg_collection.require("pp", "get_pipeline_prev_rank"))
+    return ranks[(pipeline_rank(pg_collection) - 1) % len(ranks)]

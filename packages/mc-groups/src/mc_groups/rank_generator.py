@@ -1,0 +1,156 @@
+"""Which global ranks form each parallel group: pure arithmetic, no processes.
+
+A world of ``tp · gtp_remat · cp · ep · dp · pp`` ranks is a mixed-radix number whose
+digits are the parallel axes. The ``order`` string lists the axes from the fastest-varying
+digit to the slowest, so with the default ``tp-cp-ep-dp-pp`` neighbouring ranks share
+everything but their tensor-parallel index::
+
+    world 8, tp=2 dp=2 pp=2, order tp-cp-ep-dp-pp      rank = tp + 2·dp + 4·pp
+
+        pp=0: dp=0 → [0 1]   dp=1 → [2 3]      pp=1: dp=0 → [4 5]   dp=1 → [6 7]
+
+A group "over" some axes (``get_ranks("tp-pp")``) is the set of ranks that agree on every
+*other* axis; members are listed with the leftmost masked axis varying fastest, groups are
+listed with the leftmost unmasked axis varying fastest.
+
+``gtp_remat`` (generalised tensor parallelism with weight rematerialisation: weights are
+sharded over it and all-gathered before each GEMM, data differs across it) is injected
+right after ``tp`` in the dense generator and right after ``ep`` in the expert one when the
+order string does not place it explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["AXES", "RankGenerator"]
+
+AXES: tuple[str, ...] = ("tp", "gtp_remat", "cp", "ep", "dp", "pp")
+"""Axis names an ``order`` string may contain."""
+
+
+class RankGenerator:
+    """Enumerates the rank groups of a parallel layout.
+
+    Args:
+        tp, ep, dp, pp, cp: axis sizes (each ``>= 1``).
+        order: axes joined by ``-``, fastest-varying first. Size-1 axes missing from it are
+            appended; a missing axis of size > 1 is a ``ValueError``.
+        rank_offset: added to every rank (for layouts that start after other ranks).
+        gtp_remat: size of the gtp_remat axis.
+        is_expert: where ``gtp_remat`` is injected when ``order`` does not name it:
+            after ``tp`` (dense) or after ``ep`` (expert).
+
+    ``ep > 1`` together with ``cp > 1`` is a ``ValueError``: context parallelism lives in
+    the dense generator and expert parallelism in the expert one.
+    """
+
+    def __init__(
+        self,
+        tp: int,
+        ep: int,
+        dp: int,
+        pp: int,
+        cp: int,
+        order: str = "tp-cp-ep-dp-pp",
+        rank_offset: int = 0,
+        gtp_remat: int = 1,
+        *,
+        is_expert: bool = False,
+    ) -> None:
+        sizes = {"tp": tp, "gtp_remat": gtp_remat, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
+        for name, size in sizes.items():
+            _check_size(name, size)
+        if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
+            raise ValueError(f"rank_offset={rank_offset!r} must be an int >= 0")
+        if ep > 1 and cp > 1:
+            raise ValueError(
+                f"ep={ep} and cp={cp}: one RankGenerator cannot have both expert and context "
+                "parallelism > 1; use cp in the dense generator and ep in the expert generator"
+            )
+        self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
+        self.gtp_remat = gtp_remat
+        self.rank_offset = rank_offset
+        self.is_expert = is_expert
+        self.world_size = math.prod(sizes.values())
+        self.order = _complete_order(order, sizes, anchor="ep" if is_expert else "tp")
+        self._axes = self.order.split("-")
+        self._sizes = [sizes[a] for a in self._axes]
+
+    def get_ranks(self, token: str) -> list[list[int]]:
+        """Every group over the axes named in ``token`` (e.g. ``"tp-pp"``), as rank lists."""
+        masked = _parse_token(token, self._axes)
+        strides = _strides(self._sizes)
+        inner = [i for i, a in enumerate(self._axes) if a in masked]
+        outer = [i for i, a in enumerate(self._axes) if a not in masked]
+        groups = []
+        for group_digits in _counting([self._sizes[i] for i in outer]):
+            base = sum(d * strides[i] for d, i in zip(group_digits, outer, strict=True))
+            members = [
+                self.rank_offset + base + sum(d * strides[i] for d, i in zip(m, inner, strict=True))
+                for m in _counting([self._sizes[i] for i in inner])
+            ]
+            groups.append(members)
+        return groups
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{a}={s}" for a, s in zip(self._axes, self._sizes, strict=True))
+        return f"RankGenerator({sizes}, order={self.order!r}, rank_offset={self.rank_offset})"
+
+
+def _check_size(name: str, size: object) -> None:
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"{name}={size!r} must be an int")
+    if size < 1:
+        raise ValueError(f"{name}={size} must be >= 1")
+
+
+def _complete_order(order: str, sizes: dict[str, int], anchor: str) -> str:
+    """Validate ``order``, inject ``gtp_remat`` after ``anchor`` and append size-1 axes."""
+    if not isinstance(order, str):
+        raise TypeError(f"order={order!r} must be a string such as 'tp-cp-ep-dp-pp'")
+    axes = [a for a in order.lower().split("-") if a]
+    unknown = [a for a in axes if a not in sizes]
+    if unknown or len(set(axes)) != len(axes):
+        raise ValueError(
+            f"order={order!r}: axes must be distinct names from {list(AXES)} joined by '-'"
+        )
+    if "gtp_remat" not in axes and anchor in axes:
+        axes.insert(axes.index(anchor) + 1, "gtp_remat")
+    for name in AXES:
+        if name in axes:
+            continue
+        if sizes[name] != 1:
+            raise ValueError(
+                f"order={order!r} does not name axis {name!r} of size {sizes[name]}; "
+                "every axis of size > 1 must appear in the order"
+            )
+        axes.append(name)
+    return "-".join(axes)
+
+
+def _parse_token(token: str, axes: Sequence[str]) -> set[str]:
+    names = token.lower().split("-")
+    bad = [n for n in names if n not in axes]
+    if bad or not token:
+        raise ValueError(f"token={token!r}: expected axis names from {list(axes)} joined by '-'")
+    return set(names)
+
+
+def _strides(sizes: Sequence[int]) -> list[int]:
+    """Place value of each digit of the mixed-radix rank (first digit fastest)."""
+    out, acc = [], 1
+    for s in sizes:
+        out.append(acc)
+        acc *= s
+    return out
+
+
+def _counting(sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    """All digit tuples for ``sizes``, counting with the first digit fastest."""
+    total = math.prod(sizes)
+    strides = _strides(sizes)
+    return [
+        tuple((n // st) % s for s, st in zip(sizes, strides, strict=True)) for n in range(total)
+    ]

@@ -1,0 +1,66 @@
+"""Test parallel code on CPU: run a function on N ranks of a real gloo world.
+
+::
+
+    from mc_groups.testing import RankPool
+
+    def _sum_of_ranks() -> float:          # module level: ranks import it by name
+        import torch, torch.distributed as dist
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        return t.item()
+
+    with RankPool(2) as pool:
+        assert pool.run(_sum_of_ranks) == [1.0, 1.0]
+
+In pytest, the ``rank_pools`` fixture (installed with mc-groups as a plugin) keeps one pool
+per world size for the whole session: ``rank_pools.get(4).run(fn, ...)``.
+
+The pool pays process start-up (~2 s) once; each rank runs with one torch thread, a short
+process-group timeout bounds every collective, every call has a deadline, and a failing or
+hung rank fails the call with its traceback or its name instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mc_groups.testing._pool import RankFailure, RankOutcome, RankPool, RankTimeout
+
+__all__ = [
+    "RankFailure",
+    "RankOutcome",
+    "RankPool",
+    "RankPools",
+    "RankTimeout",
+    "gpu_skip_reason",
+]
+
+
+def gpu_skip_reason(count: int) -> str | None:
+    """``None`` when ``count`` CUDA devices are visible, else the reason to skip."""
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available >= count:
+        return None
+    return f"needs {count} CUDA device(s) for NCCL, found {available}"
+
+
+class RankPools:
+    """One lazily started :class:`RankPool` per (world size, backend); close them together."""
+
+    def __init__(self, **pool_options: float) -> None:
+        self._options = pool_options
+        self._pools: dict[tuple[int, str], RankPool] = {}
+
+    def get(self, world_size: int, backend: str = "gloo") -> RankPool:
+        """The pool for ``world_size`` ranks on ``backend`` (created on first use)."""
+        key = (world_size, backend)
+        if key not in self._pools:
+            self._pools[key] = RankPool(world_size, backend=backend, **self._options)  # type: ignore[arg-type]
+        return self._pools[key]
+
+    def close(self) -> None:
+        """Stop every pool."""
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

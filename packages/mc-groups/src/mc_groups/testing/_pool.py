@@ -1,0 +1,287 @@
+"""``RankPool``: run a function on N ranks of a real torch.distributed world, repeatedly.
+
+Design, for test suites on small CPUs:
+- N worker processes are spawned once, each joins the world (gloo by default) through a
+  ``FileStore`` in a private temporary folder: no port is fixed, so parallel sessions never
+  collide.
+- ``pool.run(fn, *args)`` sends ``fn`` (by module and name) to every rank and returns the
+  per-rank results in rank order. Workers are reused across calls.
+- Every call has a deadline. A rank that raises fails the call with its traceback; the
+  others get ``failure_grace_s`` to finish (they may be blocked in a collective with the
+  failed rank), then the pool is torn down and respawned on the next call. A rank that
+  neither answers nor dies is named in a :class:`RankTimeout`. Nothing is left hung.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, ParamSpec, TypeVar
+
+from mc_groups.testing._worker import worker_main
+
+__all__ = ["RankFailure", "RankOutcome", "RankPool", "RankTimeout"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What one rank produced for a call: a result, an error text, or nothing yet."""
+
+    rank: int
+    ok: bool
+    result: object = None
+    error: str = ""
+
+
+class RankFailure(RuntimeError):
+    """At least one rank raised, died or missed the deadline.
+
+    ``outcomes`` maps each rank to its :class:`RankOutcome` (ranks that finished keep their
+    results, so a test can inspect what the survivors saw).
+    """
+
+    def __init__(self, message: str, outcomes: dict[int, RankOutcome]) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+
+    def failed_ranks(self) -> list[int]:
+        """Ranks that raised, died or did not answer."""
+        return sorted(r for r, o in self.outcomes.items() if not o.ok)
+
+
+class RankTimeout(RankFailure):
+    """Some ranks did not answer before the call's deadline; they are named."""
+
+
+def _default_env() -> dict[str, str]:
+    env = {"OMP_NUM_THREADS": "1"}
+    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+def _function_ref(fn: Callable[..., Any]) -> tuple[str, str, str | None]:
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if module is None or qualname is None or "<locals>" in qualname or "<lambda>" in qualname:
+        raise TypeError(
+            f"fn={fn!r} must be a module-level function (ranks import it by name); "
+            "lambdas and nested functions cannot be sent"
+        )
+    path = getattr(sys.modules.get(module), "__file__", None)
+    return module, qualname, path
+
+
+class RankPool:
+    """A reusable world of ``world_size`` rank processes.
+
+    Args:
+        world_size: number of ranks (>= 1).
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
+        pg_timeout_s: timeout of the world's process group: bounds every collective.
+        call_deadline_s: default deadline of :meth:`run`.
+        start_deadline_s: how long spawning and joining the world may take.
+        failure_grace_s: after the first rank fails, how long the others may still finish.
+        env: extra environment variables for the ranks.
+
+    Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        pg_timeout_s: float = 20.0,
+        call_deadline_s: float = 120.0,
+        start_deadline_s: float = 90.0,
+        failure_grace_s: float = 2.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend={backend!r} must be one of {_BACKENDS}")
+        for name, value in (
+            ("pg_timeout_s", pg_timeout_s),
+            ("call_deadline_s", call_deadline_s),
+            ("start_deadline_s", start_deadline_s),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} must be > 0")
+        self.world_size = world_size
+        self.backend = backend
+        self.pg_timeout_s = pg_timeout_s
+        self.call_deadline_s = call_deadline_s
+        self.start_deadline_s = start_deadline_s
+        self.failure_grace_s = failure_grace_s
+        self._env = {**_default_env(), **(env or {})}
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._tmpdir: str | None = None
+        self._calls = 0
+
+    # lifecycle -----------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        """True while rank processes are alive."""
+        return bool(self._procs)
+
+    def start(self) -> None:
+        """Spawn the ranks and wait until each joined the world (idempotent)."""
+        if self._procs:
+            return
+        ctx = mp.get_context("spawn")
+        self._tmpdir = tempfile.mkdtemp(prefix="mc-rank-pool-")
+        store = os.path.join(self._tmpdir, "store")
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(
+                    rank,
+                    self.world_size,
+                    self.backend,
+                    store,
+                    child,
+                    self.pg_timeout_s,
+                    self._env,
+                ),
+                daemon=True,
+                name=f"mc-rank-{rank}",
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        outcomes = self._collect(-1, time.monotonic() + self.start_deadline_s, "start-up")
+        if not all(o.ok for o in outcomes.values()):
+            self.close()
+            raise RankFailure(_failure_text("joining the world", outcomes), outcomes)
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force) and delete the rendezvous folder."""
+        for conn in self._conns:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send_bytes(pickle.dumps(("stop",)))
+        deadline = time.monotonic() + 2.0
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        self.close()
+
+    def __enter__(self) -> RankPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # calls ---------------------------------------------------------------------------
+    def run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        Raises :class:`RankFailure` (with each failing rank's traceback) or
+        :class:`RankTimeout` after ``call_deadline_s``.
+        """
+        return self.run_with_deadline(self.call_deadline_s, fn, *args, **kwargs)
+
+    def run_with_deadline(
+        self, deadline_s: float, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
+        """:meth:`run` with an explicit deadline in seconds."""
+        ref = _function_ref(fn)
+        self.start()
+        self._calls += 1
+        call_id = self._calls
+        message = pickle.dumps(("call", call_id, list(sys.path), ref, args, kwargs))
+        for conn in self._conns:
+            conn.send_bytes(message)
+        outcomes = self._collect(call_id, time.monotonic() + deadline_s, ref[1])
+        if all(o.ok for o in outcomes.values()):
+            return [outcomes[r].result for r in range(self.world_size)]  # type: ignore[misc]
+        self._kill()  # ranks may be stuck in a collective: start afresh next call
+        text = _failure_text(f"{ref[0]}.{ref[1]}", outcomes)
+        silent = [o for o in outcomes.values() if not o.ok and o.error.startswith("no answer")]
+        if silent and len(silent) == len(outcomes) - sum(o.ok for o in outcomes.values()):
+            raise RankTimeout(text, outcomes)
+        raise RankFailure(text, outcomes)
+
+    def _collect(self, call_id: int, deadline: float, what: str) -> dict[int, RankOutcome]:
+        pending = dict(enumerate(self._conns))
+        outcomes: dict[int, RankOutcome] = {}
+        failed_at: float | None = None
+        while pending:
+            limit = (
+                deadline if failed_at is None else min(deadline, failed_at + self.failure_grace_s)
+            )
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                break
+            for ready in wait(list(pending.values()), timeout=remaining):
+                rank = next(r for r, c in pending.items() if c is ready)
+                outcome = self._receive(rank, pending[rank], call_id)
+                if outcome is None:
+                    continue  # a stale answer from an earlier call
+                outcomes[rank] = outcome
+                del pending[rank]
+                if not outcome.ok and failed_at is None:
+                    failed_at = time.monotonic()
+        waited = "the deadline" if failed_at is None else "the grace period after a failure"
+        for rank in pending:
+            outcomes[rank] = RankOutcome(
+                rank, ok=False, error=f"no answer to {what} within {waited}"
+            )
+        return outcomes
+
+    def _receive(self, rank: int, conn: Connection, call_id: int) -> RankOutcome | None:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            proc = self._procs[rank]
+            proc.join(1.0)
+            return RankOutcome(rank, ok=False, error=f"process exited (exit code {proc.exitcode})")
+        kind = message[0]
+        if kind == "ready":
+            return RankOutcome(rank, ok=True, result=message[2])
+        if message[1] not in (call_id, -1):
+            return None
+        if kind == "ok":
+            return RankOutcome(rank, ok=True, result=message[2])
+        return RankOutcome(rank, ok=False, error=message[2])
+
+
+def _failure_text(what: str, outcomes: dict[int, RankOutcome]) -> str:
+    bad = sorted(r for r, o in outcomes.items() if not o.ok)
+    lines = [f"{what} failed on rank(s) {bad} of {len(outcomes)}:"]
+    for rank in bad:
+        lines.append(f"--- rank {rank}: {outcomes[rank].error.rstrip()}")
+    return "\n".join(lines)

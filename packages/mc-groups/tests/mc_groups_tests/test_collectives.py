@@ -1,0 +1,301 @@
+"""Collective wrappers: values against local math, and what the recorder saw.
+
+Inputs are rank-valued so each result is derivable by hand: on a world of W ranks,
+``sum_r (r + 1) = W(W + 1)/2``; shard ``k`` of a reduce-scatter of ``arange(n)·(r + 1)``
+is ``arange(n)[k-th slice] · W(W + 1)/2``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_groups import ReduceOp, record_collectives
+from mc_groups.testing import RankPools
+
+
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None
+    return group
+
+
+def _ops(log: list[mg.CollectiveRecord]) -> list[tuple[Any, ...]]:
+    return [
+        (r.op, r.reduce_op, r.group_ranks, r.numel, r.bytes, r.async_op, r.coalesced) for r in log
+    ]
+
+
+def _all_reduce_values() -> dict[str, Any]:
+    g, r = _world(), dist.get_rank()
+    with record_collectives() as log:
+        s = torch.full((3,), float(r + 1))
+        mg.all_reduce(s, g)
+        a = torch.full((2,), float(r + 1), dtype=torch.bfloat16)
+        mg.all_reduce(a, g, op=ReduceOp.AVG, label="avg")
+        m = torch.tensor([float(r)])
+        mg.all_reduce(m, g, op=ReduceOp.MAX, async_op=True).wait(timeout=10)
+    return {
+        "sum": s.tolist(),
+        "avg": a.float().tolist(),
+        "max": m.item(),
+        "log": _ops(log),
+        "label": log[1].label,
+        "dtypes": [x.dtype for x in log],
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_reduce(rank_pools: RankPools, world: int) -> None:
+    total = world * (world + 1) / 2
+    ranks = tuple(range(world))
+    for out in rank_pools.get(world).run(_all_reduce_values):
+        assert out["sum"] == [total] * 3
+        assert out["avg"] == [total / world] * 2
+        assert out["max"] == world - 1
+        assert out["log"] == [
+            ("all_reduce", "sum", ranks, 3, 12, False, False),
+            ("all_reduce", "avg", ranks, 2, 4, False, False),
+            ("all_reduce", "max", ranks, 1, 4, True, False),
+        ]
+        assert out["label"] == "avg"
+        assert out["dtypes"] == [torch.float32, torch.bfloat16, torch.float32]
+
+
+def _reduce_scatter_in_place(n: int) -> dict[str, Any]:
+    g, r, w = _world(), dist.get_rank(), dist.get_world_size()
+    flat = torch.arange(n, dtype=torch.float32) * (r + 1)
+    shard = flat.view(-1)[r * (n // w) : (r + 1) * (n // w)]
+    with record_collectives() as log:
+        mg.reduce_scatter(shard, flat, g, async_op=True).wait()
+    return {"shard": shard.tolist(), "log": _ops(log)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_into_shard_view(rank_pools: RankPools, world: int) -> None:
+    n = 8
+    total = world * (world + 1) / 2
+    for r, out in enumerate(rank_pools.get(world).run(_reduce_scatter_in_place, n)):
+        lo, hi = r * n // world, (r + 1) * n // world
+        assert out["shard"] == [v * total for v in range(lo, hi)]
+        assert out["log"] == [("reduce_scatter", "sum", tuple(range(world)), n, 4 * n, True, False)]
+
+
+def _all_gather_values() -> dict[str, Any]:
+    g, r, w = _world(), dist.get_rank(), dist.get_world_size()
+    out = torch.zeros(3 * w)
+    with record_collectives() as log:
+        mg.all_gather(out, torch.full((3,), float(r)), g)
+    return {"out": out.tolist(), "log": _ops(log)}
+
+
+def test_all_gather(rank_pools: RankPools) -> None:
+    for out in rank_pools.get(4).run(_all_gather_values):
+        assert out["out"] == [0.0] * 3 + [1.0] * 3 + [2.0] * 3 + [3.0] * 3
+        assert out["log"] == [("all_gather", None, (0, 1, 2, 3), 3, 12, False, False)]
+
+
+def _broadcast_all_to_all_p2p() -> dict[str, Any]:
+    g, r, w = _world(), dist.get_rank(), dist.get_world_size()
+    with record_collectives() as log:
+        b = torch.full((2,), float(r))
+        mg.broadcast(b, g, group_src=w - 1)
+        # rank r sends [10r + j] to rank j
+        a2a_out = torch.zeros(w)
+        mg.all_to_all(a2a_out, torch.tensor([10.0 * r + j for j in range(w)]), g)
+        # ring: even ranks send first, odd ranks receive first (no deadlock)
+        got = torch.zeros(1)
+        nxt, prv = (r + 1) % w, (r - 1) % w
+        if r % 2 == 0:
+            mg.send(torch.tensor([float(r)]), g, group_dst=nxt)
+            mg.recv(got, g, group_src=prv)
+        else:
+            mg.recv(got, g, group_src=prv)
+            mg.send(torch.tensor([float(r)]), g, group_dst=nxt)
+        objs = mg.all_gather_objects({"rank": r}, g)
+        mg.barrier(g)
+    return {
+        "b": b.tolist(),
+        "a2a": a2a_out.tolist(),
+        "got": got.item(),
+        "objs": objs,
+        "ops": [x.op for x in log],
+    }
+
+
+def test_broadcast_all_to_all_send_recv_objects(rank_pools: RankPools) -> None:
+    w = 4
+    for r, out in enumerate(rank_pools.get(w).run(_broadcast_all_to_all_p2p)):
+        assert out["b"] == [w - 1.0] * 2
+        assert out["a2a"] == [10.0 * src + r for src in range(w)]
+        assert out["got"] == float((r - 1) % w)
+        assert out["objs"] == [{"rank": i} for i in range(w)]
+        sends = ["send", "recv"] if r % 2 == 0 else ["recv", "send"]
+        assert out["ops"] == ["broadcast", "all_to_all", *sends, "all_gather_object", "barrier"]
+
+
+def _coalesced_batch(async_op: bool) -> dict[str, Any]:
+    g, r, w = _world(), dist.get_rank(), dist.get_world_size()
+    x = torch.arange(4, dtype=torch.float32) * (r + 1)
+    z = torch.arange(6, dtype=torch.float32) * (r + 1)
+    y = torch.full((3,), float(r + 1))
+    with record_collectives() as log:
+        with mg.coalesced(g, async_op=async_op, label="bucket 0") as batch:
+            batch.reduce_scatter(x.view(-1)[r * 4 // w : (r + 1) * 4 // w], x)
+            batch.reduce_scatter(z.view(-1)[r * 6 // w : (r + 1) * 6 // w], z)
+            try:
+                batch.reduce_scatter(z.view(-1)[: 6 // w], z, op=ReduceOp.AVG)
+                mixed_op = "no error"
+            except ValueError as err:
+                mixed_op = str(err)
+        batch.handle.wait(timeout=10)
+        with mg.coalesced(g, async_op=async_op) as second:
+            second.all_reduce(y, op=ReduceOp.AVG)
+            try:
+                second.all_gather(torch.zeros(2 * w), torch.zeros(2))
+                mixed = "no error"
+            except ValueError as err:
+                mixed = str(err)
+        second.handle.wait(timeout=10)
+    return {
+        "x": x.tolist(),
+        "z": z.tolist(),
+        "y": y.tolist(),
+        "log": _ops(log),
+        "labels": [e.label for e in log],
+        "mixed": mixed,
+        "mixed_op": mixed_op,
+    }
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_coalesced(rank_pools: RankPools, async_op: bool) -> None:
+    outs = rank_pools.get(2).run(_coalesced_batch, async_op)
+    # x: shard r of arange(4)·(1 + 2): rank 0 → [0, 3], rank 1 → [6, 9]
+    # z: arange(6)·1 + arange(6)·2 = arange(6)·3
+    assert outs[0]["x"][:2] == [0.0, 3.0]
+    assert outs[1]["x"][2:] == [6.0, 9.0]
+    assert outs[0]["z"][:3] == [0.0, 3.0, 6.0]
+    assert outs[1]["z"][3:] == [9.0, 12.0, 15.0]
+    for out in outs:
+        assert out["y"] == [1.5] * 3
+        assert out["log"] == [
+            ("reduce_scatter", "sum", (0, 1), 4, 16, async_op, True),
+            ("reduce_scatter", "sum", (0, 1), 6, 24, async_op, True),
+            ("all_reduce", "avg", (0, 1), 3, 12, async_op, True),
+        ]
+        assert out["labels"] == ["bucket 0", "bucket 0", ""]
+        assert "already holds all_reduce(avg); cannot add all_gather" in out["mixed"]
+        assert "holds reduce_scatter(sum); cannot add reduce_scatter(avg)" in out["mixed_op"]
+
+
+def _single_rank_group_skips_torch() -> dict[str, Any]:
+    r = dist.get_rank()
+    groups = [dist.new_group([i]) for i in range(dist.get_world_size())]
+    solo = groups[r]
+    boom = mock.Mock(side_effect=AssertionError("torch.distributed must not be called"))
+    x = torch.arange(4.0)
+    out = torch.zeros(4)
+    with (
+        record_collectives() as log,
+        mock.patch.multiple(
+            dist, all_reduce=boom, broadcast=boom, all_to_all_single=boom, barrier=boom
+        ),
+    ):
+        mg.all_reduce(x, solo, op=ReduceOp.AVG)
+        mg.reduce_scatter(out, x, solo)
+        mg.all_gather(out, x, solo)
+        mg.broadcast(x, solo)
+        mg.all_to_all(out, x, solo)
+        mg.barrier(solo)
+        with mg.coalesced(solo) as batch:
+            batch.all_reduce(x)
+    for group in groups:
+        if group is solo:
+            dist.destroy_process_group(group)
+    return {"x": x.tolist(), "out": out.tolist(), "log": len(log), "calls": boom.call_count}
+
+
+def test_single_rank_group_short_circuits(rank_pools: RankPools) -> None:
+    for out in rank_pools.get(2).run(_single_rank_group_skips_torch):
+        assert out == {"x": [0.0, 1.0, 2.0, 3.0], "out": [0.0, 1.0, 2.0, 3.0], "log": 0, "calls": 0}
+
+
+def _bad_calls() -> list[tuple[str, str, int]]:
+    g = _world()
+    cases: list[Callable[[], object]] = [
+        lambda: mg.reduce_scatter(torch.zeros(3), torch.zeros(8), g),
+        lambda: mg.all_gather(torch.zeros(5), torch.zeros(2), g),
+        lambda: mg.all_reduce(torch.zeros(4, 4).t(), g),
+        lambda: mg.all_reduce([1.0], g),  # type: ignore[arg-type]
+        lambda: mg.all_reduce(torch.zeros(2), g, op="sum"),  # type: ignore[arg-type]
+        lambda: mg.all_reduce(torch.zeros(2), None),  # type: ignore[arg-type]
+        lambda: mg.reduce_scatter(torch.zeros(2, dtype=torch.bfloat16), torch.zeros(4), g),
+        lambda: mg.broadcast(torch.zeros(2), g, group_src=5),
+        lambda: mg.send(torch.zeros(2), g, group_dst=dist.get_rank()),
+        lambda: mg.all_to_all(torch.zeros(4), torch.zeros(4), g, input_split_sizes=[4]),
+    ]
+    results = []
+    with record_collectives() as log:
+        for case in cases:
+            try:
+                case()
+            except (ValueError, TypeError) as err:
+                results.append((type(err).__name__, str(err), len(log)))
+            else:
+                results.append(("none", "", len(log)))
+    return results
+
+
+def test_bad_input_raises_before_any_collective(rank_pools: RankPools) -> None:
+    expected = [
+        ("ValueError", "input.numel()=8"),
+        ("ValueError", "output.numel()=5"),
+        ("ValueError", "contiguous"),
+        ("TypeError", "tensor must be a torch.Tensor"),
+        ("TypeError", "op='sum'"),
+        ("TypeError", "group=None"),
+        ("ValueError", "dtype"),
+        ("ValueError", "group_src=5"),
+        ("ValueError", "group_dst="),
+        ("ValueError", "input_split_sizes=[4]"),
+    ]
+    for out in rank_pools.get(2).run(_bad_calls):
+        assert len(out) == len(expected)
+        for (kind, text, logged), (want_kind, want_text) in zip(out, expected, strict=True):
+            assert (kind, logged) == (want_kind, 0)
+            assert want_text in text
+
+
+def _peer_dies_mid_collective() -> str:
+    import os
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+    try:
+        mg.all_reduce(torch.ones(4), _world())
+    except mg.CollectiveError as err:
+        return str(err)
+    return "no error"
+
+
+def test_dead_peer_is_a_named_collective_error() -> None:
+    from mc_groups.testing import RankFailure, RankPool
+
+    # A short group timeout and a grace period longer than it: the survivor must answer.
+    with (
+        RankPool(2, pg_timeout_s=3.0, failure_grace_s=10.0) as pool,
+        pytest.raises(RankFailure) as info,
+    ):
+        pool.run(_peer_dies_mid_collective)
+    outcomes = info.value.outcomes
+    assert not outcomes[1].ok
+    assert "exit code 3" in outcomes[1].error
+    assert outcomes[0].ok, outcomes[0].error
+    assert "all_reduce on group ranks [0, 1] (4 × float32)" in str(outcomes[0].result)

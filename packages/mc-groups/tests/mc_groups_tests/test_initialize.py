@@ -1,0 +1,215 @@
+"""initialize_model_parallel on real gloo worlds: every group against the rank generator.
+
+Validation is checked without processes (``validate_sizes``) and on a world (errors raised
+before any group exists).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_groups import RankGenerator, validate_sizes
+from mc_groups.testing import RankPools
+
+
+def _expected(world: int, kw: dict[str, Any]) -> dict[str, list[list[int]]]:
+    """Each role's groups computed from the rank generator (the reference)."""
+    tp, pp = kw.get("tensor_model_parallel_size", 1), kw.get("pipeline_model_parallel_size", 1)
+    cp, ep = kw.get("context_parallel_size", 1), kw.get("expert_model_parallel_size", 1)
+    etp = kw.get("expert_tensor_parallel_size") or tp
+    gtp, egtp = kw.get("gtp_remat_size", 1), kw.get("expert_gtp_remat_size", 1)
+    dp, edp = world // (tp * pp * cp * gtp), world // (etp * ep * pp * egtp)
+    d = RankGenerator(tp, 1, dp, pp, cp, gtp_remat=gtp)
+    e = RankGenerator(etp, ep, edp, pp, 1, gtp_remat=egtp, is_expert=True)
+    pps = d.get_ranks("pp")
+    return {
+        "tp": d.get_ranks("tp"),
+        "pp": pps,
+        "cp": d.get_ranks("cp"),
+        "dp": d.get_ranks("dp"),
+        "mp": d.get_ranks("tp-gtp_remat-pp"),
+        "tp_cp": d.get_ranks("tp-cp"),
+        "dp_cp": d.get_ranks("dp-cp"),
+        "tp_dp_cp": d.get_ranks("tp-dp-cp"),
+        "gtp_remat": d.get_ranks("gtp_remat"),
+        "dp_cp_gtp_remat": d.get_ranks("dp-cp-gtp_remat"),
+        "ep": e.get_ranks("ep"),
+        "expt_tp": e.get_ranks("tp"),
+        "tp_ep": e.get_ranks("tp-ep"),
+        "tp_ep_pp": e.get_ranks("tp-ep-pp"),
+        "expt_dp": e.get_ranks("dp"),
+        "expt_gtp_remat": e.get_ranks("gtp_remat"),
+        "expt_dp_gtp_remat": e.get_ranks("dp-gtp_remat"),
+        "embd": [sorted({g[0], g[-1]}) for g in pps],
+        "pos_embd": [[g[0]] for g in pps],
+    }
+
+
+def _my_groups(kw: dict[str, Any]) -> dict[str, list[int] | None]:
+    pgc = mg.initialize_model_parallel(**kw)
+    try:
+        return {name: list(dist.get_process_group_ranks(g)) for name, g in pgc.items()}
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+LAYOUTS_4 = [
+    {"tensor_model_parallel_size": 2},
+    {"pipeline_model_parallel_size": 2},
+    {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+    {"context_parallel_size": 2},
+    {"tensor_model_parallel_size": 2, "context_parallel_size": 2},
+    {"expert_model_parallel_size": 2},
+    {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2},
+    {"gtp_remat_size": 2},
+    {"expert_gtp_remat_size": 2, "expert_model_parallel_size": 2},
+    {"pipeline_model_parallel_size": 4},
+    {"tensor_model_parallel_size": 2, "order": "tp-pp-dp"},
+]
+
+
+@pytest.mark.parametrize(
+    "kw", LAYOUTS_4, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items())
+)
+def test_four_ranks_match_rank_generator(rank_pools: RankPools, kw: dict[str, Any]) -> None:
+    results = rank_pools.get(4).run(_my_groups, kw)
+    gen_kw = {k: v for k, v in kw.items() if k != "order"}
+    expected = _expected(4, gen_kw) if "order" not in kw else None
+    for rank, mine in enumerate(results):
+        if expected is None:
+            # tp-pp-dp with tp=2 (pp=1, dp=2): rank = tp + 2·dp, as the default order.
+            assert mine["tp"] == [[0, 1], [2, 3]][rank // 2]
+            assert mine["dp"] == [[0, 2], [1, 3]][rank % 2]
+            continue
+        for role, groups in expected.items():
+            mine_role = next((g for g in groups if rank in g), None)
+            assert mine.get(role) == mine_role, (rank, role)
+
+
+@pytest.mark.parametrize(
+    "kw", [{"tensor_model_parallel_size": 2}, {}, {"pipeline_model_parallel_size": 2}]
+)
+def test_two_ranks_match_rank_generator(rank_pools: RankPools, kw: dict[str, Any]) -> None:
+    results = rank_pools.get(2).run(_my_groups, kw)
+    expected = _expected(2, kw)
+    for rank, mine in enumerate(results):
+        for role, groups in expected.items():
+            assert mine.get(role) == next((g for g in groups if rank in g), None), (rank, role)
+        assert mine["world"] == [0, 1]
+
+
+def test_middle_pipeline_stage_has_no_embedding_group(rank_pools: RankPools) -> None:
+    results = rank_pools.get(4).run(_my_groups, {"pipeline_model_parallel_size": 4})
+    assert [r.get("embd") for r in results] == [[0, 3], None, None, [0, 3]]
+    assert [r.get("pos_embd") for r in results] == [[0], None, None, None]
+
+
+def test_distributed_optimizer_instances(rank_pools: RankPools) -> None:
+    # dp_cp = [0,1,2,3]; two instances of 2 ranks: intra [0,1] [2,3]; inter links shard
+    # position 0 → [0,2], position 1 → [1,3]; an instance's ranks are world blocks of 2.
+    results = rank_pools.get(4).run(_my_groups, {"num_distributed_optimizer_instances": 2})
+    assert [r["intra_dp_cp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["inter_dist_opt"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["intra_dist_opt"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+def _pipeline_facts() -> tuple[bool, bool, int, int, bool]:
+    pgc = mg.initialize_model_parallel(pipeline_model_parallel_size=4)
+    try:
+        return (
+            mg.is_pipeline_first_stage(pgc),
+            mg.is_pipeline_last_stage(pgc),
+            mg.get_pipeline_next_rank(pgc),
+            mg.get_pipeline_prev_rank(pgc),
+            mg.is_pipeline_last_stage(pgc, vp_stage=0, vp_size=2),
+        )
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def test_pipeline_helpers(rank_pools: RankPools) -> None:
+    assert rank_pools.get(4).run(_pipeline_facts) == [
+        (True, False, 1, 3, False),
+        (False, False, 2, 0, False),
+        (False, False, 3, 1, False),
+        (False, True, 0, 2, False),
+    ]
+
+
+def _default_collection_roundtrip() -> tuple[bool, bool]:
+    pgc = mg.initialize_model_parallel(tensor_model_parallel_size=2, set_default=True)
+    was_set = mg.get_default_collection() is pgc
+    mg.destroy_model_parallel(pgc)
+    return was_set, mg.get_default_collection() is None
+
+
+def test_default_collection_is_optional(rank_pools: RankPools) -> None:
+    assert rank_pools.get(2).run(_default_collection_roundtrip) == [(True, True)] * 2
+
+
+def _error_before_groups(kw: dict[str, Any]) -> tuple[str, str]:
+    try:
+        mg.initialize_model_parallel(**kw)
+    except (ValueError, TypeError) as err:
+        return type(err).__name__, str(err)
+    return "none", ""
+
+
+def test_errors_on_a_world(rank_pools: RankPools) -> None:
+    out = rank_pools.get(2).run(_error_before_groups, {"tensor_model_parallel_size": 3})
+    assert out[0][0] == "ValueError"
+    assert "world size 2" in out[0][1]
+    assert "tp=3" in out[0][1]
+
+
+@pytest.mark.parametrize(
+    ("world", "kw", "words"),
+    [
+        (8, {"tensor_model_parallel_size": 3}, ["world size 8", "tp=3"]),
+        (8, {"expert_model_parallel_size": 3}, ["ep=3", "expert data-parallel"]),
+        (
+            8,
+            {"virtual_pipeline_model_parallel_size": 2},
+            ["virtual_pipeline_model_parallel_size=2", "pipeline_model_parallel_size"],
+        ),
+        (
+            8,
+            {"num_distributed_optimizer_instances": 3},
+            ["num_distributed_optimizer_instances=3", "8"],
+        ),
+        (
+            8,
+            {"gtp_remat_size": 2, "num_distributed_optimizer_instances": 2},
+            ["gtp_remat_size=2", "num_distributed_optimizer_instances=2"],
+        ),
+        (8, {"tensor_model_parallel_size": 0}, ["tensor_model_parallel_size=0"]),
+    ],
+)
+def test_validate_sizes_errors(world: int, kw: dict[str, Any], words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        validate_sizes(world, **kw)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_validate_sizes_derives_dp() -> None:
+    s = validate_sizes(
+        16,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        context_parallel_size=2,
+        expert_model_parallel_size=4,
+    )
+    # dp = 16 / (tp 2 · cp 2 · pp 2) = 2; edp = 16 / (etp 2 · ep 4 · pp 2) = 1 (etp = tp)
+    assert (s.dp, s.expert_dp, s.etp) == (2, 1, 2)
+
+
+def test_not_initialised_says_how() -> None:
+    if dist.is_initialized():
+        pytest.skip("this process already has a default group")
+    with pytest.raises(ValueError, match="init_process_group"):
+        mg.initialize_model_parallel()
