@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from mc_groups.collection import ProcessGroupCollection
+from mc_groups.collectives import barrier
 from mc_groups.rank_generator import RankGenerator
 
 __all__ = [
@@ -261,6 +262,7 @@ def initialize_model_parallel(
         member = next((tuple(r) for r in lists if me in r), None)
         mine[role] = None if member is None else groups[member]
     collection = ProcessGroupCollection(**mine)
+    _world_barrier("initialize_model_parallel")
     if set_default:
         set_default_collection(collection)
     return collection
@@ -285,8 +287,26 @@ def _create_groups(
     return groups
 
 
+def _world_barrier(label: str) -> None:
+    """Every rank reaches this point before any goes on.
+
+    Gloo finishes ``connectFullMesh`` on one rank before its peers have read the last
+    handshake; a fast rank that then destroys (or reuses sockets of) a fresh group made a
+    slow peer fail with "Connection closed by peer" (seen about once in 15 suite runs on 2
+    loaded cores). Synchronising after creation and before destruction removes the race.
+    """
+    world = dist.group.WORLD
+    if world is not None:
+        barrier(world, label=label)
+
+
 def destroy_model_parallel(collection: ProcessGroupCollection) -> None:
-    """Destroy the groups of ``collection`` (each once) and unregister it as default."""
+    """Destroy the groups of ``collection`` (each once) and unregister it as default.
+
+    Collective: every rank calls it (a world barrier first lets peers finish using the
+    groups).
+    """
+    _world_barrier("destroy_model_parallel")
     seen: set[int] = set()
     for _, group in collection.items():
         if id(group) in seen or group is dist.group.WORLD:
