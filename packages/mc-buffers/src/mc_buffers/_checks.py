@@ -1,0 +1,184 @@
+"""Argument checks shared by the layouts and the buffer: each error names what is wrong,
+the value, and the fix, and is raised before anything is allocated."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from numbers import Integral
+
+import torch
+
+Param = torch.nn.Parameter
+
+# A param re-pointed into a ParamAndGradBuffer's param_data records where it was put, so a
+# later buffer (DDP re-wrapping the same module) may re-point it again although it is,
+# strictly, a view into a larger storage. A param moved since then no longer matches.
+BUFFER_VIEW_ATTR = "_mc_buffers_param_data_slot"
+
+
+def check_bucket_size(bucket_size: object) -> int | None:
+    """``bucket_size`` as an int >= 1, or None (one bucket)."""
+    if bucket_size is None:
+        return None
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, Integral):
+        raise TypeError(
+            f"bucket_size={bucket_size!r} must be an int number of elements or None "
+            "(one bucket); a bool is not a size"
+        )
+    if bucket_size <= 0:
+        raise ValueError(
+            f"bucket_size={bucket_size} must be >= 1 element; pass None for a single bucket"
+        )
+    return int(bucket_size)
+
+
+def check_dp_size(value: object, name: str = "data_parallel_size") -> int:
+    """A data-parallel size as an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name}={value!r} must be an int (the data-parallel group size)")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1 (the data-parallel group size)")
+    return int(value)
+
+
+def check_flag(value: object, name: str) -> bool:
+    """A real bool (a truthy object is usually a misplaced positional argument)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be a bool")
+    return value
+
+
+def describe(param: Param, names: Mapping[Param, str] | None = None) -> str:
+    """``'name' (shape, dtype, device)``: how errors name a param."""
+    name = names.get(param) if names is not None else None
+    where = f"'{name}'" if name is not None else "param"
+    dtype = str(param.dtype).removeprefix("torch.")
+    return f"{where} (shape {tuple(param.shape)}, {dtype}, {param.device})"
+
+
+def as_param_list(params: object, name: str = "params") -> list[Param]:
+    """``params`` as a list in the given order; rejects unordered and non-tensor input."""
+    if isinstance(params, (set, frozenset, Mapping)) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"{name} must be an ordered sequence of parameters (list, tuple, or "
+            f"module.parameters()), got {type(params).__name__}: the layout follows its order"
+        )
+    out = list(params)
+    for i, p in enumerate(out):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name}[{i}] is a {type(p).__name__}, not a torch parameter")
+    return out
+
+
+def check_unique(params: list[Param], names: Mapping[Param, str] | None = None) -> None:
+    """Each param at most once (a second copy would get a second slot in the buffer)."""
+    seen: dict[int, int] = {}
+    for i, p in enumerate(params):
+        if id(p) in seen:
+            raise ValueError(
+                f"params[{i}] {describe(p, names)} repeats params[{seen[id(p)]}]: each param "
+                "must appear once; deduplicate the list (e.g. tied weights are one param)"
+            )
+        seen[id(p)] = i
+
+
+def check_non_empty_numel(params: list[Param], names: Mapping[Param, str] | None = None) -> None:
+    """No 0-element params: they would open empty buckets a collective cannot shard."""
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            raise ValueError(
+                f"params[{i}] {describe(p, names)} has no elements; leave it out of the "
+                "buffer (or set requires_grad=False on it)"
+            )
+
+
+def check_requires_grad(params: list[Param], names: Mapping[Param, str] | None = None) -> None:
+    """Only trainable params get a gradient slot."""
+    for i, p in enumerate(params):
+        if not p.requires_grad:
+            raise ValueError(
+                f"params[{i}] {describe(p, names)} does not require grad; pass only params "
+                "with requires_grad=True (frozen params need no grad buffer)"
+            )
+
+
+def check_same_device(params: list[Param], names: Mapping[Param, str] | None = None) -> None:
+    """One buffer lives on one device, so its params must too."""
+    first = params[0].device
+    for i, p in enumerate(params):
+        if p.device != first:
+            raise ValueError(
+                f"params[{i}] {describe(p, names)} is on {p.device} but params[0] is on "
+                f"{first}: move the model to one device before building its buffers"
+            )
+
+
+def check_same_dtype(
+    params: list[Param], dtype: torch.dtype, names: Mapping[Param, str] | None = None
+) -> None:
+    """A buffer holds one param dtype (group params with group_params_for_buffers first)."""
+    for i, p in enumerate(params):
+        if p.dtype != dtype:
+            raise TypeError(
+                f"params[{i}] {describe(p, names)} is not param_dtype={dtype}; group params "
+                "by dtype with group_params_for_buffers and build one buffer per key"
+            )
+
+
+def buffer_slot(param: torch.Tensor) -> tuple[int, int, int]:
+    """Where ``param`` sits: (storage identity, storage offset, storage bytes).
+
+    The identity is the storage object's address, which (unlike ``data_ptr``) survives
+    the offload/reload resizes of the buffer.
+    """
+    storage = param.untyped_storage()
+    return int(storage._cdata), int(param.storage_offset()), storage.nbytes()
+
+
+def _is_buffer_view(param: torch.Tensor) -> bool:
+    return bool(getattr(param, BUFFER_VIEW_ATTR, None) == buffer_slot(param))
+
+
+def is_view(param: torch.Tensor) -> bool:
+    """True when ``param`` does not own its storage alone (a slice or strided view).
+
+    ``Parameter._base`` is always None, so the storage decides: a param that owns its
+    memory starts at offset 0, is contiguous and spans its whole storage.
+    """
+    if param.device.type == "meta":
+        return False
+    owns = (
+        param.storage_offset() == 0
+        and param.is_contiguous()
+        and param.untyped_storage().nbytes() == param.numel() * param.element_size()
+    )
+    return not owns and not _is_buffer_view(param)
+
+
+def check_not_views(params: list[Param], names: Mapping[Param, str] | None = None) -> None:
+    """Reject params that alias part of another tensor: re-pointing ``.data`` into the
+    buffer would silently break that aliasing (and a main_grad would shadow it)."""
+    for i, p in enumerate(params):
+        if is_view(p):
+            raise ValueError(
+                f"params[{i}] {describe(p, names)} is a view into a larger tensor (storage "
+                f"offset {p.storage_offset()}, {p.untyped_storage().nbytes()} storage bytes); "
+                "the buffer must own each param's memory: make it its own tensor, e.g. "
+                "torch.nn.Parameter(t.detach().clone())"
+            )
+
+
+def check_patterns(patterns: object) -> tuple[str, ...]:
+    """fnmatch patterns as a tuple of str (a bare str would be iterated per character)."""
+    if isinstance(patterns, str) or not isinstance(patterns, Collection):
+        raise TypeError(
+            f"param_name_patterns_for_fp32_local_accumulation={patterns!r} must be a list or "
+            "tuple of fnmatch patterns, e.g. ('all',) or ('*.layernorm.weight',)"
+        )
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(
+                f"param_name_patterns_for_fp32_local_accumulation holds {p!r}; every pattern "
+                "must be a str"
+            )
+    return tuple(patterns)

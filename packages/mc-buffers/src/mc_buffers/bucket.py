@@ -1,0 +1,151 @@
+"""``ParamAndGradBucket``: one bucket's params and its views into the buffer, plus the
+per-shard arithmetic a data-parallel rank needs for reduce-scatter / all-gather."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+
+from mc_buffers._checks import Param, check_dp_size
+
+__all__ = ["ParamAndGradBucket", "ShardParamSlice", "shard_buffer"]
+
+
+def _check_shard(shard_index: object, num_shards: object, numel: int, what: str) -> int:
+    n = check_dp_size(num_shards, "num_shards")
+    if isinstance(shard_index, bool) or not isinstance(shard_index, int):
+        raise TypeError(f"shard_index={shard_index!r} must be an int (the data-parallel rank)")
+    if not 0 <= shard_index < n:
+        raise ValueError(f"shard_index={shard_index} must be in [0, num_shards={n})")
+    if numel % n:
+        raise ValueError(
+            f"{what} of {numel} elements does not split into num_shards={n} equal shards; "
+            "build it with the distributed-optimizer layout at this data-parallel size"
+        )
+    return numel // n
+
+
+def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> list[torch.Tensor]:
+    """Split the flat ``buffer`` into ``data_parallel_world_size`` equal contiguous views.
+
+    View ``r`` is ``buffer[r·s : (r+1)·s]`` with ``s = numel / dp``: data-parallel rank
+    ``r``'s shard, what a reduce-scatter writes on rank ``r`` and an all-gather reads there.
+    """
+    dp = check_dp_size(data_parallel_world_size, "data_parallel_world_size")
+    if buffer.dim() != 1 or buffer.numel() % dp:
+        raise ValueError(
+            f"buffer of shape {tuple(buffer.shape)} must be 1-D with a numel divisible by "
+            f"data_parallel_world_size={dp}"
+        )
+    size = buffer.numel() // dp
+    return [buffer[r * size : (r + 1) * size] for r in range(dp)]
+
+
+class ShardParamSlice(NamedTuple):
+    """The part of one param that falls inside one shard of a bucket.
+
+    All ranges are ``[start, end)`` element offsets: ``param_range`` into
+    ``param.view(-1)``, ``bucket_range`` into the bucket's views, ``shard_range`` into the
+    shard (``bucket_range`` minus the shard start). The three have equal lengths.
+    """
+
+    param: Param
+    param_range: tuple[int, int]
+    bucket_range: tuple[int, int]
+    shard_range: tuple[int, int]
+
+
+class ParamAndGradBucket:
+    """A subset of a buffer's params whose gradients are reduced together.
+
+    Attributes (Megatron's names; DDP drives the bucket through them):
+        params_list: the params in buffer order (backprop order).
+        params: the same params as a set, for membership tests.
+        param_data: this bucket's view of the buffer's ``param_data`` (distributed
+            optimizer) or None.
+        grad_data: this bucket's view of the buffer's ``grad_data``: the tensor a DDP
+            all-reduces, or reduce-scatters into ``grad_shard(rank, dp)``.
+        offset: element offset of the bucket in the buffer.
+        numel_unpadded: elements up to the end of the last param (the rest is padding).
+        gradient_scaling_factor: factor DDP applies before/within the reduction
+            (e.g. 1/dp for an average); the buffer only stores it.
+        bucket_id: index of the bucket in its buffer.
+        param_to_index: param -> ``(start, end)`` offsets inside the bucket.
+        params_with_extra_main_grads: params whose ``main_grad`` is a separate fp32 tensor;
+            DDP copies ``main_grad`` into ``main_grad_copy_in_grad_buffer`` before the
+            collective and back after it.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[Param],
+        param_data: torch.Tensor | None,
+        grad_data: torch.Tensor,
+        offset: int,
+        numel_unpadded: int,
+        gradient_scaling_factor: float,
+        bucket_id: int,
+        param_index_map: Mapping[Param, tuple[int, int, int]],
+        params_with_extra_main_grads: Sequence[Param] = (),
+    ) -> None:
+        self.params_list: list[Param] = list(params)
+        self.params: set[Param] = set(self.params_list)
+        if len(self.params) != len(self.params_list):
+            raise ValueError(f"bucket {bucket_id} lists a param twice")
+        self.param_data = param_data
+        self.grad_data = grad_data
+        self.offset = offset
+        self.numel_unpadded = numel_unpadded
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.bucket_id = bucket_id
+        self.param_to_index: dict[Param, tuple[int, int]] = {
+            p: (param_index_map[p][0] - offset, param_index_map[p][1] - offset)
+            for p in self.params_list
+        }
+        self.params_with_extra_main_grads: list[Param] = list(params_with_extra_main_grads)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the bucket, padding included."""
+        return self.grad_data.numel()
+
+    def shard_range(self, shard_index: int, num_shards: int) -> tuple[int, int]:
+        """``[start, end)`` of shard ``shard_index`` of ``num_shards`` equal shards, in
+        bucket coordinates: ``(i·s, (i+1)·s)`` with ``s = numel / num_shards``."""
+        size = _check_shard(shard_index, num_shards, self.numel, f"bucket {self.bucket_id}")
+        return shard_index * size, (shard_index + 1) * size
+
+    def grad_shard(self, shard_index: int, num_shards: int) -> torch.Tensor:
+        """View of ``grad_data`` for shard ``shard_index`` (a reduce-scatter's output)."""
+        start, end = self.shard_range(shard_index, num_shards)
+        return self.grad_data[start:end]
+
+    def param_shard(self, shard_index: int, num_shards: int) -> torch.Tensor:
+        """View of ``param_data`` for shard ``shard_index`` (an all-gather's input)."""
+        if self.param_data is None:
+            raise ValueError(
+                f"bucket {self.bucket_id} has no param_data: only a buffer built with "
+                "use_distributed_optimizer=True holds params"
+            )
+        start, end = self.shard_range(shard_index, num_shards)
+        return self.param_data[start:end]
+
+    def shard_param_slices(self, shard_index: int, num_shards: int) -> list[ShardParamSlice]:
+        """The params (and the part of each) that shard ``shard_index`` owns, in bucket
+        order: what a distributed optimizer steps on this data-parallel rank."""
+        lo, hi = self.shard_range(shard_index, num_shards)
+        out = []
+        for p in self.params_list:
+            start, end = self.param_to_index[p]
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                out.append(ShardParamSlice(p, (a - start, b - start), (a, b), (a - lo, b - lo)))
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"ParamAndGradBucket(bucket_id={self.bucket_id}, params={len(self.params_list)}, "
+            f"offset={self.offset}, numel={self.numel}, numel_unpadded={self.numel_unpadded})"
+        )

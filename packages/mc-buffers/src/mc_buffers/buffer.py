@@ -1,0 +1,296 @@
+"""``ParamAndGradBuffer``: the contiguous grad (and param) memory of one :class:`BufferKey`.
+
+Memory only: nothing here communicates. ``mc_ddp`` drives the buffer and its buckets.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from mc_buffers._args import BufferArgs, Scale, check_buffer_args, check_scale
+from mc_buffers._checks import BUFFER_VIEW_ATTR, Param, buffer_slot, check_flag
+from mc_buffers._layout_check import check_layout
+from mc_buffers.bucket import ParamAndGradBucket
+from mc_buffers.layout import (
+    PerBufferParamLayout,
+    compute_default_per_buffer_param_layout,
+    compute_distributed_optimizer_param_layout,
+)
+
+__all__ = ["ParamAndGradBuffer"]
+
+# Attribute names set on each param (Megatron's); kept in constants because the param
+# object is the user's and these are its documented extension points.
+_MAIN_GRAD = "main_grad"
+_MAIN_GRAD_COPY = "main_grad_copy_in_grad_buffer"
+_WIDE_DTYPES = (torch.float32, torch.float64)
+
+
+class ParamAndGradBuffer:
+    """Params of one dtype/grad-dtype/expert key in one contiguous buffer, split in buckets.
+
+    Layout (``param_layout`` or, when None, computed from the params): params in reverse
+    order, ``param_index_map[p] = (start, end, bucket_id)``; see :mod:`mc_buffers.layout`.
+
+    Memory, all allocated on the params' device:
+        - ``grad_data``: ``zeros(numel, grad_dtype)``; each ``param.main_grad`` is the view
+          ``grad_data[start:end].view(param.shape)``, so writing ``main_grad`` writes the
+          buffer and a collective on a bucket's ``grad_data`` reduces every grad in it.
+        - ``param_data`` (distributed optimizer only, else None): ``zeros(numel,
+          param_dtype)``; each param's values are copied in and ``param.data`` re-pointed to
+          ``param_data[start:end].view(param.shape)``, so an all-gather into a bucket's
+          ``param_data`` updates the model's params.
+        - fp32 local accumulation: a param whose name matches one of
+          ``param_name_patterns_for_fp32_local_accumulation`` (fnmatch; ``"all"`` matches
+          every param) gets ``main_grad`` = a separate fp32 zeros tensor and
+          ``main_grad_copy_in_grad_buffer`` = its view in ``grad_data``. Skipped when
+          ``grad_dtype`` is already fp32/fp64 (``main_grad`` accumulates in fp32 anyway).
+
+    What DDP uses: ``buckets`` (each a :class:`~mc_buffers.ParamAndGradBucket`:
+    ``params_list``, ``params``, ``param_data``, ``grad_data``, ``offset``,
+    ``numel_unpadded``, ``bucket_id``, ``param_to_index``, ``params_with_extra_main_grads``,
+    ``grad_shard(rank, dp)`` / ``param_shard(rank, dp)`` / ``shard_param_slices``),
+    ``param_to_bucket``, ``param_index_map``, ``bucket_indices``, ``numel``,
+    ``numel_unpadded``, ``grad_data``, ``param_data``, ``extra_main_grads``,
+    ``data_parallel_world_size``, ``gradient_scaling_factor``, :meth:`reset`,
+    :meth:`scale_gradients`, :meth:`offload_to_cpu`, :meth:`reload_from_cpu`.
+
+    Params must require grad, appear once, share one device and ``param_dtype``, have
+    elements, and own their memory (a param that is a view into a larger tensor is
+    rejected in both modes, so switching ``use_distributed_optimizer`` never changes which
+    models are accepted; a param already re-pointed into another buffer's ``param_data``
+    is accepted, which lets DDP re-wrap a module).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Param],
+        *,
+        param_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype | None = None,
+        bucket_size: int | None = None,
+        use_distributed_optimizer: bool = False,
+        data_parallel_size: int = 1,
+        pad_buckets_for_high_nccl_busbw: bool = False,
+        param_layout: PerBufferParamLayout | None = None,
+        param_to_name: Mapping[Param, str] | None = None,
+        param_name_patterns_for_fp32_local_accumulation: Sequence[str] = (),
+        param_indices: Sequence[int] | None = None,
+        gradient_scaling_factor: float = 1.0,
+    ) -> None:
+        args = check_buffer_args(
+            params,
+            param_dtype=param_dtype,
+            grad_dtype=grad_dtype,
+            bucket_size=bucket_size,
+            use_distributed_optimizer=use_distributed_optimizer,
+            data_parallel_size=data_parallel_size,
+            pad_buckets_for_high_nccl_busbw=pad_buckets_for_high_nccl_busbw,
+            param_to_name=param_to_name,
+            patterns=param_name_patterns_for_fp32_local_accumulation,
+            param_indices=param_indices,
+            gradient_scaling_factor=gradient_scaling_factor,
+        )
+        layout = _resolve_layout(args, param_layout)
+        self.params: list[Param] = args.params
+        self.param_dtype = args.param_dtype
+        self.grad_dtype = args.grad_dtype
+        self.use_distributed_optimizer = args.use_distributed_optimizer
+        self.data_parallel_world_size = args.data_parallel_size
+        self.gradient_scaling_factor = args.gradient_scaling_factor
+        self.param_layout = layout
+        self.param_index_map = layout.param_index_map
+        self.bucket_indices = layout.bucket_indices
+        self.param_indices = _param_indices(args, layout)
+        self.numel = layout.numel
+        self.numel_unpadded = layout.numel_unpadded
+        self._names = args.names
+        self._allocate(args)
+        self.extra_main_grads: list[torch.Tensor] = []
+        self.buckets: list[ParamAndGradBucket] = []
+        self.param_to_bucket: dict[Param, ParamAndGradBucket] = {}
+        self._map_params(args.patterns)
+        self._make_buckets()
+        self.param_data_cpu: torch.Tensor | None = None
+        self._grad_nbytes: list[int] = []
+        self._param_nbytes = 0
+
+    # -- construction -----------------------------------------------------------------
+
+    def _allocate(self, args: BufferArgs) -> None:
+        device = args.params[0].device
+        self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
+        self.param_data: torch.Tensor | None = None
+        if self.use_distributed_optimizer:
+            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+
+    def _view(self, flat: torch.Tensor, param: Param) -> torch.Tensor:
+        start, end, _ = self.param_index_map[param]
+        return flat[start:end].view(param.shape)
+
+    @torch.no_grad()
+    def _map_params(self, patterns: tuple[str, ...]) -> None:
+        for param in self.params:
+            if self.param_data is not None:
+                new_data = self._view(self.param_data, param)
+                new_data.copy_(param.data)
+                param.data = new_data
+                setattr(param, BUFFER_VIEW_ATTR, buffer_slot(param))
+            main_grad = self._view(self.grad_data, param)
+            if self._promotes(param, patterns):
+                setattr(param, _MAIN_GRAD_COPY, main_grad)
+                main_grad = torch.zeros_like(main_grad, dtype=torch.float32)
+                self.extra_main_grads.append(main_grad)
+            elif hasattr(param, _MAIN_GRAD_COPY):
+                delattr(param, _MAIN_GRAD_COPY)  # left by an earlier buffer
+            setattr(param, _MAIN_GRAD, main_grad)
+
+    def _promotes(self, param: Param, patterns: tuple[str, ...]) -> bool:
+        if self.grad_dtype in _WIDE_DTYPES:
+            return False
+        name = self._names.get(param)
+        return any(p == "all" or (name is not None and fnmatch.fnmatch(name, p)) for p in patterns)
+
+    def _make_buckets(self) -> None:
+        for bucket_id, (start, end) in enumerate(self.bucket_indices):
+            members = self.param_layout.bucket_params(bucket_id)
+            bucket = ParamAndGradBucket(
+                params=members,
+                param_data=None if self.param_data is None else self.param_data[start:end],
+                grad_data=self.grad_data[start:end],
+                offset=start,
+                numel_unpadded=self.param_layout.per_bucket_numel_unpadded[bucket_id],
+                gradient_scaling_factor=self.gradient_scaling_factor,
+                bucket_id=bucket_id,
+                param_index_map=self.param_index_map,
+                params_with_extra_main_grads=[p for p in members if hasattr(p, _MAIN_GRAD_COPY)],
+            )
+            self.buckets.append(bucket)
+            self.param_to_bucket.update(dict.fromkeys(members, bucket))
+
+    # -- gradients --------------------------------------------------------------------
+
+    @property
+    def is_grad_data_offloaded(self) -> bool:
+        """True between :meth:`offload_to_cpu` (grads) and :meth:`reload_from_cpu`."""
+        return bool(self._grad_nbytes)
+
+    @property
+    def is_param_data_offloaded(self) -> bool:
+        """True between :meth:`offload_to_cpu` (params) and :meth:`reload_from_cpu`."""
+        return self._param_nbytes > 0
+
+    def _require_resident_grads(self, what: str) -> None:
+        if self.is_grad_data_offloaded:
+            raise RuntimeError(
+                f"{what}: the grad buffer is offloaded (its storage is freed); call "
+                "reload_from_cpu() first"
+            )
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Zero ``grad_data`` and every separate fp32 ``main_grad``."""
+        self._require_resident_grads("reset()")
+        self.grad_data.zero_()
+        for grad in self.extra_main_grads:
+            grad.zero_()
+
+    @torch.no_grad()
+    def scale_gradients(self, scaling_factor: Scale) -> None:
+        """``grad_data *= scaling_factor`` and the same for each separate fp32 ``main_grad``.
+
+        ``scaling_factor`` is a float or a one-element tensor (kept on device, no sync).
+        """
+        factor = check_scale(scaling_factor, "scaling_factor")
+        self._require_resident_grads("scale_gradients()")
+        self.grad_data.mul_(factor)
+        for grad in self.extra_main_grads:
+            grad.mul_(factor)
+
+    # -- offload ----------------------------------------------------------------------
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [self.grad_data, *self.extra_main_grads]
+
+    @torch.no_grad()
+    def offload_to_cpu(self, move_params: bool = True, move_grads: bool = True) -> None:
+        """Release device memory; views (``main_grad``, bucket views, ``param.data``) stay
+        valid objects but must not be read until :meth:`reload_from_cpu`.
+
+        Grads: each storage is resized to 0 bytes (nothing is copied; they come back
+        zeroed). Params (distributed optimizer only): ``param_data`` is first copied to
+        ``param_data_cpu`` (pinned on CUDA), then its storage is resized to 0. Offloading
+        what is already offloaded does nothing.
+        """
+        if check_flag(move_grads, "move_grads") and not self.is_grad_data_offloaded:
+            self._grad_nbytes = [t.untyped_storage().nbytes() for t in self._grad_tensors()]
+            for t in self._grad_tensors():
+                t.untyped_storage().resize_(0)
+        params_resident = self.param_data is not None and not self.is_param_data_offloaded
+        if check_flag(move_params, "move_params") and params_resident:
+            self._offload_params()
+
+    def _offload_params(self) -> None:
+        assert self.param_data is not None  # guarded by the caller
+        on_cuda = self.param_data.device.type == "cuda"
+        if self.param_data_cpu is None:
+            self.param_data_cpu = torch.empty(
+                self.param_data.shape, dtype=self.param_dtype, pin_memory=on_cuda
+            )
+        self.param_data_cpu.copy_(self.param_data, non_blocking=on_cuda)
+        self._param_nbytes = self.param_data.untyped_storage().nbytes()
+        self.param_data.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def reload_from_cpu(self, move_params: bool = True, move_grads: bool = True) -> None:
+        """Re-allocate what :meth:`offload_to_cpu` released: params get their values back
+        from ``param_data_cpu``; grads (and separate fp32 ``main_grad`` s) come back zeroed.
+        Reloading what is resident does nothing."""
+        if check_flag(move_params, "move_params") and self.is_param_data_offloaded:
+            self._reload_params()
+        if check_flag(move_grads, "move_grads") and self.is_grad_data_offloaded:
+            for t, nbytes in zip(self._grad_tensors(), self._grad_nbytes, strict=True):
+                t.untyped_storage().resize_(nbytes)
+                t.zero_()
+            self._grad_nbytes = []
+
+    def _reload_params(self) -> None:
+        assert self.param_data is not None  # offloaded implies both exist
+        assert self.param_data_cpu is not None
+        self.param_data.untyped_storage().resize_(self._param_nbytes)
+        on_cuda = self.param_data.device.type == "cuda"
+        self.param_data.copy_(self.param_data_cpu, non_blocking=on_cuda)
+        self._param_nbytes = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ParamAndGradBuffer(params={len(self.params)}, param_dtype={self.param_dtype}, "
+            f"grad_dtype={self.grad_dtype}, numel={self.numel}, "
+            f"numel_unpadded={self.numel_unpadded}, buckets={len(self.buckets)}, "
+            f"use_distributed_optimizer={self.use_distributed_optimizer})"
+        )
+
+
+def _resolve_layout(args: BufferArgs, given: PerBufferParamLayout | None) -> PerBufferParamLayout:
+    if given is not None:
+        shards = args.data_parallel_size if args.use_distributed_optimizer else None
+        return check_layout(given, args.params, args.names, shards)
+    if args.use_distributed_optimizer:
+        return compute_distributed_optimizer_param_layout(
+            args.params,
+            args.bucket_size,
+            args.data_parallel_size,
+            args.pad_buckets_for_high_nccl_busbw,
+        )
+    return compute_default_per_buffer_param_layout(args.params, args.bucket_size)
+
+
+def _param_indices(args: BufferArgs, layout: PerBufferParamLayout) -> list[int]:
+    if args.param_indices is not None:
+        return args.param_indices
+    if len(layout.param_indices) == len(args.params):
+        return list(layout.param_indices)
+    return list(range(len(args.params)))
