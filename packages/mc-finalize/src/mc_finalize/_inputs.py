@@ -1,0 +1,99 @@
+"""Checks on the model list, and where a step's group comes from when none is passed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_finalize.protocols import ModelChunk
+
+_CHUNK_METHODS = ("finish_grad_sync", "named_parameters", "parameters")
+
+
+def _as_chunks(model: object, *, need_scale: bool = False) -> list[ModelChunk]:
+    """``model`` as a non-empty list of chunks, or a TypeError/ValueError saying what is wrong."""
+    if isinstance(model, torch.nn.Module) or not isinstance(model, list | tuple):
+        raise TypeError(
+            f"model must be a list of model chunks (one per virtual pipeline stage), got "
+            f"{type(model).__name__}; pass [model] for a single chunk"
+        )
+    if not model:
+        raise ValueError("model=[] holds no model chunk; pass the chunks this rank owns")
+    methods = (*_CHUNK_METHODS, "scale_gradients") if need_scale else _CHUNK_METHODS
+    for index, chunk in enumerate(model):
+        missing = [m for m in methods if not callable(getattr(chunk, m, None))]
+        if missing:
+            raise TypeError(
+                f"model[{index}] ({type(chunk).__name__}) lacks {missing}; a model chunk is "
+                "a DDP-wrapped module (e.g. mc_ddp.DistributedDataParallel) or any object "
+                "with finish_grad_sync, scale_gradients, named_parameters and parameters"
+            )
+    return list(model)
+
+
+def _config_of(chunks: Sequence[ModelChunk]) -> object:
+    config = getattr(chunks[0], "config", None)
+    if config is None:
+        raise TypeError(
+            f"model[0] ({type(chunks[0]).__name__}) has no config; finalize_model_grads "
+            "reads the config from model[0].config"
+        )
+    return config
+
+
+def _resolve_group(
+    group: dist.ProcessGroup | None, field: str, needed_for: str
+) -> dist.ProcessGroup | None:
+    """``group``, or field ``field`` of the registered default collection when ``group`` is None.
+
+    The default's field may itself be None (e.g. ``embd`` on a middle pipeline stage).
+    """
+    if group is not None:
+        return group
+    collection = mg.get_default_collection()
+    if collection is None:
+        raise mg.MissingGroupError(
+            f"{needed_for} got no group and no default ProcessGroupCollection is registered: "
+            f"pass the group (pg_collection.{field}) or call "
+            "mc_groups.set_default_collection(...) first"
+        )
+    found: dist.ProcessGroup | None = getattr(collection, field)
+    return found
+
+
+def _require_group(
+    group: dist.ProcessGroup | None, field: str, needed_for: str
+) -> dist.ProcessGroup:
+    """Like :func:`_resolve_group`, but a missing group is a ``MissingGroupError``."""
+    found = _resolve_group(group, field, needed_for)
+    if found is None:
+        raise mg.MissingGroupError(
+            f"{needed_for} needs the {field} group, but none was passed and the default "
+            f"ProcessGroupCollection has {field}=None; pass it explicitly"
+        )
+    return found
+
+
+def _modules(chunk: ModelChunk) -> Iterator[object]:
+    """Every submodule of the chunk (nothing when the chunk has no ``modules()``)."""
+    modules = getattr(chunk, "modules", None)
+    if callable(modules):
+        yield from modules()
+
+
+def _model_module(chunk: ModelChunk) -> object:
+    """The wrapped model: follow ``.module`` until an object with ``pre_process``.
+
+    Megatron's wrappers (DDP, Float16Module) hold the model in ``.module``; a chain that
+    never reaches ``pre_process`` yields its innermost object.
+    """
+    current: object = chunk
+    while not hasattr(current, "pre_process"):
+        inner = getattr(current, "module", None)
+        if inner is None:
+            break
+        current = inner
+    return current

@@ -1,0 +1,115 @@
+"""Read every config attribute finalize uses, once, with Megatron-Core's defaults.
+
+A missing optional attribute takes the default Megatron's ``TransformerConfig`` has, so a
+``ModelParallelConfig`` (which knows nothing about MoE routers) works unchanged. A present
+attribute of the wrong type is a ``TypeError`` naming it, raised before any collective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mc_finalize.protocols import FinalizeConfig
+
+_REQUIRED_BOOLS = ("sequence_parallel", "calculate_per_token_loss")
+_OPTIONAL_BOOLS = {
+    "qk_layernorm": False,
+    "has_cond_embedder": False,
+    "flextron": False,
+    "moe_router_enable_expert_bias": False,
+}
+
+
+@dataclass(frozen=True)
+class _Settings:
+    sequence_parallel: bool
+    calculate_per_token_loss: bool
+    qk_layernorm: bool
+    has_cond_embedder: bool
+    flextron: bool
+    moe_router_enable_expert_bias: bool
+    moe_router_bias_update_rate: float
+    load_balancing_types: tuple[str, ...]
+    quantile_balancing_ema: float
+    mtp_num_layers: int
+    gtp_remat_size: int
+    expert_gtp_remat_size: int
+
+    @property
+    def quantile_balancing(self) -> bool:
+        return "quantile_balancing" in self.load_balancing_types
+
+    @property
+    def global_aux_loss(self) -> bool:
+        return "global_aux_loss" in self.load_balancing_types
+
+
+def _read_settings(config: FinalizeConfig) -> _Settings:
+    flags = {name: _required_bool(config, name) for name in _REQUIRED_BOOLS}
+    for name, default in _OPTIONAL_BOOLS.items():
+        flags[name] = _optional_bool(config, name, default)
+    return _Settings(
+        **flags,
+        moe_router_bias_update_rate=_number(config, "moe_router_bias_update_rate", 1e-3, None),
+        load_balancing_types=_balancing_types(config),
+        quantile_balancing_ema=_number(config, "moe_router_quantile_balancing_ema", 0.0, 1.0),
+        mtp_num_layers=_size(config, "mtp_num_layers", 0, minimum=0),
+        gtp_remat_size=_size(config, "gtp_remat_size", 1, minimum=1),
+        expert_gtp_remat_size=_size(config, "expert_gtp_remat_size", 1, minimum=1),
+    )
+
+
+def _required_bool(config: object, name: str) -> bool:
+    if not hasattr(config, name):
+        raise TypeError(
+            f"config ({type(config).__name__}) has no attribute {name!r}; finalize_model_grads "
+            f"reads model[0].config.{name}: give the config a bool {name}"
+        )
+    return _optional_bool(config, name, False)
+
+
+def _optional_bool(config: object, name: str, default: bool) -> bool:
+    value = getattr(config, name, None)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise TypeError(f"config.{name}={value!r} must be a bool (True or False)")
+    return value
+
+
+def _number(config: object, name: str, default: float, upper: float | None) -> float:
+    value = getattr(config, name, None)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TypeError(f"config.{name}={value!r} must be a finite number")
+    if value < 0 or (upper is not None and value > upper):
+        bound = "" if upper is None else f" and <= {upper}"
+        raise ValueError(f"config.{name}={value!r} must be >= 0{bound}")
+    return float(value)
+
+
+def _size(config: object, name: str, default: int, *, minimum: int) -> int:
+    value = getattr(config, name, None)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TypeError(f"config.{name}={value!r} must be an int >= {minimum} (or None)")
+    return value
+
+
+def _balancing_types(config: object) -> tuple[str, ...]:
+    # Megatron accepts one type or a list of them (one per layer group).
+    value = getattr(config, "moe_router_load_balancing_type", None)
+    if value is None:
+        return ("aux_loss",)
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise TypeError(
+        f"config.moe_router_load_balancing_type={value!r} must be a str or a list of str "
+        "(e.g. 'aux_loss', 'global_aux_loss', 'quantile_balancing')"
+    )

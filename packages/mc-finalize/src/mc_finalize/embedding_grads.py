@@ -1,0 +1,189 @@
+"""Embedding weights duplicated on several pipeline stages.
+
+With a tied input/output embedding and pp > 1 the word-embedding weight lives on the first
+stage (input lookup) and a copy on the last stage (output projection). Each copy's grad
+holds only its own use, and both must apply the total:
+
+    g ← Σ_{embd group} g        (embd = first and last pipeline rank)
+
+The position embedding of encoder-decoder splits is handled the same way over the
+position-embedding group. One all-reduce (SUM) of the one weight's grad; nothing on ranks
+outside the group (their group is None), when the group has one rank, when the stage has no
+shared weight, or when the weight is frozen (its grad is None).
+
+The chunk that holds the weight: ``model[0]`` on the first stage, ``model[-1]`` on the last
+(with virtual stages the output layer is in the last chunk), ``model[-1]`` on a middle stage
+when the model has MTP layers, else ``model[0]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_finalize._flat import _allreduce_views
+from mc_finalize._inputs import _as_chunks, _model_module, _resolve_group
+from mc_finalize._settings import _read_settings
+from mc_finalize.grad_access import _grad_view
+from mc_finalize.protocols import FinalizeConfig, ModelChunk
+
+WeightGetter = Callable[[object], torch.nn.Parameter | None]
+
+
+def _get_shared_word_embedding_weight(
+    model_module: object, config: FinalizeConfig
+) -> torch.nn.Parameter | None:
+    """The shared word-embedding / output weight when it is duplicated across stages.
+
+    A Megatron language model says so with ``share_embeddings_and_output_weights`` (or MTP
+    layers, ``config.mtp_num_layers > 0``) and returns the weight from
+    ``shared_embedding_or_output_weight()``. A model without that attribute marks the
+    weight itself with ``shared_embedding=True``; the first such param is returned.
+    """
+    if hasattr(model_module, "share_embeddings_and_output_weights"):
+        shared = bool(model_module.share_embeddings_and_output_weights)
+        if not (shared or _read_settings(config).mtp_num_layers > 0):
+            return None
+        getter = getattr(model_module, "shared_embedding_or_output_weight", None)
+        if not callable(getter):
+            raise TypeError(
+                f"{type(model_module).__name__} shares its embedding and output weights but "
+                "has no shared_embedding_or_output_weight() to return that weight"
+            )
+        weight: torch.nn.Parameter | None = getter()
+        return weight
+    return _first_param_marked(model_module, "shared_embedding")
+
+
+def _get_position_embedding_weight(model_module: object) -> torch.nn.Parameter:
+    """``model_module.position_embeddings.weight``; a ValueError when the module has none."""
+    embedding = getattr(model_module, "position_embeddings", None)
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter):
+        raise ValueError(
+            f"{type(model_module).__name__} has no position_embeddings.weight, but this rank is "
+            "in a position-embedding group of more than one rank; give the stage its "
+            "position_embeddings or leave pos_embd unset"
+        )
+    return weight
+
+
+def _allreduce_word_embedding_grads(
+    model: Sequence[ModelChunk],
+    config: FinalizeConfig,
+    embd_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+) -> None:
+    """All-reduce the shared word-embedding grad across the first and last pipeline stages.
+
+    ``embd_group`` / ``pp_group`` None read the default collection's ``embd`` / ``pp``
+    (an ``embd`` of None there means this rank holds no embedding copy: nothing runs).
+    """
+    chunks = _as_chunks(model)
+    embd = _resolve_group(embd_group, "embd", "_allreduce_word_embedding_grads")
+    if not _is_multi_rank(embd):
+        return
+    pp = _resolve_group(pp_group, "pp", "_allreduce_word_embedding_grads")
+    getter = partial(_get_shared_word_embedding_weight, config=config)
+    _allreduce_embedding_grad(chunks, embd, pp, getter, config=config)
+
+
+def _allreduce_position_embedding_grads(
+    model: Sequence[ModelChunk],
+    config: FinalizeConfig,
+    pos_emb_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None,
+) -> None:
+    """All-reduce ``position_embeddings.weight``'s grad across the position-embedding group.
+
+    Keeps the position embeddings of encoder and decoder stages in sync. A missing weight on
+    a member rank is a ValueError; a None group means this rank holds no copy.
+    """
+    chunks = _as_chunks(model)
+    _allreduce_embedding_grad(
+        chunks,
+        pos_emb_group,
+        pp_group,
+        _get_position_embedding_weight,
+        skip_if_none=False,
+        config=config,
+    )
+
+
+def _allreduce_embedding_grad(
+    model: Sequence[ModelChunk],
+    embd_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None,
+    weight_getter: WeightGetter,
+    skip_if_none: bool = True,
+    config: FinalizeConfig | None = None,
+) -> None:
+    """All-reduce (SUM) the grad of ``weight_getter(model_module)`` over ``embd_group``.
+
+    ``model_module`` is the wrapped model of the chunk that holds the weight (see the module
+    docstring; ``pp_group`` tells first from last stage). A getter returning None skips
+    quietly with ``skip_if_none`` and is a ValueError without it; a frozen weight (grad None)
+    always skips. Nothing runs when ``embd_group`` is None or has one rank.
+    """
+    weight = _embedding_weight(model, embd_group, pp_group, weight_getter, config)
+    if weight is None:
+        if not skip_if_none and _is_multi_rank(embd_group):
+            raise ValueError(
+                "weight_getter returned None on a rank of an embedding group of more than one "
+                "rank; every member must hold the weight (or pass skip_if_none=True)"
+            )
+        return
+    view = _grad_view(weight)
+    if view is None or embd_group is None:  # a frozen weight has no grad to share
+        return
+    _allreduce_views([view], embd_group, mg.ReduceOp.SUM, "embedding grads")
+
+
+def _is_multi_rank(group: dist.ProcessGroup | None) -> bool:
+    return group is not None and mg.group_size(group) > 1
+
+
+def _embedding_weight(
+    model: Sequence[ModelChunk],
+    embd_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None,
+    weight_getter: WeightGetter,
+    config: FinalizeConfig | None,
+) -> torch.nn.Parameter | None:
+    """The weight to reduce, or None when this rank has nothing to do (checked before I/O)."""
+    if not _is_multi_rank(embd_group):
+        return None
+    if pp_group is None:
+        raise mg.MissingGroupError(
+            "an embedding group of more than one rank needs pp_group to tell the first "
+            "pipeline stage from the last; pass pg_collection.pp"
+        )
+    chunk = _embedding_chunk(_as_chunks(model), pp_group, config)
+    return weight_getter(_model_module(chunk))
+
+
+def _embedding_chunk(
+    chunks: Sequence[ModelChunk], pp: dist.ProcessGroup, config: FinalizeConfig | None
+) -> ModelChunk:
+    stage, stages = mg.group_rank(pp), mg.group_size(pp)
+    if stage == 0:
+        return chunks[0]
+    if stage == stages - 1:
+        return chunks[-1]
+    has_mtp = config is not None and _read_settings(config).mtp_num_layers > 0
+    return chunks[-1] if has_mtp else chunks[0]
+
+
+def _first_param_marked(module: object, marker: str) -> torch.nn.Parameter | None:
+    parameters = getattr(module, "parameters", None)
+    if not callable(parameters):
+        return None
+    for param in parameters():
+        if getattr(param, marker, False):
+            found: torch.nn.Parameter = param
+            return found
+    return None

@@ -1,0 +1,276 @@
+"""``finalize_model_grads``: after the last backward of a global batch, before the optimizer.
+
+Everything is validated first (model list, config, groups, ``num_tokens``, embedding
+weights), so bad input fails on every rank before the first collective and before any
+chunk's ``finish_grad_sync``. Then, in order:
+
+ 1. ``finish_grad_sync(force_all_reduce)`` on every chunk       data-parallel reduction
+ 2. conditional-embedder grads      SUM over pp          (has_cond_embedder, pp > 1)
+ 3. Flextron router grads           SUM over pp          (flextron, pp > 1)
+ 4. non-tensor-parallel grads       SUM / AVG over tp    (tp > 1)
+ 5. replicated grads                AVG (SUM per-token) over gtp_remat / expt_gtp_remat (> 1)
+ 6. shared word-embedding grad      SUM over embd        (first and last stage)
+ 7. position-embedding grad         SUM over pos_embd    (member ranks, group > 1)
+ 8. router expert bias              SUM of tokens over tp_dp_cp (moe_router_enable_expert_bias)
+ 9. router qb_beta                  AVG over dp_cp       (quantile_balancing)
+10. reset_model_temporary_tensors                        (no communication)
+11. with num_tokens: broadcast from the last pp rank, SUM over dp_cp (dp_cp_gtp_remat when
+    gtp_remat is active: those peers see different tokens), then every chunk's
+    ``scale_gradients(1 / max(num_tokens, 1))``
+
+Groups come from ``pg_collection`` (or the registered default collection). Needed always:
+``tp``. Needed when their step runs: ``pp`` (steps 2, 3, 6, 7 with a multi-rank group, 11),
+``dp_cp`` (9, 11; ``dp_cp_gtp_remat`` for 11 under gtp_remat), ``tp_dp_cp`` (8),
+``gtp_remat`` / ``expt_gtp_remat`` when the config's ``gtp_remat_size`` /
+``expert_gtp_remat_size`` > 1. ``embd`` / ``pos_embd`` may be None (ranks that hold no
+embedding copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_finalize._inputs import _as_chunks, _config_of
+from mc_finalize._settings import _read_settings, _Settings
+from mc_finalize.embedding_grads import (
+    _allreduce_embedding_grad,
+    _allreduce_position_embedding_grads,
+    _embedding_weight,
+    _get_position_embedding_weight,
+    _get_shared_word_embedding_weight,
+)
+from mc_finalize.gtp_grads import _allreduce_replicated_grads_over_gtp_remat_group
+from mc_finalize.pipeline_grads import (
+    _allreduce_conditional_embedding_grads,
+    _allreduce_router_grads,
+)
+from mc_finalize.protocols import FinalizeConfig, ModelChunk
+from mc_finalize.router_state import (
+    _update_router_expert_bias,
+    _update_router_qb_beta,
+    reset_model_temporary_tensors,
+)
+from mc_finalize.tp_grads import _allreduce_non_tensor_model_parallel_grads
+
+__all__ = ["finalize_model_grads"]
+
+# Half-precision counts are exact only up to 2048 (fp16) / 256 (bf16) tokens.
+_TOKEN_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class _Groups:
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup | None
+    embd: dist.ProcessGroup | None
+    pos_embd: dist.ProcessGroup | None
+    dp_cp: dist.ProcessGroup | None
+    tokens: dist.ProcessGroup | None
+    tp_dp_cp: dist.ProcessGroup | None
+    gtp_remat: dist.ProcessGroup | None
+    expt_gtp_remat: dist.ProcessGroup | None
+
+
+def finalize_model_grads(
+    model: Sequence[ModelChunk],
+    num_tokens: torch.Tensor | None = None,
+    pg_collection: mg.ProcessGroupCollection | None = None,
+    force_all_reduce: bool | None = False,
+) -> None:
+    """All-reduce every grad that still differs between ranks, then normalise by tokens.
+
+    Reduces grads across data-parallel replicas, layer-norm and other non-tensor-parallel
+    grads across tp, replicated grads across gtp_remat, replicated and tied-embedding grads
+    across pipeline stages, updates the routers' balancing biases, and with ``num_tokens``
+    (this rank's non-padded token count; only the last pipeline stage's value is used and it
+    is summed in place over every rank that sees different data) divides every grad by the
+    global count. The module docstring lists the steps, their groups and when each runs.
+
+    Args:
+        model: this rank's model chunks (one per virtual pipeline stage), in order.
+        num_tokens: one-element int32/int64/float32/float64 tensor on the model's device.
+        pg_collection: the groups; None uses ``mc_groups.get_default_collection()``.
+        force_all_reduce: passed to every chunk's ``finish_grad_sync``.
+    """
+    chunks = _as_chunks(model, need_scale=num_tokens is not None)
+    config = cast(FinalizeConfig, _config_of(chunks))
+    settings = _read_settings(config)
+    force = _check_force(force_all_reduce)
+    groups = _plan_groups(_collection(pg_collection), settings, num_tokens is not None)
+    if num_tokens is not None:
+        _check_num_tokens(num_tokens, chunks)
+    _check_embedding_weights(chunks, config, groups)
+
+    for chunk in chunks:
+        chunk.finish_grad_sync(force_all_reduce=force)
+    _allreduce_conditional_embedding_grads(chunks, config, groups.pp)
+    _allreduce_router_grads(chunks, config, groups.pp)
+    _allreduce_non_tensor_model_parallel_grads(chunks, config, groups.tp)
+    _allreduce_replicated_grads_over_gtp_remat_group(
+        chunks, groups.gtp_remat, groups.expt_gtp_remat, settings.calculate_per_token_loss
+    )
+    _allreduce_embedding_grad(
+        chunks, groups.embd, groups.pp, _word_embedding_getter(config), config=config
+    )
+    _allreduce_position_embedding_grads(chunks, config, groups.pos_embd, groups.pp)
+    if settings.moe_router_enable_expert_bias:
+        _update_router_expert_bias(chunks, config, groups.tp_dp_cp)
+    if settings.quantile_balancing:
+        _update_router_qb_beta(chunks, config, groups.dp_cp)
+    reset_model_temporary_tensors(config, chunks)
+    if num_tokens is not None:
+        _scale_by_num_tokens(chunks, num_tokens, groups.pp, groups.tokens)
+
+
+def _word_embedding_getter(config: FinalizeConfig) -> partial[torch.nn.Parameter | None]:
+    return partial(_get_shared_word_embedding_weight, config=config)
+
+
+def _check_force(force_all_reduce: object) -> bool:
+    if force_all_reduce is None:
+        return False
+    if not isinstance(force_all_reduce, bool):
+        raise TypeError(f"force_all_reduce={force_all_reduce!r} must be a bool")
+    return force_all_reduce
+
+
+def _collection(pg_collection: object) -> mg.ProcessGroupCollection:
+    if pg_collection is None:
+        default = mg.get_default_collection()
+        if default is None:
+            raise mg.MissingGroupError(
+                "finalize_model_grads got pg_collection=None and no default collection is "
+                "registered: pass pg_collection=initialize_model_parallel(...) or call "
+                "mc_groups.set_default_collection(...) first"
+            )
+        return default
+    if not isinstance(pg_collection, mg.ProcessGroupCollection):
+        raise TypeError(
+            f"pg_collection={pg_collection!r} must be a mc_groups.ProcessGroupCollection"
+        )
+    return pg_collection
+
+
+def _multi(group: dist.ProcessGroup | None) -> bool:
+    return group is not None and mg.group_size(group) > 1
+
+
+def _plan_groups(
+    collection: mg.ProcessGroupCollection, settings: _Settings, has_tokens: bool
+) -> _Groups:
+    """Every group the active steps need, or a MissingGroupError naming the step."""
+
+    def need(name: str, when: bool, why: str) -> dist.ProcessGroup | None:
+        group: dist.ProcessGroup | None = getattr(collection, name)
+        if when:
+            group = collection.require(name, f"finalize_model_grads ({why})")
+        return group
+
+    embd, pos_embd = collection.embd, collection.pos_embd
+    pp_steps = [
+        (settings.has_cond_embedder, "conditional-embedder grads, config.has_cond_embedder"),
+        (settings.flextron, "router grads, config.flextron"),
+        (_multi(embd), "shared word-embedding grads: first/last stage"),
+        (_multi(pos_embd), "position-embedding grads: first/last stage"),
+        (has_tokens, "num_tokens: broadcast from the last pipeline stage"),
+    ]
+    pp_why = "; ".join(why for when, why in pp_steps if when)
+    tp = collection.require("tp", "finalize_model_grads (non-tensor-parallel grads over tp)")
+    groups = _Groups(
+        tp=tp,
+        pp=need("pp", bool(pp_why), pp_why),
+        embd=embd,
+        pos_embd=pos_embd,
+        dp_cp=need(
+            "dp_cp",
+            settings.quantile_balancing,
+            "quantile balancing, qb_beta averaged over dp·cp",
+        ),
+        tokens=need(_token_field(collection, settings), has_tokens, "num_tokens summed"),
+        tp_dp_cp=need(
+            "tp_dp_cp",
+            settings.moe_router_enable_expert_bias,
+            "router expert bias, config.moe_router_enable_expert_bias",
+        ),
+        gtp_remat=need("gtp_remat", settings.gtp_remat_size > 1, "config.gtp_remat_size > 1"),
+        expt_gtp_remat=need(
+            "expt_gtp_remat",
+            settings.expert_gtp_remat_size > 1,
+            "config.expert_gtp_remat_size > 1",
+        ),
+    )
+    _check_gtp_sizes(groups, settings)
+    return groups
+
+
+def _token_field(collection: mg.ProcessGroupCollection, settings: _Settings) -> str:
+    # gtp_remat peers see different data, so their tokens count in the global total.
+    gtp_active = settings.gtp_remat_size > 1 or _multi(collection.gtp_remat)
+    return "dp_cp_gtp_remat" if gtp_active else "dp_cp"
+
+
+def _check_gtp_sizes(groups: _Groups, settings: _Settings) -> None:
+    for name, group, size in (
+        ("gtp_remat", groups.gtp_remat, settings.gtp_remat_size),
+        ("expt_gtp_remat", groups.expt_gtp_remat, settings.expert_gtp_remat_size),
+    ):
+        if size > 1 and group is not None and mg.group_size(group) != size:
+            raise ValueError(
+                f"pg_collection.{name} has {mg.group_size(group)} ranks but the config says "
+                f"{size}; build the collection with the config's sizes"
+            )
+
+
+def _check_num_tokens(num_tokens: object, chunks: Sequence[ModelChunk]) -> None:
+    if not isinstance(num_tokens, torch.Tensor):
+        raise TypeError(
+            f"num_tokens must be a torch.Tensor holding this rank's token count, got "
+            f"{type(num_tokens).__name__}; e.g. torch.tensor(n, dtype=torch.int64)"
+        )
+    if num_tokens.dim() > 1 or num_tokens.numel() != 1:
+        raise ValueError(
+            f"num_tokens has shape {tuple(num_tokens.shape)}; it must hold one count "
+            "(shape () or (1,)): sum the per-micro-batch counts first"
+        )
+    if num_tokens.dtype not in _TOKEN_DTYPES:
+        raise TypeError(
+            f"num_tokens has dtype {num_tokens.dtype}; use torch.int64 (or int32, float32, "
+            "float64): half-precision and bool cannot hold token counts exactly"
+        )
+    param = next(iter(chunks[0].parameters()), None)
+    if param is not None and num_tokens.device != param.device:
+        raise ValueError(
+            f"num_tokens is on {num_tokens.device} but the model is on {param.device}; "
+            "move it with num_tokens.to(device) (the collective needs both on one device)"
+        )
+
+
+def _check_embedding_weights(
+    chunks: Sequence[ModelChunk], config: FinalizeConfig, groups: _Groups
+) -> None:
+    # Looking the weights up now turns a missing weight into an error before any collective.
+    _embedding_weight(chunks, groups.embd, groups.pp, _word_embedding_getter(config), config)
+    _embedding_weight(chunks, groups.pos_embd, groups.pp, _get_position_embedding_weight, config)
+
+
+def _scale_by_num_tokens(
+    chunks: Sequence[ModelChunk],
+    num_tokens: torch.Tensor,
+    pp: dist.ProcessGroup | None,
+    data: dist.ProcessGroup | None,
+) -> None:
+    """``num_tokens ← Σ_data (last stage's count)``; grads ← grads / max(num_tokens, 1)."""
+    if pp is None or data is None:
+        raise mg.MissingGroupError("num_tokens needs the pp and dp_cp groups (checked earlier)")
+    mg.broadcast(num_tokens, pp, group_src=mg.group_size(pp) - 1, label="num_tokens")
+    mg.all_reduce(num_tokens, data, op=mg.ReduceOp.SUM, label="num_tokens")
+    scaling = 1.0 / max(float(num_tokens.item()), 1.0)
+    for chunk in chunks:
+        chunk.scale_gradients(scaling)

@@ -1,0 +1,146 @@
+"""Once per global batch: MoE router load-balancing state, then the per-batch counters reset.
+
+Expert bias (aux-loss-free balancing, arXiv:2408.15664), for every training-mode module
+with ``expert_bias`` and ``local_tokens_per_expert`` (E experts each):
+
+    t      ← Σ_{tp·dp·cp} local_tokens_per_expert      (one all-reduce of all routers stacked)
+    bias   ← bias + rate · sign(mean_e(t) − t)          rate = moe_router_bias_update_rate
+    local_tokens_per_expert ← 0
+
+An expert that got fewer tokens than the average gets a higher bias, so more tokens next
+batch.
+
+Quantile balancing, for every training-mode module with ``qb_beta_accum`` (sum of per
+micro-batch quantile estimates), ``qb_beta_count`` (how many) and ``qb_beta``:
+
+    q      ← AVG_{dp·cp} (qb_beta_accum / max(qb_beta_count, 1))   (one all-reduce, stacked)
+    b      ← ema · qb_beta + (1 − ema) · q                         ema = ..._quantile_balancing_ema
+    qb_beta ← b − mean_e(b)                                         (zero-sum: no overall shift)
+    qb_beta_accum, qb_beta_count ← 0
+
+Eval-mode modules (e.g. a frozen teacher in distillation) keep their state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_finalize._inputs import _as_chunks, _modules, _require_group
+from mc_finalize._settings import _read_settings
+from mc_finalize.protocols import FinalizeConfig, ModelChunk
+
+
+def _update_router_expert_bias(
+    model: Sequence[ModelChunk],
+    config: FinalizeConfig,
+    tp_dp_cp_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Update every training router's expert bias from the global tokens per expert.
+
+    All-reduces the routers' ``local_tokens_per_expert`` (stacked, one collective) across
+    TP×DP×CP ranks, moves each bias by ``moe_router_bias_update_rate`` towards balance, and
+    zeroes the counters. ``tp_dp_cp_group=None`` reads the default collection's ``tp_dp_cp``.
+    """
+    chunks = _as_chunks(model)
+    rate = _read_settings(config).moe_router_bias_update_rate
+    group = _require_group(tp_dp_cp_group, "tp_dp_cp", "_update_router_expert_bias")
+    routers = _training_modules(chunks, ("expert_bias", "local_tokens_per_expert"))
+    if not routers:
+        return  # hybrid models: dense layers only on this stage
+    with torch.no_grad():
+        tokens = torch.stack([_tensor(m, "local_tokens_per_expert") for m in routers])
+        mg.all_reduce(tokens, group, op=mg.ReduceOp.SUM, label="router expert bias")
+        # float64: only the sign matters, and large integral counts must compare exactly.
+        counts = tokens.to(torch.float64)
+        offset = counts.mean(dim=-1, keepdim=True) - counts
+        for router, step in zip(routers, torch.sign(offset) * rate, strict=True):
+            bias = _tensor(router, "expert_bias")
+            bias.add_(step.to(bias.dtype))
+            _tensor(router, "local_tokens_per_expert").zero_()
+
+
+def _update_router_qb_beta(
+    model: Sequence[ModelChunk],
+    config: FinalizeConfig,
+    dp_cp_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Update the quantile-balancing per-expert bias once per global batch.
+
+    Averages each router's accumulated quantile (``qb_beta_accum / qb_beta_count``) across
+    DP×CP, EMA-blends it with the current ``qb_beta``, re-centres it and writes it back;
+    then zeroes the accumulators. ``dp_cp_group=None`` reads the default's ``dp_cp``.
+    """
+    chunks = _as_chunks(model)
+    ema = _read_settings(config).quantile_balancing_ema
+    group = _require_group(dp_cp_group, "dp_cp", "_update_router_qb_beta")
+    routers = _training_modules(chunks, ("qb_beta", "qb_beta_accum", "qb_beta_count"))
+    if not routers:
+        return
+    with torch.no_grad():
+        quantiles = torch.stack([_mean_quantile(m) for m in routers])
+        mg.all_reduce(quantiles, group, op=mg.ReduceOp.AVG, label="router qb_beta")
+        for router, quantile in zip(routers, quantiles, strict=True):
+            beta = _tensor(router, "qb_beta")
+            blended = ema * beta + (1.0 - ema) * quantile
+            beta.copy_(blended - blended.mean(dim=-1, keepdim=True))
+            _reset_quantiles(router)
+
+
+def reset_model_temporary_tensors(config: FinalizeConfig, model: Sequence[ModelChunk]) -> None:
+    """Reset the per-global-batch accumulators of every module (no communication).
+
+    Zeroes ``local_tokens_per_expert`` when ``config.moe_router_enable_expert_bias``; calls
+    ``reset_global_aux_loss_tracker()`` when the load-balancing type includes
+    ``global_aux_loss``; zeroes ``qb_beta_accum`` / ``qb_beta_count`` under
+    ``quantile_balancing``. Modules in eval mode are reset too.
+    """
+    chunks = _as_chunks(model)
+    settings = _read_settings(config)
+    for chunk in chunks:
+        for module in _modules(chunk):
+            if settings.moe_router_enable_expert_bias and _has(module, "local_tokens_per_expert"):
+                _tensor(module, "local_tokens_per_expert").zero_()
+            if settings.global_aux_loss:
+                reset = getattr(module, "reset_global_aux_loss_tracker", None)
+                if callable(reset):
+                    reset()
+            if settings.quantile_balancing and _has(module, "qb_beta_accum"):
+                _reset_quantiles(module)
+
+
+def _training_modules(chunks: Sequence[ModelChunk], names: tuple[str, ...]) -> list[object]:
+    return [
+        module
+        for chunk in chunks
+        for module in _modules(chunk)
+        if all(_has(module, n) for n in names) and getattr(module, "training", True)
+    ]
+
+
+def _has(module: object, name: str) -> bool:
+    # Hash routers define the attributes as None: they own no balancing state.
+    return getattr(module, name, None) is not None
+
+
+def _tensor(module: object, name: str) -> torch.Tensor:
+    value = getattr(module, name)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.{name} must be a torch.Tensor, got {value!r}")
+    return value
+
+
+def _mean_quantile(module: object) -> torch.Tensor:
+    accum = _tensor(module, "qb_beta_accum")
+    count = _tensor(module, "qb_beta_count").clamp(min=1).to(accum.dtype)
+    return accum / count
+
+
+def _reset_quantiles(module: object) -> None:
+    _tensor(module, "qb_beta_accum").zero_()
+    count = getattr(module, "qb_beta_count", None)
+    if isinstance(count, torch.Tensor):
+        count.zero_()
