@@ -21,9 +21,10 @@ def check_bucket_size(bucket_size: object) -> int | None:
     if bucket_size is None:
         return None
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, Integral):
+        why = "; a bool is not a size" if isinstance(bucket_size, bool) else ""
         raise TypeError(
             f"bucket_size={bucket_size!r} must be an int number of elements or None "
-            "(one bucket); a bool is not a size"
+            f"(one bucket){why}"
         )
     if bucket_size <= 0:
         raise ValueError(
@@ -66,7 +67,7 @@ def as_param_list(params: object, name: str = "params") -> list[Param]:
     out = list(params)
     for i, p in enumerate(out):
         if not isinstance(p, torch.Tensor):
-            raise TypeError(f"{name}[{i}] is a {type(p).__name__}, not a torch parameter")
+            raise TypeError(f"{name}[{i}] has type {type(p).__name__}, not a torch parameter")
     return out
 
 
@@ -160,11 +161,12 @@ def check_not_views(params: list[Param], names: Mapping[Param, str] | None = Non
     buffer would silently break that aliasing (and a main_grad would shadow it)."""
     for i, p in enumerate(params):
         if is_view(p):
+            own = p.numel() * p.element_size()
             raise ValueError(
-                f"params[{i}] {describe(p, names)} is a view into a larger tensor (storage "
-                f"offset {p.storage_offset()}, {p.untyped_storage().nbytes()} storage bytes); "
-                "the buffer must own each param's memory: make it its own tensor, e.g. "
-                "torch.nn.Parameter(t.detach().clone())"
+                f"params[{i}] {describe(p, names)} is a view of another tensor (storage offset "
+                f"{p.storage_offset()}, storage {p.untyped_storage().nbytes()} bytes for its "
+                f"{own}, contiguous={p.is_contiguous()}); the buffer must own each param's "
+                "memory: make it its own tensor, e.g. torch.nn.Parameter(t.detach().clone())"
             )
 
 
