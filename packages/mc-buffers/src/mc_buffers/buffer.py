@@ -154,9 +154,16 @@ class ParamAndGradBuffer:
         name = self._names.get(param)
         return any(p == "all" or (name is not None and fnmatch.fnmatch(name, p)) for p in patterns)
 
+    def _members_by_bucket(self) -> list[list[Param]]:
+        members: list[list[Param]] = [[] for _ in self.bucket_indices]
+        for param in sorted(self.params, key=lambda p: self.param_index_map[p][0]):
+            members[self.param_index_map[param][2]].append(param)
+        return members
+
     def _make_buckets(self) -> None:
+        by_bucket = self._members_by_bucket()
         for bucket_id, (start, end) in enumerate(self.bucket_indices):
-            members = self.param_layout.bucket_params(bucket_id)
+            members = by_bucket[bucket_id]
             bucket = ParamAndGradBucket(
                 params=members,
                 param_data=None if self.param_data is None else self.param_data[start:end],
