@@ -48,15 +48,29 @@ def gpu_skip_reason(count: int) -> str | None:
 class RankPools:
     """One lazily started :class:`RankPool` per (world size, backend); close them together."""
 
-    def __init__(self, **pool_options: float) -> None:
-        self._options = pool_options
+    def __init__(
+        self,
+        *,
+        pg_timeout_s: float = 20.0,
+        call_deadline_s: float = 120.0,
+        failure_grace_s: float = 2.0,
+    ) -> None:
+        self._pg_timeout_s = pg_timeout_s
+        self._call_deadline_s = call_deadline_s
+        self._failure_grace_s = failure_grace_s
         self._pools: dict[tuple[int, str], RankPool] = {}
 
     def get(self, world_size: int, backend: str = "gloo") -> RankPool:
         """The pool for ``world_size`` ranks on ``backend`` (created on first use)."""
         key = (world_size, backend)
         if key not in self._pools:
-            self._pools[key] = RankPool(world_size, backend=backend, **self._options)  # type: ignore[arg-type]
+            self._pools[key] = RankPool(
+                world_size,
+                backend=backend,
+                pg_timeout_s=self._pg_timeout_s,
+                call_deadline_s=self._call_deadline_s,
+                failure_grace_s=self._failure_grace_s,
+            )
         return self._pools[key]
 
     def close(self) -> None:
