@@ -1,7 +1,103 @@
-"""mc_tp_layers: skeleton; its issue fills it."""
+"""mc_tp_layers: Megatron-Core's tensor- and sequence-parallel layers on mc_groups.
+
+- :mod:`mc_tp_layers.mappings`: autograd mappings between the TP and SP regions.
+- :mod:`mc_tp_layers.linear`: the linear autograd functions (overlapped TP collectives,
+  gradient-accumulation fusion, wgrad deferral, gtp_remat).
+- :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
+  :class:`VocabParallelEmbedding`: the layers.
+- :mod:`mc_tp_layers.random`: the RNG tracker for device initialisation.
+- :mod:`mc_tp_layers.layers`: every name of Megatron's ``core.tensor_parallel.layers``.
+
+Groups are passed explicitly (``tp_group=`` / ``pg_collection=``); every collective goes
+through :mod:`mc_groups`, so :func:`mc_groups.record_collectives` sees it.
+"""
 
 from __future__ import annotations
 
+from mc_tp_layers._config import TensorParallelConfig
+from mc_tp_layers.attributes import (
+    copy_gtp_attributes,
+    copy_tensor_model_parallel_attributes,
+    gtp_local_pad_zero_count,
+    param_is_not_gtp_duplicate,
+    param_is_not_tensor_parallel_duplicate,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+)
+from mc_tp_layers.column import ColumnParallelLinear
+from mc_tp_layers.deferral import drain_embedding_wgrad_compute
+from mc_tp_layers.embedding import VocabParallelEmbedding
+from mc_tp_layers.gtp import shard_weight_for_gtp
+from mc_tp_layers.linear import (
+    LinearWithFrozenWeight,
+    LinearWithGradAccumulationAndAsyncCommunication,
+    linear_with_frozen_weight,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
+from mc_tp_layers.mappings import (
+    all_gather_last_dim_from_tensor_parallel_region,
+    all_to_all,
+    all_to_all_hp2sp,
+    all_to_all_sp2hp,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_last_dim_to_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from mc_tp_layers.random import (
+    CudaRNGStatesTracker,
+    RNGStatesTracker,
+    get_data_parallel_rng_tracker_name,
+    get_expert_parallel_rng_tracker_name,
+    get_model_parallel_rng_tracker_name,
+    model_parallel_cuda_manual_seed,
+)
+from mc_tp_layers.row import RowParallelLinear
+from mc_tp_layers.utils import VocabUtility, divide, split_tensor_along_last_dim
+
 __version__ = "0.1.0"
 
-__all__: list[str] = []
+__all__ = [
+    "ColumnParallelLinear",
+    "CudaRNGStatesTracker",
+    "LinearWithFrozenWeight",
+    "LinearWithGradAccumulationAndAsyncCommunication",
+    "RNGStatesTracker",
+    "RowParallelLinear",
+    "TensorParallelConfig",
+    "VocabParallelEmbedding",
+    "VocabUtility",
+    "all_gather_last_dim_from_tensor_parallel_region",
+    "all_to_all",
+    "all_to_all_hp2sp",
+    "all_to_all_sp2hp",
+    "copy_gtp_attributes",
+    "copy_tensor_model_parallel_attributes",
+    "copy_to_tensor_model_parallel_region",
+    "divide",
+    "drain_embedding_wgrad_compute",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "get_data_parallel_rng_tracker_name",
+    "get_expert_parallel_rng_tracker_name",
+    "get_model_parallel_rng_tracker_name",
+    "gtp_local_pad_zero_count",
+    "linear_with_frozen_weight",
+    "linear_with_grad_accumulation_and_async_allreduce",
+    "model_parallel_cuda_manual_seed",
+    "param_is_not_gtp_duplicate",
+    "param_is_not_tensor_parallel_duplicate",
+    "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_last_dim_to_tensor_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "set_tensor_model_parallel_attributes",
+    "shard_weight_for_gtp",
+    "split_tensor_along_last_dim",
+]

@@ -1,0 +1,96 @@
+"""Resolving the process groups a layer or mapping talks over.
+
+Groups are passed explicitly. A ``group=None`` / ``tp_group=None`` argument falls back to
+``pg_collection`` and then to the collection registered with
+:func:`mc_groups.set_default_collection`; when none is registered the error says how to
+pass one. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mc_groups import ProcessGroupCollection, get_default_collection
+
+__all__: list[str] = []
+
+
+def _check_group(group: object, arg: str) -> dist.ProcessGroup:
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{arg}={group!r} must be a torch.distributed.ProcessGroup (for example "
+            "pg_collection.tp from mc_groups.initialize_model_parallel)"
+        )
+    return group
+
+
+def _collection(pg_collection: object, what: str) -> ProcessGroupCollection:
+    if pg_collection is not None:
+        if not isinstance(pg_collection, ProcessGroupCollection):
+            raise TypeError(
+                f"pg_collection={pg_collection!r} must be a mc_groups.ProcessGroupCollection"
+            )
+        return pg_collection
+    default = get_default_collection()
+    if default is None:
+        raise ValueError(
+            f"{what} got no process group: pass tp_group=<ProcessGroup> or "
+            "pg_collection=<ProcessGroupCollection>, or register a default with "
+            "mc_groups.initialize_model_parallel(..., set_default=True)"
+        )
+    return default
+
+
+def resolve_tp_group(
+    tp_group: object,
+    pg_collection: object = None,
+    *,
+    is_expert: bool = False,
+    what: str = "this layer",
+) -> dist.ProcessGroup:
+    """``tp_group`` if given, else the collection's ``tp`` (``expt_tp`` for experts)."""
+    if tp_group is not None:
+        return _check_group(tp_group, "tp_group")
+    field = "expt_tp" if is_expert else "tp"
+    return _collection(pg_collection, what).require(field, what)
+
+
+def resolve_gtp_group(
+    gtp_remat_size: int,
+    pg_collection: object,
+    *,
+    is_expert: bool = False,
+    what: str = "this layer",
+) -> dist.ProcessGroup | None:
+    """The gtp_remat group when ``gtp_remat_size > 1`` (checked against its size), else None."""
+    if gtp_remat_size == 1:
+        return None
+    field = "expt_gtp_remat" if is_expert else "gtp_remat"
+    group = _collection(pg_collection, what).require(field, what)
+    if group.size() != gtp_remat_size:
+        raise ValueError(
+            f"config.gtp_remat_size={gtp_remat_size} but pg_collection.{field} has "
+            f"{group.size()} ranks; build the groups with the same gtp_remat_size"
+        )
+    return group
+
+
+def group_rank_and_size(group: dist.ProcessGroup) -> tuple[int, int]:
+    """``(rank in group, group size)``."""
+    return int(group.rank()), int(group.size())
+
+
+def default_device(use_cpu_initialization: bool, group: dist.ProcessGroup) -> torch.device:
+    """Where a layer allocates its parameters when the caller names no device.
+
+    CPU initialisation keeps weights on CPU (as Megatron does); otherwise the current CUDA
+    device when the group communicates through NCCL, else CPU (gloo worlds).
+    """
+    if use_cpu_initialization:
+        return torch.device("cpu")
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    if not dist.is_initialized() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

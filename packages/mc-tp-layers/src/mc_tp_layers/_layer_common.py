@@ -1,0 +1,186 @@
+"""Construction and forward checks shared by the three tensor-parallel layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mc_tp_layers import _validate
+from mc_tp_layers._config import TensorParallelConfig
+from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
+from mc_tp_layers.initialization import (
+    InitMethod,
+    _initialize_affine_weight_cpu,
+    _initialize_affine_weight_gpu,
+)
+from mc_tp_layers.random import RNGStatesTracker
+
+__all__: list[str] = []
+
+_CONFIG_FIELDS = (
+    "sequence_parallel",
+    "params_dtype",
+    "use_cpu_initialization",
+    "perform_initialization",
+    "gradient_accumulation_fusion",
+    "defer_embedding_wgrad_compute",
+    "wgrad_deferral_limit",
+)
+
+
+def check_config(config: object) -> TensorParallelConfig:
+    """``config`` when it has every attribute the layers read, else a ``TypeError``."""
+    missing = [name for name in _CONFIG_FIELDS if not hasattr(config, name)]
+    if missing:
+        raise TypeError(
+            f"config={type(config).__name__} lacks {missing}; pass a "
+            "mc_groups.ModelParallelConfig (or any object with the attributes of "
+            "mc_tp_layers.TensorParallelConfig)"
+        )
+    if not isinstance(config.params_dtype, torch.dtype):  # type: ignore[attr-defined]
+        raise TypeError(f"config.params_dtype={config.params_dtype!r} must be a torch.dtype")  # type: ignore[attr-defined]
+    return config  # type: ignore[return-value]
+
+
+def gtp_remat_size(config: TensorParallelConfig) -> int:
+    """``config.gtp_remat_size`` (1 when an older config lacks it)."""
+    return _validate.positive_int(getattr(config, "gtp_remat_size", 1), "config.gtp_remat_size")
+
+
+def expert_parallel(config: TensorParallelConfig) -> bool:
+    """True when experts are split over more than one expert-parallel rank."""
+    return int(getattr(config, "expert_model_parallel_size", 1)) > 1
+
+
+def check_init_method(init_method: object) -> InitMethod:
+    """``init_method`` when callable, else a ``TypeError``."""
+    if not callable(init_method):
+        raise TypeError(f"init_method={init_method!r} must be callable (tensor -> None)")
+    return init_method
+
+
+def new_parameter(
+    shape: tuple[int, ...], config: TensorParallelConfig, device: torch.device
+) -> torch.nn.Parameter:
+    """An uninitialised ``config.params_dtype`` parameter on ``device``."""
+    return torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
+
+
+class WeightInit:
+    """How one layer initialises its weight (the arguments both init paths share)."""
+
+    def __init__(
+        self,
+        config: TensorParallelConfig,
+        init_method: InitMethod,
+        rng_tracker: RNGStatesTracker | None,
+        group: dist.ProcessGroup,
+    ) -> None:
+        self.config, self.init_method, self.rng_tracker = config, init_method, rng_tracker
+        self.rank, self.world = int(group.rank()), int(group.size())
+
+    def run(
+        self,
+        weight: torch.Tensor,
+        full_shape: tuple[int, int],
+        partition_dim: int,
+        stride: int,
+        *,
+        is_expert: bool = False,
+        keep_master: bool = False,
+    ) -> torch.Tensor | None:
+        """Set TP attributes; initialise when ``perform_initialization``; maybe the master."""
+        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+        if not self.config.perform_initialization:
+            return None
+        if self.config.use_cpu_initialization:
+            return _initialize_affine_weight_cpu(
+                weight,
+                full_shape[0],
+                full_shape[1],
+                weight.shape[partition_dim],
+                partition_dim,
+                self.init_method,
+                stride,
+                keep_master,
+                params_dtype=self.config.params_dtype,
+                rank=self.rank,
+                world_size=self.world,
+                skip_set_tensor_parallel_attributes=True,
+            )
+        _initialize_affine_weight_gpu(
+            weight,
+            self.init_method,
+            partition_dim,
+            stride,
+            is_expert,
+            rng_tracker=self.rng_tracker,
+        )
+        return None
+
+    def check_tracker(self) -> None:
+        """Fail at construction, not mid-init, when device init has no tracker."""
+        cfg = self.config
+        if cfg.perform_initialization and not cfg.use_cpu_initialization:
+            if self.rng_tracker is None:
+                raise ValueError(
+                    "config.use_cpu_initialization=False initialises on the device and needs "
+                    "rng_tracker=mc_tp_layers.model_parallel_cuda_manual_seed(seed, "
+                    "pg_collection=...); or set use_cpu_initialization=True or "
+                    "perform_initialization=False"
+                )
+            if not isinstance(self.rng_tracker, RNGStatesTracker):
+                raise TypeError(
+                    f"rng_tracker={self.rng_tracker!r} must be a mc_tp_layers.RNGStatesTracker"
+                )
+
+
+def zero_bias(bias: torch.Tensor, config: TensorParallelConfig) -> None:
+    """Biases start at zero (when initialisation is performed)."""
+    if config.perform_initialization:
+        with torch.no_grad():
+            bias.zero_()
+
+
+def check_input(input_: object, last: int, what: str) -> torch.Tensor:
+    """A 2-D or 3-D tensor whose last dimension is ``last``, else a ``ValueError``."""
+    x = _validate.tensor(input_, "input_")
+    if x.dim() not in (2, 3) or x.shape[-1] != last:
+        raise ValueError(
+            f"{what} expects input_ of shape [sequence, batch, {last}] (or [tokens, {last}]), "
+            f"got {tuple(x.shape)}"
+        )
+    return x
+
+
+def check_sequence(x: torch.Tensor, size: int) -> None:
+    """Under SP the sequence (dim 0) must split evenly over the TP ranks."""
+    if size > 1 and x.shape[0] % size:
+        raise ValueError(
+            f"input_ has shape {tuple(x.shape)}: under sequence_parallel its sequence length "
+            f"{x.shape[0]} must be divisible by the tensor-parallel size {size}; pad the "
+            "sequence"
+        )
+
+
+def default_extra_state(module: torch.nn.Module) -> None:
+    """Let state dicts without ``_extra_state`` (saved before it existed) load strictly."""
+
+    def hook(
+        _module: torch.nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        *_args: Any,
+    ) -> None:
+        state_dict.setdefault(f"{prefix}_extra_state", None)
+
+    module.register_load_state_dict_pre_hook(hook)  # type: ignore[no-untyped-call]
+
+
+def tag_gtp_replica(param: torch.Tensor, gtp_group: dist.ProcessGroup | None) -> None:
+    """Mark a parameter replicated over gtp_remat (dedup and checkpoint tags)."""
+    if gtp_group is not None:
+        param.gtp_remat_rank = int(gtp_group.rank())  # type: ignore[attr-defined]
+        param.gtp_replica_group = gtp_group  # type: ignore[attr-defined]

@@ -1,0 +1,174 @@
+"""Tensor-parallel and GTP metadata carried as attributes on parameters.
+
+Every parameter a TP layer creates carries:
+
+- ``tensor_model_parallel`` (bool): this tensor is one shard of a larger one;
+- ``partition_dim`` (int): the dimension that is split (-1 when not split);
+- ``partition_stride`` (int): the split is strided (see ``_initialize_affine_weight_cpu``);
+- ``allreduce`` (bool): its gradient is reduced over the data-parallel group
+  (False for expert-parallel weights, reduced over the expert-DP group instead);
+- ``sequence_parallel`` (bool, row-parallel bias only): its gradient is a partial sum
+  over the TP ranks and must be all-reduced over TP after backward.
+
+GTP (gtp_remat) weight shards additionally carry ``is_gtp_weight_remat``, ``group`` (the
+gtp_remat process group), ``gtp_remat_size``, ``pad_length`` (zero rows appended to
+dim 0 before sharding) and ``gtp_unsharded_shape``. Parameters replicated over the
+gtp_remat axis carry ``gtp_remat_rank`` (this rank's position on that axis) and
+``gtp_replica_group`` (the group holding the identical copies, e.g. for checkpoint
+deduplication).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mc_tp_layers._groups import resolve_tp_group
+
+__all__ = [
+    "GTP_ATTRIBUTES",
+    "_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS",
+    "copy_gtp_attributes",
+    "copy_tensor_model_parallel_attributes",
+    "gtp_local_pad_zero_count",
+    "param_is_not_gtp_duplicate",
+    "param_is_not_tensor_parallel_duplicate",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "set_tensor_model_parallel_attributes",
+]
+
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, bool | int] = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+}
+"""The TP attributes and the values an unsharded parameter has."""
+
+GTP_ATTRIBUTES: tuple[str, ...] = (
+    "is_gtp_weight_remat",
+    "gtp_remat_rank",
+    "gtp_replica_group",
+    "gtp_remat_size",
+    "gtp_unsharded_shape",
+    "pad_length",
+    "group",
+)
+"""Attributes :func:`copy_gtp_attributes` carries from a parameter to its copies."""
+
+
+def set_tensor_model_parallel_attributes(
+    tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int
+) -> None:
+    """Set ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride``.
+
+    Setting the same values again is allowed; different values than those already set
+    raise ``ValueError`` (a parameter cannot be split two ways).
+    """
+    wanted = {
+        "tensor_model_parallel": is_parallel,
+        "partition_dim": dim,
+        "partition_stride": stride,
+    }
+    clashes = {
+        name: getattr(tensor, name)
+        for name, value in wanted.items()
+        if hasattr(tensor, name) and getattr(tensor, name) != value
+    }
+    if clashes:
+        raise ValueError(
+            f"tensor already carries TP attributes {clashes}, which differ from {wanted}; "
+            "copy it (tensor.detach().clone()) before re-labelling"
+        )
+    for name, value in wanted.items():
+        setattr(tensor, name, value)
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    """Give ``tensor`` the unsharded defaults for every TP attribute it lacks."""
+    for name, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, name):
+            setattr(tensor, name, value)
+
+
+def copy_tensor_model_parallel_attributes(
+    destination_tensor: torch.Tensor, source_tensor: torch.Tensor
+) -> None:
+    """Copy every TP attribute ``source_tensor`` has onto ``destination_tensor``."""
+    for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source_tensor, name):
+            setattr(destination_tensor, name, getattr(source_tensor, name))
+
+
+def param_is_not_tensor_parallel_duplicate(
+    param: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    expert_tp_group: dist.ProcessGroup | None = None,
+) -> bool:
+    """True if ``param`` counts once when summing over the tensor-parallel ranks.
+
+    A TP shard (``tensor_model_parallel``) is unique on every rank; a replicated parameter
+    counts only on TP rank 0. Parameters reduced over the expert data-parallel group
+    (``allreduce`` False) use ``expert_tp_group``, the others ``tp_group``; a missing
+    group falls back to the default collection's ``expt_tp`` / ``tp``.
+    """
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    is_expert = not getattr(param, "allreduce", True)
+    group = expert_tp_group if is_expert else tp_group
+    resolved = resolve_tp_group(
+        group, None, is_expert=is_expert, what="param_is_not_tensor_parallel_duplicate"
+    )
+    return int(resolved.rank()) == 0
+
+
+def copy_gtp_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy the GTP attributes (:data:`GTP_ATTRIBUTES`) ``source`` has onto ``destination``.
+
+    Use it on any view or copy of a parameter (an optimizer's fp32 master or shard): the
+    dedup tags keep :func:`param_is_not_gtp_duplicate` right, and ``pad_length`` with
+    ``group`` keep :func:`gtp_local_pad_zero_count` right (without both it returns 0).
+    """
+    for name in GTP_ATTRIBUTES:
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+def param_is_not_gtp_duplicate(param: torch.Tensor) -> bool:
+    """True if ``param``'s gradient counts once across the gtp_remat axis.
+
+    GTP shards are unique on every rank of the axis (kept). A parameter replicated over
+    the axis counts only where ``gtp_remat_rank`` is 0; without GTP the tag is absent and
+    reads as 0, so every parameter is kept.
+    """
+    if getattr(param, "is_gtp_weight_remat", False):
+        return True
+    return int(getattr(param, "gtp_remat_rank", 0)) == 0
+
+
+def gtp_local_pad_zero_count(gtp_shard: torch.Tensor, range_start: int, range_end: int) -> int:
+    """Padding elements inside ``gtp_shard.view(-1)[range_start:range_end]``.
+
+    A GTP weight of ``d0`` rows is padded with ``pad_length`` zero rows at the end of dim 0
+    and split evenly over the ``G`` ranks of ``gtp_shard.group``: every shard holds
+    ``s = (d0 + pad_length) / G`` rows, and rank r holds rows ``[r·s, (r+1)·s)`` of the
+    padded weight. The padding rows ``[G·s - pad_length, G·s)`` usually sit in the last
+    shard but spill into earlier ones when ``pad_length > s``; the count uses this rank's
+    row offset, so both cases are right. Returns 0 when ``pad_length`` or ``group`` is
+    missing.
+
+    Args:
+        gtp_shard: this rank's shard (carries ``pad_length`` and ``group``).
+        range_start: first flat index of the fragment asked about.
+        range_end: one past its last flat index (``0, gtp_shard.numel()`` for all).
+    """
+    pad_length = int(getattr(gtp_shard, "pad_length", 0) or 0)
+    group = getattr(gtp_shard, "group", None)
+    if pad_length == 0 or group is None or gtp_shard.dim() == 0:
+        return 0
+    rows = gtp_shard.shape[0]
+    row_numel = gtp_shard.numel() // rows if rows else 0
+    pad_first_row = rows * int(group.size()) - pad_length
+    local_pad_rows = rows - min(max(pad_first_row - int(group.rank()) * rows, 0), rows)
+    pad_start = (rows - local_pad_rows) * row_numel
+    start, end = max(range_start, pad_start), min(range_end, gtp_shard.numel())
+    return max(end - start, 0)

@@ -1,0 +1,321 @@
+r"""``ColumnParallelLinear``: ``Y = X·A + b`` with A split along its output dimension.
+
+::
+
+            A = [ A_1 | A_2 | … | A_W ]           (torch stores Aᵀ: weight [n/W, k] per rank)
+    rank r: Y_r = X · A_r + b_r                    ([s, b, n/W])
+            Y   = [ Y_1 | … | Y_W ]                (only with gather_output)
+
+Collectives (W > 1; a weight that does not require grad uses the frozen-weight path):
+
+    sequence_parallel off:  forward  —                        (all-gather Y if gather_output)
+                            backward one all-reduce of dX      (async, overlaps the wgrad GEMM)
+    sequence_parallel on:   forward  one all-gather of X along dim 0
+                            backward one all-gather of X (async, overlaps the dgrad GEMM) and
+                                     one reduce-scatter of dX (async, issued before the wgrad
+                                     GEMM runs)
+
+Experts (``is_expert`` with TP or EP > 1) communicate explicitly in the MoE layer: no
+collective here. ``disable_grad_reduce`` drops the dX all-reduce (e.g. LoRA adapters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mc_groups import ProcessGroupCollection
+from mc_tp_layers import _layer_common as common
+from mc_tp_layers._config import TensorParallelConfig
+from mc_tp_layers._groups import default_device, resolve_gtp_group, resolve_tp_group
+from mc_tp_layers._validate import check_divisible, main_grad, positive_int
+from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
+from mc_tp_layers.gtp import shard_weight_for_gtp, unsharded_shape
+from mc_tp_layers.initialization import InitMethod
+from mc_tp_layers.linear import (
+    linear_with_frozen_weight,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
+from mc_tp_layers.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+from mc_tp_layers.random import RNGStatesTracker
+
+__all__ = ["ColumnParallelLinear"]
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """Linear layer with column parallelism (see the module notes for the math and schedule).
+
+    Args:
+        input_size: k, the first dimension of A (the input features).
+        output_size: n, the second dimension of A; must divide by the TP size.
+        config: the layer config (:class:`mc_tp_layers.TensorParallelConfig`).
+        init_method: fills a weight tensor in place; the bias always starts at zero.
+        bias: allocate a bias ``[n/W]`` (TP-sharded like the weight).
+        gather_output: all-gather Y so every rank holds ``[s, b, n]``.
+        stride: the weight's parts are strided (fused weights; see
+            :mod:`mc_tp_layers.initialization`).
+        keep_master_weight_for_test: keep the CPU-initialised master weight as
+            ``self.master_weight``.
+        skip_bias_add: return the bias instead of adding it (for fusion by the caller).
+        skip_weight_param_allocation: allocate no weight; forward must get ``weight=``.
+        embedding_activation_buffer: with ``config.defer_embedding_wgrad_compute``, holds
+            the inputs whose wgrad is deferred.
+        grad_output_buffer: with ``config.defer_embedding_wgrad_compute``, holds the
+            output gradients whose wgrad is deferred.
+        is_expert: an MoE expert layer (``expt_tp`` group; no collectives here).
+        tp_comm_buffer_name: Transformer-Engine userbuffer name; unused.
+        disable_grad_reduce: skip the all-reduce of dX.
+        tp_group: the tensor-parallel group (default: ``pg_collection``'s, then the
+            default collection's).
+        name: a label kept as ``self.name``.
+        output_dtype: dtype of Y when it should differ from X's.
+        pg_collection: groups to read ``tp`` / ``gtp_remat`` from.
+        rng_tracker: the RNG tracker for device initialisation (mc addition: Megatron
+            reads a global one).
+        device: where to allocate (mc addition; default: CPU under CPU initialisation,
+            else the group's device).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: TensorParallelConfig,
+        init_method: InitMethod,
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        skip_bias_add: bool = False,
+        skip_weight_param_allocation: bool = False,
+        embedding_activation_buffer: list[torch.Tensor] | None = None,
+        grad_output_buffer: list[torch.Tensor] | None = None,
+        is_expert: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        disable_grad_reduce: bool = False,
+        tp_group: dist.ProcessGroup | None = None,
+        name: str | None = None,
+        output_dtype: torch.dtype | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        rng_tracker: RNGStatesTracker | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = common.check_config(config)
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output, self.skip_bias_add = bool(gather_output), bool(skip_bias_add)
+        self.is_expert, self.disable_grad_reduce = bool(is_expert), bool(disable_grad_reduce)
+        self.embedding_activation_buffer = embedding_activation_buffer
+        self.grad_output_buffer = grad_output_buffer
+        self.tp_comm_buffer_name, self.name, self.output_dtype = (
+            tp_comm_buffer_name,
+            name,
+            output_dtype,
+        )
+        self.tp_group = resolve_tp_group(
+            tp_group, pg_collection, is_expert=self.is_expert, what="ColumnParallelLinear"
+        )
+        world = int(self.tp_group.size())
+        self.output_size_per_partition = check_divisible(
+            output_size, world, "output_size", "choose an output_size that is a multiple of it"
+        )
+        self._check_arguments(input_size, stride, init_method)
+        self.gtp_remat_size = common.gtp_remat_size(self.config)
+        self.gtp_group = resolve_gtp_group(
+            self.gtp_remat_size,
+            pg_collection,
+            is_expert=self.is_expert,
+            what="ColumnParallelLinear",
+        )
+        self.expert_parallel = common.expert_parallel(self.config)
+        self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
+        self.sequence_parallel = bool(self.config.sequence_parallel) and world > 1
+        self.allreduce_dgrad = (
+            world > 1 and not self.sequence_parallel and not self.disable_grad_reduce
+        )
+        self.gradient_accumulation_fusion = bool(self.config.gradient_accumulation_fusion)
+        target = (
+            torch.device(device)
+            if device is not None
+            else default_device(self.config.use_cpu_initialization, self.tp_group)
+        )
+        init = common.WeightInit(self.config, init_method, rng_tracker, self.tp_group)
+        self.master_weight: torch.Tensor | None = None
+        self.weight: torch.nn.Parameter | None
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            init.check_tracker()
+            self.weight = self._make_weight(init, target, stride, keep_master_weight_for_test)
+        self.bias: torch.nn.Parameter | None
+        if bias:
+            self.bias = self._make_bias(target, stride)
+        else:
+            self.register_parameter("bias", None)
+        common.default_extra_state(self)
+
+    def _check_arguments(self, input_size: int, stride: int, init_method: object) -> None:
+        positive_int(input_size, "input_size")
+        positive_int(stride, "stride")
+        common.check_init_method(init_method)
+        if self.output_size_per_partition % stride:
+            raise ValueError(
+                f"stride={stride} must divide the per-rank output size "
+                f"{self.output_size_per_partition} (output_size={self.output_size} over "
+                f"{self.tp_group.size()} ranks)"
+            )
+        if self.config.defer_embedding_wgrad_compute and (
+            self.embedding_activation_buffer is None or self.grad_output_buffer is None
+        ):
+            raise ValueError(
+                "config.defer_embedding_wgrad_compute=True needs embedding_activation_buffer "
+                "and grad_output_buffer lists; pass both (e.g. [] and [])"
+            )
+
+    def _make_weight(
+        self, init: common.WeightInit, device: torch.device, stride: int, keep_master: bool
+    ) -> torch.nn.Parameter:
+        shape = (self.output_size_per_partition, self.input_size)
+        weight = common.new_parameter(shape, self.config, device)
+        self.master_weight = init.run(
+            weight,
+            (self.output_size, self.input_size),
+            0,
+            stride,
+            is_expert=self.is_expert,
+            keep_master=keep_master,
+        )
+        weight.allreduce = not (self.is_expert and self.expert_parallel)  # type: ignore[attr-defined]
+        if self.gtp_group is not None:
+            weight = shard_weight_for_gtp(weight, self.gtp_group)
+        return weight
+
+    def _make_bias(self, device: torch.device, stride: int) -> torch.nn.Parameter:
+        bias = common.new_parameter((self.output_size_per_partition,), self.config, device)
+        set_tensor_model_parallel_attributes(bias, True, 0, stride)
+        common.zero_bias(bias, self.config)
+        bias.allreduce = not (self.is_expert and self.expert_parallel)  # type: ignore[attr-defined]
+        common.tag_gtp_replica(bias, self.gtp_group)
+        return bias
+
+    def _resolve_weight(self, weight: torch.Tensor | None) -> torch.Tensor:
+        if weight is None:
+            if self.weight is None:
+                raise ValueError(
+                    "ColumnParallelLinear was built with skip_weight_param_allocation=True, so "
+                    "forward needs weight=<tensor of shape "
+                    f"[{self.output_size_per_partition}, {self.input_size}]>"
+                )
+            return self.weight
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        expected = (self.output_size_per_partition, self.input_size)
+        actual = unsharded_shape(weight) if self.gtp_remat_size > 1 else tuple(weight.shape)
+        if tuple(actual) != expected:
+            raise ValueError(
+                f"weight has shape {tuple(weight.shape)} but this layer needs {list(expected)} "
+                f"([output_size / TP size, input_size])"
+            )
+        return weight
+
+    def _defer_activation(self, input_parallel: torch.Tensor) -> None:
+        buffer = self.embedding_activation_buffer
+        limit = self.config.wgrad_deferral_limit
+        if buffer is not None and (limit == 0 or len(buffer) < limit):
+            buffer.append(input_parallel)
+
+    def forward(
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(Y, bias)``: Y ``[s, b, n/W]`` (``[s, b, n]`` gathered); bias when ``skip_bias_add``.
+
+        Args:
+            input_: ``[s, b, k]`` (``[s/W, b, k]`` under sequence parallelism), or 2-D.
+            weight: the weight to use (needed with ``skip_weight_param_allocation``).
+            runtime_gather_output: overrides ``gather_output`` for this call.
+        """
+        w = self._resolve_weight(weight)
+        x = common.check_input(input_, self.input_size, "ColumnParallelLinear")
+        deferring = bool(self.config.defer_embedding_wgrad_compute) and w.requires_grad
+        if self.gradient_accumulation_fusion and w.requires_grad:
+            main_grad(w)
+        bias = None if self.skip_bias_add else self.bias
+        if (
+            self.allreduce_dgrad
+            or self.sequence_parallel
+            or self.explicit_expert_comm
+            or self.disable_grad_reduce
+        ):
+            input_parallel = x
+        else:
+            input_parallel = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+        if deferring:
+            self._defer_activation(input_parallel)
+        output_parallel = self._linear(input_parallel, w, bias, deferring)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        else:
+            output = output_parallel
+        return output, (self.bias if self.skip_bias_add else None)
+
+    def _linear(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, deferring: bool
+    ) -> torch.Tensor:
+        allreduce_dgrad = False if self.explicit_expert_comm else self.allreduce_dgrad
+        sequence_parallel = False if self.explicit_expert_comm else self.sequence_parallel
+        if not w.requires_grad:
+            return linear_with_frozen_weight(
+                x,
+                w,
+                bias,
+                self.gradient_accumulation_fusion,
+                allreduce_dgrad,
+                sequence_parallel,
+                self.tp_group,
+                gtp_remat_size=self.gtp_remat_size,
+                output_dtype=self.output_dtype,
+            )
+        return linear_with_grad_accumulation_and_async_allreduce(
+            x,
+            w,
+            bias,
+            self.gradient_accumulation_fusion,
+            allreduce_dgrad,
+            sequence_parallel,
+            grad_output_buffer=self.grad_output_buffer if deferring else None,
+            wgrad_deferral_limit=self.config.wgrad_deferral_limit if deferring else 0,
+            tp_group=self.tp_group,
+            gtp_remat_size=self.gtp_remat_size,
+            output_dtype=self.output_dtype,
+        )
+
+    def backward_dw(self) -> None:
+        """Delayed wgrad computation (``delay_wgrad_compute``): not supported, does nothing.
+
+        The weight gradient is always computed in backward.
+        """
+
+    def set_extra_state(self, state: Any) -> None:
+        """Extra state is ignored (kept for Transformer-Engine state-dict compatibility)."""
+
+    def get_extra_state(self) -> None:
+        """None: there is no extra state (the key keeps TE state dicts loadable)."""
+        return
+
+    def extra_repr(self) -> str:
+        """Sizes, bias and TP degree, e.g. ``in_features=8, out_features=16, bias=True, TP=2``."""
+        return (
+            f"in_features={self.input_size}, out_features={self.output_size}, "
+            f"bias={self.bias is not None}, TP={self.tp_group.size()}, "
+            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+        )

@@ -1,0 +1,137 @@
+r"""``VocabParallelEmbedding``: an embedding table split along the vocabulary.
+
+::
+
+    table E [V, h]  =  [ E_1 ; E_2 ; … ; E_W ]      rank r holds rows [r·V/W, (r+1)·V/W)
+    rank r: out_r[t] = E_r[id_t - r·V/W]  if id_t is in its range, else 0
+    out = Σ_r out_r                                   (all-reduce), or, with
+                                                      reduce_scatter_embeddings, a
+                                                      reduce-scatter along the sequence
+
+Collectives (W > 1): forward one all-reduce (or one reduce-scatter of ``[s, b, h]``, the
+``[b, s]`` ids transposed to sequence-first); backward none (or one all-gather along dim
+0). Ids are not range-checked (that would synchronise with the device): an id outside
+``[0, V)`` embeds to zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mc_groups import ProcessGroupCollection
+from mc_tp_layers import _layer_common as common
+from mc_tp_layers._config import TensorParallelConfig
+from mc_tp_layers._groups import default_device, resolve_tp_group
+from mc_tp_layers._validate import check_divisible, positive_int
+from mc_tp_layers.initialization import InitMethod
+from mc_tp_layers.mappings import (
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from mc_tp_layers.random import RNGStatesTracker
+
+__all__ = ["VocabParallelEmbedding"]
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding parallelized in the vocabulary dimension (see the module notes).
+
+    Args:
+        num_embeddings: V, the vocabulary size; must divide by the TP size.
+        embedding_dim: h, the hidden size.
+        init_method: fills the table in place.
+        reduce_scatter_embeddings: reduce-scatter the ``[s, b, h]`` output along the
+            sequence (sequence parallelism) instead of all-reducing ``[b, s, h]``.
+        config: the layer config (:class:`mc_tp_layers.TensorParallelConfig`).
+        tp_group: the tensor-parallel group (default: ``pg_collection``'s, then the
+            default collection's).
+        pg_collection: groups to read ``tp`` from.
+        rng_tracker: the RNG tracker for device initialisation (mc addition).
+        device: where to allocate (mc addition).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_method: InitMethod,
+        reduce_scatter_embeddings: bool = False,
+        config: TensorParallelConfig,
+        tp_group: dist.ProcessGroup | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        rng_tracker: RNGStatesTracker | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = common.check_config(config)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.reduce_scatter_embeddings = bool(reduce_scatter_embeddings)
+        self.tp_group = resolve_tp_group(tp_group, pg_collection, what="VocabParallelEmbedding")
+        rank, world = int(self.tp_group.rank()), int(self.tp_group.size())
+        self.num_embeddings_per_partition = check_divisible(
+            num_embeddings,
+            world,
+            "num_embeddings",
+            "pad the vocabulary to a multiple of it (Megatron's make-vocab-size-divisible-by)",
+        )
+        positive_int(embedding_dim, "embedding_dim")
+        common.check_init_method(init_method)
+        self.vocab_start_index = rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        target = (
+            torch.device(device)
+            if device is not None
+            else default_device(self.config.use_cpu_initialization, self.tp_group)
+        )
+        init = common.WeightInit(self.config, init_method, rng_tracker, self.tp_group)
+        init.check_tracker()
+        shape = (self.num_embeddings_per_partition, embedding_dim)
+        self.weight = common.new_parameter(shape, self.config, target)
+        init.run(self.weight, (num_embeddings, embedding_dim), 0, 1)
+        self.weight.allreduce = True  # type: ignore[attr-defined]
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        """Embeddings of the token ids ``input_`` (``[b, s]``), summed over the TP ranks.
+
+        Returns ``[b, s, h]``, or ``[s/W, b, h]`` with ``reduce_scatter_embeddings``.
+        """
+        ids = self._check_ids(input_)
+        world = int(self.tp_group.size())
+        if world > 1:
+            outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+            local = (ids - self.vocab_start_index).masked_fill(outside, 0)
+            output_parallel = F.embedding(local, self.weight).masked_fill(
+                outside.unsqueeze(-1), 0.0
+            )
+        else:
+            output_parallel = F.embedding(ids, self.weight)
+        if self.reduce_scatter_embeddings:
+            sequence_first = output_parallel.transpose(0, 1).contiguous()
+            return reduce_scatter_to_sequence_parallel_region(sequence_first, group=self.tp_group)
+        return reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+
+    def _check_ids(self, input_: object) -> torch.Tensor:
+        if not isinstance(input_, torch.Tensor):
+            raise TypeError(
+                f"input_ must be a torch.Tensor of token ids, got {type(input_).__name__}"
+            )
+        if input_.dtype.is_floating_point or input_.dtype.is_complex or input_.dtype == torch.bool:
+            raise TypeError(f"input_ holds {input_.dtype}; token ids must be an integer tensor")
+        if self.reduce_scatter_embeddings:
+            if input_.dim() != 2:
+                raise ValueError(
+                    f"reduce_scatter_embeddings needs ids of shape [batch, sequence], got "
+                    f"{tuple(input_.shape)}"
+                )
+            common.check_sequence(input_.transpose(0, 1), int(self.tp_group.size()))
+        return input_
+
+    def extra_repr(self) -> str:
+        """Sizes and TP degree."""
+        return (
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+            f"TP={self.tp_group.size()}, reduce_scatter_embeddings={self.reduce_scatter_embeddings}"
+        )

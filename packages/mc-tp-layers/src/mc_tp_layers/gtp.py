@@ -1,0 +1,96 @@
+"""gtp_remat: a linear weight's dim 0 sharded over the gtp_remat group (ZeRO-3 on the weight).
+
+With ``gtp_remat_size = G > 1`` each rank keeps ``s = ceil(d0 / G)`` rows of its
+(TP-local) weight of ``d0`` rows: the weight is padded with ``pad_length = G·s - d0`` zero
+rows at the end of dim 0 and rank g of the gtp_remat group keeps rows ``[g·s, (g+1)·s)``::
+
+    TP-local weight [d0, k]  --pad-->  [G·s, k]  --split dim 0-->  rank g: [s, k]
+
+Before each GEMM (forward, and again in backward: the full weight is rematerialised, not
+kept) the shards are all-gathered and the padding dropped; the full weight gradient is
+padded, reduce-scattered (summed) over the group, and rank g keeps its rows. gtp_remat
+ranks see different data, so the summed gradient is the shard's gradient over their data.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_tp_layers.attributes import copy_tensor_model_parallel_attributes
+
+__all__ = [
+    "gather_gtp_weight",
+    "gtp_remat_shard_dim0",
+    "reduce_scatter_gtp_grad",
+    "shard_weight_for_gtp",
+]
+
+
+def gtp_remat_shard_dim0(dim0: int, gtp_remat_size: int) -> tuple[int, int]:
+    """``(shard rows s, pad_length)`` for ``dim0`` rows over ``gtp_remat_size`` ranks."""
+    shard = -(-dim0 // gtp_remat_size)
+    return shard, shard * gtp_remat_size - dim0
+
+
+def shard_weight_for_gtp(
+    weight: torch.nn.Parameter, group: dist.ProcessGroup
+) -> torch.nn.Parameter:
+    """A new parameter holding this rank's rows of ``weight`` (padded), tagged for GTP.
+
+    The shard carries ``is_gtp_weight_remat``, ``group``, ``gtp_remat_size``,
+    ``pad_length``, ``gtp_unsharded_shape`` and ``weight``'s TP attributes.
+    """
+    size, rank = int(group.size()), int(group.rank())
+    rows, pad = gtp_remat_shard_dim0(weight.shape[0], size)
+    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight.detach()
+    shard = torch.nn.Parameter(
+        padded[rank * rows : (rank + 1) * rows].clone(), requires_grad=weight.requires_grad
+    )
+    copy_tensor_model_parallel_attributes(shard, weight)
+    for name in ("allreduce", "sequence_parallel"):
+        if hasattr(weight, name):
+            setattr(shard, name, getattr(weight, name))
+    shard.is_gtp_weight_remat = True  # type: ignore[attr-defined]
+    shard.group = group  # type: ignore[attr-defined]
+    shard.gtp_remat_size = size  # type: ignore[attr-defined]
+    shard.pad_length = pad  # type: ignore[attr-defined]
+    shard.gtp_unsharded_shape = tuple(weight.shape)  # type: ignore[attr-defined]
+    return shard
+
+
+def _gtp_group(shard: torch.Tensor) -> dist.ProcessGroup:
+    group = getattr(shard, "group", None)
+    if not isinstance(group, dist.ProcessGroup) or not hasattr(shard, "gtp_unsharded_shape"):
+        raise ValueError(
+            "gtp_remat_size > 1 needs a weight sharded by shard_weight_for_gtp (it carries "
+            "`group` and `gtp_unsharded_shape`); this weight has shape "
+            f"{tuple(shard.shape)} and no GTP attributes"
+        )
+    return group
+
+
+def unsharded_shape(shard: torch.Tensor) -> tuple[int, ...]:
+    """The TP-local shape the GTP shard was cut from."""
+    _gtp_group(shard)
+    return tuple(shard.gtp_unsharded_shape)  # type: ignore[attr-defined]
+
+
+def gather_gtp_weight(shard: torch.Tensor) -> torch.Tensor:
+    """All-gather the gtp_remat shards of a weight; drop the padding rows."""
+    group = _gtp_group(shard)
+    full_rows = unsharded_shape(shard)[0]
+    padded = shard.new_empty((shard.shape[0] * int(group.size()), *shard.shape[1:]))
+    mg.all_gather(padded, shard.detach().contiguous(), group, label="gtp_weight_gather")
+    return padded[:full_rows]
+
+
+def reduce_scatter_gtp_grad(full_grad: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """Sum ``full_grad`` (TP-local shape) over the gtp_remat group; return this rank's rows."""
+    group = _gtp_group(shard)
+    pad = shard.shape[0] * int(group.size()) - full_grad.shape[0]
+    padded = torch.nn.functional.pad(full_grad, (0, 0, 0, pad)) if pad else full_grad
+    out = full_grad.new_empty((shard.shape[0], *full_grad.shape[1:]))
+    mg.reduce_scatter(out, padded.contiguous(), group, label="gtp_wgrad_reduce_scatter")
+    return out

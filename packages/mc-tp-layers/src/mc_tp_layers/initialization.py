@@ -1,0 +1,147 @@
+r"""Weight initialisation for tensor-parallel layers.
+
+**CPU initialisation** (:func:`_initialize_affine_weight_cpu`) builds the full fp32
+master weight ``[output_size, input_size]`` with the CPU generator on every rank and keeps
+this rank's part, so a TP=N model equals the TP=1 model sliced. With ``stride`` k the
+partition dim is cut into ``W·k`` blocks of ``per_partition_size / k`` and rank r keeps
+blocks ``r, r + W, …, r + (k-1)·W`` (concatenated), e.g. W=2, k=2::
+
+    master rows: [ b0 | b1 | b2 | b3 ]      rank 0: [b0 | b2]   rank 1: [b1 | b3]
+
+(the layout of fused weights such as QKV or gated MLPs, whose parts must each be split).
+
+**Device initialisation** (:func:`_initialize_affine_weight_gpu`) runs ``init_method`` on
+the local shard directly, on its own device, inside ``rng_tracker.fork()``: the
+``model-parallel-rng`` stream (seed + 2718 + tp_rank) or, for experts, the
+``expert-parallel-rng`` stream. No master weight exists; shards differ from a TP=1 run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from mc_tp_layers._groups import resolve_tp_group
+from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
+from mc_tp_layers.gtp import gtp_remat_shard_dim0
+from mc_tp_layers.random import (
+    RNGStatesTracker,
+    get_expert_parallel_rng_tracker_name,
+    get_model_parallel_rng_tracker_name,
+)
+
+__all__ = ["_initialize_affine_weight_cpu", "_initialize_affine_weight_gpu"]
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def _initialize_affine_weight_gpu(
+    weight: torch.Tensor,
+    init_method: InitMethod,
+    partition_dim: int,
+    stride: int = 1,
+    is_expert: bool = False,
+    *,
+    rng_tracker: RNGStatesTracker | None = None,
+) -> None:
+    """Set ``weight``'s TP attributes and run ``init_method(weight)`` in the tracker's stream.
+
+    The stream is ``model-parallel-rng`` (``expert-parallel-rng`` when ``is_expert``) of
+    ``rng_tracker``, whose device must be ``weight``'s device type.
+    """
+    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    if rng_tracker is None:
+        raise ValueError(
+            "device initialisation (config.use_cpu_initialization=False) needs "
+            "rng_tracker=mc_tp_layers.model_parallel_cuda_manual_seed(seed, "
+            "pg_collection=...); or set config.use_cpu_initialization=True, or "
+            "config.perform_initialization=False"
+        )
+    if rng_tracker.device.type != weight.device.type:
+        raise ValueError(
+            f"rng_tracker drives {rng_tracker.device} but the weight is on {weight.device}; "
+            "build the tracker for the weight's device"
+        )
+    if is_expert:
+        stream = get_expert_parallel_rng_tracker_name()
+    else:
+        stream = get_model_parallel_rng_tracker_name()
+    with rng_tracker.fork(stream), torch.no_grad():
+        init_method(weight)
+
+
+def _my_blocks(
+    master: torch.Tensor,
+    per_partition_size: int,
+    partition_dim: int,
+    stride: int,
+    rank: int,
+    world: int,
+) -> torch.Tensor:
+    if per_partition_size % stride:
+        raise ValueError(
+            f"per_partition_size={per_partition_size} is not divisible by stride={stride}; "
+            "each rank's part must hold stride equal blocks"
+        )
+    blocks = torch.split(master, per_partition_size // stride, dim=partition_dim)
+    return torch.cat(blocks[rank::world], dim=partition_dim)
+
+
+def _gtp_rows(part: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``part`` cut down to this rank's gtp_remat rows when ``weight`` is a GTP shard."""
+    if not getattr(weight, "is_gtp_weight_remat", False):
+        return part
+    group: dist.ProcessGroup = weight.group  # type: ignore[attr-defined]
+    rows, pad = gtp_remat_shard_dim0(part.shape[0], int(group.size()))
+    padded = torch.nn.functional.pad(part, (0, 0, 0, pad)) if pad else part
+    start = int(group.rank()) * rows
+    return padded[start : start + rows]
+
+
+def _initialize_affine_weight_cpu(
+    weight: torch.Tensor,
+    output_size: int,
+    input_size: int,
+    per_partition_size: int,
+    partition_dim: int,
+    init_method: InitMethod,
+    stride: int = 1,
+    return_master_weight: bool = False,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    rank: int | None = None,
+    world_size: int | None = None,
+    skip_set_tensor_parallel_attributes: bool = False,
+) -> torch.Tensor | None:
+    """Build the full master weight on CPU and copy this rank's part into ``weight``.
+
+    ``init_method`` fills an fp32 ``[output_size, input_size]`` tensor with the CPU
+    generator (identical on every rank seeded alike); it is cast to ``params_dtype``, split
+    along ``partition_dim`` into blocks of ``per_partition_size / stride`` and rank r keeps
+    blocks ``r::world_size`` (see the module docstring). A GTP shard
+    (``is_gtp_weight_remat``) is further cut to its gtp_remat rows, so the values match a
+    run without GTP. ``rank``/``world_size`` default to the default collection's TP group.
+    Returns the master weight (in ``params_dtype``) when ``return_master_weight``.
+    """
+    if not skip_set_tensor_parallel_attributes:
+        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    if rank is None or world_size is None:
+        group = resolve_tp_group(None, None, what="_initialize_affine_weight_cpu")
+        rank, world_size = int(group.rank()), int(group.size())
+    master = torch.empty(output_size, input_size, dtype=torch.float32)
+    with torch.no_grad():
+        init_method(master)
+    master = master.to(dtype=params_dtype)
+    part = _gtp_rows(
+        _my_blocks(master, per_partition_size, partition_dim, stride, rank, world_size), weight
+    )
+    if tuple(part.shape) != tuple(weight.shape):
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)} but rank {rank}'s part of the "
+            f"[{output_size}, {input_size}] master weight has shape {tuple(part.shape)}"
+        )
+    with torch.no_grad():
+        weight.data.copy_(part)
+    return master if return_master_weight else None

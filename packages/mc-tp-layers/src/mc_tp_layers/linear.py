@@ -1,0 +1,429 @@
+r"""The linear autograd functions: GEMM plus the tensor-parallel communication around it.
+
+``Y = X·Wᵀ + b`` with ``X: [s, b, k]`` (s: sequence, on dim 0) and ``W: [n, k]``.
+
+Forward of :class:`LinearWithGradAccumulationAndAsyncCommunication`::
+
+    W_full = all-gather(W) over gtp_remat          (only when gtp_remat_size > 1)
+    X_tot  = all-gather(X) along dim 0 over TP      (only under sequence parallelism)
+    Y      = X_tot · W_fullᵀ + b                    (saves X, not X_tot)
+
+Backward, in issue order (collectives are asynchronous so they overlap the GEMMs)::
+
+    1. start all-gather of X along dim 0          (SP, when the wgrad is computed now)
+    2. dX = dY · W_full                            (dgrad GEMM; W_full re-gathered if GTP)
+    3. wait for 1
+    4. start all-reduce of dX over TP             (allreduce_dgrad), or
+       start reduce-scatter of dX along dim 0     (SP; rank r keeps its rows)
+    5. dW = dYᵀ · X_tot                            (wgrad GEMM, overlapping 4), either
+         - returned as W's gradient, or
+         - added into W.main_grad (gradient_accumulation_fusion: apex kernel or addmm_;
+           W.grad_added_to_main_grad = True and a dummy gradient is returned when W
+           carries that attribute, else None), or
+         - deferred: dY is appended to grad_output_buffer (embedding wgrad deferral,
+           see :func:`mc_tp_layers.drain_embedding_wgrad_compute`)
+       GTP: dW is padded and reduce-scattered over gtp_remat (rank g keeps its rows).
+    6. db = Σ dY over every dim but the last
+    7. wait for 4, return dX
+
+:class:`LinearWithFrozenWeight` saves only W and returns only dX (plus db when the bias
+needs a gradient): no weight gradient, no saved activations.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_tp_layers import _comm, _validate
+from mc_tp_layers._autograd import apply
+from mc_tp_layers._gemm import _linear_forward, _wgrad_gemm, accumulate_wgrad
+from mc_tp_layers._groups import resolve_tp_group
+from mc_tp_layers.gtp import gather_gtp_weight, reduce_scatter_gtp_grad, unsharded_shape
+from mc_tp_layers.mappings import gather_from_sequence_parallel_region
+
+__all__ = [
+    "LinearWithFrozenWeight",
+    "LinearWithGradAccumulationAndAsyncCommunication",
+    "linear_with_frozen_weight",
+    "linear_with_grad_accumulation_and_async_allreduce",
+]
+
+
+class _Options(NamedTuple):
+    """What backward needs besides the saved tensors."""
+
+    gradient_accumulation_fusion: bool
+    allreduce_dgrad: bool
+    sequence_parallel: bool
+    grad_output_buffer: list[torch.Tensor] | None
+    wgrad_deferral_limit: int
+    tp_group: dist.ProcessGroup
+    gtp_remat_size: int
+    output_dtype: torch.dtype | None
+
+
+class _Pending(NamedTuple):
+    """An issued dgrad reduction and the tensor that holds its result once waited on."""
+
+    handle: mg.CollectiveHandle | None
+    result: torch.Tensor
+
+    def finish(self) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.wait()
+        return self.result
+
+
+def _full_weight(weight: torch.Tensor, gtp_remat_size: int) -> torch.Tensor:
+    return gather_gtp_weight(weight) if gtp_remat_size > 1 else weight
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """See :func:`linear_with_grad_accumulation_and_async_allreduce` and the module notes."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        gradient_accumulation_fusion: bool,
+        allreduce_dgrad: bool,
+        sequence_parallel: bool,
+        grad_output_buffer: list[torch.Tensor] | None,
+        wgrad_deferral_limit: int,
+        tp_group: dist.ProcessGroup,
+        gtp_remat_size: int,
+        output_dtype: torch.dtype | None,
+    ) -> torch.Tensor:
+        """Gather (GTP weight, SP input), then ``Y = X_tot · Wᵀ + b``."""
+        ctx.opts = _Options(
+            gradient_accumulation_fusion,
+            allreduce_dgrad,
+            sequence_parallel,
+            grad_output_buffer,
+            wgrad_deferral_limit,
+            tp_group,
+            gtp_remat_size,
+            output_dtype,
+        )
+        ctx.save_for_backward(input, weight)
+        # main_grad is kept on ctx, not saved: a weight shared by several layers (an MTP
+        # head) would otherwise trip autograd's in-place version check.
+        ctx.main_grad = weight.main_grad if gradient_accumulation_fusion else None  # type: ignore[attr-defined]
+        ctx.use_bias = bias is not None
+        total_input = _comm.gather_first_dim(input, tp_group)[0] if sequence_parallel else input
+        return _linear_forward(
+            total_input, _full_weight(weight, gtp_remat_size), bias, output_dtype
+        )
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """dgrad, overlapped reductions, wgrad (see the module notes for the order)."""
+        input, weight = ctx.saved_tensors
+        opts: _Options = ctx.opts
+        grad_output = grad_output.to(input.dtype).contiguous()
+        wgrad_now = _claim_wgrad(opts, grad_output)
+        gather = _start_input_gather(input, opts) if wgrad_now and opts.sequence_parallel else None
+        grad_input = grad_output.matmul(_full_weight(weight, opts.gtp_remat_size))
+        total_input = input if gather is None else gather.finish()
+        pending = _start_dgrad_reduction(grad_input, input, opts)
+        grad_weight = _weight_grad(weight, ctx.main_grad, grad_output, total_input, opts, wgrad_now)
+        grad_bias = _flat(grad_output).sum(dim=0) if ctx.use_bias else None
+        return (pending.finish(), grad_weight, grad_bias, *([None] * 8))
+
+
+def _claim_wgrad(opts: _Options, grad_output: torch.Tensor) -> bool:
+    """False (and ``grad_output`` kept in the buffer) when this wgrad is deferred."""
+    buffer = opts.grad_output_buffer
+    if buffer is None:
+        return True
+    if opts.wgrad_deferral_limit == 0 or len(buffer) < opts.wgrad_deferral_limit:
+        buffer.append(grad_output)
+        return False
+    return True
+
+
+def _start_input_gather(input: torch.Tensor, opts: _Options) -> _Pending:
+    gathered, handle = _comm.gather_first_dim(input, opts.tp_group, async_op=True)
+    return _Pending(handle, gathered)
+
+
+def _start_dgrad_reduction(
+    grad_input: torch.Tensor, input: torch.Tensor, opts: _Options
+) -> _Pending:
+    if opts.sequence_parallel:
+        shard, handle = _comm.reduce_scatter_first_dim(grad_input, opts.tp_group, async_op=True)
+        return _Pending(handle, shard)
+    if opts.allreduce_dgrad and opts.tp_group.size() > 1:
+        grad_input = grad_input.contiguous()
+        handle = mg.all_reduce(grad_input, opts.tp_group, async_op=True, label="dgrad")
+        return _Pending(handle, grad_input)
+    return _Pending(None, grad_input)
+
+
+def _weight_grad(
+    weight: torch.Tensor,
+    main_grad: torch.Tensor | None,
+    grad_output: torch.Tensor,
+    total_input: torch.Tensor,
+    opts: _Options,
+    wgrad_now: bool,
+) -> torch.Tensor | None:
+    if opts.gradient_accumulation_fusion:
+        if wgrad_now:
+            assert main_grad is not None  # checked before forward
+            _accumulate_into_main_grad(weight, main_grad, grad_output, total_input, opts)
+        return _dummy_grad(weight, main_grad)
+    gtp = opts.gtp_remat_size > 1
+    shape = unsharded_shape(weight) if gtp else tuple(weight.shape)
+    full = _wgrad_gemm(
+        torch.empty(shape, dtype=weight.dtype, device=weight.device),
+        _flat(grad_output),
+        _flat(total_input),
+    )
+    return reduce_scatter_gtp_grad(full, weight) if gtp else full
+
+
+def _accumulate_into_main_grad(
+    weight: torch.Tensor,
+    main_grad: torch.Tensor,
+    grad_output: torch.Tensor,
+    total_input: torch.Tensor,
+    opts: _Options,
+) -> None:
+    if opts.gtp_remat_size == 1:
+        accumulate_wgrad(main_grad, _flat(grad_output), _flat(total_input))
+        return
+    full = torch.empty(unsharded_shape(weight), dtype=main_grad.dtype, device=main_grad.device)
+    _wgrad_gemm(full, _flat(grad_output), _flat(total_input))
+    main_grad.add_(reduce_scatter_gtp_grad(full, weight))
+
+
+def _dummy_grad(weight: torch.Tensor, main_grad: torch.Tensor | None) -> torch.Tensor | None:
+    """What autograd gets for W when the gradient went into ``main_grad``.
+
+    A weight managed by a DDP wrapper carries ``grad_added_to_main_grad``: it gets a dummy
+    gradient (so DDP's hook runs on the backward thread, as in Megatron) and the flag is
+    set so the hook does not add it again. Any other weight gets None.
+    """
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    shape = weight.shape if main_grad is None else main_grad.shape
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(shape, dtype=weight.dtype, device=weight.device)
+
+
+class LinearWithFrozenWeight(torch.autograd.Function):
+    """Linear whose weight gets no gradient: saves only W; backward returns only dX.
+
+    Forward and dgrad are the same GEMMs as
+    :class:`LinearWithGradAccumulationAndAsyncCommunication`. With ``allreduce_dgrad`` the
+    dgrad is all-reduced over ``tp_group`` (synchronously: there is no wgrad to overlap).
+    A bias that requires grad gets ``Σ dY`` (Megatron returns None there).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        allreduce_dgrad: bool,
+        tp_group: dist.ProcessGroup,
+        output_dtype: torch.dtype | None,
+    ) -> torch.Tensor:
+        """``Y = X · Wᵀ + b``; saves W only."""
+        ctx.save_for_backward(weight)
+        ctx.allreduce_dgrad, ctx.tp_group = allreduce_dgrad, tp_group
+        ctx.input_dtype = input.dtype
+        ctx.bias_grad = bias is not None and bias.requires_grad
+        return _linear_forward(input, weight, bias, output_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """``dX = dY · W`` (all-reduced over TP when asked)."""
+        (weight,) = ctx.saved_tensors
+        grad_output = grad_output.to(ctx.input_dtype)
+        grad_input = grad_output.matmul(weight.to(ctx.input_dtype))
+        if ctx.allreduce_dgrad and ctx.tp_group.size() > 1:
+            grad_input = grad_input.contiguous()
+            mg.all_reduce(grad_input, ctx.tp_group, label="frozen_dgrad")
+        grad_bias = _flat(grad_output).sum(dim=0) if ctx.bias_grad else None
+        return grad_input, None, grad_bias, None, None, None
+
+
+def _check_common(
+    input: object,
+    weight: object,
+    bias: object,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    gtp_remat_size: int,
+    output_dtype: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _validate.tensor(input, "input")
+    w = _validate.tensor(weight, "weight")
+    if bias is not None:
+        _validate.tensor(bias, "bias")
+    _validate.min_dims(x, 1, "input")
+    if allreduce_dgrad and sequence_parallel:
+        raise ValueError(
+            "allreduce_dgrad=True and sequence_parallel=True: under sequence parallelism the "
+            "dgrad is reduce-scattered, not all-reduced; pass allreduce_dgrad=False"
+        )
+    _validate.positive_int(gtp_remat_size, "gtp_remat_size")
+    full = unsharded_shape(w) if gtp_remat_size > 1 else tuple(w.shape)
+    if len(full) != 2 or full[1] != x.shape[-1]:
+        raise ValueError(
+            f"input has shape {tuple(x.shape)} but the weight is {list(full)}: the input's "
+            "last dimension must equal the weight's second"
+        )
+    if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
+        raise TypeError(f"output_dtype={output_dtype!r} must be a torch.dtype or None")
+    return x, w
+
+
+def _check_deferral(grad_output_buffer: object, wgrad_deferral_limit: object, fusion: bool) -> int:
+    limit = 0 if wgrad_deferral_limit is None else wgrad_deferral_limit
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"wgrad_deferral_limit={wgrad_deferral_limit!r} must be an int >= 0")
+    if grad_output_buffer is None:
+        return limit
+    if not isinstance(grad_output_buffer, list):
+        raise TypeError(
+            f"grad_output_buffer must be a list or None, got {type(grad_output_buffer).__name__}"
+        )
+    if not fusion:
+        raise ValueError(
+            "grad_output_buffer (embedding wgrad deferral) needs "
+            "gradient_accumulation_fusion=True: the deferred weight gradient is added into "
+            "weight.main_grad by drain_embedding_wgrad_compute"
+        )
+    return limit
+
+
+def _warn_device_connections(input: torch.Tensor, overlapping: bool) -> None:
+    if overlapping and input.is_cuda and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        warnings.warn(
+            "set CUDA_DEVICE_MAX_CONNECTIONS=1 so the asynchronous TP collectives are "
+            "scheduled before the GEMMs they should overlap",
+            stacklevel=3,
+        )
+
+
+def linear_with_grad_accumulation_and_async_allreduce(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    grad_output_buffer: list[torch.Tensor] | None = None,
+    wgrad_deferral_limit: int | None = 0,
+    tp_group: dist.ProcessGroup | None = None,
+    gtp_remat_size: int = 1,
+    output_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``Y = X·Wᵀ + b`` with TP communication overlapped with the backward GEMMs.
+
+    Args:
+        input: ``X``, ``[s, b, k]`` (any leading dims); under ``sequence_parallel`` this
+            rank's ``[s/W, b, k]`` rows, all-gathered along dim 0 before the GEMM.
+        weight: ``W``, ``[n, k]`` (a gtp_remat shard when ``gtp_remat_size > 1``).
+        bias: ``b``, ``[n]`` or None.
+        gradient_accumulation_fusion: add ``dW`` into ``weight.main_grad`` (apex's kernel
+            when importable, ``addmm_`` otherwise; same numbers) instead of returning it.
+        allreduce_dgrad: all-reduce ``dX`` over ``tp_group``, asynchronously, overlapped
+            with the wgrad GEMM. Must be False under ``sequence_parallel``.
+        sequence_parallel: gather ``X`` along dim 0 in forward (re-gathered asynchronously
+            in backward, overlapped with the dgrad GEMM) and reduce-scatter ``dX`` along
+            dim 0 in backward (overlapped with the wgrad GEMM).
+        grad_output_buffer: embedding wgrad deferral: ``dY`` is appended here instead of
+            computing ``dW`` (while fewer than ``wgrad_deferral_limit`` are held; 0 = no
+            limit). Needs ``gradient_accumulation_fusion``.
+        wgrad_deferral_limit: see ``grad_output_buffer`` (None reads as 0).
+        tp_group: the tensor-parallel group (None: the default collection's ``tp``).
+        gtp_remat_size: > 1 when ``weight`` is a gtp_remat shard: all-gathered over its
+            ``group`` before each GEMM, ``dW`` reduce-scattered (see :mod:`mc_tp_layers.gtp`).
+        output_dtype: dtype of ``Y`` when it should differ from ``X``'s (exact torch path,
+            see :func:`mc_tp_layers.layers._linear_forward`); ``dX`` keeps ``X``'s dtype.
+
+    Every argument is checked before any collective is issued. See the module notes for
+    the collective schedule.
+    """
+    x, w = _check_common(
+        input, weight, bias, allreduce_dgrad, sequence_parallel, gtp_remat_size, output_dtype
+    )
+    group = resolve_tp_group(
+        tp_group, None, what="linear_with_grad_accumulation_and_async_allreduce"
+    )
+    if gradient_accumulation_fusion:
+        _validate.main_grad(w)
+    limit = _check_deferral(grad_output_buffer, wgrad_deferral_limit, gradient_accumulation_fusion)
+    _warn_device_connections(x, sequence_parallel or allreduce_dgrad)
+    return apply(
+        LinearWithGradAccumulationAndAsyncCommunication,
+        x,
+        w,
+        bias,
+        bool(gradient_accumulation_fusion),
+        bool(allreduce_dgrad),
+        bool(sequence_parallel),
+        grad_output_buffer,
+        limit,
+        group,
+        gtp_remat_size,
+        output_dtype,
+    )
+
+
+def linear_with_frozen_weight(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    tp_group: dist.ProcessGroup | None,
+    grad_output_buffer: list[torch.Tensor] | None = None,
+    wgrad_deferral_limit: None = None,
+    gtp_remat_size: int = 1,
+    output_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``Y = X·Wᵀ + b`` for a weight that is not trained (``weight.requires_grad`` False).
+
+    Saves only the weight (no activations) and computes no weight gradient. Under
+    ``sequence_parallel`` ``X`` is all-gathered along dim 0 in forward and ``dX``
+    reduce-scattered in backward (through :func:`gather_from_sequence_parallel_region`);
+    otherwise ``allreduce_dgrad`` all-reduces ``dX`` over ``tp_group``. With
+    ``gtp_remat_size > 1`` the weight shard is all-gathered first.
+    ``gradient_accumulation_fusion`` is ignored (nothing to accumulate);
+    ``grad_output_buffer`` and ``wgrad_deferral_limit`` must stay None (deferral exists only
+    for trained weights).
+    """
+    x, w = _check_common(
+        input, weight, bias, allreduce_dgrad, sequence_parallel, gtp_remat_size, output_dtype
+    )
+    del gradient_accumulation_fusion
+    if grad_output_buffer is not None or wgrad_deferral_limit is not None:
+        raise ValueError(
+            "grad_output_buffer and wgrad_deferral_limit are only supported by "
+            "linear_with_grad_accumulation_and_async_allreduce; pass None"
+        )
+    group = resolve_tp_group(tp_group, None, what="linear_with_frozen_weight")
+    if sequence_parallel:
+        x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
+    full = gather_gtp_weight(w) if gtp_remat_size > 1 else w
+    return apply(LinearWithFrozenWeight, x, full, bias, bool(allreduce_dgrad), group, output_dtype)

@@ -1,0 +1,250 @@
+r"""``RowParallelLinear``: ``Y = X·A + b`` with A split along its input dimension.
+
+::
+
+            A = [ A_1 ; A_2 ; … ; A_W ]  (rows)    X = [ X_1 | … | X_W ]   (last dim)
+    rank r: Y_r = X_r · A_r                        (a partial sum, [s, b, n])
+            Y   = Σ_r Y_r + b                       (all-reduce, or reduce-scatter along
+                                                    dim 0 under sequence parallelism)
+
+torch stores Aᵀ: the weight is ``[n, k/W]`` per rank; the bias ``[n]`` is replicated and
+added after the reduction.
+
+Collectives (W > 1):
+
+    sequence_parallel off: forward  one all-reduce of Y          backward —
+    sequence_parallel on:  forward  one reduce-scatter of Y      backward one all-gather
+                                    along dim 0                           of dY along dim 0
+
+With ``input_is_parallel=False`` the input ``[.., k]`` is first split along its last dim
+(no communication; backward all-gathers dX). Experts (``is_expert`` with TP or EP > 1)
+return the partial sums: the MoE layer reduces them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mc_groups import ProcessGroupCollection
+from mc_tp_layers import _layer_common as common
+from mc_tp_layers._config import TensorParallelConfig
+from mc_tp_layers._groups import default_device, resolve_gtp_group, resolve_tp_group
+from mc_tp_layers._validate import check_divisible, main_grad, positive_int
+from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
+from mc_tp_layers.gtp import shard_weight_for_gtp
+from mc_tp_layers.initialization import InitMethod
+from mc_tp_layers.linear import (
+    linear_with_frozen_weight,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
+from mc_tp_layers.mappings import (
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from mc_tp_layers.random import RNGStatesTracker
+
+__all__ = ["RowParallelLinear"]
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Linear layer with row parallelism (see the module notes for the math and schedule).
+
+    Args:
+        input_size: k, the first dimension of A; must divide by the TP size.
+        output_size: n, the second dimension of A.
+        config: the layer config (:class:`mc_tp_layers.TensorParallelConfig`).
+        init_method: fills a weight tensor in place; the bias always starts at zero.
+        bias: allocate a replicated bias ``[n]``.
+        input_is_parallel: the input is already split along its last dim (required under
+            sequence parallelism).
+        skip_bias_add: return the bias instead of adding it.
+        stride: the weight's parts are strided along the input dim.
+        keep_master_weight_for_test: keep the CPU master weight as ``self.master_weight``.
+        is_expert: an MoE expert layer (``expt_tp`` group; no reduction here).
+        tp_comm_buffer_name: Transformer-Engine userbuffer name; unused.
+        tp_group: the tensor-parallel group (default: ``pg_collection``'s, then the
+            default collection's).
+        name: a label kept as ``self.name``.
+        pg_collection: groups to read ``tp`` / ``gtp_remat`` from.
+        rng_tracker: the RNG tracker for device initialisation (mc addition).
+        device: where to allocate (mc addition).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: TensorParallelConfig,
+        init_method: InitMethod,
+        bias: bool,
+        input_is_parallel: bool,
+        skip_bias_add: bool,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        is_expert: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        name: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        rng_tracker: RNGStatesTracker | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = common.check_config(config)
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel, self.skip_bias_add = bool(input_is_parallel), bool(skip_bias_add)
+        self.is_expert, self.tp_comm_buffer_name, self.name = (
+            bool(is_expert),
+            tp_comm_buffer_name,
+            name,
+        )
+        self.sequence_parallel = bool(self.config.sequence_parallel)
+        if self.sequence_parallel and not self.input_is_parallel:
+            raise ValueError(
+                "config.sequence_parallel=True needs input_is_parallel=True: under sequence "
+                "parallelism the input arrives split along its last dim"
+            )
+        self.tp_group = resolve_tp_group(
+            tp_group, pg_collection, is_expert=self.is_expert, what="RowParallelLinear"
+        )
+        world = int(self.tp_group.size())
+        self.input_size_per_partition = check_divisible(
+            input_size, world, "input_size", "choose an input_size that is a multiple of it"
+        )
+        self._check_arguments(output_size, stride, init_method)
+        self.gtp_remat_size = common.gtp_remat_size(self.config)
+        self.gtp_group = resolve_gtp_group(
+            self.gtp_remat_size, pg_collection, is_expert=self.is_expert, what="RowParallelLinear"
+        )
+        self.expert_parallel = common.expert_parallel(self.config)
+        self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
+        self.gradient_accumulation_fusion = bool(self.config.gradient_accumulation_fusion)
+        target = (
+            torch.device(device)
+            if device is not None
+            else default_device(self.config.use_cpu_initialization, self.tp_group)
+        )
+        init = common.WeightInit(self.config, init_method, rng_tracker, self.tp_group)
+        init.check_tracker()
+        self.master_weight: torch.Tensor | None = None
+        self.weight = self._make_weight(init, target, stride, keep_master_weight_for_test)
+        self.bias: torch.nn.Parameter | None
+        if bias:
+            self.bias = self._make_bias(target)
+        else:
+            self.register_parameter("bias", None)
+        common.default_extra_state(self)
+
+    def _check_arguments(self, output_size: int, stride: int, init_method: object) -> None:
+        positive_int(output_size, "output_size")
+        positive_int(stride, "stride")
+        common.check_init_method(init_method)
+        if self.input_size_per_partition % stride:
+            raise ValueError(
+                f"stride={stride} must divide the per-rank input size "
+                f"{self.input_size_per_partition} (input_size={self.input_size} over "
+                f"{self.tp_group.size()} ranks)"
+            )
+
+    def _make_weight(
+        self, init: common.WeightInit, device: torch.device, stride: int, keep_master: bool
+    ) -> torch.nn.Parameter:
+        shape = (self.output_size, self.input_size_per_partition)
+        weight = common.new_parameter(shape, self.config, device)
+        self.master_weight = init.run(
+            weight,
+            (self.output_size, self.input_size),
+            1,
+            stride,
+            is_expert=self.is_expert,
+            keep_master=keep_master,
+        )
+        weight.allreduce = not (self.is_expert and self.expert_parallel)  # type: ignore[attr-defined]
+        if self.gtp_group is not None:
+            weight = shard_weight_for_gtp(weight, self.gtp_group)
+        return weight
+
+    def _make_bias(self, device: torch.device) -> torch.nn.Parameter:
+        bias = common.new_parameter((self.output_size,), self.config, device)
+        set_tensor_model_parallel_attributes(bias, False, -1, 1)
+        common.zero_bias(bias, self.config)
+        bias.allreduce = not (self.is_expert and self.expert_parallel)  # type: ignore[attr-defined]
+        # Under SP each rank's bias gradient sums only its own rows: finalize_model_grads
+        # all-reduces parameters tagged sequence_parallel over TP.
+        bias.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+        common.tag_gtp_replica(bias, self.gtp_group)
+        return bias
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(Y, bias)``: Y ``[s, b, n]`` (``[s/W, b, n]`` under SP); bias when ``skip_bias_add``.
+
+        Args:
+            input_: ``[s, b, k/W]`` when ``input_is_parallel`` else ``[s, b, k]`` (or 2-D).
+        """
+        world = int(self.tp_group.size())
+        last = self.input_size_per_partition if self.input_is_parallel else self.input_size
+        x = common.check_input(input_, last, "RowParallelLinear")
+        if self.sequence_parallel and not self.explicit_expert_comm:
+            common.check_sequence(x, world)
+        if self.gradient_accumulation_fusion and self.weight.requires_grad:
+            main_grad(self.weight)
+        if self.input_is_parallel or self.explicit_expert_comm:
+            input_parallel = x
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
+        output_parallel = self._linear(input_parallel)
+        output = self._reduce(output_parallel)
+        if self.skip_bias_add or self.bias is None:
+            return output, self.bias if self.skip_bias_add else None
+        return output + self.bias, None
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not w.requires_grad:
+            return linear_with_frozen_weight(
+                x, w, None, False, False, False, self.tp_group, gtp_remat_size=self.gtp_remat_size
+            )
+        return linear_with_grad_accumulation_and_async_allreduce(
+            x,
+            w,
+            None,
+            self.gradient_accumulation_fusion,
+            False,
+            False,
+            tp_group=self.tp_group,
+            gtp_remat_size=self.gtp_remat_size,
+        )
+
+    def _reduce(self, output_parallel: torch.Tensor) -> torch.Tensor:
+        if self.explicit_expert_comm:
+            return output_parallel
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+        return reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+
+    def backward_dw(self) -> None:
+        """Delayed wgrad computation (``delay_wgrad_compute``): not supported, does nothing.
+
+        The weight gradient is always computed in backward.
+        """
+
+    def set_extra_state(self, state: Any) -> None:
+        """Extra state is ignored (kept for Transformer-Engine state-dict compatibility)."""
+
+    def get_extra_state(self) -> None:
+        """None: there is no extra state (the key keeps TE state dicts loadable)."""
+        return
+
+    def extra_repr(self) -> str:
+        """Sizes, bias and TP degree, e.g. ``in_features=16, out_features=8, bias=True, TP=2``."""
+        return (
+            f"in_features={self.input_size}, out_features={self.output_size}, "
+            f"bias={self.bias is not None}, TP={self.tp_group.size()}, "
+            f"input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )

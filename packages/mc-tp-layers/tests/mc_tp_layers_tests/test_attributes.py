@@ -1,0 +1,92 @@
+"""TP/GTP attribute helpers, without processes (pure functions on tensors).
+
+``gtp_local_pad_zero_count`` is checked on hand-derived layouts: a weight of ``d0`` rows
+padded with ``p`` rows and split over G ranks of ``s`` rows puts the padding in rows
+``[G·s - p, G·s)`` of the padded weight.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mc_tp_layers as tpl
+from mc_tp_layers.layers import _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS
+
+
+class _Group:
+    """Only what gtp_local_pad_zero_count reads from a process group."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _shard(rows: int, cols: int, pad: int, group: _Group | None) -> torch.Tensor:
+    shard = torch.zeros(rows, cols)
+    shard.pad_length = pad  # type: ignore[attr-defined]
+    if group is not None:
+        shard.group = group  # type: ignore[attr-defined]
+    return shard
+
+
+def test_pad_count_spills_into_earlier_shards() -> None:
+    # 16-row shards over 4 ranks, 63 padding rows: rows 1..63 of 64 are padding, so rank 0
+    # holds 15 padding rows and ranks 1-3 hold 16 each.
+    counts = [
+        tpl.gtp_local_pad_zero_count(_shard(16, 8, 63, _Group(4, r)), 0, 16 * 8) for r in range(4)
+    ]
+    assert counts == [15 * 8, 16 * 8, 16 * 8, 16 * 8]
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "expected"), [(0, 32, 12), (0, 20, 0), (18, 32, 12), (21, 31, 10)]
+)
+def test_pad_count_of_a_fragment(start: int, end: int, expected: int) -> None:
+    # last of 4 ranks, 8x4 shard, 3 padding rows: flat elements 20..31 are padding
+    assert tpl.gtp_local_pad_zero_count(_shard(8, 4, 3, _Group(4, 3)), start, end) == expected
+
+
+def test_pad_count_needs_pad_length_and_group() -> None:
+    assert tpl.gtp_local_pad_zero_count(_shard(8, 4, 3, _Group(4, 0)), 0, 32) == 0  # not in rank 0
+    assert tpl.gtp_local_pad_zero_count(_shard(8, 4, 3, None), 0, 32) == 0
+    source = _shard(8, 4, 3, _Group(4, 3))
+    copy = torch.zeros(8, 4)
+    tpl.copy_gtp_attributes(copy, source)
+    assert tpl.gtp_local_pad_zero_count(copy, 0, 32) == 12
+
+
+def test_gtp_duplicate_tags() -> None:
+    shard, replica0, replica1, plain = (torch.zeros(1) for _ in range(4))
+    shard.is_gtp_weight_remat = True  # type: ignore[attr-defined]
+    replica0.gtp_remat_rank = 0  # type: ignore[attr-defined]
+    replica1.gtp_remat_rank = 1  # type: ignore[attr-defined]
+    assert [tpl.param_is_not_gtp_duplicate(p) for p in (shard, replica0, replica1, plain)] == [
+        True,
+        True,
+        False,
+        True,
+    ]
+
+
+def test_tp_attribute_helpers() -> None:
+    t = torch.zeros(2)
+    tpl.set_defaults_if_not_set_tensor_model_parallel_attributes(t)
+    assert {k: getattr(t, k) for k in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS} == {
+        "tensor_model_parallel": False,
+        "partition_dim": -1,
+        "partition_stride": 1,
+    }
+    u = torch.zeros(2)
+    tpl.set_tensor_model_parallel_attributes(u, True, 1, 2)
+    tpl.set_tensor_model_parallel_attributes(u, True, 1, 2)  # same values again: fine
+    v = torch.zeros(2)
+    tpl.copy_tensor_model_parallel_attributes(v, u)
+    assert (v.tensor_model_parallel, v.partition_dim, v.partition_stride) == (True, 1, 2)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="differ"):
+        tpl.set_tensor_model_parallel_attributes(u, True, 0, 1)

@@ -1,0 +1,167 @@
+"""Bad input: each a ValueError/TypeError naming the argument, raised before any collective.
+
+Every case runs inside ``record_collectives()``; the log must stay empty, which proves the
+check ran before anything was communicated (a rank failing mid-collective would hang its
+peers instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import mc_groups as mg
+import mc_tp_layers as tpl
+from mc_groups.testing import RankPools
+from mc_tp_layers_tests._helpers import config, world
+
+Z = torch.nn.init.zeros_
+_NOT_A_CONFIG: Any = object()
+
+
+def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
+    cfg, sp = config(2), config(2, sequence_parallel=True)
+    fused = config(2, gradient_accumulation_fusion=True)
+    col_sp = tpl.ColumnParallelLinear(8, 4, config=sp, init_method=Z, pg_collection=pgc)
+    row_sp = tpl.RowParallelLinear(
+        4,
+        8,
+        config=sp,
+        init_method=Z,
+        bias=False,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        pg_collection=pgc,
+    )
+    emb_rs = tpl.VocabParallelEmbedding(
+        8, 4, init_method=Z, reduce_scatter_embeddings=True, config=sp, pg_collection=pgc
+    )
+    skip = tpl.ColumnParallelLinear(
+        8, 4, config=cfg, init_method=Z, skip_weight_param_allocation=True, pg_collection=pgc
+    )
+    fused_col = tpl.ColumnParallelLinear(8, 4, config=fused, init_method=Z, pg_collection=pgc)
+    return {
+        "output_size": lambda: tpl.ColumnParallelLinear(
+            8, 5, config=cfg, init_method=Z, pg_collection=pgc
+        ),
+        "input_size": lambda: tpl.RowParallelLinear(
+            5,
+            8,
+            config=cfg,
+            init_method=Z,
+            bias=True,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            pg_collection=pgc,
+        ),
+        "vocab": lambda: tpl.VocabParallelEmbedding(
+            9, 4, init_method=Z, config=cfg, pg_collection=pgc
+        ),
+        "sp_not_parallel": lambda: tpl.RowParallelLinear(
+            4,
+            8,
+            config=sp,
+            init_method=Z,
+            bias=True,
+            input_is_parallel=False,
+            skip_bias_add=False,
+            pg_collection=pgc,
+        ),
+        "rank": lambda: col_sp(torch.ones(2, 2, 2, 8)),
+        "last_dim": lambda: col_sp(torch.ones(2, 2, 7)),
+        "no_weight": lambda: skip(torch.ones(2, 2, 8)),
+        "weight_shape": lambda: skip(torch.ones(2, 2, 8), weight=torch.ones(4, 8)),
+        "main_grad": lambda: fused_col(torch.ones(2, 2, 8)),
+        "sequence": lambda: row_sp(torch.ones(3, 2, 2)),
+        "emb_sequence": lambda: emb_rs(torch.zeros(2, 3, dtype=torch.long)),
+        "emb_ids": lambda: emb_rs(torch.zeros(2, 4)),
+        "device_init": lambda: tpl.ColumnParallelLinear(
+            8, 4, config=config(2, use_cpu_initialization=False), init_method=Z, pg_collection=pgc
+        ),
+        "defer_buffers": lambda: tpl.ColumnParallelLinear(
+            8,
+            4,
+            config=config(2, defer_embedding_wgrad_compute=True),
+            init_method=Z,
+            pg_collection=pgc,
+        ),
+        "both_reductions": lambda: tpl.linear_with_grad_accumulation_and_async_allreduce(
+            torch.ones(2, 8), torch.ones(2, 8), None, False, True, True, tp_group=pgc.tp
+        ),
+        "deferral_without_fusion": lambda: tpl.linear_with_grad_accumulation_and_async_allreduce(
+            torch.ones(2, 8), torch.ones(2, 8), None, False, False, True, [], 0, pgc.tp
+        ),
+        "drain_mismatch": lambda: tpl.drain_embedding_wgrad_compute(
+            cfg, [torch.ones(1)], [], torch.ones(2, 8), pgc.tp
+        ),
+        "config": lambda: tpl.ColumnParallelLinear(
+            8, 4, config=_NOT_A_CONFIG, init_method=Z, pg_collection=pgc
+        ),
+    }
+
+
+def _run_cases() -> dict[str, str]:
+    pgc = world(2)
+    try:
+        messages: dict[str, str] = {}
+        with mg.record_collectives() as log:
+            for name, call in _cases(pgc).items():
+                try:
+                    call()
+                    messages[name] = "no error"
+                except (ValueError, TypeError) as err:
+                    messages[name] = f"{type(err).__name__}: {err}"
+        messages["log"] = str([r.op for r in log])
+        return messages
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+EXPECTED = {
+    "output_size": ["ValueError", "output_size=5", "tensor-parallel size 2", "multiple"],
+    "input_size": ["ValueError", "input_size=5", "tensor-parallel size 2"],
+    "vocab": ["ValueError", "num_embeddings=9", "pad the vocabulary"],
+    "sp_not_parallel": ["ValueError", "sequence_parallel=True", "input_is_parallel=True"],
+    "rank": ["ValueError", "(2, 2, 2, 8)", "[sequence, batch, 8]"],
+    "last_dim": ["ValueError", "(2, 2, 7)", "[sequence, batch, 8]"],
+    "no_weight": [
+        "ValueError",
+        "skip_weight_param_allocation=True",
+        "weight=<tensor of shape [2, 8]>",
+    ],
+    "weight_shape": ["ValueError", "(4, 8)", "[2, 8]"],
+    "main_grad": [
+        "ValueError",
+        "gradient_accumulation_fusion=True",
+        "main_grad",
+        "DistributedDataParallel",
+    ],
+    "sequence": ["ValueError", "(3, 2, 2)", "sequence length 3", "tensor-parallel size 2"],
+    "emb_sequence": ["ValueError", "sequence length 3", "pad the"],
+    "emb_ids": ["TypeError", "torch.float32", "integer"],
+    "device_init": ["ValueError", "rng_tracker=", "use_cpu_initialization=True"],
+    "defer_buffers": ["ValueError", "embedding_activation_buffer", "grad_output_buffer"],
+    "both_reductions": [
+        "ValueError",
+        "allreduce_dgrad=True",
+        "sequence_parallel=True",
+        "allreduce_dgrad=False",
+    ],
+    "deferral_without_fusion": [
+        "ValueError",
+        "grad_output_buffer",
+        "gradient_accumulation_fusion=True",
+    ],
+    "drain_mismatch": ["ValueError", "holds 1", "holds 0"],
+    "config": ["TypeError", "lacks", "ModelParallelConfig"],
+}
+
+
+def test_bad_input_is_a_clear_error_before_any_collective(rank_pools: RankPools) -> None:
+    for out in rank_pools.get(2).run(_run_cases):
+        assert out["log"] == "[]"
+        for name, parts in EXPECTED.items():
+            for part in parts:
+                assert part in out[name], f"{name}: {part!r} not in {out[name]!r}"

@@ -1,0 +1,87 @@
+"""The RNG tracker: named streams, fork nesting, and Megatron's seeds (single process).
+
+Every expectation is a fresh ``torch.Generator`` seeded by hand: a stream must produce
+exactly that generator's sequence however its draws are split across forks. Values are
+compared with ``torch.equal`` (same generator, same draws).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mc_tp_layers as tpl
+
+
+def _draws(seed: int, n: int) -> torch.Tensor:
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed))
+
+
+def test_fork_draws_the_stream_and_restores_the_default() -> None:
+    tracker = tpl.RNGStatesTracker("cpu")
+    tracker.add("a", 11)
+    tracker.add("b", 22)
+    torch.manual_seed(5)
+    outside = [torch.rand(1)]
+    with tracker.fork("a"):
+        a1 = torch.rand(2)
+    outside.append(torch.rand(1))
+    with tracker.fork("a"):
+        a2 = torch.rand(2)
+    # the default generator is untouched by the forks; stream a continues across forks
+    assert torch.equal(torch.cat(outside), _draws(5, 2))
+    assert torch.equal(torch.cat([a1, a2]), _draws(11, 4))
+
+
+def test_nested_forks_keep_each_stream_one_sequence() -> None:
+    tracker = tpl.RNGStatesTracker()
+    tracker.add("a", 11)
+    tracker.add("b", 22)
+    with tracker.fork("a"):
+        a = [torch.rand(1)]
+        with tracker.fork("b"):
+            b = [torch.rand(1)]
+            with tracker.fork("a"):  # A inside B inside A: continues A
+                a.append(torch.rand(1))
+                with tracker.fork("a"):  # the active stream again: no switch
+                    a.append(torch.rand(1))
+            b.append(torch.rand(1))
+        a.append(torch.rand(1))
+    assert torch.equal(torch.cat(a), _draws(11, 4))
+    assert torch.equal(torch.cat(b), _draws(22, 2))
+
+
+def test_states_round_trip_and_errors() -> None:
+    tracker = tpl.RNGStatesTracker()
+    tracker.add("a", 1)
+    saved = tracker.get_states()
+    with tracker.fork("a"):
+        first = torch.rand(3)
+    tracker.set_states(saved)
+    with tracker.fork("a"):
+        assert torch.equal(torch.rand(3), first)
+    with pytest.raises(ValueError, match="seed 1 already"):
+        tracker.add("b", 1)
+    with pytest.raises(ValueError, match="'a' already exists"):
+        tracker.add("a", 2)
+    with pytest.raises(ValueError, match="'nope' was never added"), tracker.fork("nope"):
+        pass
+    tracker.reset()
+    assert not tracker.is_initialized()
+
+
+def test_model_parallel_seed_streams() -> None:
+    tracker = tpl.model_parallel_cuda_manual_seed(
+        100, tp_rank=3, ep_rank=2, etp_rank=1, device="cpu"
+    )
+    expected = {
+        tpl.get_data_parallel_rng_tracker_name(): 100,
+        tpl.get_model_parallel_rng_tracker_name(): 100 + 2718 + 3,
+        tpl.get_expert_parallel_rng_tracker_name(): 100 + 1024 + 100 * 2 + 1,
+    }
+    # the default generator is seeded with the data-parallel seed
+    assert torch.equal(torch.rand(2), _draws(100, 2))
+    for name, seed in expected.items():
+        with tracker.fork(name):
+            assert torch.equal(torch.rand(2), _draws(seed, 2)), name
+    assert tpl.CudaRNGStatesTracker is tpl.RNGStatesTracker
