@@ -80,16 +80,18 @@ def _allreduce_word_embedding_grads(
 ) -> None:
     """All-reduce the shared word-embedding grad across the first and last pipeline stages.
 
-    ``embd_group`` / ``pp_group`` None read the default collection's ``embd`` / ``pp``
-    (an ``embd`` of None there means this rank holds no embedding copy: nothing runs).
+    With both groups None, both come from the registered default collection (whose ``embd``
+    is None on ranks that hold no embedding copy). With ``pp_group`` given, ``embd_group=None``
+    means this rank is in no embedding group: nothing runs.
     """
     chunks = _as_chunks(model)
-    embd = _resolve_group(embd_group, "embd", "_allreduce_word_embedding_grads")
-    if not _is_multi_rank(embd):
+    if embd_group is None and pp_group is None:
+        embd_group = _resolve_group(None, "embd", "_allreduce_word_embedding_grads")
+        pp_group = _resolve_group(None, "pp", "_allreduce_word_embedding_grads")
+    if not _is_multi_rank(embd_group):
         return
-    pp = _resolve_group(pp_group, "pp", "_allreduce_word_embedding_grads")
     getter = partial(_get_shared_word_embedding_weight, config=config)
-    _allreduce_embedding_grad(chunks, embd, pp, getter, config=config)
+    _allreduce_embedding_grad(chunks, embd_group, pp_group, getter, config=config)
 
 
 def _allreduce_position_embedding_grads(

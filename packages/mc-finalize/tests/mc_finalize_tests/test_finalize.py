@@ -1,0 +1,346 @@
+"""``finalize_model_grads`` end to end on hand-made chunks: step order, groups, num_tokens,
+force_all_reduce, the default collection, and bad input.
+
+Localizes the composition (each step already has its own test module): the recorder shows
+the steps in the documented order, each on its group, and that nothing runs for a step that
+does not apply; bad input fails on every rank before any collective and before any chunk's
+``finish_grad_sync``. Grads and token counts are small integers whose quotients are binary
+fractions, except the 1/11 of the dp case, compared with ``torch.testing.assert_close``
+defaults for fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import mc_groups as mg
+from mc_finalize import finalize_model_grads
+from mc_finalize_tests._helpers import Cfg, Chunk, add_param, first, layout, rank, records
+from mc_finalize_tests.test_router_state import BiasRouter, QuantileRouter
+from mc_groups.testing import RankPools
+
+
+class StageChunk(Chunk):
+    """A pipeline stage with every kind of param and router finalize touches."""
+
+    def __init__(self, cfg: Cfg, pp_rank: int, pp_size: int, tp_rank: int) -> None:
+        super().__init__(cfg)
+        self.pre_process = pp_rank == 0
+        self.post_process = pp_rank == pp_size - 1
+        self.share_embeddings_and_output_weights = True
+        add_param(self, "cond.weight", 1 + 10 * pp_rank, pipeline_parallel=True)
+        add_param(self, "router.weight", 100 + pp_rank, flextron_router_pp_sync=True)
+        add_param(self, "ln.weight", 2**tp_rank, sequence_parallel=True)
+        add_param(self, "embedding.weight", 1 + 10 * pp_rank)
+        add_param(self, "plain.weight", 4)
+        self.bias_router = BiasRouter([float(tp_rank), 1.0], [0.0, 0.0])
+        self.qb_router = QuantileRouter([0.0, 0.0], [2.0, 0.0], 1)
+
+    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter:
+        return self.get_parameter("embedding.weight")
+
+
+def _grads(chunk: Chunk) -> dict[str, float]:
+    return {n: first(p) for n, p in chunk.named_parameters()}
+
+
+def _all_steps_tp2_pp2() -> dict[str, Any]:
+    cfg = Cfg(
+        sequence_parallel=True,
+        calculate_per_token_loss=True,
+        has_cond_embedder=True,
+        flextron=True,
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.25,
+        moe_router_load_balancing_type="quantile_balancing",
+    )
+    with layout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2) as pgc:
+        assert pgc.pp is not None
+        assert pgc.tp is not None
+        p, t = pgc.pp.rank(), pgc.tp.rank()
+        chunk = StageChunk(cfg, p, 2, t)
+        num_tokens = torch.tensor(4 if p == 1 else 1000)  # only the last stage counts
+        with mg.record_collectives() as log:
+            finalize_model_grads([chunk], num_tokens, pgc, force_all_reduce=True)
+        buffers = {n: b.reshape(-1).tolist() for n, b in chunk.named_buffers()}
+        return {
+            "grads": _grads(chunk),
+            "buffers": buffers,
+            "log": records(log),
+            "sync": chunk.sync_calls,
+            "scale": chunk.scale_calls,
+            "tokens": int(num_tokens),
+        }
+
+
+def test_every_step_in_order_tp2_pp2(rank_pools: RankPools) -> None:
+    # rank = tp + 2·pp. Sums: cond 1 + 11 = 12 and router 100 + 101 = 201 over pp; ln
+    # 1 + 2 = 3 over tp; tied embedding 1 + 11 = 12 over embd (= pp here); then ÷ 4 tokens
+    # broadcast from the last stage (dp_cp has one rank: no sum). Expert bias: tokens over
+    # tp_dp_cp (= tp) Σ [t, 1] = [1, 2], mean 1.5 → bias [+0.25, −0.25]. qb over a dp_cp of
+    # one rank: quantile [2, 0], ema 0, re-centred → [1, −1]; accumulators reset.
+    for r, out in enumerate(rank_pools.get(4).run(_all_steps_tp2_pp2)):
+        tp, pp = (r & ~1, r | 1), (r % 2, r % 2 + 2)
+        assert out["grads"] == {
+            "cond.weight": 3.0,
+            "router.weight": 50.25,
+            "ln.weight": 0.75,
+            "embedding.weight": 3.0,
+            "plain.weight": 1.0,
+        }
+        assert out["buffers"]["bias_router.expert_bias"] == [0.25, -0.25]
+        assert out["buffers"]["bias_router.local_tokens_per_expert"] == [0.0, 0.0]
+        assert out["buffers"]["qb_router.qb_beta"] == [1.0, -1.0]
+        assert out["buffers"]["qb_router.qb_beta_accum"] == [0.0, 0.0]
+        assert out["log"] == [
+            ("all_reduce", "sum", pp, "float32", 3, "conditional embedding grads"),
+            ("all_reduce", "sum", pp, "float32", 3, "router grads"),
+            ("all_reduce", "sum", tp, "float32", 3, "non-tensor-parallel grads"),
+            ("all_reduce", "sum", pp, "float32", 3, "embedding grads"),
+            ("all_reduce", "sum", tp, "float32", 2, "router expert bias"),
+            ("broadcast", None, pp, "int64", 1, "num_tokens"),
+        ]
+        assert out["sync"] == [True]
+        assert out["scale"] == [0.25]
+        assert out["tokens"] == 4
+
+
+def _gtp_per_token() -> dict[str, Any]:
+    cfg = Cfg(
+        calculate_per_token_loss=True,
+        gtp_remat_size=2,
+        moe_router_load_balancing_type="quantile_balancing",
+    )
+    with layout(gtp_remat_size=2) as pgc:
+        r = rank()
+        chunk = Chunk(cfg)
+        add_param(chunk, "dense.weight", 2**r)
+        router = QuantileRouter([0.0, 0.0], [float(r), 0.0], 1)
+        chunk.qb_router = router
+        num_tokens = torch.tensor([1, 2, 2, 3][r])
+        with mg.record_collectives() as log:
+            finalize_model_grads([chunk], num_tokens, pgc)
+        return {
+            "dense": first(chunk.get_parameter("dense.weight")),
+            "beta": router.get_buffer("qb_beta").tolist(),
+            "log": records(log),
+            "tokens": int(num_tokens),
+            "sync": chunk.sync_calls,
+        }
+
+
+def test_gtp_remat_per_token_loss_counts_every_data_rank(rank_pools: RankPools) -> None:
+    # rank = gtp + 2·dp: gtp_remat pairs {0, 1}, {2, 3}; dp_cp pairs {0, 2}, {1, 3}.
+    # Per-token loss: dense grads SUM over gtp_remat (1 + 2 = 3, 4 + 8 = 12), then ÷ the
+    # tokens of all four data ranks (1 + 2 + 2 + 3 = 8): 0.375 and 1.5. qb: quantile [r, 0]
+    # averaged over the dp_cp pair {r % 2, r % 2 + 2} → [r % 2 + 1, 0], re-centred
+    # → ±(r % 2 + 1) / 2.
+    for r, out in enumerate(rank_pools.get(4).run(_gtp_per_token)):
+        gtp, dp = (r & ~1, r | 1), (r % 2, r % 2 + 2)
+        assert out["dense"] == (0.375 if r < 2 else 1.5)
+        half = (r % 2 + 1) / 2
+        assert out["beta"] == [half, -half]
+        assert out["tokens"] == 8
+        assert out["sync"] == [False]
+        assert out["log"] == [
+            ("all_reduce", "sum", gtp, "float32", 3, "replicated grads over gtp_remat"),
+            ("all_reduce", "avg", dp, "float32", 2, "router qb_beta"),
+            ("all_reduce", "sum", (0, 1, 2, 3), "int64", 1, "num_tokens"),
+        ]
+
+
+def _tokens_pp2_dp2() -> dict[str, Any]:
+    with layout(pipeline_model_parallel_size=2) as pgc:
+        assert pgc.pp is not None
+        assert pgc.dp is not None
+        r, p, d = rank(), pgc.pp.rank(), pgc.dp.rank()
+        chunk = Chunk(Cfg(calculate_per_token_loss=True))
+        add_param(chunk, "w", 2**r)
+        add_param(chunk, "g", 2**r, main_grad=False)
+        num_tokens = torch.tensor(5 + d if p == 1 else 1000, dtype=torch.int32)
+        mg.set_default_collection(pgc)
+        with mg.record_collectives() as log:
+            finalize_model_grads([chunk], num_tokens)  # groups from the default collection
+        return {
+            "grads": [first(chunk.get_parameter(n)) for n in ("w", "g")],
+            "tokens": int(num_tokens),
+            "log": records(log),
+        }
+
+
+def test_num_tokens_broadcast_from_last_stage_and_summed_over_dp(rank_pools: RankPools) -> None:
+    # rank = dp + 2·pp. Last-stage counts 5 + dp = 5, 6 reach stage 0 by broadcast (the 1000
+    # there is ignored); dp sums them: 11 on every rank; grads 2**r become 2**r / 11.
+    for r, out in enumerate(rank_pools.get(4).run(_tokens_pp2_dp2)):
+        pp, dp = (r % 2, r % 2 + 2), (r & ~1, r | 1)
+        torch.testing.assert_close(torch.tensor(out["grads"]), torch.full((2,), 2**r / 11))
+        assert out["tokens"] == 11
+        assert out["log"] == [
+            ("broadcast", None, pp, "int32", 1, "num_tokens"),
+            ("all_reduce", "sum", dp, "int32", 1, "num_tokens"),
+        ]
+
+
+def _defaults_and_zero_tokens() -> dict[str, Any]:
+    with layout() as pgc:
+        chunk = Chunk(mg.ModelParallelConfig())  # no MoE, qk or gtp attributes: defaults
+        add_param(chunk, "w", 3.0, sequence_parallel=True, average_gradients_across_tp_domain=True)
+        zero = torch.tensor(0.0)
+        with mg.record_collectives() as log:
+            finalize_model_grads([chunk], zero, pgc)
+        return {
+            "w": first(chunk.get_parameter("w")),
+            "scale": chunk.scale_calls,
+            "log": records(log),
+        }
+
+
+def test_model_parallel_config_and_zero_tokens(rank_pools: RankPools) -> None:
+    # dp = 2, tp = pp = 1: only the token sum communicates; 0 + 0 tokens clamp to 1.
+    for out in rank_pools.get(2).run(_defaults_and_zero_tokens):
+        assert out["w"] == 3.0
+        assert out["scale"] == [1.0]
+        assert out["log"] == [("all_reduce", "sum", (0, 1), "float32", 1, "num_tokens")]
+
+
+class FirstStage(Chunk):
+    """A first pipeline stage without position embeddings."""
+
+    pre_process = True
+
+
+def _chunk() -> Chunk:
+    chunk = FirstStage(Cfg())
+    add_param(chunk, "w", 2.0)
+    return chunk
+
+
+class NoSequenceParallel:
+    calculate_per_token_loss = False
+
+
+def _bad_calls(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[Chunk], object]]:
+    pgc_ = mg.ProcessGroupCollection
+    tokens = torch.tensor(4)
+    no_config = torch.nn.Linear(1, 1)
+    return {
+        "not_a_list": lambda c: finalize_model_grads(c, pg_collection=pgc),  # type: ignore[arg-type]
+        "empty": lambda c: finalize_model_grads([], pg_collection=pgc),
+        "not_a_chunk": lambda c: finalize_model_grads([object()], pg_collection=pgc),  # type: ignore[list-item]
+        "no_config": lambda c: finalize_model_grads([_with(no_config)], pg_collection=pgc),
+        "config_attr": lambda c: finalize_model_grads([_set(c, NoSequenceParallel())], None, pgc),
+        "config_type": lambda c: finalize_model_grads([_set(c, _bad_qk())], None, pgc),
+        "tokens_int": lambda c: finalize_model_grads([c], 4, pgc),  # type: ignore[arg-type]
+        "tokens_shape": lambda c: finalize_model_grads([c], torch.tensor([2, 2]), pgc),
+        "tokens_2d": lambda c: finalize_model_grads([c], torch.tensor([[4]]), pgc),
+        "tokens_half": lambda c: finalize_model_grads([c], torch.tensor(4.0).half(), pgc),
+        "tokens_bool": lambda c: finalize_model_grads([c], torch.tensor(True), pgc),
+        "tokens_device": lambda c: finalize_model_grads([c], torch.tensor(4, device="meta"), pgc),
+        "no_tp": lambda c: finalize_model_grads([c], None, pgc_(pp=pgc.pp, dp_cp=pgc.dp_cp)),
+        "no_pp": lambda c: finalize_model_grads(
+            [_set(c, Cfg(has_cond_embedder=True))], None, pgc_(tp=pgc.tp)
+        ),
+        "no_pp_tokens": lambda c: finalize_model_grads([c], tokens, pgc_(tp=pgc.tp, dp_cp=pgc.dp)),
+        "no_tp_dp_cp": lambda c: finalize_model_grads(
+            [_set(c, Cfg(moe_router_enable_expert_bias=True))], None, pgc_(tp=pgc.tp, pp=pgc.pp)
+        ),
+        "no_dp_cp_tokens": lambda c: finalize_model_grads([c], tokens, pgc_(tp=pgc.tp, pp=pgc.pp)),
+        "no_dp_cp_qb": lambda c: finalize_model_grads(
+            [_set(c, Cfg(moe_router_load_balancing_type="quantile_balancing"))],
+            None,
+            pgc_(tp=pgc.tp, pp=pgc.pp),
+        ),
+        "no_gtp": lambda c: finalize_model_grads(
+            [_set(c, Cfg(gtp_remat_size=2))], None, pgc_(tp=pgc.tp, pp=pgc.pp)
+        ),
+        "gtp_size": lambda c: finalize_model_grads([_set(c, Cfg(gtp_remat_size=2))], None, pgc),
+        "embd_without_pp": lambda c: finalize_model_grads([c], None, pgc_(tp=pgc.tp, embd=pgc.dp)),
+        "no_position_embedding": lambda c: finalize_model_grads(
+            [c], None, pgc_(tp=pgc.tp, pp=pgc.pp, pos_embd=pgc.dp)
+        ),
+        "collection_type": lambda c: finalize_model_grads([c], None, "tp"),  # type: ignore[arg-type]
+        "force_type": lambda c: finalize_model_grads([c], None, pgc, "yes"),  # type: ignore[arg-type]
+        "no_default": lambda c: finalize_model_grads([c]),
+    }
+
+
+def _with(module: torch.nn.Module) -> Any:
+    module.finish_grad_sync = lambda force_all_reduce=False: None  # type: ignore[assignment]
+    module.scale_gradients = lambda scaling_factor: None  # type: ignore[assignment]
+    return module
+
+
+def _bad_qk() -> Cfg:
+    cfg = Cfg()
+    cfg.qk_layernorm = "yes"  # type: ignore[assignment]
+    return cfg
+
+
+def _set(chunk: Chunk, config: object) -> Chunk:
+    chunk.config = config
+    return chunk
+
+
+def _bad_inputs() -> dict[str, tuple[str, str, int, int, float]]:
+    out = {}
+    with layout() as pgc:
+        for name, call in _bad_calls(pgc).items():
+            chunk = _chunk()
+            with mg.record_collectives() as log:
+                try:
+                    call(chunk)
+                    error = ("none", "")
+                except (TypeError, ValueError) as err:
+                    error = (type(err).__name__, str(err))
+            out[name] = (*error, len(log), len(chunk.sync_calls), first(chunk.get_parameter("w")))
+    return out
+
+
+EXPECTED_ERRORS = {
+    "not_a_list": ("TypeError", "must be a list of model chunks"),
+    "empty": ("ValueError", "model=[] holds no model chunk"),
+    "not_a_chunk": ("TypeError", "model[0] (object) lacks ['finish_grad_sync'"),
+    "no_config": ("TypeError", "model[0] (Linear) has no config"),
+    "config_attr": ("TypeError", "has no attribute 'sequence_parallel'"),
+    "config_type": ("TypeError", "config.qk_layernorm='yes' must be a bool"),
+    "tokens_int": ("TypeError", "num_tokens must be a torch.Tensor"),
+    "tokens_shape": ("ValueError", "num_tokens has shape (2,)"),
+    "tokens_2d": ("ValueError", "num_tokens has shape (1, 1)"),
+    "tokens_half": ("TypeError", "num_tokens has dtype torch.float16"),
+    "tokens_bool": ("TypeError", "num_tokens has dtype torch.bool"),
+    "tokens_device": ("ValueError", "num_tokens is on meta but the model is on cpu"),
+    "no_tp": ("MissingGroupError", "needs pg_collection.tp"),
+    "no_pp": ("MissingGroupError", "needs pg_collection.pp"),
+    "no_pp_tokens": ("MissingGroupError", "needs pg_collection.pp"),
+    "no_tp_dp_cp": ("MissingGroupError", "needs pg_collection.tp_dp_cp"),
+    "no_dp_cp_tokens": ("MissingGroupError", "needs pg_collection.dp_cp"),
+    "no_dp_cp_qb": ("MissingGroupError", "needs pg_collection.dp_cp"),
+    "no_gtp": ("MissingGroupError", "needs pg_collection.gtp_remat"),
+    "gtp_size": ("ValueError", "pg_collection.gtp_remat has 1 ranks but the config says 2"),
+    "embd_without_pp": ("MissingGroupError", "needs pg_collection.pp"),
+    "no_position_embedding": ("ValueError", "has no position_embeddings.weight"),
+    "collection_type": ("TypeError", "pg_collection='tp' must be a mc_groups"),
+    "force_type": ("TypeError", "force_all_reduce='yes' must be a bool"),
+    "no_default": ("MissingGroupError", "no default collection is registered"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input_results(rank_pools: RankPools) -> list[dict[str, tuple[str, str, int, int, float]]]:
+    return rank_pools.get(2).run(_bad_inputs)
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED_ERRORS))
+def test_bad_input_fails_before_any_collective(
+    bad_input_results: list[dict[str, tuple[str, str, int, int, float]]], case: str
+) -> None:
+    kind, fragment = EXPECTED_ERRORS[case]
+    for out in bad_input_results:
+        error_type, message, collectives, syncs, grad = out[case]
+        assert error_type == kind, message
+        assert fragment in message
+        assert (collectives, syncs, grad) == (0, 0, 2.0)  # nothing ran, nothing changed

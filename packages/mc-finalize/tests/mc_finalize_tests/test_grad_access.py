@@ -1,0 +1,158 @@
+"""Grad access and DTensor unshard/reshard, and how config attributes are read.
+
+Localizes ``_get_main_grad_attr``, the identity path for plain tensors, and the DTensor
+round trip: for 1-D and 2-D meshes, even, uneven and nested ``Shard`` placements and
+``Replicate``, the unsharded tensor equals the full tensor the DTensor was built from
+(bit-exact: gathering copies values), resharding returns this rank's own ``torch.chunk``
+slice without any collective, and attributes set on the DTensor survive both ways.
+Also the config defaults (Megatron's) and type errors, without processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+
+import mc_groups as mg
+from mc_finalize import _get_main_grad_attr, _reshard_if_dtensor, _unshard_if_dtensor
+from mc_finalize._settings import _read_settings
+from mc_finalize_tests._helpers import Cfg, layout
+from mc_groups.testing import RankPools
+
+
+def test_main_grad_attr_and_plain_tensors_pass_through() -> None:
+    plain = torch.nn.Parameter(torch.zeros(2))
+    assert _get_main_grad_attr(plain) == "grad"
+    plain.main_grad = None  # type: ignore[attr-defined]
+    assert _get_main_grad_attr(plain) == "main_grad"  # present, even when None
+    tensor = torch.arange(3.0)
+    with mg.record_collectives() as log:
+        assert _unshard_if_dtensor(tensor) is tensor
+        assert _reshard_if_dtensor(tensor * 2, tensor) is tensor  # plain: reduced in place
+    assert log == []
+
+
+CASES: list[tuple[tuple[int, ...], list[Placement]]] = [
+    ((7,), [Shard(0), Shard(0)]),  # nested and uneven: 4 + 3, then 2 + 2 and 2 + 1
+    ((3, 5), [Shard(1), Replicate()]),
+    ((5, 3), [Replicate(), Shard(0)]),
+    ((2, 5), [Shard(1), Shard(0)]),
+]
+
+
+def _round_trips() -> list[Any]:
+    out: list[Any] = []
+    with layout(tensor_model_parallel_size=2) as pgc:
+        assert pgc.dp is not None
+        assert pgc.tp is not None
+        # rank = tp + 2·dp: mesh rows are dp, columns tp.
+        mesh_2d = DeviceMesh.from_group(
+            [pgc.dp, pgc.tp],
+            "cpu",
+            mesh=torch.tensor([[0, 1], [2, 3]]),
+            mesh_dim_names=("dp", "tp"),
+        )
+        for shape, placements in CASES:
+            out.append(_round_trip(mesh_2d, shape, placements))
+        mesh_1d = DeviceMesh.from_group(pgc.tp, "cpu")
+        out.append(_round_trip(mesh_1d, (5, 2), [Shard(0)]))
+        out.append(_partial_rejected(mesh_1d))
+    return out
+
+
+def _round_trip(mesh: DeviceMesh, shape: tuple[int, ...], placements: list[Placement]) -> Any:
+    full = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    sharded = distribute_tensor(full, mesh, placements, src_data_rank=None)
+    sharded.tag = "kept"  # type: ignore[attr-defined]
+    with mg.record_collectives() as unshard_log:
+        unsharded = _unshard_if_dtensor(sharded)
+    with mg.record_collectives() as reshard_log:
+        back = _reshard_if_dtensor(unsharded * 2, sharded)
+    assert isinstance(back, DTensor)
+    return {
+        "equal": torch.equal(unsharded, full),
+        "tag": (getattr(unsharded, "tag", None), getattr(back, "tag", None)),
+        "local": torch.equal(back.to_local(), sharded.to_local() * 2),
+        "meta": (back.placements == sharded.placements, back.shape == sharded.shape),
+        "gathers": [r.group_ranks for r in unshard_log],
+        "reshard_log": len(reshard_log),
+    }
+
+
+def _partial_rejected(mesh: DeviceMesh) -> str:
+    partial = DTensor.from_local(torch.ones(2), mesh, [Partial()], run_check=False)
+    with mg.record_collectives() as log:
+        try:
+            _unshard_if_dtensor(partial)
+        except TypeError as err:
+            return f"{err} | collectives={len(log)}"
+    return "no error"
+
+
+def test_dtensor_unshard_reshard_round_trip(rank_pools: RankPools) -> None:
+    for r, outs in enumerate(rank_pools.get(4).run(_round_trips)):
+        tp, dp = (r & ~1, r | 1), (r % 2, r % 2 + 2)
+        # Innermost mesh dim (tp) is gathered first, then dp; Replicate dims gather nothing.
+        expected_gathers = [[tp, dp], [dp], [tp], [tp, dp], [tp]]
+        for case, gathers in zip(outs[:5], expected_gathers, strict=True):
+            assert case["equal"]
+            assert case["tag"] == ("kept", "kept")
+            assert case["local"]
+            assert case["meta"] == (True, True)
+            assert case["gathers"] == gathers
+            assert case["reshard_log"] == 0
+        assert "Partial" in outs[5]
+        assert outs[5].endswith("collectives=0")
+
+
+def test_settings_defaults_follow_megatron() -> None:
+    settings = _read_settings(mg.ModelParallelConfig())
+    assert (settings.qk_layernorm, settings.has_cond_embedder, settings.flextron) == (
+        False,
+        False,
+        False,
+    )
+    assert settings.moe_router_enable_expert_bias is False
+    assert settings.moe_router_bias_update_rate == 1e-3
+    assert settings.load_balancing_types == ("aux_loss",)
+    assert (settings.quantile_balancing, settings.global_aux_loss) == (False, False)
+    assert settings.quantile_balancing_ema == 0.0
+    assert (settings.mtp_num_layers, settings.gtp_remat_size) == (0, 1)
+    listed = _read_settings(Cfg(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"]))
+    assert listed.global_aux_loss
+
+
+@dataclass
+class _Bare:
+    sequence_parallel: Any = False
+    calculate_per_token_loss: Any = False
+
+
+@pytest.mark.parametrize(
+    ("config", "error", "fragment"),
+    [
+        (_Bare(sequence_parallel=1), TypeError, "config.sequence_parallel=1 must be a bool"),
+        (Cfg(moe_router_bias_update_rate=-1.0), ValueError, "must be >= 0"),
+        (Cfg(moe_router_quantile_balancing_ema=1.5), ValueError, "<= 1.0"),
+        (Cfg(moe_router_bias_update_rate=float("nan")), TypeError, "finite number"),
+        (Cfg(moe_router_load_balancing_type=3), TypeError, "str or a list of str"),  # type: ignore[arg-type]
+        (Cfg(gtp_remat_size=0), TypeError, "config.gtp_remat_size=0 must be an int >= 1"),
+        (object(), TypeError, "has no attribute 'sequence_parallel'"),
+    ],
+)
+def test_bad_config_attributes(config: object, error: type[Exception], fragment: str) -> None:
+    with pytest.raises(error) as info:
+        _read_settings(config)  # type: ignore[arg-type]
+    assert fragment in str(info.value)
