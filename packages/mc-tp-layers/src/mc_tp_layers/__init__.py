@@ -5,6 +5,7 @@
   gradient-accumulation fusion, wgrad deferral, gtp_remat).
 - :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`: the layers.
+- :func:`vocab_parallel_cross_entropy`: the loss of a vocabulary-split LM head.
 - :mod:`mc_tp_layers.random`: the RNG tracker for device initialisation.
 - :mod:`mc_tp_layers.layers`: every name of Megatron's ``core.tensor_parallel.layers``.
 
@@ -25,6 +26,7 @@ from mc_tp_layers.attributes import (
     set_tensor_model_parallel_attributes,
 )
 from mc_tp_layers.column import ColumnParallelLinear
+from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
 from mc_tp_layers.deferral import drain_embedding_wgrad_compute
 from mc_tp_layers.embedding import VocabParallelEmbedding
 from mc_tp_layers.gtp import shard_weight_for_gtp
@@ -100,4 +102,5 @@ __all__ = [
     "set_tensor_model_parallel_attributes",
     "shard_weight_for_gtp",
     "split_tensor_along_last_dim",
+    "vocab_parallel_cross_entropy",
 ]
