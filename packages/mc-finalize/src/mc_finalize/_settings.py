@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from mc_finalize.protocols import FinalizeConfig
 
 _REQUIRED_BOOLS = ("sequence_parallel", "calculate_per_token_loss")
-_OPTIONAL_BOOLS = {
-    "qk_layernorm": False,
-    "has_cond_embedder": False,
-    "flextron": False,
-    "moe_router_enable_expert_bias": False,
-}
+_OPTIONAL_BOOLS = (
+    ("qk_layernorm", False),
+    ("has_cond_embedder", False),
+    ("flextron", False),
+    ("moe_router_enable_expert_bias", False),
+)
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class _Settings:
 
 def _read_settings(config: FinalizeConfig) -> _Settings:
     flags = {name: _required_bool(config, name) for name in _REQUIRED_BOOLS}
-    for name, default in _OPTIONAL_BOOLS.items():
+    for name, default in _OPTIONAL_BOOLS:
         flags[name] = _optional_bool(config, name, default)
     return _Settings(
         **flags,

@@ -19,6 +19,7 @@ pending reductions is not a finished grad).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -52,12 +53,12 @@ def _unshard_if_dtensor(tensor: torch.Tensor) -> torch.Tensor:
     """
     if not _is_dtensor(tensor):
         return tensor
-    assert isinstance(tensor, DTensor)
-    placements = tuple(tensor.placements)
+    dtensor = cast(DTensor, tensor)
+    placements = tuple(dtensor.placements)
     _check_placements(placements)
     with torch.no_grad():
-        full = _gather_full(tensor, placements)
-    _copy_attributes(tensor, full)
+        full = _gather_full(dtensor, placements)
+    _copy_attributes(dtensor, full)
     return full
 
 
@@ -72,8 +73,8 @@ def _reshard_if_dtensor(
     """
     if not _is_dtensor(reference_tensor):
         return reference_tensor
-    assert isinstance(reference_tensor, DTensor)
-    mesh, placements = reference_tensor.device_mesh, tuple(reference_tensor.placements)
+    reference = cast(DTensor, reference_tensor)
+    mesh, placements = reference.device_mesh, tuple(reference.placements)
     _check_placements(placements)
     with torch.no_grad():
         local = _local_slice(tensor_to_shard, mesh, placements)
@@ -82,10 +83,10 @@ def _reshard_if_dtensor(
             mesh,
             placements,
             run_check=False,
-            shape=reference_tensor.shape,
-            stride=reference_tensor.stride(),
+            shape=reference.shape,
+            stride=reference.stride(),
         )
-    _copy_attributes(reference_tensor, sharded)
+    _copy_attributes(reference, sharded)
     return sharded
 
 
