@@ -1,4 +1,4 @@
-"""Checks on the model list, and where a step's group comes from when none is passed."""
+"""Checks on the model list, num_tokens and flags, and where a step's group comes from."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import mc_groups as mg
 from mc_finalize.protocols import ModelChunk
 
 _CHUNK_METHODS = ("finish_grad_sync", "named_parameters", "parameters")
+# Half-precision counts are exact only up to 2048 (fp16) / 256 (bf16) tokens.
+_TOKEN_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
 
 
 def _as_chunks(model: object, *, need_scale: bool = False) -> list[ModelChunk]:
@@ -97,3 +99,35 @@ def _model_module(chunk: ModelChunk) -> object:
             break
         current = inner
     return current
+
+
+def _check_force(force_all_reduce: object) -> bool:
+    if force_all_reduce is None:
+        return False
+    if not isinstance(force_all_reduce, bool):
+        raise TypeError(f"force_all_reduce={force_all_reduce!r} must be a bool")
+    return force_all_reduce
+
+
+def _check_num_tokens(num_tokens: object, chunks: Sequence[ModelChunk]) -> None:
+    if not isinstance(num_tokens, torch.Tensor):
+        raise TypeError(
+            f"num_tokens must be a torch.Tensor holding this rank's token count, got "
+            f"{type(num_tokens).__name__}; e.g. torch.tensor(n, dtype=torch.int64)"
+        )
+    if num_tokens.dim() > 1 or num_tokens.numel() != 1:
+        raise ValueError(
+            f"num_tokens has shape {tuple(num_tokens.shape)}; it must hold one count "
+            "(shape () or (1,)): sum the per-micro-batch counts first"
+        )
+    if num_tokens.dtype not in _TOKEN_DTYPES:
+        raise TypeError(
+            f"num_tokens has dtype {num_tokens.dtype}; use torch.int64 (or int32, float32, "
+            "float64): half-precision and bool cannot hold token counts exactly"
+        )
+    param = next(iter(chunks[0].parameters()), None)
+    if param is not None and num_tokens.device != param.device:
+        raise ValueError(
+            f"num_tokens is on {num_tokens.device} but the model is on {param.device}; "
+            "move it with num_tokens.to(device) (the collective needs both on one device)"
+        )

@@ -29,7 +29,6 @@ embedding copy).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import cast
 
@@ -37,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_finalize._inputs import _as_chunks, _config_of
-from mc_finalize._settings import _read_settings, _Settings
+from mc_finalize._groups_plan import _collection, _Groups, _plan_groups
+from mc_finalize._inputs import _as_chunks, _check_force, _check_num_tokens, _config_of
+from mc_finalize._settings import _read_settings
 from mc_finalize.embedding_grads import (
     _allreduce_embedding_grad,
     _allreduce_position_embedding_grads,
@@ -60,22 +60,6 @@ from mc_finalize.router_state import (
 from mc_finalize.tp_grads import _allreduce_non_tensor_model_parallel_grads
 
 __all__ = ["finalize_model_grads"]
-
-# Half-precision counts are exact only up to 2048 (fp16) / 256 (bf16) tokens.
-_TOKEN_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
-
-
-@dataclass(frozen=True)
-class _Groups:
-    tp: dist.ProcessGroup
-    pp: dist.ProcessGroup | None
-    embd: dist.ProcessGroup | None
-    pos_embd: dist.ProcessGroup | None
-    dp_cp: dist.ProcessGroup | None
-    tokens: dist.ProcessGroup | None
-    tp_dp_cp: dist.ProcessGroup | None
-    gtp_remat: dist.ProcessGroup | None
-    expt_gtp_remat: dist.ProcessGroup | None
 
 
 def finalize_model_grads(
@@ -131,125 +115,6 @@ def finalize_model_grads(
 
 def _word_embedding_getter(config: FinalizeConfig) -> partial[torch.nn.Parameter | None]:
     return partial(_get_shared_word_embedding_weight, config=config)
-
-
-def _check_force(force_all_reduce: object) -> bool:
-    if force_all_reduce is None:
-        return False
-    if not isinstance(force_all_reduce, bool):
-        raise TypeError(f"force_all_reduce={force_all_reduce!r} must be a bool")
-    return force_all_reduce
-
-
-def _collection(pg_collection: object) -> mg.ProcessGroupCollection:
-    if pg_collection is None:
-        default = mg.get_default_collection()
-        if default is None:
-            raise mg.MissingGroupError(
-                "finalize_model_grads got pg_collection=None and no default collection is "
-                "registered: pass pg_collection=initialize_model_parallel(...) or call "
-                "mc_groups.set_default_collection(...) first"
-            )
-        return default
-    if not isinstance(pg_collection, mg.ProcessGroupCollection):
-        raise TypeError(
-            f"pg_collection={pg_collection!r} must be a mc_groups.ProcessGroupCollection"
-        )
-    return pg_collection
-
-
-def _multi(group: dist.ProcessGroup | None) -> bool:
-    return group is not None and mg.group_size(group) > 1
-
-
-def _plan_groups(
-    collection: mg.ProcessGroupCollection, settings: _Settings, has_tokens: bool
-) -> _Groups:
-    """Every group the active steps need, or a MissingGroupError naming the step."""
-
-    def need(name: str, when: bool, why: str) -> dist.ProcessGroup | None:
-        group: dist.ProcessGroup | None = getattr(collection, name)
-        if when:
-            group = collection.require(name, f"finalize_model_grads ({why})")
-        return group
-
-    embd, pos_embd = collection.embd, collection.pos_embd
-    pp_steps = [
-        (settings.has_cond_embedder, "conditional-embedder grads, config.has_cond_embedder"),
-        (settings.flextron, "router grads, config.flextron"),
-        (_multi(embd), "shared word-embedding grads: first/last stage"),
-        (_multi(pos_embd), "position-embedding grads: first/last stage"),
-        (has_tokens, "num_tokens: broadcast from the last pipeline stage"),
-    ]
-    pp_why = "; ".join(why for when, why in pp_steps if when)
-    tp = collection.require("tp", "finalize_model_grads (non-tensor-parallel grads over tp)")
-    groups = _Groups(
-        tp=tp,
-        pp=need("pp", bool(pp_why), pp_why),
-        embd=embd,
-        pos_embd=pos_embd,
-        dp_cp=need(
-            "dp_cp",
-            settings.quantile_balancing,
-            "quantile balancing, qb_beta averaged over dp·cp",
-        ),
-        tokens=need(_token_field(collection, settings), has_tokens, "num_tokens summed"),
-        tp_dp_cp=need(
-            "tp_dp_cp",
-            settings.moe_router_enable_expert_bias,
-            "router expert bias, config.moe_router_enable_expert_bias",
-        ),
-        gtp_remat=need("gtp_remat", settings.gtp_remat_size > 1, "config.gtp_remat_size > 1"),
-        expt_gtp_remat=need(
-            "expt_gtp_remat",
-            settings.expert_gtp_remat_size > 1,
-            "config.expert_gtp_remat_size > 1",
-        ),
-    )
-    _check_gtp_sizes(groups, settings)
-    return groups
-
-
-def _token_field(collection: mg.ProcessGroupCollection, settings: _Settings) -> str:
-    # gtp_remat peers see different data, so their tokens count in the global total.
-    gtp_active = settings.gtp_remat_size > 1 or _multi(collection.gtp_remat)
-    return "dp_cp_gtp_remat" if gtp_active else "dp_cp"
-
-
-def _check_gtp_sizes(groups: _Groups, settings: _Settings) -> None:
-    for name, group, size in (
-        ("gtp_remat", groups.gtp_remat, settings.gtp_remat_size),
-        ("expt_gtp_remat", groups.expt_gtp_remat, settings.expert_gtp_remat_size),
-    ):
-        if size > 1 and group is not None and mg.group_size(group) != size:
-            raise ValueError(
-                f"pg_collection.{name} has {mg.group_size(group)} ranks but the config says "
-                f"{size}; build the collection with the config's sizes"
-            )
-
-
-def _check_num_tokens(num_tokens: object, chunks: Sequence[ModelChunk]) -> None:
-    if not isinstance(num_tokens, torch.Tensor):
-        raise TypeError(
-            f"num_tokens must be a torch.Tensor holding this rank's token count, got "
-            f"{type(num_tokens).__name__}; e.g. torch.tensor(n, dtype=torch.int64)"
-        )
-    if num_tokens.dim() > 1 or num_tokens.numel() != 1:
-        raise ValueError(
-            f"num_tokens has shape {tuple(num_tokens.shape)}; it must hold one count "
-            "(shape () or (1,)): sum the per-micro-batch counts first"
-        )
-    if num_tokens.dtype not in _TOKEN_DTYPES:
-        raise TypeError(
-            f"num_tokens has dtype {num_tokens.dtype}; use torch.int64 (or int32, float32, "
-            "float64): half-precision and bool cannot hold token counts exactly"
-        )
-    param = next(iter(chunks[0].parameters()), None)
-    if param is not None and num_tokens.device != param.device:
-        raise ValueError(
-            f"num_tokens is on {num_tokens.device} but the model is on {param.device}; "
-            "move it with num_tokens.to(device) (the collective needs both on one device)"
-        )
 
 
 def _check_embedding_weights(

@@ -1,0 +1,110 @@
+"""Which group each finalize step uses, resolved and checked before any collective."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_finalize._settings import _Settings
+
+
+@dataclass(frozen=True)
+class _Groups:
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup | None
+    embd: dist.ProcessGroup | None
+    pos_embd: dist.ProcessGroup | None
+    dp_cp: dist.ProcessGroup | None
+    tokens: dist.ProcessGroup | None
+    tp_dp_cp: dist.ProcessGroup | None
+    gtp_remat: dist.ProcessGroup | None
+    expt_gtp_remat: dist.ProcessGroup | None
+
+
+def _collection(pg_collection: object) -> mg.ProcessGroupCollection:
+    if pg_collection is None:
+        default = mg.get_default_collection()
+        if default is None:
+            raise mg.MissingGroupError(
+                "finalize_model_grads got pg_collection=None and no default collection is "
+                "registered: pass pg_collection=initialize_model_parallel(...) or call "
+                "mc_groups.set_default_collection(...) first"
+            )
+        return default
+    if not isinstance(pg_collection, mg.ProcessGroupCollection):
+        raise TypeError(
+            f"pg_collection={pg_collection!r} must be a mc_groups.ProcessGroupCollection"
+        )
+    return pg_collection
+
+
+def _multi(group: dist.ProcessGroup | None) -> bool:
+    return group is not None and mg.group_size(group) > 1
+
+
+def _plan_groups(
+    collection: mg.ProcessGroupCollection, settings: _Settings, has_tokens: bool
+) -> _Groups:
+    """Every group the active steps need, or a MissingGroupError naming the step."""
+
+    def need(name: str, when: bool, why: str) -> dist.ProcessGroup | None:
+        group: dist.ProcessGroup | None = getattr(collection, name)
+        if when:
+            group = collection.require(name, f"finalize_model_grads ({why})")
+        return group
+
+    embd, pos_embd = collection.embd, collection.pos_embd
+    pp_steps = [
+        (settings.has_cond_embedder, "conditional-embedder grads, config.has_cond_embedder"),
+        (settings.flextron, "router grads, config.flextron"),
+        (_multi(embd), "shared word-embedding grads: first/last stage"),
+        (_multi(pos_embd), "position-embedding grads: first/last stage"),
+        (has_tokens, "num_tokens: broadcast from the last pipeline stage"),
+    ]
+    pp_why = "; ".join(why for when, why in pp_steps if when)
+    tp = collection.require("tp", "finalize_model_grads (non-tensor-parallel grads over tp)")
+    groups = _Groups(
+        tp=tp,
+        pp=need("pp", bool(pp_why), pp_why),
+        embd=embd,
+        pos_embd=pos_embd,
+        dp_cp=need(
+            "dp_cp",
+            settings.quantile_balancing,
+            "quantile balancing, qb_beta averaged over dp·cp",
+        ),
+        tokens=need(_token_field(collection, settings), has_tokens, "num_tokens summed"),
+        tp_dp_cp=need(
+            "tp_dp_cp",
+            settings.moe_router_enable_expert_bias,
+            "router expert bias, config.moe_router_enable_expert_bias",
+        ),
+        gtp_remat=need("gtp_remat", settings.gtp_remat_size > 1, "config.gtp_remat_size > 1"),
+        expt_gtp_remat=need(
+            "expt_gtp_remat",
+            settings.expert_gtp_remat_size > 1,
+            "config.expert_gtp_remat_size > 1",
+        ),
+    )
+    _check_gtp_sizes(groups, settings)
+    return groups
+
+
+def _token_field(collection: mg.ProcessGroupCollection, settings: _Settings) -> str:
+    # gtp_remat peers see different data, so their tokens count in the global total.
+    gtp_active = settings.gtp_remat_size > 1 or _multi(collection.gtp_remat)
+    return "dp_cp_gtp_remat" if gtp_active else "dp_cp"
+
+
+def _check_gtp_sizes(groups: _Groups, settings: _Settings) -> None:
+    for name, group, size in (
+        ("gtp_remat", groups.gtp_remat, settings.gtp_remat_size),
+        ("expt_gtp_remat", groups.expt_gtp_remat, settings.expert_gtp_remat_size),
+    ):
+        if size > 1 and group is not None and mg.group_size(group) != size:
+            raise ValueError(
+                f"pg_collection.{name} has {mg.group_size(group)} ranks but the config says "
+                f"{size}; build the collection with the config's sizes"
+            )
