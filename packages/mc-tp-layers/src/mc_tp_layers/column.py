@@ -32,6 +32,7 @@ from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import default_device, resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, main_grad, positive_int
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
+from mc_tp_layers.checkpoint import sharded_state_dict_of
 from mc_tp_layers.gtp import shard_weight_for_gtp, unsharded_shape
 from mc_tp_layers.initialization import InitMethod
 from mc_tp_layers.linear import (
@@ -311,6 +312,20 @@ class ColumnParallelLinear(torch.nn.Module):
     def get_extra_state(self) -> None:
         """None: there is no extra state (the key keeps TE state dicts loadable)."""
         return
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict[str, Any] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Sharding along axis 0, bias sharded (TP-sharded parameters as DTensors).
+
+        Returns ``{prefix + "weight": DTensor, ...}`` for ``torch.distributed.checkpoint``
+        (views of the parameters: loading writes into them). See
+        :mod:`mc_tp_layers.checkpoint`.
+        """
+        return sharded_state_dict_of(self, self.tp_group, prefix, sharded_offsets, metadata)
 
     def extra_repr(self) -> str:
         """Sizes, bias and TP degree, e.g. ``in_features=8, out_features=16, bias=True, TP=2``."""

@@ -16,6 +16,8 @@ Collectives (W > 1): forward one all-reduce (or one reduce-scatter of ``[s, b, h
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,6 +27,7 @@ from mc_tp_layers import _layer_common as common
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import default_device, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, positive_int
+from mc_tp_layers.checkpoint import sharded_state_dict_of
 from mc_tp_layers.initialization import InitMethod
 from mc_tp_layers.mappings import (
     reduce_from_tensor_model_parallel_region,
@@ -128,6 +131,20 @@ class VocabParallelEmbedding(torch.nn.Module):
                 )
             common.check_sequence(input_.transpose(0, 1), int(self.tp_group.size()))
         return input_
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict[str, Any] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The vocabulary-sharded table (a DTensor sharded along axis 0).
+
+        Returns ``{prefix + "weight": DTensor, ...}`` for ``torch.distributed.checkpoint``
+        (views of the parameters: loading writes into them). See
+        :mod:`mc_tp_layers.checkpoint`.
+        """
+        return sharded_state_dict_of(self, self.tp_group, prefix, sharded_offsets, metadata)
 
     def extra_repr(self) -> str:
         """Sizes and TP degree."""
