@@ -1,7 +1,42 @@
-"""mc_ddp: skeleton; its issue fills it."""
+"""mc-ddp: Megatron-Core's DistributedDataParallel over mc-buffers, through mc-groups.
+
+- :class:`DistributedDataParallelConfig`: the validated DDP knobs (Megatron's names).
+- :class:`DistributedDataParallel`: contiguous grad buffers, bucketed grad reduction
+  (all-reduce, or reduce-scatter into this rank's shard with the distributed optimizer)
+  overlapped with backward, ``no_sync``, param all-gather overlapped with forward.
+- :class:`ParamAndGradBucketGroup`, :func:`partition_buckets`: the per-group state machine
+  (``start_grad_sync`` / ``finish_grad_sync`` / ``start_param_sync`` / ``finish_param_sync``).
+- :class:`ShardedOptimizer`: any torch optimizer on fp32 masters of this rank's shard.
+- :func:`ensure_params_ready`, :data:`PARAM_READY_CALLBACK_ATTR`: publish params on demand.
+- :func:`reduce_scatter_with_fp32_accumulation`: all-to-all + local fp32 sum.
+- :class:`NonFiniteGradError`, :class:`LargeGradMonitor`, :func:`check_finite_grads`: the
+  checks run before a collective.
+"""
 
 from __future__ import annotations
 
+from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
+from mc_ddp.config import DistributedDataParallelConfig
+from mc_ddp.distributed_data_parallel import DistributedDataParallel
+from mc_ddp.fp32_reduce_scatter import reduce_scatter_with_fp32_accumulation
+from mc_ddp.grad_checks import LargeGradMonitor, NonFiniteGradError, check_finite_grads
+from mc_ddp.param_ready import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
+from mc_ddp.protocols import TransformerConfigLike
+from mc_ddp.sharded_optimizer import ShardedOptimizer
+
 __version__ = "0.1.0"
 
-__all__: list[str] = []
+__all__ = [
+    "PARAM_READY_CALLBACK_ATTR",
+    "DistributedDataParallel",
+    "DistributedDataParallelConfig",
+    "LargeGradMonitor",
+    "NonFiniteGradError",
+    "ParamAndGradBucketGroup",
+    "ShardedOptimizer",
+    "TransformerConfigLike",
+    "check_finite_grads",
+    "ensure_params_ready",
+    "partition_buckets",
+    "reduce_scatter_with_fp32_accumulation",
+]

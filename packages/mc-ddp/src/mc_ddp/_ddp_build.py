@@ -1,0 +1,148 @@
+"""How DDP lays out its buffers and bucket groups: bucket size, scaling factors, buffers,
+groups and the param all-gather chain. Pure construction; nothing communicates."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_buffers import BufferKey, FullParamLayout, ParamAndGradBuffer, build_param_and_grad_buffers
+from mc_ddp._groups import DDPGroups
+from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
+from mc_ddp.config import DistributedDataParallelConfig
+from mc_ddp.protocols import TransformerConfigLike
+
+Param = torch.nn.Parameter
+
+DEFAULT_MIN_BUCKET_SIZE = 40_000_000
+DEFAULT_BUCKET_SIZE_PER_DP_RANK = 1_000_000
+
+
+def resolve_bucket_size(
+    ddp_config: DistributedDataParallelConfig,
+    total_numel: int,
+    dp_size: int,
+    pipeline_rank: int,
+    disable_bucketing: bool,
+) -> int | None:
+    """Elements per bucket, or None for one bucket per buffer.
+
+    ``num_buckets`` → ``max(1, total_numel // num_buckets)``; ``bucket_size=None`` →
+    ``max(40M, 1M · dp)`` (large dp needs large buckets so ring chunks stay bandwidth-bound);
+    one bucket without overlap_grad_reduce (nothing to overlap), on pipeline stages after
+    the first (their reduction is off the critical path) or with ``disable_bucketing``.
+    """
+    if not ddp_config.overlap_grad_reduce or pipeline_rank > 0 or disable_bucketing:
+        return None
+    if ddp_config.num_buckets is not None:
+        return max(1, total_numel // ddp_config.num_buckets)
+    if ddp_config.bucket_size is not None:
+        return ddp_config.bucket_size
+    return max(DEFAULT_MIN_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_DP_RANK * dp_size)
+
+
+class Scaling(NamedTuple):
+    """Factors applied to the dense and expert grads before the collective."""
+
+    dense: float
+    expert: float
+
+
+def gradient_scaling(
+    config: TransformerConfigLike, ddp_config: DistributedDataParallelConfig, groups: DDPGroups
+) -> Scaling:
+    """Pre-collective scaling so that reduced grads are averaged over dp·cp.
+
+    - ``calculate_per_token_loss``: 1 and 1 (finalize divides by the token count);
+    - ``average_in_collective``: dense 1 (the AVG collective divides by |dp_cp|), expert
+      |expt_dp| / |dp_cp| (AVG over expt_dp then gives 1/|dp_cp|);
+    - otherwise 1/|dp_cp| for both, then a SUM collective.
+    """
+    dp_cp = mg.group_size(groups.dp_cp)
+    if config.calculate_per_token_loss:
+        if ddp_config.average_in_collective:
+            raise ValueError(
+                "config.calculate_per_token_loss=True with ddp_config.average_in_collective="
+                "True: per-token losses must be summed, not averaged; set "
+                "average_in_collective=False"
+            )
+        return Scaling(1.0, 1.0)
+    if ddp_config.average_in_collective:
+        expt = mg.group_size(groups.expt_dp) if groups.expt_dp is not None else dp_cp
+        return Scaling(1.0, expt / dp_cp)
+    return Scaling(1.0 / dp_cp, 1.0 / dp_cp)
+
+
+class Buffers(NamedTuple):
+    """The dense and the expert-parallel buffers (each in key order)."""
+
+    dense: list[ParamAndGradBuffer]
+    expert: list[ParamAndGradBuffer]
+
+
+def build_buffers(
+    params: Sequence[Param],
+    names: Mapping[Param, str],
+    ddp_config: DistributedDataParallelConfig,
+    groups: DDPGroups,
+    bucket_size: int | None,
+    scaling: Scaling,
+    full_param_layout: FullParamLayout | None,
+) -> Buffers:
+    """One buffer per (param dtype, grad dtype, expert) key, laid out for the reduction
+    group size (intra_dp_cp / intra_expt_dp)."""
+    expert_dp = None if groups.intra_expt_dp is None else mg.group_size(groups.intra_expt_dp)
+    built: dict[BufferKey, ParamAndGradBuffer] = build_param_and_grad_buffers(
+        params,
+        bucket_size=bucket_size,
+        data_parallel_size=mg.group_size(groups.intra_dp_cp),
+        use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+        grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32,
+        pad_buckets_for_high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw,
+        expert_data_parallel_size=expert_dp,
+        full_param_layout=full_param_layout,
+        param_to_name=names,
+        param_name_patterns_for_fp32_local_accumulation=list(
+            ddp_config.param_name_patterns_for_fp32_local_accumulation
+        ),
+        gradient_scaling_factor=scaling.dense,
+        expert_gradient_scaling_factor=scaling.expert,
+    )
+    return Buffers(
+        [b for k, b in built.items() if not k.is_expert_parallel],
+        [b for k, b in built.items() if k.is_expert_parallel],
+    )
+
+
+def build_bucket_groups(
+    buffers: Sequence[ParamAndGradBuffer],
+    ddp_config: DistributedDataParallelConfig,
+    group: dist.ProcessGroup | None,
+    inter_group: dist.ProcessGroup | None,
+    names: Mapping[Param, str],
+    kind: str,
+    single_group: bool,
+) -> list[ParamAndGradBucketGroup]:
+    """Bucket groups over ``buffers`` (see :func:`~mc_ddp.partition_buckets`), chained for
+    the param all-gather so that the last group (the start of the model) goes first."""
+    if not buffers:
+        return []
+    assert group is not None  # resolve_groups requires it when such params exist
+    groups = [
+        ParamAndGradBucketGroup(
+            buckets,
+            ddp_config,
+            group,
+            inter_instance_group=inter_group,
+            param_to_name=names,
+            name=f"{kind} bucket group {i}",
+        )
+        for i, buckets in enumerate(partition_buckets(buffers, single_group))
+    ]
+    for later, earlier in zip(groups[1:], groups[:-1], strict=True):
+        later.next_param_gather_bucket_group = earlier
+    return groups

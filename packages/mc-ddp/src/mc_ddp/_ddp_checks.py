@@ -1,0 +1,80 @@
+"""Checks of :class:`~mc_ddp.DistributedDataParallel`'s inputs, run before anything is built
+or communicated; each error names the argument, the value and the fix."""
+
+from __future__ import annotations
+
+import torch
+
+from mc_ddp.config import DistributedDataParallelConfig
+
+Param = torch.nn.Parameter
+
+
+def check_config(config: object) -> None:
+    """``config`` must carry a bool ``calculate_per_token_loss`` (the Protocol)."""
+    value = getattr(config, "calculate_per_token_loss", None)
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"config={type(config).__name__} must have a bool attribute "
+            f"calculate_per_token_loss (got {value!r}); pass a TransformerConfig or a "
+            "mc_groups.ModelParallelConfig"
+        )
+
+
+def check_ddp_config(ddp_config: object) -> DistributedDataParallelConfig:
+    """A :class:`DistributedDataParallelConfig`, re-validated (fields may have been set
+    after construction)."""
+    if not isinstance(ddp_config, DistributedDataParallelConfig):
+        raise TypeError(
+            f"ddp_config={type(ddp_config).__name__} must be a mc_ddp.DistributedDataParallelConfig"
+        )
+    ddp_config.validate()
+    if ddp_config.fp8_param_gather or ddp_config.fp4_param_gather:
+        raise NotImplementedError(
+            "fp8_param_gather / fp4_param_gather: mc-ddp does not gather Transformer Engine "
+            "fp8/fp4 params yet; set both to False"
+        )
+    return ddp_config
+
+
+def trainable_params(module: object) -> list[tuple[str, Param]]:
+    """``(name, param)`` of the params that require grad, in registration order."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module")
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(
+            f"module={type(module).__name__} has no parameter with requires_grad=True: DDP "
+            "has no gradient to reduce; unfreeze some params or do not wrap the module"
+        )
+    first_name, first = named[0]
+    for name, param in named[1:]:
+        if param.device != first.device:
+            raise ValueError(
+                f"module params are on mixed devices: '{name}' is on {param.device} but "
+                f"'{first_name}' is on {first.device}; move the module to one device "
+                "(module.to(device)) before wrapping it"
+            )
+    return named
+
+
+def check_flag(name: str, value: object) -> bool:
+    """A real bool argument."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be a bool")
+    return value
+
+
+def find_wgrad_hook_owner(module: torch.nn.Module, param: Param, name: str) -> torch.nn.Module:
+    """The submodule owning ``param`` that offers ``register_wgrad_accumulation_and_reduce_hooks``
+    (needed for a ``skip_backward_post_hook`` param under ``delay_wgrad_compute``)."""
+    for sub in module.modules():
+        if not hasattr(sub, "register_wgrad_accumulation_and_reduce_hooks"):
+            continue
+        if any(p is param for p in sub.parameters(recurse=False)):
+            return sub
+    raise ValueError(
+        f"param '{name}' has skip_backward_post_hook=True and delay_wgrad_compute=True, but "
+        "no module owning it has register_wgrad_accumulation_and_reduce_hooks(); use a layer "
+        "that computes its wgrad in backward_dw(), or clear skip_backward_post_hook"
+    )

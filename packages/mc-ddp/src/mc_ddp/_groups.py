@@ -1,0 +1,96 @@
+"""The process groups DDP communicates over, taken from a ``ProcessGroupCollection`` and
+checked before anything is built or communicated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_ddp.config import DistributedDataParallelConfig
+
+_WHAT = "DistributedDataParallel"
+
+
+@dataclass(frozen=True)
+class DDPGroups:
+    """Groups of one DDP wrapper.
+
+    ``dp_cp``: every rank holding a replica of the dense params (scaling 1/|dp_cp|,
+    ``broadcast_params``); ``intra_dp_cp``: the dense reduction group (one optimizer
+    instance; equals ``dp_cp`` with one instance); ``inter_dist_opt``: same shard position
+    across instances; ``expt_dp`` / ``intra_expt_dp``: the same for expert params; ``pp``:
+    None reads as pipeline stage 0.
+    """
+
+    dp: dist.ProcessGroup
+    dp_cp: dist.ProcessGroup
+    intra_dp_cp: dist.ProcessGroup
+    inter_dist_opt: dist.ProcessGroup | None
+    expt_dp: dist.ProcessGroup | None
+    intra_expt_dp: dist.ProcessGroup | None
+    pp: dist.ProcessGroup | None
+
+    @property
+    def pipeline_rank(self) -> int:
+        """This rank's pipeline stage (0 without a pp group)."""
+        return 0 if self.pp is None else mg.group_rank(self.pp)
+
+
+def collection_or_default(pg_collection: object) -> mg.ProcessGroupCollection:
+    """``pg_collection``, or the registered default when it is None."""
+    if pg_collection is None:
+        default = mg.get_default_collection()
+        if default is None:
+            raise ValueError(
+                "pg_collection=None and no default ProcessGroupCollection is registered: pass "
+                "pg_collection=initialize_model_parallel(...) or register one with "
+                "mc_groups.set_default_collection()"
+            )
+        return default
+    if not isinstance(pg_collection, mg.ProcessGroupCollection):
+        raise TypeError(
+            f"pg_collection={pg_collection!r} must be a mc_groups.ProcessGroupCollection or None"
+        )
+    return pg_collection
+
+
+def resolve_groups(
+    pgc: mg.ProcessGroupCollection, ddp_config: DistributedDataParallelConfig, has_expert: bool
+) -> DDPGroups:
+    """The groups DDP needs, each required by name (``MissingGroupError`` names the field)."""
+    dp = pgc.require("dp", f"{_WHAT} (the bucket size and the replicas)")
+    dp_cp = pgc.require("dp_cp", f"{_WHAT} (gradient averaging over data × context parallel)")
+    instances = ddp_config.num_distributed_optimizer_instances
+    intra, inter = dp_cp, None
+    if instances > 1:
+        intra = pgc.require("intra_dp_cp", f"{_WHAT} with {instances} optimizer instances")
+        inter = pgc.require("inter_dist_opt", f"{_WHAT} with {instances} optimizer instances")
+        _check_instance_sizes(dp_cp, intra, inter, instances)
+    expt_dp = intra_expt = None
+    if has_expert:
+        expt_dp = pgc.require("expt_dp", f"{_WHAT} for expert params (allreduce=False)")
+        intra_expt = pgc.intra_expt_dp if pgc.intra_expt_dp is not None else expt_dp
+        if instances > 1:
+            raise NotImplementedError(
+                f"expert params (allreduce=False) with num_distributed_optimizer_instances="
+                f"{instances}: mc-ddp reduces expert params over one instance only; use one "
+                "instance or make the expert params dense"
+            )
+    return DDPGroups(dp, dp_cp, intra, inter, expt_dp, intra_expt, pgc.pp)
+
+
+def _check_instance_sizes(
+    dp_cp: dist.ProcessGroup,
+    intra: dist.ProcessGroup,
+    inter: dist.ProcessGroup,
+    instances: int,
+) -> None:
+    if intra.size() * instances != dp_cp.size() or inter.size() != instances:
+        raise ValueError(
+            f"num_distributed_optimizer_instances={instances} but pg_collection has "
+            f"intra_dp_cp of {intra.size()} ranks and inter_dist_opt of {inter.size()} ranks "
+            f"for dp_cp of {dp_cp.size()}: build the collection with "
+            f"initialize_model_parallel(num_distributed_optimizer_instances={instances})"
+        )

@@ -1,0 +1,324 @@
+"""``ParamAndGradBucketGroup``: the per-group state machine of DDP (FSDP2's param group).
+
+A bucket group is one or more buckets whose collectives are issued together (one
+coalesced batch). Its lifecycle in one training iteration::
+
+    backward hooks ─ register_grad_ready(p) ─┐  counts == golden counts (after the first
+                                             ├▶ start_grad_sync()   iteration, overlap on)
+    finish_grad_sync() ──────────────────────┘  (starts it here otherwise), waits
+    optimizer step writes this rank's param shard
+    start_param_sync() / finish_param_sync()    all-gather params (distributed optimizer)
+    reset()                                     from zero_grad_buffer(): next iteration
+
+``start_grad_sync``: copy fp32 local ``main_grad`` s into the buffer, optional NaN/Inf and
+large-grad checks, scale by ``gradient_scaling_factor``, then one coalesced collective per
+group: reduce-scatter into this rank's shard (distributed optimizer) or all-reduce, with
+``SUM`` or ``AVG`` (``average_in_collective``); with several optimizer instances the shard is
+then all-reduced over ``inter_distributed_optimizer_instance_group`` (when the group
+finishes: on CPU a chained collective cannot wait on a stream).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_buffers import ParamAndGradBucket, ParamAndGradBuffer
+from mc_ddp import _bucket_collectives as comm
+from mc_ddp._pending import PendingCollective
+from mc_ddp.config import DistributedDataParallelConfig
+from mc_ddp.grad_checks import LargeGradMonitor, check_finite_grads
+
+__all__ = ["ParamAndGradBucketGroup", "partition_buckets"]
+
+Param = torch.nn.Parameter
+
+
+class ParamAndGradBucketGroup:
+    """Buckets whose grad reductions and param all-gathers are issued together.
+
+    Args:
+        buckets: the buckets (of one or several buffers).
+        ddp_config: the DDP config (overlap, distributed optimizer, checks, averaging).
+        collective_group: the reduction group (``intra_dp_cp`` / ``intra_expt_dp``).
+        inter_instance_group: ``inter_dist_opt`` with several optimizer instances.
+        param_to_name: names for error messages.
+        name: how messages and collective labels call this group (``"dense group 0"``).
+
+    Megatron's state names are kept: ``params``, ``param_to_bucket``,
+    ``per_param_grad_ready_counts``, ``golden_per_param_grad_ready_counts``,
+    ``is_first_batch``, ``is_last_microbatch``, ``grad_reduce_handle``,
+    ``grad_reduce_finished``, ``param_gather_handle``, ``param_gather_dispatched``,
+    ``next_param_gather_bucket_group``.
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[ParamAndGradBucket],
+        ddp_config: DistributedDataParallelConfig,
+        collective_group: dist.ProcessGroup,
+        *,
+        inter_instance_group: dist.ProcessGroup | None = None,
+        param_to_name: Mapping[Param, str] | None = None,
+        name: str = "bucket group",
+    ) -> None:
+        self.buckets = list(buckets)
+        self.ddp_config = ddp_config
+        self.collective_group = collective_group
+        self.inter_distributed_optimizer_instance_group = inter_instance_group
+        self.shard = comm.ShardSpec(
+            collective_group, mg.group_rank(collective_group), mg.group_size(collective_group)
+        )
+        self.name = name
+        self._names = dict(param_to_name or {})
+        self.param_to_bucket = {p: b for b in self.buckets for p in b.params_list}
+        self.params: set[Param] = set(self.param_to_bucket)
+        self.next_param_gather_bucket_group: ParamAndGradBucketGroup | None = None
+        self.golden_per_param_grad_ready_counts: dict[Param, int] = {}
+        self.per_param_grad_ready_counts: dict[Param, int] = {}
+        self.is_first_batch = True
+        self.is_last_microbatch = True
+        self.grad_reduce_handle: PendingCollective | None = None
+        self.grad_reduce_finished = False
+        self.param_gather_handle: PendingCollective | None = None
+        self.param_gather_dispatched = False
+        self._scattered = False
+        self._large_grads = LargeGradMonitor(len(self.buckets))
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Prepare the next iteration: the first iteration's ready counts become the golden
+        counts; clear counts and flags. Refuses while a grad reduction is in flight."""
+        if self.grad_reduce_handle is not None:
+            raise RuntimeError(
+                f"{self.name}: a gradient reduction is still in flight; call "
+                "finish_grad_sync() before zero_grad_buffer()"
+            )
+        if self.is_first_batch and self.per_param_grad_ready_counts:
+            self._check_every_param_seen()
+            self.golden_per_param_grad_ready_counts = self.per_param_grad_ready_counts
+            self.is_first_batch = False
+        self.per_param_grad_ready_counts = {}
+        self.is_last_microbatch = True
+        self.grad_reduce_finished = False
+
+    def _check_every_param_seen(self) -> None:
+        missing = [p for p in self.params if p not in self.per_param_grad_ready_counts]
+        if missing and self.ddp_config.overlap_grad_reduce:
+            raise RuntimeError(
+                f"{self.name}: {self._name_list(missing)} got no gradient in the first "
+                "iteration; with overlap_grad_reduce=True every trainable param must get one "
+                "each iteration (set requires_grad=False on unused params)"
+            )
+
+    def _name_list(self, params: Sequence[Param], limit: int = 3) -> str:
+        names = [f"'{self._names.get(p, '<unnamed>')}'" for p in params[:limit]]
+        more = f" and {len(params) - limit} more" if len(params) > limit else ""
+        return f"param(s) {', '.join(names)}{more}"
+
+    def register_grad_ready(self, param: Param, force_all_reduce: bool = False) -> None:
+        """Count one ready gradient of ``param`` (last microbatch only); once every count
+        equals the golden count (second iteration on, overlap on) start the reduction."""
+        if not self.is_last_microbatch:
+            return
+        if self.grad_reduce_finished:
+            raise RuntimeError(
+                f"{self.name}: a gradient of {self._name_list([param])} arrived after "
+                "finish_grad_sync() in the same iteration; call zero_grad_buffer() before the "
+                "next forward/backward"
+            )
+        counts = self.per_param_grad_ready_counts
+        counts[param] = counts.get(param, 0) + 1
+        if self._dispatches_from_hooks() and counts == self.golden_per_param_grad_ready_counts:
+            self.start_grad_sync(force_all_reduce=force_all_reduce)
+
+    def _dispatches_from_hooks(self) -> bool:
+        return self.ddp_config.overlap_grad_reduce and not self.is_first_batch
+
+    # -- gradients --------------------------------------------------------------------
+
+    def _reduction(self, force_all_reduce: bool) -> comm.GradReduction:
+        cfg = self.ddp_config
+        op = mg.ReduceOp.AVG if cfg.average_in_collective else mg.ReduceOp.SUM
+        scatter = cfg.use_distributed_optimizer and not force_all_reduce
+        return comm.GradReduction(scatter, op, cfg.reduce_scatter_with_fp32_accumulation)
+
+    def _prepare_grads(self) -> None:
+        for bucket in self.buckets:
+            for param in bucket.params_with_extra_main_grads:
+                param.main_grad_copy_in_grad_buffer.copy_(param.main_grad)  # type: ignore[attr-defined]
+        if self.ddp_config.check_for_nan_in_grad:
+            check_finite_grads(self.buckets, self._names, self.name)
+        if self.ddp_config.check_for_large_grads:
+            self._large_grads.check(self.buckets, self.name)
+        for bucket in self.buckets:
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data.mul_(bucket.gradient_scaling_factor)
+
+    def start_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Check, scale and issue this group's reduction (async with overlap_grad_reduce).
+
+        In the first iteration a second call is a no-op once a reduction is in flight;
+        later, a second call before :meth:`finish_grad_sync` is an error.
+        """
+        if self.grad_reduce_handle is not None:
+            if self.is_first_batch:
+                return
+            raise RuntimeError(
+                f"{self.name}: start_grad_sync() called while its reduction is in flight; "
+                "call finish_grad_sync() first"
+            )
+        self._prepare_grads()
+        how = self._reduction(force_all_reduce)
+        self.grad_reduce_handle = comm.reduce_bucket_grads(
+            self.buckets,
+            self.shard,
+            how,
+            async_op=self.ddp_config.overlap_grad_reduce,
+            label=f"grad reduce {self.name}",
+        )
+        self._scattered = how.scatter
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Complete this group's reduction; starts it first when no hook did (no overlap,
+        or the first iteration). Idempotent within an iteration.
+
+        ``force_all_reduce``: every rank ends with the full reduced gradients even in
+        distributed-optimizer mode (an all-reduce; a reduce-scatter already issued by a
+        hook is completed with an all-gather of the shards, which gives the same values).
+        """
+        self.param_gather_dispatched = False
+        if self.grad_reduce_finished:
+            return
+        if self.grad_reduce_handle is None:
+            if self._dispatches_from_hooks():
+                raise RuntimeError(self._not_dispatched_message())
+            self.start_grad_sync(force_all_reduce=force_all_reduce)
+        self._complete_grad_sync(force_all_reduce)
+
+    def _complete_grad_sync(self, force_all_reduce: bool) -> None:
+        assert self.grad_reduce_handle is not None  # set by start_grad_sync
+        self.grad_reduce_handle.wait()
+        self.grad_reduce_handle = None
+        inter = self.inter_distributed_optimizer_instance_group
+        if inter is not None:
+            comm.all_reduce_across_instances(
+                self.buckets,
+                self.shard,
+                inter,
+                op=self._reduction(force_all_reduce).op,
+                whole_bucket=not self._scattered,
+                label=f"grad reduce across instances {self.name}",
+            )
+        if force_all_reduce and self._scattered:
+            comm.gather_grad_shards(self.buckets, self.shard, label=f"grad gather {self.name}")
+        for bucket in self.buckets:
+            for param in bucket.params_with_extra_main_grads:
+                param.main_grad.copy_(param.main_grad_copy_in_grad_buffer)  # type: ignore[attr-defined]
+        self.grad_reduce_finished = True
+
+    def _not_dispatched_message(self) -> str:
+        golden, seen = self.golden_per_param_grad_ready_counts, self.per_param_grad_ready_counts
+        off = [p for p in self.params if seen.get(p, 0) != golden.get(p, 0)]
+        detail = ", ".join(
+            f"'{self._names.get(p, '<unnamed>')}' {seen.get(p, 0)}/{golden.get(p, 0)}"
+            for p in off[:3]
+        )
+        return (
+            f"{self.name}: finish_grad_sync() but the reduction was never started: "
+            f"{len(off)} of {len(self.params)} params have not become ready as often as in "
+            f"the first iteration (seen/expected: {detail}). Finish the backward of the last "
+            "microbatch (outside no_sync()) first, and call zero_grad_buffer() once per "
+            "iteration"
+        )
+
+    # -- params (distributed optimizer) -----------------------------------------------
+
+    def _require_param_buffers(self, what: str) -> None:
+        if not self.ddp_config.use_distributed_optimizer:
+            raise RuntimeError(
+                f"{self.name}: {what} needs use_distributed_optimizer=True (params live in "
+                "the buffer only then)"
+            )
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """All-gather every bucket's params from the shards (async with
+        overlap_param_gather unless ``force_sync``; ``force_sync`` with a gather in flight
+        only waits for it)."""
+        self._require_param_buffers("start_param_sync()")
+        if self.param_gather_handle is not None:
+            if not force_sync:
+                raise RuntimeError(
+                    f"{self.name}: start_param_sync() while its all-gather is in flight; call "
+                    "finish_param_sync() (or start_param_sync(force_sync=True)) first"
+                )
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+            return
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        pending = comm.gather_bucket_params(
+            self.buckets, self.shard, async_op=async_op, label=f"param gather {self.name}"
+        )
+        self.param_gather_handle = pending if async_op else None
+        self.param_gather_dispatched = True
+
+    def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
+        """Wait for this group's all-gather (dispatching it if nobody did), then dispatch
+        the next group's (model-start-first chain) unless ``skip_next_bucket_dispatch``."""
+        if not self.ddp_config.overlap_param_gather:
+            raise RuntimeError(
+                f"{self.name}: finish_param_sync() needs overlap_param_gather=True; without "
+                "it start_param_sync() is synchronous and complete on return"
+            )
+        if not self.param_gather_dispatched:
+            self.start_param_sync()
+        if self.param_gather_handle is None:
+            return
+        self.param_gather_handle.wait()
+        self.param_gather_handle = None
+        if not skip_next_bucket_dispatch:
+            self._dispatch_next_param_gather()
+
+    def _dispatch_next_param_gather(self) -> None:
+        nxt = self.next_param_gather_bucket_group
+        if nxt is None:
+            return
+        if nxt.param_gather_dispatched:
+            warnings.warn(
+                f"the param all-gather of {nxt.name}, next after {self.name}, was already "
+                "dispatched: the forward pass runs modules in a different order than their "
+                "params were registered, which hurts the overlap of all-gather and compute",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+        nxt.start_param_sync()
+
+    def free_overlap_buffers(self) -> None:
+        """Drain an in-flight param all-gather (mc allocates no separate overlap buffers:
+        gathers land in ``param_data`` itself)."""
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+
+    def __repr__(self) -> str:
+        return (
+            f"ParamAndGradBucketGroup({self.name}, buckets={[b.bucket_id for b in self.buckets]}"
+            f", params={len(self.params)}, group ranks={list(mg.group_ranks(self.shard.group))})"
+        )
+
+
+def partition_buckets(
+    buffers: Sequence[ParamAndGradBuffer], force_single_bucket_group: bool = False
+) -> list[list[ParamAndGradBucket]]:
+    """Which buckets share a group: every bucket of every buffer in one group with
+    ``force_single_bucket_group``, else one group per bucket (buffer order, then bucket
+    order, so group 0 holds the end of the model)."""
+    if force_single_bucket_group:
+        return [[b for buf in buffers for b in buf.buckets]] if buffers else []
+    return [[b] for buf in buffers for b in buf.buckets]

@@ -1,0 +1,68 @@
+"""``reduce_scatter_with_fp32_accumulation``: a reduce-scatter whose sum is taken in fp32.
+
+A bf16 ring reduce-scatter rounds after every addition, so with many data-parallel ranks
+the shard loses precision. This one moves the same bytes (an all-to-all sends each rank
+``(W − 1)/W`` of the input, like a ring reduce-scatter) but keeps the wire in the grad
+dtype and sums locally in fp32::
+
+    rank r, input x_r = [x_r^0 | x_r^1 | … | x_r^{W-1}]     (W equal chunks)
+    all-to-all:  rank r receives [x_0^r | x_1^r | … | x_{W-1}^r]
+    local:       output_r = dtype( Σ_s fp32(x_s^r) )          (÷ W for AVG)
+
+so the result is rounded once, from the exact fp32 sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_ddp._pending import PendingCollective
+
+__all__ = ["reduce_scatter_with_fp32_accumulation"]
+
+
+def _check(output: torch.Tensor, input: torch.Tensor, size: int, op: mg.ReduceOp) -> None:
+    if op not in (mg.ReduceOp.SUM, mg.ReduceOp.AVG):
+        raise ValueError(f"op={op} is not supported: use ReduceOp.SUM or ReduceOp.AVG")
+    if input.numel() != output.numel() * size:
+        raise ValueError(
+            f"input.numel()={input.numel()} must equal output.numel()={output.numel()} × "
+            f"group size {size}"
+        )
+    if output.dtype != input.dtype:
+        raise ValueError(f"output dtype {output.dtype} differs from input dtype {input.dtype}")
+
+
+def reduce_scatter_with_fp32_accumulation(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    op: mg.ReduceOp = mg.ReduceOp.SUM,
+    async_op: bool = False,
+    label: str = "",
+) -> PendingCollective:
+    """Reduce the flat ``input`` over ``group``; group rank r gets chunk r in ``output``.
+
+    One ``all_to_all`` in ``input.dtype`` (recorded as such), then a local fp32 sum over the
+    W received chunks, rounded once into ``output``. ``output`` may be a view of ``input``
+    (this rank's shard of a bucket): the all-to-all writes a temporary of ``input``'s size.
+    With ``async_op`` the returned object's ``wait()`` finishes the collective and the sum.
+    """
+    size = mg.group_size(group)
+    _check(output, input, size, op)
+    received = torch.empty_like(input)
+    handle = mg.all_to_all(received, input, group, async_op=async_op, label=label)
+
+    def finish() -> None:
+        total = received.view(size, -1).sum(dim=0, dtype=torch.float32)
+        if op is mg.ReduceOp.AVG:
+            total.div_(size)
+        output.view(-1).copy_(total)
+
+    pending = PendingCollective([handle], [finish])
+    if not async_op:
+        pending.wait()
+    return pending

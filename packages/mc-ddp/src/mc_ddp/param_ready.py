@@ -1,0 +1,80 @@
+"""Parameter readiness for consumers that read ``param.data`` before its module's pre-hook.
+
+With ``overlap_param_gather`` a param's values arrive by an all-gather that the forward
+pre-hook of its module waits for. A consumer reading the param earlier (a fused kernel
+that reads the next layer's weight, a prefetcher) calls :func:`ensure_params_ready` first.
+
+The contract is backend-agnostic: a backend stores a zero-argument callable on each param
+under :data:`PARAM_READY_CALLBACK_ATTR`; DDP stores one :class:`_BucketParamReadyCallback`
+per bucket group on every param of that group. Unmarked params need nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mc_groups.device import is_graph_capturing
+
+if TYPE_CHECKING:
+    from mc_ddp.bucket_group import ParamAndGradBucketGroup
+
+__all__ = ["PARAM_READY_CALLBACK_ATTR", "ensure_params_ready"]
+
+PARAM_READY_CALLBACK_ATTR = "_mc_param_ready_callback"
+"""Attribute under which a backend stores a param's zero-argument publish callback."""
+
+
+def ensure_params_ready(params: Iterable[torch.Tensor]) -> None:
+    """Make ``params`` readable: call each distinct callback found on them once, in the
+    order of first appearance (params of one bucket group share one callback)."""
+    seen: set[int] = set()
+    for param in params:
+        callback: Callable[[], None] | None = getattr(param, PARAM_READY_CALLBACK_ATTR, None)
+        if callback is None or id(callback) in seen:
+            continue
+        seen.add(id(callback))
+        callback()
+
+
+class _BucketParamReadyCallback:
+    """Publishes one bucket group's parameters on demand.
+
+    DDP's side of :func:`ensure_params_ready`: one instance is stored on every parameter of
+    the group under :data:`PARAM_READY_CALLBACK_ATTR`. Calling it:
+
+    - does nothing when the DDP or the group was collected (both are held weakly: the
+      callback lives on params, which outlive a DDP on re-wrap), or under CUDA-graph
+      capture (a capturing consumer replays this itself);
+    - does nothing when the group's gather completed this iteration (idempotent);
+    - drains an in-flight gather; with the forward pre-hooks enabled it chains the next
+      group's gather as a pre-hook would (not with ``align_param_gather`` or when the
+      optimizer step owns the dispatch); with them disabled the caller owns the schedule,
+      so it never chains;
+    - STARTS an undispatched gather only while the pre-hooks are enabled (with them
+      removed, a gather could land in a buffer the caller is using).
+    """
+
+    def __init__(self, ddp: Any, bucket_group: ParamAndGradBucketGroup) -> None:
+        self._ddp: weakref.ref[Any] = weakref.ref(ddp)
+        self._bucket_group: weakref.ref[ParamAndGradBucketGroup] = weakref.ref(bucket_group)
+
+    def __call__(self) -> None:
+        ddp, group = self._ddp(), self._bucket_group()
+        if ddp is None or group is None or is_graph_capturing():
+            return
+        if group.param_gather_dispatched and group.param_gather_handle is None:
+            return
+        hooks_enabled = bool(ddp.remove_forward_pre_hook_handles)
+        in_flight = group.param_gather_handle is not None
+        if not hooks_enabled and not in_flight:
+            return
+        skip_next = (
+            not hooks_enabled
+            or ddp.ddp_config.align_param_gather
+            or ddp.overlap_param_gather_with_optimizer_step
+        )
+        group.finish_param_sync(skip_next_bucket_dispatch=skip_next)

@@ -1,0 +1,233 @@
+"""``ShardedOptimizer``: steps any ``torch.optim`` optimizer on fp32 master copies of this
+rank's shard of the params, so ``use_distributed_optimizer`` can train.
+
+The subset of Megatron's ``DistributedOptimizer`` it covers::
+
+    grads   main_grad shard of rank r  (reduce-scattered by DDP's finish_grad_sync)
+              │ (view when fp32, fp32 copy otherwise)
+    step    master_r  (fp32 copy of param shard r) ── wrapped optimizer.step() ──▶ master_r'
+              │ cast to the param dtype
+    params  param_data shard r  ── DDP param all-gather (now, or overlapped with the next
+                                   forward by the pre-hooks) ──▶ every rank's full params
+
+Shards are the buckets' equal ``dp`` slices (``bucket.shard_param_slices``), which cut
+params at any element, so a param may have a master on several ranks (one slice each).
+Without the distributed optimizer every rank holds the full all-reduced grads, and the
+"shard" is the whole buffer: every rank steps every param (a replicated fp32-master
+optimizer). Not covered: grad clipping, loss scaling, the fp16/bf16 overflow checks,
+checkpoint resharding across data-parallel sizes (``state_dict`` is this rank's shard),
+``overlap_param_gather_with_optimizer_step``, and LBFGS (it caches its params at build).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from mc_ddp.bucket_group import ParamAndGradBucketGroup
+from mc_ddp.distributed_data_parallel import DistributedDataParallel
+
+__all__ = ["ShardedOptimizer"]
+
+Param = torch.nn.Parameter
+
+
+class _Slot(NamedTuple):
+    """One param slice this rank steps, and its fp32 master."""
+
+    param: Param
+    start: int
+    end: int
+    master: torch.Tensor
+
+
+def _as_chunks(model_chunks: object) -> list[DistributedDataParallel]:
+    chunks = [model_chunks] if isinstance(model_chunks, DistributedDataParallel) else model_chunks
+    if not isinstance(chunks, Sequence) or not chunks:
+        raise TypeError(
+            "model_chunks must be a DistributedDataParallel or a non-empty list of them, "
+            f"got {type(model_chunks).__name__}"
+        )
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, DistributedDataParallel):
+            raise TypeError(
+                f"model_chunks[{i}] is a {type(chunk).__name__}; wrap each model chunk in "
+                "mc_ddp.DistributedDataParallel first"
+            )
+    return list(chunks)
+
+
+def _check_optimizer(optimizer: object) -> torch.optim.Optimizer:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer={type(optimizer).__name__} must be a torch.optim.Optimizer built over "
+            "the model's params, e.g. torch.optim.AdamW(ddp.parameters(), lr=1e-3)"
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError("optimizer=LBFGS caches its params when built and cannot be sharded")
+    if optimizer.state:
+        raise ValueError(
+            "optimizer already holds state: build the ShardedOptimizer before the first step "
+            "(its state lives on the fp32 shard masters)"
+        )
+    return optimizer
+
+
+def _owned_ranges(group: ParamAndGradBucketGroup) -> list[tuple[Param, int, int]]:
+    rank, size = group.shard.rank, group.shard.size
+    if not group.ddp_config.use_distributed_optimizer:
+        rank, size = 0, 1
+    return [
+        (s.param, s.param_range[0], s.param_range[1])
+        for bucket in group.buckets
+        for s in bucket.shard_param_slices(rank, size)
+    ]
+
+
+class ShardedOptimizer:
+    """Wraps ``optimizer`` (built over the model params) to step fp32 masters of the param
+    slices this rank owns in ``model_chunks`` (DDP wrappers).
+
+    Construction replaces each param group's ``params`` with the masters of the params it
+    held (hyperparameters stay per group); a param group may end up empty on a rank.
+
+    ``step()``: requires every bucket group to have finished its grad sync this iteration;
+    drains in-flight param gathers; ``master.grad ← main_grad slice`` (fp32); steps;
+    writes masters into the params (cast); then, with the distributed optimizer and without
+    ``overlap_param_gather``, all-gathers params synchronously (``start_param_sync``);
+    with it, the next forward's pre-hooks gather bucket group by bucket group.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model_chunks: DistributedDataParallel | Sequence[DistributedDataParallel],
+    ) -> None:
+        self.optimizer = _check_optimizer(optimizer)
+        self.model_chunks = _as_chunks(model_chunks)
+        owned = self._owned_slices()
+        self._slots: list[_Slot] = []
+        for i, group in enumerate(self.optimizer.param_groups):
+            masters = []
+            for param in group["params"]:
+                if param not in owned:
+                    raise ValueError(self._unknown_param_message(i, param))
+                for start, end in owned[param]:
+                    masters.append(self._new_slot(param, start, end).master)
+            group["params"] = masters
+
+    def _owned_slices(self) -> dict[Param, list[tuple[int, int]]]:
+        owned: dict[Param, list[tuple[int, int]]] = {}
+        for chunk in self.model_chunks:
+            for param in chunk.params_with_grad:
+                owned.setdefault(param, [])
+            for group in chunk._all_groups():
+                for param, start, end in _owned_ranges(group):
+                    owned[param].append((start, end))
+        return owned
+
+    def _unknown_param_message(self, group_index: int, param: Param) -> str:
+        return (
+            f"optimizer.param_groups[{group_index}] holds a param (shape {tuple(param.shape)}) "
+            "that no model chunk trains; build the optimizer over ddp.parameters() of the "
+            "chunks passed as model_chunks"
+        )
+
+    def _new_slot(self, param: Param, start: int, end: int) -> _Slot:
+        master = param.detach().view(-1)[start:end].to(torch.float32, copy=True)
+        slot = _Slot(param, start, end, master)
+        self._slots.append(slot)
+        return slot
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (holding the masters): for LR schedulers."""
+        return self.optimizer.param_groups
+
+    @property
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 masters, one per owned param slice."""
+        return [slot.master for slot in self._slots]
+
+    def _require_synced_grads(self) -> None:
+        for chunk in self.model_chunks:
+            pending = [g.name for g in chunk._all_groups() if not g.grad_reduce_finished]
+            if pending:
+                raise RuntimeError(
+                    f"step(): {pending} have not finished their grad sync this iteration; call "
+                    "ddp.finish_grad_sync() (or finalize_model_grads) after backward"
+                )
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One optimizer step on this rank's masters, then publish the params (see class)."""
+        self._require_synced_grads()
+        for chunk in self.model_chunks:
+            chunk.free_overlap_buffers()
+        for slot in self._slots:
+            grad = slot.param.main_grad.view(-1)[slot.start : slot.end]  # type: ignore[attr-defined]
+            slot.master.grad = grad.to(torch.float32)
+        self.optimizer.step()
+        self._write_masters_to_params()
+        self._publish_params(force_sync=False)
+
+    def _write_masters_to_params(self) -> None:
+        for slot in self._slots:
+            slot.param.data.view(-1)[slot.start : slot.end].copy_(slot.master)
+
+    def _publish_params(self, *, force_sync: bool) -> None:
+        for chunk in self.model_chunks:
+            cfg = chunk.ddp_config
+            if cfg.use_distributed_optimizer and (force_sync or not cfg.overlap_param_gather):
+                chunk.start_param_sync(force_sync=True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the masters' grads and the model params' ``.grad``.
+
+        ``set_to_none`` is accepted for torch's signature; either way the grads become None,
+        because ``step()`` rebuilds every master grad from ``main_grad`` (the DDP grad buffer
+        is zeroed by ``ddp.zero_grad_buffer()``).
+        """
+        del set_to_none
+        for slot in self._slots:
+            slot.master.grad = None
+        for chunk in self.model_chunks:
+            for param in chunk.params_with_grad:
+                param.grad = None
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the masters from the current params (after ``broadcast_params`` or a
+        checkpoint loaded into the model)."""
+        for slot in self._slots:
+            slot.master.copy_(slot.param.detach().view(-1)[slot.start : slot.end])
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: the wrapped optimizer's state dict and the masters."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "master_params": [slot.master.clone() for slot in self._slots],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load this rank's state, write the masters into the params and all-gather them
+        (collective with the distributed optimizer: every rank calls it)."""
+        masters = state_dict.get("master_params")
+        if not isinstance(masters, list) or [m.numel() for m in masters] != [
+            s.master.numel() for s in self._slots
+        ]:
+            raise ValueError(
+                "state_dict['master_params'] does not match this rank's shard layout (same "
+                "model, data-parallel size and bucket layout needed); got "
+                f"{None if not isinstance(masters, list) else [m.numel() for m in masters]}"
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        for slot, saved in zip(self._slots, masters, strict=True):
+            slot.master.copy_(saved)
+        for chunk in self.model_chunks:
+            chunk.free_overlap_buffers()
+        self._write_masters_to_params()
+        self._publish_params(force_sync=True)
