@@ -21,6 +21,7 @@ checkpoint resharding across data-parallel sizes (``state_dict`` is this rank's 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -205,9 +206,11 @@ class ShardedOptimizer:
             slot.master.copy_(slot.param.detach().view(-1)[slot.start : slot.end])
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: the wrapped optimizer's state dict and the masters."""
+        """A snapshot of this rank's state: the wrapped optimizer's state dict and the
+        masters, copied (torch's own state_dict returns live references, so loading it into
+        a second optimizer would make the two share moments)."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "master_params": [slot.master.clone() for slot in self._slots],
         }
 
