@@ -15,6 +15,10 @@ from mc_tp_layers.initialization import (
     _initialize_affine_weight_cpu,
     _initialize_affine_weight_gpu,
 )
+from mc_tp_layers.linear import (
+    linear_with_frozen_weight,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
 from mc_tp_layers.random import RNGStatesTracker
 
 __all__: list[str] = []
@@ -184,3 +188,12 @@ def tag_gtp_replica(param: torch.Tensor, gtp_group: dist.ProcessGroup | None) ->
     if gtp_group is not None:
         param.gtp_remat_rank = int(gtp_group.rank())  # type: ignore[attr-defined]
         param.gtp_replica_group = gtp_group  # type: ignore[attr-defined]
+
+
+def forward_impl(
+    input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """Megatron's ``_forward_impl``: the frozen-weight path when the weight is not trained."""
+    if not weight.requires_grad:
+        return linear_with_frozen_weight(input, weight, *args, **kwargs)
+    return linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)

@@ -35,10 +35,6 @@ from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.checkpoint import sharded_state_dict_of
 from mc_tp_layers.gtp import shard_weight_for_gtp, unsharded_shape
 from mc_tp_layers.initialization import InitMethod
-from mc_tp_layers.linear import (
-    linear_with_frozen_weight,
-    linear_with_grad_accumulation_and_async_allreduce,
-)
 from mc_tp_layers.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -261,7 +257,20 @@ class ColumnParallelLinear(torch.nn.Module):
             input_parallel = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
         if deferring:
             self._defer_activation(input_parallel)
-        output_parallel = self._linear(input_parallel, w, bias, deferring)
+        expert = self.explicit_expert_comm
+        output_parallel = self._forward_impl(
+            input=input_parallel,
+            weight=w,
+            bias=bias,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            allreduce_dgrad=False if expert else self.allreduce_dgrad,
+            sequence_parallel=False if expert else self.sequence_parallel,
+            grad_output_buffer=self.grad_output_buffer if deferring else None,
+            wgrad_deferral_limit=self.config.wgrad_deferral_limit if deferring else None,
+            tp_group=self.tp_group,
+            gtp_remat_size=self.gtp_remat_size,
+            output_dtype=self.output_dtype,
+        )
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
@@ -269,36 +278,11 @@ class ColumnParallelLinear(torch.nn.Module):
             output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
 
-    def _linear(
-        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, deferring: bool
+    def _forward_impl(
+        self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        allreduce_dgrad = False if self.explicit_expert_comm else self.allreduce_dgrad
-        sequence_parallel = False if self.explicit_expert_comm else self.sequence_parallel
-        if not w.requires_grad:
-            return linear_with_frozen_weight(
-                x,
-                w,
-                bias,
-                self.gradient_accumulation_fusion,
-                allreduce_dgrad,
-                sequence_parallel,
-                self.tp_group,
-                gtp_remat_size=self.gtp_remat_size,
-                output_dtype=self.output_dtype,
-            )
-        return linear_with_grad_accumulation_and_async_allreduce(
-            x,
-            w,
-            bias,
-            self.gradient_accumulation_fusion,
-            allreduce_dgrad,
-            sequence_parallel,
-            grad_output_buffer=self.grad_output_buffer if deferring else None,
-            wgrad_deferral_limit=self.config.wgrad_deferral_limit if deferring else 0,
-            tp_group=self.tp_group,
-            gtp_remat_size=self.gtp_remat_size,
-            output_dtype=self.output_dtype,
-        )
+        """The frozen-weight function when ``weight`` does not require grad, else the full one."""
+        return common.forward_impl(input, weight, *args, **kwargs)
 
     def backward_dw(self) -> None:
         """Delayed wgrad computation (``delay_wgrad_compute``): not supported, does nothing.

@@ -37,10 +37,6 @@ from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.checkpoint import sharded_state_dict_of
 from mc_tp_layers.gtp import shard_weight_for_gtp
 from mc_tp_layers.initialization import InitMethod
-from mc_tp_layers.linear import (
-    linear_with_frozen_weight,
-    linear_with_grad_accumulation_and_async_allreduce,
-)
 from mc_tp_layers.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -198,28 +194,26 @@ class RowParallelLinear(torch.nn.Module):
             input_parallel = x
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
-        output_parallel = self._linear(input_parallel)
+        output_parallel = self._forward_impl(
+            input=input_parallel,
+            weight=self.weight,
+            bias=None,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            allreduce_dgrad=False,
+            sequence_parallel=False,
+            tp_group=self.tp_group,
+            gtp_remat_size=self.gtp_remat_size,
+        )
         output = self._reduce(output_parallel)
         if self.skip_bias_add or self.bias is None:
             return output, self.bias if self.skip_bias_add else None
         return output + self.bias, None
 
-    def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if not w.requires_grad:
-            return linear_with_frozen_weight(
-                x, w, None, False, False, False, self.tp_group, gtp_remat_size=self.gtp_remat_size
-            )
-        return linear_with_grad_accumulation_and_async_allreduce(
-            x,
-            w,
-            None,
-            self.gradient_accumulation_fusion,
-            False,
-            False,
-            tp_group=self.tp_group,
-            gtp_remat_size=self.gtp_remat_size,
-        )
+    def _forward_impl(
+        self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """The frozen-weight function when ``weight`` does not require grad, else the full one."""
+        return common.forward_impl(input, weight, *args, **kwargs)
 
     def _reduce(self, output_parallel: torch.Tensor) -> torch.Tensor:
         if self.explicit_expert_comm:

@@ -90,3 +90,48 @@ def test_tp_attribute_helpers() -> None:
     assert (v.tensor_model_parallel, v.partition_dim, v.partition_stride) == (True, 1, 2)  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="differ"):
         tpl.set_tensor_model_parallel_attributes(u, True, 0, 1)
+
+
+SPEC_LAYERS_NAMES = (
+    "VocabParallelEmbedding",
+    "LinearWithFrozenWeight",
+    "LinearWithGradAccumulationAndAsyncCommunication",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "param_is_not_tensor_parallel_duplicate",
+    "copy_gtp_attributes",
+    "param_is_not_gtp_duplicate",
+    "gtp_local_pad_zero_count",
+    "set_tensor_model_parallel_attributes",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "copy_tensor_model_parallel_attributes",
+    "_initialize_affine_weight_gpu",
+    "_initialize_affine_weight_cpu",
+    "_linear_forward",
+    "linear_with_frozen_weight",
+    "_wgrad_gemm",
+    "linear_with_grad_accumulation_and_async_allreduce",
+    "_grad_accum_fusion_available",
+    "_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS",
+)
+
+
+def test_layers_module_has_every_spec_name() -> None:
+    # The names listed in spec/tensor_parallel_layers.txt (core.tensor_parallel.layers).
+    from mc_tp_layers import layers
+
+    missing = [name for name in SPEC_LAYERS_NAMES if not hasattr(layers, name)]
+    assert missing == []
+    assert sorted(layers.__all__) == sorted(SPEC_LAYERS_NAMES)
+    for cls in (tpl.ColumnParallelLinear, tpl.RowParallelLinear):
+        for method in (
+            "_forward_impl",
+            "forward",
+            "backward_dw",
+            "sharded_state_dict",
+            "set_extra_state",
+            "get_extra_state",
+            "extra_repr",
+        ):
+            assert callable(getattr(cls, method)), (cls, method)
+    assert callable(tpl.VocabParallelEmbedding.sharded_state_dict)

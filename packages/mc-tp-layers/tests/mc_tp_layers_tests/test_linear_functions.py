@@ -405,3 +405,89 @@ def test_gemm_helpers_widen_exactly() -> None:
     assert _wgrad_gemm(out, dy, x) is out
     assert torch.equal(out, dy.double().t().matmul(x.double()).float())
     assert _linear_forward(x, w, None, None).dtype == torch.bfloat16
+
+
+def _layer_options(d: dict[str, torch.Tensor]) -> dict[str, Any]:
+    pgc = world(2)
+    try:
+        r = pgc.require("tp", "test").rank()
+        out: dict[str, Any] = {}
+        variants: dict[str, dict[str, Any]] = {
+            "skip_bias": {"skip_bias_add": True},
+            "expert": {"is_expert": True},
+            "no_reduce": {"disable_grad_reduce": True},
+        }
+        for name, kw in variants.items():
+            col = tpl.ColumnParallelLinear(
+                K, N, config=config(2), init_method=torch.nn.init.zeros_, pg_collection=pgc, **kw
+            )
+            row = tpl.RowParallelLinear(
+                N,
+                K,
+                config=config(2),
+                init_method=torch.nn.init.zeros_,
+                bias=True,
+                input_is_parallel=True,
+                skip_bias_add=name == "skip_bias",
+                is_expert=name == "expert",
+                pg_collection=pgc,
+            )
+            assert col.bias is not None
+            assert row.bias is not None
+            _load(col.weight, d["w"], 0, r, 2)
+            _load(row.weight, d["wr"], 1, r, 2)
+            with torch.no_grad():
+                col.bias.copy_(chunk(d["b"], 2, r, 0))
+                row.bias.copy_(d["br"])
+            x = d["x"].clone().requires_grad_()
+            with mg.record_collectives() as log:
+                h, col_bias = col(x)
+                y, row_bias = row(h)
+                backward(y, d["dy"])
+            out[name] = {
+                "h": h.detach(),
+                "y": y.detach(),
+                "dx": x.grad,
+                "ops": ops(log),
+                "col_bias": col_bias,
+                "row_bias": row_bias,
+            }
+        return out
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def test_skip_bias_add_expert_and_disable_grad_reduce(rank_pools: RankPools) -> None:
+    d = {
+        "x": randn(S, B, K, seed=1),
+        "w": randn(N, K, seed=2),
+        "b": randn(N, seed=3),
+        "wr": randn(K, N, seed=4),
+        "br": randn(K, seed=5),
+        "dy": randn(S, B, K, seed=6),
+    }
+    results = rank_pools.get(2).run(_layer_options, d)
+    h_nobias = _linear(d["x"], d["w"])
+    for r, res in enumerate(results):
+        # skip_bias_add: each layer returns its bias instead of adding it
+        skip = res["skip_bias"]
+        assert_close(skip["h"], chunk(h_nobias, 2, r, -1), "column output without bias")
+        assert torch.equal(skip["col_bias"], chunk(d["b"], 2, r, 0))
+        assert torch.equal(skip["row_bias"], d["br"])
+        assert skip["ops"] == ["all_reduce", "all_reduce"]  # row forward, column dX
+        # experts communicate in the MoE layer: no collective here, row returns partials
+        assert res["expert"]["ops"] == []
+        # disable_grad_reduce leaves dX unreduced: only the row forward all-reduce runs
+        assert res["no_reduce"]["ops"] == ["all_reduce"]
+    # expert row layers return each rank's partial product (plus the bias), unreduced
+    for r, res in enumerate(results):
+        partial = _linear(chunk(h_nobias + d["b"], 2, r, -1), chunk(d["wr"], 2, r, 1)) + d["br"]
+        assert_close(res["expert"]["y"], partial, "expert partial output")
+    # the unreduced dX of each rank sums to the full dX
+    xx = d["x"].clone().requires_grad_()
+    y_full = _linear(_linear(xx, d["w"]) + d["b"], d["wr"]) + d["br"]
+    backward(y_full, d["dy"])
+    assert xx.grad is not None
+    assert_close(
+        results[0]["no_reduce"]["dx"] + results[1]["no_reduce"]["dx"], xx.grad, "unreduced dX"
+    )
