@@ -142,6 +142,12 @@ def max_param_error(model: nn.Module, ref: nn.Module, relative: bool = False) ->
     return worst
 
 
+def main_grad(param: torch.Tensor) -> torch.Tensor:
+    """``param.main_grad`` (the DDP buffer view, or the fp32 local-accumulation tensor)."""
+    grad: torch.Tensor = param.main_grad  # type: ignore[attr-defined]
+    return grad
+
+
 def world_size() -> int:
     """Ranks in the default group."""
     return dist.get_world_size()

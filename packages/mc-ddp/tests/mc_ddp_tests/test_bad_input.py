@@ -1,0 +1,254 @@
+"""Bad input and calls out of order: a clear error raised before any collective.
+
+Localizes argument validation (module, devices, configs, process groups) and the state
+machine's guards (finish before start, a second start, zero/offload with a reduction in
+flight, gradients after finish, unused params under overlap, param-sync calls without the
+distributed optimizer). Each case runs under the recorder on 2 gloo ranks and must leave the
+log empty (or, for a second call, no more than the first call issued); messages are matched
+on the words that name the argument, the value and the fix. No numeric tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import mc_groups as mg
+from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig
+from mc_ddp_tests._harness import (
+    ddp_backward,
+    ddp_config,
+    global_batch,
+    local_rows,
+    mlp,
+    model_parallel,
+)
+from mc_groups.testing import RankPools
+
+MP = mg.ModelParallelConfig()
+
+
+def _attempt(call: Callable[[], object]) -> tuple[str, int]:
+    """(``ErrorType: message`` or ``"no error"``, collectives issued during the call)."""
+    with mg.record_collectives() as log:
+        try:
+            call()
+        except (TypeError, ValueError, RuntimeError, NotImplementedError) as err:
+            return f"{type(err).__name__}: {err}", len(log)
+    return "no error", len(log)
+
+
+def _frozen() -> nn.Module:
+    model = mlp()
+    model.requires_grad_(False)
+    return model
+
+
+def _mixed_devices() -> nn.Module:
+    model = mlp()
+    model[4].to("meta")
+    return model
+
+
+def _expert() -> nn.Module:
+    model = mlp()
+    model[2].weight.allreduce = False  # type: ignore[union-attr]
+    return model
+
+
+class _NoConfig:
+    pass
+
+
+def _construction_errors() -> dict[str, tuple[str, int]]:
+    world = dist.group.WORLD
+    assert world is not None
+    loose: Any = DistributedDataParallel  # lets the wrong types through to the checks
+    with model_parallel() as pgc:
+        mutated = DistributedDataParallelConfig()
+        mutated.num_distributed_optimizer_instances = 2
+        skip = mlp()
+        skip[0].weight.skip_backward_post_hook = True  # type: ignore[union-attr]
+        bare = mg.ProcessGroupCollection(dp=world, dp_cp=world)
+        two = ddp_config(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
+        per_token = mg.ModelParallelConfig(calculate_per_token_loss=True)
+        cfg = ddp_config()
+        calls: dict[str, Callable[[], object]] = {
+            "frozen": lambda: loose(MP, cfg, _frozen(), pg_collection=pgc),
+            "devices": lambda: loose(MP, cfg, _mixed_devices(), pg_collection=pgc),
+            "not_module": lambda: loose(MP, cfg, object(), pg_collection=pgc),
+            "missing_dp": lambda: loose(
+                MP, cfg, mlp(), pg_collection=mg.ProcessGroupCollection(dp_cp=world)
+            ),
+            "no_default": lambda: loose(MP, cfg, mlp()),
+            "collection_type": lambda: loose(MP, cfg, mlp(), pg_collection=world),
+            "config": lambda: loose(_NoConfig(), cfg, mlp(), pg_collection=pgc),
+            "ddp_config": lambda: loose(MP, {"bucket_size": 1}, mlp(), pg_collection=pgc),
+            "mutated": lambda: loose(MP, mutated, mlp(), pg_collection=pgc),
+            "disable_bucketing": lambda: loose(MP, cfg, mlp(), 1, pgc),
+            "instances": lambda: loose(MP, two, mlp(), pg_collection=pgc),
+            "expert_group": lambda: loose(MP, cfg, _expert(), pg_collection=bare),
+            "per_token_avg": lambda: loose(
+                per_token, ddp_config(average_in_collective=True), mlp(), pg_collection=pgc
+            ),
+            "wgrad_owner": lambda: loose(
+                MP, ddp_config(delay_wgrad_compute=True), skip, pg_collection=pgc
+            ),
+        }
+        return {name: _attempt(call) for name, call in calls.items()}
+
+
+_CONSTRUCTION = {
+    "frozen": "ValueError: module=Sequential has no parameter with requires_grad=True",
+    "devices": "ValueError: module params are on mixed devices: '4.weight' is on meta",
+    "not_module": "TypeError: module=object must be a torch.nn.Module",
+    "missing_dp": (
+        "MissingGroupError: DistributedDataParallel (the bucket size and the replicas) "
+        "needs pg_collection.dp"
+    ),
+    "no_default": "ValueError: pg_collection=None and no default ProcessGroupCollection",
+    "collection_type": "TypeError: pg_collection=",
+    "config": ("TypeError: config=_NoConfig must have a bool attribute calculate_per_token_loss"),
+    "ddp_config": "TypeError: ddp_config=dict must be a mc_ddp.DistributedDataParallelConfig",
+    "mutated": (
+        "ValueError: num_distributed_optimizer_instances=2 needs use_distributed_optimizer"
+    ),
+    "disable_bucketing": "TypeError: disable_bucketing=1 must be a bool",
+    "instances": (
+        "MissingGroupError: DistributedDataParallel with 2 optimizer instances needs "
+        "pg_collection.inter_dist_opt"
+    ),
+    "expert_group": (
+        "MissingGroupError: DistributedDataParallel for expert params (allreduce=False) "
+        "needs pg_collection.expt_dp"
+    ),
+    "per_token_avg": (
+        "ValueError: config.calculate_per_token_loss=True with "
+        "ddp_config.average_in_collective=True"
+    ),
+    "wgrad_owner": "ValueError: param '0.weight' has skip_backward_post_hook=True",
+}
+
+
+def test_construction_errors(rank_pools: RankPools) -> None:
+    for found in rank_pools.get(2).run(_construction_errors):
+        for name, prefix in _CONSTRUCTION.items():
+            message, issued = found[name]
+            assert message.startswith(prefix), (name, message)
+            assert issued == 0, name
+
+
+def _iteration(ddp: DistributedDataParallel, step: int, finish: bool = True) -> None:
+    x, y = global_batch(step, dist.get_world_size(), torch.float32)
+    ddp_backward(ddp, local_rows(x, dist.get_rank()), local_rows(y, dist.get_rank()), 1)
+    if finish:
+        ddp.finish_grad_sync()
+
+
+def _order_errors() -> dict[str, tuple[str, int]]:
+    out: dict[str, tuple[str, int]] = {}
+    with model_parallel() as pgc:
+        plain = DistributedDataParallel(MP, ddp_config(), mlp(), pg_collection=pgc)
+        out["finish_param_sync"] = _attempt(plain.bucket_groups[0].finish_param_sync)
+        out["start_param_sync"] = _attempt(plain.start_param_sync)
+        out["disable_hooks"] = _attempt(plain.disable_forward_pre_hook)
+        out["enable_hooks"] = _attempt(plain.enable_forward_pre_hook)
+
+        gathered = DistributedDataParallel(
+            MP,
+            ddp_config(use_distributed_optimizer=True, overlap_param_gather=True),
+            mlp(),
+            pg_collection=pgc,
+        )
+        out["enable_twice"] = _attempt(gathered.enable_forward_pre_hook)
+
+        ddp = DistributedDataParallel(
+            MP, ddp_config(overlap_grad_reduce=True, bucket_size=16), mlp(), pg_collection=pgc
+        )
+        _iteration(ddp, 0)
+        out["grad_after_finish"] = _attempt(lambda: _iteration(ddp, 1, finish=False))
+        ddp.zero_grad_buffer()
+        out["finish_before_backward"] = _attempt(ddp.finish_grad_sync)
+        _iteration(ddp, 1, finish=False)  # every group's reduction is now in flight
+        out["zero_in_flight"] = _attempt(ddp.zero_grad_buffer)
+        out["offload_in_flight"] = _attempt(ddp.offload_grad_buffers)
+        out["start_twice"] = _attempt(ddp.start_grad_sync)
+        ddp.finish_grad_sync()
+
+        unused = mlp()
+        lazy = DistributedDataParallel(
+            MP, ddp_config(overlap_grad_reduce=True), unused, pg_collection=pgc
+        )
+        torch.autograd.backward(unused[0](torch.ones(2, 8)).sum())  # only layer 0 used
+        lazy.finish_grad_sync()
+        out["unused_param"] = _attempt(lazy.zero_grad_buffer)
+
+        frozen_expert = mlp()
+        frozen_expert[4].bias.allreduce = False  # type: ignore[union-attr]
+        frozen_expert[4].bias.requires_grad_(False)
+        world = dist.group.WORLD
+        assert world is not None
+        bare = mg.ProcessGroupCollection(dp=world, dp_cp=world)
+        holder = DistributedDataParallel(MP, ddp_config(), frozen_expert, pg_collection=bare)
+        out["broadcast_expert"] = _attempt(holder.broadcast_params)
+    return out
+
+
+_ORDER = {
+    "finish_param_sync": (
+        "RuntimeError: dense bucket group 0: finish_param_sync() needs overlap_param_gather=True"
+    ),
+    "start_param_sync": "RuntimeError: start_param_sync() needs use_distributed_optimizer=True",
+    "disable_hooks": (
+        "RuntimeError: disable_forward_pre_hook(): the forward pre-hooks are not enabled"
+    ),
+    "enable_hooks": (
+        "RuntimeError: enable_forward_pre_hook() needs use_distributed_optimizer=True"
+    ),
+    "enable_twice": "RuntimeError: forward pre-hooks are already enabled",
+    "grad_after_finish": (
+        "RuntimeError: dense bucket group 0: a gradient of param(s) '4.bias' arrived after "
+        "finish_grad_sync()"
+    ),
+    "finish_before_backward": (
+        "RuntimeError: dense bucket group 0: finish_grad_sync() but the reduction was never "
+        "started: 2 of 2 params"
+    ),
+    "zero_in_flight": (
+        "RuntimeError: zero_grad_buffer(): gradient reductions of ['dense bucket group 0'"
+    ),
+    "offload_in_flight": "RuntimeError: offload_grad_buffers(): gradient reductions of",
+    "start_twice": (
+        "RuntimeError: dense bucket group 0: start_grad_sync() called while its reduction is "
+        "in flight"
+    ),
+    "unused_param": (
+        "RuntimeError: dense bucket group 0: param(s) '4.bias', '4.weight', '2.bias' and 1 "
+        "more got no gradient"
+    ),
+    "broadcast_expert": (
+        "MissingGroupError: broadcast_params() needs pg_collection.expt_dp for the expert "
+        "param '4.bias'"
+    ),
+}
+
+
+def test_calls_out_of_order(rank_pools: RankPools) -> None:
+    for found in rank_pools.get(2).run(_order_errors):
+        for name, prefix in _ORDER.items():
+            message, issued = found[name]
+            assert message.startswith(prefix), (name, message)
+            assert issued == 0, name
+        assert "seen/expected: " in found["finish_before_backward"][0]
+        assert "zero_grad_buffer()" in found["grad_after_finish"][0]
+
+
+def test_unknown_config_field_is_rejected() -> None:
+    config: Any = DistributedDataParallelConfig
+    with pytest.raises(TypeError, match="bucket_sise"):
+        config(bucket_sise=10)
