@@ -137,11 +137,11 @@ def reduce_scatter_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.
     return out
 
 
-def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, in_place: bool) -> torch.Tensor:
-    """Sum ``x`` over ranks, into ``x`` itself or into a copy."""
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over ranks into a new tensor (``x`` may be saved by autograd elsewhere)."""
     if group.size() == 1:
         return x
-    out = x if in_place and x.is_contiguous() else x.contiguous().clone()
+    out = x.contiguous().clone()
     mg.all_reduce(out, group, label="tp_all_reduce")
     return out
 

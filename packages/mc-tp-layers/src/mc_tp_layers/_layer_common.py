@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ import torch.distributed as dist
 
 from mc_tp_layers import _validate
 from mc_tp_layers._config import TensorParallelConfig
+from mc_tp_layers._groups import default_device
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.initialization import (
     InitMethod,
@@ -56,6 +58,27 @@ def gtp_remat_size(config: TensorParallelConfig) -> int:
 def expert_parallel(config: TensorParallelConfig) -> bool:
     """True when experts are split over more than one expert-parallel rank."""
     return int(getattr(config, "expert_model_parallel_size", 1)) > 1
+
+
+def sequence_parallel(config: TensorParallelConfig, world: int, what: str) -> bool:
+    """``config.sequence_parallel``, switched off (with a warning) for a one-rank TP group."""
+    if config.sequence_parallel and world == 1:
+        warnings.warn(
+            f"{what}: sequence_parallel=True with a tensor-parallel group of one rank; "
+            "sequence parallelism is disabled for this layer",
+            stacklevel=3,
+        )
+        return False
+    return bool(config.sequence_parallel)
+
+
+def layer_device(
+    device: torch.device | str | None, config: TensorParallelConfig, group: dist.ProcessGroup
+) -> torch.device:
+    """The explicit ``device``, else the default for the config and group."""
+    if device is not None:
+        return torch.device(device)
+    return default_device(config.use_cpu_initialization, group)
 
 
 def check_init_method(init_method: object) -> InitMethod:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from mc_groups import ProcessGroupCollection
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers._config import TensorParallelConfig
-from mc_tp_layers._groups import default_device, resolve_gtp_group, resolve_tp_group
+from mc_tp_layers._groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, main_grad, positive_int
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.checkpoint import sharded_state_dict_of
@@ -110,19 +110,37 @@ class ColumnParallelLinear(torch.nn.Module):
         self.is_expert, self.disable_grad_reduce = bool(is_expert), bool(disable_grad_reduce)
         self.embedding_activation_buffer = embedding_activation_buffer
         self.grad_output_buffer = grad_output_buffer
-        self.tp_comm_buffer_name, self.name, self.output_dtype = (
-            tp_comm_buffer_name,
-            name,
-            output_dtype,
-        )
+        self.tp_comm_buffer_name = tp_comm_buffer_name
+        self.name = name
+        self.output_dtype = output_dtype
         self.tp_group = resolve_tp_group(
             tp_group, pg_collection, is_expert=self.is_expert, what="ColumnParallelLinear"
         )
-        world = int(self.tp_group.size())
         self.output_size_per_partition = check_divisible(
-            output_size, world, "output_size", "choose an output_size that is a multiple of it"
+            output_size,
+            self.tp_group.size(),
+            "output_size",
+            "choose an output_size that is a multiple of it",
         )
         self._check_arguments(input_size, stride, init_method)
+        self._set_communication(pg_collection)
+        init = common.WeightInit(self.config, init_method, rng_tracker, self.tp_group)
+        target = common.layer_device(device, self.config, self.tp_group)
+        self.master_weight: torch.Tensor | None = None
+        self.weight: torch.nn.Parameter | None = None
+        if not skip_weight_param_allocation:
+            init.check_tracker()
+            self.weight = self._make_weight(init, target, stride, keep_master_weight_for_test)
+        self.bias: torch.nn.Parameter | None
+        if bias:
+            self.bias = self._make_bias(target, stride)
+        else:
+            self.register_parameter("bias", None)
+        common.default_extra_state(self)
+
+    def _set_communication(self, pg_collection: ProcessGroupCollection | None) -> None:
+        """Which collectives this layer issues (see the module notes)."""
+        world = int(self.tp_group.size())
         self.gtp_remat_size = common.gtp_remat_size(self.config)
         self.gtp_group = resolve_gtp_group(
             self.gtp_remat_size,
@@ -132,30 +150,13 @@ class ColumnParallelLinear(torch.nn.Module):
         )
         self.expert_parallel = common.expert_parallel(self.config)
         self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
-        self.sequence_parallel = bool(self.config.sequence_parallel) and world > 1
+        self.sequence_parallel = common.sequence_parallel(
+            self.config, world, "ColumnParallelLinear"
+        )
         self.allreduce_dgrad = (
             world > 1 and not self.sequence_parallel and not self.disable_grad_reduce
         )
         self.gradient_accumulation_fusion = bool(self.config.gradient_accumulation_fusion)
-        target = (
-            torch.device(device)
-            if device is not None
-            else default_device(self.config.use_cpu_initialization, self.tp_group)
-        )
-        init = common.WeightInit(self.config, init_method, rng_tracker, self.tp_group)
-        self.master_weight: torch.Tensor | None = None
-        self.weight: torch.nn.Parameter | None
-        if skip_weight_param_allocation:
-            self.weight = None
-        else:
-            init.check_tracker()
-            self.weight = self._make_weight(init, target, stride, keep_master_weight_for_test)
-        self.bias: torch.nn.Parameter | None
-        if bias:
-            self.bias = self._make_bias(target, stride)
-        else:
-            self.register_parameter("bias", None)
-        common.default_extra_state(self)
 
     def _check_arguments(self, input_size: int, stride: int, init_method: object) -> None:
         positive_int(input_size, "input_size")

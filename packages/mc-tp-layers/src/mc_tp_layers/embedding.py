@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from mc_groups import ProcessGroupCollection
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers._config import TensorParallelConfig
-from mc_tp_layers._groups import default_device, resolve_tp_group
+from mc_tp_layers._groups import resolve_tp_group
 from mc_tp_layers._validate import check_divisible, positive_int
 from mc_tp_layers.checkpoint import sharded_state_dict_of
 from mc_tp_layers.initialization import InitMethod
@@ -84,11 +84,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         common.check_init_method(init_method)
         self.vocab_start_index = rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
-        target = (
-            torch.device(device)
-            if device is not None
-            else default_device(self.config.use_cpu_initialization, self.tp_group)
-        )
+        target = common.layer_device(device, self.config, self.tp_group)
         init = common.WeightInit(self.config, init_method, rng_tracker, self.tp_group)
         init.check_tracker()
         shape = (self.num_embeddings_per_partition, embedding_dim)

@@ -66,13 +66,13 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.all_reduce(grad, ctx.group, in_place=False), None
+        return _comm.all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return _comm.all_reduce(x, group, in_place=False)
+        return _comm.all_reduce(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from mc_groups import ProcessGroupCollection
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers._config import TensorParallelConfig
-from mc_tp_layers._groups import default_device, resolve_gtp_group, resolve_tp_group
+from mc_tp_layers._groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, main_grad, positive_int
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.checkpoint import sharded_state_dict_of
@@ -121,11 +121,7 @@ class RowParallelLinear(torch.nn.Module):
         self.expert_parallel = common.expert_parallel(self.config)
         self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
         self.gradient_accumulation_fusion = bool(self.config.gradient_accumulation_fusion)
-        target = (
-            torch.device(device)
-            if device is not None
-            else default_device(self.config.use_cpu_initialization, self.tp_group)
-        )
+        target = common.layer_device(device, self.config, self.tp_group)
         init = common.WeightInit(self.config, init_method, rng_tracker, self.tp_group)
         init.check_tracker()
         self.master_weight: torch.Tensor | None = None

@@ -218,3 +218,37 @@ def test_device_init_draws_from_the_tracker_stream(rank_pools: RankPools, is_exp
         assert torch.equal(
             out["next_default"], torch.rand(3, generator=torch.Generator().manual_seed(SEED))
         )
+
+
+class _Group:
+    """The rank and size a GTP shard's ``group`` reports."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def test_cpu_init_of_a_gtp_shard_takes_its_rows() -> None:
+    # TP rank 0 of 2 owns master rows 0-4 of [10, 3]; over 2 gtp_remat ranks those 5 rows
+    # are padded to 6, so gtp rank 1 holds rows 3-4 and one zero row.
+    shard = torch.empty(3, 3)
+    shard.is_gtp_weight_remat = True  # type: ignore[attr-defined]
+    shard.group = _Group(2, 1)  # type: ignore[attr-defined]
+    master = _initialize_affine_weight_cpu(
+        shard,
+        10,
+        3,
+        5,
+        0,
+        lambda t: t.copy_(torch.arange(30.0).reshape(10, 3)),
+        return_master_weight=True,
+        rank=0,
+        world_size=2,
+    )
+    assert master is not None
+    assert torch.equal(shard, torch.cat([master[3:5], torch.zeros(1, 3)]))
