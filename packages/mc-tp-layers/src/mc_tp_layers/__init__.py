@@ -7,6 +7,7 @@
   :class:`VocabParallelEmbedding`: the layers.
 - :func:`vocab_parallel_cross_entropy`: the loss of a vocabulary-split LM head.
 - :mod:`mc_tp_layers.random`: the RNG tracker for device initialisation.
+- :mod:`mc_tp_layers.checkpoint`: DTensor views for ``torch.distributed.checkpoint``.
 - :mod:`mc_tp_layers.layers`: every name of Megatron's ``core.tensor_parallel.layers``.
 
 Groups are passed explicitly (``tp_group=`` / ``pg_collection=``); every collective goes
@@ -25,6 +26,7 @@ from mc_tp_layers.attributes import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
+from mc_tp_layers.checkpoint import tp_sharded_tensor
 from mc_tp_layers.column import ColumnParallelLinear
 from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
 from mc_tp_layers.deferral import drain_embedding_wgrad_compute
@@ -102,5 +104,6 @@ __all__ = [
     "set_tensor_model_parallel_attributes",
     "shard_weight_for_gtp",
     "split_tensor_along_last_dim",
+    "tp_sharded_tensor",
     "vocab_parallel_cross_entropy",
 ]
