@@ -444,7 +444,9 @@ def _layer_options(d: dict[str, torch.Tensor]) -> dict[str, Any]:
                 h, col_bias = col(x)
                 y, row_bias = row(h)
                 backward(y, d["dy"])
+            gathered, _ = col(d["x"], runtime_gather_output=True)
             out[name] = {
+                "gathered": gathered.detach(),
                 "h": h.detach(),
                 "y": y.detach(),
                 "dx": x.grad,
@@ -474,6 +476,8 @@ def test_skip_bias_add_expert_and_disable_grad_reduce(rank_pools: RankPools) -> 
         assert_close(skip["h"], chunk(h_nobias, 2, r, -1), "column output without bias")
         assert torch.equal(skip["col_bias"], chunk(d["b"], 2, r, 0))
         assert torch.equal(skip["row_bias"], d["br"])
+        # runtime_gather_output=True overrides gather_output=False for one call
+        assert_close(skip["gathered"], h_nobias, "gathered column output")
         assert skip["ops"] == ["all_reduce", "all_reduce"]  # row forward, column dX
         # experts communicate in the MoE layer: no collective here, row returns partials
         assert res["expert"]["ops"] == []
