@@ -69,7 +69,7 @@ class _Options(NamedTuple):
 
 
 class _Pending(NamedTuple):
-    """An issued dgrad reduction and the tensor that holds its result once waited on."""
+    """An issued collective (or none) and the tensor holding its result once waited on."""
 
     handle: mg.CollectiveHandle | None
     result: torch.Tensor
