@@ -94,10 +94,18 @@ class CollectiveHandle:
     """An issued collective. ``wait()`` blocks until it is done, bounded by a timeout.
 
     Synchronous calls and single-rank groups return an already-completed handle.
+    ``finishers`` run once, in order, after every work finished (the local step of a
+    collective composed from others, e.g. the sum after a gloo all-to-all).
     """
 
-    def __init__(self, works: Sequence[Any], description: str) -> None:
+    def __init__(
+        self,
+        works: Sequence[Any],
+        description: str,
+        finishers: Sequence[Callable[[], None]] = (),
+    ) -> None:
         self._works = list(works)
+        self._finishers = list(finishers)
         self._description = description
 
     @property
@@ -125,6 +133,9 @@ class CollectiveHandle:
                     work.wait(timedelta(seconds=timeout))
             except RuntimeError as err:
                 raise CollectiveError(f"{self._description} failed: {err}") from err
+        finishers, self._finishers = self._finishers, []
+        for finish in finishers:
+            finish()
 
 
 _DONE = CollectiveHandle((), "completed")
@@ -254,6 +265,47 @@ def _check_reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int) 
         )
 
 
+def _is_gloo(group: dist.ProcessGroup) -> bool:
+    return bool(dist.get_backend(group) == "gloo")
+
+
+def _reduce_rows(rows: torch.Tensor, op: ReduceOp, out: torch.Tensor) -> None:
+    """``out ← op over dim 0 of rows`` (rows are per-rank copies, in group-rank order)."""
+    if op is ReduceOp.MAX:
+        torch.amax(rows, dim=0, out=out)
+    elif op is ReduceOp.MIN:
+        torch.amin(rows, dim=0, out=out)
+    else:
+        torch.sum(rows, dim=0, out=out)
+        if op is ReduceOp.AVG:
+            out.div_(rows.shape[0])
+
+
+def _reduce_scatter_by_all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: ReduceOp,
+    async_op: bool,
+) -> tuple[Any, Callable[[], None]]:
+    """Gloo's reduce-scatter, built from an all-to-all and a local reduction.
+
+    Rank r receives slice r of every rank's ``input`` into ``staging`` (row j = rank j's
+    copy), then reduces the rows into ``output``. Measured on torch 2.13 gloo, 2 ranks:
+    gloo's own reduce_scatter costs about twice an all-reduce of the same input (it reduces
+    everything, then slices); this costs about 0.7 of one (1 M fp32: 5.8 → 2.2 ms). The
+    price is a temporary ``staging`` the size of ``input``. ``output`` may alias ``input``:
+    it is written only after the all-to-all completed.
+    """
+    staging = torch.empty_like(input).view(-1)
+    work = dist.all_to_all_single(staging, input.view(-1), group=group, async_op=async_op)
+
+    def finish() -> None:
+        _reduce_rows(staging.view(group.size(), -1), op, output.view(-1))
+
+    return work, finish
+
+
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -266,7 +318,8 @@ def reduce_scatter(
     """Reduce the flat ``input`` over ranks; group rank r keeps slice r in ``output``.
 
     ``input`` is split along dim 0 into ``group size`` equal parts. ``output`` may be a view
-    of ``input`` (this rank's shard of a flat buffer): torch reduces in place then.
+    of ``input`` (this rank's shard of a flat buffer). On gloo it runs as an all-to-all plus
+    a local reduction in group-rank order (see ``_reduce_scatter_by_all_to_all``).
     """
     _check_group(group)
     _check_op(op)
@@ -276,8 +329,18 @@ def reduce_scatter(
         _copy_unless_alias(output, input)
         return _DONE
     _record("reduce_scatter", group, input, reduce_op=op, async_op=async_op, label=label)
+    description = _describe("reduce_scatter", group, input)
+    if _is_gloo(group):
+        try:
+            work, finish = _reduce_scatter_by_all_to_all(output, input, group, op, async_op)
+        except RuntimeError as err:
+            raise CollectiveError(f"{description} failed: {err}") from err
+        if not async_op:
+            finish()
+            return _DONE
+        return CollectiveHandle([work], description, [finish])
     return _issue(
-        _describe("reduce_scatter", group, input),
+        description,
         lambda: _reduce_scatter_flat(
             output, input, op=_TORCH_OPS[op], group=group, async_op=async_op
         ),
@@ -454,13 +517,18 @@ def _copy_unless_alias(output: torch.Tensor, input: torch.Tensor) -> None:
 
 
 class CoalescedBatch:
-    """Collectives issued together on one group (one launch on NCCL; a batch on gloo).
+    """Collectives issued together on one group.
 
     Use through :func:`coalesced`. After the ``with`` block, :attr:`handle` waits for the
-    whole batch. A batch holds one kind of collective with one reduce op: torch coalesces
-    only like with like, and (measured on torch 2.13 gloo) a reduce-scatter batch silently
-    applies the first op's reduction to all of them. Mixing is a ``ValueError`` raised
-    before the odd one is issued.
+    whole batch. A batch holds one kind of collective with one reduce op: NCCL coalesces
+    only like with like, and (measured on torch 2.13 gloo) a coalesced reduce-scatter batch
+    silently applies the first op's reduction to all of them. Mixing is a ``ValueError``
+    raised before the odd one is issued.
+
+    On NCCL the batch is one ``torch.distributed._coalescing_manager`` launch. On gloo,
+    which gains nothing from coalescing on CPU, each collective is issued asynchronously
+    as it is added (reduce-scatters as all-to-all + local reduction, see
+    :func:`reduce_scatter`) and the batch's handle waits for all of them.
     """
 
     def __init__(self, group: dist.ProcessGroup, async_op: bool, label: str) -> None:
@@ -469,6 +537,9 @@ class CoalescedBatch:
         self._label = label
         self._size = group.size()
         self._kind: tuple[str, ReduceOp | None] | None = None
+        self._per_op = self._size > 1 and _is_gloo(group)
+        self._works: list[Any] = []
+        self._finishers: list[Callable[[], None]] = []
         self.handle: CollectiveHandle = _DONE
 
     def _claim(self, op: str, reduce_op: ReduceOp | None) -> None:
@@ -489,7 +560,11 @@ class CoalescedBatch:
         if self._size == 1:
             return
         self._note("all_reduce", tensor, op)
-        dist.all_reduce(tensor, op=_TORCH_OPS[op], group=self._group, async_op=self._async)
+        self._add(
+            dist.all_reduce(
+                tensor, op=_TORCH_OPS[op], group=self._group, async_op=self._async or self._per_op
+            )
+        )
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = ReduceOp.SUM
@@ -502,8 +577,14 @@ class CoalescedBatch:
             _copy_unless_alias(output, input)
             return
         self._note("reduce_scatter", input, op)
-        _reduce_scatter_flat(
-            output, input, op=_TORCH_OPS[op], group=self._group, async_op=self._async
+        if self._per_op:
+            work, finish = _reduce_scatter_by_all_to_all(output, input, self._group, op, True)
+            self._add(work, finish)
+            return
+        self._add(
+            _reduce_scatter_flat(
+                output, input, op=_TORCH_OPS[op], group=self._group, async_op=self._async
+            )
         )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -514,7 +595,15 @@ class CoalescedBatch:
             _copy_unless_alias(output, input)
             return
         self._note("all_gather", input, None)
-        _all_gather_flat(output, input, group=self._group, async_op=self._async)
+        self._add(
+            _all_gather_flat(output, input, group=self._group, async_op=self._async or self._per_op)
+        )
+
+    def _add(self, work: Any, finish: Callable[[], None] | None = None) -> None:
+        if self._per_op and work is not None:
+            self._works.append(work)
+        if finish is not None:
+            self._finishers.append(finish)
 
     def _note(self, op: str, tensor: torch.Tensor, reduce_op: ReduceOp | None) -> None:
         _record(
@@ -526,6 +615,14 @@ class CoalescedBatch:
             coalesced=True,
             label=self._label,
         )
+
+    def _close(self, description: str, manager_works: Sequence[Any]) -> None:
+        """Turn what was issued into :attr:`handle`; wait now unless the batch is async."""
+        works = self._works if self._per_op else list(manager_works)
+        self.handle = CollectiveHandle(works, description, self._finishers)
+        if not self._async:
+            self.handle.wait()
+            self.handle = _DONE
 
 
 def _kind_text(kind: tuple[str, ReduceOp | None]) -> str:
@@ -541,7 +638,7 @@ def coalesced(
     async_op: bool = False,
     label: str = "",
 ) -> Iterator[CoalescedBatch]:
-    """Issue the batch's collectives as one coalesced group.
+    """Issue the batch's collectives together (see :class:`CoalescedBatch`).
 
     With ``async_op`` the block returns at once and ``batch.handle.wait()`` completes the
     batch; without it the block returns after the batch is done.
@@ -553,9 +650,14 @@ def coalesced(
         return
     description = f"coalesced batch on group ranks {list(group_ranks(group))}"
     try:
+        if batch._per_op:
+            yield batch
+            batch._close(description, ())
+            return
         with _coalescing_manager(group=group, device=device, async_ops=async_op) as cm:
             yield batch
+        batch._close(description, cm.works if async_op else ())
+    except CollectiveError:
+        raise
     except RuntimeError as err:
         raise CollectiveError(f"{description} failed: {err}") from err
-    if async_op:
-        batch.handle = CollectiveHandle(list(cm.works), description)

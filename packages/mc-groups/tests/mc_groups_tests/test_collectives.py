@@ -87,6 +87,40 @@ def test_reduce_scatter_into_shard_view(rank_pools: RankPools, world: int) -> No
         assert out["log"] == [("reduce_scatter", "sum", tuple(range(world)), n, 4 * n, True, False)]
 
 
+def _reduce_scatter_ops() -> dict[str, list[float]]:
+    """Every reduce op, sync and async, fp32 and bf16, against all_reduce-then-slice."""
+    g, r, w = _world(), dist.get_rank(), dist.get_world_size()
+    out: dict[str, list[float]] = {}
+    for op in ReduceOp:
+        for dtype in (torch.float32, torch.bfloat16):
+            for async_op in (False, True):
+                # element i of rank r: (i + 1)·(r + 1) · (−1)^i — signs make MAX ≠ SUM order
+                base = torch.arange(2 * w, dtype=torch.float32) + 1
+                x = (base * (r + 1) * (-1) ** torch.arange(2 * w)).to(dtype)
+                shard = torch.empty(2, dtype=dtype)
+                mg.reduce_scatter(shard, x, g, op=op, async_op=async_op).wait()
+                out[f"{op.value}-{dtype}-{async_op}"] = shard.float().tolist()
+    return out
+
+
+def test_reduce_scatter_every_op(rank_pools: RankPools) -> None:
+    w = 4
+    outs = rank_pools.get(w).run(_reduce_scatter_ops)
+    for r, out in enumerate(outs):
+        for i_local in range(2):
+            i = 2 * r + i_local
+            sign = (-1) ** i
+            per_rank = [(i + 1) * (k + 1) * sign for k in range(w)]
+            want = {
+                "sum": sum(per_rank),
+                "avg": sum(per_rank) / w,
+                "max": max(per_rank),
+                "min": min(per_rank),
+            }
+            for key, got in out.items():
+                assert got[i_local] == want[key.split("-")[0]], (r, key)
+
+
 def _all_gather_values() -> dict[str, Any]:
     g, r, w = _world(), dist.get_rank(), dist.get_world_size()
     out = torch.zeros(3 * w)
