@@ -2,15 +2,26 @@
 
 A bucket group owns one contiguous shard position ``ShardSpec(group, rank, size)``: bucket
 ``b`` splits into ``size`` equal views, rank ``rank`` owns ``b.grad_shard(rank, size)`` /
-``b.param_shard(rank, size)``. Each function issues one coalesced batch per dtype over the
-group (one collective per bucket, same kind and reduce op), except the fp32-accumulating
-reduce-scatter, which is an all-to-all per bucket.
+``b.param_shard(rank, size)``. One collective per bucket; the algorithm depends on the
+backend (:func:`use_all_to_all`):
 
-Two gloo facts shape this (torch 2.13): batches are opened without a device, so torch takes
-its fast path (``allreduce_coalesced`` and friends; the per-device path raises "gloo does
-not implement startCoalescing"); and a gloo batch must hold one dtype ("allreduce_coalesced:
-tensors must all have the same type"), so a group mixing fp32 and bf16 buckets issues one
-batch per dtype, in first-appearance order.
+- NCCL (and any backend but gloo), Megatron's schedule: a group's buckets go in one
+  coalesced batch (a one-bucket group issues its collective alone), native reduce-scatter /
+  all-gather / all-reduce;
+- gloo: reduce-scatter and all-gather are issued as all-to-alls (plus a local fp32 sum, or
+  a repeated input), because torch 2.13 gloo's ``reduce_scatter_single`` /
+  ``all_gather_single`` took 200 / 175 ms for 100 MB on 2 ranks where ``all_to_all_single``
+  took 53 ms (measured on this project's 2-core CPU machines); all-reduce stays native
+  (87 ms).
+
+Two more gloo facts (torch 2.13): coalesced batches must be opened without a device (torch's
+per-device path raises "gloo does not implement startCoalescing"), and one batch must hold
+one dtype ("allreduce_coalesced: tensors must all have the same type"), so a group mixing
+fp32 and bf16 buckets issues one batch per dtype, in first-appearance order. A batch of one
+is not coalesced: gloo's coalesced all-reduce flattens into a copy (+20 ms per 100 MB).
+
+The all-to-all temporaries come from the group's :class:`ScratchBuffers`, one per bucket
+and dtype, shared by its reduce-scatter and all-gather (never in flight together).
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_buffers import ParamAndGradBucket
 from mc_ddp._pending import PendingCollective
+from mc_ddp._scratch import ScratchBuffers
+from mc_ddp.all_to_all_gather import all_gather_with_all_to_all
 from mc_ddp.fp32_reduce_scatter import reduce_scatter_with_fp32_accumulation
 
 
@@ -43,6 +56,11 @@ class GradReduction(NamedTuple):
     fp32_accumulation: bool
 
 
+def use_all_to_all(group: dist.ProcessGroup) -> bool:
+    """Issue reduce-scatters and all-gathers on ``group`` as all-to-alls (gloo: see above)."""
+    return mg.group_size(group) > 1 and dist.get_backend(group) == "gloo"
+
+
 def _by_dtype(
     buckets: Sequence[ParamAndGradBucket], dtype_of: Callable[[ParamAndGradBucket], torch.dtype]
 ) -> list[list[ParamAndGradBucket]]:
@@ -56,9 +74,72 @@ def _grad_dtype(bucket: ParamAndGradBucket) -> torch.dtype:
     return bucket.grad_data.dtype
 
 
+def _param_data(bucket: ParamAndGradBucket) -> torch.Tensor:
+    if bucket.param_data is None:
+        raise RuntimeError(
+            f"bucket {bucket.bucket_id} has no param_data: params are gathered only with "
+            "use_distributed_optimizer=True"
+        )
+    return bucket.param_data
+
+
 def _param_dtype(bucket: ParamAndGradBucket) -> torch.dtype:
-    assert bucket.param_data is not None  # distributed-optimizer buffers only
-    return bucket.param_data.dtype
+    return _param_data(bucket).dtype
+
+
+def _issue_all_reduces(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    op: mg.ReduceOp,
+    *,
+    async_op: bool,
+    label: str,
+) -> mg.CollectiveHandle:
+    if len(tensors) == 1:
+        return mg.all_reduce(tensors[0], group, op=op, async_op=async_op, label=label)
+    with mg.coalesced(group, async_op=async_op, label=label) as batch:
+        for tensor in tensors:
+            batch.all_reduce(tensor, op=op)
+    return batch.handle
+
+
+def _issue_reduce_scatters(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    group: dist.ProcessGroup,
+    op: mg.ReduceOp,
+    *,
+    async_op: bool,
+    label: str,
+) -> mg.CollectiveHandle:
+    if len(pairs) == 1:
+        out, inp = pairs[0]
+        return mg.reduce_scatter(out, inp, group, op=op, async_op=async_op, label=label)
+    with mg.coalesced(group, async_op=async_op, label=label) as batch:
+        for out, inp in pairs:
+            batch.reduce_scatter(out, inp, op=op)
+    return batch.handle
+
+
+def _issue_all_gathers(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool,
+    label: str,
+) -> mg.CollectiveHandle:
+    if len(pairs) == 1:
+        out, shard = pairs[0]
+        return mg.all_gather(out, shard, group, async_op=async_op, label=label)
+    with mg.coalesced(group, async_op=async_op, label=label) as batch:
+        for out, shard in pairs:
+            batch.all_gather(out, shard)
+    return batch.handle
+
+
+def _a2a_scratch(
+    scratch: ScratchBuffers, index: int, like: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    return scratch.get(f"all-to-all {index}", like, dtype)
 
 
 def reduce_bucket_grads(
@@ -68,48 +149,48 @@ def reduce_bucket_grads(
     *,
     async_op: bool,
     label: str,
+    scratch: ScratchBuffers,
 ) -> PendingCollective:
     """Issue the gradient reduction of ``buckets`` over ``shard.group``.
 
-    ``scatter``: ``grad_shard(rank) ← op_r grad_data`` in place (this rank's shard only);
-    else ``grad_data ← op_r grad_data``. With ``fp32_accumulation`` the reduce-scatter is
-    :func:`~mc_ddp.reduce_scatter_with_fp32_accumulation` per bucket.
+    ``scatter``: ``grad_shard(rank) ← op_r grad_data`` (this rank's shard only; on gloo or
+    with ``fp32_accumulation`` via :func:`~mc_ddp.reduce_scatter_with_fp32_accumulation`);
+    else ``grad_data ← op_r grad_data`` in place.
     """
-    if how.scatter and how.fp32_accumulation:
-        return _fp32_reduce_scatter(buckets, shard, how.op, async_op=async_op, label=label)
+    group = shard.group
+    if how.scatter and (how.fp32_accumulation or use_all_to_all(group)):
+        parts = []
+        for i, b in enumerate(buckets):
+            out = b.grad_shard(shard.rank, shard.size)
+            fp32_sum = (
+                None if out.dtype == torch.float32 else _a2a_scratch(scratch, i, out, torch.float32)
+            )
+            parts.append(
+                reduce_scatter_with_fp32_accumulation(
+                    out,
+                    b.grad_data,
+                    group,
+                    op=how.op,
+                    async_op=async_op,
+                    label=label,
+                    received=_a2a_scratch(scratch, i, b.grad_data),
+                    fp32_sum=fp32_sum,
+                )
+            )
+        return PendingCollective([], [p.wait for p in parts])
     handles = []
-    for same_dtype in _by_dtype(buckets, _grad_dtype):
-        with mg.coalesced(shard.group, async_op=async_op, label=label) as b:
-            for bucket in same_dtype:
-                if how.scatter:
-                    out = bucket.grad_shard(shard.rank, shard.size)
-                    b.reduce_scatter(out, bucket.grad_data, op=how.op)
-                else:
-                    b.all_reduce(bucket.grad_data, op=how.op)
-        handles.append(b.handle)
+    for batch in _by_dtype(buckets, _grad_dtype):
+        if how.scatter:
+            pairs = [(b.grad_shard(shard.rank, shard.size), b.grad_data) for b in batch]
+            handles.append(
+                _issue_reduce_scatters(pairs, group, how.op, async_op=async_op, label=label)
+            )
+        else:
+            tensors = [b.grad_data for b in batch]
+            handles.append(
+                _issue_all_reduces(tensors, group, how.op, async_op=async_op, label=label)
+            )
     return PendingCollective(handles)
-
-
-def _fp32_reduce_scatter(
-    buckets: Sequence[ParamAndGradBucket],
-    shard: ShardSpec,
-    op: mg.ReduceOp,
-    *,
-    async_op: bool,
-    label: str,
-) -> PendingCollective:
-    parts = [
-        reduce_scatter_with_fp32_accumulation(
-            b.grad_shard(shard.rank, shard.size),
-            b.grad_data,
-            shard.group,
-            op=op,
-            async_op=async_op,
-            label=label,
-        )
-        for b in buckets
-    ]
-    return PendingCollective([], [p.wait for p in parts])
 
 
 def all_reduce_across_instances(
@@ -123,37 +204,70 @@ def all_reduce_across_instances(
 ) -> None:
     """``x ← op over inter_group of x`` for this rank's shard of each bucket (or the whole
     bucket with ``whole_bucket``): the second stage of a multi-instance reduction."""
-    for same_dtype in _by_dtype(buckets, _grad_dtype):
-        with mg.coalesced(inter_group, label=label) as batch:
-            for bucket in same_dtype:
-                whole = bucket.grad_data
-                batch.all_reduce(
-                    whole if whole_bucket else bucket.grad_shard(shard.rank, shard.size), op=op
-                )
+    for batch in _by_dtype(buckets, _grad_dtype):
+        tensors = [
+            b.grad_data if whole_bucket else b.grad_shard(shard.rank, shard.size) for b in batch
+        ]
+        _issue_all_reduces(tensors, inter_group, op, async_op=False, label=label)
+
+
+def _gather(
+    pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    shard: ShardSpec,
+    *,
+    async_op: bool,
+    label: str,
+    scratch: ScratchBuffers,
+) -> PendingCollective:
+    if use_all_to_all(shard.group):
+        parts = [
+            all_gather_with_all_to_all(
+                out,
+                s,
+                shard.group,
+                async_op=async_op,
+                label=label,
+                repeated=_a2a_scratch(scratch, i, out),
+            )
+            for i, out, s in pairs
+        ]
+        return PendingCollective([], [p.wait for p in parts])
+    native = [(out, s) for _, out, s in pairs]
+    return PendingCollective(
+        [_issue_all_gathers(native, shard.group, async_op=async_op, label=label)]
+    )
 
 
 def gather_grad_shards(
-    buckets: Sequence[ParamAndGradBucket], shard: ShardSpec, *, label: str
+    buckets: Sequence[ParamAndGradBucket],
+    shard: ShardSpec,
+    *,
+    label: str,
+    scratch: ScratchBuffers,
 ) -> None:
     """``grad_data ← concat_r grad_shard(r)``: turns reduce-scattered shards into the full
     reduced gradients an all-reduce would have produced (synchronous)."""
-    for same_dtype in _by_dtype(buckets, _grad_dtype):
-        with mg.coalesced(shard.group, label=label) as batch:
-            for bucket in same_dtype:
-                batch.all_gather(bucket.grad_data, bucket.grad_shard(shard.rank, shard.size))
+    index = {id(b): i for i, b in enumerate(buckets)}
+    for batch in _by_dtype(buckets, _grad_dtype):
+        pairs = [(index[id(b)], b.grad_data, b.grad_shard(shard.rank, shard.size)) for b in batch]
+        _gather(pairs, shard, async_op=False, label=label, scratch=scratch).wait()
 
 
 def gather_bucket_params(
-    buckets: Sequence[ParamAndGradBucket], shard: ShardSpec, *, async_op: bool, label: str
+    buckets: Sequence[ParamAndGradBucket],
+    shard: ShardSpec,
+    *,
+    async_op: bool,
+    label: str,
+    scratch: ScratchBuffers,
 ) -> PendingCollective:
     """``param_data ← concat_r param_shard(r)`` for each bucket (the distributed optimizer's
     param all-gather, in place: the input is this rank's view of the output)."""
-    handles = []
-    for same_dtype in _by_dtype(buckets, _param_dtype):
-        with mg.coalesced(shard.group, async_op=async_op, label=label) as b:
-            for bucket in same_dtype:
-                param_data = bucket.param_data
-                assert param_data is not None  # checked by _param_dtype
-                b.all_gather(param_data, bucket.param_shard(shard.rank, shard.size))
-        handles.append(b.handle)
-    return PendingCollective(handles)
+    index = {id(b): i for i, b in enumerate(buckets)}
+    parts = []
+    for batch in _by_dtype(buckets, _param_dtype):
+        pairs = [
+            (index[id(b)], _param_data(b), b.param_shard(shard.rank, shard.size)) for b in batch
+        ]
+        parts.append(_gather(pairs, shard, async_op=async_op, label=label, scratch=scratch))
+    return PendingCollective([], [p.wait for p in parts])

@@ -30,6 +30,7 @@ import mc_groups as mg
 from mc_buffers import ParamAndGradBucket, ParamAndGradBuffer
 from mc_ddp import _bucket_collectives as comm
 from mc_ddp._pending import PendingCollective
+from mc_ddp._scratch import ScratchBuffers
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_finite_grads
 
@@ -88,6 +89,7 @@ class ParamAndGradBucketGroup:
         self.param_gather_dispatched = False
         self._scattered = False
         self._large_grads = LargeGradMonitor(len(self.buckets))
+        self.scratch = ScratchBuffers()
 
     # -- bookkeeping ------------------------------------------------------------------
 
@@ -173,6 +175,7 @@ class ParamAndGradBucketGroup:
                 f"{self.name}: start_grad_sync() called while its reduction is in flight; "
                 "call finish_grad_sync() first"
             )
+        self.free_overlap_buffers(keep_scratch=True)  # its all-to-all scratch is shared
         self._prepare_grads()
         how = self._reduction(force_all_reduce)
         self.grad_reduce_handle = comm.reduce_bucket_grads(
@@ -181,6 +184,7 @@ class ParamAndGradBucketGroup:
             how,
             async_op=self.ddp_config.overlap_grad_reduce,
             label=f"grad reduce {self.name}",
+            scratch=self.scratch,
         )
         self._scattered = how.scatter
 
@@ -216,7 +220,9 @@ class ParamAndGradBucketGroup:
                 label=f"grad reduce across instances {self.name}",
             )
         if force_all_reduce and self._scattered:
-            comm.gather_grad_shards(self.buckets, self.shard, label=f"grad gather {self.name}")
+            comm.gather_grad_shards(
+                self.buckets, self.shard, label=f"grad gather {self.name}", scratch=self.scratch
+            )
         for bucket in self.buckets:
             for param in bucket.params_with_extra_main_grads:
                 param.main_grad.copy_(param.main_grad_copy_in_grad_buffer)  # type: ignore[attr-defined]
@@ -251,6 +257,11 @@ class ParamAndGradBucketGroup:
         overlap_param_gather unless ``force_sync``; ``force_sync`` with a gather in flight
         only waits for it)."""
         self._require_param_buffers("start_param_sync()")
+        if self.grad_reduce_handle is not None:
+            raise RuntimeError(
+                f"{self.name}: start_param_sync() while its gradient reduction is in flight; "
+                "call finish_grad_sync() first"
+            )
         if self.param_gather_handle is not None:
             if not force_sync:
                 raise RuntimeError(
@@ -262,7 +273,11 @@ class ParamAndGradBucketGroup:
             return
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         pending = comm.gather_bucket_params(
-            self.buckets, self.shard, async_op=async_op, label=f"param gather {self.name}"
+            self.buckets,
+            self.shard,
+            async_op=async_op,
+            label=f"param gather {self.name}",
+            scratch=self.scratch,
         )
         self.param_gather_handle = pending if async_op else None
         self.param_gather_dispatched = True
@@ -299,12 +314,14 @@ class ParamAndGradBucketGroup:
             return
         nxt.start_param_sync()
 
-    def free_overlap_buffers(self) -> None:
-        """Drain an in-flight param all-gather (mc allocates no separate overlap buffers:
-        gathers land in ``param_data`` itself)."""
+    def free_overlap_buffers(self, keep_scratch: bool = False) -> None:
+        """Drain an in-flight param all-gather, then release the group's all-to-all
+        temporaries (gloo) unless ``keep_scratch``; the next collective allocates again."""
         if self.param_gather_handle is not None:
             self.param_gather_handle.wait()
             self.param_gather_handle = None
+        if not keep_scratch and self.grad_reduce_handle is None:
+            self.scratch.free()
 
     def __repr__(self) -> str:
         return (

@@ -347,8 +347,8 @@ class DistributedDataParallel(torch.nn.Module):
         bucket_group.start_param_sync(force_sync=force_sync)
 
     def _finish_param_sync_for_bucket_group(self, bucket_group: ParamAndGradBucketGroup) -> None:
-        """Drain one group's in-flight param all-gather."""
-        bucket_group.free_overlap_buffers()
+        """Drain one group's in-flight param all-gather (its scratch stays for reuse)."""
+        bucket_group.free_overlap_buffers(keep_scratch=True)
 
     def start_param_sync(
         self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False
@@ -373,7 +373,8 @@ class DistributedDataParallel(torch.nn.Module):
             group.param_gather_dispatched = False
 
     def free_overlap_buffers(self) -> None:
-        """Drain every in-flight param all-gather (mc keeps no separate overlap buffers)."""
+        """Drain every in-flight param all-gather and release the groups' all-to-all
+        temporaries (kept between iterations on gloo; e.g. before a checkpoint save)."""
         for group in self._all_groups():
             group.free_overlap_buffers()
 

@@ -35,6 +35,14 @@ def _check(output: torch.Tensor, input: torch.Tensor, size: int, op: mg.ReduceOp
         raise ValueError(f"output dtype {output.dtype} differs from input dtype {input.dtype}")
 
 
+def _check_scratch(t: torch.Tensor, numel: int, dtype: torch.dtype, name: str) -> None:
+    if t.numel() != numel or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous {dtype} tensor of {numel} elements, got "
+            f"{t.numel()} × {t.dtype}"
+        )
+
+
 def reduce_scatter_with_fp32_accumulation(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -43,24 +51,41 @@ def reduce_scatter_with_fp32_accumulation(
     op: mg.ReduceOp = mg.ReduceOp.SUM,
     async_op: bool = False,
     label: str = "",
+    received: torch.Tensor | None = None,
+    fp32_sum: torch.Tensor | None = None,
 ) -> PendingCollective:
     """Reduce the flat ``input`` over ``group``; group rank r gets chunk r in ``output``.
 
     One ``all_to_all`` in ``input.dtype`` (recorded as such), then a local fp32 sum over the
     W received chunks, rounded once into ``output``. ``output`` may be a view of ``input``
-    (this rank's shard of a bucket): the all-to-all writes a temporary of ``input``'s size.
-    With ``async_op`` the returned object's ``wait()`` finishes the collective and the sum.
+    (this rank's shard of a bucket). With ``async_op`` the returned object's ``wait()``
+    finishes the collective and the sum.
+
+    Temporaries, allocated when not given (pass reused ones to avoid the allocation):
+    ``received`` (``input``'s numel and dtype, the all-to-all output) and, unless ``output``
+    is fp32, ``fp32_sum`` (``output``'s numel, fp32).
     """
     size = mg.group_size(group)
     _check(output, input, size, op)
-    received = torch.empty_like(input)
-    handle = mg.all_to_all(received, input, group, async_op=async_op, label=label)
+    received = torch.empty_like(input) if received is None else received
+    _check_scratch(received, input.numel(), input.dtype, "received")
+    handle = mg.all_to_all(received.view(-1), input, group, async_op=async_op, label=label)
 
     def finish() -> None:
-        total = received.view(size, -1).sum(dim=0, dtype=torch.float32)
+        chunks = received.view(size, -1)
+        if output.dtype == torch.float32:
+            torch.sum(chunks, dim=0, out=output.view(-1))
+            total = output.view(-1)
+        else:
+            total = (
+                torch.empty(output.numel(), device=output.device) if fp32_sum is None else fp32_sum
+            )
+            _check_scratch(total, output.numel(), torch.float32, "fp32_sum")
+            torch.sum(chunks, dim=0, dtype=torch.float32, out=total)
         if op is mg.ReduceOp.AVG:
             total.div_(size)
-        output.view(-1).copy_(total)
+        if total.data_ptr() != output.data_ptr():
+            output.view(-1).copy_(total)
 
     pending = PendingCollective([handle], [finish])
     if not async_op:

@@ -1,12 +1,13 @@
-"""``ShardedOptimizer``: steps any ``torch.optim`` optimizer on fp32 master copies of this
-rank's shard of the params, so ``use_distributed_optimizer`` can train.
+"""``ShardedOptimizer``: steps any ``torch.optim`` optimizer on fp32 masters of this rank's
+shard of the params, so ``use_distributed_optimizer`` can train.
 
 The subset of Megatron's ``DistributedOptimizer`` it covers::
 
     grads   main_grad shard of rank r  (reduce-scattered by DDP's finish_grad_sync)
               │ (view when fp32, fp32 copy otherwise)
-    step    master_r  (fp32 copy of param shard r) ── wrapped optimizer.step() ──▶ master_r'
-              │ cast to the param dtype
+    step    master_r  (fp32 copy of param shard r; for fp32 params the shard itself, as
+              │        in Megatron) ── wrapped optimizer.step() ──▶ master_r'
+              │ cast to the param dtype (nothing to do for fp32)
     params  param_data shard r  ── DDP param all-gather (now, or overlapped with the next
                                    forward by the pre-hooks) ──▶ every rank's full params
 
@@ -16,7 +17,7 @@ Without the distributed optimizer every rank holds the full all-reduced grads, a
 "shard" is the whole buffer: every rank steps every param (a replicated fp32-master
 optimizer). Not covered: grad clipping, loss scaling, the fp16/bf16 overflow checks,
 checkpoint resharding across data-parallel sizes (``state_dict`` is this rank's shard),
-``overlap_param_gather_with_optimizer_step``, and LBFGS (it caches its params at build).
+and LBFGS (it caches its params at build).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ Param = torch.nn.Parameter
 
 
 class _Slot(NamedTuple):
-    """One param slice this rank steps, and its fp32 master."""
+    """One param slice this rank steps, and its fp32 master (``aliased``: the master is the
+    param slice itself, for fp32 params)."""
 
     param: Param
     start: int
     end: int
     master: torch.Tensor
+    aliased: bool
 
 
 def _as_chunks(model_chunks: object) -> list[DistributedDataParallel]:
@@ -87,6 +90,17 @@ def _owned_ranges(group: ParamAndGradBucketGroup) -> list[tuple[Param, int, int]
     ]
 
 
+def _check_step_dispatch(flag: object, chunks: list[DistributedDataParallel]) -> bool:
+    if not isinstance(flag, bool):
+        raise TypeError(f"overlap_param_gather_with_optimizer_step={flag!r} must be a bool")
+    if flag and not all(c.ddp_config.overlap_param_gather for c in chunks):
+        raise ValueError(
+            "overlap_param_gather_with_optimizer_step=True needs every model chunk built with "
+            "ddp_config.overlap_param_gather=True (and use_distributed_optimizer=True)"
+        )
+    return flag
+
+
 class ShardedOptimizer:
     """Wraps ``optimizer`` (built over the model params) to step fp32 masters of the param
     slices this rank owns in ``model_chunks`` (DDP wrappers).
@@ -98,16 +112,27 @@ class ShardedOptimizer:
     drains in-flight param gathers; ``master.grad ← main_grad slice`` (fp32); steps;
     writes masters into the params (cast); then, with the distributed optimizer and without
     ``overlap_param_gather``, all-gathers params synchronously (``start_param_sync``);
-    with it, the next forward's pre-hooks gather bucket group by bucket group.
+    with it, the next forward's pre-hooks gather bucket group by bucket group, or, with
+    ``overlap_param_gather_with_optimizer_step=True``, ``step()`` dispatches every group's
+    gather asynchronously (model start first) and the pre-hooks only wait for them.
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         model_chunks: DistributedDataParallel | Sequence[DistributedDataParallel],
+        *,
+        overlap_param_gather_with_optimizer_step: bool = False,
     ) -> None:
         self.optimizer = _check_optimizer(optimizer)
         self.model_chunks = _as_chunks(model_chunks)
+        self.overlap_param_gather_with_optimizer_step = _check_step_dispatch(
+            overlap_param_gather_with_optimizer_step, self.model_chunks
+        )
+        for chunk in self.model_chunks:
+            chunk.overlap_param_gather_with_optimizer_step = (
+                self.overlap_param_gather_with_optimizer_step
+            )
         owned = self._owned_slices()
         self._slots: list[_Slot] = []
         for i, group in enumerate(self.optimizer.param_groups):
@@ -137,8 +162,10 @@ class ShardedOptimizer:
         )
 
     def _new_slot(self, param: Param, start: int, end: int) -> _Slot:
-        master = param.detach().view(-1)[start:end].to(torch.float32, copy=True)
-        slot = _Slot(param, start, end, master)
+        view = param.detach().view(-1)[start:end]
+        aliased = param.dtype == torch.float32
+        master = view if aliased else view.to(torch.float32, copy=True)
+        slot = _Slot(param, start, end, master, aliased)
         self._slots.append(slot)
         return slot
 
@@ -165,8 +192,7 @@ class ShardedOptimizer:
     def step(self) -> None:
         """One optimizer step on this rank's masters, then publish the params (see class)."""
         self._require_synced_grads()
-        for chunk in self.model_chunks:
-            chunk.free_overlap_buffers()
+        self._drain_param_gathers()
         for slot in self._slots:
             grad = slot.param.main_grad.view(-1)[slot.start : slot.end]  # type: ignore[attr-defined]
             slot.master.grad = grad.to(torch.float32)
@@ -174,15 +200,26 @@ class ShardedOptimizer:
         self._write_masters_to_params()
         self._publish_params(force_sync=False)
 
+    def _drain_param_gathers(self) -> None:
+        # A gather still in flight would overwrite the shards this step writes.
+        for chunk in self.model_chunks:
+            for group in chunk._all_groups():
+                chunk._finish_param_sync_for_bucket_group(group)
+
     def _write_masters_to_params(self) -> None:
         for slot in self._slots:
-            slot.param.data.view(-1)[slot.start : slot.end].copy_(slot.master)
+            if not slot.aliased:
+                slot.param.data.view(-1)[slot.start : slot.end].copy_(slot.master)
 
     def _publish_params(self, *, force_sync: bool) -> None:
         for chunk in self.model_chunks:
             cfg = chunk.ddp_config
-            if cfg.use_distributed_optimizer and (force_sync or not cfg.overlap_param_gather):
+            if not cfg.use_distributed_optimizer:
+                continue
+            if force_sync or not cfg.overlap_param_gather:
                 chunk.start_param_sync(force_sync=True)
+            elif self.overlap_param_gather_with_optimizer_step:
+                chunk.start_param_sync(force_dispatch=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the masters' grads and the model params' ``.grad``.
@@ -201,9 +238,10 @@ class ShardedOptimizer:
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Refresh the masters from the current params (after ``broadcast_params`` or a
-        checkpoint loaded into the model)."""
+        checkpoint loaded into the model; fp32 masters alias the params already)."""
         for slot in self._slots:
-            slot.master.copy_(slot.param.detach().view(-1)[slot.start : slot.end])
+            if not slot.aliased:
+                slot.master.copy_(slot.param.detach().view(-1)[slot.start : slot.end])
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot of this rank's state: the wrapped optimizer's state dict and the
@@ -230,7 +268,6 @@ class ShardedOptimizer:
         self.optimizer.load_state_dict(state_dict["optimizer"])
         for slot, saved in zip(self._slots, masters, strict=True):
             slot.master.copy_(saved)
-        for chunk in self.model_chunks:
-            chunk.free_overlap_buffers()
+        self._drain_param_gathers()
         self._write_masters_to_params()
         self._publish_params(force_sync=True)

@@ -16,6 +16,11 @@ import mc_groups as mg
 from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig
 
 IN, HIDDEN, OUT = 8, 16, 4
+
+# On gloo, mc issues reduce-scatters and all-gathers as all-to-alls (3-4x faster there, see
+# mc_ddp._bucket_collectives); an all-gather's record then counts its repeated input, the
+# whole bucket. Labels ("grad reduce …", "param gather …") tell the two apart.
+SCATTER_OP = GATHER_OP = "all_to_all"
 LOCAL_BATCH = 6  # per rank; divisible by 1 and 3 microbatches
 
 

@@ -22,9 +22,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mc_groups as mg
-from mc_ddp import DistributedDataParallel, NonFiniteGradError
+from mc_buffers import ParamAndGradBuffer
+from mc_ddp import (
+    DistributedDataParallel,
+    NonFiniteGradError,
+    ParamAndGradBucketGroup,
+    partition_buckets,
+)
 from mc_ddp_tests._harness import (
+    GATHER_OP,
     LOCAL_BATCH,
+    SCATTER_OP,
     Reference,
     ddp_backward,
     ddp_config,
@@ -323,7 +331,8 @@ def _fp32_reduce_scatter_and_force() -> dict[str, Any]:
                 float((main_grad(p) - g).abs().max())
                 for p, g in zip(model.parameters(), ref_grads, strict=True)
             )
-            out[str(sorted(fields))] = {"ops": [r.op for r in log], "full_err": full}
+            ops = [(r.op, r.label.rsplit(" bucket", 1)[0]) for r in log]
+            out[str(sorted(fields))] = {"ops": ops, "full_err": full}
             if fields.get("reduce_scatter_with_fp32_accumulation"):
                 ddp.zero_grad_buffer()
                 with mg.record_collectives() as log:
@@ -339,11 +348,13 @@ def _fp32_reduce_scatter_and_force() -> dict[str, Any]:
 def test_force_all_reduce_and_fp32_accumulating_reduce_scatter(rank_pools: RankPools) -> None:
     for out in rank_pools.get(2).run(_fp32_reduce_scatter_and_force):
         # force_all_reduce: every rank gets the full reduced grads, whichever path ran
-        assert out["['reduce_scatter_with_fp32_accumulation']"]["ops"] == ["all_reduce"]
+        all_reduce = [("all_reduce", "grad reduce dense")]
+        assert out["['reduce_scatter_with_fp32_accumulation']"]["ops"] == all_reduce
+        # the hooks issued reduce-scatters; finish completes them with all-gathers
         assert out["['bucket_size', 'overlap_grad_reduce']"]["ops"] == (
-            ["reduce_scatter"] * 5 + ["all_gather"] * 5  # hooks issued RS; finish completes
+            [(SCATTER_OP, "grad reduce dense")] * 5 + [(GATHER_OP, "grad gather dense")] * 5
         )
-        assert out["[]"]["ops"] == ["all_reduce"]
+        assert out["[]"]["ops"] == all_reduce
         for key in out:
             if key != "fp32_rs":
                 assert out[key]["full_err"] <= 1e-6, key
@@ -449,10 +460,11 @@ def test_delay_wgrad_compute_and_bucket_rules(rank_pools: RankPools) -> None:
         assert out["num_buckets"] == 484 // 4
         assert out["no_overlap"] is None
         assert out["disabled"] == (16, None)
+        # one batch per dtype (gloo), each of one bucket, so issued alone (not coalesced)
         label = "grad reduce dense bucket group 0"
         assert out["single_group"] == [
-            ("all_reduce", torch.float32, True, label),
-            ("all_reduce", torch.bfloat16, True, label),
+            ("all_reduce", torch.float32, False, label),
+            ("all_reduce", torch.bfloat16, False, label),
         ]
 
 
@@ -464,3 +476,39 @@ def _pipeline_stage_one_bucket() -> list[int]:
 
 def test_later_pipeline_stages_use_one_bucket(rank_pools: RankPools) -> None:
     assert rank_pools.get(2).run(_pipeline_stage_one_bucket) == [[5, 16], [1, 0]]
+
+
+def _buffer(bucket_size: int) -> ParamAndGradBuffer:
+    params = [nn.Parameter(torch.zeros(n)) for n in (40, 30, 20)]
+    return ParamAndGradBuffer(params, bucket_size=bucket_size, gradient_scaling_factor=0.5)
+
+
+def test_partition_buckets() -> None:
+    # reverse order 20, 30, 40: a bucket closes at the param reaching 25 → [20 30] [40]
+    buffers = [_buffer(25), _buffer(1000)]  # 2 buckets and 1 bucket
+    assert [len(g) for g in partition_buckets(buffers)] == [1, 1, 1]
+    assert [len(g) for g in partition_buckets(buffers, force_single_bucket_group=True)] == [3]
+    assert partition_buckets([]) == []
+
+
+def _coalesced_group() -> dict[str, Any]:
+    world = dist.group.WORLD
+    assert world is not None
+    buffer = _buffer(25)
+    group = ParamAndGradBucketGroup(buffer.buckets, ddp_config(), world, name="test group")
+    buffer.grad_data.fill_(dist.get_rank() + 1)
+    with mg.record_collectives() as log:
+        group.finish_grad_sync()
+    return {
+        "records": [(r.op, r.numel, r.coalesced, r.label) for r in log],
+        "values": buffer.grad_data.unique().tolist(),  # type: ignore[no-untyped-call]
+    }
+
+
+def test_several_buckets_of_one_group_go_in_one_coalesced_batch(rank_pools: RankPools) -> None:
+    for out in rank_pools.get(2).run(_coalesced_group):
+        # buckets [20 30] and [40]; 0.5·1 + 0.5·2 = 1.5 everywhere
+        assert out["records"] == [
+            ("all_reduce", n, True, "grad reduce test group") for n in (50, 40)
+        ]
+        assert out["values"] == [1.5]

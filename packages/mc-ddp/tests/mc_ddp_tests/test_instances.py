@@ -21,6 +21,7 @@ from torch import nn
 import mc_groups as mg
 from mc_ddp import DistributedDataParallel, ShardedOptimizer, reduce_scatter_with_fp32_accumulation
 from mc_ddp_tests._harness import (
+    SCATTER_OP,
     Reference,
     ddp_backward,
     ddp_config,
@@ -65,7 +66,11 @@ def _two_instances(overlap: bool) -> dict[str, Any]:
         ddp.start_param_sync(force_sync=True)  # overlap: publish the last step's params
         return {
             # the forward param all-gathers (overlap) are checked in test_schedules
-            "schedule": [(r.op, r.group_ranks, r.async_op) for r in log if r.op != "all_gather"],
+            "schedule": [
+                (r.op, r.group_ranks, r.async_op)
+                for r in log
+                if not r.label.startswith("param gather")
+            ],
             "grad_err": grad_err,
             "param_err": max_param_error(model, ref.model),
             "shard_count": ddp.bucket_groups[0].shard.size,
@@ -79,7 +84,7 @@ def test_two_optimizer_instances(rank_pools: RankPools) -> None:
             intra = (0, 1) if rank < 2 else (2, 3)  # instances are contiguous blocks of dp
             inter = (rank % 2, rank % 2 + 2)  # same shard position in each instance
             groups = 5 if overlap else 1  # without overlap: one bucket
-            rs = [("reduce_scatter", intra, overlap)] * groups
+            rs = [(SCATTER_OP, intra, overlap)] * groups
             ar = [("all_reduce", inter, False)] * groups
             # with overlap the hooks issue every reduce-scatter; the cross-instance all-reduce
             # of each group follows its wait in finish_grad_sync

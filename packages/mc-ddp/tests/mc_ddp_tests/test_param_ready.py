@@ -23,7 +23,7 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_ddp import PARAM_READY_CALLBACK_ATTR, ensure_params_ready, param_ready
 from mc_ddp.distributed_data_parallel import _BucketParamReadyCallback
-from mc_ddp_tests._harness import model_parallel
+from mc_ddp_tests._harness import GATHER_OP, model_parallel
 from mc_ddp_tests.test_param_sync import _trained
 from mc_groups.testing import RankPools
 
@@ -153,7 +153,7 @@ def _read_ahead() -> dict[str, Any]:
 
 def test_read_ahead_publishes_one_group_once(rank_pools: RankPools) -> None:
     for out in rank_pools.get(2).run(_read_ahead):
-        assert out["first"] == [("all_gather", "param gather dense bucket group 0")]
+        assert out["first"] == [(GATHER_OP, "param gather dense bucket group 0")]
         assert out["second"] == 0
         assert out["err"] <= 1e-6
         assert out["collected"]

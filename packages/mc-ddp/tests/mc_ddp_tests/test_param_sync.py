@@ -35,7 +35,8 @@ TINY, GROUPS, LR = 16, 5, 0.3
 
 def _gathers(log: list[mg.CollectiveRecord]) -> list[tuple[int, bool]]:
     """(group index, async) of each param all-gather, in issue order."""
-    return [(int(r.label.rsplit(" ", 1)[1]), r.async_op) for r in log if r.op == "all_gather"]
+    gathers = [r for r in log if r.label.startswith("param gather")]
+    return [(int(r.label.rsplit(" ", 1)[1]), r.async_op) for r in gathers]
 
 
 def _trained(pgc: Any, **fields: Any) -> tuple[DistributedDataParallel, Reference]:
@@ -154,3 +155,49 @@ def test_dispatch_owned_by_the_optimizer_step(rank_pools: RankPools) -> None:
         assert out["drained"] == 0
         assert out["err"] <= 1e-6
         assert out["forward"] == []
+
+
+def _gathers_dispatched_by_step() -> dict[str, Any]:
+    with model_parallel() as pgc:
+        model = mlp()
+        ref = Reference(model, LR)
+        cfg = ddp_config(
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            use_distributed_optimizer=True,
+            bucket_size=TINY,
+        )
+        ddp = DistributedDataParallel(mg.ModelParallelConfig(), cfg, model, pg_collection=pgc)
+        inner = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
+        opt = ShardedOptimizer(inner, ddp, overlap_param_gather_with_optimizer_step=True)
+        out: dict[str, Any] = {"flag": ddp.overlap_param_gather_with_optimizer_step}
+        rank = dist.get_rank()
+        for step in range(2):
+            x, y = global_batch(step, dist.get_world_size(), torch.float32)
+            ddp.zero_grad_buffer()
+            with mg.record_collectives() as log:
+                ddp_backward(ddp, local_rows(x, rank), local_rows(y, rank), 1)
+            out[f"forward {step}"] = _gathers(log)
+            ddp.finish_grad_sync()
+            with mg.record_collectives() as log:
+                opt.step()
+            out[f"step {step}"] = _gathers(log)
+            ref.step(ref.grads(x, y))
+        with mg.record_collectives() as log:
+            ddp(torch.zeros(2, 8))  # the pre-hooks only wait for the step's gathers
+        out["last forward"] = _gathers(log)
+        out["err"] = max_param_error(model, ref.model)
+        return out
+
+
+def test_gathers_dispatched_by_the_optimizer_step(rank_pools: RankPools) -> None:
+    dispatched = [(i, True) for i in reversed(range(GROUPS))]
+    for out in rank_pools.get(2).run(_gathers_dispatched_by_step):
+        assert out["flag"] is True
+        # before the first step each pre-hook gathers its own group, without chaining
+        assert out["forward 0"] == dispatched
+        assert out["step 0"] == dispatched
+        assert out["forward 1"] == []
+        assert out["step 1"] == dispatched
+        assert out["last forward"] == []
+        assert out["err"] <= 1e-6

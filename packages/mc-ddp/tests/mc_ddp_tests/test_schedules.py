@@ -21,7 +21,9 @@ from torch import nn
 import mc_groups as mg
 from mc_ddp import DistributedDataParallel, ShardedOptimizer
 from mc_ddp_tests._harness import (
+    GATHER_OP,
     LOCAL_BATCH,
+    SCATTER_OP,
     ddp_backward,
     ddp_config,
     global_batch,
@@ -140,12 +142,12 @@ def test_param_gather_schedule_overlapped_with_forward(rank_pools: RankPools) ->
     for out in rank_pools.get(2).run(_param_gather_schedule, True):
         numels = out["numels"]
         gathers = [
-            ("all_gather", f"param gather dense bucket group {i}", numels[i] // 2, (0, 1), True)
+            (GATHER_OP, f"param gather dense bucket group {i}", numels[i], (0, 1), True)
             for i in reversed(range(GROUPS))  # model start first
         ]
         assert out["forward"] == gathers
         assert out["backward"] == [
-            ("reduce_scatter", f"grad reduce dense bucket group {i}", numels[i], (0, 1), True)
+            (SCATTER_OP, f"grad reduce dense bucket group {i}", numels[i], (0, 1), True)
             for i in range(GROUPS)
         ]
         assert out["step"] == []  # the next forward gathers
@@ -155,9 +157,11 @@ def test_param_gather_schedule_in_optimizer_step(rank_pools: RankPools) -> None:
     for out in rank_pools.get(2).run(_param_gather_schedule, False):
         numels = out["numels"]
         assert out["forward"] == []
-        assert [e[0] for e in out["backward"]] == ["reduce_scatter"] * GROUPS
+        assert [e[:2] for e in out["backward"]] == [
+            (SCATTER_OP, f"grad reduce dense bucket group {i}") for i in range(GROUPS)
+        ]
         assert out["step"] == [
-            ("all_gather", f"param gather dense bucket group {i}", numels[i] // 2, (0, 1), False)
+            (GATHER_OP, f"param gather dense bucket group {i}", numels[i], (0, 1), False)
             for i in reversed(range(GROUPS))
         ]
 

@@ -71,7 +71,7 @@ def _round_trip() -> dict[str, float]:
             "before": before,
             "loaded": loaded,
             "continued": float((_flat(other) - _flat(ddp)).abs().max()),
-            "gathers": sum(r.op == "all_gather" for r in log),
+            "gathers": sum(r.label.startswith("param gather") for r in log),
             "groups": len(ddp.bucket_groups),
         }
 
@@ -138,6 +138,11 @@ def _errors() -> dict[str, str]:
             "not_ddp": lambda: ShardedOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), [chunk]),
             "lbfgs": lambda: ShardedOptimizer(torch.optim.LBFGS(ddp.parameters()), ddp),
             "not_optimizer": lambda: ShardedOptimizer(object(), ddp),  # type: ignore[arg-type]
+            "step_dispatch": lambda: ShardedOptimizer(
+                torch.optim.SGD(ddp.parameters(), lr=0.1),
+                ddp,
+                overlap_param_gather_with_optimizer_step=True,
+            ),
         }
         opt = ShardedOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp)
         cases["step_before_finish"] = opt.step
@@ -160,6 +165,9 @@ def test_bad_input_is_rejected_before_any_collective(rank_pools: RankPools) -> N
         assert found["not_ddp"].startswith("TypeError: model_chunks[0] is a Sequential")
         assert found["lbfgs"].startswith("TypeError: optimizer=LBFGS")
         assert found["not_optimizer"].startswith("TypeError: optimizer=object")
+        assert found["step_dispatch"].startswith(
+            "ValueError: overlap_param_gather_with_optimizer_step=True needs every model chunk"
+        )
         assert found["step_before_finish"].startswith("RuntimeError: step(): ['dense bucket")
         assert "finish_grad_sync()" in found["step_before_finish"]
         assert found["bad_state"].startswith("ValueError: state_dict['master_params']")
