@@ -35,6 +35,3 @@ class PendingCollective:
             handle.wait()
         for finish in finishers:
             finish()
-
-
-DONE = PendingCollective(())

@@ -54,7 +54,10 @@ class ParamAndGradBucketGroup:
     ``per_param_grad_ready_counts``, ``golden_per_param_grad_ready_counts``,
     ``is_first_batch``, ``is_last_microbatch``, ``grad_reduce_handle``,
     ``grad_reduce_finished``, ``param_gather_handle``, ``param_gather_dispatched``,
-    ``next_param_gather_bucket_group``.
+    ``next_param_gather_bucket_group``. Also: ``shard`` (this rank's shard position:
+    group, rank, shard count), ``name``, ``collective_group``,
+    ``inter_distributed_optimizer_instance_group`` and ``scratch`` (the all-to-all
+    temporaries kept between iterations on gloo).
     """
 
     def __init__(
