@@ -121,6 +121,47 @@ def test_reduce_scatter_every_op(rank_pools: RankPools) -> None:
                 assert got[i_local] == want[key.split("-")[0]], (r, key)
 
 
+def _with_staging() -> dict[str, Any]:
+    """Reused staging buffers give the same values as fresh ones, in and out of batches."""
+    g, r, w = _world(), dist.get_rank(), dist.get_world_size()
+    n = 4 * w
+    staging = torch.full((n,), float("nan"))  # garbage in the buffer must not leak out
+    results: dict[str, Any] = {"needs": mg.needs_staging(g)}
+    for round_ in range(2):
+        flat = torch.arange(n, dtype=torch.float32) * (r + 1)
+        shard = flat.view(-1)[r * 4 : (r + 1) * 4]
+        mg.reduce_scatter(shard, flat, g, staging=staging)
+        gathered = torch.zeros(n)
+        mg.all_gather(gathered, shard, g, staging=staging, async_op=True).wait()
+        with mg.coalesced(g) as batch:
+            out = torch.zeros(n)
+            batch.all_gather(out, torch.full((4,), float(r)), staging=staging)
+        results[f"round{round_}"] = (gathered.tolist(), out.tolist())
+    with record_collectives() as log:
+        try:
+            mg.all_gather(torch.zeros(n), torch.zeros(4), g, staging=torch.zeros(3))
+            results["bad"] = "no error"
+        except ValueError as err:
+            results["bad"] = str(err)
+    results["logged"] = len(log)
+    return results
+
+
+def test_staging_buffers_are_reused_safely(rank_pools: RankPools) -> None:
+    w = 2
+    total = w * (w + 1) / 2  # rank r contributes arange·(r + 1)
+    full = [v * total for v in range(4 * w)]
+    for out in rank_pools.get(w).run(_with_staging):
+        assert out["needs"] is True  # gloo, 2 ranks
+        for key in ("round0", "round1"):
+            gathered, batch = out[key]
+            assert gathered == full
+            assert batch == [float(k) for k in range(w) for _ in range(4)]
+        assert "staging=3 × float32" in out["bad"]
+        assert f"{4 * w} × float32" in out["bad"]
+        assert out["logged"] == 0
+
+
 def _all_gather_values() -> dict[str, Any]:
     g, r, w = _world(), dist.get_rank(), dist.get_world_size()
     out = torch.zeros(3 * w)
