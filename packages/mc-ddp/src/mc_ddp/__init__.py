@@ -8,15 +8,13 @@
   (``start_grad_sync`` / ``finish_grad_sync`` / ``start_param_sync`` / ``finish_param_sync``).
 - :class:`ShardedOptimizer`: any torch optimizer on fp32 masters of this rank's shard.
 - :func:`ensure_params_ready`, :data:`PARAM_READY_CALLBACK_ATTR`: publish params on demand.
-- :func:`reduce_scatter_with_fp32_accumulation`: all-to-all + local fp32 sum;
-  :func:`all_gather_with_all_to_all`: an all-gather as one all-to-all (both used on gloo).
+- :func:`reduce_scatter_with_fp32_accumulation`: all-to-all + local fp32 sum.
 - :class:`NonFiniteGradError`, :class:`LargeGradMonitor`, :func:`check_finite_grads`: the
   checks run before a collective.
 """
 
 from __future__ import annotations
 
-from mc_ddp.all_to_all_gather import all_gather_with_all_to_all
 from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
@@ -37,7 +35,6 @@ __all__ = [
     "ParamAndGradBucketGroup",
     "ShardedOptimizer",
     "TransformerConfigLike",
-    "all_gather_with_all_to_all",
     "check_finite_grads",
     "ensure_params_ready",
     "partition_buckets",

@@ -2,28 +2,21 @@
 
 A bucket group owns one contiguous shard position ``ShardSpec(group, rank, size)``: bucket
 ``b`` splits into ``size`` equal views, rank ``rank`` owns ``b.grad_shard(rank, size)`` /
-``b.param_shard(rank, size)``. One collective per bucket; the algorithm depends on the
-backend (:func:`use_all_to_all`):
+``b.param_shard(rank, size)``. One collective per bucket, Megatron's schedule: a group's
+buckets go in one coalesced batch (a one-bucket group issues its collective alone), native
+reduce-scatter / all-gather / all-reduce through mc_groups.
 
-- NCCL (and any backend but gloo), Megatron's schedule: a group's buckets go in one
-  coalesced batch (a one-bucket group issues its collective alone), native reduce-scatter /
-  all-gather / all-reduce;
-- gloo: reduce-scatter and all-gather are issued as all-to-alls (plus a local fp32 sum, or
-  a repeated input) into temporaries the bucket group keeps: torch 2.13 gloo's
-  ``reduce_scatter_single`` / ``all_gather_single`` took 200 / 175 ms for 100 MB on 2 ranks
-  where ``all_to_all_single`` took 53 ms; mc_groups' gloo reduce-scatter (an all-to-all
-  into a fresh staging tensor) took 37 ms for one 33.6 MB bucket where this one took 16 ms,
-  its all-gather 35 ms where this one took 18 ms (fresh CPU tensors pay their page faults
-  on every call). All-reduce stays native. Measured on this project's 2-core machines.
+On gloo, mc_groups runs reduce-scatter and all-gather as all-to-alls through a staging
+buffer the size of the bucket (torch 2.13 gloo's own ones took 200 / 175 ms for 100 MB on 2
+ranks, the all-to-all 53 ms). The bucket group keeps those buffers in its
+:class:`ScratchBuffers` (one per bucket and dtype, shared by its reduce-scatter and
+all-gather, never in flight together): a fresh 33 MB CPU tensor costs ~27 ms of page faults
+per use (:func:`mc_groups.needs_staging`).
 
-Two more gloo facts (torch 2.13): coalesced batches must be opened without a device (torch's
-per-device path raises "gloo does not implement startCoalescing"), and one batch must hold
-one dtype ("allreduce_coalesced: tensors must all have the same type"), so a group mixing
-fp32 and bf16 buckets issues one batch per dtype, in first-appearance order. A batch of one
-is not coalesced: gloo's coalesced all-reduce flattens into a copy (+20 ms per 100 MB).
-
-The all-to-all temporaries come from the group's :class:`ScratchBuffers`, one per bucket
-and dtype, shared by its reduce-scatter and all-gather (never in flight together).
+Two more gloo facts (torch 2.13): one batch must hold one dtype ("allreduce_coalesced:
+tensors must all have the same type"), so a group mixing fp32 and bf16 buckets issues one
+batch per dtype, in first-appearance order; and a batch of one is not coalesced (gloo's
+coalesced all-reduce flattens into a copy, +20 ms per 100 MB).
 """
 
 from __future__ import annotations
@@ -38,7 +31,6 @@ import mc_groups as mg
 from mc_buffers import ParamAndGradBucket
 from mc_ddp._pending import PendingCollective
 from mc_ddp._scratch import ScratchBuffers
-from mc_ddp.all_to_all_gather import all_gather_with_all_to_all
 from mc_ddp.fp32_reduce_scatter import reduce_scatter_with_fp32_accumulation
 
 
@@ -56,11 +48,6 @@ class GradReduction(NamedTuple):
     scatter: bool
     op: mg.ReduceOp
     fp32_accumulation: bool
-
-
-def use_all_to_all(group: dist.ProcessGroup) -> bool:
-    """Issue reduce-scatters and all-gathers on ``group`` as all-to-alls (gloo: see above)."""
-    return mg.group_size(group) > 1 and dist.get_backend(group) == "gloo"
 
 
 def _by_dtype(
@@ -105,36 +92,42 @@ def _issue_all_reduces(
     return batch.handle
 
 
+_Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""(output, input, staging) of one bucket's reduce-scatter or all-gather."""
+
+
 def _issue_reduce_scatters(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    triples: Sequence[_Triple],
     group: dist.ProcessGroup,
     op: mg.ReduceOp,
     *,
     async_op: bool,
     label: str,
 ) -> mg.CollectiveHandle:
-    if len(pairs) == 1:
-        out, inp = pairs[0]
-        return mg.reduce_scatter(out, inp, group, op=op, async_op=async_op, label=label)
+    if len(triples) == 1:
+        out, inp, staging = triples[0]
+        return mg.reduce_scatter(
+            out, inp, group, op=op, async_op=async_op, label=label, staging=staging
+        )
     with mg.coalesced(group, async_op=async_op, label=label) as batch:
-        for out, inp in pairs:
-            batch.reduce_scatter(out, inp, op=op)
+        for out, inp, staging in triples:
+            batch.reduce_scatter(out, inp, op=op, staging=staging)
     return batch.handle
 
 
 def _issue_all_gathers(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    triples: Sequence[_Triple],
     group: dist.ProcessGroup,
     *,
     async_op: bool,
     label: str,
 ) -> mg.CollectiveHandle:
-    if len(pairs) == 1:
-        out, shard = pairs[0]
-        return mg.all_gather(out, shard, group, async_op=async_op, label=label)
+    if len(triples) == 1:
+        out, shard, staging = triples[0]
+        return mg.all_gather(out, shard, group, async_op=async_op, label=label, staging=staging)
     with mg.coalesced(group, async_op=async_op, label=label) as batch:
-        for out, shard in pairs:
-            batch.all_gather(out, shard)
+        for out, shard, staging in triples:
+            batch.all_gather(out, shard, staging=staging)
     return batch.handle
 
 
@@ -142,6 +135,13 @@ def _a2a_scratch(
     scratch: ScratchBuffers, index: int, like: torch.Tensor, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     return scratch.get(f"all-to-all {index}", like, dtype)
+
+
+def _staging(
+    scratch: ScratchBuffers, group: dist.ProcessGroup, index: int, full: torch.Tensor
+) -> torch.Tensor | None:
+    """The kept staging buffer of bucket ``index`` when ``group`` needs one (gloo)."""
+    return _a2a_scratch(scratch, index, full) if mg.needs_staging(group) else None
 
 
 def reduce_bucket_grads(
@@ -155,12 +155,12 @@ def reduce_bucket_grads(
 ) -> PendingCollective:
     """Issue the gradient reduction of ``buckets`` over ``shard.group``.
 
-    ``scatter``: ``grad_shard(rank) ← op_r grad_data`` (this rank's shard only; on gloo or
-    with ``fp32_accumulation`` via :func:`~mc_ddp.reduce_scatter_with_fp32_accumulation`);
+    ``scatter``: ``grad_shard(rank) ← op_r grad_data`` (this rank's shard only; with
+    ``fp32_accumulation`` via :func:`~mc_ddp.reduce_scatter_with_fp32_accumulation`);
     else ``grad_data ← op_r grad_data`` in place.
     """
     group = shard.group
-    if how.scatter and (how.fp32_accumulation or use_all_to_all(group)):
+    if how.scatter and how.fp32_accumulation:
         parts = []
         for i, b in enumerate(buckets):
             out = b.grad_shard(shard.rank, shard.size)
@@ -180,12 +180,20 @@ def reduce_bucket_grads(
                 )
             )
         return PendingCollective([], [p.wait for p in parts])
+    index = {id(b): i for i, b in enumerate(buckets)}
     handles = []
     for batch in _by_dtype(buckets, _grad_dtype):
         if how.scatter:
-            pairs = [(b.grad_shard(shard.rank, shard.size), b.grad_data) for b in batch]
+            triples = [
+                (
+                    b.grad_shard(shard.rank, shard.size),
+                    b.grad_data,
+                    _staging(scratch, group, index[id(b)], b.grad_data),
+                )
+                for b in batch
+            ]
             handles.append(
-                _issue_reduce_scatters(pairs, group, how.op, async_op=async_op, label=label)
+                _issue_reduce_scatters(triples, group, how.op, async_op=async_op, label=label)
             )
         else:
             tensors = [b.grad_data for b in batch]
@@ -221,22 +229,9 @@ def _gather(
     label: str,
     scratch: ScratchBuffers,
 ) -> PendingCollective:
-    if use_all_to_all(shard.group):
-        parts = [
-            all_gather_with_all_to_all(
-                out,
-                s,
-                shard.group,
-                async_op=async_op,
-                label=label,
-                repeated=_a2a_scratch(scratch, i, out),
-            )
-            for i, out, s in pairs
-        ]
-        return PendingCollective([], [p.wait for p in parts])
-    native = [(out, s) for _, out, s in pairs]
+    triples = [(out, s, _staging(scratch, shard.group, i, out)) for i, out, s in pairs]
     return PendingCollective(
-        [_issue_all_gathers(native, shard.group, async_op=async_op, label=label)]
+        [_issue_all_gathers(triples, shard.group, async_op=async_op, label=label)]
     )
 
 

@@ -17,10 +17,10 @@ from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig
 
 IN, HIDDEN, OUT = 8, 16, 4
 
-# On gloo, mc issues reduce-scatters and all-gathers as all-to-alls (3-4x faster there, see
-# mc_ddp._bucket_collectives); an all-gather's record then counts its repeated input, the
-# whole bucket. Labels ("grad reduce …", "param gather …") tell the two apart.
-SCATTER_OP = GATHER_OP = "all_to_all"
+# The recorder names the collective mc_groups was asked for (on gloo it runs as an all-to-all
+# inside mc_groups, see mc_groups.needs_staging); an all-gather's record counts this rank's
+# shard. Labels ("grad reduce …", "param gather …") name the bucket group.
+SCATTER_OP, GATHER_OP = "reduce_scatter", "all_gather"
 LOCAL_BATCH = 6  # per rank; divisible by 1 and 3 microbatches
 
 

@@ -141,8 +141,9 @@ def _param_gather_schedule(overlap: bool) -> dict[str, Any]:
 def test_param_gather_schedule_overlapped_with_forward(rank_pools: RankPools) -> None:
     for out in rank_pools.get(2).run(_param_gather_schedule, True):
         numels = out["numels"]
+        # an all-gather's record counts this rank's shard: bucket numel / dp (dp = 2)
         gathers = [
-            (GATHER_OP, f"param gather dense bucket group {i}", numels[i], (0, 1), True)
+            (GATHER_OP, f"param gather dense bucket group {i}", numels[i] // 2, (0, 1), True)
             for i in reversed(range(GROUPS))  # model start first
         ]
         assert out["forward"] == gathers
@@ -161,7 +162,7 @@ def test_param_gather_schedule_in_optimizer_step(rank_pools: RankPools) -> None:
             (SCATTER_OP, f"grad reduce dense bucket group {i}") for i in range(GROUPS)
         ]
         assert out["step"] == [
-            (GATHER_OP, f"param gather dense bucket group {i}", numels[i], (0, 1), False)
+            (GATHER_OP, f"param gather dense bucket group {i}", numels[i] // 2, (0, 1), False)
             for i in reversed(range(GROUPS))
         ]
 
