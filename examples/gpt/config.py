@@ -1,0 +1,235 @@
+"""What the small GPT is and how it is split: the one place that declares both.
+
+``GPTConfig`` holds the sizes of the model, ``ParallelLayout`` every parallelism choice
+(TP × DP × PP sizes, sequence parallelism, the distributed optimizer, overlap, dtypes,
+micro-batches, buckets) and ``OptimizerConfig`` the AdamW hyperparameters shared by the
+parallel run and the 1-process reference. ``ParallelLayout.check`` validates a layout
+against a model and a world size before anything is built or communicated, so an
+impossible layout is a ``ValueError`` that names the setting, its value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import mc_groups as mg
+from mc_ddp import DistributedDataParallelConfig
+
+__all__ = ["GPTConfig", "OptimizerConfig", "ParallelLayout"]
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1")
+    return value
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the GPT (a decoder-only transformer with a tied LM head).
+
+    Attributes:
+        vocab_size: V, tokens in the vocabulary (the embedding has V rows).
+        hidden_size: h, the width of the residual stream.
+        num_heads: attention heads; each has ``h / num_heads`` channels.
+        num_layers: transformer blocks.
+        seq_length: s, tokens per sequence (and rows of the position embedding).
+        ffn_hidden_size: width of the MLP (``4·h`` when None).
+        init_std: std of the normal initialisation of matrices and embeddings; the two
+            projections that write into the residual stream use ``init_std / √(2·layers)``
+            (GPT-2's scaling).
+    """
+
+    vocab_size: int = 64
+    hidden_size: int = 32
+    num_heads: int = 4
+    num_layers: int = 2
+    seq_length: int = 16
+    ffn_hidden_size: int | None = None
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_heads", "num_layers", "seq_length"):
+            _positive(name, getattr(self, name))
+        if self.ffn_hidden_size is not None:
+            _positive("ffn_hidden_size", self.ffn_hidden_size)
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
+                "every head needs the same number of channels"
+            )
+        if not self.init_std > 0:
+            raise ValueError(f"init_std={self.init_std} must be > 0")
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP width (``ffn_hidden_size`` or ``4·hidden_size``)."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer of the parallel run and of the reference (``foreach=False`` on both
+    sides, so both apply the same elementwise update).
+
+    ``name="adamw"`` (the demo): ``torch.optim.AdamW(lr, betas, eps, weight_decay)``.
+    ``name="sgd"`` (the parity tests): ``torch.optim.SGD(lr, momentum)``. SGD's update is
+    linear in the gradient, so a wrong gradient scale (a missing 1/dp, a doubled sum) shows
+    in the weights; Adam's update is invariant to it, and turns the rounding noise of
+    near-zero gradients into visible updates.
+    """
+
+    name: str = "adamw"
+    lr: float = 1e-2
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "sgd"):
+            raise ValueError(f"name={self.name!r} must be 'adamw' or 'sgd'")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+
+    def build(self, params: list[torch.Tensor] | list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer over ``params``."""
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, foreach=False)
+        return torch.optim.AdamW(
+            params,
+            lr=self.lr,
+            betas=self.betas,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            foreach=False,
+        )
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the GPT is split over ranks and trained (all parallel choices in one place).
+
+    Attributes:
+        tp: tensor-parallel size: heads, MLP columns and the vocabulary are split over it.
+        dp: data-parallel size: each DP rank trains on ``global_batch / dp`` sequences.
+        pp: pipeline stages (1 for the trainer; 2 in the pipeline test).
+        sequence_parallel: outside the TP region, activations hold ``s / tp`` rows.
+        distributed_optimizer: reduce-scatter grads into this rank's shard, step the shard,
+            all-gather the params (else: all-reduce grads, every rank steps every param).
+        overlap: overlap the grad reduction with backward and (distributed optimizer) the
+            param all-gather with the next forward.
+        params_dtype: dtype of the model params (fp32 masters live in the optimizer).
+        grad_reduce_in_fp32: fp32 ``main_grad`` buffers and reductions.
+        gradient_accumulation_fusion: weight grads accumulate straight into ``main_grad``.
+        microbatches: forward/backward passes per step and DP rank.
+        bucket_size: elements per DDP bucket (small, so the small model has several).
+    """
+
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    overlap: bool = True
+    params_dtype: torch.dtype = torch.float32
+    grad_reduce_in_fp32: bool = False
+    gradient_accumulation_fusion: bool = False
+    microbatches: int = 2
+    bucket_size: int | None = 8192
+
+    @property
+    def world_size(self) -> int:
+        """``tp · dp · pp``: the ranks this layout needs."""
+        return self.tp * self.dp * self.pp
+
+    def check(self, model: GPTConfig, world_size: int, global_batch: int) -> None:
+        """Raise ``ValueError`` when this layout cannot split ``model`` over ``world_size``
+        ranks with ``global_batch`` sequences per step (checked before any collective)."""
+        for name in ("tp", "dp", "pp", "microbatches"):
+            _positive(name, getattr(self, name))
+        _positive("global_batch", global_batch)
+        if self.world_size != world_size:
+            raise ValueError(
+                f"tp × dp × pp = {self.tp} × {self.dp} × {self.pp} = {self.world_size}, but the "
+                f"world has {world_size} ranks; choose sizes whose product is {world_size}"
+            )
+        self._check_tp_split(model)
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(
+                "sequence_parallel=True needs tp > 1: sequence parallelism splits activations "
+                "over the tensor-parallel ranks; raise tp or turn sequence parallelism off"
+            )
+        if model.num_layers % self.pp:
+            raise ValueError(
+                f"num_layers={model.num_layers} is not divisible by pp={self.pp}; every stage "
+                "holds the same number of layers"
+            )
+        per_microbatch = self.dp * self.microbatches
+        if global_batch % per_microbatch:
+            raise ValueError(
+                f"global_batch={global_batch} is not divisible by dp × microbatches = "
+                f"{self.dp} × {self.microbatches} = {per_microbatch}; each micro-batch of "
+                "each DP rank holds the same number of sequences"
+            )
+
+    def _check_tp_split(self, model: GPTConfig) -> None:
+        splits = {
+            "hidden_size": model.hidden_size,
+            "num_heads": model.num_heads,
+            "vocab_size": model.vocab_size,
+            "ffn_hidden_size": model.ffn_size,
+        }
+        if self.sequence_parallel:
+            splits["seq_length"] = model.seq_length
+        for name, value in splits.items():
+            if value % self.tp:
+                raise ValueError(
+                    f"{name}={value} is not divisible by tp={self.tp}; tensor parallelism "
+                    f"splits it evenly over the TP ranks: choose a {name} that is a multiple "
+                    f"of {self.tp} or a tp that divides {value}"
+                )
+
+    def model_parallel_config(self) -> mg.ModelParallelConfig:
+        """The config the mc layers read (weights are loaded, so no initialisation runs)."""
+        return mg.ModelParallelConfig(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            sequence_parallel=self.sequence_parallel,
+            params_dtype=self.params_dtype,
+            use_cpu_initialization=True,
+            perform_initialization=False,
+            bf16=self.params_dtype == torch.bfloat16,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+        )
+
+    def ddp_config(self) -> DistributedDataParallelConfig:
+        """The mc DDP settings of this layout."""
+        return DistributedDataParallelConfig(
+            grad_reduce_in_fp32=self.grad_reduce_in_fp32,
+            overlap_grad_reduce=self.overlap,
+            overlap_param_gather=self.overlap and self.distributed_optimizer,
+            use_distributed_optimizer=self.distributed_optimizer,
+            bucket_size=self.bucket_size,
+        )
+
+    def describe(self) -> str:
+        """One line, e.g. ``TP=2 × DP=2, sequence parallel, distributed optimizer, ...``."""
+        parts = [f"TP={self.tp} × DP={self.dp}" + (f" × PP={self.pp}" if self.pp > 1 else "")]
+        if self.sequence_parallel:
+            parts.append("sequence parallel")
+        parts.append("distributed optimizer" if self.distributed_optimizer else "all-reduce")
+        if self.overlap:
+            gather = " and param gather" if self.distributed_optimizer else ""
+            parts.append(f"overlapped grad reduce{gather}")
+        parts.append(str(self.params_dtype).removeprefix("torch.") + " params")
+        return ", ".join(parts)

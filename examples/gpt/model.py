@@ -1,0 +1,349 @@
+r"""A small GPT built only from mc parts, with Megatron-Core's parameter names.
+
+::
+
+    tokens [b, s]
+      │ VocabParallelEmbedding (rows split over TP)  + position embedding
+      ▼
+    x [s, b, h]          ([s/tp, b, h] under sequence parallelism: the "SP region")
+      │ × num_layers:  x += proj(attention(qkv(LN(x))))      qkv: Column, proj: Row
+      │                x += fc2(gelu(fc1(LN(x))))             fc1: Column, fc2: Row
+      ▼ final LN
+    logits [s, b, V/tp] = x · Eᵀ   (Column LM head, weight = the embedding table E: tied)
+      │ vocab_parallel_cross_entropy
+      ▼ mean over tokens
+
+Tensor parallelism (tp ranks) splits the heads (the fused QKV weight is laid out head by
+head, ``[heads, 3, head_dim]`` rows, so rank r's contiguous rows are whole heads), the MLP
+columns and the vocabulary. Under sequence parallelism the word embedding is
+reduce-scattered along the sequence and each rank adds the position rows of its own slice;
+layer norms and the position table then see only ``s/tp`` rows, so their params are marked
+``sequence_parallel`` and ``finalize_model_grads`` sums their grads over TP (as it does for
+the Row layers' biases, which mc-tp-layers marks).
+
+Pipeline stages (the pipeline test): ``pre_process`` stages hold the embedding,
+``post_process`` stages the final LN and the LM head; a last stage without the embedding
+holds its own copy of E (``output_layer.weight``, marked ``shared_embedding``) whose grad
+``finalize_model_grads`` sums with the first stage's over the ``embd`` group
+(``share_embeddings_and_output_weights`` / ``shared_embedding_or_output_weight()`` are
+Megatron's names, which finalize reads).
+
+No attention biases: the key bias has an exactly zero gradient (softmax is invariant to a
+shift of all scores of a query), so Adam turns its rounding noise into updates that differ
+between any two runs; leaving it out keeps parity comparisons about real numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mc_groups as mg
+import mc_tp_layers as tpl
+from examples.gpt.config import GPTConfig
+
+__all__ = ["GPT", "LayerNorm", "TransformerLayer"]
+
+_LN_EPS = 1e-5
+
+
+def _no_init(_weight: torch.Tensor) -> None:
+    """Layers are built with ``perform_initialization=False``; weights are loaded after."""
+
+
+def _output(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The output of a Column/Row layer (its second result, the bias, is None here)."""
+    out: torch.Tensor = layer(x)[0]
+    return out
+
+
+class LayerNorm(nn.Module):
+    """``F.layer_norm`` over the last dim with a weight and bias marked ``sequence_parallel``
+    when the rows it sees are this rank's slice of the sequence."""
+
+    def __init__(
+        self, size: int, *, sequence_parallel: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
+        for param in (self.weight, self.bias):
+            param.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(x - mean) / √(var + 1e-5) · weight + bias`` per row."""
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, _LN_EPS)
+
+
+class _SelfAttention(nn.Module):
+    """Causal self-attention over this rank's heads (Column QKV, Row output projection)."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        mp: mg.ModelParallelConfig,
+        pgc: mg.ProcessGroupCollection,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.head_dim = cfg.head_dim
+        self.local_heads = cfg.num_heads // mg.group_size(pgc.require("tp", "GPT attention"))
+        common = {"config": mp, "init_method": _no_init, "pg_collection": pgc, "device": device}
+        self.linear_qkv = tpl.ColumnParallelLinear(h, 3 * h, bias=False, **common)  # type: ignore[arg-type]
+        self.linear_proj = tpl.RowParallelLinear(
+            h,
+            h,
+            bias=True,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            **common,  # type: ignore[arg-type]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s(/tp), b, h] → [s(/tp), b, h]``: QKV gathers the sequence, proj scatters it."""
+        qkv = _output(self.linear_qkv, x)
+        s, b = qkv.shape[0], qkv.shape[1]
+        q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind()
+        context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return _output(self.linear_proj, context.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+class _MLP(nn.Module):
+    """``fc2(gelu(fc1(x)))`` with fc1 split by columns and fc2 by rows."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        mp: mg.ModelParallelConfig,
+        pgc: mg.ProcessGroupCollection,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        common = {"config": mp, "init_method": _no_init, "pg_collection": pgc, "device": device}
+        self.linear_fc1 = tpl.ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, **common)  # type: ignore[arg-type]
+        self.linear_fc2 = tpl.RowParallelLinear(
+            cfg.ffn_size,
+            cfg.hidden_size,
+            bias=True,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            **common,  # type: ignore[arg-type]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s(/tp), b, h] → [s(/tp), b, h]``."""
+        return _output(self.linear_fc2, F.gelu(_output(self.linear_fc1, x)))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN block: ``x += attn(LN(x)); x += mlp(LN(x))`` (residuals in the SP region)."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        mp: mg.ModelParallelConfig,
+        pgc: mg.ProcessGroupCollection,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        norm = {"sequence_parallel": mp.sequence_parallel, "dtype": mp.params_dtype}
+        self.input_layernorm = LayerNorm(cfg.hidden_size, device=device, **norm)  # type: ignore[arg-type]
+        self.self_attention = _SelfAttention(cfg, mp, pgc, device)
+        self.pre_mlp_layernorm = LayerNorm(cfg.hidden_size, device=device, **norm)  # type: ignore[arg-type]
+        self.mlp = _MLP(cfg, mp, pgc, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One block."""
+        attention: torch.Tensor = self.self_attention(self.input_layernorm(x))
+        x = x + attention
+        mlp: torch.Tensor = self.mlp(self.pre_mlp_layernorm(x))
+        return x + mlp
+
+
+class _Decoder(nn.Module):
+    """The blocks of this stage (keyed by global index) and, on the last stage, the final LN."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        mp: mg.ModelParallelConfig,
+        pgc: mg.ProcessGroupCollection,
+        device: torch.device,
+        indices: Iterable[int],
+        *,
+        final_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(cfg, mp, pgc, device) for i in indices}
+        )
+        self.final_layernorm = (
+            LayerNorm(
+                cfg.hidden_size,
+                sequence_parallel=mp.sequence_parallel,
+                dtype=mp.params_dtype,
+                device=device,
+            )
+            if final_norm
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Every block in order, then the final LN when this stage has it."""
+        for layer in self.layers.values():
+            x = layer(x)
+        return x if self.final_layernorm is None else self.final_layernorm(x)
+
+
+class _Embedding(nn.Module):
+    """Word embedding (vocabulary split over TP) plus a learned position embedding."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        mp: mg.ModelParallelConfig,
+        pgc: mg.ProcessGroupCollection,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        tp = pgc.require("tp", "GPT embedding")
+        self.sequence_parallel = mp.sequence_parallel
+        self.tp_rank, self.tp_size = mg.group_rank(tp), mg.group_size(tp)
+        self.word_embeddings = tpl.VocabParallelEmbedding(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            init_method=_no_init,
+            reduce_scatter_embeddings=mp.sequence_parallel,
+            config=mp,
+            pg_collection=pgc,
+            device=device,
+        )
+        self.position_embeddings = nn.Embedding(
+            cfg.seq_length, cfg.hidden_size, dtype=mp.params_dtype, device=device
+        )
+        # Under SP each rank adds only its own rows of the table: a partial grad over TP.
+        self.position_embeddings.weight.sequence_parallel = mp.sequence_parallel  # type: ignore[attr-defined]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` ids → ``[s, b, h]`` (``[s/tp, b, h]``, rank r's rows, under SP)."""
+        s = tokens.shape[1]
+        if self.sequence_parallel:
+            words: torch.Tensor = self.word_embeddings(tokens)  # reduce-scattered: [s/tp, b, h]
+            rows = s // self.tp_size
+            start = self.tp_rank * rows
+        else:
+            words = self.word_embeddings(tokens).transpose(0, 1)  # all-reduced: [s, b, h]
+            rows, start = s, 0
+        positions: torch.Tensor = self.position_embeddings(
+            torch.arange(start, start + rows, device=tokens.device)
+        )
+        return (words + positions.unsqueeze(1)).contiguous()
+
+
+class GPT(nn.Module):
+    """The GPT of the module notes, or one pipeline stage of it.
+
+    Args:
+        cfg: model sizes.
+        mp: the layers' config (TP size, sequence parallelism, params dtype, ...).
+        pgc: groups (``tp`` is read; ``pp`` tells the stage when ``pre_process`` /
+            ``post_process`` are left to default).
+        device: where the params live.
+        layers: global indices of the blocks this stage holds (default: all).
+        pre_process: this stage embeds the tokens (default: first pipeline stage).
+        post_process: this stage computes the loss (default: last pipeline stage).
+
+    ``forward(tokens, labels, hidden_states=None)``: a ``pre_process`` stage embeds
+    ``tokens``, any other stage starts from ``hidden_states`` (``[s(/tp), b, h]``);
+    a ``post_process`` stage returns the mean cross-entropy of predicting ``labels``
+    (``[b, s]``), any other stage its output hidden states.
+    """
+
+    share_embeddings_and_output_weights = True
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        mp: mg.ModelParallelConfig,
+        pgc: mg.ProcessGroupCollection,
+        device: torch.device | str = "cpu",
+        *,
+        layers: Iterable[int] | None = None,
+        pre_process: bool | None = None,
+        post_process: bool | None = None,
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.cfg, self.pg_collection = cfg, pgc
+        self.pre_process = mg.is_pipeline_first_stage(pgc) if pre_process is None else pre_process
+        self.post_process = mg.is_pipeline_last_stage(pgc) if post_process is None else post_process
+        indices = range(cfg.num_layers) if layers is None else list(layers)
+        self.tp_group = pgc.require("tp", "GPT")
+        if self.pre_process:
+            self.embedding = _Embedding(cfg, mp, pgc, device)
+        self.decoder = _Decoder(cfg, mp, pgc, device, indices, final_norm=self.post_process)
+        if self.post_process:
+            self.output_layer = tpl.ColumnParallelLinear(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                config=mp,
+                init_method=_no_init,
+                bias=False,
+                gather_output=False,
+                skip_weight_param_allocation=self.pre_process,
+                pg_collection=pgc,
+                device=device,
+            )
+        self._mark_shared_embedding(pipeline_stages=mp.pipeline_model_parallel_size)
+
+    def _mark_shared_embedding(self, pipeline_stages: int) -> None:
+        weight = self.shared_embedding_or_output_weight()
+        if weight is None:
+            return
+        if pipeline_stages == 1:
+            # Megatron's setting for a weight used twice on one stage: the LM head's dummy
+            # wgrad (gradient-accumulation fusion) is zeros, so the hook still adds the
+            # embedding's own grad into main_grad.
+            weight.zero_out_wgrad = True  # type: ignore[attr-defined]
+        else:
+            weight.shared_embedding = True  # type: ignore[attr-defined]
+
+    def shared_embedding_or_output_weight(self) -> nn.Parameter | None:
+        """The tied table E on this stage: the embedding's, or the last stage's copy."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The stage's output: the mean loss (last stage) or hidden states (see class)."""
+        x = self.decoder(self._stage_input(tokens, hidden_states))
+        return self._loss(x, labels) if self.post_process else x
+
+    def _stage_input(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        if self.pre_process:
+            return self.embedding(tokens)  # type: ignore[no-any-return]
+        if hidden is None:
+            raise ValueError(
+                "hidden_states=None on a pipeline stage without the embedding: pass the "
+                "previous stage's output (shape [s, b, h], or [s/tp, b, h] under SP)"
+            )
+        return hidden
+
+    def _loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        weight = self.embedding.word_embeddings.weight if self.pre_process else None
+        logits, _ = self.output_layer(x, weight=weight)  # [s, b, V/tp]: SP input gathered
+        losses = tpl.vocab_parallel_cross_entropy(
+            logits, labels.transpose(0, 1), tp_group=self.tp_group
+        )
+        return losses.mean()

@@ -1,0 +1,107 @@
+r"""The 1-process reference: the same GPT written directly in plain PyTorch.
+
+No mc code runs here: the forward is written batch-first (``[B, s, h]``, where the mc model
+is sequence-first), attention is spelled out (scores, causal mask, softmax) instead of
+``scaled_dot_product_attention``, the loss is ``F.cross_entropy`` over the full vocabulary
+and the optimizer is ``torch.optim.AdamW`` on the full tensors. It sees the whole global
+batch at once (no micro-batches, no data-parallel split)::
+
+    loss(W, tokens) = mean over B·s tokens of CE(x · Eᵀ, next token),
+    x = LN_f(blocks(E[tokens] + P[:s]))
+
+so the parallel run's per-step loss, ``(1/dp) Σ_dp (1/m) Σ_microbatch mean CE``, is the same
+number when micro-batches hold equal token counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from examples.gpt.config import GPTConfig, OptimizerConfig
+from examples.gpt.weights import WORD_EMBEDDING
+
+__all__ = ["ReferenceRun", "reference_grads", "reference_loss", "train_reference"]
+
+Weights = Mapping[str, torch.Tensor]
+
+
+def _layer_norm(x: torch.Tensor, w: Weights, prefix: str) -> torch.Tensor:
+    mean = x.mean(-1, keepdim=True)
+    var = (x - mean).pow(2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + 1e-5) * w[prefix + ".weight"] + w[prefix + ".bias"]
+
+
+def _attention(x: torch.Tensor, w: Weights, p: str, cfg: GPTConfig) -> torch.Tensor:
+    batch, s, _ = x.shape
+    qkv = (x @ w[p + "linear_qkv.weight"].T).view(batch, s, cfg.num_heads, 3, cfg.head_dim)
+    q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, heads, s, d]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(cfg.head_dim)
+    future = torch.ones(s, s, dtype=torch.bool).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+    context = (probs @ v).transpose(1, 2).reshape(batch, s, cfg.hidden_size)
+    return context @ w[p + "linear_proj.weight"].T + w[p + "linear_proj.bias"]
+
+
+def _mlp(x: torch.Tensor, w: Weights, p: str) -> torch.Tensor:
+    hidden = F.gelu(x @ w[p + "linear_fc1.weight"].T + w[p + "linear_fc1.bias"])
+    return hidden @ w[p + "linear_fc2.weight"].T + w[p + "linear_fc2.bias"]
+
+
+def reference_loss(w: Weights, cfg: GPTConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of the GPT with weights ``w`` on ``tokens``
+    (``[B, s + 1]``: inputs are ``tokens[:, :-1]``, targets ``tokens[:, 1:]``)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    s = inputs.shape[1]
+    x = w[WORD_EMBEDDING][inputs] + w["embedding.position_embeddings.weight"][:s]
+    for i in range(cfg.num_layers):
+        p = f"decoder.layers.{i}."
+        x = x + _attention(_layer_norm(x, w, p + "input_layernorm"), w, p + "self_attention.", cfg)
+        x = x + _mlp(_layer_norm(x, w, p + "pre_mlp_layernorm"), w, p + "mlp.")
+    x = _layer_norm(x, w, "decoder.final_layernorm")
+    logits = x @ w[WORD_EMBEDDING].T
+    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+
+
+def reference_grads(
+    full: Weights, cfg: GPTConfig, tokens: torch.Tensor
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """The loss and the gradient of every weight at ``full`` on ``tokens``."""
+    params = {k: v.detach().clone().requires_grad_() for k, v in full.items()}
+    loss = reference_loss(params, cfg, tokens)
+    torch.autograd.backward(loss)
+    return float(loss), {k: p.grad for k, p in params.items() if p.grad is not None}
+
+
+@dataclass
+class ReferenceRun:
+    """What :func:`train_reference` returns: the loss before each step and the final
+    weights."""
+
+    losses: list[float]
+    weights: dict[str, torch.Tensor]
+
+
+def train_reference(
+    full: Weights,
+    cfg: GPTConfig,
+    opt: OptimizerConfig,
+    batch: Callable[[int], torch.Tensor],
+    steps: int,
+) -> ReferenceRun:
+    """Train the plain-PyTorch GPT from ``full`` for ``steps`` AdamW steps on
+    ``batch(step)`` (the whole global batch, ``[B, s + 1]`` tokens) in fp32 on CPU."""
+    params = {k: v.detach().to(torch.float32).clone().requires_grad_() for k, v in full.items()}
+    optimizer = opt.build(list(params.values()))
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = reference_loss(params, cfg, batch(step).cpu())
+        torch.autograd.backward(loss)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return ReferenceRun(losses, {k: p.detach().clone() for k, p in params.items()})

@@ -1,0 +1,141 @@
+"""Training the GPT with mc, one small function per concern.
+
+The plan, for a layout declared in :class:`~examples.gpt.config.ParallelLayout`:
+
+1. ``build_model``: the GPT of this rank (its TP slice and pipeline stage) from mc layers,
+   loaded with this rank's part of the full weights.
+2. ``apply_ddp``: wrap it in mc's ``DistributedDataParallel`` (contiguous grad buffers,
+   buckets reduced while backward runs; with the distributed optimizer, params kept in
+   the buffer and all-gathered bucket by bucket from the next forward's pre-hooks).
+3. ``build_optimizer``: AdamW on the fp32 masters of this rank's shard (``ShardedOptimizer``).
+4. ``train_step``: this DP rank's rows in equal micro-batches (all but the last inside
+   ``no_sync``), ``finalize_model_grads`` (DP reduction, SP grads summed over TP), the
+   optimizer step; returns the loss averaged over DP.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+
+import mc_groups as mg
+from examples.gpt.config import GPTConfig, OptimizerConfig, ParallelLayout
+from examples.gpt.data import dp_rows
+from examples.gpt.model import GPT
+from examples.gpt.weights import gather_full_weights, load_full_weights
+from mc_ddp import DistributedDataParallel, ShardedOptimizer, ensure_params_ready
+from mc_finalize import ModelChunk, finalize_model_grads
+
+__all__ = [
+    "Trainer",
+    "apply_ddp",
+    "build_model",
+    "build_optimizer",
+    "final_weights",
+    "parallelize",
+    "stage_layers",
+    "train_step",
+]
+
+
+@dataclass
+class Trainer:
+    """Everything a training step needs on this rank."""
+
+    cfg: GPTConfig
+    layout: ParallelLayout
+    pgc: mg.ProcessGroupCollection
+    model: DistributedDataParallel
+    optimizer: ShardedOptimizer
+    device: torch.device
+
+
+def stage_layers(cfg: GPTConfig, pgc: mg.ProcessGroupCollection) -> range:
+    """Global indices of the blocks of this rank's pipeline stage (equal contiguous runs)."""
+    stages, stage = mg.pipeline_size(pgc), mg.pipeline_rank(pgc)
+    per_stage = cfg.num_layers // stages
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def build_model(
+    cfg: GPTConfig,
+    layout: ParallelLayout,
+    pgc: mg.ProcessGroupCollection,
+    full: dict[str, torch.Tensor],
+    device: torch.device,
+) -> GPT:
+    """1. This rank's GPT (TP slice, pipeline stage), holding its part of ``full``."""
+    model = GPT(cfg, layout.model_parallel_config(), pgc, device, layers=stage_layers(cfg, pgc))
+    load_full_weights(model, full, pgc.require("tp", "build_model"))
+    return model
+
+
+def apply_ddp(
+    model: GPT, layout: ParallelLayout, pgc: mg.ProcessGroupCollection
+) -> DistributedDataParallel:
+    """2. mc DDP over ``model`` with the layout's bucket, overlap and sharding settings."""
+    return DistributedDataParallel(
+        layout.model_parallel_config(), layout.ddp_config(), model, pg_collection=pgc
+    )
+
+
+def build_optimizer(model: DistributedDataParallel, opt: OptimizerConfig) -> ShardedOptimizer:
+    """3. AdamW stepping this rank's shard of fp32 masters (all params without the
+    distributed optimizer)."""
+    return ShardedOptimizer(opt.build(list(model.parameters())), model)
+
+
+def parallelize(
+    cfg: GPTConfig,
+    layout: ParallelLayout,
+    opt: OptimizerConfig,
+    pgc: mg.ProcessGroupCollection,
+    full: dict[str, torch.Tensor],
+    device: torch.device,
+) -> Trainer:
+    """Steps 1-3: the model, its DDP wrapper and its optimizer on this rank."""
+    model = apply_ddp(build_model(cfg, layout, pgc, full, device), layout, pgc)
+    return Trainer(cfg, layout, pgc, model, build_optimizer(model, opt), device)
+
+
+def _microbatches(trainer: Trainer, tokens: torch.Tensor) -> list[torch.Tensor]:
+    dp = trainer.pgc.require("dp", "train_step")
+    rows = dp_rows(tokens, mg.group_rank(dp), mg.group_size(dp)).to(trainer.device)
+    return list(rows.chunk(trainer.layout.microbatches))
+
+
+def train_step(trainer: Trainer, tokens: torch.Tensor) -> float:
+    """4. One optimizer step on the global batch ``tokens`` (``[B, s + 1]``, the same on
+    every rank); returns the mean loss over the global batch (one all-reduce over DP)."""
+    model, micro = trainer.model, _microbatches(trainer, tokens)
+    model.zero_grad_buffer()
+    total = torch.zeros((), dtype=torch.float32, device=trainer.device)
+    for i, mb in enumerate(micro):
+        last = i == len(micro) - 1
+        with nullcontext() if last else model.no_sync():
+            loss = model(mb[:, :-1], mb[:, 1:]) / len(micro)
+            torch.autograd.backward(loss)
+        total += loss.detach().float()
+    finalize_model_grads([_as_chunk(model)], pg_collection=trainer.pgc)
+    trainer.optimizer.step()
+    dp = trainer.pgc.require("dp", "train_step")
+    mg.all_reduce(total, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+    return float(total)
+
+
+def _as_chunk(model: DistributedDataParallel) -> ModelChunk:
+    # mc_ddp types DistributedDataParallel.config as TransformerConfigLike (it reads only
+    # calculate_per_token_loss); mc_finalize's ModelChunk also wants sequence_parallel.
+    # The config passed in apply_ddp is a ModelParallelConfig, which has both.
+    return cast(ModelChunk, model)
+
+
+def final_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The trained full weights (fp32, CPU): params published (an overlapped param
+    all-gather may still be due), then gathered over TP."""
+    module = trainer.model.module
+    ensure_params_ready(list(module.parameters()))
+    return gather_full_weights(module, trainer.pgc.require("tp", "final_weights"))

@@ -1,0 +1,339 @@
+"""The mc demo trainer: a small GPT learns the opening of *Alice in Wonderland* on CPU ranks.
+
+Run it with ``hatch run demo`` (``torchrun --standalone --nproc-per-node 4 -m
+examples.train_gpt``): 4 gloo ranks, TP=2 × DP=2, sequence parallelism, the distributed
+optimizer, grad reduction overlapped with backward and the param all-gather with forward.
+Rank 0 shows a progress bar (step, loss, tokens/s), then the final loss, the throughput, a
+parity line (the first steps against the same GPT trained by plain PyTorch on one process)
+and the folder holding ``loss.png`` and ``metrics.json``.
+
+Flags change the layout (``--tp``, ``--dp``, ``--[no-]sequence-parallel``,
+``--[no-]distributed-optimizer``), the run (``--steps``, ``--output``, ...) and the model
+(``--hidden-size``, ...); an impossible layout is reported before any rank communicates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import TextIO
+
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from examples.gpt import (
+    GPTConfig,
+    OptimizerConfig,
+    ParallelLayout,
+    corpus,
+    full_shapes,
+    global_batch,
+    init_full_weights,
+    parallelize,
+    train_reference,
+    train_step,
+)
+
+__all__ = ["DemoResult", "DemoRun", "main", "parse_args", "plan", "run"]
+
+_SEED = 1234
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The demo's flags (see ``--help``)."""
+    p = argparse.ArgumentParser(
+        prog="hatch run demo", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--dp", type=int, default=2, help="data-parallel size (default 2)")
+    p.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split activations along the sequence over TP (default on)",
+    )
+    p.add_argument(
+        "--distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="shard grads, optimizer state and the param all-gather over DP (default on)",
+    )
+    p.add_argument("--steps", type=int, default=500, help="optimizer steps (default 500)")
+    p.add_argument("--output", default="out/demo", help="folder for loss.png, metrics.json")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--seq-length", type=int, default=32)
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--microbatches", type=int, default=2, help="per DP rank and step")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument(
+        "--parity-steps", type=int, default=20, help="steps compared with 1 process (0: skip)"
+    )
+    return p.parse_args(argv)
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """A validated demo configuration."""
+
+    model: GPTConfig
+    layout: ParallelLayout
+    optimizer: OptimizerConfig
+    steps: int
+    global_batch: int
+    parity_steps: int
+    output: Path
+
+
+def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
+    """Check the flags against ``world_size`` (no communication); ``ValueError`` names the
+    flag, its value and the fix."""
+    for flag in ("steps", "global_batch"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    if args.parity_steps < 0:
+        raise ValueError(f"--parity-steps={args.parity_steps} must be >= 0")
+    if args.tp < 1 or args.dp < 1:
+        raise ValueError(f"--tp={args.tp} and --dp={args.dp} must both be >= 1")
+    if args.tp * args.dp != world_size:
+        raise ValueError(
+            f"--tp {args.tp} × --dp {args.dp} = {args.tp * args.dp}, but torchrun started "
+            f"{world_size} ranks; choose --tp and --dp whose product is {world_size} (e.g. "
+            f"--tp {world_size} --dp 1), or change torchrun's --nproc-per-node"
+        )
+    if args.sequence_parallel and args.tp == 1:
+        raise ValueError(
+            "--sequence-parallel needs --tp > 1 (it splits activations over the TP ranks); "
+            "pass --no-sequence-parallel with --tp 1"
+        )
+    model = GPTConfig(
+        vocab_size=64,
+        hidden_size=args.hidden_size,
+        num_heads=args.num_heads,
+        num_layers=args.num_layers,
+        seq_length=args.seq_length,
+    )
+    layout = ParallelLayout(
+        tp=args.tp,
+        dp=args.dp,
+        sequence_parallel=args.sequence_parallel,
+        distributed_optimizer=args.distributed_optimizer,
+        microbatches=args.microbatches,
+    )
+    layout.check(model, world_size, args.global_batch)
+    opt = OptimizerConfig(name="adamw", lr=args.lr)
+    parity = min(args.parity_steps, args.steps)
+    return DemoRun(model, layout, opt, args.steps, args.global_batch, parity, Path(args.output))
+
+
+@dataclass
+class DemoResult:
+    """What a demo run measured (rank 0's view; other ranks get the losses only)."""
+
+    losses: list[float]
+    tokens_per_s: float
+    seconds: float
+    parity_max_rel_diff: float | None = None
+    reference_losses: list[float] = field(default_factory=list)
+    output: str = ""
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; a line every tenth of the run elsewhere."""
+
+    def __init__(self, total: int, out: TextIO, width: int = 30) -> None:
+        self.total, self.out, self.width = total, out, width
+        self.tty = out.isatty()
+        self.every = max(1, total // 10)
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        done = step + 1
+        filled = self.width * done // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        line = (
+            f"step {done:>5}/{self.total} [{bar}] loss {loss:6.3f}  {tokens_per_s:8,.0f} tokens/s"
+        )
+        if self.tty:
+            self.out.write("\r" + line + ("\n" if done == self.total else ""))
+            self.out.flush()
+        elif done % self.every == 0 or done in (1, self.total):
+            self.out.write(line + "\n")
+
+
+def _header(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO) -> None:
+    world = pgc.require("world", "demo")
+    mine = {
+        "tp": mg.group_ranks(pgc.require("tp", "demo")),
+        "dp": mg.group_ranks(pgc.require("dp", "demo")),
+    }
+    table = mg.all_gather_objects(mine, world, label="demo groups")
+    if dist.get_rank() != 0:
+        return
+    m = demo.model
+    params = sum(torch.Size(s).numel() for s in full_shapes(m).values())
+    out.write(
+        f"mc demo: GPT with {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
+        f"vocab {m.vocab_size}, sequence {m.seq_length} ({params:,} params) on "
+        f"{mg.group_size(world)} gloo ranks\n"
+        f"layout:  {demo.layout.describe()}\n"
+        f"groups:  "
+        + "  ".join(f"r{r}: tp{list(t['tp'])} dp{list(t['dp'])}" for r, t in enumerate(table))  # type: ignore[index]
+        + "\n"
+        f"data:    {corpus().numel():,} characters of Alice's Adventures in Wonderland; "
+        f"{demo.global_batch} sequences × {m.seq_length} tokens a step, "
+        f"{demo.layout.microbatches} micro-batches per DP rank; AdamW lr {demo.optimizer.lr}\n"
+    )
+
+
+def _batch(demo: DemoRun, step: int) -> torch.Tensor:
+    return global_batch(step, demo.global_batch, demo.model.seq_length, seed=_SEED)
+
+
+def _train(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO) -> DemoResult:
+    full = init_full_weights(demo.model, _SEED)
+    trainer = parallelize(demo.model, demo.layout, demo.optimizer, pgc, full, torch.device("cpu"))
+    progress = _Progress(demo.steps, out)
+    tokens_per_step = demo.global_batch * demo.model.seq_length
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(demo.steps):
+        losses.append(train_step(trainer, _batch(demo, step)))
+        elapsed = time.perf_counter() - start
+        if dist.get_rank() == 0:
+            progress.update(step, losses[-1], tokens_per_step * (step + 1) / elapsed)
+    seconds = time.perf_counter() - start
+    return DemoResult(losses, tokens_per_step * demo.steps / seconds, seconds)
+
+
+def _parity(demo: DemoRun, result: DemoResult) -> None:
+    """Rank 0 trains the plain-PyTorch GPT on one process for the first steps."""
+    if demo.parity_steps == 0:
+        return
+    full = init_full_weights(demo.model, _SEED)
+    ref = train_reference(
+        full, demo.model, demo.optimizer, lambda s: _batch(demo, s), demo.parity_steps
+    )
+    result.reference_losses = ref.losses
+    result.parity_max_rel_diff = max(
+        abs(a - b) / abs(b) for a, b in zip(result.losses, ref.losses, strict=False)
+    )
+
+
+def _write_outputs(demo: DemoRun, result: DemoResult) -> Path:
+    folder = demo.output.resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    metrics = {
+        "model": asdict(demo.model),
+        "layout": {**asdict(demo.layout), "params_dtype": str(demo.layout.params_dtype)},
+        "optimizer": asdict(demo.optimizer),
+        "steps": demo.steps,
+        "global_batch": demo.global_batch,
+        "world_size": dist.get_world_size(),
+        "losses": result.losses,
+        "final_loss": result.losses[-1],
+        "tokens_per_s": result.tokens_per_s,
+        "train_seconds": result.seconds,
+        "parity_steps": demo.parity_steps,
+        "reference_losses": result.reference_losses,
+        "parity_max_rel_diff": result.parity_max_rel_diff,
+    }
+    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    _plot(demo, result, folder / "loss.png")
+    return folder
+
+
+def _plot(demo: DemoRun, result: DemoResult, path: Path) -> None:
+    # Imported here: only rank 0 draws, and the backend must be chosen before pyplot loads.
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.0), dpi=110)
+    steps = range(1, len(result.losses) + 1)
+    ax.plot(steps, result.losses, lw=1.4, label=f"mc, {dist.get_world_size()} ranks")
+    if result.reference_losses:
+        ref_steps = range(1, len(result.reference_losses) + 1)
+        ax.plot(
+            ref_steps,
+            result.reference_losses,
+            "o",
+            ms=3.5,
+            mfc="none",
+            color="black",
+            label="PyTorch, 1 process",
+        )
+    layout = demo.layout.describe().replace(", overlapped", ",\noverlapped")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats / character)")
+    ax.set_title(f"mc: a GPT learns Alice in Wonderland ({layout})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _summary(demo: DemoRun, result: DemoResult, folder: Path, out: TextIO) -> None:
+    out.write(
+        f"final loss {result.losses[-1]:.3f} after {demo.steps} steps (first "
+        f"{result.losses[0]:.3f}); {result.tokens_per_s:,.0f} tokens/s "
+        f"({result.seconds:.1f} s of training)\n"
+    )
+    if result.parity_max_rel_diff is not None:
+        out.write(
+            f"parity: steps 1-{demo.parity_steps} against the same GPT in plain PyTorch on 1 "
+            f"process: max relative loss difference {result.parity_max_rel_diff:.1e}\n"
+        )
+    out.write(f"wrote loss.png and metrics.json to {folder}\n")
+
+
+def run(demo: DemoRun, out: TextIO = sys.stdout) -> DemoResult:
+    """Train on the already initialised world; rank 0 reports to ``out`` and writes the
+    outputs. Collective: every rank calls it."""
+    pgc = mg.initialize_model_parallel(demo.layout.tp)
+    try:
+        _header(demo, pgc, out)
+        result = _train(demo, pgc, out)
+        if dist.get_rank() == 0:
+            _parity(demo, result)
+            folder = _write_outputs(demo, result)
+            result.output = str(folder)
+            _summary(demo, result, folder, out)
+        return result
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point under torchrun: validate, join the gloo world, train, report."""
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    if "WORLD_SIZE" not in os.environ:
+        print("train_gpt: run under torchrun, e.g. `hatch run demo`", file=sys.stderr)
+        return 2
+    try:
+        demo = plan(args, int(os.environ["WORLD_SIZE"]))
+    except ValueError as err:
+        if rank == 0:  # every rank found the same error; one report is enough
+            print(f"train_gpt: error: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        run(demo)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
