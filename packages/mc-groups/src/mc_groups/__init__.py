@@ -4,7 +4,10 @@
 - :class:`ProcessGroupCollection` and :func:`initialize_model_parallel`: the groups of a
   layout, built once and passed explicitly.
 - :mod:`mc_groups.collectives`: typed, validated, recorded collectives
-  (:func:`record_collectives` lists what ran).
+  (:func:`record_collectives` lists what ran); failures name op, group ranks and label.
+- :mod:`mc_groups.schedule_check`: the opt-in check that every rank of a group is about to
+  run the same collective (:func:`check_collective_schedule`,
+  ``MC_CHECK_COLLECTIVE_SCHEDULE=1``).
 - :mod:`mc_groups.device`: stream/synchronise helpers that are no-ops on CPU.
 - :class:`ModelParallelConfig`: the validated parallel config (Megatron field names).
 - :mod:`mc_groups.testing`: a reusable multi-process CPU harness for tests.
@@ -17,6 +20,7 @@ from mc_groups.collectives import (
     CoalescedBatch,
     CollectiveError,
     CollectiveHandle,
+    CollectiveScheduleError,
     ReduceOp,
     all_gather,
     all_gather_objects,
@@ -54,16 +58,23 @@ from mc_groups.pipeline import (
 )
 from mc_groups.rank_generator import AXES, RankGenerator
 from mc_groups.recorder import CollectiveRecord, record_collectives
+from mc_groups.schedule_check import (
+    SCHEDULE_CHECK_ENV,
+    check_collective_schedule,
+    schedule_check_enabled,
+)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AXES",
     "GROUP_FIELDS",
+    "SCHEDULE_CHECK_ENV",
     "CoalescedBatch",
     "CollectiveError",
     "CollectiveHandle",
     "CollectiveRecord",
+    "CollectiveScheduleError",
     "DistributedNotInitializedError",
     "MissingGroupError",
     "ModelParallelConfig",
@@ -77,6 +88,7 @@ __all__ = [
     "all_to_all",
     "barrier",
     "broadcast",
+    "check_collective_schedule",
     "clear_default_collection",
     "coalesced",
     "destroy_model_parallel",
@@ -95,6 +107,7 @@ __all__ = [
     "record_collectives",
     "recv",
     "reduce_scatter",
+    "schedule_check_enabled",
     "send",
     "set_default_collection",
     "validate_sizes",

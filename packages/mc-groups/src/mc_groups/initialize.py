@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from mc_groups.collection import ProcessGroupCollection
@@ -225,7 +226,8 @@ def initialize_model_parallel(
 
     Must be called by every rank with the same arguments (group creation is collective).
     Sizes are validated before any group exists. ``timeout`` bounds every collective on the
-    new groups (default: the default group's timeout). With ``set_default=True`` the
+    new groups (default: the default group's timeout, set by ``init_process_group``; torch
+    itself would give new groups 30 minutes). With ``set_default=True`` the
     collection is also registered as the process default (see
     :func:`get_default_collection`); nothing in mc requires that.
 
@@ -255,7 +257,7 @@ def initialize_model_parallel(
         num_distributed_optimizer_instances,
     )
     roles = _role_rank_lists(sizes, order)
-    groups = _create_groups(roles, timeout)
+    groups = _create_groups(roles, _default_group_timeout() if timeout is None else timeout)
     me = dist.get_rank()
     mine: dict[str, dist.ProcessGroup | None] = {}
     for role, lists in roles.items():
@@ -266,6 +268,29 @@ def initialize_model_parallel(
     if set_default:
         set_default_collection(collection)
     return collection
+
+
+def _default_group_timeout() -> timedelta | None:
+    """The default group's timeout, for groups created without one.
+
+    torch's ``new_group(timeout=None)`` does not inherit it: it falls back to the backend's
+    default (30 minutes for gloo and NCCL, measured on torch 2.13), so a peer that hangs
+    inside a tensor-parallel or data-parallel collective would hold its survivors for
+    30 minutes whatever ``init_process_group(timeout=...)`` said. ``None`` when torch does
+    not expose it (then torch's default applies).
+    """
+    world = dist.group.WORLD
+    if world is None:
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            backend = world._get_backend(torch.device(device))
+        except (RuntimeError, AttributeError):
+            continue
+        found = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(found, timedelta):
+            return found
+    return None
 
 
 def _create_groups(

@@ -1,0 +1,264 @@
+"""Coalesced batches: several collectives of one kind issued together on one group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mc_groups import _gloo as gloo
+from mc_groups._core import (
+    DONE,
+    TORCH_OPS,
+    CollectiveHandle,
+    ReduceOp,
+    check_all_gather,
+    check_group,
+    check_op,
+    check_reduce_scatter,
+    check_tensor,
+    copy_unless_alias,
+    dtype_name,
+    group_ranks,
+    key_device,
+    kind_text,
+    record,
+)
+from mc_groups._errors import CollectiveError
+from mc_groups._shims import all_gather_flat, coalescing_manager, reduce_scatter_flat
+from mc_groups.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
+
+__all__ = ["CoalescedBatch", "coalesced"]
+
+_Kind = tuple[str, ReduceOp | None]
+
+
+class CoalescedBatch:
+    """Collectives issued together on one group.
+
+    Use through :func:`coalesced`. After the ``with`` block, :attr:`handle` waits for the
+    whole batch. A batch holds one kind of collective with one reduce op: NCCL coalesces
+    only like with like, and (measured on torch 2.13 gloo) a coalesced reduce-scatter batch
+    silently applies the first op's reduction to all of them. Mixing is a ``ValueError``
+    raised before the odd one is issued.
+
+    On NCCL the batch is one ``torch.distributed._coalescing_manager`` launch. On gloo,
+    which gains nothing from coalescing on CPU, each collective is issued asynchronously
+    as it is added (reduce-scatters as all-to-all + local reduction, see
+    :func:`~mc_groups.reduce_scatter`) and the batch's handle waits for all of them. With
+    the schedule check on (:mod:`mc_groups.schedule_check`) the collectives are queued and
+    issued when the block closes, after the batch as a whole was checked.
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup, async_op: bool, label: str, detail: str = ""
+    ) -> None:
+        self._group = group
+        self._async = async_op
+        self._label = label
+        self._detail = detail
+        self._size = group.size()
+        self._kind: _Kind | None = None
+        self._per_op = self._size > 1 and gloo.is_gloo(group)
+        self._deferred = self._size > 1 and schedule_check_enabled()
+        self._queued: list[Callable[[], None]] = []
+        self._payload: list[torch.Tensor] = []
+        self._works: list[Any] = []
+        self._finishers: list[Callable[[], None]] = []
+        self.handle: CollectiveHandle = DONE
+
+    def _claim(self, op: str, reduce_op: ReduceOp | None) -> None:
+        kind = (op, reduce_op)
+        if self._kind is not None and self._kind != kind:
+            raise ValueError(
+                f"coalesced batch already holds {kind_text(*self._kind)}; cannot add "
+                f"{kind_text(*kind)} (one kind of collective and reduce op per batch: open "
+                "a second batch)"
+            )
+        self._kind = kind
+
+    def _submit(self, tensor: torch.Tensor, issue: Callable[[], None]) -> None:
+        self._payload.append(tensor)
+        if self._deferred:
+            self._queued.append(issue)
+        else:
+            issue()
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = ReduceOp.SUM) -> None:
+        """Queue ``tensor ← op over ranks``."""
+        check_tensor(tensor, "tensor")
+        check_op(op)
+        self._claim("all_reduce", op)
+        if self._size == 1:
+            return
+
+        def issue() -> None:
+            self._note("all_reduce", tensor, op)
+            self._add(
+                dist.all_reduce(
+                    tensor,
+                    op=TORCH_OPS[op],
+                    group=self._group,
+                    async_op=self._async or self._per_op,
+                )
+            )
+
+        self._submit(tensor, issue)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        staging: torch.Tensor | None = None,
+    ) -> None:
+        """Queue a reduce-scatter of ``input`` into ``output`` (see
+        :func:`~mc_groups.reduce_scatter`)."""
+        check_op(op)
+        check_reduce_scatter(output, input, self._size)
+        self._claim("reduce_scatter", op)
+        if self._size == 1:
+            copy_unless_alias(output, input)
+            return
+        received = gloo.staging_for(input, staging) if self._per_op else None
+
+        def issue() -> None:
+            self._note("reduce_scatter", input, op)
+            if received is not None:
+                work, finish = gloo.reduce_scatter_by_all_to_all(
+                    output, input, self._group, op, True, received
+                )
+                self._add(work, finish)
+                return
+            self._add(
+                reduce_scatter_flat(
+                    output, input, op=TORCH_OPS[op], group=self._group, async_op=self._async
+                )
+            )
+
+        self._submit(input, issue)
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, staging: torch.Tensor | None = None
+    ) -> None:
+        """Queue an all-gather of ``input`` into ``output`` (see :func:`~mc_groups.all_gather`)."""
+        check_all_gather(output, input, self._size)
+        self._claim("all_gather", None)
+        if self._size == 1:
+            copy_unless_alias(output, input)
+            return
+        repeated = gloo.staging_for(output, staging) if self._per_op else None
+
+        def issue() -> None:
+            self._note("all_gather", input, None)
+            if repeated is not None:
+                self._add(gloo.all_gather_by_all_to_all(output, input, self._group, True, repeated))
+                return
+            self._add(all_gather_flat(output, input, group=self._group, async_op=self._async))
+
+        self._submit(input, issue)
+
+    def _add(self, work: Any, finish: Callable[[], None] | None = None) -> None:
+        if self._per_op and work is not None:
+            self._works.append(work)
+        if finish is not None:
+            self._finishers.append(finish)
+
+    def _note(self, op: str, tensor: torch.Tensor, reduce_op: ReduceOp | None) -> None:
+        record(
+            op,
+            self._group,
+            tensor,
+            reduce_op=reduce_op,
+            async_op=self._async,
+            coalesced=True,
+            label=self._label,
+        )
+
+    def describe(self) -> str:
+        """``coalesced batch of 2 × reduce_scatter(sum) on group ranks [0, 1] for 'label'``."""
+        kind = "nothing" if self._kind is None else kind_text(*self._kind)
+        text = (
+            f"coalesced batch of {len(self._payload)} × {kind} on group ranks "
+            f"{list(group_ranks(self._group))}"
+        )
+        if self._label:
+            text += f" for '{self._label}'"
+        if self._detail:
+            text += f" [{self._detail}]"
+        return text
+
+    def _planned(self) -> PlannedCollective:
+        kind = "nothing" if self._kind is None else kind_text(*self._kind)
+        sizes = ", ".join(f"{t.numel()} × {dtype_name(t.dtype)}" for t in self._payload)
+        return PlannedCollective(
+            f"coalesced {len(self._payload)} × {kind}", sizes, self._label, self._detail
+        )
+
+    def _flush(self, device: torch.device | None) -> None:
+        """Deferred mode: check the whole batch, then issue it (and close it)."""
+        if not self._queued:
+            return
+        first = self._payload[0]
+        verify_schedule(self._group, self._planned(), key_device(self._group, first))
+        queued, self._queued = self._queued, []
+        if self._per_op:
+            for issue in queued:
+                issue()
+            self._close(())
+            return
+        with coalescing_manager(group=self._group, device=device, async_ops=self._async) as cm:
+            for issue in queued:
+                issue()
+        self._close(cm.works if self._async else ())
+
+    def _close(self, manager_works: Sequence[Any]) -> None:
+        """Turn what was issued into :attr:`handle`; wait now unless the batch is async."""
+        works = self._works if self._per_op else list(manager_works)
+        self.handle = CollectiveHandle(works, self.describe(), self._finishers)
+        if not self._async:
+            self.handle.wait()
+            self.handle = DONE
+
+
+@contextmanager
+def coalesced(
+    group: dist.ProcessGroup,
+    *,
+    device: torch.device | None = None,
+    async_op: bool = False,
+    label: str = "",
+    detail: str = "",
+) -> Iterator[CoalescedBatch]:
+    """Issue the batch's collectives together (see :class:`CoalescedBatch`).
+
+    With ``async_op`` the block returns at once and ``batch.handle.wait()`` completes the
+    batch; without it the block returns after the batch is done. ``label`` names the
+    batch's role in records and errors; ``detail`` (e.g. a bucket's param layout) is shown
+    in errors and compared by the schedule check.
+    """
+    check_group(group)
+    batch = CoalescedBatch(group, async_op, label, detail)
+    if group.size() == 1:
+        yield batch
+        return
+    try:
+        if batch._deferred:
+            yield batch
+            batch._flush(device)
+            return
+        if batch._per_op:
+            yield batch
+            batch._close(())
+            return
+        with coalescing_manager(group=group, device=device, async_ops=async_op) as cm:
+            yield batch
+        batch._close(cm.works if async_op else ())
+    except CollectiveError:
+        raise
+    except RuntimeError as err:
+        raise CollectiveError(f"{batch.describe()} failed: {err}") from err

@@ -1,0 +1,271 @@
+"""What every collective of the layer shares: the reduce ops, the handle, group queries,
+input checks, descriptions (for errors), recording, issuing, and the hook of the opt-in
+schedule check. No collective is defined here (see :mod:`mc_groups.collectives`)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mc_groups._errors import CollectiveError
+from mc_groups.recorder import CollectiveRecord, _emit, _recording
+from mc_groups.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
+
+__all__ = ["CollectiveHandle", "ReduceOp", "group_rank", "group_ranks", "group_size"]
+
+
+class ReduceOp(enum.Enum):
+    """Reductions mc uses. ``AVG`` divides by the group size inside the collective."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+
+
+TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVG: dist.ReduceOp.AVG,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+}
+
+
+class CollectiveHandle:
+    """An issued collective. ``wait()`` blocks until it is done, bounded by a timeout.
+
+    Synchronous calls and single-rank groups return an already-completed handle.
+    ``finishers`` run once, in order, after every work finished (the local step of a
+    collective composed from others, e.g. the sum after a gloo all-to-all).
+    """
+
+    def __init__(
+        self,
+        works: Sequence[Any],
+        description: str,
+        finishers: Sequence[Callable[[], None]] = (),
+    ) -> None:
+        self._works = list(works)
+        self._finishers = list(finishers)
+        self._description = description
+
+    @property
+    def description(self) -> str:
+        """What this handle waits for, e.g. ``all_reduce on group ranks [0, 1]
+        (8 × float32) for 'grad reduce dense bucket group 0'``."""
+        return self._description
+
+    def is_completed(self) -> bool:
+        """True once every underlying work object has finished (never blocks)."""
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for completion; raise :class:`CollectiveError` on failure or timeout.
+
+        Args:
+            timeout: seconds to wait at most; ``None`` relies on the process group's
+                timeout, which torch enforces on every operation.
+        """
+        works, self._works = self._works, []
+        for work in works:
+            try:
+                if timeout is None:
+                    work.wait()
+                else:
+                    work.wait(timedelta(seconds=timeout))
+            except RuntimeError as err:
+                raise CollectiveError(f"{self._description} failed: {err}") from err
+        finishers, self._finishers = self._finishers, []
+        for finish in finishers:
+            finish()
+
+
+DONE = CollectiveHandle((), "completed")
+
+
+def group_size(group: dist.ProcessGroup) -> int:
+    """Number of ranks in ``group``."""
+    return int(group.size())
+
+
+def group_rank(group: dist.ProcessGroup) -> int:
+    """This process's rank inside ``group``."""
+    return int(group.rank())
+
+
+def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    """Global ranks of ``group`` in group-rank order."""
+    if group.size() == 1 and not dist.is_initialized():
+        return (0,)
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def describe(
+    op: str,
+    group: dist.ProcessGroup,
+    tensor: torch.Tensor | None,
+    label: str = "",
+    detail: str = "",
+) -> str:
+    """``all_reduce on group ranks [0, 1] (8 × float32) for 'label' [detail]``: what an
+    error says about a collective (op, the group's global ranks, the payload, the caller's
+    label naming the group's role, and the caller's detail)."""
+    payload = "" if tensor is None else f" ({tensor.numel()} × {dtype_name(tensor.dtype)})"
+    text = f"{op} on group ranks {list(group_ranks(group))}{payload}"
+    if label:
+        text += f" for '{label}'"
+    if detail:
+        text += f" [{detail}]"
+    return text
+
+
+def record(
+    op: str,
+    group: dist.ProcessGroup,
+    tensor: torch.Tensor | None,
+    *,
+    reduce_op: ReduceOp | None,
+    async_op: bool,
+    coalesced: bool = False,
+    label: str = "",
+) -> None:
+    """Append a :class:`CollectiveRecord` to every open recorder."""
+    if not _recording():
+        return
+    numel = 0 if tensor is None else tensor.numel()
+    _emit(
+        CollectiveRecord(
+            op=op,
+            reduce_op=None if reduce_op is None else reduce_op.value,
+            group_ranks=group_ranks(group),
+            dtype=None if tensor is None else tensor.dtype,
+            numel=numel,
+            bytes=0 if tensor is None else numel * tensor.element_size(),
+            async_op=async_op,
+            coalesced=coalesced,
+            label=label,
+        )
+    )
+
+
+def issue(description: str, call: Callable[[], Any], *, async_op: bool) -> CollectiveHandle:
+    """Run a torch.distributed call; wrap its failure; wrap its work in a handle."""
+    try:
+        work = call()
+    except RuntimeError as err:
+        raise CollectiveError(f"{description} failed: {err}") from err
+    if not async_op or work is None:
+        return DONE
+    return CollectiveHandle([work], description)
+
+
+def check_group(group: object, arg: str = "group") -> None:
+    """A real process group."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{arg}={group!r} must be a torch.distributed.ProcessGroup")
+
+
+def check_tensor(t: object, arg: str) -> torch.Tensor:
+    """A contiguous tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{arg} (shape {tuple(t.shape)}) must be contiguous; call .contiguous()")
+    return t
+
+
+def check_pair(out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
+    """Output and input of one dtype on one device."""
+    if out.dtype != inp.dtype:
+        raise ValueError(f"{op}: output dtype {out.dtype} differs from input dtype {inp.dtype}")
+    if out.device != inp.device:
+        raise ValueError(f"{op}: output device {out.device} differs from input {inp.device}")
+
+
+def check_op(op: object) -> ReduceOp:
+    """A :class:`ReduceOp`."""
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"op={op!r} must be a mc_groups.ReduceOp (SUM, AVG, MAX or MIN)")
+    return op
+
+
+def check_reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
+    """``input`` holds ``size`` outputs."""
+    check_tensor(output, "output")
+    check_tensor(input, "input")
+    check_pair(output, input, "reduce_scatter")
+    if input.numel() != output.numel() * size:
+        raise ValueError(
+            f"reduce_scatter: input.numel()={input.numel()} must equal "
+            f"output.numel()={output.numel()} × group size {size}"
+        )
+
+
+def check_all_gather(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
+    """``output`` holds ``size`` inputs."""
+    check_tensor(output, "output")
+    check_tensor(input, "input")
+    check_pair(output, input, "all_gather")
+    if output.numel() != input.numel() * size:
+        raise ValueError(
+            f"all_gather: output.numel()={output.numel()} must equal "
+            f"input.numel()={input.numel()} × group size {size}"
+        )
+
+
+def copy_unless_alias(output: torch.Tensor, input: torch.Tensor) -> None:
+    """``output ← input`` unless both are the same memory (a one-rank collective)."""
+    same = output.data_ptr() == input.data_ptr() and output.numel() == input.numel()
+    if not same:
+        output.view(-1).copy_(input.view(-1))
+
+
+def kind_text(op: str, reduce_op: ReduceOp | None) -> str:
+    """``reduce_scatter(sum)``, or ``all_gather`` for ops without a reduction."""
+    return op if reduce_op is None else f"{op}({reduce_op.value})"
+
+
+def key_device(group: dist.ProcessGroup, tensor: torch.Tensor | None) -> torch.device:
+    """Where the schedule check's fingerprint travels: the host on gloo, else the
+    collective's device (NCCL takes device tensors only)."""
+    if tensor is not None and dist.get_backend(group) != "gloo":
+        return tensor.device
+    if dist.get_backend(group) in ("gloo", "mpi") or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def check_schedule(
+    op: str,
+    group: dist.ProcessGroup,
+    tensor: torch.Tensor | None,
+    *,
+    reduce_op: ReduceOp | None = None,
+    label: str = "",
+    detail: str = "",
+    payload: str | None = None,
+) -> None:
+    """The opt-in schedule check (see :mod:`mc_groups.schedule_check`); a no-op unless
+    enabled. ``payload`` overrides the compared ``numel × dtype`` text."""
+    if not schedule_check_enabled():
+        return
+    if payload is None:
+        payload = "nothing" if tensor is None else f"{tensor.numel()} × {dtype_name(tensor.dtype)}"
+    planned = PlannedCollective(
+        kind_text(op, reduce_op),
+        payload,
+        label,
+        detail,
+        "" if tensor is None else str(tuple(tensor.shape)),
+    )
+    verify_schedule(group, planned, key_device(group, tensor))

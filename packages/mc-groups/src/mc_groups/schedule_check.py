@@ -1,0 +1,192 @@
+"""Opt-in collective-schedule check: before each collective, the ranks of its group compare
+what they are about to run, and a mismatch is an error on every rank instead of a hang or
+silently mixed data.
+
+Why: a collective only works when every rank of the group issues the same one, in the same
+order, with the same sizes. Ranks whose models registered params in a different order
+all-reduce one bucket's gradients into another's; a rank that skips a layer sends a
+tensor its peers do not expect. Without a check that is a hang (until the group's
+timeout), a backend error far from the cause, or wrong numbers with no error at all.
+
+Enable it with the environment variable ``MC_CHECK_COLLECTIVE_SCHEDULE=1`` (read at every
+collective, so it can be set after import) or for a block::
+
+    with mc_groups.check_collective_schedule():
+        loss.backward()
+
+Mechanism, per collective on a group of more than one rank (after the call's own input
+checks, before it is recorded or issued):
+
+1. fingerprint = 64-bit BLAKE2b digest of ``op(reduce op) | numel × dtype | label |
+   detail`` (``detail`` is the caller's words for what the tensor holds, e.g. a DDP
+   bucket's param layout);
+2. one synchronous all-gather of the fingerprints (8 bytes per rank) over the group;
+3. equal → the collective is issued as usual; different → the ranks all-gather their
+   descriptions (only then) and every rank raises :class:`CollectiveScheduleError`
+   listing which ranks were about to run what. Nothing of the mismatched collective
+   was issued, so the group stays usable.
+
+A coalesced batch is checked once, as a whole, when its ``with`` block closes (its
+collectives are issued after the check). Not checked: ``send`` / ``recv`` (point to
+point), single-rank groups (nothing is communicated). The exchange is not recorded by
+:func:`mc_groups.record_collectives`, so counting tests see the same log with the check on.
+
+Cost: one small synchronous collective per collective; it also makes the ranks wait for
+each other at each collective, which removes some overlap (measured in
+``benchmarks/schedule_check.py``). On NCCL the fingerprint travels on the collective's
+device and is read back on the host (a device synchronisation per collective).
+
+Limits: ranks that issue collectives on *different* groups cannot compare; each waits
+for its own group's peers and raises :class:`CollectiveError` ("schedule check … failed")
+after the group's timeout. Two collectives that look alike (same op, size, dtype, label
+and detail) are indistinguishable, e.g. two identical TP layers of which one rank skips
+one: the check then fires at the first collective that differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from mc_groups._errors import CollectiveError, CollectiveScheduleError
+from mc_groups._shims import all_gather_flat
+
+__all__ = [
+    "SCHEDULE_CHECK_ENV",
+    "CollectiveScheduleError",
+    "check_collective_schedule",
+    "schedule_check_enabled",
+]
+
+SCHEDULE_CHECK_ENV = "MC_CHECK_COLLECTIVE_SCHEDULE"
+"""Environment variable that turns the check on (``1``/``true``/``yes``/``on``)."""
+
+_ON = frozenset({"1", "true", "yes", "on"})
+_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
+def schedule_check_enabled() -> bool:
+    """Whether collectives are checked now (reads ``MC_CHECK_COLLECTIVE_SCHEDULE``).
+
+    Raises ``ValueError`` for a value that is neither on nor off, so a typo does not
+    silently disable the check.
+    """
+    value = os.environ.get(SCHEDULE_CHECK_ENV)
+    if not value:
+        return False
+    word = value.strip().lower()
+    if word in _ON:
+        return True
+    if word in _OFF:
+        return False
+    raise ValueError(
+        f"{SCHEDULE_CHECK_ENV}={value!r} is not a switch: use 1/true/yes/on to check "
+        "collective schedules, 0/false/no/off (or unset it) not to"
+    )
+
+
+@contextmanager
+def check_collective_schedule(enabled: bool = True) -> Iterator[None]:
+    """Check (or, with ``enabled=False``, do not check) every collective in the block.
+
+    Sets ``MC_CHECK_COLLECTIVE_SCHEDULE`` for the block and restores the previous value on
+    exit: the switch lives in the process environment, not in module state. Every rank of
+    a group must be in the same mode (a checking rank waits for its peers' fingerprints).
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled={enabled!r} must be a bool")
+    previous = os.environ.get(SCHEDULE_CHECK_ENV)
+    os.environ[SCHEDULE_CHECK_ENV] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(SCHEDULE_CHECK_ENV, None)
+        else:
+            os.environ[SCHEDULE_CHECK_ENV] = previous
+
+
+class PlannedCollective(NamedTuple):
+    """What this rank is about to run on a group.
+
+    ``kind`` (``"all_reduce(sum)"``), ``payload`` (``"8 × float32"``), ``label`` and
+    ``detail`` form the fingerprint; ``shape`` is only shown.
+    """
+
+    kind: str
+    payload: str
+    label: str = ""
+    detail: str = ""
+    shape: str = ""
+
+    def key(self) -> int:
+        """The 64-bit fingerprint (stable across processes, unlike ``hash``)."""
+        text = "|".join((self.kind, self.payload, self.label, self.detail))
+        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little", signed=True)
+
+    def describe(self) -> str:
+        """``all_reduce(sum) 'label' of 8 × float32, shape (2, 4) [detail]``."""
+        label = f" '{self.label}'" if self.label else ""
+        shape = f", shape {self.shape}" if self.shape else ""
+        detail = f" [{self.detail}]" if self.detail else ""
+        return f"{self.kind}{label} of {self.payload}{shape}{detail}"
+
+
+def verify_schedule(
+    group: dist.ProcessGroup, planned: PlannedCollective, device: torch.device
+) -> None:
+    """Compare ``planned`` with every rank of ``group``; raise on a mismatch (every rank).
+
+    Raises:
+        CollectiveScheduleError: the ranks' fingerprints differ (the message lists each
+            variant and the global ranks that were about to run it).
+        CollectiveError: the exchange itself failed (a peer is dead, hung, or waiting on
+            a collective of another group), after at most the group's timeout.
+    """
+    ranks = list(dist.get_process_group_ranks(group))
+    try:
+        keys = _exchange_keys(group, planned.key(), device)
+        if len(set(keys)) == 1:
+            return
+        descriptions: list[object] = [None] * group.size()
+        dist.all_gather_object(descriptions, planned.describe(), group=group)
+    except RuntimeError as err:
+        raise CollectiveError(
+            f"schedule check before {planned.describe()} on group ranks {ranks} failed: "
+            f"{err} (the other ranks did not reach a collective on this group: dead, hung, "
+            "or waiting on another group)"
+        ) from err
+    raise CollectiveScheduleError(_mismatch_message(ranks, keys, descriptions))
+
+
+def _exchange_keys(group: dist.ProcessGroup, key: int, device: torch.device) -> list[int]:
+    mine = torch.tensor([key], dtype=torch.int64, device=device)
+    out = torch.empty(group.size(), dtype=torch.int64, device=device)
+    all_gather_flat(out, mine, group=group)
+    return [int(v) for v in out.tolist()]
+
+
+def _mismatch_message(ranks: list[int], keys: list[int], descriptions: list[object]) -> str:
+    variants: dict[int, list[int]] = {}
+    for group_rank, key in enumerate(keys):
+        variants.setdefault(key, []).append(group_rank)
+    lines = [
+        f"collective schedule mismatch on group ranks {ranks}: the ranks were about to run "
+        f"{len(variants)} different collectives (none was issued):"
+    ]
+    for members in sorted(variants.values(), key=len, reverse=True):
+        who = [ranks[i] for i in members]
+        lines.append(f"  rank(s) {who}: {descriptions[members[0]]}")
+    lines.append(
+        "Every rank must issue the same collectives on a group in the same order: build "
+        "the same model on every rank (same params, registered in the same order) and run "
+        "the same layers."
+    )
+    return "\n".join(lines)
