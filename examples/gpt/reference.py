@@ -74,7 +74,7 @@ def reference_grads(
     params = {k: v.detach().clone().requires_grad_() for k, v in full.items()}
     loss = reference_loss(params, cfg, tokens)
     torch.autograd.backward(loss)
-    return float(loss), {k: p.grad for k, p in params.items() if p.grad is not None}
+    return float(loss.detach()), {k: p.grad for k, p in params.items() if p.grad is not None}
 
 
 @dataclass
