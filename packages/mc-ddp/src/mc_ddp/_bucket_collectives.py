@@ -83,10 +83,13 @@ def _issue_all_reduces(
     *,
     async_op: bool,
     label: str,
+    detail: str,
 ) -> mg.CollectiveHandle:
     if len(tensors) == 1:
-        return mg.all_reduce(tensors[0], group, op=op, async_op=async_op, label=label)
-    with mg.coalesced(group, async_op=async_op, label=label) as batch:
+        return mg.all_reduce(
+            tensors[0], group, op=op, async_op=async_op, label=label, detail=detail
+        )
+    with mg.coalesced(group, async_op=async_op, label=label, detail=detail) as batch:
         for tensor in tensors:
             batch.all_reduce(tensor, op=op)
     return batch.handle
@@ -103,13 +106,14 @@ def _issue_reduce_scatters(
     *,
     async_op: bool,
     label: str,
+    detail: str,
 ) -> mg.CollectiveHandle:
     if len(triples) == 1:
         out, inp, staging = triples[0]
         return mg.reduce_scatter(
-            out, inp, group, op=op, async_op=async_op, label=label, staging=staging
+            out, inp, group, op=op, async_op=async_op, label=label, staging=staging, detail=detail
         )
-    with mg.coalesced(group, async_op=async_op, label=label) as batch:
+    with mg.coalesced(group, async_op=async_op, label=label, detail=detail) as batch:
         for out, inp, staging in triples:
             batch.reduce_scatter(out, inp, op=op, staging=staging)
     return batch.handle
@@ -121,11 +125,14 @@ def _issue_all_gathers(
     *,
     async_op: bool,
     label: str,
+    detail: str,
 ) -> mg.CollectiveHandle:
     if len(triples) == 1:
         out, shard, staging = triples[0]
-        return mg.all_gather(out, shard, group, async_op=async_op, label=label, staging=staging)
-    with mg.coalesced(group, async_op=async_op, label=label) as batch:
+        return mg.all_gather(
+            out, shard, group, async_op=async_op, label=label, staging=staging, detail=detail
+        )
+    with mg.coalesced(group, async_op=async_op, label=label, detail=detail) as batch:
         for out, shard, staging in triples:
             batch.all_gather(out, shard, staging=staging)
     return batch.handle
@@ -152,6 +159,7 @@ def reduce_bucket_grads(
     async_op: bool,
     label: str,
     scratch: ScratchBuffers,
+    detail: str = "",
 ) -> PendingCollective:
     """Issue the gradient reduction of ``buckets`` over ``shard.group``.
 
@@ -177,6 +185,7 @@ def reduce_bucket_grads(
                     label=label,
                     received=_a2a_scratch(scratch, i, b.grad_data),
                     fp32_sum=fp32_sum,
+                    detail=detail,
                 )
             )
         return PendingCollective([], [p.wait for p in parts])
@@ -193,12 +202,16 @@ def reduce_bucket_grads(
                 for b in batch
             ]
             handles.append(
-                _issue_reduce_scatters(triples, group, how.op, async_op=async_op, label=label)
+                _issue_reduce_scatters(
+                    triples, group, how.op, async_op=async_op, label=label, detail=detail
+                )
             )
         else:
             tensors = [b.grad_data for b in batch]
             handles.append(
-                _issue_all_reduces(tensors, group, how.op, async_op=async_op, label=label)
+                _issue_all_reduces(
+                    tensors, group, how.op, async_op=async_op, label=label, detail=detail
+                )
             )
     return PendingCollective(handles)
 
@@ -211,6 +224,7 @@ def all_reduce_across_instances(
     op: mg.ReduceOp,
     whole_bucket: bool,
     label: str,
+    detail: str = "",
 ) -> None:
     """``x ← op over inter_group of x`` for this rank's shard of each bucket (or the whole
     bucket with ``whole_bucket``): the second stage of a multi-instance reduction."""
@@ -218,7 +232,7 @@ def all_reduce_across_instances(
         tensors = [
             b.grad_data if whole_bucket else b.grad_shard(shard.rank, shard.size) for b in batch
         ]
-        _issue_all_reduces(tensors, inter_group, op, async_op=False, label=label)
+        _issue_all_reduces(tensors, inter_group, op, async_op=False, label=label, detail=detail)
 
 
 def _gather(
@@ -228,10 +242,11 @@ def _gather(
     async_op: bool,
     label: str,
     scratch: ScratchBuffers,
+    detail: str,
 ) -> PendingCollective:
     triples = [(out, s, _staging(scratch, shard.group, i, out)) for i, out, s in pairs]
     return PendingCollective(
-        [_issue_all_gathers(triples, shard.group, async_op=async_op, label=label)]
+        [_issue_all_gathers(triples, shard.group, async_op=async_op, label=label, detail=detail)]
     )
 
 
@@ -241,13 +256,14 @@ def gather_grad_shards(
     *,
     label: str,
     scratch: ScratchBuffers,
+    detail: str = "",
 ) -> None:
     """``grad_data ← concat_r grad_shard(r)``: turns reduce-scattered shards into the full
     reduced gradients an all-reduce would have produced (synchronous)."""
     index = {id(b): i for i, b in enumerate(buckets)}
     for batch in _by_dtype(buckets, _grad_dtype):
         pairs = [(index[id(b)], b.grad_data, b.grad_shard(shard.rank, shard.size)) for b in batch]
-        _gather(pairs, shard, async_op=False, label=label, scratch=scratch).wait()
+        _gather(pairs, shard, async_op=False, label=label, scratch=scratch, detail=detail).wait()
 
 
 def gather_bucket_params(
@@ -257,6 +273,7 @@ def gather_bucket_params(
     async_op: bool,
     label: str,
     scratch: ScratchBuffers,
+    detail: str = "",
 ) -> PendingCollective:
     """``param_data ← concat_r param_shard(r)`` for each bucket (the distributed optimizer's
     param all-gather, in place: the input is this rank's view of the output)."""
@@ -266,5 +283,7 @@ def gather_bucket_params(
         pairs = [
             (index[id(b)], _param_data(b), b.param_shard(shard.rank, shard.size)) for b in batch
         ]
-        parts.append(_gather(pairs, shard, async_op=async_op, label=label, scratch=scratch))
+        parts.append(
+            _gather(pairs, shard, async_op=async_op, label=label, scratch=scratch, detail=detail)
+        )
     return PendingCollective([], [p.wait for p in parts])

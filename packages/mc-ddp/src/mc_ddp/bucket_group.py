@@ -29,6 +29,7 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_buffers import ParamAndGradBucket, ParamAndGradBuffer
 from mc_ddp import _bucket_collectives as comm
+from mc_ddp._layout_detail import bucket_layout_detail
 from mc_ddp._pending import PendingCollective
 from mc_ddp._scratch import ScratchBuffers
 from mc_ddp.config import DistributedDataParallelConfig
@@ -55,7 +56,9 @@ class ParamAndGradBucketGroup:
     ``is_first_batch``, ``is_last_microbatch``, ``grad_reduce_handle``,
     ``grad_reduce_finished``, ``param_gather_handle``, ``param_gather_dispatched``,
     ``next_param_gather_bucket_group``. Also: ``shard`` (this rank's shard position:
-    group, rank, shard count), ``name``, ``collective_group``,
+    group, rank, shard count), ``name``, ``layout_detail`` (the buckets' params and layout
+    digest, passed as ``detail=`` to every collective: shown in collective errors, compared
+    by mc_groups' schedule check), ``collective_group``,
     ``inter_distributed_optimizer_instance_group`` and ``scratch`` (the all-to-all
     temporaries kept between iterations on gloo).
     """
@@ -93,6 +96,7 @@ class ParamAndGradBucketGroup:
         self._scattered = False
         self._large_grads = LargeGradMonitor(len(self.buckets))
         self.scratch = ScratchBuffers()
+        self.layout_detail = bucket_layout_detail(self.buckets, self._names)
 
     # -- bookkeeping ------------------------------------------------------------------
 
@@ -158,12 +162,18 @@ class ParamAndGradBucketGroup:
             for param in bucket.params_with_extra_main_grads:
                 param.main_grad_copy_in_grad_buffer.copy_(param.main_grad)  # type: ignore[attr-defined]
         if self.ddp_config.check_for_nan_in_grad:
-            check_finite_grads(self.buckets, self._names, self.name)
+            check_finite_grads(self.buckets, self._names, self.name, groups=self._check_groups())
         if self.ddp_config.check_for_large_grads:
             self._large_grads.check(self.buckets, self.name)
         for bucket in self.buckets:
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data.mul_(bucket.gradient_scaling_factor)
+
+    def _check_groups(self) -> list[dist.ProcessGroup]:
+        """Every rank this group's reduction reaches: its own group, then the other
+        optimizer instances (so all of them learn of a non-finite gradient together)."""
+        inter = self.inter_distributed_optimizer_instance_group
+        return [self.collective_group] + ([] if inter is None else [inter])
 
     def start_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Check, scale and issue this group's reduction (async with overlap_grad_reduce).
@@ -188,6 +198,7 @@ class ParamAndGradBucketGroup:
             async_op=self.ddp_config.overlap_grad_reduce,
             label=f"grad reduce {self.name}",
             scratch=self.scratch,
+            detail=self.layout_detail,
         )
         self._scattered = how.scatter
 
@@ -221,10 +232,15 @@ class ParamAndGradBucketGroup:
                 op=self._reduction(force_all_reduce).op,
                 whole_bucket=not self._scattered,
                 label=f"grad reduce across instances {self.name}",
+                detail=self.layout_detail,
             )
         if force_all_reduce and self._scattered:
             comm.gather_grad_shards(
-                self.buckets, self.shard, label=f"grad gather {self.name}", scratch=self.scratch
+                self.buckets,
+                self.shard,
+                label=f"grad gather {self.name}",
+                scratch=self.scratch,
+                detail=self.layout_detail,
             )
         for bucket in self.buckets:
             for param in bucket.params_with_extra_main_grads:
@@ -281,6 +297,7 @@ class ParamAndGradBucketGroup:
             async_op=async_op,
             label=f"param gather {self.name}",
             scratch=self.scratch,
+            detail=self.layout_detail,
         )
         self.param_gather_handle = pending if async_op else None
         self.param_gather_dispatched = True

@@ -53,6 +53,7 @@ def reduce_scatter_with_fp32_accumulation(
     label: str = "",
     received: torch.Tensor | None = None,
     fp32_sum: torch.Tensor | None = None,
+    detail: str = "",
 ) -> PendingCollective:
     """Reduce the flat ``input`` over ``group``; group rank r gets chunk r in ``output``.
 
@@ -63,13 +64,16 @@ def reduce_scatter_with_fp32_accumulation(
 
     Temporaries, allocated when not given (pass reused ones to avoid the allocation):
     ``received`` (``input``'s numel and dtype, the all-to-all output) and, unless ``output``
-    is fp32, ``fp32_sum`` (``output``'s numel, fp32).
+    is fp32, ``fp32_sum`` (``output``'s numel, fp32). ``label`` and ``detail`` go to the
+    all-to-all (records, errors and mc_groups' schedule check).
     """
     size = mg.group_size(group)
     _check(output, input, size, op)
     received = torch.empty_like(input) if received is None else received
     _check_scratch(received, input.numel(), input.dtype, "received")
-    handle = mg.all_to_all(received.view(-1), input, group, async_op=async_op, label=label)
+    handle = mg.all_to_all(
+        received.view(-1), input, group, async_op=async_op, label=label, detail=detail
+    )
 
     def finish() -> None:
         chunks = received.view(size, -1)

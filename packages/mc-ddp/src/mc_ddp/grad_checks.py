@@ -1,5 +1,13 @@
 """Gradient checks a bucket group runs before its collective (never after: a NaN reduced
-over data-parallel ranks poisons every replica and hides which rank produced it)."""
+over data-parallel ranks poisons every replica and hides which rank produced it).
+
+The non-finite check is agreed on: a rank that finds NaN/Inf and raises alone would leave
+its peers blocked in the bucket collective until the group's timeout (then failing with a
+"connection closed" far from the cause). With ``groups`` every rank first shares its local
+finding (rank, kind, bucket, first bad param) through one small all-gather per group, and
+every rank raises the same :class:`NonFiniteGradError` naming each offending rank, bucket
+and param, before any gradient is reduced.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +17,16 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+import mc_groups as mg
 from mc_buffers import ParamAndGradBucket
 
 __all__ = ["LargeGradMonitor", "NonFiniteGradError", "check_finite_grads"]
 
 LARGE_GRAD_FACTOR = 10.0
 """A bucket norm above this multiple of the bucket's earlier maximum draws a warning."""
+
+_KINDS = ("finite", "NaN", "Inf")
+_NO_PARAM = -1
 
 
 class NonFiniteGradError(RuntimeError):
@@ -25,36 +37,111 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _first_bad_param(bucket: ParamAndGradBucket) -> torch.nn.Parameter | None:
-    for param in bucket.params_list:
+def _first_bad_param(bucket: ParamAndGradBucket) -> int:
+    """Index in ``bucket.params_list`` of the first param holding NaN/Inf (-1: padding)."""
+    for index, param in enumerate(bucket.params_list):
         start, end = bucket.param_to_index[param]
         if not torch.isfinite(bucket.grad_data[start:end]).all():
-            return param
-    return None
+            return index
+    return _NO_PARAM
 
 
-def _describe(param: torch.nn.Parameter | None, names: Mapping[torch.nn.Parameter, str]) -> str:
-    if param is None:
+def _local_finding(buckets: Sequence[ParamAndGradBucket]) -> list[int]:
+    """``[rank, kind, bucket position, param index]``; kind 0 when every grad is finite."""
+    for position, bucket in enumerate(buckets):
+        if torch.isfinite(bucket.grad_data).all():
+            continue
+        kind = 1 if torch.isnan(bucket.grad_data).any() else 2
+        return [_rank(), kind, position, _first_bad_param(bucket)]
+    return [_rank(), 0, 0, _NO_PARAM]
+
+
+def _describe_param(
+    buckets: Sequence[ParamAndGradBucket],
+    position: int,
+    index: int,
+    names: Mapping[torch.nn.Parameter, str],
+) -> str:
+    if index == _NO_PARAM:
         return "padding between params (no param)"
+    if not (0 <= position < len(buckets) and 0 <= index < len(buckets[position].params_list)):
+        return f"#{index} of bucket position {position} (not in this rank's buckets)"
+    param = buckets[position].params_list[index]
     return f"'{names.get(param, '<unnamed>')}' (shape {tuple(param.shape)})"
+
+
+def _bucket_id(buckets: Sequence[ParamAndGradBucket], position: int) -> str:
+    return str(buckets[position].bucket_id) if 0 <= position < len(buckets) else f"#{position}"
+
+
+def _share(
+    finding: list[int],
+    groups: Sequence[dist.ProcessGroup],
+    where: str,
+    device: torch.device,
+) -> list[list[int]]:
+    """Every rank's finding, through one all-gather per group (each rank of a later group
+    contributes everything its earlier groups gathered)."""
+    table = torch.tensor([finding], dtype=torch.int64, device=device)
+    for group in groups:
+        shape = (mg.group_size(group), *table.shape)
+        gathered = torch.empty(shape, dtype=torch.int64, device=device)
+        mg.all_gather(gathered.view(-1), table.view(-1), group, label=f"non-finite check {where}")
+        table = gathered.view(-1, len(finding))
+    return [[int(v) for v in row] for row in table.tolist()]
 
 
 def check_finite_grads(
     buckets: Sequence[ParamAndGradBucket],
     names: Mapping[torch.nn.Parameter, str],
     where: str,
+    *,
+    groups: Sequence[dist.ProcessGroup] = (),
 ) -> None:
-    """Raise :class:`NonFiniteGradError` naming the rank, the bucket and the first bad
-    param (in bucket order) when any bucket's ``grad_data`` holds NaN or Inf."""
-    for bucket in buckets:
-        if torch.isfinite(bucket.grad_data).all():
-            continue
-        kind = "NaN" if torch.isnan(bucket.grad_data).any() else "Inf"
-        bad = _describe(_first_bad_param(bucket), names)
-        raise NonFiniteGradError(
-            f"rank {_rank()}: {kind} in the local gradients of {where}, bucket "
-            f"{bucket.bucket_id}, before the data-parallel collective; first bad param: {bad}"
-        )
+    """Raise :class:`NonFiniteGradError` when a bucket's ``grad_data`` holds NaN or Inf.
+
+    Without ``groups``: only the rank that found it raises, naming itself, the bucket and
+    the first bad param (in bucket order). With ``groups`` (the reduction group, then the
+    inter-instance group if any): one all-gather of 4 int64 per rank and group (label
+    ``"non-finite check <where>"``) first, then every rank raises, naming every offending
+    rank with its bucket and param (param names are read from this rank's own buckets: the
+    replicas hold the same params).
+    """
+    finding = _local_finding(buckets)
+    if not groups:
+        if finding[1]:
+            raise NonFiniteGradError(_own_text(finding, buckets, names, where))
+        return
+    device = buckets[0].grad_data.device
+    bad = [row for row in _share(finding, groups, where, device) if row[1]]
+    if not bad:
+        return
+    summary = "; ".join(
+        f"rank {r}: {_KINDS[k]} in bucket {_bucket_id(buckets, b)}, first bad param "
+        f"{_describe_param(buckets, b, i, names)}"
+        for r, k, b, i in sorted(bad)
+    )
+    tail = (
+        f"non-finite local gradients on rank(s) {sorted(row[0] for row in bad)}: {summary}. "
+        "Every data-parallel rank of this bucket group raises this error; nothing was reduced"
+    )
+    if finding[1]:
+        raise NonFiniteGradError(f"{_own_text(finding, buckets, names, where)}; {tail}")
+    raise NonFiniteGradError(f"rank {finding[0]}: {where} was not reduced: {tail}")
+
+
+def _own_text(
+    finding: list[int],
+    buckets: Sequence[ParamAndGradBucket],
+    names: Mapping[torch.nn.Parameter, str],
+    where: str,
+) -> str:
+    rank, kind, position, index = finding
+    return (
+        f"rank {rank}: {_KINDS[kind]} in the local gradients of {where}, bucket "
+        f"{buckets[position].bucket_id}, before the data-parallel collective; first bad "
+        f"param: {_describe_param(buckets, position, index, names)}"
+    )
 
 
 class LargeGradMonitor:

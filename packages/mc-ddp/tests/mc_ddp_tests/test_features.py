@@ -154,20 +154,33 @@ def _nan_hook(grad: torch.Tensor) -> torch.Tensor:
     return grad * float("nan")
 
 
-def _non_finite(overlap: bool) -> dict[str, Any]:
+def _inf_hook(grad: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(grad, float("inf"))
+
+
+# case → per rank: (param of the last layer to poison, hook) or None for a clean rank
+_POISON = {
+    "both_nan": (("bias", _nan_hook), ("weight", _nan_hook)),
+    "one_inf": (None, ("weight", _inf_hook)),
+}
+
+
+def _non_finite(overlap: bool, case: str) -> dict[str, Any]:
     with model_parallel() as pgc:
         model = mlp()
         ddp = _wrap(
             pgc, model, overlap_grad_reduce=overlap, check_for_nan_in_grad=True, bucket_size=16
         )
+        ref = Reference(model, 0.1)
         x, y = global_batch(0, dist.get_world_size(), torch.float32)
         x, y = local_rows(x, dist.get_rank()), local_rows(y, dist.get_rank())
         ddp_backward(ddp, x, y, 1)  # a clean first iteration learns the counts
         ddp.finish_grad_sync()
         ddp.zero_grad_buffer()
-        last: Any = model[4]
-        bad = last.bias if dist.get_rank() == 0 else last.weight
-        handle = bad.register_hook(_nan_hook)
+        poison = _POISON[case][dist.get_rank()]
+        handle = None
+        if poison is not None:
+            handle = getattr(model[4], poison[0]).register_hook(poison[1])
         message = ""
         with mg.record_collectives() as log:
             try:
@@ -175,26 +188,48 @@ def _non_finite(overlap: bool) -> dict[str, Any]:
                 ddp.finish_grad_sync()
             except NonFiniteGradError as err:
                 message = str(err)
-        handle.remove()
-        issued = len(log)
-        for group in ddp.bucket_groups:  # leave nothing in flight for the next test
-            if group.grad_reduce_handle is not None:
-                group.finish_grad_sync()
-        return {"message": message, "issued": issued}
+        if handle is not None:
+            handle.remove()
+        issued = [(r.op, r.label, r.numel) for r in log]
+        # the DDP object stays usable: a clean step after zero_grad_buffer matches the
+        # single-process reference
+        error = _step_grads(ddp, ref, 1)
+        return {"message": message, "issued": issued, "error": error}
 
 
-def test_nan_is_caught_before_the_collective(rank_pools: RankPools) -> None:
+def test_non_finite_grads_fail_every_rank_before_the_bucket_collective(
+    rank_pools: RankPools,
+) -> None:
+    both = (
+        "non-finite local gradients on rank(s) [0, 1]: rank 0: NaN in bucket 0, first bad "
+        "param '4.bias' (shape (4,)); rank 1: NaN in bucket 0, first bad param '4.weight' "
+        "(shape (4, 16)). Every data-parallel rank of this bucket group raises this error; "
+        "nothing was reduced"
+    )
+    one = (
+        "non-finite local gradients on rank(s) [1]: rank 1: Inf in bucket 0, first bad param "
+        "'4.weight' (shape (4, 16)). Every data-parallel rank"
+    )
     for overlap in (False, True):
-        for rank, out in enumerate(rank_pools.get(2).run(_non_finite, overlap)):
-            bad = "'4.bias'" if rank == 0 else "'4.weight'"
-            assert out["message"].startswith(
-                f"rank {rank}: NaN in the local gradients of dense bucket group 0"
+        both_out = rank_pools.get(2).run(_non_finite, overlap, "both_nan")
+        one_out = rank_pools.get(2).run(_non_finite, overlap, "one_inf")
+        for rank in range(2):
+            bad = "'4.bias' (shape (4,))" if rank == 0 else "'4.weight' (shape (4, 16))"
+            assert both_out[rank]["message"] == (
+                f"rank {rank}: NaN in the local gradients of dense bucket group 0, bucket 0, "
+                f"before the data-parallel collective; first bad param: {bad}; {both}"
             )
-            assert (
-                f"bucket 0, before the data-parallel collective; first bad param: {bad}"
-                in out["message"]
-            )
-            assert out["issued"] == 0
+        assert one_out[0]["message"].startswith(
+            f"rank 0: dense bucket group 0 was not reduced: {one}"
+        )
+        assert one_out[1]["message"].startswith(
+            "rank 1: Inf in the local gradients of dense bucket group 0, bucket 0, before the "
+            f"data-parallel collective; first bad param: '4.weight' (shape (4, 16)); {one}"
+        )
+        for out in both_out + one_out:
+            # only the 4-int64 agreement ran: no gradient was reduced anywhere
+            assert out["issued"] == [("all_gather", "non-finite check dense bucket group 0", 4)]
+            assert out["error"] <= 1e-6
 
 
 def _large_grads() -> list[str]:
