@@ -1,6 +1,8 @@
 """Tensor-level communication for the TP region: no autograd, one collective each.
 
-Every collective goes through :mod:`mc_groups` (recorded, bounded). torch's flat
+Every collective goes through :mod:`mc_groups` (recorded, bounded, and labelled
+``"tp …"`` so that a failure or a schedule mismatch names the tensor-parallel group's
+role). torch's flat
 collectives work on dim 0, so last-dim gathers and scatters move the rank axis to dim 0
 locally. gloo cannot all-gather or reduce-scatter uneven sizes, so uneven splits along dim 0
 are padded to the largest split and sliced afterwards. A group of one rank returns its
@@ -52,7 +54,7 @@ def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     if size == 1:
         return x
     stacked = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
-    mg.all_gather(_flat(stacked), _flat(x), group, label="gather_last_dim")
+    mg.all_gather(_flat(stacked), _flat(x), group, label="tp gather last dim")
     return torch.cat(stacked.unbind(0), dim=-1)
 
 
@@ -78,7 +80,9 @@ def gather_first_dim(
         if sizes is not None and sizes[rank] != x.shape[0]:
             _mismatch(x, sizes, rank, "output_split_sizes")
         out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        handle = mg.all_gather(_flat(out), _flat(x), group, async_op=async_op, label="gather_dim0")
+        handle = mg.all_gather(
+            _flat(out), _flat(x), group, async_op=async_op, label="tp gather dim 0"
+        )
         return out, handle
     if sizes[rank] != x.shape[0]:
         _mismatch(x, sizes, rank, "output_split_sizes")
@@ -90,7 +94,7 @@ def _gather_uneven(x: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]) 
     padded = x.new_zeros((widest, *x.shape[1:]))
     padded[: x.shape[0]] = x
     stacked = x.new_empty((len(sizes), widest, *x.shape[1:]))
-    mg.all_gather(_flat(stacked), _flat(padded), group, label="gather_dim0_uneven")
+    mg.all_gather(_flat(stacked), _flat(padded), group, label="tp gather dim 0 (uneven)")
     return torch.cat([stacked[r, :n] for r, n in enumerate(sizes)], dim=0)
 
 
@@ -113,7 +117,9 @@ def reduce_scatter_first_dim(
     if sizes is None or len(set(sizes)) == 1:
         _validate.dim_divisible(x, 0, size, "input", "first dimension")
         out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-        handle = mg.reduce_scatter(_flat(out), _flat(x), group, async_op=async_op, label="rs_dim0")
+        handle = mg.reduce_scatter(
+            _flat(out), _flat(x), group, async_op=async_op, label="tp reduce-scatter dim 0"
+        )
         return out, handle
     _check_total(x, sizes, "input_split_sizes")
     widest = max(sizes)
@@ -121,7 +127,7 @@ def reduce_scatter_first_dim(
     for r, part in enumerate(torch.split(x, sizes, dim=0)):
         padded[r, : sizes[r]] = part
     out = x.new_empty((widest, *x.shape[1:]))
-    mg.reduce_scatter(_flat(out), _flat(padded), group, label="rs_dim0_uneven")
+    mg.reduce_scatter(_flat(out), _flat(padded), group, label="tp reduce-scatter dim 0 (uneven)")
     return out[: sizes[rank]], mg.CollectiveHandle((), "completed")
 
 
@@ -133,7 +139,7 @@ def reduce_scatter_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.
     _validate.dim_divisible(x, -1, size, "input", "last dimension")
     stacked = torch.stack(x.chunk(size, dim=-1), dim=0)
     out = x.new_empty(stacked.shape[1:])
-    mg.reduce_scatter(_flat(out), _flat(stacked), group, label="rs_last_dim")
+    mg.reduce_scatter(_flat(out), _flat(stacked), group, label="tp reduce-scatter last dim")
     return out
 
 
@@ -142,7 +148,7 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     if group.size() == 1:
         return x
     out = x.contiguous().clone()
-    mg.all_reduce(out, group, label="tp_all_reduce")
+    mg.all_reduce(out, group, label="tp all-reduce")
     return out
 
 
@@ -170,7 +176,7 @@ def all_to_all(
         group,
         output_split_sizes=outs,
         input_split_sizes=ins,
-        label="all_to_all",
+        label="tp all-to-all",
     )
     return out
 

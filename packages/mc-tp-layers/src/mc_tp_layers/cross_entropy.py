@@ -49,7 +49,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = z.exp()
         sums = torch.stack([picked, exp.sum(dim=-1), z.sum(dim=-1)], dim=-1)
         if group.size() > 1:
-            mg.all_reduce(sums, group, label="cross_entropy_sums")
+            mg.all_reduce(sums, group, label="tp cross-entropy sums")
         picked, sum_exp, sum_z = sums.unbind(-1)
         vocab = z.shape[-1] * group.size()
         log_z = sum_exp.log()
@@ -78,7 +78,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _global_max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     local = x.max(dim=-1).values
     if group.size() > 1:
-        mg.all_reduce(local, group, op=mg.ReduceOp.MAX, label="cross_entropy_max")
+        mg.all_reduce(local, group, op=mg.ReduceOp.MAX, label="tp cross-entropy max")
     return local
 
 

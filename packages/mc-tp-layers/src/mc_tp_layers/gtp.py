@@ -82,7 +82,7 @@ def gather_gtp_weight(shard: torch.Tensor) -> torch.Tensor:
     group = _gtp_group(shard)
     full_rows = unsharded_shape(shard)[0]
     padded = shard.new_empty((shard.shape[0] * int(group.size()), *shard.shape[1:]))
-    mg.all_gather(padded, shard.detach().contiguous(), group, label="gtp_weight_gather")
+    mg.all_gather(padded, shard.detach().contiguous(), group, label="gtp_remat weight all-gather")
     return padded[:full_rows]
 
 
@@ -92,5 +92,5 @@ def reduce_scatter_gtp_grad(full_grad: torch.Tensor, shard: torch.Tensor) -> tor
     pad = shard.shape[0] * int(group.size()) - full_grad.shape[0]
     padded = torch.nn.functional.pad(full_grad, (0, 0, 0, pad)) if pad else full_grad
     out = full_grad.new_empty((shard.shape[0], *full_grad.shape[1:]))
-    mg.reduce_scatter(out, padded.contiguous(), group, label="gtp_wgrad_reduce_scatter")
+    mg.reduce_scatter(out, padded.contiguous(), group, label="gtp_remat wgrad reduce-scatter")
     return out

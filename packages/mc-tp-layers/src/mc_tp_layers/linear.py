@@ -167,7 +167,9 @@ def _start_dgrad_reduction(
         return _Pending(handle, shard)
     if opts.allreduce_dgrad and opts.tp_group.size() > 1:
         grad_input = grad_input.contiguous()
-        handle = mg.all_reduce(grad_input, opts.tp_group, async_op=True, label="dgrad")
+        handle = mg.all_reduce(
+            grad_input, opts.tp_group, async_op=True, label="tp dgrad all-reduce"
+        )
         return _Pending(handle, grad_input)
     return _Pending(None, grad_input)
 
@@ -259,7 +261,7 @@ class LinearWithFrozenWeight(torch.autograd.Function):
         grad_input = grad_output.matmul(weight.to(ctx.input_dtype))
         if ctx.allreduce_dgrad and ctx.tp_group.size() > 1:
             grad_input = grad_input.contiguous()
-            mg.all_reduce(grad_input, ctx.tp_group, label="frozen_dgrad")
+            mg.all_reduce(grad_input, ctx.tp_group, label="tp frozen-weight dgrad all-reduce")
         grad_bias = _flat(grad_output).sum(dim=0) if ctx.bias_grad else None
         return grad_input, None, grad_bias, None, None, None
 
