@@ -78,6 +78,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--parity-steps", type=int, default=20, help="steps compared with 1 process (0: skip)"
     )
+    p.add_argument(
+        "--preflight",
+        type=int,
+        metavar="WORLD_SIZE",
+        help="only check the flags for this many ranks and exit (hatch run demo does this "
+        "before starting torchrun, so a bad flag is one message, not a failure per rank)",
+    )
     return p.parse_args(argv)
 
 
@@ -106,9 +113,9 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
         raise ValueError(f"--tp={args.tp} and --dp={args.dp} must both be >= 1")
     if args.tp * args.dp != world_size:
         raise ValueError(
-            f"--tp {args.tp} × --dp {args.dp} = {args.tp * args.dp}, but torchrun started "
-            f"{world_size} ranks; choose --tp and --dp whose product is {world_size} (e.g. "
-            f"--tp {world_size} --dp 1), or change torchrun's --nproc-per-node"
+            f"--tp {args.tp} × --dp {args.dp} = {args.tp * args.dp}, but the demo runs on "
+            f"{world_size} ranks (torchrun --nproc-per-node); choose --tp and --dp whose "
+            f"product is {world_size}, e.g. --tp {world_size} --dp 1"
         )
     if args.sequence_parallel and args.tp == 1:
         raise ValueError(
@@ -257,26 +264,26 @@ def _plot(demo: DemoRun, result: DemoResult, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
     fig, ax = plt.subplots(figsize=(7.0, 4.0), dpi=110)
-    steps = range(1, len(result.losses) + 1)
-    ax.plot(steps, result.losses, lw=1.4, label=f"mc, {dist.get_world_size()} ranks")
-    if result.reference_losses:
-        ref_steps = range(1, len(result.reference_losses) + 1)
-        ax.plot(
-            ref_steps,
-            result.reference_losses,
-            "o",
-            ms=3.5,
-            mfc="none",
-            color="black",
-            label="PyTorch, 1 process",
-        )
+    mc_label = f"mc, {dist.get_world_size()} ranks"
+    ax.plot(range(1, len(result.losses) + 1), result.losses, lw=1.4, label=mc_label)
+    ref = result.reference_losses
+    if ref:
+        # The first steps twice, magnified: the parallel run on top of the 1-process one.
+        zoom = ax.inset_axes((0.5, 0.5, 0.46, 0.36))
+        zoom.plot(range(1, len(ref) + 1), result.losses[: len(ref)], lw=1.4)
+        zoom.plot(range(1, len(ref) + 1), ref, "o", ms=3.5, mfc="none", color="black")
+        zoom.set_title(f"steps 1-{len(ref)}", fontsize=8)
+        zoom.tick_params(labelsize=7)
+        zoom.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.plot([], [], "o", ms=3.5, mfc="none", color="black", label="PyTorch, 1 process")
     layout = demo.layout.describe().replace(", overlapped", ",\noverlapped")
     ax.set(xlabel="step", ylabel="cross-entropy (nats / character)")
     ax.set_title(f"mc: a GPT learns Alice in Wonderland ({layout})", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -313,18 +320,27 @@ def run(demo: DemoRun, out: TextIO = sys.stdout) -> DemoResult:
         mg.destroy_model_parallel(pgc)
 
 
+def _checked(args: argparse.Namespace, world_size: int, rank: int) -> DemoRun | None:
+    """The plan, or None after rank 0 printed why the flags cannot work."""
+    try:
+        return plan(args, world_size)
+    except ValueError as err:
+        if rank == 0:  # every rank finds the same error; one report is enough
+            print(f"train_gpt: error: {err}", file=sys.stderr)
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point under torchrun: validate, join the gloo world, train, report."""
+    """Entry point under torchrun: validate, join the gloo world, train, report (or, with
+    ``--preflight N``, only validate for N ranks)."""
     args = parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
+    if args.preflight is not None:
+        return 0 if _checked(args, args.preflight, rank=0) else 2
     if "WORLD_SIZE" not in os.environ:
         print("train_gpt: run under torchrun, e.g. `hatch run demo`", file=sys.stderr)
         return 2
-    try:
-        demo = plan(args, int(os.environ["WORLD_SIZE"]))
-    except ValueError as err:
-        if rank == 0:  # every rank found the same error; one report is enough
-            print(f"train_gpt: error: {err}", file=sys.stderr)
+    demo = _checked(args, int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0")))
+    if demo is None:
         return 2
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))

@@ -63,7 +63,7 @@ def test_model_config_rejects_uneven_heads() -> None:
 @pytest.mark.parametrize(
     ("argv", "world", "needles"),
     [
-        (["--tp", "3", "--dp", "2"], 4, ["--tp 3 × --dp 2 = 6", "torchrun started 4 ranks"]),
+        (["--tp", "3", "--dp", "2"], 4, ["--tp 3 × --dp 2 = 6", "the demo runs on 4 ranks"]),
         (["--tp", "1", "--dp", "4"], 4, ["--sequence-parallel needs --tp > 1"]),
         (["--tp", "8", "--dp", "1", "--hidden-size", "36"], 8, ["hidden_size=36", "tp=8"]),
         (["--hidden-size", "66"], 4, ["hidden_size=66 is not divisible by num_heads=4"]),
@@ -93,6 +93,11 @@ def test_demo_main_reports_and_exits_2_without_joining_a_world(
     monkeypatch.delenv("WORLD_SIZE")
     assert train_gpt.main([]) == 2
     assert "run under torchrun" in capsys.readouterr().err
+    # The check hatch runs before torchrun: the same message once, and 0 for good flags.
+    assert train_gpt.main(["--preflight", "4", "--tp", "3"]) == 2
+    assert capsys.readouterr().err.startswith("train_gpt: error: --tp 3 × --dp 2 = 6")
+    assert train_gpt.main(["--preflight", "4"]) == 0
+    assert capsys.readouterr() == ("", "")
     assert not dist.is_initialized()
 
 
