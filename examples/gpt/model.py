@@ -60,6 +60,42 @@ def _output(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _column(
+    n_in: int,
+    n_out: int,
+    mp: mg.ModelParallelConfig,
+    pgc: mg.ProcessGroupCollection,
+    device: torch.device,
+    *,
+    bias: bool,
+) -> tpl.ColumnParallelLinear:
+    """``[.., n_in] → [.., n_out / tp]``: the weight's output rows split over TP."""
+    return tpl.ColumnParallelLinear(
+        n_in, n_out, config=mp, init_method=_no_init, bias=bias, pg_collection=pgc, device=device
+    )
+
+
+def _row(
+    n_in: int,
+    n_out: int,
+    mp: mg.ModelParallelConfig,
+    pgc: mg.ProcessGroupCollection,
+    device: torch.device,
+) -> tpl.RowParallelLinear:
+    """``[.., n_in / tp] → [.., n_out]`` summed over TP (reduce-scattered under SP), + bias."""
+    return tpl.RowParallelLinear(
+        n_in,
+        n_out,
+        config=mp,
+        init_method=_no_init,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        pg_collection=pgc,
+        device=device,
+    )
+
+
 class LayerNorm(nn.Module):
     """``F.layer_norm`` over the last dim with a weight and bias marked ``sequence_parallel``
     when the rows it sees are this rank's slice of the sequence."""
@@ -72,6 +108,18 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
         for param in (self.weight, self.bias):
             param.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
+
+    @classmethod
+    def for_model(
+        cls, cfg: GPTConfig, mp: mg.ModelParallelConfig, device: torch.device
+    ) -> LayerNorm:
+        """A layer norm over the hidden size, in the params dtype, marked when SP is on."""
+        return cls(
+            cfg.hidden_size,
+            sequence_parallel=mp.sequence_parallel,
+            dtype=mp.params_dtype,
+            device=device,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(x - mean) / √(var + 1e-5) · weight + bias`` per row."""
@@ -92,16 +140,8 @@ class _SelfAttention(nn.Module):
         h = cfg.hidden_size
         self.head_dim = cfg.head_dim
         self.local_heads = cfg.num_heads // mg.group_size(pgc.require("tp", "GPT attention"))
-        common = {"config": mp, "init_method": _no_init, "pg_collection": pgc, "device": device}
-        self.linear_qkv = tpl.ColumnParallelLinear(h, 3 * h, bias=False, **common)  # type: ignore[arg-type]
-        self.linear_proj = tpl.RowParallelLinear(
-            h,
-            h,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            **common,  # type: ignore[arg-type]
-        )
+        self.linear_qkv = _column(h, 3 * h, mp, pgc, device, bias=False)
+        self.linear_proj = _row(h, h, mp, pgc, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[s(/tp), b, h] → [s(/tp), b, h]``: QKV gathers the sequence, proj scatters it."""
@@ -123,16 +163,8 @@ class _MLP(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        common = {"config": mp, "init_method": _no_init, "pg_collection": pgc, "device": device}
-        self.linear_fc1 = tpl.ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, **common)  # type: ignore[arg-type]
-        self.linear_fc2 = tpl.RowParallelLinear(
-            cfg.ffn_size,
-            cfg.hidden_size,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            **common,  # type: ignore[arg-type]
-        )
+        self.linear_fc1 = _column(cfg.hidden_size, cfg.ffn_size, mp, pgc, device, bias=True)
+        self.linear_fc2 = _row(cfg.ffn_size, cfg.hidden_size, mp, pgc, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[s(/tp), b, h] → [s(/tp), b, h]``."""
@@ -150,10 +182,9 @@ class TransformerLayer(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        norm = {"sequence_parallel": mp.sequence_parallel, "dtype": mp.params_dtype}
-        self.input_layernorm = LayerNorm(cfg.hidden_size, device=device, **norm)  # type: ignore[arg-type]
+        self.input_layernorm = LayerNorm.for_model(cfg, mp, device)
         self.self_attention = _SelfAttention(cfg, mp, pgc, device)
-        self.pre_mlp_layernorm = LayerNorm(cfg.hidden_size, device=device, **norm)  # type: ignore[arg-type]
+        self.pre_mlp_layernorm = LayerNorm.for_model(cfg, mp, device)
         self.mlp = _MLP(cfg, mp, pgc, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,16 +212,7 @@ class _Decoder(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(cfg, mp, pgc, device) for i in indices}
         )
-        self.final_layernorm = (
-            LayerNorm(
-                cfg.hidden_size,
-                sequence_parallel=mp.sequence_parallel,
-                dtype=mp.params_dtype,
-                device=device,
-            )
-            if final_norm
-            else None
-        )
+        self.final_layernorm = LayerNorm.for_model(cfg, mp, device) if final_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every block in order, then the final LN when this stage has it."""
@@ -332,7 +354,8 @@ class GPT(nn.Module):
 
     def _stage_input(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
         if self.pre_process:
-            return self.embedding(tokens)  # type: ignore[no-any-return]
+            embedded: torch.Tensor = self.embedding(tokens)
+            return embedded
         if hidden is None:
             raise ValueError(
                 "hidden_states=None on a pipeline stage without the embedding: pass the "

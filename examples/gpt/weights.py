@@ -93,10 +93,11 @@ def _split(param: nn.Parameter) -> int | None:
     """The dim ``param`` is split along over TP, or None when it is whole on every rank."""
     if not getattr(param, "tensor_model_parallel", False):
         return None
-    if getattr(param, "partition_stride", 1) != 1:
+    stride = getattr(param, "partition_stride", 1)
+    if stride != 1:
         raise ValueError(
-            f"a parameter of shape {tuple(param.shape)} has partition_stride="
-            f"{param.partition_stride}; only contiguous splits (stride 1) are supported here"  # type: ignore[attr-defined]
+            f"a parameter of shape {tuple(param.shape)} has partition_stride={stride}; only "
+            "contiguous splits (stride 1) are supported here"
         )
     return int(param.partition_dim)  # type: ignore[attr-defined]
 
