@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch.distributed as dist
 
-from mc_groups import GROUP_FIELDS, MissingGroupError, ProcessGroupCollection
+from mc_groups import GROUP_FIELDS, ProcessGroupCollection
 from mc_groups.testing import RankPools
 
 
@@ -16,26 +15,6 @@ def test_unset_fields_read_none() -> None:
     assert repr(pgc) == "ProcessGroupCollection(empty)"
     assert "tp" not in pgc
     assert list(pgc.items()) == []
-
-
-def test_unknown_name_is_value_error() -> None:
-    with pytest.raises(ValueError, match=r"\['tensor'\]"):
-        ProcessGroupCollection(tensor=None)
-    pgc = ProcessGroupCollection()
-    with pytest.raises(ValueError, match="'foo'"):
-        pgc.foo = None
-
-
-def test_wrong_type_is_type_error() -> None:
-    with pytest.raises(TypeError, match="tp=3"):
-        ProcessGroupCollection(tp=3)  # type: ignore[arg-type]
-
-
-def test_require_names_the_need() -> None:
-    with pytest.raises(MissingGroupError, match=r"step 4 needs pg_collection\.tp"):
-        ProcessGroupCollection().require("tp", "step 4")
-    with pytest.raises(ValueError, match="'nope'"):
-        ProcessGroupCollection().require("nope", "x")
 
 
 def _repr_with_groups() -> tuple[str, bool, int]:

@@ -1,7 +1,7 @@
 """initialize_model_parallel on real gloo worlds: every group against the rank generator.
 
-Validation is checked without processes (``validate_sizes``) and on a world (errors raised
-before any group exists).
+Bad layouts (``validate_sizes`` and ``initialize_model_parallel`` on a world, errors raised
+before any group exists) are in the package's bad-input catalogue, ``test_bad_input.py``.
 """
 
 from __future__ import annotations
@@ -149,51 +149,6 @@ def _default_collection_roundtrip() -> tuple[bool, bool]:
 
 def test_default_collection_is_optional(rank_pools: RankPools) -> None:
     assert rank_pools.get(2).run(_default_collection_roundtrip) == [(True, True)] * 2
-
-
-def _error_before_groups(kw: dict[str, Any]) -> tuple[str, str]:
-    try:
-        mg.initialize_model_parallel(**kw)
-    except (ValueError, TypeError) as err:
-        return type(err).__name__, str(err)
-    return "none", ""
-
-
-def test_errors_on_a_world(rank_pools: RankPools) -> None:
-    out = rank_pools.get(2).run(_error_before_groups, {"tensor_model_parallel_size": 3})
-    assert out[0][0] == "ValueError"
-    assert "world size 2" in out[0][1]
-    assert "tp=3" in out[0][1]
-
-
-@pytest.mark.parametrize(
-    ("world", "kw", "words"),
-    [
-        (8, {"tensor_model_parallel_size": 3}, ["world size 8", "tp=3"]),
-        (8, {"expert_model_parallel_size": 3}, ["ep=3", "expert data-parallel"]),
-        (
-            8,
-            {"virtual_pipeline_model_parallel_size": 2},
-            ["virtual_pipeline_model_parallel_size=2", "pipeline_model_parallel_size"],
-        ),
-        (
-            8,
-            {"num_distributed_optimizer_instances": 3},
-            ["num_distributed_optimizer_instances=3", "8"],
-        ),
-        (
-            8,
-            {"gtp_remat_size": 2, "num_distributed_optimizer_instances": 2},
-            ["gtp_remat_size=2", "num_distributed_optimizer_instances=2"],
-        ),
-        (8, {"tensor_model_parallel_size": 0}, ["tensor_model_parallel_size=0"]),
-    ],
-)
-def test_validate_sizes_errors(world: int, kw: dict[str, Any], words: list[str]) -> None:
-    with pytest.raises(ValueError) as info:
-        validate_sizes(world, **kw)
-    for word in words:
-        assert word in str(info.value)
 
 
 def test_validate_sizes_derives_dp() -> None:

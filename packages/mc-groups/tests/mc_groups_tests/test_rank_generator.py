@@ -7,8 +7,6 @@ fastest, groups listed with the leftmost unmasked axis fastest.
 
 from __future__ import annotations
 
-import pytest
-
 from mc_groups import RankGenerator
 
 
@@ -125,35 +123,3 @@ def test_every_rank_in_exactly_one_group_per_token() -> None:
     for token in ("tp", "dp", "pp", "cp", "tp-pp", "dp-cp", "tp-dp-cp"):
         flat = sorted(r for group in g.get_ranks(token) for r in group)
         assert flat == list(range(g.world_size)), token
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "words"),
-    [
-        ({"tp": 1, "ep": 2, "dp": 1, "pp": 1, "cp": 2}, ValueError, ["ep=2", "cp=2"]),
-        (
-            {"tp": 2, "ep": 1, "dp": 2, "pp": 1, "cp": 1, "order": "dp-pp"},
-            ValueError,
-            ["'tp'", "size 2"],
-        ),
-        ({"tp": 0, "ep": 1, "dp": 1, "pp": 1, "cp": 1}, ValueError, ["tp=0"]),
-        ({"tp": True, "ep": 1, "dp": 1, "pp": 1, "cp": 1}, TypeError, ["tp=True"]),
-        ({"tp": 1, "ep": 1, "dp": 1, "pp": 1, "cp": 1, "order": "tp-xx"}, ValueError, ["'tp-xx'"]),
-        ({"tp": 1, "ep": 1, "dp": 1, "pp": 1, "cp": 1, "order": "tp-tp"}, ValueError, ["'tp-tp'"]),
-        (
-            {"tp": 1, "ep": 1, "dp": 1, "pp": 1, "cp": 1, "rank_offset": -1},
-            ValueError,
-            ["rank_offset=-1"],
-        ),
-    ],
-)
-def test_bad_arguments(kwargs: dict[str, object], error: type[Exception], words: list[str]) -> None:
-    with pytest.raises(error) as info:
-        RankGenerator(**kwargs)  # type: ignore[arg-type]
-    for word in words:
-        assert word in str(info.value)
-
-
-def test_unknown_token() -> None:
-    with pytest.raises(ValueError, match="token='tp-zz'"):
-        _dense(tp=2).get_ranks("tp-zz")

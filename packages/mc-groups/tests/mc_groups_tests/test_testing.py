@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mc_groups.testing import RankFailure, RankPool, RankPools, RankTimeout, gpu_skip_reason
+from mc_groups.testing import RankFailure, RankPools, RankTimeout, gpu_skip_reason
 
 
 def _rank_pid_threads(x: int) -> tuple[int, int, int, int]:
@@ -93,19 +93,6 @@ def test_a_dying_rank_is_reported_with_its_exit_code(rank_pools: RankPools) -> N
 def test_functions_must_be_importable(rank_pools: RankPools) -> None:
     with pytest.raises(TypeError, match="module-level"):
         rank_pools.get(2).run(lambda: 1)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "word"),
-    [
-        ({"world_size": 0}, "world_size=0"),
-        ({"world_size": 2, "backend": "mpi"}, "backend='mpi'"),
-        ({"world_size": 2, "pg_timeout_s": 0}, "pg_timeout_s=0"),
-    ],
-)
-def test_bad_pool_arguments(kwargs: dict[str, object], word: str) -> None:
-    with pytest.raises(ValueError, match=word):
-        RankPool(**kwargs)  # type: ignore[arg-type]
 
 
 def test_gpu_skip_reason_names_the_count() -> None:
