@@ -67,6 +67,8 @@ def reduce_scatter_with_fp32_accumulation(
     is fp32, ``fp32_sum`` (``output``'s numel, fp32). ``label`` and ``detail`` go to the
     all-to-all (records, errors and mc_groups' schedule check).
     """
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group={group!r} must be a torch.distributed.ProcessGroup")
     size = mg.group_size(group)
     _check(output, input, size, op)
     received = torch.empty_like(input) if received is None else received

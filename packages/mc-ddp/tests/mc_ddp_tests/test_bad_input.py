@@ -1,7 +1,7 @@
 """Bad input and calls out of order: a clear error raised before any collective.
 
-Localizes argument validation (module, devices, configs, process groups) and the state
-machine's guards (finish before start, a second start, zero/offload with a reduction in
+Localizes argument validation (module, devices, configs, process groups, the methods' and
+the fp32-accumulating reduce-scatter's arguments) and the state machine's guards (finish before start, a second start, zero/offload with a reduction in
 flight, gradients after finish, unused params under overlap, param-sync calls without the
 distributed optimizer). Each case runs under the recorder on 2 gloo ranks and must leave the
 log empty (or, for a second call, no more than the first call issued); messages are matched
@@ -19,7 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 import mc_groups as mg
-from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig
+from mc_ddp import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    reduce_scatter_with_fp32_accumulation,
+)
 from mc_ddp_tests._harness import (
     ddp_backward,
     ddp_config,
@@ -246,6 +250,53 @@ def test_calls_out_of_order(rank_pools: RankPools) -> None:
             assert issued == 0, name
         assert "seen/expected: " in found["finish_before_backward"][0]
         assert "zero_grad_buffer()" in found["grad_after_finish"][0]
+
+
+def _function_errors() -> dict[str, tuple[str, int]]:
+    world = dist.group.WORLD
+    assert world is not None
+    loose: Any = reduce_scatter_with_fp32_accumulation
+    with model_parallel() as pgc:
+        ddp = DistributedDataParallel(MP, ddp_config(), mlp(), pg_collection=pgc)
+        calls: dict[str, Callable[[], object]] = {
+            "fp32_rs_op": lambda: loose(torch.zeros(2), torch.zeros(4), world, op=mg.ReduceOp.MAX),
+            "fp32_rs_numel": lambda: loose(torch.zeros(3), torch.zeros(4), world),
+            "fp32_rs_dtype": lambda: loose(
+                torch.zeros(2, dtype=torch.bfloat16), torch.zeros(4), world
+            ),
+            "fp32_rs_scratch": lambda: loose(
+                torch.zeros(2), torch.zeros(4), world, received=torch.zeros(3)
+            ),
+            "fp32_rs_group": lambda: loose(torch.zeros(2), torch.zeros(4), None),
+            "scale_type": lambda: ddp.scale_gradients("2"),  # type: ignore[arg-type]
+            "offload_flag": lambda: ddp.offload_grad_buffers(synchronize=1),  # type: ignore[arg-type]
+            "restore_flag": lambda: ddp.restore_grad_buffers(synchronize="no"),  # type: ignore[arg-type]
+        }
+        return {name: _attempt(call) for name, call in calls.items()}
+
+
+_FUNCTIONS = {
+    "fp32_rs_op": "ValueError: op=ReduceOp.MAX is not supported: use ReduceOp.SUM or ReduceOp.AVG",
+    "fp32_rs_numel": "ValueError: input.numel()=4 must equal output.numel()=3 × group size 2",
+    "fp32_rs_dtype": (
+        "ValueError: output dtype torch.bfloat16 differs from input dtype torch.float32"
+    ),
+    "fp32_rs_scratch": (
+        "ValueError: received must be a contiguous torch.float32 tensor of 4 elements, got 3"
+    ),
+    "fp32_rs_group": "TypeError: group=None must be a torch.distributed.ProcessGroup",
+    "scale_type": "TypeError: scaling_factor='2'",
+    "offload_flag": "TypeError: synchronize=1 must be a bool",
+    "restore_flag": "TypeError: synchronize='no' must be a bool",
+}
+
+
+def test_function_arguments(rank_pools: RankPools) -> None:
+    for found in rank_pools.get(2).run(_function_errors):
+        for name, prefix in _FUNCTIONS.items():
+            message, issued = found[name]
+            assert message.startswith(prefix), (name, message)
+            assert issued == 0, name
 
 
 def test_unknown_config_field_is_rejected() -> None:

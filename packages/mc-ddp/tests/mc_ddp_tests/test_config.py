@@ -1,7 +1,8 @@
 """DistributedDataParallelConfig: Megatron's defaults, type errors, incompatible combinations.
 
 Localizes validation only (no processes, no tensors): each bad value must be a TypeError or
-ValueError whose message names the field(s) and the value. Exact comparisons, no tolerance.
+ValueError whose message names the field(s) and the value, with nothing communicated (the
+recorder stays empty). Exact comparisons, no tolerance.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from mc_ddp import DistributedDataParallelConfig
+from mc_groups import record_collectives
 
 # Megatron-Core's documented defaults for the non-FSDP fields.
 _MEGATRON_DEFAULTS: dict[str, object] = {
@@ -56,9 +58,10 @@ def test_fields_and_defaults_are_megatrons() -> None:
     ],
 )
 def test_wrong_types_are_type_errors(fields: dict[str, Any], named: str) -> None:
-    with pytest.raises(TypeError) as info:
+    with record_collectives() as log, pytest.raises(TypeError) as info:
         DistributedDataParallelConfig(**fields)
     assert named in str(info.value)
+    assert log == []
 
 
 @pytest.mark.parametrize(
@@ -102,10 +105,11 @@ def test_wrong_types_are_type_errors(fields: dict[str, Any], named: str) -> None
 def test_bad_values_and_combinations_are_value_errors(
     fields: dict[str, Any], named: list[str]
 ) -> None:
-    with pytest.raises(ValueError) as info:
+    with record_collectives() as log, pytest.raises(ValueError) as info:
         DistributedDataParallelConfig(**fields)
     for part in named:
         assert part in str(info.value)
+    assert log == []
 
 
 def test_validate_catches_fields_set_after_construction() -> None:
