@@ -1,4 +1,6 @@
-"""Bad input: each a ValueError/TypeError naming the argument, raised before any collective.
+"""mc-tp-layers' bad-input catalogue: each case a ValueError/TypeError naming the argument and
+its value, raised before any collective (layers, linear functions, mappings, cross-entropy;
+listed in ``docs/bad_inputs.md``).
 
 Every case runs inside ``record_collectives()``; the log must stay empty, which proves the
 check ran before anything was communicated (a rank failing mid-collective would hang its
@@ -19,6 +21,12 @@ from mc_tp_layers_tests._helpers import config, world
 
 Z = torch.nn.init.zeros_
 _NOT_A_CONFIG: Any = object()
+LONG_TARGET = torch.zeros(2, 2, dtype=torch.long)
+
+
+def _loose(value: object) -> Any:
+    """``value`` typed as anything: lets wrong types reach the checks."""
+    return value
 
 
 def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
@@ -99,6 +107,51 @@ def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
         "config": lambda: tpl.ColumnParallelLinear(
             8, 4, config=_NOT_A_CONFIG, init_method=Z, pg_collection=pgc
         ),
+        "mapping_group": lambda: tpl.copy_to_tensor_model_parallel_region(
+            torch.ones(2, 4), group=_loose("tp")
+        ),
+        "split_sizes_count": lambda: tpl.gather_from_sequence_parallel_region(
+            torch.ones(2, 2), group=pgc.tp, output_split_sizes=[2]
+        ),
+        "split_sizes_rows": lambda: tpl.gather_from_sequence_parallel_region(
+            torch.ones(2, 2), group=pgc.tp, output_split_sizes=[3, 3]
+        ),
+        "last_dim_split": lambda: tpl.scatter_to_tensor_model_parallel_region(
+            torch.ones(2, 3), group=pgc.tp
+        ),
+        "tokens_split": lambda: tpl.all_to_all_hp2sp(torch.ones(3, 3), group=pgc.tp),
+        "smoothing": lambda: tpl.vocab_parallel_cross_entropy(
+            torch.ones(2, 2, 4), LONG_TARGET, label_smoothing=1.0, tp_group=pgc.tp
+        ),
+        "target_dtype": lambda: tpl.vocab_parallel_cross_entropy(
+            torch.ones(2, 2, 4), torch.zeros(2, 2), tp_group=pgc.tp
+        ),
+        "target_shape": lambda: tpl.vocab_parallel_cross_entropy(
+            torch.ones(2, 2, 4), torch.zeros(2, 3, dtype=torch.long), tp_group=pgc.tp
+        ),
+        "frozen_deferral": lambda: tpl.linear_with_frozen_weight(
+            torch.ones(2, 8), torch.ones(2, 8), None, False, False, False, pgc.tp, [], None
+        ),
+        "output_dtype": lambda: tpl.linear_with_grad_accumulation_and_async_allreduce(
+            torch.ones(2, 8),
+            torch.ones(2, 8),
+            None,
+            False,
+            False,
+            False,
+            tp_group=pgc.tp,
+            output_dtype=_loose("bf16"),
+        ),
+        "gtp_size": lambda: tpl.linear_with_grad_accumulation_and_async_allreduce(
+            torch.ones(2, 8),
+            torch.ones(2, 8),
+            None,
+            False,
+            False,
+            False,
+            tp_group=pgc.tp,
+            gtp_remat_size=0,
+        ),
     }
 
 
@@ -156,6 +209,26 @@ EXPECTED = {
     ],
     "drain_mismatch": ["ValueError", "holds 1", "holds 0"],
     "config": ["TypeError", "lacks", "ModelParallelConfig"],
+    "mapping_group": ["TypeError", "tp_group='tp' must be a torch.distributed.ProcessGroup"],
+    "split_sizes_count": ["ValueError", "output_split_sizes=[2] must hold one", "(2 ranks)"],
+    "split_sizes_rows": [
+        "ValueError",
+        "output_split_sizes=[3, 3] gives rank",
+        "3 rows but input_ has shape (2, 2)",
+    ],
+    "last_dim_split": [
+        "ValueError",
+        "input_ has shape (2, 3)",
+        "not divisible by the tensor-parallel size 2",
+        "pad it",
+    ],
+    "tokens_split": ["ValueError", "input_ has shape (3, 3)", "token count (dim 0, 3)"],
+    "smoothing": ["ValueError", "label_smoothing=1.0 must be in [0, 1)"],
+    "target_dtype": ["TypeError", "target holds torch.float32", "integer tensor"],
+    "target_shape": ["ValueError", "target has shape (2, 3)", "(2, 2, 4)"],
+    "frozen_deferral": ["ValueError", "grad_output_buffer and wgrad_deferral_limit", "pass None"],
+    "output_dtype": ["TypeError", "output_dtype='bf16' must be a torch.dtype or None"],
+    "gtp_size": ["ValueError", "gtp_remat_size=0 must be >= 1"],
 }
 
 
