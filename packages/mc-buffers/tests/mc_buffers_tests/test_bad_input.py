@@ -120,11 +120,15 @@ CASES: dict[str, tuple[Callable[[], object], type[Exception], str]] = {
     "duplicate": (_twice, ValueError, "params\\[2\\].*repeats params\\[0\\]"),
     "devices": (_devices, ValueError, "params\\[1\\].*meta.*params\\[0\\] is on cpu"),
     "slice view": (_slice_view, ValueError, "params\\[0\\].*view.*storage offset 2"),
-    "strided view": (_strided_view, ValueError, "params\\[0\\].*view"),
+    "strided view": (_strided_view, ValueError, "params\\[0\\].*view.*contiguous=False"),
     "layout misses": (_missing_param, ValueError, "param_layout misses 'decoder.b'"),
-    "layout extra": (_extra_param, ValueError, "not among this buffer's params"),
+    "layout extra": (
+        _extra_param,
+        ValueError,
+        "param_layout places param \\(shape \\(4,\\).*not among this buffer's params",
+    ),
     "layout numel": (_wrong_numel, ValueError, "5 elements but it has 4"),
-    "layout overlap": (_overlap, ValueError, "overlapping"),
+    "layout overlap": (_overlap, ValueError, "at \\[2, 6\\), overlapping .*ends at 4"),
     "layout gap": (_gap_between_buckets, ValueError, "bucket 1 spans \\[6, 10\\).*start at 4"),
     "layout dp": (_indivisible_layout, ValueError, "not divisible by the data-parallel size 8"),
     "full layout key": (_full_layout_missing_key, ValueError, "no layout for BufferKey"),
@@ -238,7 +242,11 @@ CASES: dict[str, tuple[Callable[[], object], type[Exception], str]] = {
         ValueError,
         "data_parallel_world_size=4",
     ),
-    "offloaded reset": (_offloaded_reset, RuntimeError, "reload_from_cpu"),
+    "offloaded reset": (
+        _offloaded_reset,
+        RuntimeError,
+        "reset\\(\\): the grad buffer is offloaded.*reload_from_cpu\\(\\)",
+    ),
 }
 
 

@@ -301,7 +301,10 @@ def _bad_inputs() -> dict[str, tuple[str, str, int, int, float]]:
 
 
 EXPECTED_ERRORS = {
-    "not_a_list": ("TypeError", "must be a list of model chunks"),
+    "not_a_list": (
+        "TypeError",
+        "model must be a list of model chunks (one per virtual pipeline stage), got FirstStage",
+    ),
     "empty": ("ValueError", "model=[] holds no model chunk"),
     "not_a_chunk": ("TypeError", "model[0] (object) lacks ['finish_grad_sync'"),
     "no_config": ("TypeError", "model[0] (Linear) has no config"),

@@ -82,8 +82,8 @@ def _grad(param: torch.nn.Parameter) -> torch.Tensor:
 
 
 def _tp2_dp2_step() -> dict[str, torch.Tensor]:
-    ddp_cls: Any = mc_ddp.DistributedDataParallel  # type: ignore[attr-defined]
-    ddp_config_cls: Any = mc_ddp.DistributedDataParallelConfig  # type: ignore[attr-defined]
+    ddp_cls: Any = mc_ddp.DistributedDataParallel
+    ddp_config_cls: Any = mc_ddp.DistributedDataParallelConfig
     with layout(tensor_model_parallel_size=2) as pgc:
         assert pgc.tp is not None
         assert pgc.dp is not None
