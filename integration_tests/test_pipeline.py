@@ -162,7 +162,7 @@ def _check_grads(stage0: dict[str, Any], stage1: dict[str, Any]) -> None:
 def test_two_stage_pipeline_shares_embedding_grads(rank_pools: RankPools, backend: str) -> None:
     per_rank = rank_pools.get(2, backend).run(train_pipeline, LAYOUTS, backend)
     ref, tol = reference(), 1e-6 if backend == "gloo" else 1e-5
-    assert smallest_update(ref) >= 1e3 * tol
+    assert smallest_update(ref) >= 100 * tol  # a lost or mis-scaled update cannot pass
     for i, layout in enumerate(LAYOUTS):
         stage0, stage1 = per_rank[0][i], per_rank[1][i]
         assert (stage0["stage"], stage1["stage"]) == (0, 1)
