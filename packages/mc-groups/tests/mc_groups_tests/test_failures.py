@@ -112,7 +112,6 @@ def test_a_dead_peer_fails_every_path_with_a_named_error() -> None:
         kind, message, elapsed = found[name]
         assert kind == "CollectiveError", (name, message)
         assert re.search(pattern, message), (name, message)
-        assert "Connection closed by peer" in message or "closed" in message.lower(), message
         assert elapsed < 2 * TIMEOUT_S, (name, elapsed)
 
 
