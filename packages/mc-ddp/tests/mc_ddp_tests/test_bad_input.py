@@ -1,11 +1,13 @@
-"""Bad input and calls out of order: a clear error raised before any collective.
+"""mc-ddp's bad-input catalogue: bad input and calls out of order, each a clear error raised
+before any collective.
 
 Localizes argument validation (module, devices, configs, process groups, the methods' and
-the fp32-accumulating reduce-scatter's arguments) and the state machine's guards (finish before start, a second start, zero/offload with a reduction in
-flight, gradients after finish, unused params under overlap, param-sync calls without the
-distributed optimizer). Each case runs under the recorder on 2 gloo ranks and must leave the
-log empty (or, for a second call, no more than the first call issued); messages are matched
-on the words that name the argument, the value and the fix. No numeric tolerance.
+the fp32-accumulating reduce-scatter's arguments) and the state machine's guards (finish
+before start, a second start, zero/offload with a reduction in flight, gradients after
+finish, unused params under overlap, param-sync calls without the distributed optimizer).
+Each case runs under the recorder on 2 gloo ranks and must leave the log empty; messages
+are matched on the words that name the argument, the value and the fix (listed in
+``docs/bad_inputs.md``). No numeric tolerance.
 """
 
 from __future__ import annotations
