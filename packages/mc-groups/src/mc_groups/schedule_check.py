@@ -60,8 +60,10 @@ from mc_groups._shims import all_gather_flat
 __all__ = [
     "SCHEDULE_CHECK_ENV",
     "CollectiveScheduleError",
+    "PlannedCollective",
     "check_collective_schedule",
     "schedule_check_enabled",
+    "verify_schedule",
 ]
 
 SCHEDULE_CHECK_ENV = "MC_CHECK_COLLECTIVE_SCHEDULE"
