@@ -103,7 +103,7 @@ def _train(layout: ParallelLayout, backend: str) -> dict[str, Any]:
     with model_parallel(layout) as pgc:
         layout.check(CFG, dist.get_world_size(), 8)
         trainer = parallelize(CFG, layout, SGD, pgc, full_weights(), device_for(backend))
-        chunk: ModelChunk = trainer.model  # type: ignore[assignment]
+        chunk: ModelChunk = trainer.model
         losses: list[float | None] = []
         first: dict[str, Any] = {}
         for step in range(STEPS):

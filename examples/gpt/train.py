@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 
@@ -27,7 +26,7 @@ from examples.gpt.data import dp_rows
 from examples.gpt.model import GPT
 from examples.gpt.weights import gather_full_weights, load_full_weights
 from mc_ddp import DistributedDataParallel, ShardedOptimizer, ensure_params_ready
-from mc_finalize import ModelChunk, finalize_model_grads
+from mc_finalize import finalize_model_grads
 
 __all__ = [
     "Trainer",
@@ -48,7 +47,7 @@ class Trainer:
     cfg: GPTConfig
     layout: ParallelLayout
     pgc: mg.ProcessGroupCollection
-    model: DistributedDataParallel
+    model: DistributedDataParallel[mg.ModelParallelConfig]
     optimizer: ShardedOptimizer
     device: torch.device
 
@@ -75,7 +74,7 @@ def build_model(
 
 def apply_ddp(
     model: GPT, layout: ParallelLayout, pgc: mg.ProcessGroupCollection
-) -> DistributedDataParallel:
+) -> DistributedDataParallel[mg.ModelParallelConfig]:
     """2. mc DDP over ``model`` with the layout's bucket, overlap and sharding settings."""
     return DistributedDataParallel(
         layout.model_parallel_config(), layout.ddp_config(), model, pg_collection=pgc
@@ -119,18 +118,11 @@ def train_step(trainer: Trainer, tokens: torch.Tensor) -> float:
             loss = model(mb[:, :-1], mb[:, 1:]) / len(micro)
             torch.autograd.backward(loss)
         total += loss.detach().float()
-    finalize_model_grads([_as_chunk(model)], pg_collection=trainer.pgc)
+    finalize_model_grads([model], pg_collection=trainer.pgc)
     trainer.optimizer.step()
     dp = trainer.pgc.require("dp", "train_step")
     mg.all_reduce(total, dp, op=mg.ReduceOp.AVG, label="loss for logging")
     return float(total)
-
-
-def _as_chunk(model: DistributedDataParallel) -> ModelChunk:
-    # mc_ddp types DistributedDataParallel.config as TransformerConfigLike (it reads only
-    # calculate_per_token_loss); mc_finalize's ModelChunk also wants sequence_parallel.
-    # The config passed in apply_ddp is a ModelParallelConfig, which has both.
-    return cast(ModelChunk, model)
 
 
 def final_weights(trainer: Trainer) -> dict[str, torch.Tensor]:

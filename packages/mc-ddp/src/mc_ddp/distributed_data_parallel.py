@@ -26,10 +26,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Generic
 
 import torch
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import TypeVar
 
 import mc_groups as mg
 from mc_buffers import FullParamLayout, ParamAndGradBuffer
@@ -49,11 +50,20 @@ logger = logging.getLogger(__name__)
 
 Param = torch.nn.Parameter
 
+ConfigT_co = TypeVar(
+    "ConfigT_co", bound=TransformerConfigLike, default=TransformerConfigLike, covariant=True
+)
+"""The wrapped config's type, kept so consumers (mc_finalize) can read more of it."""
 
-class DistributedDataParallel(torch.nn.Module):
+
+class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
     """DDP wrapper which stores grads in contiguous buffers, reduces them bucket by bucket
     (overlapped with backward when configured) and, in distributed-optimizer mode, keeps
     params in the buffer and all-gathers them after the optimizer step.
+
+    Generic in the config's type: ``DistributedDataParallel(ModelParallelConfig(...), ...)``
+    is a ``DistributedDataParallel[ModelParallelConfig]``, whose ``config`` keeps every
+    attribute a consumer such as ``mc_finalize.finalize_model_grads`` reads.
 
     Args:
         config: any object with ``calculate_per_token_loss`` (:class:`TransformerConfigLike`).
@@ -75,7 +85,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def __init__(
         self,
-        config: TransformerConfigLike,
+        config: ConfigT_co,
         ddp_config: DistributedDataParallelConfig,
         module: torch.nn.Module,
         disable_bucketing: bool = False,
@@ -90,7 +100,7 @@ class DistributedDataParallel(torch.nn.Module):
         groups = resolve_groups(collection_or_default(pg_collection), ddp_config, has_expert)
         super().__init__()
         self.module = module
-        self.config = config
+        self._config = config
         self.ddp_config = ddp_config
         self._set_groups(groups)
         self.param_to_name: dict[Param, str] = {p: n for n, p in named}
@@ -106,6 +116,11 @@ class DistributedDataParallel(torch.nn.Module):
         if self.use_forward_hook:
             self._register_param_ready_callbacks()
             self.enable_forward_pre_hook()
+
+    @property
+    def config(self) -> ConfigT_co:
+        """The transformer config passed at construction (read-only)."""
+        return self._config
 
     # -- construction -----------------------------------------------------------------
 

@@ -413,15 +413,15 @@ def _per_token_and_fusion() -> dict[str, Any]:
             for p, g in zip(model.parameters(), ref.grads(x, y), strict=True)
         )
         fused = mlp()
-        ddp = _wrap(pgc, fused)
+        wrapped = _wrap(pgc, fused)
         weight: Any = fused[4].weight
         main_grad(weight).fill_(3.0)  # a fused layer wrote its wgrad into main_grad
         weight.grad_added_to_main_grad = True
-        torch.autograd.backward(ddp(torch.ones(LOCAL_BATCH, 8)).sum())
-        ddp.finish_grad_sync()
+        torch.autograd.backward(wrapped(torch.ones(LOCAL_BATCH, 8)).sum())
+        wrapped.finish_grad_sync()
         out["fused"] = main_grad(weight).unique().tolist()  # type: ignore[no-untyped-call]
         out["grad_dropped"] = weight.grad is None
-        ddp.zero_grad_buffer()
+        wrapped.zero_grad_buffer()
         out["flag_reset"] = weight.grad_added_to_main_grad
     return out
 
