@@ -6,7 +6,10 @@
   overlapped with backward, ``no_sync``, param all-gather overlapped with forward.
 - :class:`ParamAndGradBucketGroup`, :func:`partition_buckets`: the per-group state machine
   (``start_grad_sync`` / ``finish_grad_sync`` / ``start_param_sync`` / ``finish_param_sync``).
-- :class:`ShardedOptimizer`: any torch optimizer on fp32 masters of this rank's shard.
+- :class:`ShardedOptimizer`: any torch optimizer on fp32 masters of this rank's shard
+  (:class:`OwnedSlice` each); its ``sharded_state_dict`` stores the state as
+  :class:`~mc_ddp.checkpoint_pieces.CheckpointPieces` of full-param-shaped tensors, so
+  ``torch.distributed.checkpoint`` reshards it across TP / DP layouts.
 - :func:`ensure_params_ready`, :data:`PARAM_READY_CALLBACK_ATTR`: publish params on demand.
 - :func:`reduce_scatter_with_fp32_accumulation`: all-to-all + local fp32 sum.
 - :class:`NonFiniteGradError`, :class:`LargeGradMonitor`, :func:`check_finite_grads`: the
@@ -16,22 +19,25 @@
 from __future__ import annotations
 
 from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
+from mc_ddp.checkpoint_pieces import CheckpointPieces
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
 from mc_ddp.fp32_reduce_scatter import reduce_scatter_with_fp32_accumulation
 from mc_ddp.grad_checks import LargeGradMonitor, NonFiniteGradError, check_finite_grads
 from mc_ddp.param_ready import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from mc_ddp.protocols import TransformerConfigLike
-from mc_ddp.sharded_optimizer import ShardedOptimizer
+from mc_ddp.sharded_optimizer import OwnedSlice, ShardedOptimizer
 
 __version__ = "0.2.0"
 
 __all__ = [
     "PARAM_READY_CALLBACK_ATTR",
+    "CheckpointPieces",
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
     "LargeGradMonitor",
     "NonFiniteGradError",
+    "OwnedSlice",
     "ParamAndGradBucketGroup",
     "ShardedOptimizer",
     "TransformerConfigLike",

@@ -9,6 +9,7 @@ coalesced batch). Its lifecycle in one training iteration::
     optimizer step writes this rank's param shard
     start_param_sync() / finish_param_sync()    all-gather params (distributed optimizer)
     reset()                                     from zero_grad_buffer(): next iteration
+    discard_grad_sync()                         after a failed forward/backward: drain, forget
 
 ``start_grad_sync``: copy fp32 local ``main_grad`` s into the buffer, optional NaN/Inf and
 large-grad checks, scale by ``gradient_scaling_factor``, then one coalesced collective per
@@ -112,6 +113,19 @@ class ParamAndGradBucketGroup:
             self._check_every_param_seen()
             self.golden_per_param_grad_ready_counts = self.per_param_grad_ready_counts
             self.is_first_batch = False
+        self.per_param_grad_ready_counts = {}
+        self.is_last_microbatch = True
+        self.grad_reduce_finished = False
+
+    def discard_grad_sync(self) -> None:
+        """Abandon this iteration's reduction after a failed forward or backward: wait for a
+        reduction already issued (its peers issued it too, so it completes), skip what
+        finishing adds (cross-instance all-reduce, fp32 copies back) and forget this
+        iteration's ready counts, so an interrupted first iteration teaches nothing. The
+        buffer keeps whatever was accumulated until ``zero_grad_buffer()``."""
+        if self.grad_reduce_handle is not None:
+            self.grad_reduce_handle.wait()
+            self.grad_reduce_handle = None
         self.per_param_grad_ready_counts = {}
         self.is_last_microbatch = True
         self.grad_reduce_finished = False

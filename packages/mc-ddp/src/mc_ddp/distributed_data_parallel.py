@@ -318,7 +318,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         if busy:
             raise RuntimeError(
                 f"{what}: gradient reductions of {busy} are still in flight; call "
-                "finish_grad_sync() first"
+                "finish_grad_sync() first (after a failed forward or backward: "
+                "discard_grad_sync())"
             )
 
     def zero_grad_buffer(self) -> None:
@@ -332,6 +333,26 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             buffer.reset()
         for group in self._all_groups():
             group.reset()
+
+    def discard_grad_sync(self) -> None:
+        """Recover from an exception raised between ``zero_grad_buffer()`` and the end of
+        ``finish_grad_sync()`` (in a forward or a backward, on any microbatch): wait for
+        the reductions the interrupted backward already issued, forget the iteration's
+        ready counts (an interrupted first iteration teaches no hook order) and drop any
+        ``param.grad`` it left. Then ``zero_grad_buffer()`` starts a clean iteration: the
+        steps that follow compute exactly what they would have without the failed attempt.
+
+        No collective is issued; the waits are bounded by the groups' timeouts. Every rank
+        of the reduction groups must call it after failing at the same point (e.g. the same
+        bad batch): a reduction that some ranks issued and others did not never completes,
+        and its wait raises mc_groups' ``CollectiveError`` naming the bucket group.
+        Param all-gathers in flight are left to the next forward (the params they publish
+        have not changed).
+        """
+        for group in self._all_groups():
+            group.discard_grad_sync()
+        for param in self.params_with_grad:
+            param.grad = None
 
     def offload_grad_buffers(self, synchronize: bool = True, empty_cache: bool = True) -> None:
         """Free every ``grad_data`` storage (``resize_(0)``); ``main_grad`` and bucket views

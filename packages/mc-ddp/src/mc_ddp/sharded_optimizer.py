@@ -15,36 +15,32 @@ Shards are the buckets' equal ``dp`` slices (``bucket.shard_param_slices``), whi
 params at any element, so a param may have a master on several ranks (one slice each).
 Without the distributed optimizer every rank holds the full all-reduced grads, and the
 "shard" is the whole buffer: every rank steps every param (a replicated fp32-master
-optimizer). Not covered: grad clipping, loss scaling, the fp16/bf16 overflow checks,
-checkpoint resharding across data-parallel sizes (``state_dict`` is this rank's shard),
-and LBFGS (it caches its params at build).
+optimizer).
+
+Checkpoints: ``state_dict()`` is this rank's shard (same layout to load); for
+``torch.distributed.checkpoint``, ``sharded_state_dict(model_sharded_state_dict)`` keys each
+param's master and state by the model's key and stores them as pieces of full-param-shaped
+tensors, so a checkpoint loads at any TP × DP layout and bucket size
+(:mod:`mc_ddp.checkpoint_pieces`). Not covered: grad clipping, loss scaling, the fp16/bf16
+overflow checks, and LBFGS (it caches its params at build).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
+from mc_ddp import _optimizer_state as sharded_state
+from mc_ddp._optimizer_state import OwnedSlice
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["OwnedSlice", "ShardedOptimizer"]
 
 Param = torch.nn.Parameter
-
-
-class _Slot(NamedTuple):
-    """One param slice this rank steps, and its fp32 master (``aliased``: the master is the
-    param slice itself, for fp32 params)."""
-
-    param: Param
-    start: int
-    end: int
-    master: torch.Tensor
-    aliased: bool
 
 
 def _as_chunks(model_chunks: object) -> list[DistributedDataParallel]:
@@ -134,7 +130,8 @@ class ShardedOptimizer:
                 self.overlap_param_gather_with_optimizer_step
             )
         owned = self._owned_slices()
-        self._slots: list[_Slot] = []
+        self._slots: list[OwnedSlice] = []
+        self._checkpoint_keys: sharded_state.CheckpointKeys | None = None
         for i, group in enumerate(self.optimizer.param_groups):
             masters = []
             for param in group["params"]:
@@ -161,11 +158,11 @@ class ShardedOptimizer:
             "chunks passed as model_chunks"
         )
 
-    def _new_slot(self, param: Param, start: int, end: int) -> _Slot:
+    def _new_slot(self, param: Param, start: int, end: int) -> OwnedSlice:
         view = param.detach().view(-1)[start:end]
         aliased = param.dtype == torch.float32
         master = view if aliased else view.to(torch.float32, copy=True)
-        slot = _Slot(param, start, end, master, aliased)
+        slot = OwnedSlice(param, start, end, master, aliased)
         self._slots.append(slot)
         return slot
 
@@ -173,6 +170,12 @@ class ShardedOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's param groups (holding the masters): for LR schedulers."""
         return self.optimizer.param_groups
+
+    @property
+    def owned_slices(self) -> list[OwnedSlice]:
+        """Every param slice this rank steps, in param-group order (whole params without
+        the distributed optimizer)."""
+        return list(self._slots)
 
     @property
     def master_params(self) -> list[torch.Tensor]:
@@ -268,6 +271,81 @@ class ShardedOptimizer:
         self.optimizer.load_state_dict(state_dict["optimizer"])
         for slot, saved in zip(self._slots, masters, strict=True):
             slot.master.copy_(saved)
+        self._drain_param_gathers()
+        self._write_masters_to_params()
+        self._publish_params(force_sync=True)
+
+    # -- distributed checkpoint (torch.distributed.checkpoint) -----------------------
+
+    def _names(self) -> dict[Param, str]:
+        return {p: n for chunk in self.model_chunks for p, n in chunk.param_to_name.items()}
+
+    def sharded_state_dict(
+        self,
+        model_sharded_state_dict: Mapping[str, Any],
+        is_loading: bool = False,
+        prefix: str = "optimizer.",
+    ) -> dict[str, Any]:
+        """This rank's optimizer state for ``torch.distributed.checkpoint``, resharded by
+        DCP to whatever layout loads it (TP size, DP size, bucket size, with or without the
+        distributed optimizer).
+
+        Each param is found in ``model_sharded_state_dict`` (the model chunks' DCP state
+        dict, e.g. from the mc layers' ``sharded_state_dict()``: a DTensor or tensor viewing
+        the param, under key ``K``). The master slice ``[start, end)`` this rank steps, and
+        each optimizer state of that shape (Adam's ``exp_avg``, ``exp_avg_sq``), become
+        :class:`~mc_ddp.checkpoint_pieces.CheckpointPieces` of a tensor shaped like ``K``'s
+        global tensor: the boxes of the flat slice, placed at ``K``'s offsets on this rank.
+        Keys: ``{prefix}{K}.fp32_param``, ``{prefix}{K}.{state}``; scalar states (``step``)
+        and non-tensor states are stored as themselves under the same scheme (every rank
+        owning a slice holds the same value; DCP writes one), and each param group's
+        hyperparameters under ``{prefix}param_groups.{i}.{name}``.
+
+        Saving (``is_loading=False``) needs state for every slice (after the first step).
+        Loading (``is_loading=True``): slices without state first get the optimizer's own
+        (one lr = 0 step on zero grads, which leaves every param unchanged), so DCP has
+        tensors to load into. Tensors are views: ``dcp.save`` reads them, ``dcp.load`` writes
+        them in place; then call :meth:`load_sharded_state_dict` with the same dict.
+        No communication.
+        """
+        if not isinstance(model_sharded_state_dict, Mapping):
+            raise TypeError(
+                "model_sharded_state_dict must be a mapping {key: DTensor or tensor} (the "
+                f"model's sharded_state_dict()), got {type(model_sharded_state_dict).__name__}"
+            )
+        if not isinstance(is_loading, bool):
+            raise TypeError(f"is_loading={is_loading!r} must be a bool")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix={prefix!r} must be a str, e.g. 'optimizer.'")
+        names = self._names()
+        places = sharded_state.placements(model_sharded_state_dict, self._slots, names)
+        if is_loading:
+            sharded_state.materialize_state(self.optimizer, self._slots)
+        built = sharded_state.build_state_dict(self.optimizer, self._slots, places, names, prefix)
+        self._checkpoint_keys = sharded_state.CheckpointKeys(prefix, places)
+        return built
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Finish a load into the dict the last :meth:`sharded_state_dict` call
+        (``is_loading=True``) returned, after ``dcp.load`` filled it: restore the
+        hyperparameters and non-tensor states DCP replaced in the dict, write the masters
+        into the params (cast) and all-gather them (collective with the distributed
+        optimizer: every rank calls it).
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"state_dict must be the mapping sharded_state_dict() returned, got "
+                f"{type(state_dict).__name__}"
+            )
+        keys = self._checkpoint_keys
+        if keys is None:
+            raise RuntimeError(
+                "load_sharded_state_dict() before sharded_state_dict(): build the dict with "
+                "sharded_state_dict(model_sharded_state_dict, is_loading=True), load it with "
+                "torch.distributed.checkpoint.load, then pass it here"
+            )
+        sharded_state.apply_loaded_values(self.optimizer, self._slots, keys, state_dict)
         self._drain_param_gathers()
         self._write_masters_to_params()
         self._publish_params(force_sync=True)

@@ -1,0 +1,206 @@
+"""The ShardedOptimizer's state as a DCP state dict keyed like the model's (see
+:meth:`mc_ddp.ShardedOptimizer.sharded_state_dict`). Nothing here communicates."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from mc_ddp.checkpoint_pieces import CheckpointPieces, pieces_of_flat_slice
+
+Param = torch.nn.Parameter
+MASTER_KEY = "fp32_param"
+
+
+class OwnedSlice(NamedTuple):
+    """One param slice this rank steps: elements ``[start, end)`` of the flattened (local)
+    ``param``, and its fp32 ``master`` (``aliased``: the master is the param slice itself,
+    for fp32 params; the optimizer's state for it is ``optimizer.state[master]``)."""
+
+    param: Param
+    start: int
+    end: int
+    master: torch.Tensor
+    aliased: bool
+
+
+class Placement(NamedTuple):
+    """Where a param's local tensor sits in the checkpoint: the model state dict's key, the
+    local tensor's shape there (e.g. a strided view), its offsets and the global shape."""
+
+    key: str
+    local_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+
+def _placement(key: str, value: object) -> tuple[torch.Tensor, Placement] | None:
+    if isinstance(value, DTensor):
+        # DCP's own view of where this rank's chunk sits (untyped in torch).
+        chunks: list[ChunkStorageMetadata] = value.__create_chunk_list__()  # type: ignore[no-untyped-call]
+        if len(chunks) != 1:
+            raise NotImplementedError(
+                f"model_sharded_state_dict[{key!r}] is a DTensor holding {len(chunks)} chunks "
+                "on this rank; one chunk per rank is supported"
+            )
+        local = value.to_local()
+        shape = tuple(local.shape)
+        return local, Placement(key, shape, tuple(chunks[0].offsets), tuple(value.shape))
+    if isinstance(value, torch.Tensor) and not isinstance(value, CheckpointPieces):
+        shape = tuple(value.shape)
+        return value, Placement(key, shape, (0,) * len(shape), shape)
+    return None
+
+
+def placements(
+    model_sharded_state_dict: Mapping[str, Any],
+    slots: Sequence[OwnedSlice],
+    names: Mapping[Param, str],
+) -> dict[Param, Placement]:
+    """Each slot's param found in the model's state dict by its memory (the DTensor or
+    tensor there is a view of the param: same first element, same element count)."""
+    by_memory: dict[tuple[int, int], Placement] = {}
+    for key, value in model_sharded_state_dict.items():
+        found = _placement(key, value)
+        if found is not None and found[0].is_contiguous():
+            by_memory.setdefault((found[0].data_ptr(), found[0].numel()), found[1])
+    out: dict[Param, Placement] = {}
+    for slot in slots:
+        place = by_memory.get((slot.param.data_ptr(), slot.param.numel()))
+        if place is None:
+            raise ValueError(
+                f"model_sharded_state_dict has no entry for param "
+                f"'{names.get(slot.param, '<unnamed>')}' (shape {tuple(slot.param.shape)}): "
+                "pass the state dict of the model chunks this optimizer steps, built from "
+                "their live params (e.g. the layers' sharded_state_dict())"
+            )
+        out[slot.param] = place
+    return out
+
+
+def _zero_lr(group: dict[str, Any]) -> None:
+    lr = group["lr"]
+    group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+
+
+@torch.no_grad()
+def materialize_state(optimizer: torch.optim.Optimizer, slots: Sequence[OwnedSlice]) -> None:
+    """Give every slot without state the optimizer's own state (the keys and shapes its
+    ``step()`` creates): one ``step()`` with lr = 0 and zero grads on those slots only.
+
+    lr = 0 leaves every param bit-identical in torch's optimizers (Adam(W): ``p·(1 − 0·wd)``
+    and ``p − 0·m/(√v + eps)``; SGD: ``p − 0·buf``); the state values it writes are
+    placeholders that the checkpoint load overwrites.
+    """
+    missing = {id(s.master) for s in slots if not optimizer.state.get(s.master)}
+    if not missing:
+        return
+    saved_grads = [s.master.grad for s in slots]
+    saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for slot in slots:
+            fresh = id(slot.master) in missing
+            slot.master.grad = torch.zeros_like(slot.master) if fresh else None
+        for group in optimizer.param_groups:
+            _zero_lr(group)
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
+            group["lr"] = lr
+        for slot, grad in zip(slots, saved_grads, strict=True):
+            slot.master.grad = grad
+
+
+def _flat_pieces(flat: torch.Tensor, slot: OwnedSlice, place: Placement) -> CheckpointPieces:
+    return pieces_of_flat_slice(
+        flat.view(-1), slot.start, place.local_shape, place.offsets, place.global_shape
+    )
+
+
+def group_key(prefix: str, index: int, name: str) -> str:
+    """The key of hyperparameter ``name`` of param group ``index``."""
+    return f"{prefix}param_groups.{index}.{name}"
+
+
+def _state_entries(
+    state: Mapping[str, Any], slot: OwnedSlice, place: Placement, base: str
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            out[base + name] = value  # replicated over every rank owning a slice
+        elif value.shape == slot.master.shape:
+            out[base + name] = _flat_pieces(value, slot, place)
+        else:
+            raise NotImplementedError(
+                f"optimizer state {name!r} of {place.key!r} has shape {tuple(value.shape)}, "
+                f"neither a scalar nor the master slice's {tuple(slot.master.shape)}: it "
+                "cannot be resharded elementwise"
+            )
+    return out
+
+
+def build_state_dict(
+    optimizer: torch.optim.Optimizer,
+    slots: Sequence[OwnedSlice],
+    places: Mapping[Param, Placement],
+    names: Mapping[Param, str],
+    prefix: str,
+) -> dict[str, Any]:
+    """Hyperparameters per param group, then per slot: the master and every state value
+    (elementwise states as pieces, scalars and other values as themselves)."""
+    out: dict[str, Any] = {}
+    for index, group in enumerate(optimizer.param_groups):
+        for name, value in group.items():
+            if name != "params":
+                out[group_key(prefix, index, name)] = value
+    for slot in slots:
+        state = optimizer.state.get(slot.master)
+        if not state:
+            raise RuntimeError(
+                f"sharded_state_dict(): param '{names.get(slot.param, '<unnamed>')}' has no "
+                "optimizer state yet; save after the first step(), or pass is_loading=True "
+                "to build a state to load a checkpoint into"
+            )
+        place = places[slot.param]
+        base = f"{prefix}{place.key}."
+        out[base + MASTER_KEY] = _flat_pieces(slot.master, slot, place)
+        out.update(_state_entries(state, slot, place, base))
+    return out
+
+
+class CheckpointKeys(NamedTuple):
+    """How the last state dict was keyed: its prefix and each param's placement."""
+
+    prefix: str
+    places: Mapping[Param, Placement]
+
+
+def apply_loaded_values(
+    optimizer: torch.optim.Optimizer,
+    slots: Sequence[OwnedSlice],
+    keys: CheckpointKeys,
+    state_dict: Mapping[str, Any],
+) -> None:
+    """Write the values DCP replaced in ``state_dict`` (hyperparameters and non-tensor
+    states; tensors were loaded in place) back into the optimizer."""
+    prefix = keys.prefix
+    for index, group in enumerate(optimizer.param_groups):
+        for name in [n for n in group if n != "params"]:
+            key = group_key(prefix, index, name)
+            if key not in state_dict:
+                raise ValueError(
+                    f"state_dict has no {key!r}: pass the dict the last sharded_state_dict() "
+                    "call returned, after torch.distributed.checkpoint.load filled it"
+                )
+            group[name] = state_dict[key]
+    for slot in slots:
+        base = f"{prefix}{keys.places[slot.param].key}."
+        state = optimizer.state[slot.master]
+        for name, value in state.items():
+            if not isinstance(value, torch.Tensor) and base + name in state_dict:
+                state[name] = state_dict[base + name]
