@@ -42,7 +42,11 @@ def gpu_skip_reason(count: int) -> str | None:
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if available >= count:
         return None
-    return f"needs {count} CUDA device(s) for NCCL, found {available}"
+    return (
+        f"needs {count} CUDA device(s), found {available} (no GPU on this machine)"
+        if available == 0
+        else f"needs {count} CUDA device(s), found {available}"
+    )
 
 
 class RankPools:
