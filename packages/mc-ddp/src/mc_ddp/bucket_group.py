@@ -136,7 +136,8 @@ class ParamAndGradBucketGroup:
             raise RuntimeError(
                 f"{self.name}: {self._name_list(missing)} got no gradient in the first "
                 "iteration; with overlap_grad_reduce=True every trainable param must get one "
-                "each iteration (set requires_grad=False on unused params)"
+                "each iteration (set requires_grad=False on unused params; after a failed "
+                "backward, call discard_grad_sync() first)"
             )
 
     def _name_list(self, params: Sequence[Param], limit: int = 3) -> str:
