@@ -1,5 +1,6 @@
 """ShardedOptimizer.sharded_state_dict through torch.distributed.checkpoint on 2 gloo ranks:
-saved with the distributed optimizer (16-element buckets), loaded into fresh models with
+saved with the distributed optimizer (16-element buckets; fp32 params, and bf16 params
+with fp32 grads and separate fp32 masters), loaded into fresh models with
 other bucket layouts (200 elements, one bucket: each rank steps other slices of the params,
 checked) and without the distributed optimizer (each rank steps every param whole).
 
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -49,16 +51,20 @@ LOADING: list[dict[str, Any]] = [
 ]
 
 
-def _wrap(pgc: Any, fields: dict[str, Any], seed: int) -> tuple[Any, ShardedOptimizer]:
-    cfg = ddp_config(overlap_grad_reduce=True, **fields)
-    ddp = DistributedDataParallel(mg.ModelParallelConfig(), cfg, mlp(seed=seed), pg_collection=pgc)
+def _wrap(
+    pgc: Any, fields: dict[str, Any], seed: int, dtype: torch.dtype = torch.float32
+) -> tuple[Any, ShardedOptimizer]:
+    cfg = ddp_config(overlap_grad_reduce=True, grad_reduce_in_fp32=True, **fields)
+    model = mlp(dtype, seed=seed)
+    ddp = DistributedDataParallel(mg.ModelParallelConfig(), cfg, model, pg_collection=pgc)
     inner = torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.1, foreach=False)
     return ddp, ShardedOptimizer(inner, ddp)
 
 
 def _train(ddp: Any, opt: ShardedOptimizer, steps: range) -> None:
+    dtype = next(iter(ddp.parameters())).dtype
     for step in steps:
-        x, y = global_batch(step, dist.get_world_size(), torch.float32)
+        x, y = global_batch(step, dist.get_world_size(), dtype)
         ddp.zero_grad_buffer()
         ddp_backward(ddp, local_rows(x, dist.get_rank()), local_rows(y, dist.get_rank()), 1)
         ddp.finish_grad_sync()
@@ -74,19 +80,20 @@ def _params(ddp: Any) -> list[torch.Tensor]:
     return [p.detach().clone() for p in ddp.module.parameters()]
 
 
-def save_and_reload(path: str) -> dict[str, Any]:
+def save_and_reload(path: str, dtype_name: str) -> dict[str, Any]:
     """Runs on each rank: uninterrupted 4 steps; 2 steps, save; per loading layout: load
     into a model from other weights, 2 more steps."""
+    dtype = getattr(torch, dtype_name)
     with model_parallel() as pgc:
-        ref, ref_opt = _wrap(pgc, SAVED, seed=1)
+        ref, ref_opt = _wrap(pgc, SAVED, 1, dtype)
         _train(ref, ref_opt, range(4))
-        ddp, opt = _wrap(pgc, SAVED, seed=1)
+        ddp, opt = _wrap(pgc, SAVED, 1, dtype)
         _train(ddp, opt, range(2))
         model_sd = _model_sd(ddp)
         dcp_save({**model_sd, **opt.sharded_state_dict(model_sd)}, checkpoint_id=path)
         out: dict[str, Any] = {"same": [], "slices": []}
         for fields in LOADING:
-            other, other_opt = _wrap(pgc, fields, seed=2)
+            other, other_opt = _wrap(pgc, fields, 2, dtype)
             fresh = _params(other)
             other_sd = _model_sd(other)
             with mg.record_collectives() as log:
@@ -105,8 +112,11 @@ def save_and_reload(path: str) -> dict[str, Any]:
         return out
 
 
-def test_state_reshards_across_data_parallel_layouts(rank_pools: RankPools, tmp_path: Path) -> None:
-    results = rank_pools.get(2).run(save_and_reload, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_state_reshards_across_data_parallel_layouts(
+    rank_pools: RankPools, tmp_path: Path, dtype_name: str
+) -> None:
+    results = rank_pools.get(2).run(save_and_reload, str(tmp_path / "ckpt"), dtype_name)
     for out in results:
         for fields, same in zip(LOADING, out["same"], strict=True):
             assert all(same), (fields, same)
