@@ -9,10 +9,13 @@ the plain-PyTorch 1-process reference it is compared with.
 - :mod:`examples.gpt.train`: build, apply DDP, optimizer, train step.
 - :mod:`examples.gpt.reference`: the same GPT in plain PyTorch on one process.
 - :mod:`examples.gpt.data`: the embedded text and its deterministic batches.
+- :mod:`examples.gpt.checkpoint`: save / resume (model and optimizer) through
+  ``torch.distributed.checkpoint``, at the same or another layout.
 """
 
 from __future__ import annotations
 
+from examples.gpt.checkpoint import load_checkpoint, model_sharded_state_dict, save_checkpoint
 from examples.gpt.config import GPTConfig, OptimizerConfig, ParallelLayout
 from examples.gpt.data import corpus, decode, dp_rows, encode, global_batch
 from examples.gpt.model import GPT
@@ -55,10 +58,13 @@ __all__ = [
     "gather_full_weights",
     "global_batch",
     "init_full_weights",
+    "load_checkpoint",
     "load_full_weights",
+    "model_sharded_state_dict",
     "parallelize",
     "reference_grads",
     "reference_loss",
+    "save_checkpoint",
     "stage_layers",
     "train_reference",
     "train_step",
