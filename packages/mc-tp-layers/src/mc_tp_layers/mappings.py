@@ -32,7 +32,8 @@ so each part is padded to the largest and the padding dropped (see :mod:`._comm`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -58,134 +59,90 @@ __all__ = [
 ]
 
 
-class _CopyToModelParallelRegion(torch.autograd.Function):
+_Op = Callable[[torch.Tensor], torch.Tensor]
+_GroupOp = Callable[[torch.Tensor, dist.ProcessGroup], torch.Tensor]
+
+
+class _Mapping(torch.autograd.Function):
+    """``forward_op`` on the input; ``backward_op`` on the output's gradient.
+
+    Every mapping is such a pair of tensor-level operations of :mod:`._comm` (bound to
+    their group and split sizes), so one autograd function serves them all.
+    """
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, forward_op: _Op, backward_op: _Op) -> torch.Tensor:
+        ctx.backward_op = backward_op
+        return forward_op(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.backward_op(grad), None, None
+
+
+def _mapped(x: torch.Tensor, forward_op: _Op, backward_op: _Op) -> torch.Tensor:
+    return apply(_Mapping, x, forward_op, backward_op)
+
+
+def _identity(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    del group
+    return x
+
+
+# name: (forward op, backward op, whether the forward splits the last dim)
+_LAST_DIM_MAPPINGS: Mapping[str, tuple[_GroupOp, _GroupOp, bool]] = MappingProxyType(
+    {
+        "copy_to_tensor_model_parallel_region": (_identity, _comm.all_reduce, False),
+        "reduce_from_tensor_model_parallel_region": (_comm.all_reduce, _identity, False),
+        "scatter_to_tensor_model_parallel_region": (
+            _comm.split_last_dim,
+            _comm.gather_last_dim,
+            True,
+        ),
+        "gather_from_tensor_model_parallel_region": (
+            _comm.gather_last_dim,
+            _comm.split_last_dim,
+            False,
+        ),
+        "all_gather_last_dim_from_tensor_parallel_region": (
+            _comm.gather_last_dim,
+            _comm.reduce_scatter_last_dim,
+            False,
+        ),
+        "reduce_scatter_last_dim_to_tensor_parallel_region": (
+            _comm.reduce_scatter_last_dim,
+            _comm.gather_last_dim,
+            True,
+        ),
+    }
+)
+
+
+def _last_dim_mapping(what: str, input_: object, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The tensor-parallel-region mapping ``what`` of :data:`_LAST_DIM_MAPPINGS`."""
+    forward_op, backward_op, splits = _LAST_DIM_MAPPINGS[what]
+    x, g = _prepare(input_, group, what)
+    if g.size() == 1:
         return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return _comm.all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    if splits:
+        _validate.dim_divisible(x, -1, g.size(), "input_", "last dimension")
+    return _mapped(x, lambda t: forward_op(t, g), lambda t: backward_op(t, g))
 
 
-class _ScatterToModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _comm.split_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.gather_last_dim(grad, ctx.group), None
+def _split_dim0(group: dist.ProcessGroup, sizes: list[int] | None) -> _Op:
+    return lambda t: _comm.split_first_dim(t, group, sizes)
 
 
-class _GatherFromModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _comm.gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.split_last_dim(grad, ctx.group), None
+def _gather_dim0(group: dist.ProcessGroup, sizes: list[int] | None) -> _Op:
+    return lambda t: _comm.gather_first_dim(t, group, sizes)[0]
 
 
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, sizes: list[int] | None
-    ) -> torch.Tensor:
-        ctx.group, ctx.sizes = group, sizes
-        return _comm.split_first_dim(x, group, sizes)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _comm.gather_first_dim(grad, ctx.group, ctx.sizes)[0], None, None
+def _reduce_scatter_dim0(group: dist.ProcessGroup, sizes: list[int] | None) -> _Op:
+    return lambda t: _comm.reduce_scatter_first_dim(t, group, sizes)[0]
 
 
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        tensor_parallel_output_grad: bool,
-        group: dist.ProcessGroup,
-        sizes: list[int] | None,
-    ) -> torch.Tensor:
-        ctx.group, ctx.sizes, ctx.reduce = group, sizes, tensor_parallel_output_grad
-        return _comm.gather_first_dim(x, group, sizes)[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        if ctx.reduce:
-            out = _comm.reduce_scatter_first_dim(grad, ctx.group, ctx.sizes)[0]
-        else:
-            out = _comm.split_first_dim(grad, ctx.group, ctx.sizes)
-        return out, None, None, None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, sizes: list[int] | None
-    ) -> torch.Tensor:
-        ctx.group, ctx.sizes = group, sizes
-        return _comm.reduce_scatter_first_dim(x, group, sizes)[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _comm.gather_first_dim(grad, ctx.group, ctx.sizes)[0], None, None
-
-
-class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _comm.gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.reduce_scatter_last_dim(grad, ctx.group), None
-
-
-class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _comm.reduce_scatter_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.gather_last_dim(grad, ctx.group), None
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        group: dist.ProcessGroup,
-        x: torch.Tensor,
-        output_split_sizes: list[int] | None,
-        input_split_sizes: list[int] | None,
-    ) -> torch.Tensor:
-        ctx.group, ctx.outs, ctx.ins = group, output_split_sizes, input_split_sizes
-        return _comm.all_to_all(x, group, output_split_sizes, input_split_sizes)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
-        # The reverse exchange: what this rank received from j goes back to j.
-        return None, _comm.all_to_all(grad, ctx.group, ctx.ins, ctx.outs), None, None
+def _exchange(group: dist.ProcessGroup, outs: list[int] | None, ins: list[int] | None) -> _Op:
+    return lambda t: _comm.all_to_all(t, group, outs, ins)
 
 
 def _prepare(
@@ -204,35 +161,28 @@ def copy_to_tensor_model_parallel_region(
     input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """``f``: identity forward; backward all-reduces (sums) the gradient over ``group``."""
-    x, g = _prepare(input_, group, "copy_to_tensor_model_parallel_region")
-    return x if g.size() == 1 else apply(_CopyToModelParallelRegion, x, g)
+    return _last_dim_mapping("copy_to_tensor_model_parallel_region", input_, group)
 
 
 def reduce_from_tensor_model_parallel_region(
     input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """``g``: forward all-reduces (sums) over ``group`` into a new tensor; backward identity."""
-    x, g = _prepare(input_, group, "reduce_from_tensor_model_parallel_region")
-    return x if g.size() == 1 else apply(_ReduceFromModelParallelRegion, x, g)
+    return _last_dim_mapping("reduce_from_tensor_model_parallel_region", input_, group)
 
 
 def scatter_to_tensor_model_parallel_region(
     input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Keep chunk ``rank`` of the last dim (no communication); backward all-gathers it."""
-    x, g = _prepare(input_, group, "scatter_to_tensor_model_parallel_region")
-    if g.size() == 1:
-        return x
-    _validate.dim_divisible(x, -1, g.size(), "input_", "last dimension")
-    return apply(_ScatterToModelParallelRegion, x, g)
+    return _last_dim_mapping("scatter_to_tensor_model_parallel_region", input_, group)
 
 
 def gather_from_tensor_model_parallel_region(
     input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """All-gather along the last dim (rank order); backward keeps chunk ``rank``."""
-    x, g = _prepare(input_, group, "gather_from_tensor_model_parallel_region")
-    return x if g.size() == 1 else apply(_GatherFromModelParallelRegion, x, g)
+    return _last_dim_mapping("gather_from_tensor_model_parallel_region", input_, group)
 
 
 def scatter_to_sequence_parallel_region(
@@ -251,7 +201,7 @@ def scatter_to_sequence_parallel_region(
     sizes = _sizes(split_sizes, g, "split_sizes")
     if sizes is None:
         _validate.dim_divisible(x, 0, g.size(), "input_", "sequence length")
-    return apply(_ScatterToSequenceParallelRegion, x, g, sizes)
+    return _mapped(x, _split_dim0(g, sizes), _gather_dim0(g, sizes))
 
 
 def gather_from_sequence_parallel_region(
@@ -279,7 +229,9 @@ def gather_from_sequence_parallel_region(
             f"output_split_sizes={sizes} gives rank {g.rank()} {sizes[g.rank()]} rows but "
             f"input_ has shape {tuple(x.shape)}"
         )
-    return apply(_GatherFromSequenceParallelRegion, x, bool(tensor_parallel_output_grad), g, sizes)
+    if tensor_parallel_output_grad:
+        return _mapped(x, _gather_dim0(g, sizes), _reduce_scatter_dim0(g, sizes))
+    return _mapped(x, _gather_dim0(g, sizes), _split_dim0(g, sizes))
 
 
 def reduce_scatter_to_sequence_parallel_region(
@@ -305,26 +257,21 @@ def reduce_scatter_to_sequence_parallel_region(
             f"input_split_sizes={sizes} sum to {sum(sizes)} but input_ has shape "
             f"{tuple(x.shape)}; they must add up to dim 0"
         )
-    return apply(_ReduceScatterToSequenceParallelRegion, x, g, sizes)
+    return _mapped(x, _reduce_scatter_dim0(g, sizes), _gather_dim0(g, sizes))
 
 
 def all_gather_last_dim_from_tensor_parallel_region(
     input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """All-gather along the last dim; backward reduce-scatters (sums) the last dim."""
-    x, g = _prepare(input_, group, "all_gather_last_dim_from_tensor_parallel_region")
-    return x if g.size() == 1 else apply(_AllGatherFromTensorParallelRegion, x, g)
+    return _last_dim_mapping("all_gather_last_dim_from_tensor_parallel_region", input_, group)
 
 
 def reduce_scatter_last_dim_to_tensor_parallel_region(
     input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Sum over ``group`` and keep chunk ``rank`` of the last dim; backward all-gathers."""
-    x, g = _prepare(input_, group, "reduce_scatter_last_dim_to_tensor_parallel_region")
-    if g.size() == 1:
-        return x
-    _validate.dim_divisible(x, -1, g.size(), "input_", "last dimension")
-    return apply(_ReduceScatterToTensorParallelRegion, x, g)
+    return _last_dim_mapping("reduce_scatter_last_dim_to_tensor_parallel_region", input_, group)
 
 
 def all_to_all(
@@ -349,7 +296,8 @@ def all_to_all(
         raise ValueError(
             f"input_split_sizes={ins} sum to {sum(ins)} but input_ has shape {tuple(x.shape)}"
         )
-    return apply(_AllToAll, g, x, outs, ins)
+    # Backward is the reverse exchange: what this rank received from j goes back to j.
+    return _mapped(x, _exchange(g, outs, ins), _exchange(g, ins, outs))
 
 
 def all_to_all_sp2hp(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
