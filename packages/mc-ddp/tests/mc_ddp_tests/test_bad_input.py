@@ -26,6 +26,7 @@ from mc_ddp import (
     DistributedDataParallelConfig,
     reduce_scatter_with_fp32_accumulation,
 )
+from mc_ddp_tests._catalogue import Expect, assert_fails_as
 from mc_ddp_tests._harness import (
     ddp_backward,
     ddp_config,
@@ -109,43 +110,91 @@ def _construction_errors() -> dict[str, tuple[str, int]]:
         return {name: _attempt(call) for name, call in calls.items()}
 
 
-_CONSTRUCTION = {
-    "frozen": "ValueError: module=Sequential has no parameter with requires_grad=True",
-    "devices": "ValueError: module params are on mixed devices: '4.weight' is on meta",
-    "not_module": "TypeError: module=object must be a torch.nn.Module",
-    "missing_dp": (
+CONSTRUCTION = {
+    "frozen": Expect(
+        "ValueError: module=Sequential has no parameter with requires_grad=True",
+        doc_call="`DistributedDataParallel(config, ddp_config, module)`",
+        doc_input="every param frozen",
+    ),
+    "devices": Expect(
+        "ValueError: module params are on mixed devices: '4.weight' is on meta",
+        doc_call="`DistributedDataParallel(...)`",
+        doc_input="params on cpu and meta",
+    ),
+    "not_module": Expect(
+        "TypeError: module=object must be a torch.nn.Module",
+        doc_call="`DistributedDataParallel(..., module)`",
+        doc_input="`object()`",
+    ),
+    "missing_dp": Expect(
         "MissingGroupError: DistributedDataParallel (the bucket size and the replicas) "
-        "needs pg_collection.dp"
+        "needs pg_collection.dp",
+        doc_call="`DistributedDataParallel(..., pg_collection=)`",
+        doc_input="a collection without `dp`",
     ),
-    "no_default": "ValueError: pg_collection=None and no default ProcessGroupCollection",
-    "collection_type": "TypeError: pg_collection=",
-    "config": ("TypeError: config=_NoConfig must have a bool attribute calculate_per_token_loss"),
-    "ddp_config": "TypeError: ddp_config=dict must be a mc_ddp.DistributedDataParallelConfig",
-    "mutated": (
-        "ValueError: num_distributed_optimizer_instances=2 needs use_distributed_optimizer"
+    "no_default": Expect(
+        "ValueError: pg_collection=None and no default ProcessGroupCollection",
+        doc_call="`DistributedDataParallel(...)`",
+        doc_input="`pg_collection=None`, none registered",
     ),
-    "disable_bucketing": "TypeError: disable_bucketing=1 must be a bool",
-    "instances": (
+    "collection_type": Expect(
+        "TypeError: pg_collection=",
+        doc_call="`DistributedDataParallel(..., pg_collection=)`",
+        doc_input="a process group",
+    ),
+    "config": Expect(
+        "TypeError: config=_NoConfig must have a bool attribute calculate_per_token_loss",
+        doc_call="`DistributedDataParallel(config, ...)`",
+        doc_input="config without `calculate_per_token_loss`",
+    ),
+    "ddp_config": Expect(
+        "TypeError: ddp_config=dict must be a mc_ddp.DistributedDataParallelConfig",
+        doc_call="`DistributedDataParallel(..., ddp_config)`",
+        doc_input="a dict",
+    ),
+    "mutated": Expect(
+        "ValueError: num_distributed_optimizer_instances=2 needs use_distributed_optimizer",
+        doc_call="`DistributedDataParallel(...)`",
+        doc_input="config field set after construction to an invalid combination",
+    ),
+    "disable_bucketing": Expect(
+        "TypeError: disable_bucketing=1 must be a bool",
+        doc_call="`DistributedDataParallel(..., disable_bucketing)`",
+        doc_input="`1`",
+    ),
+    "instances": Expect(
         "MissingGroupError: DistributedDataParallel with 2 optimizer instances needs "
-        "pg_collection.inter_dist_opt"
+        "pg_collection.inter_dist_opt",
+        doc_call="`DistributedDataParallel(...)`",
+        doc_input="2 optimizer instances, collection without `inter_dist_opt`",
     ),
-    "expert_group": (
+    "expert_group": Expect(
         "MissingGroupError: DistributedDataParallel for expert params (allreduce=False) "
-        "needs pg_collection.expt_dp"
+        "needs pg_collection.expt_dp",
+        doc_call="`DistributedDataParallel(...)`",
+        doc_input="expert params, collection without `expt_dp`",
     ),
-    "per_token_avg": (
+    "per_token_avg": Expect(
         "ValueError: config.calculate_per_token_loss=True with "
-        "ddp_config.average_in_collective=True"
+        "ddp_config.average_in_collective=True",
+        doc_call="`DistributedDataParallel(...)`",
+        doc_input="`calculate_per_token_loss` with `average_in_collective`",
     ),
-    "wgrad_owner": "ValueError: param '0.weight' has skip_backward_post_hook=True",
+    "wgrad_owner": Expect(
+        "ValueError: param '0.weight' has skip_backward_post_hook=True",
+        doc_call="`DistributedDataParallel(...)`",
+        doc_input=(
+            "`skip_backward_post_hook` param under `delay_wgrad_compute` without an owning layer"
+        ),
+    ),
 }
 
 
 def test_construction_errors(rank_pools: RankPools) -> None:
     for found in rank_pools.get(2).run(_construction_errors):
-        for name, prefix in _CONSTRUCTION.items():
+        for name, expect in CONSTRUCTION.items():
             message, issued = found[name]
-            assert message.startswith(prefix), (name, message)
+            assert_fails_as(name, message, expect)
             assert issued == 0, name
 
 
@@ -205,53 +254,92 @@ def _order_errors() -> dict[str, tuple[str, int]]:
     return out
 
 
-_ORDER = {
-    "finish_param_sync": (
-        "RuntimeError: dense bucket group 0: finish_param_sync() needs overlap_param_gather=True"
+ORDER = {
+    "finish_param_sync": Expect(
+        "RuntimeError: dense bucket group 0: finish_param_sync() needs overlap_param_gather=True",
+        doc_call="`bucket_group.finish_param_sync()`",
+        doc_input="without `overlap_param_gather`",
     ),
-    "start_param_sync": "RuntimeError: start_param_sync() needs use_distributed_optimizer=True",
-    "disable_hooks": (
-        "RuntimeError: disable_forward_pre_hook(): the forward pre-hooks are not enabled"
+    "start_param_sync": Expect(
+        "RuntimeError: start_param_sync() needs use_distributed_optimizer=True",
+        doc_call="`ddp.start_param_sync()`",
+        doc_input="without the distributed optimizer",
     ),
-    "enable_hooks": (
-        "RuntimeError: enable_forward_pre_hook() needs use_distributed_optimizer=True"
+    "disable_hooks": Expect(
+        "RuntimeError: disable_forward_pre_hook(): the forward pre-hooks are not enabled",
+        doc_call="`ddp.disable_forward_pre_hook()`",
+        doc_input="hooks not enabled",
     ),
-    "enable_twice": "RuntimeError: forward pre-hooks are already enabled",
-    "grad_after_finish": (
+    "enable_hooks": Expect(
+        "RuntimeError: enable_forward_pre_hook() needs use_distributed_optimizer=True",
+        doc_call="`ddp.enable_forward_pre_hook()`",
+        doc_input="without param-gather overlap",
+    ),
+    "enable_twice": Expect(
+        "RuntimeError: forward pre-hooks are already enabled",
+        doc_call="`ddp.enable_forward_pre_hook()`",
+        doc_input="called twice",
+    ),
+    "grad_after_finish": Expect(
         "RuntimeError: dense bucket group 0: a gradient of param(s) '4.bias' arrived after "
-        "finish_grad_sync()"
+        "finish_grad_sync()",
+        doc_call="second backward",
+        doc_input="a step without `zero_grad_buffer()` (call order)",
+        also=("zero_grad_buffer()",),
     ),
-    "finish_before_backward": (
+    "finish_before_backward": Expect(
         "RuntimeError: dense bucket group 0: finish_grad_sync() but the reduction was never "
-        "started: 2 of 2 params"
+        "started: 2 of 2 params",
+        doc_call="`ddp.finish_grad_sync()`",
+        doc_input="before the backward (finish before start)",
+        also=("seen/expected: ",),
     ),
-    "zero_in_flight": (
-        "RuntimeError: zero_grad_buffer(): gradient reductions of ['dense bucket group 0'"
+    "zero_in_flight": Expect(
+        "RuntimeError: zero_grad_buffer(): gradient reductions of ['dense bucket group 0'",
+        doc_call="`ddp.zero_grad_buffer()`",
+        doc_input=(
+            "reductions in flight (call order; after a forward or backward that raised, "
+            "`discard_grad_sync()` recovers)"
+        ),
+        also=("finish_grad_sync() first", "discard_grad_sync()"),
     ),
-    "offload_in_flight": "RuntimeError: offload_grad_buffers(): gradient reductions of",
-    "start_twice": (
+    "offload_in_flight": Expect(
+        "RuntimeError: offload_grad_buffers(): gradient reductions of",
+        doc_call="`ddp.offload_grad_buffers()`",
+        doc_input="reductions in flight (call order)",
+        also=("finish_grad_sync() first", "discard_grad_sync()"),
+    ),
+    "start_twice": Expect(
         "RuntimeError: dense bucket group 0: start_grad_sync() called while its reduction is "
-        "in flight"
+        "in flight",
+        doc_call="`ddp.start_grad_sync()`",
+        doc_input="while in flight (call order)",
     ),
-    "unused_param": (
+    "unused_param": Expect(
         "RuntimeError: dense bucket group 0: param(s) '4.bias', '4.weight', '2.bias' and 1 "
-        "more got no gradient"
+        "more got no gradient",
+        doc_call="`ddp.zero_grad_buffer()` after iteration 1",
+        doc_input=(
+            "params without a gradient in the first iteration under overlap (unused, or a "
+            "backward that raised part-way: `discard_grad_sync()` first)"
+        ),
+        also=("in the first iteration", "requires_grad=False", "discard_grad_sync()"),
     ),
-    "broadcast_expert": (
+    "broadcast_expert": Expect(
         "MissingGroupError: broadcast_params() needs pg_collection.expt_dp for the expert "
-        "param '4.bias'"
+        "param '4.bias'",
+        doc_call="`ddp.broadcast_params()`",
+        doc_input="expert param, no `expt_dp`",
     ),
 }
 
 
 def test_calls_out_of_order(rank_pools: RankPools) -> None:
     for found in rank_pools.get(2).run(_order_errors):
-        for name, prefix in _ORDER.items():
+        for name, expect in ORDER.items():
             message, issued = found[name]
-            assert message.startswith(prefix), (name, message)
+            assert_fails_as(name, message, expect)
             assert issued == 0, name
-        assert "seen/expected: " in found["finish_before_backward"][0]
-        assert "zero_grad_buffer()" in found["grad_after_finish"][0]
 
 
 def _function_errors() -> dict[str, tuple[str, int]]:
@@ -277,27 +365,53 @@ def _function_errors() -> dict[str, tuple[str, int]]:
         return {name: _attempt(call) for name, call in calls.items()}
 
 
-_FUNCTIONS = {
-    "fp32_rs_op": "ValueError: op=ReduceOp.MAX is not supported: use ReduceOp.SUM or ReduceOp.AVG",
-    "fp32_rs_numel": "ValueError: input.numel()=4 must equal output.numel()=3 × group size 2",
-    "fp32_rs_dtype": (
-        "ValueError: output dtype torch.bfloat16 differs from input dtype torch.float32"
+FUNCTIONS = {
+    "fp32_rs_op": Expect(
+        "ValueError: op=ReduceOp.MAX is not supported: use ReduceOp.SUM or ReduceOp.AVG",
+        doc_call="`reduce_scatter_with_fp32_accumulation(..., op=)`",
+        doc_input="`ReduceOp.MAX`",
     ),
-    "fp32_rs_scratch": (
-        "ValueError: received must be a contiguous torch.float32 tensor of 4 elements, got 3"
+    "fp32_rs_numel": Expect(
+        "ValueError: input.numel()=4 must equal output.numel()=3 × group size 2",
+        doc_call="`reduce_scatter_with_fp32_accumulation`",
+        doc_input="input 4, output 3 on 2 ranks",
     ),
-    "fp32_rs_group": "TypeError: group=None must be a torch.distributed.ProcessGroup",
-    "scale_type": "TypeError: scaling_factor='2'",
-    "offload_flag": "TypeError: synchronize=1 must be a bool",
-    "restore_flag": "TypeError: synchronize='no' must be a bool",
+    "fp32_rs_dtype": Expect(
+        "ValueError: output dtype torch.bfloat16 differs from input dtype torch.float32",
+        doc_call="`reduce_scatter_with_fp32_accumulation`",
+        doc_input="bf16 output, fp32 input",
+    ),
+    "fp32_rs_scratch": Expect(
+        "ValueError: received must be a contiguous torch.float32 tensor of 4 elements, got 3",
+        doc_call="`reduce_scatter_with_fp32_accumulation(..., received=)`",
+        doc_input="3 elements for 4",
+    ),
+    "fp32_rs_group": Expect(
+        "TypeError: group=None must be a torch.distributed.ProcessGroup",
+        doc_call="`reduce_scatter_with_fp32_accumulation(..., group)`",
+        doc_input="`None`",
+    ),
+    "scale_type": Expect(
+        "TypeError: scaling_factor='2'", doc_call="`ddp.scale_gradients(f)`", doc_input="`'2'`"
+    ),
+    "offload_flag": Expect(
+        "TypeError: synchronize=1 must be a bool",
+        doc_call="`ddp.offload_grad_buffers(synchronize=)`",
+        doc_input="`1`",
+    ),
+    "restore_flag": Expect(
+        "TypeError: synchronize='no' must be a bool",
+        doc_call="`ddp.restore_grad_buffers(synchronize=)`",
+        doc_input="`'no'`",
+    ),
 }
 
 
 def test_function_arguments(rank_pools: RankPools) -> None:
     for found in rank_pools.get(2).run(_function_errors):
-        for name, prefix in _FUNCTIONS.items():
+        for name, expect in FUNCTIONS.items():
             message, issued = found[name]
-            assert message.startswith(prefix), (name, message)
+            assert_fails_as(name, message, expect)
             assert issued == 0, name
 
 

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import mc_groups as mg
 from mc_ddp import DistributedDataParallel, ShardedOptimizer, ensure_params_ready
+from mc_ddp_tests._catalogue import Expect, assert_fails_as
 from mc_ddp_tests._harness import (
     ddp_backward,
     ddp_config,
@@ -167,28 +168,69 @@ def _errors() -> dict[str, str]:
     return found
 
 
+_SAVE = "`opt.sharded_state_dict(model_sd, ...)`"
+_LOAD = "`opt.load_sharded_state_dict(sd)`"
+
+ERRORS = {
+    "not_mapping": Expect(
+        "TypeError: model_sharded_state_dict must be a mapping",
+        doc_call=_SAVE,
+        doc_input="a list",
+        also=("got list",),
+    ),
+    "is_loading": Expect(
+        "TypeError: is_loading='yes' must be a bool",
+        doc_call="`opt.sharded_state_dict(..., is_loading=)`",
+        doc_input="`'yes'`",
+    ),
+    "prefix": Expect(
+        "TypeError: prefix=3 must be a str",
+        doc_call="`opt.sharded_state_dict(..., prefix=)`",
+        doc_input="`3`",
+        also=("'optimizer.'",),
+    ),
+    "missing_param": Expect(
+        "ValueError: model_sharded_state_dict has no entry for param '2.weight' (shape (16, 16))",
+        doc_call="`opt.sharded_state_dict(model_sd, is_loading=True)`",
+        doc_input="a model state dict without one of the stepped params",
+        also=("their live params",),
+    ),
+    "no_state": Expect(
+        "RuntimeError: sharded_state_dict(): param '",
+        doc_call=_SAVE,
+        doc_input="before the first `step()` (call order)",
+        also=("has no optimizer state yet", "is_loading=True"),
+    ),
+    "load_first": Expect(
+        "RuntimeError: load_sharded_state_dict() before sharded_state_dict()",
+        doc_call=_LOAD,
+        doc_input="without a `sharded_state_dict()` call first (load before save; call order)",
+        also=("is_loading=True",),
+    ),
+    "load_not_mapping": Expect(
+        "TypeError: state_dict must be the mapping",
+        doc_call=_LOAD,
+        doc_input="`5`",
+        also=("got int",),
+    ),
+    "load_missing_key": Expect(
+        "ValueError: state_dict has no 'optimizer.param_groups.0.lr'",
+        doc_call=_LOAD,
+        doc_input="`{}` after `sharded_state_dict(..., is_loading=True)` (a key missing)",
+        also=("the last sharded_state_dict() call returned",),
+    ),
+    "odd_state": Expect(
+        "NotImplementedError: optimizer state 'odd' of ",
+        doc_call=_SAVE,
+        doc_input="a state tensor neither scalar nor shaped like the master slice",
+        also=("cannot be resharded elementwise",),
+    ),
+}
+
+
 def test_bad_input_is_rejected_before_any_collective(rank_pools: RankPools) -> None:
     for found in rank_pools.get(2).run(_errors):
         assert found["collectives"] == "0"
-        assert found["not_mapping"].startswith(
-            "TypeError: model_sharded_state_dict must be a mapping"
-        )
-        assert "got list" in found["not_mapping"]
         assert found["is_loading"] == "TypeError: is_loading='yes' must be a bool"
-        assert found["prefix"].startswith("TypeError: prefix=3 must be a str")
-        assert found["missing_param"].startswith(
-            "ValueError: model_sharded_state_dict has no entry for param '2.weight' "
-            "(shape (16, 16))"
-        )
-        assert found["no_state"].startswith("RuntimeError: sharded_state_dict(): param '")
-        assert "is_loading=True" in found["no_state"]
-        assert found["load_first"].startswith(
-            "RuntimeError: load_sharded_state_dict() before sharded_state_dict()"
-        )
-        assert found["load_not_mapping"].startswith("TypeError: state_dict must be the mapping")
-        assert "got int" in found["load_not_mapping"]
-        assert found["load_missing_key"].startswith(
-            "ValueError: state_dict has no 'optimizer.param_groups.0.lr'"
-        )
-        assert found["odd_state"].startswith("NotImplementedError: optimizer state 'odd' of ")
-        assert "cannot be resharded elementwise" in found["odd_state"]
+        for name, expect in ERRORS.items():
+            assert_fails_as(name, found[name], expect)

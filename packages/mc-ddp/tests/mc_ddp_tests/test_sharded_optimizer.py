@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_ddp import DistributedDataParallel, ShardedOptimizer, ensure_params_ready
+from mc_ddp_tests._catalogue import Expect, assert_fails_as
 from mc_ddp_tests._harness import (
     ddp_backward,
     ddp_config,
@@ -157,20 +158,50 @@ def _errors() -> dict[str, str]:
     return found
 
 
+_CALL = "`ShardedOptimizer(optimizer, ddp)`"
+
+ERRORS = {
+    "stateful": Expect(
+        "ValueError: optimizer already holds state",
+        doc_call=_CALL,
+        doc_input="optimizer that already holds state",
+    ),
+    "stranger": Expect(
+        "ValueError: optimizer.param_groups[0]",
+        doc_call=_CALL,
+        doc_input="a param DDP does not own",
+    ),
+    "not_ddp": Expect(
+        "TypeError: model_chunks[0] is a Sequential",
+        doc_call="`ShardedOptimizer(optimizer, model_chunks)`",
+        doc_input="a plain module",
+    ),
+    "lbfgs": Expect("TypeError: optimizer=LBFGS", doc_call=_CALL, doc_input="`LBFGS`"),
+    "not_optimizer": Expect("TypeError: optimizer=object", doc_call=_CALL, doc_input="`object()`"),
+    "step_dispatch": Expect(
+        "ValueError: overlap_param_gather_with_optimizer_step=True needs every model chunk",
+        doc_call="`ShardedOptimizer(..., overlap_param_gather_with_optimizer_step=True)`",
+        doc_input="chunks without param-gather overlap",
+    ),
+    "step_before_finish": Expect(
+        "RuntimeError: step(): ['dense bucket",
+        doc_call="`opt.step()`",
+        doc_input="before `finish_grad_sync()` (call order)",
+        also=("finish_grad_sync()",),
+    ),
+    "bad_state": Expect(
+        "ValueError: state_dict['master_params']",
+        doc_call="`opt.load_state_dict(sd)`",
+        doc_input="`master_params` of the wrong length",
+    ),
+}
+
+
 def test_bad_input_is_rejected_before_any_collective(rank_pools: RankPools) -> None:
     for found in rank_pools.get(2).run(_errors):
         assert found["collectives"] == "0"
-        assert found["stateful"].startswith("ValueError: optimizer already holds state")
-        assert found["stranger"].startswith("ValueError: optimizer.param_groups[0]")
-        assert found["not_ddp"].startswith("TypeError: model_chunks[0] is a Sequential")
-        assert found["lbfgs"].startswith("TypeError: optimizer=LBFGS")
-        assert found["not_optimizer"].startswith("TypeError: optimizer=object")
-        assert found["step_dispatch"].startswith(
-            "ValueError: overlap_param_gather_with_optimizer_step=True needs every model chunk"
-        )
-        assert found["step_before_finish"].startswith("RuntimeError: step(): ['dense bucket")
-        assert "finish_grad_sync()" in found["step_before_finish"]
-        assert found["bad_state"].startswith("ValueError: state_dict['master_params']")
+        for name, expect in ERRORS.items():
+            assert_fails_as(name, found[name], expect)
 
 
 @pytest.mark.parametrize("bad", [None, []])

@@ -12,7 +12,7 @@ defaults for fp32.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -300,35 +300,168 @@ def _bad_inputs() -> dict[str, tuple[str, str, int, int, float]]:
     return out
 
 
+class Expected(NamedTuple):
+    """A bad call's exception type and the fragments its message must hold; ``doc_call``
+    and ``doc_input`` are the catalogue's "call" and "bad input" cells (markdown), read by
+    ``scripts/gen_bad_inputs.py``."""
+
+    error: str
+    words: tuple[str, ...]
+    doc_call: str
+    doc_input: str
+
+
 EXPECTED_ERRORS = {
-    "not_a_list": (
+    "not_a_list": Expected(
         "TypeError",
-        "model must be a list of model chunks (one per virtual pipeline stage), got FirstStage",
+        ("model must be a list of model chunks (one per virtual pipeline stage), got FirstStage",),
+        doc_call="`finalize_model_grads(model)`",
+        doc_input="a chunk, not a list",
     ),
-    "empty": ("ValueError", "model=[] holds no model chunk"),
-    "not_a_chunk": ("TypeError", "model[0] (object) lacks ['finish_grad_sync'"),
-    "no_config": ("TypeError", "model[0] (Linear) has no config"),
-    "config_attr": ("TypeError", "has no attribute 'sequence_parallel'"),
-    "config_type": ("TypeError", "config.qk_layernorm='yes' must be a bool"),
-    "tokens_int": ("TypeError", "num_tokens must be a torch.Tensor"),
-    "tokens_shape": ("ValueError", "num_tokens has shape (2,)"),
-    "tokens_2d": ("ValueError", "num_tokens has shape (1, 1)"),
-    "tokens_half": ("TypeError", "num_tokens has dtype torch.float16"),
-    "tokens_bool": ("TypeError", "num_tokens has dtype torch.bool"),
-    "tokens_device": ("ValueError", "num_tokens is on meta but the model is on cpu"),
-    "no_tp": ("MissingGroupError", "needs pg_collection.tp"),
-    "no_pp": ("MissingGroupError", "needs pg_collection.pp"),
-    "no_pp_tokens": ("MissingGroupError", "needs pg_collection.pp"),
-    "no_tp_dp_cp": ("MissingGroupError", "needs pg_collection.tp_dp_cp"),
-    "no_dp_cp_tokens": ("MissingGroupError", "needs pg_collection.dp_cp"),
-    "no_dp_cp_qb": ("MissingGroupError", "needs pg_collection.dp_cp"),
-    "no_gtp": ("MissingGroupError", "needs pg_collection.gtp_remat"),
-    "gtp_size": ("ValueError", "pg_collection.gtp_remat has 1 ranks but the config says 2"),
-    "embd_without_pp": ("MissingGroupError", "needs pg_collection.pp"),
-    "no_position_embedding": ("ValueError", "has no position_embeddings.weight"),
-    "collection_type": ("TypeError", "pg_collection='tp' must be a mc_groups"),
-    "force_type": ("TypeError", "force_all_reduce='yes' must be a bool"),
-    "no_default": ("MissingGroupError", "no default collection is registered"),
+    "empty": Expected(
+        "ValueError",
+        ("model=[] holds no model chunk",),
+        doc_call="`finalize_model_grads(model)`",
+        doc_input="`[]`",
+    ),
+    "not_a_chunk": Expected(
+        "TypeError",
+        ("model[0] (object) lacks ['finish_grad_sync'",),
+        doc_call="`finalize_model_grads(model)`",
+        doc_input="`[object()]`",
+    ),
+    "no_config": Expected(
+        "TypeError",
+        ("model[0] (Linear) has no config",),
+        doc_call="`finalize_model_grads(model)`",
+        doc_input="a chunk without `config`",
+    ),
+    "config_attr": Expected(
+        "TypeError",
+        ("has no attribute 'sequence_parallel'",),
+        doc_call="`finalize_model_grads(model)`",
+        doc_input="config without `sequence_parallel`",
+    ),
+    "config_type": Expected(
+        "TypeError",
+        ("config.qk_layernorm='yes' must be a bool",),
+        doc_call="`finalize_model_grads(model)`",
+        doc_input="`config.qk_layernorm='yes'`",
+    ),
+    "tokens_int": Expected(
+        "TypeError",
+        ("num_tokens must be a torch.Tensor",),
+        doc_call="`finalize_model_grads(..., num_tokens=)`",
+        doc_input="`4` (an int)",
+    ),
+    "tokens_shape": Expected(
+        "ValueError",
+        ("num_tokens has shape (2,)",),
+        doc_call="`finalize_model_grads(..., num_tokens=)`",
+        doc_input="shape (2,)",
+    ),
+    "tokens_2d": Expected(
+        "ValueError",
+        ("num_tokens has shape (1, 1)",),
+        doc_call="`finalize_model_grads(..., num_tokens=)`",
+        doc_input="shape (1, 1)",
+    ),
+    "tokens_half": Expected(
+        "TypeError",
+        ("num_tokens has dtype torch.float16",),
+        doc_call="`finalize_model_grads(..., num_tokens=)`",
+        doc_input="float16",
+    ),
+    "tokens_bool": Expected(
+        "TypeError",
+        ("num_tokens has dtype torch.bool",),
+        doc_call="`finalize_model_grads(..., num_tokens=)`",
+        doc_input="bool",
+    ),
+    "tokens_device": Expected(
+        "ValueError",
+        ("num_tokens is on meta but the model is on cpu",),
+        doc_call="`finalize_model_grads(..., num_tokens=)`",
+        doc_input="on `meta`, model on cpu",
+    ),
+    "no_tp": Expected(
+        "MissingGroupError",
+        ("needs pg_collection.tp",),
+        doc_call="`finalize_model_grads(..., pg_collection=)`",
+        doc_input="no `tp`",
+    ),
+    "no_pp": Expected(
+        "MissingGroupError",
+        ("needs pg_collection.pp",),
+        doc_call="`finalize_model_grads` with `has_cond_embedder`",
+        doc_input="no `pp`",
+    ),
+    "no_pp_tokens": Expected(
+        "MissingGroupError",
+        ("needs pg_collection.pp",),
+        doc_call="`finalize_model_grads(..., num_tokens)`",
+        doc_input="no `pp`",
+    ),
+    "no_tp_dp_cp": Expected(
+        "MissingGroupError",
+        ("needs pg_collection.tp_dp_cp",),
+        doc_call="`finalize_model_grads` with expert bias",
+        doc_input="no `tp_dp_cp`",
+    ),
+    "no_dp_cp_tokens": Expected(
+        "MissingGroupError",
+        ("needs pg_collection.dp_cp",),
+        doc_call="`finalize_model_grads(..., num_tokens)`",
+        doc_input="no `dp_cp`",
+    ),
+    "no_dp_cp_qb": Expected(
+        "MissingGroupError",
+        ("needs pg_collection.dp_cp",),
+        doc_call="`finalize_model_grads` with quantile balancing",
+        doc_input="no `dp_cp`",
+    ),
+    "no_gtp": Expected(
+        "MissingGroupError",
+        ("needs pg_collection.gtp_remat",),
+        doc_call="`finalize_model_grads` with `gtp_remat_size=2`",
+        doc_input="no `gtp_remat`",
+    ),
+    "gtp_size": Expected(
+        "ValueError",
+        ("pg_collection.gtp_remat has 1 ranks but the config says 2",),
+        doc_call="`finalize_model_grads` with `gtp_remat_size=2`",
+        doc_input="a 1-rank `gtp_remat` group",
+    ),
+    "embd_without_pp": Expected(
+        "MissingGroupError",
+        ("needs pg_collection.pp",),
+        doc_call="`finalize_model_grads` with `embd`",
+        doc_input="no `pp`",
+    ),
+    "no_position_embedding": Expected(
+        "ValueError",
+        ("has no position_embeddings.weight",),
+        doc_call="`finalize_model_grads` with `pos_embd` of 2 ranks",
+        doc_input="stage without position embeddings",
+    ),
+    "collection_type": Expected(
+        "TypeError",
+        ("pg_collection='tp' must be a mc_groups",),
+        doc_call="`finalize_model_grads(..., pg_collection=)`",
+        doc_input="`'tp'`",
+    ),
+    "force_type": Expected(
+        "TypeError",
+        ("force_all_reduce='yes' must be a bool",),
+        doc_call="`finalize_model_grads(..., force_all_reduce=)`",
+        doc_input="`'yes'`",
+    ),
+    "no_default": Expected(
+        "MissingGroupError",
+        ("no default collection is registered",),
+        doc_call="`finalize_model_grads([c])`",
+        doc_input="no collection, none registered",
+    ),
 }
 
 
@@ -341,9 +474,10 @@ def bad_input_results(rank_pools: RankPools) -> list[dict[str, tuple[str, str, i
 def test_bad_input_fails_before_any_collective(
     bad_input_results: list[dict[str, tuple[str, str, int, int, float]]], case: str
 ) -> None:
-    kind, fragment = EXPECTED_ERRORS[case]
+    expected = EXPECTED_ERRORS[case]
     for out in bad_input_results:
         error_type, message, collectives, syncs, grad = out[case]
-        assert error_type == kind, message
-        assert fragment in message
+        assert error_type == expected.error, message
+        for word in expected.words:
+            assert word in message, (word, message)
         assert (collectives, syncs, grad) == (0, 0, 2.0)  # nothing ran, nothing changed

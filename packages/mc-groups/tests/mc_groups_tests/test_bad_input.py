@@ -33,11 +33,15 @@ def Loose(value: object) -> Any:  # noqa: N802 (reads as a cast)
 class Case(NamedTuple):
     """``call(world_group, rank)`` must raise ``error`` with every fragment of ``words``,
     after issuing ``issued`` collectives (0 but for a batch whose valid first collective
-    went out on gloo before the odd second one was refused)."""
+    went out on gloo before the odd second one was refused). ``doc_call`` and
+    ``doc_input`` are the catalogue's "call" and "bad input" cells (markdown), read by
+    ``scripts/gen_bad_inputs.py``."""
 
     call: Callable[[dist.ProcessGroup, int], object]
     error: str
     words: tuple[str, ...]
+    doc_call: str
+    doc_input: str
     issued: int = 0
 
 
@@ -69,261 +73,390 @@ CASES: dict[str, Case] = {
         lambda g, r: mg.reduce_scatter(torch.zeros(3), torch.zeros(8), g),
         "ValueError",
         ("input.numel()=8", "output.numel()=3", "group size 2"),
+        doc_call="`reduce_scatter(out, inp, group)`",
+        doc_input="input of 8 for an output of 3 on 2 ranks",
     ),
     "all_gather numel": Case(
         lambda g, r: mg.all_gather(torch.zeros(5), torch.zeros(2), g),
         "ValueError",
         ("output.numel()=5", "input.numel()=2", "group size 2"),
+        doc_call="`all_gather(out, inp, group)`",
+        doc_input="output of 5 for an input of 2 on 2 ranks",
     ),
     "not contiguous": Case(
         lambda g, r: mg.all_reduce(torch.zeros(4, 4).t(), g),
         "ValueError",
         ("tensor (shape (4, 4)) must be contiguous", ".contiguous()"),
+        doc_call="`all_reduce(t, group)`",
+        doc_input="a transposed (non-contiguous) tensor",
     ),
     "not a tensor": Case(
         lambda g, r: mg.all_reduce(Loose([1.0]), g),
         "TypeError",
         ("tensor must be a torch.Tensor, got list",),
+        doc_call="`all_reduce(t, group)`",
+        doc_input="a list instead of a tensor",
     ),
     "reduce op": Case(
         lambda g, r: mg.all_reduce(torch.zeros(2), g, op=Loose("sum")),
         "TypeError",
         ("op='sum'", "mc_groups.ReduceOp"),
+        doc_call="`all_reduce(..., op=)`",
+        doc_input="`op='sum'` (a string)",
     ),
     "group None": Case(
         lambda g, r: mg.all_reduce(torch.zeros(2), Loose(None)),
         "TypeError",
         ("group=None", "ProcessGroup"),
+        doc_call="`all_reduce(t, group)`",
+        doc_input="`group=None`",
     ),
     "dtype pair": Case(
         lambda g, r: mg.reduce_scatter(torch.zeros(2, dtype=_BF16), torch.zeros(4), g),
         "ValueError",
         ("output dtype torch.bfloat16 differs from input dtype torch.float32",),
+        doc_call="`reduce_scatter`",
+        doc_input="bf16 output, fp32 input",
     ),
     "device pair": Case(
         lambda g, r: mg.all_gather(torch.zeros(4, device="meta"), torch.zeros(2), g),
         "ValueError",
         ("output device meta differs from input cpu",),
+        doc_call="`all_gather`",
+        doc_input="output on `meta`, input on cpu",
     ),
     "staging size": Case(
         lambda g, r: mg.all_gather(torch.zeros(4), torch.zeros(2), g, staging=torch.zeros(3)),
         "ValueError",
         ("staging=3 × float32 on cpu", "4 × float32 on cpu"),
+        doc_call="`all_gather(..., staging=)`",
+        doc_input="staging buffer of the wrong size",
     ),
     # -- collectives: ranks, splits, batches ---------------------------------------------
     "broadcast source": Case(
         lambda g, r: mg.broadcast(torch.zeros(2), g, group_src=5),
         "ValueError",
         ("group_src=5", "[0, 2)"),
+        doc_call="`broadcast(..., group_src=)`",
+        doc_input="group rank 5 in a group of 2",
     ),
     "send to self": Case(
         lambda g, r: mg.send(torch.zeros(2), g, group_dst=r),
         "ValueError",
         ("group_dst=", "must be another group rank in [0, 2)"),
+        doc_call="`send(..., group_dst=)`",
+        doc_input="this rank's own group rank",
     ),
     "recv bool": Case(
         lambda g, r: mg.recv(torch.zeros(2), g, group_src=Loose(True)),
         "ValueError",
         ("group_src=True",),
+        doc_call="`recv(..., group_src=)`",
+        doc_input="`True` (a bool)",
     ),
     "all_to_all splits": Case(
         lambda g, r: mg.all_to_all(torch.zeros(4), torch.zeros(4), g, input_split_sizes=[4]),
         "ValueError",
         ("input_split_sizes=[4] must have 2 entries",),
+        doc_call="`all_to_all(..., input_split_sizes=)`",
+        doc_input="1 split for 2 ranks",
     ),
     "batch kinds": Case(
         lambda g, r: _batch_mixing_kinds(g),
         "ValueError",
         ("already holds all_reduce(sum); cannot add all_gather", "open a second batch"),
         issued=1,
+        doc_call="`coalesced(group)` batch",
+        doc_input=(
+            "an all-gather added to an all-reduce batch (the first, valid all-reduce was "
+            "issued; the odd one is refused)"
+        ),
     ),
     "batch group": Case(
         lambda g, r: _enter(mg.coalesced(Loose("world"))),
         "TypeError",
         ("group='world'",),
+        doc_call="`coalesced(group)`",
+        doc_input="`group='world'`",
     ),
     "barrier group": Case(
         lambda g, r: mg.barrier(Loose(0)),
         "TypeError",
         ("group=0",),
+        doc_call="`barrier(group)`",
+        doc_input="`group=0`",
     ),
     # -- schedule check switch -----------------------------------------------------------
     "switch value": Case(
         lambda g, r: _bad_switch(g),
         "ValueError",
         ("MC_CHECK_COLLECTIVE_SCHEDULE='maybe' is not a switch", "1/true/yes/on"),
+        doc_call="any collective",
+        doc_input="`MC_CHECK_COLLECTIVE_SCHEDULE=maybe`",
     ),
     "switch type": Case(
         lambda g, r: _enter(mg.check_collective_schedule(Loose("yes"))),
         "TypeError",
         ("enabled='yes' must be a bool",),
+        doc_call="`check_collective_schedule(enabled)`",
+        doc_input="`enabled='yes'`",
     ),
     # -- layout sizes and initialize_model_parallel --------------------------------------
     "tp on world": Case(
         lambda g, r: mg.initialize_model_parallel(tensor_model_parallel_size=3),
         "ValueError",
         ("world size 2 is not divisible by tp=3",),
+        doc_call="`initialize_model_parallel` (2 ranks)",
+        doc_input="`tensor_model_parallel_size=3`",
     ),
     "tp type": Case(
         lambda g, r: mg.initialize_model_parallel(tensor_model_parallel_size=Loose(2.0)),
         "TypeError",
         ("tensor_model_parallel_size=2.0 must be an int",),
+        doc_call="`initialize_model_parallel`",
+        doc_input="`tensor_model_parallel_size=2.0`",
     ),
     "tp zero": Case(
         lambda g, r: mg.validate_sizes(8, tensor_model_parallel_size=0),
         "ValueError",
         ("tensor_model_parallel_size=0 must be >= 1",),
+        doc_call="`validate_sizes(8, ...)`",
+        doc_input="`tensor_model_parallel_size=0`",
     ),
     "tp world 8": Case(
         lambda g, r: mg.validate_sizes(8, tensor_model_parallel_size=3),
         "ValueError",
         ("world size 8", "tp=3"),
+        doc_call="`validate_sizes(8, ...)`",
+        doc_input="`tensor_model_parallel_size=3`",
     ),
     "ep": Case(
         lambda g, r: mg.validate_sizes(8, expert_model_parallel_size=3),
         "ValueError",
         ("ep=3", "expert data-parallel"),
+        doc_call="`validate_sizes(8, ...)`",
+        doc_input="`expert_model_parallel_size=3`",
     ),
     "vpp without pp": Case(
         lambda g, r: mg.validate_sizes(8, virtual_pipeline_model_parallel_size=2),
         "ValueError",
         ("virtual_pipeline_model_parallel_size=2", "pipeline_model_parallel_size > 1 (got 1)"),
+        doc_call="`validate_sizes(8, ...)`",
+        doc_input="virtual pipeline size 2 with one stage",
     ),
     "instances": Case(
         lambda g, r: mg.validate_sizes(8, num_distributed_optimizer_instances=3),
         "ValueError",
         ("num_distributed_optimizer_instances=3", "8"),
+        doc_call="`validate_sizes(8, ...)`",
+        doc_input="3 optimizer instances",
     ),
     "gtp with instances": Case(
         lambda g, r: mg.validate_sizes(8, gtp_remat_size=2, num_distributed_optimizer_instances=2),
         "ValueError",
         ("gtp_remat_size=2", "num_distributed_optimizer_instances=2"),
+        doc_call="`validate_sizes(8, ...)`",
+        doc_input="`gtp_remat_size=2` with 2 optimizer instances",
     ),
     # -- ProcessGroupCollection ----------------------------------------------------------
     "collection name": Case(
         lambda g, r: mg.ProcessGroupCollection(tensor=g),
         "ValueError",
         ("unknown group name(s) ['tensor']", "known names are"),
+        doc_call="`ProcessGroupCollection(...)`",
+        doc_input="unknown field `tensor=`",
     ),
     "collection set": Case(
         lambda g, r: setattr(mg.ProcessGroupCollection(), "foo", None),
         "ValueError",
         ("no group named 'foo'",),
+        doc_call="`pgc.foo = ...`",
+        doc_input="unknown field on assignment",
     ),
     "collection type": Case(
         lambda g, r: mg.ProcessGroupCollection(tp=Loose(3)),
         "TypeError",
         ("ProcessGroupCollection.tp=3 must be a torch.distributed.ProcessGroup or None",),
+        doc_call="`ProcessGroupCollection(tp=)`",
+        doc_input="`tp=3`",
     ),
     "collection require": Case(
         lambda g, r: mg.ProcessGroupCollection().require("tp", "step 4"),
         "MissingGroupError",
         ("step 4 needs pg_collection.tp", "initialize_model_parallel()"),
+        doc_call="`pgc.require('tp', 'step 4')`",
+        doc_input="a collection without `tp`",
     ),
     "collection field": Case(
         lambda g, r: mg.ProcessGroupCollection().require("nope", "x"),
         "ValueError",
         ("name='nope' is not a ProcessGroupCollection field",),
+        doc_call="`pgc.require(name, ...)`",
+        doc_input="`name='nope'`",
     ),
     "default collection": Case(
         lambda g, r: mg.set_default_collection(Loose("tp")),
         "TypeError",
         ("collection='tp' must be a ProcessGroupCollection",),
+        doc_call="`set_default_collection(c)`",
+        doc_input="`c='tp'`",
     ),
     # -- RankGenerator -------------------------------------------------------------------
     "generator ep with cp": Case(
         lambda g, r: mg.RankGenerator(**{**_RG, "ep": 2, "cp": 2}),
         "ValueError",
         ("ep=2", "cp=2"),
+        doc_call="`RankGenerator(...)`",
+        doc_input="`ep=2` and `cp=2` together",
     ),
     "generator order misses": Case(
         lambda g, r: mg.RankGenerator(**{**_RG, "tp": 2, "dp": 2}, order="dp-pp"),
         "ValueError",
         ("'tp'", "size 2"),
+        doc_call="`RankGenerator(..., order=)`",
+        doc_input="order without `tp` while `tp=2`",
     ),
     "generator zero": Case(
-        lambda g, r: mg.RankGenerator(**{**_RG, "tp": 0}), "ValueError", ("tp=0",)
+        lambda g, r: mg.RankGenerator(**{**_RG, "tp": 0}),
+        "ValueError",
+        ("tp=0",),
+        doc_call="`RankGenerator(tp=)`",
+        doc_input="`tp=0`",
     ),
     "generator bool": Case(
-        lambda g, r: mg.RankGenerator(**{**_RG, "tp": True}), "TypeError", ("tp=True",)
+        lambda g, r: mg.RankGenerator(**{**_RG, "tp": True}),
+        "TypeError",
+        ("tp=True",),
+        doc_call="`RankGenerator(tp=)`",
+        doc_input="`tp=True`",
     ),
     "generator token": Case(
-        lambda g, r: mg.RankGenerator(**_RG, order="tp-xx"), "ValueError", ("'tp-xx'",)
+        lambda g, r: mg.RankGenerator(**_RG, order="tp-xx"),
+        "ValueError",
+        ("'tp-xx'",),
+        doc_call="`RankGenerator(order=)`",
+        doc_input="`order='tp-xx'`",
     ),
     "generator repeat": Case(
-        lambda g, r: mg.RankGenerator(**_RG, order="tp-tp"), "ValueError", ("'tp-tp'",)
+        lambda g, r: mg.RankGenerator(**_RG, order="tp-tp"),
+        "ValueError",
+        ("'tp-tp'",),
+        doc_call="`RankGenerator(order=)`",
+        doc_input="`order='tp-tp'`",
     ),
     "generator offset": Case(
-        lambda g, r: mg.RankGenerator(**_RG, rank_offset=-1), "ValueError", ("rank_offset=-1",)
+        lambda g, r: mg.RankGenerator(**_RG, rank_offset=-1),
+        "ValueError",
+        ("rank_offset=-1",),
+        doc_call="`RankGenerator(rank_offset=)`",
+        doc_input="`rank_offset=-1`",
     ),
     "generator query": Case(
         lambda g, r: mg.RankGenerator(**{**_RG, "tp": 2}).get_ranks("tp-zz"),
         "ValueError",
         ("token='tp-zz'",),
+        doc_call="`gen.get_ranks(token)`",
+        doc_input="`token='tp-zz'`",
     ),
     # -- ModelParallelConfig -------------------------------------------------------------
     "config tp zero": Case(
         lambda g, r: mg.ModelParallelConfig(tensor_model_parallel_size=0),
         "ValueError",
         ("tensor_model_parallel_size=0",),
+        doc_call="`ModelParallelConfig(...)`",
+        doc_input="`tensor_model_parallel_size=0`",
     ),
     "config tp float": Case(
         lambda g, r: mg.ModelParallelConfig(tensor_model_parallel_size=Loose(2.0)),
         "TypeError",
         ("tensor_model_parallel_size=2.0",),
+        doc_call="`ModelParallelConfig(...)`",
+        doc_input="`tensor_model_parallel_size=2.0`",
     ),
     "config sp int": Case(
         lambda g, r: mg.ModelParallelConfig(sequence_parallel=Loose(1)),
         "TypeError",
         ("sequence_parallel=1",),
+        doc_call="`ModelParallelConfig(...)`",
+        doc_input="`sequence_parallel=1`",
     ),
     "config sp without tp": Case(
         lambda g, r: mg.ModelParallelConfig(sequence_parallel=True),
         "ValueError",
         ("sequence_parallel", "tensor_model_parallel"),
+        doc_call="`ModelParallelConfig(...)`",
+        doc_input="`sequence_parallel=True` at TP 1",
     ),
     "config fp16 and bf16": Case(
         lambda g, r: mg.ModelParallelConfig(fp16=True, bf16=True),
         "ValueError",
         ("fp16", "bf16"),
+        doc_call="`ModelParallelConfig(...)`",
+        doc_input="`fp16=True, bf16=True`",
     ),
     "config dtype": Case(
         lambda g, r: mg.ModelParallelConfig(params_dtype=Loose("float32")),
         "TypeError",
         ("params_dtype='float32'",),
+        doc_call="`ModelParallelConfig(...)`",
+        doc_input="`params_dtype='float32'`",
     ),
     "config deferral": Case(
         lambda g, r: mg.ModelParallelConfig(wgrad_deferral_limit=-1),
         "ValueError",
         ("wgrad_deferral_limit=-1",),
+        doc_call="`ModelParallelConfig(...)`",
+        doc_input="`wgrad_deferral_limit=-1`",
     ),
     "config vpp": Case(
         lambda g, r: mg.ModelParallelConfig(virtual_pipeline_model_parallel_size=2),
         "ValueError",
         ("virtual_pipeline_model_parallel_size=2", "pipeline_model_parallel_size"),
+        doc_call="`ModelParallelConfig(...)`",
+        doc_input="virtual pipeline size without pipeline",
     ),
     "config tp overlap": Case(
         lambda g, r: mg.ModelParallelConfig(tp_comm_overlap=True),
         "ValueError",
         ("tp_comm_overlap",),
+        doc_call="`ModelParallelConfig(...)`",
+        doc_input="`tp_comm_overlap=True` (Transformer Engine only)",
     ),
     "config gtp bool": Case(
         lambda g, r: mg.ModelParallelConfig(gtp_remat_size=Loose(True)),
         "TypeError",
         ("gtp_remat_size=True",),
+        doc_call="`ModelParallelConfig(...)`",
+        doc_input="`gtp_remat_size=True`",
     ),
     "config replace": Case(
         lambda g, r: mg.ModelParallelConfig().replace(nonsense=1),
         "ValueError",
         ("no field",),
+        doc_call="`config.replace(...)`",
+        doc_input="unknown field `nonsense=`",
     ),
     # -- the test harness ------------------------------------------------------------------
-    "pool size": Case(lambda g, r: RankPool(0), "ValueError", ("world_size=0 must be an int",)),
+    "pool size": Case(
+        lambda g, r: RankPool(0),
+        "ValueError",
+        ("world_size=0 must be an int",),
+        doc_call="`RankPool(world_size)`",
+        doc_input="`world_size=0`",
+    ),
     "pool backend": Case(
-        lambda g, r: RankPool(2, backend="mpi"), "ValueError", ("backend='mpi' must be one of",)
+        lambda g, r: RankPool(2, backend="mpi"),
+        "ValueError",
+        ("backend='mpi' must be one of",),
+        doc_call="`RankPool(..., backend=)`",
+        doc_input="`backend='mpi'`",
     ),
     "pool timeout": Case(
-        lambda g, r: RankPool(2, pg_timeout_s=0), "ValueError", ("pg_timeout_s=0 must be > 0",)
+        lambda g, r: RankPool(2, pg_timeout_s=0),
+        "ValueError",
+        ("pg_timeout_s=0 must be > 0",),
+        doc_call="`RankPool(..., pg_timeout_s=)`",
+        doc_input="`pg_timeout_s=0`",
     ),
 }
 
