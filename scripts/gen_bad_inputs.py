@@ -1,0 +1,363 @@
+"""Regenerate ``docs/bad_inputs.md`` from the bad-input tests' own case tables.
+
+The tests are the single source of truth: every catalogue row is one entry of a case table
+in a package's test module (``SOURCES`` says which table and which test function asserts
+it), and its cells come from that entry: the exception type and the asserted message
+fragments from what the test checks, the "call" and "bad input" cells from the entry's
+``doc_call`` / ``doc_input``. Only the prose around the tables and the run-time failure
+table are written here.
+
+    python scripts/gen_bad_inputs.py          # rewrite docs/bad_inputs.md
+    python scripts/gen_bad_inputs.py --check  # exit 1 if it is out of date
+
+``integration_tests/test_docs.py`` runs the check in the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "bad_inputs.md"
+PACKAGES = ("mc-groups", "mc-buffers", "mc-ddp", "mc-tp-layers", "mc-finalize")
+
+
+class Source(NamedTuple):
+    """A case table: ``module.table`` (a dict case id -> entry) asserted by ``test``."""
+
+    package: str
+    module: str
+    table: str
+    test: str
+
+
+SOURCES = (
+    Source(
+        "mc-groups",
+        "mc_groups_tests.test_bad_input",
+        "CASES",
+        "test_bad_input_is_named_before_any_collective",
+    ),
+    Source(
+        "mc-buffers",
+        "mc_buffers_tests.test_bad_input",
+        "CASES",
+        "test_bad_input_is_named_and_nothing_is_communicated",
+    ),
+    Source("mc-ddp", "mc_ddp_tests.test_bad_input", "CONSTRUCTION", "test_construction_errors"),
+    Source("mc-ddp", "mc_ddp_tests.test_bad_input", "ORDER", "test_calls_out_of_order"),
+    Source("mc-ddp", "mc_ddp_tests.test_bad_input", "FUNCTIONS", "test_function_arguments"),
+    Source("mc-ddp", "mc_ddp_tests.test_config", "WRONG_TYPES", "test_wrong_types_are_type_errors"),
+    Source(
+        "mc-ddp",
+        "mc_ddp_tests.test_config",
+        "BAD_VALUES",
+        "test_bad_values_and_combinations_are_value_errors",
+    ),
+    Source(
+        "mc-ddp",
+        "mc_ddp_tests.test_sharded_optimizer",
+        "ERRORS",
+        "test_bad_input_is_rejected_before_any_collective",
+    ),
+    Source(
+        "mc-ddp",
+        "mc_ddp_tests.test_optimizer_checkpoint",
+        "ERRORS",
+        "test_bad_input_is_rejected_before_any_collective",
+    ),
+    Source(
+        "mc-tp-layers",
+        "mc_tp_layers_tests.test_errors",
+        "EXPECTED",
+        "test_bad_input_is_a_clear_error_before_any_collective",
+    ),
+    Source(
+        "mc-finalize",
+        "mc_finalize_tests.test_finalize",
+        "EXPECTED_ERRORS",
+        "test_bad_input_fails_before_any_collective",
+    ),
+)
+
+# mc-tp-layers' table (case id -> [exception, *fragments]) has no doc cells yet and is
+# being refactored by its owner; until it carries doc_call/doc_input, its cells live here.
+# A case added to or removed from that table without updating this map fails generation.
+PENDING_CELLS: dict[str, dict[str, tuple[str, str]]] = {
+    "mc_tp_layers_tests.test_errors": {
+        "output_size": ("`ColumnParallelLinear(8, 5, ...)` at TP 2", "output size not divisible"),
+        "input_size": ("`RowParallelLinear(5, 8, ...)` at TP 2", "input size not divisible"),
+        "vocab": ("`VocabParallelEmbedding(9, 4, ...)` at TP 2", "vocabulary not divisible"),
+        "sp_not_parallel": (
+            "`RowParallelLinear(..., input_is_parallel=False)`",
+            "with sequence parallelism",
+        ),
+        "rank": ("`ColumnParallelLinear(...)(x)`", "4-D input"),
+        "last_dim": ("`ColumnParallelLinear(8, ...)(x)`", "input with 7 features"),
+        "no_weight": (
+            "`ColumnParallelLinear(..., skip_weight_param_allocation=True)(x)`",
+            "no `weight=`",
+        ),
+        "weight_shape": ("`ColumnParallelLinear(...)(x, weight=)`", "weight of the wrong shape"),
+        "main_grad": (
+            "`ColumnParallelLinear` with `gradient_accumulation_fusion`",
+            "weight without `main_grad`",
+        ),
+        "sequence": ("`RowParallelLinear` under SP", "sequence length 3 at TP 2"),
+        "emb_sequence": (
+            "`VocabParallelEmbedding(reduce_scatter_embeddings=True)`",
+            "sequence length 3 at TP 2",
+        ),
+        "emb_ids": ("`VocabParallelEmbedding(...)(ids)`", "float ids"),
+        "device_init": (
+            "`ColumnParallelLinear` with `use_cpu_initialization=False`",
+            "no RNG tracker",
+        ),
+        "defer_buffers": (
+            "`ColumnParallelLinear` with `defer_embedding_wgrad_compute`",
+            "no buffers",
+        ),
+        "both_reductions": (
+            "`linear_with_grad_accumulation_and_async_allreduce`",
+            "`allreduce_dgrad` and `sequence_parallel`",
+        ),
+        "deferral_without_fusion": (
+            "`linear_with_grad_accumulation_and_async_allreduce`",
+            "`grad_output_buffer` without fusion",
+        ),
+        "drain_mismatch": ("`drain_embedding_wgrad_compute`", "buffers of different lengths"),
+        "config": ("`ColumnParallelLinear(config=)`", "`object()`"),
+        "mapping_group": ("`copy_to_tensor_model_parallel_region(x, group=)`", "`'tp'`"),
+        "split_sizes_count": (
+            "`gather_from_sequence_parallel_region(..., output_split_sizes=)`",
+            "1 size for 2 ranks",
+        ),
+        "split_sizes_rows": (
+            "`gather_from_sequence_parallel_region(..., output_split_sizes=)`",
+            "sizes that disagree with the input",
+        ),
+        "last_dim_split": ("`scatter_to_tensor_model_parallel_region(x)`", "last dim 3 at TP 2"),
+        "tokens_split": ("`all_to_all_hp2sp(x)`", "3 tokens at TP 2"),
+        "smoothing": ("`vocab_parallel_cross_entropy(..., label_smoothing=)`", "`1.0`"),
+        "target_dtype": ("`vocab_parallel_cross_entropy(logits, target)`", "float target"),
+        "target_shape": (
+            "`vocab_parallel_cross_entropy(logits, target)`",
+            "target shape ≠ logits without vocab",
+        ),
+        "frozen_deferral": ("`linear_with_frozen_weight(..., grad_output_buffer=)`", "a buffer"),
+        "output_dtype": (
+            "`linear_with_grad_accumulation_and_async_allreduce(..., output_dtype=)`",
+            "`'bf16'`",
+        ),
+        "gtp_size": (
+            "`linear_with_grad_accumulation_and_async_allreduce(..., gtp_remat_size=)`",
+            "`0`",
+        ),
+    },
+}
+
+
+class Row(NamedTuple):
+    """One catalogue row."""
+
+    package: str
+    call: str
+    bad_input: str
+    error: str
+    words: tuple[str, ...]
+    test: str
+    case: str
+
+
+def _import(source: Source) -> Any:
+    tests = ROOT / "packages" / source.package / "tests"
+    if str(tests) not in sys.path:
+        sys.path.insert(0, str(tests))
+    return importlib.import_module(source.module)
+
+
+def regex_fragments(pattern: str) -> tuple[str, ...]:
+    """The literal fragments a ``re.search`` pattern made of escaped text joined by ``.*``
+    asserts, in order (``.`` read as itself); any other regex syntax is refused, since the
+    catalogue could not show it as fragments."""
+    fragments = []
+    for part in pattern.split(".*"):
+        if re.search(r"(?<!\\)[][(){}*+?|^$]", part):
+            raise ValueError(f"pattern {pattern!r}: cannot show {part!r} as a literal fragment")
+        fragments.append(re.sub(r"\\(.)", r"\1", part).strip())
+    return tuple(f for f in fragments if f)
+
+
+def _asserted(entry: Any) -> tuple[str, tuple[str, ...]]:
+    """(exception type name, asserted fragments) of one table entry."""
+    if isinstance(entry, list):  # [exception, *fragments]
+        return entry[0], tuple(entry[1:])
+    error = entry.error if isinstance(entry.error, str) else entry.error.__name__
+    if hasattr(entry, "words"):
+        return error, tuple(entry.words)
+    return error, regex_fragments(entry.pattern)
+
+
+def _cells(source: Source, case: str, entry: Any) -> tuple[str, str]:
+    if hasattr(entry, "doc_call"):
+        return entry.doc_call, entry.doc_input
+    pending = PENDING_CELLS.get(source.module, {})
+    if case not in pending:
+        raise ValueError(
+            f"{source.module}.{source.table}[{case!r}] has no doc_call/doc_input: add them to "
+            "the test's table entry"
+        )
+    return pending[case]
+
+
+def _rows_of(source: Source) -> Iterator[Row]:
+    table = getattr(_import(source), source.table)
+    stale = set(PENDING_CELLS.get(source.module, {})) - set(table)
+    if stale:
+        raise ValueError(f"PENDING_CELLS[{source.module!r}] holds removed cases {sorted(stale)}")
+    module_path = source.module.replace(".", "/") + ".py"
+    for case, entry in table.items():
+        error, words = _asserted(entry)
+        call, bad_input = _cells(source, case, entry)
+        test = f"{module_path}::{source.test}"
+        yield Row(source.package, call, bad_input, error, words, test, case)
+
+
+def collect_rows() -> list[Row]:
+    """Every catalogue row, in ``SOURCES`` order (each table in its own order)."""
+    return [row for source in SOURCES for row in _rows_of(source)]
+
+
+def _code(text: str) -> str:
+    fence = "``" if "`" in text else "`"
+    pad = " " if fence == "``" else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _row_line(number: int, row: Row) -> str:
+    excerpt = " … ".join(_code(w) for w in row.words)
+    cells = [
+        str(number),
+        row.package,
+        row.call,
+        row.bad_input,
+        row.error,
+        excerpt,
+        f"{_code(row.test)} [{row.case}]",
+    ]
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
+
+
+def _counts(rows: list[Row]) -> list[str]:
+    lines = ["| package | cases |", "|---|---:|"]
+    for package in PACKAGES:
+        lines.append(f"| {package} | {sum(r.package == package for r in rows)} |")
+    lines.append(f"| **all** | **{len(rows)}** |")
+    return lines
+
+
+def _run_commands() -> list[str]:
+    lines = []
+    for package in PACKAGES:
+        modules = dict.fromkeys(s.module for s in SOURCES if s.package == package)
+        paths = [f"packages/{package}/tests/{m.replace('.', '/')}.py" for m in modules]
+        lines.append("python -m pytest -q " + " ".join(paths))
+    return lines
+
+
+_INTRO = """\
+# Bad inputs: the catalogue
+
+<!-- Generated by `python scripts/gen_bad_inputs.py` from the tests' case tables: edit the
+tables (or the script's prose), not this file. integration_tests/test_docs.py fails when
+they disagree. -->
+
+Every row is a wrong call of mc's public API and the test that proves what happens: the
+exception type, message fragments that name the argument and its value (and the fix where
+there is one), and that **no collective was issued** (each case runs inside
+`mc_groups.record_collectives()` and the log must stay empty). An error raised before any
+collective fails on the caller's rank at once; an error raised after its peers entered a
+collective would leave them waiting for the group's timeout. The excerpts below are the
+fragments the tests assert, in order, generated from the tests' own tables.
+
+Categories: configs (`ModelParallelConfig`, `DistributedDataParallelConfig`, the TP layers'
+config), sizes (layouts, divisibility, bucket sizes, split sizes), shapes and numels,
+dtypes, devices, groups (missing, wrong type, wrong size), ranks, optimizer checkpoints
+(`ShardedOptimizer.sharded_state_dict` / `load_sharded_state_dict`: wrong types, a missing
+param entry or key, state that cannot be resharded), and call order (finish before start, a
+second start, a step without `zero_grad_buffer()`, zero/offload with a reduction in flight,
+`step()` before `finish_grad_sync()`, reset while offloaded, a checkpoint saved before the
+first step or loaded before it was built). After a forward or backward that raised,
+`discard_grad_sync()` recovers: the in-flight and first-iteration 'got no gradient' errors
+name it. The multi-rank cases run on 2 gloo ranks through the `rank_pools` fixture.
+
+Run every package's catalogue:
+
+```bash
+{commands}
+```
+
+Test paths are relative to `packages/<package>/tests/`; `[case]` is the case's key in the
+test's table.
+
+{counts}
+
+| # | package | call | bad input | exception | message excerpt (asserted) | test [case] |
+|---|---|---|---|---|---|---|
+"""
+
+_FAILURES = """\
+
+## Failures at run time
+
+Not bad input, but the same promise (a clear error, where it happened, no hang); see the
+packages' READMEs for details.
+
+| what goes wrong | what every surviving / affected rank gets | test |
+|---|---|---|
+| a peer process dies during a collective (any path: sync, async handle, gloo all-to-all with finisher, coalesced batch, broadcast, all-to-all, barrier, objects, schedule check) | `mc_groups.CollectiveError`: `<op> on group ranks [..] (<numel> × <dtype>) for '<label>' [<detail>] failed: <backend error>`, at once on gloo | `mc_groups_tests/test_failures.py::test_a_dead_peer_fails_every_path_with_a_named_error` |
+| a peer hangs (alive, never joins) | the same error after the group's timeout (groups from `initialize_model_parallel()` inherit the world's timeout; torch would give them 30 min) | `mc_groups_tests/test_failures.py::test_a_hung_peer_is_reported_within_twice_the_timeout` |
+| a DDP rank dies in backward during a bucket reduction | `CollectiveError` naming `reduce_scatter … for 'grad reduce dense bucket group N' [bucket N: params …]` | `mc_ddp_tests/test_reliability.py::test_a_rank_dying_in_backward_fails_the_survivor_naming_the_bucket_collective` |
+| a DDP rank dies in forward during a param all-gather | `CollectiveError` naming `all_gather … for 'param gather dense bucket group N'` | `mc_ddp_tests/test_reliability.py::test_a_rank_dying_in_forward_fails_the_survivor_naming_the_param_gather` |
+| a TP rank dies in backward (async SP gather / dgrad reduce-scatter) | `CollectiveError` naming `all_gather … for 'tp gather dim 0'` (or the reduce-scatter) out of `loss.backward()` | `mc_tp_layers_tests/test_reliability.py::test_a_tp_rank_dying_in_backward_fails_the_survivor_naming_the_collective` |
+| NaN/Inf in a local gradient with `check_for_nan_in_grad=True` | `mc_ddp.NonFiniteGradError` on **every** rank of the bucket group, naming each offending rank, bucket and first bad param, before any gradient is reduced | `mc_ddp_tests/test_features.py::test_non_finite_grads_fail_every_rank_before_the_bucket_collective` |
+| ranks about to run different collectives (params registered in another order; a rank skipping a TP layer), with `MC_CHECK_COLLECTIVE_SCHEDULE=1` | `mc_groups.CollectiveScheduleError` on every rank, listing which ranks were about to run what; nothing issued | `mc_groups_tests/test_schedule_check.py`, `mc_ddp_tests/test_reliability.py::test_params_registered_in_another_order_are_caught_by_the_schedule_check`, `mc_tp_layers_tests/test_reliability.py::test_a_rank_skipping_a_tp_layer_is_caught_by_the_schedule_check` |
+"""  # noqa: E501 (markdown table rows are one line each)
+
+
+def render(rows: Iterable[Row] | None = None) -> str:
+    """The whole document for ``rows`` (default: collected from the tests' tables)."""
+    rows = collect_rows() if rows is None else list(rows)
+    intro = _INTRO.format(commands="\n".join(_run_commands()), counts="\n".join(_counts(rows)))
+    table = "\n".join(_row_line(i, row) for i, row in enumerate(rows, start=1))
+    return intro + table + "\n" + _FAILURES
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the document, or with ``--check`` report whether it is up to date."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = DOC.read_text(encoding="utf-8") if DOC.exists() else ""
+        stale = current != text
+        print(f"{DOC.relative_to(ROOT)} is {'out of date' if stale else 'up to date'}")
+        return int(stale)
+    DOC.write_text(text, encoding="utf-8")
+    print(f"wrote {DOC.relative_to(ROOT)}: {text.count(chr(10))} lines")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
