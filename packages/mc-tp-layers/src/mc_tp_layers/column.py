@@ -21,8 +21,6 @@ collective here. ``disable_grad_reduce`` drops the dX all-reduce (e.g. LoRA adap
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -30,10 +28,9 @@ from mc_groups import ProcessGroupCollection
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import resolve_gtp_group, resolve_tp_group
-from mc_tp_layers._validate import check_divisible, main_grad, positive_int
-from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
-from mc_tp_layers.checkpoint import sharded_state_dict_of
-from mc_tp_layers.gtp import shard_weight_for_gtp, unsharded_shape
+from mc_tp_layers._layer_base import ParallelLinear
+from mc_tp_layers._validate import check_divisible, main_grad
+from mc_tp_layers.gtp import unsharded_shape
 from mc_tp_layers.initialization import InitMethod
 from mc_tp_layers.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -44,7 +41,7 @@ from mc_tp_layers.random import RNGStatesTracker
 __all__ = ["ColumnParallelLinear"]
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class ColumnParallelLinear(ParallelLinear):
     """Linear layer with column parallelism (see the module notes for the math and schedule).
 
     Args:
@@ -103,9 +100,7 @@ class ColumnParallelLinear(torch.nn.Module):
         rng_tracker: RNGStatesTracker | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
-        self.config = common.check_config(config)
-        self.input_size, self.output_size = input_size, output_size
+        super().__init__(config, input_size, output_size)
         self.gather_output, self.skip_bias_add = bool(gather_output), bool(skip_bias_add)
         self.is_expert, self.disable_grad_reduce = bool(is_expert), bool(disable_grad_reduce)
         self.embedding_activation_buffer = embedding_activation_buffer
@@ -126,17 +121,18 @@ class ColumnParallelLinear(torch.nn.Module):
         self._set_communication(pg_collection)
         init = common.WeightInit(self.config, init_method, rng_tracker, self.tp_group)
         target = common.layer_device(device, self.config, self.tp_group)
-        self.master_weight: torch.Tensor | None = None
         self.weight: torch.nn.Parameter | None = None
         if not skip_weight_param_allocation:
             init.check_tracker()
-            self.weight = self._make_weight(init, target, stride, keep_master_weight_for_test)
-        self.bias: torch.nn.Parameter | None
-        if bias:
-            self.bias = self._make_bias(target, stride)
-        else:
-            self.register_parameter("bias", None)
-        common.default_extra_state(self)
+            shape = (self.output_size_per_partition, self.input_size)
+            self.weight = self._new_weight(
+                init, target, shape, 0, stride, keep_master_weight_for_test
+            )
+        self._set_bias(
+            self._new_bias(target, self.output_size_per_partition, True, 0, stride)
+            if bias
+            else None
+        )
 
     def _set_communication(self, pg_collection: ProcessGroupCollection | None) -> None:
         """Which collectives this layer issues (see the module notes)."""
@@ -159,15 +155,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gradient_accumulation_fusion = bool(self.config.gradient_accumulation_fusion)
 
     def _check_arguments(self, input_size: int, stride: int, init_method: object) -> None:
-        positive_int(input_size, "input_size")
-        positive_int(stride, "stride")
-        common.check_init_method(init_method)
-        if self.output_size_per_partition % stride:
-            raise ValueError(
-                f"stride={stride} must divide the per-rank output size "
-                f"{self.output_size_per_partition} (output_size={self.output_size} over "
-                f"{self.tp_group.size()} ranks)"
-            )
+        self._check_split(input_size, "output", self.output_size_per_partition, stride, init_method)
         if self.config.defer_embedding_wgrad_compute and (
             self.embedding_activation_buffer is None or self.grad_output_buffer is None
         ):
@@ -175,32 +163,6 @@ class ColumnParallelLinear(torch.nn.Module):
                 "config.defer_embedding_wgrad_compute=True needs embedding_activation_buffer "
                 "and grad_output_buffer lists; pass both (e.g. [] and [])"
             )
-
-    def _make_weight(
-        self, init: common.WeightInit, device: torch.device, stride: int, keep_master: bool
-    ) -> torch.nn.Parameter:
-        shape = (self.output_size_per_partition, self.input_size)
-        weight = common.new_parameter(shape, self.config, device)
-        self.master_weight = init.run(
-            weight,
-            (self.output_size, self.input_size),
-            0,
-            stride,
-            is_expert=self.is_expert,
-            keep_master=keep_master,
-        )
-        weight.allreduce = not (self.is_expert and self.expert_parallel)  # type: ignore[attr-defined]
-        if self.gtp_group is not None:
-            weight = shard_weight_for_gtp(weight, self.gtp_group)
-        return weight
-
-    def _make_bias(self, device: torch.device, stride: int) -> torch.nn.Parameter:
-        bias = common.new_parameter((self.output_size_per_partition,), self.config, device)
-        set_tensor_model_parallel_attributes(bias, True, 0, stride)
-        common.zero_bias(bias, self.config)
-        bias.allreduce = not (self.is_expert and self.expert_parallel)  # type: ignore[attr-defined]
-        common.tag_gtp_replica(bias, self.gtp_group)
-        return bias
 
     def _resolve_weight(self, weight: torch.Tensor | None) -> torch.Tensor:
         if weight is None:
@@ -279,43 +241,9 @@ class ColumnParallelLinear(torch.nn.Module):
             output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
 
-    def _forward_impl(
-        self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> torch.Tensor:
-        """The frozen-weight function when ``weight`` does not require grad, else the full one."""
-        return common.forward_impl(input, weight, *args, **kwargs)
-
-    def backward_dw(self) -> None:
-        """Delayed wgrad computation (``delay_wgrad_compute``): not supported, does nothing.
-
-        The weight gradient is always computed in backward.
-        """
-
-    def set_extra_state(self, state: Any) -> None:
-        """Extra state is ignored (kept for Transformer-Engine state-dict compatibility)."""
-
-    def get_extra_state(self) -> None:
-        """None: there is no extra state (the key keeps TE state dicts loadable)."""
-        return
-
-    def sharded_state_dict(
-        self,
-        prefix: str = "",
-        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
-        metadata: dict[str, Any] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Sharding along axis 0, bias sharded (TP-sharded parameters as DTensors).
-
-        Returns ``{prefix + "weight": DTensor, ...}`` for ``torch.distributed.checkpoint``
-        (views of the parameters: loading writes into them). See
-        :mod:`mc_tp_layers.checkpoint`.
-        """
-        return sharded_state_dict_of(self, self.tp_group, prefix, sharded_offsets, metadata)
-
     def extra_repr(self) -> str:
         """Sizes, bias and TP degree, e.g. ``in_features=8, out_features=16, bias=True, TP=2``."""
         return (
-            f"in_features={self.input_size}, out_features={self.output_size}, "
-            f"bias={self.bias is not None}, TP={self.tp_group.size()}, "
-            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+            f"{self._repr_sizes()}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
         )

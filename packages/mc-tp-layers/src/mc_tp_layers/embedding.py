@@ -16,8 +16,6 @@ Collectives (W > 1): forward one all-reduce (or one reduce-scatter of ``[s, b, h
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -26,8 +24,8 @@ from mc_groups import ProcessGroupCollection
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import resolve_tp_group
+from mc_tp_layers._layer_base import TensorParallelModule
 from mc_tp_layers._validate import check_divisible, positive_int
-from mc_tp_layers.checkpoint import sharded_state_dict_of
 from mc_tp_layers.initialization import InitMethod
 from mc_tp_layers.mappings import (
     reduce_from_tensor_model_parallel_region,
@@ -38,7 +36,7 @@ from mc_tp_layers.random import RNGStatesTracker
 __all__ = ["VocabParallelEmbedding"]
 
 
-class VocabParallelEmbedding(torch.nn.Module):
+class VocabParallelEmbedding(TensorParallelModule):
     """Embedding parallelized in the vocabulary dimension (see the module notes).
 
     Args:
@@ -68,8 +66,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         rng_tracker: RNGStatesTracker | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
-        self.config = common.check_config(config)
+        super().__init__(config)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.reduce_scatter_embeddings = bool(reduce_scatter_embeddings)
         self.tp_group = resolve_tp_group(tp_group, pg_collection, what="VocabParallelEmbedding")
@@ -127,20 +124,6 @@ class VocabParallelEmbedding(torch.nn.Module):
                 )
             common.check_sequence(input_.transpose(0, 1), int(self.tp_group.size()))
         return input_
-
-    def sharded_state_dict(
-        self,
-        prefix: str = "",
-        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
-        metadata: dict[str, Any] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """The vocabulary-sharded table (a DTensor sharded along axis 0).
-
-        Returns ``{prefix + "weight": DTensor, ...}`` for ``torch.distributed.checkpoint``
-        (views of the parameters: loading writes into them). See
-        :mod:`mc_tp_layers.checkpoint`.
-        """
-        return sharded_state_dict_of(self, self.tp_group, prefix, sharded_offsets, metadata)
 
     def extra_repr(self) -> str:
         """Sizes and TP degree."""

@@ -23,8 +23,6 @@ return the partial sums: the MoE layer reduces them.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -32,10 +30,8 @@ from mc_groups import ProcessGroupCollection
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import resolve_gtp_group, resolve_tp_group
-from mc_tp_layers._validate import check_divisible, main_grad, positive_int
-from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
-from mc_tp_layers.checkpoint import sharded_state_dict_of
-from mc_tp_layers.gtp import shard_weight_for_gtp
+from mc_tp_layers._layer_base import ParallelLinear
+from mc_tp_layers._validate import check_divisible, main_grad
 from mc_tp_layers.initialization import InitMethod
 from mc_tp_layers.mappings import (
     reduce_from_tensor_model_parallel_region,
@@ -47,7 +43,7 @@ from mc_tp_layers.random import RNGStatesTracker
 __all__ = ["RowParallelLinear"]
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(ParallelLinear):
     """Linear layer with row parallelism (see the module notes for the math and schedule).
 
     Args:
@@ -91,9 +87,7 @@ class RowParallelLinear(torch.nn.Module):
         rng_tracker: RNGStatesTracker | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
-        self.config = common.check_config(config)
-        self.input_size, self.output_size = input_size, output_size
+        super().__init__(config, input_size, output_size)
         self.input_is_parallel, self.skip_bias_add = bool(input_is_parallel), bool(skip_bias_add)
         self.is_expert, self.tp_comm_buffer_name, self.name = (
             bool(is_expert),
@@ -113,7 +107,7 @@ class RowParallelLinear(torch.nn.Module):
         self.input_size_per_partition = check_divisible(
             input_size, world, "input_size", "choose an input_size that is a multiple of it"
         )
-        self._check_arguments(output_size, stride, init_method)
+        self._check_split(output_size, "input", self.input_size_per_partition, stride, init_method)
         self.gtp_remat_size = common.gtp_remat_size(self.config)
         self.gtp_group = resolve_gtp_group(
             self.gtp_remat_size, pg_collection, is_expert=self.is_expert, what="RowParallelLinear"
@@ -124,53 +118,15 @@ class RowParallelLinear(torch.nn.Module):
         target = common.layer_device(device, self.config, self.tp_group)
         init = common.WeightInit(self.config, init_method, rng_tracker, self.tp_group)
         init.check_tracker()
-        self.master_weight: torch.Tensor | None = None
-        self.weight = self._make_weight(init, target, stride, keep_master_weight_for_test)
-        self.bias: torch.nn.Parameter | None
-        if bias:
-            self.bias = self._make_bias(target)
-        else:
-            self.register_parameter("bias", None)
-        common.default_extra_state(self)
-
-    def _check_arguments(self, output_size: int, stride: int, init_method: object) -> None:
-        positive_int(output_size, "output_size")
-        positive_int(stride, "stride")
-        common.check_init_method(init_method)
-        if self.input_size_per_partition % stride:
-            raise ValueError(
-                f"stride={stride} must divide the per-rank input size "
-                f"{self.input_size_per_partition} (input_size={self.input_size} over "
-                f"{self.tp_group.size()} ranks)"
-            )
-
-    def _make_weight(
-        self, init: common.WeightInit, device: torch.device, stride: int, keep_master: bool
-    ) -> torch.nn.Parameter:
         shape = (self.output_size, self.input_size_per_partition)
-        weight = common.new_parameter(shape, self.config, device)
-        self.master_weight = init.run(
-            weight,
-            (self.output_size, self.input_size),
-            1,
-            stride,
-            is_expert=self.is_expert,
-            keep_master=keep_master,
-        )
-        weight.allreduce = not (self.is_expert and self.expert_parallel)  # type: ignore[attr-defined]
-        if self.gtp_group is not None:
-            weight = shard_weight_for_gtp(weight, self.gtp_group)
-        return weight
+        self.weight = self._new_weight(init, target, shape, 1, stride, keep_master_weight_for_test)
+        self._set_bias(self._make_bias(target) if bias else None)
 
     def _make_bias(self, device: torch.device) -> torch.nn.Parameter:
-        bias = common.new_parameter((self.output_size,), self.config, device)
-        set_tensor_model_parallel_attributes(bias, False, -1, 1)
-        common.zero_bias(bias, self.config)
-        bias.allreduce = not (self.is_expert and self.expert_parallel)  # type: ignore[attr-defined]
+        bias = self._new_bias(device, self.output_size, False, -1, 1)
         # Under SP each rank's bias gradient sums only its own rows: finalize_model_grads
         # all-reduces parameters tagged sequence_parallel over TP.
         bias.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
-        common.tag_gtp_replica(bias, self.gtp_group)
         return bias
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -205,12 +161,6 @@ class RowParallelLinear(torch.nn.Module):
             return output, self.bias if self.skip_bias_add else None
         return output + self.bias, None
 
-    def _forward_impl(
-        self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> torch.Tensor:
-        """The frozen-weight function when ``weight`` does not require grad, else the full one."""
-        return common.forward_impl(input, weight, *args, **kwargs)
-
     def _reduce(self, output_parallel: torch.Tensor) -> torch.Tensor:
         if self.explicit_expert_comm:
             return output_parallel
@@ -218,38 +168,9 @@ class RowParallelLinear(torch.nn.Module):
             return reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
         return reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
 
-    def backward_dw(self) -> None:
-        """Delayed wgrad computation (``delay_wgrad_compute``): not supported, does nothing.
-
-        The weight gradient is always computed in backward.
-        """
-
-    def set_extra_state(self, state: Any) -> None:
-        """Extra state is ignored (kept for Transformer-Engine state-dict compatibility)."""
-
-    def get_extra_state(self) -> None:
-        """None: there is no extra state (the key keeps TE state dicts loadable)."""
-        return
-
-    def sharded_state_dict(
-        self,
-        prefix: str = "",
-        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
-        metadata: dict[str, Any] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Sharding along axis 1, bias not sharded (a plain, replicated tensor).
-
-        Returns ``{prefix + "weight": DTensor, ...}`` for ``torch.distributed.checkpoint``
-        (views of the parameters: loading writes into them). See
-        :mod:`mc_tp_layers.checkpoint`.
-        """
-        return sharded_state_dict_of(self, self.tp_group, prefix, sharded_offsets, metadata)
-
     def extra_repr(self) -> str:
         """Sizes, bias and TP degree, e.g. ``in_features=16, out_features=8, bias=True, TP=2``."""
         return (
-            f"in_features={self.input_size}, out_features={self.output_size}, "
-            f"bias={self.bias is not None}, TP={self.tp_group.size()}, "
-            f"input_is_parallel={self.input_is_parallel}, "
+            f"{self._repr_sizes()}, input_is_parallel={self.input_is_parallel}, "
             f"sequence_parallel={self.sequence_parallel}"
         )

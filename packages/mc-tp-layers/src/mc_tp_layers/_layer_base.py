@@ -1,0 +1,153 @@
+"""The methods the tensor-parallel layers share, as two base classes.
+
+:class:`TensorParallelModule` (every layer): the DCP state dict over ``self.tp_group``.
+:class:`ParallelLinear` (Column and Row): the frozen-weight dispatch, Transformer-Engine
+compatibility stubs, and building the weight and bias once the subclass chose the split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mc_tp_layers import _layer_common as common
+from mc_tp_layers._validate import positive_int
+from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
+from mc_tp_layers.checkpoint import sharded_state_dict_of
+from mc_tp_layers.gtp import shard_weight_for_gtp
+
+__all__: list[str] = []
+
+
+class TensorParallelModule(torch.nn.Module):
+    """A layer whose parameters are split over ``self.tp_group`` (set by the subclass)."""
+
+    tp_group: dist.ProcessGroup
+
+    def __init__(self, config: object) -> None:
+        super().__init__()
+        self.config = common.check_config(config)
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict[str, Any] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """TP-sharded parameters as DTensors, the others as plain (replicated) tensors.
+
+        ``ColumnParallelLinear``: sharding along axis 0, bias sharded.
+        ``RowParallelLinear``: sharding along axis 1, bias not sharded (a plain, replicated
+        tensor). ``VocabParallelEmbedding``: the vocabulary-sharded table (a DTensor
+        sharded along axis 0).
+
+        Returns ``{prefix + "weight": DTensor, ...}`` for ``torch.distributed.checkpoint``
+        (views of the parameters: loading writes into them). See
+        :mod:`mc_tp_layers.checkpoint`.
+        """
+        return sharded_state_dict_of(self, self.tp_group, prefix, sharded_offsets, metadata)
+
+
+class ParallelLinear(TensorParallelModule):
+    """What ``ColumnParallelLinear`` and ``RowParallelLinear`` share besides their split."""
+
+    is_expert: bool
+    expert_parallel: bool
+    gtp_group: dist.ProcessGroup | None
+    master_weight: torch.Tensor | None
+    bias: torch.nn.Parameter | None
+
+    def __init__(self, config: object, input_size: int, output_size: int) -> None:
+        super().__init__(config)
+        self.input_size, self.output_size = input_size, output_size
+        self.master_weight = None
+        common.default_extra_state(self)
+
+    def _forward_impl(
+        self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """The frozen-weight function when ``weight`` does not require grad, else the full one."""
+        return common.forward_impl(input, weight, *args, **kwargs)
+
+    def backward_dw(self) -> None:
+        """Delayed wgrad computation (``delay_wgrad_compute``): not supported, does nothing.
+
+        The weight gradient is always computed in backward.
+        """
+
+    def set_extra_state(self, state: Any) -> None:
+        """Extra state is ignored (kept for Transformer-Engine state-dict compatibility)."""
+
+    def get_extra_state(self) -> None:
+        """None: there is no extra state (the key keeps TE state dicts loadable)."""
+        return
+
+    def _check_split(
+        self, unsplit_size: int, side: str, per_partition: int, stride: int, init_method: object
+    ) -> None:
+        """The other side's size and ``stride`` positive, ``stride`` dividing the split ``side``.
+
+        ``side`` is the dimension of A split over TP (``"output"`` or ``"input"``), whose
+        per-rank size is ``per_partition``.
+        """
+        unsplit = "input" if side == "output" else "output"
+        positive_int(unsplit_size, f"{unsplit}_size")
+        positive_int(stride, "stride")
+        common.check_init_method(init_method)
+        if per_partition % stride:
+            total = self.output_size if side == "output" else self.input_size
+            raise ValueError(
+                f"stride={stride} must divide the per-rank {side} size {per_partition} "
+                f"({side}_size={total} over {self.tp_group.size()} ranks)"
+            )
+
+    def _allreduce(self) -> bool:
+        """The params' ``allreduce`` tag: False only for experts split over EP ranks."""
+        return not (self.is_expert and self.expert_parallel)
+
+    def _new_weight(
+        self,
+        init: common.WeightInit,
+        device: torch.device,
+        shape: tuple[int, int],
+        partition_dim: int,
+        stride: int,
+        keep_master: bool,
+    ) -> torch.nn.Parameter:
+        """This rank's ``shape`` of the ``[output_size, input_size]`` weight, initialised."""
+        weight = common.new_parameter(shape, self.config, device)
+        self.master_weight = init.run(
+            weight,
+            (self.output_size, self.input_size),
+            partition_dim,
+            stride,
+            is_expert=self.is_expert,
+            keep_master=keep_master,
+        )
+        weight.allreduce = self._allreduce()  # type: ignore[attr-defined]
+        if self.gtp_group is not None:
+            weight = shard_weight_for_gtp(weight, self.gtp_group)
+        return weight
+
+    def _new_bias(
+        self, device: torch.device, size: int, is_parallel: bool, dim: int, stride: int
+    ) -> torch.nn.Parameter:
+        """A bias of ``size`` (zeroed when initialising) with its TP attributes and tags."""
+        bias = common.new_parameter((size,), self.config, device)
+        set_tensor_model_parallel_attributes(bias, is_parallel, dim, stride)
+        common.zero_bias(bias, self.config)
+        bias.allreduce = self._allreduce()  # type: ignore[attr-defined]
+        common.tag_gtp_replica(bias, self.gtp_group)
+        return bias
+
+    def _set_bias(self, bias: torch.nn.Parameter | None) -> None:
+        """Register ``bias`` (None: no bias; ``self.bias`` reads None, as in ``nn.Linear``)."""
+        self.register_parameter("bias", bias)
+
+    def _repr_sizes(self) -> str:
+        return (
+            f"in_features={self.input_size}, out_features={self.output_size}, "
+            f"bias={self.bias is not None}, TP={self.tp_group.size()}"
+        )
