@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -187,14 +188,9 @@ def _weight_grad(
             assert main_grad is not None  # checked before forward
             _accumulate_into_main_grad(weight, main_grad, grad_output, total_input, opts)
         return _dummy_grad(weight, main_grad)
-    gtp = opts.gtp_remat_size > 1
-    shape = unsharded_shape(weight) if gtp else tuple(weight.shape)
-    full = _wgrad_gemm(
-        torch.empty(shape, dtype=weight.dtype, device=weight.device),
-        _flat(grad_output),
-        _flat(total_input),
-    )
-    return reduce_scatter_gtp_grad(full, weight) if gtp else full
+    if opts.gtp_remat_size == 1:
+        return _new_wgrad(weight, weight.shape, grad_output, total_input)
+    return _gtp_wgrad(weight, weight, grad_output, total_input)
 
 
 def _accumulate_into_main_grad(
@@ -207,9 +203,24 @@ def _accumulate_into_main_grad(
     if opts.gtp_remat_size == 1:
         accumulate_wgrad(main_grad, _flat(grad_output), _flat(total_input))
         return
-    full = torch.empty(unsharded_shape(weight), dtype=main_grad.dtype, device=main_grad.device)
-    _wgrad_gemm(full, _flat(grad_output), _flat(total_input))
-    main_grad.add_(reduce_scatter_gtp_grad(full, weight))
+    main_grad.add_(_gtp_wgrad(weight, main_grad, grad_output, total_input))
+
+
+def _new_wgrad(
+    like: torch.Tensor, shape: Sequence[int], grad_output: torch.Tensor, total_input: torch.Tensor
+) -> torch.Tensor:
+    """``dW = dYᵀ · X_tot`` into a new ``shape`` tensor with ``like``'s dtype and device."""
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    return _wgrad_gemm(out, _flat(grad_output), _flat(total_input))
+
+
+def _gtp_wgrad(
+    weight: torch.Tensor, like: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor
+) -> torch.Tensor:
+    """The gtp_remat shard's part of the full ``dW`` (computed in ``like``'s dtype), summed
+    over the gtp_remat group."""
+    full = _new_wgrad(like, unsharded_shape(weight), grad_output, total_input)
+    return reduce_scatter_gtp_grad(full, weight)
 
 
 def _dummy_grad(weight: torch.Tensor, main_grad: torch.Tensor | None) -> torch.Tensor | None:
