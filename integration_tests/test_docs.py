@@ -13,7 +13,6 @@ import ast
 import difflib
 import importlib.util
 import re
-from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -44,7 +43,6 @@ def _cited() -> list[tuple[str, str, str | None, str | None]]:
     return [(m[1], m[2], m[3], m[4]) for m in _CITED.finditer(text)]
 
 
-@cache
 def _module_source(package_tests: str, module: str) -> ast.Module | None:
     found = list(ROOT.glob(f"packages/*/tests/{package_tests}/{module}.py"))
     return ast.parse(found[0].read_text(encoding="utf-8")) if len(found) == 1 else None
@@ -54,10 +52,11 @@ def _top_level_functions(tree: ast.Module) -> set[str]:
     return {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
 
 
-def _string_constants(tree: ast.Module) -> set[str]:
-    return {
-        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-    }
+def _dict_keys(tree: ast.Module) -> set[str]:
+    """Every string key of a dict literal in the module (where case tables keep their ids)."""
+    dicts = [n for n in ast.walk(tree) if isinstance(n, ast.Dict)]
+    keys = [k for d in dicts for k in d.keys if isinstance(k, ast.Constant)]
+    return {k.value for k in keys if isinstance(k.value, str)}
 
 
 def test_catalogue_equals_what_the_tests_tables_generate() -> None:
@@ -83,16 +82,17 @@ def test_every_cited_test_exists() -> None:
     cited = _cited()
     # every catalogue row cites its test with a [case]; the failure table cites without
     assert sum(case is not None for *_, case in cited) == len(gen.collect_rows())
+    trees = {where: _module_source(*where) for where in {(p, m) for p, m, *_ in cited}}
     missing = []
     for package_tests, module, function, case in cited:
-        tree = _module_source(package_tests, module)
+        tree = trees[package_tests, module]
         where = f"{package_tests}/{module}.py"
         if tree is None:
             missing.append(f"{where}: no such module")
         elif function is not None and function not in _top_level_functions(tree):
             missing.append(f"{where}::{function}: no such test function")
-        elif case is not None and case not in _string_constants(tree):
-            missing.append(f"{where} [{case}]: no such case key in the module")
+        elif case is not None and case not in _dict_keys(tree):
+            missing.append(f"{where} [{case}]: no such case key in the module's tables")
     assert not missing, missing
 
 
