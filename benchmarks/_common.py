@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: median timings and a ratio table.
+"""Shared helpers for the benchmarks: timings, the ratio table, and the rank launch.
 
 Every benchmark times mc and its peer (torch DDP, torch DTensor TP, ...) in the same run on
 the same ranks and reports ``mc / peer``: absolute seconds on a shared 2-core machine vary
@@ -7,9 +7,18 @@ run to run, ratios measured side by side are what we compare against targets.
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from mc_groups.testing import RankPool
+
+Step = Callable[[], None]
 
 
 def median_seconds(step: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
@@ -32,3 +41,50 @@ def ratio_table(
     lines = [f"| variant | median ({unit}) | ratio to {reference} |", "|---|---:|---:|"]
     lines += [f"| {name} | {sec * scale:.2f} | {sec / base:.3f} |" for name, sec in rows]
     return "\n".join(lines)
+
+
+def interleaved_medians(steps: Mapping[str, Step], warmup: int, iters: int) -> dict[str, float]:
+    """Each step's median time on this rank; every round times each step once, in order.
+
+    Run on every rank at once: a barrier before each timed step makes the ranks start it
+    together, whatever ran before, so load from other processes hits every step alike.
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(iters):
+        for name, step in steps.items():
+            dist.barrier()
+            started = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def slowest_medians(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Per step, the slower rank's median (``per_rank[r]["medians"]``): what the step costs."""
+    return {k: max(r["medians"][k] for r in per_rank) for k in per_rank[0]["medians"]}
+
+
+def parse_arguments(
+    doc: str, *, iters: int | None, iters_help: str, warmup: int
+) -> argparse.Namespace:
+    """``--iters`` and ``--warmup`` (untimed steps per variant); described by ``doc``'s
+    first line."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=iters, help=iters_help)
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps per variant")
+    return parser.parse_args()
+
+
+def rank_pool(world: int) -> RankPool:
+    """The benchmarks' ranks: long deadlines (a slow shared machine is no failure)."""
+    return RankPool(world, call_deadline_s=1800, pg_timeout_s=300)
+
+
+def rank_worker(module: str) -> Callable[..., dict[str, Any]]:
+    """``module._measure``, imported by its package name: the ranks cannot import
+    ``__main__``."""
+    measure: Callable[..., dict[str, Any]] = importlib.import_module(module)._measure
+    return measure

@@ -32,11 +32,7 @@ Prints a Markdown table; exits 1 when a target is missed. From the repository ro
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,7 +43,12 @@ from torch import nn
 
 import mc_groups as mg
 from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig, ShardedOptimizer
-from mc_groups.testing import RankPool
+
+if not __package__:  # run as a file: the ranks import this module by its package name
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common
+from benchmarks._common import Step
 
 HIDDEN, FFN, BLOCKS, BATCH = 1024, 4096, 3, 64
 BUCKET_ELEMENTS = 25 * 2**20 // 4  # torch DDP's default bucket_cap_mb=25, in fp32 elements
@@ -55,7 +56,6 @@ LR = 1e-4
 REFERENCE = "torch DDP (bucket view)"
 TARGETS = {"mc DDP (overlap)": 0.95, "mc DDP (distributed optimizer)": 1.0}
 
-Step = Callable[[], None]
 Memory = Callable[[], tuple[int, int]]  # (grad bytes, all-to-all scratch bytes)
 
 
@@ -123,21 +123,6 @@ def _mc_variant(
     return step, memory
 
 
-def _interleaved_medians(steps: dict[str, Step], warmup: int, iters: int) -> dict[str, float]:
-    """Each variant's median step time; every round times each variant once."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(iters):
-        for name, step in steps.items():
-            dist.barrier()  # both ranks start a step together, whatever ran before
-            started = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def _measure(warmup: int, iters: int) -> dict[str, Any]:
     """On every rank: build every variant, time them, report medians and grad bytes."""
     torch.set_num_threads(1)
@@ -166,7 +151,7 @@ def _measure(warmup: int, iters: int) -> dict[str, Any]:
                 bucket_size=BUCKET_ELEMENTS,
             ),
         }
-        medians = _interleaved_medians({k: v[0] for k, v in variants.items()}, warmup, iters)
+        medians = _common.interleaved_medians({k: v[0] for k, v in variants.items()}, warmup, iters)
         params = sum(p.numel() for p in _model().parameters())
         return {
             "medians": medians,
@@ -178,7 +163,7 @@ def _measure(warmup: int, iters: int) -> dict[str, Any]:
 
 
 def _table(per_rank: list[dict[str, Any]]) -> tuple[list[str], bool]:
-    slowest = {k: max(r["medians"][k] for r in per_rank) for k in per_rank[0]["medians"]}
+    slowest = _common.slowest_medians(per_rank)
     memory = per_rank[0]["memory"]
     param_bytes = per_rank[0]["params"] * 4
     base = slowest[REFERENCE]
@@ -203,17 +188,9 @@ def _table(per_rank: list[dict[str, Any]]) -> tuple[list[str], bool]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=12, help="timed rounds (>= 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
-    args = parser.parse_args()
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    # The ranks import the worker by its package name, not as __main__.
-    measure = importlib.import_module("benchmarks.ddp_step")._measure
-    with RankPool(2, call_deadline_s=1800, pg_timeout_s=300) as pool:
-        per_rank = pool.run(measure, args.warmup, args.iters)
+    args = _common.parse_arguments(__doc__, iters=12, iters_help="timed rounds (>= 10)", warmup=2)
+    with _common.rank_pool(2) as pool:
+        per_rank = pool.run(_common.rank_worker("benchmarks.ddp_step"), args.warmup, args.iters)
     print(f"{per_rank[0]['params']:,} params, batch {BATCH} per rank, 2 gloo ranks, 1 thread each")
     lines, ok = _table(per_rank)
     print("\n".join(lines))

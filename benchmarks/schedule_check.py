@@ -18,23 +18,22 @@ repository root::
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups.testing import RankPool
+
+if not __package__:  # run as a file: the ranks import this module by its package name
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common
+from benchmarks._common import Step
 
 TARGET = 1.05
-Step = Callable[[], None]
 
 
 def _variants(pgc: mg.ProcessGroupCollection) -> dict[str, Step]:
@@ -69,20 +68,6 @@ def _collectives_per_step(step: Step) -> int:
     return len(log)
 
 
-def _time(steps: dict[str, Step], warmup: int, iters: int) -> dict[str, float]:
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(iters):
-        for name, step in steps.items():
-            dist.barrier()  # both ranks start each timed step together
-            started = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def _measure(warmup: int, iters: int) -> dict[str, Any]:
     """On every rank: time each variant with and without the check."""
     torch.set_num_threads(1)
@@ -93,7 +78,7 @@ def _measure(warmup: int, iters: int) -> dict[str, Any]:
         for name, step in variants.items():
             steps[f"{name}|off"] = step
             steps[f"{name}|on"] = _checked(step)
-        medians = _time(steps, warmup, iters)
+        medians = _common.interleaved_medians(steps, warmup, iters)
         # counted after the first iterations, whose extra gathers and learning are one-offs
         counts = {name: _collectives_per_step(step) for name, step in variants.items()}
         return {"medians": medians, "collectives": counts}
@@ -102,7 +87,7 @@ def _measure(warmup: int, iters: int) -> dict[str, Any]:
 
 
 def _table(per_rank: list[dict[str, Any]]) -> tuple[list[str], bool]:
-    slowest = {k: max(r["medians"][k] for r in per_rank) for k in per_rank[0]["medians"]}
+    slowest = _common.slowest_medians(per_rank)
     lines = [
         "| variant | collectives per step | median step, check off (ms) | check on (ms) | "
         f"ratio | target ≤ {TARGET} |",
@@ -122,17 +107,11 @@ def _table(per_rank: list[dict[str, Any]]) -> tuple[list[str], bool]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=15, help="timed rounds (>= 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
-    args = parser.parse_args()
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    # The ranks import the worker by its package name, not as __main__.
-    measure = importlib.import_module("benchmarks.schedule_check")._measure
-    with RankPool(2, call_deadline_s=1800, pg_timeout_s=300) as pool:
-        per_rank = pool.run(measure, args.warmup, args.iters)
+    args = _common.parse_arguments(__doc__, iters=15, iters_help="timed rounds (>= 10)", warmup=2)
+    with _common.rank_pool(2) as pool:
+        per_rank = pool.run(
+            _common.rank_worker("benchmarks.schedule_check"), args.warmup, args.iters
+        )
     print("25.2 M-param MLP (benchmarks/ddp_step.py), batch 64 per rank, 2 gloo ranks, 1 thread")
     lines, ok = _table(per_rank)
     print("\n".join(lines))

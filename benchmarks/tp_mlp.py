@@ -23,11 +23,7 @@ repository root::
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +37,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import mc_groups as mg
 import mc_tp_layers as tpl
-from mc_groups.testing import RankPool
+
+if not __package__:  # run as a file: the ranks import this module by its package name
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common
+from benchmarks._common import Step
 
 SIZES: dict[str, tuple[int, int, int]] = {
     "compute-bound": (1024, 256, 4),
@@ -53,8 +54,6 @@ TARGETS: dict[str, tuple[float, float]] = {  # (max mc/torch, max mc/ideal)
     "overhead-bound": (0.75, 1.2),
 }
 TP = 2
-
-Step = Callable[[], None]
 
 
 def _init(weight: torch.Tensor) -> None:
@@ -146,21 +145,6 @@ def _ideal_step(h: int, seq: int, batch: int) -> Step:
     return _step(block, x, list(block.parameters()))
 
 
-def _interleaved_medians(steps: dict[str, Step], warmup: int, iters: int) -> dict[str, float]:
-    """Each variant's median step time; every round times each variant once."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(iters):
-        for name, step in steps.items():
-            dist.barrier()  # both ranks start a step together, whatever ran before
-            started = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def _measure(size: str, warmup: int, iters: int) -> dict[str, Any]:
     """On every rank: build every variant of one size, check agreement, time them."""
     h, seq, batch = SIZES[size]
@@ -174,14 +158,14 @@ def _measure(size: str, warmup: int, iters: int) -> dict[str, Any]:
             max_diff[f"sp={sp}"] = float((mc_out() - torch_out()).abs().max())
             steps[f"mc sp={sp}"], steps[f"torch sp={sp}"] = mc_step, torch_step
         steps["ideal"] = _ideal_step(h, seq, batch)
-        medians = _interleaved_medians(steps, warmup, iters)
+        medians = _common.interleaved_medians(steps, warmup, iters)
         return {"medians": medians, "max_diff": max_diff}
     finally:
         mg.destroy_model_parallel(pgc)
 
 
 def _rows(size: str, per_rank: list[dict[str, Any]]) -> tuple[list[str], bool]:
-    slowest = {k: max(r["medians"][k] for r in per_rank) for k in per_rank[0]["medians"]}
+    slowest = _common.slowest_medians(per_rank)
     ideal = slowest["ideal"] / TP
     max_torch, max_ideal = TARGETS[size]
     h, seq, batch = SIZES[size]
@@ -199,23 +183,16 @@ def _rows(size: str, per_rank: list[dict[str, Any]]) -> tuple[list[str], bool]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--iters", type=int, default=None, help="timed steps per variant (default: per size)"
+    args = _common.parse_arguments(
+        __doc__, iters=None, iters_help="timed steps per variant (default: per size)", warmup=3
     )
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
-    args = parser.parse_args()
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    # The ranks import the worker by its package name, not as __main__.
-    measure = importlib.import_module("benchmarks.tp_mlp")._measure
+    measure = _common.rank_worker("benchmarks.tp_mlp")
     header = [
         "| size | SP | mc (ms) | torch DTensor (ms) | ideal (ms) | mc / torch | mc / ideal | met |",
         "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     lines, ok = list(header), True
-    with RankPool(TP, call_deadline_s=1800, pg_timeout_s=300) as pool:
+    with _common.rank_pool(TP) as pool:
         for size in SIZES:
             iters = args.iters or ITERS[size]
             per_rank = pool.run(measure, size, args.warmup, iters)
