@@ -36,6 +36,7 @@ between any two runs; leaving it out keeps parity comparisons about real numbers
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,42 +59,6 @@ def _output(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The output of a Column/Row layer (its second result, the bias, is None here)."""
     out: torch.Tensor = layer(x)[0]
     return out
-
-
-def _column(
-    n_in: int,
-    n_out: int,
-    mp: mg.ModelParallelConfig,
-    pgc: mg.ProcessGroupCollection,
-    device: torch.device,
-    *,
-    bias: bool,
-) -> tpl.ColumnParallelLinear:
-    """``[.., n_in] → [.., n_out / tp]``: the weight's output rows split over TP."""
-    return tpl.ColumnParallelLinear(
-        n_in, n_out, config=mp, init_method=_no_init, bias=bias, pg_collection=pgc, device=device
-    )
-
-
-def _row(
-    n_in: int,
-    n_out: int,
-    mp: mg.ModelParallelConfig,
-    pgc: mg.ProcessGroupCollection,
-    device: torch.device,
-) -> tpl.RowParallelLinear:
-    """``[.., n_in / tp] → [.., n_out]`` summed over TP (reduce-scattered under SP), + bias."""
-    return tpl.RowParallelLinear(
-        n_in,
-        n_out,
-        config=mp,
-        init_method=_no_init,
-        bias=True,
-        input_is_parallel=True,
-        skip_bias_add=False,
-        pg_collection=pgc,
-        device=device,
-    )
 
 
 class LayerNorm(nn.Module):
@@ -126,22 +91,62 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, _LN_EPS)
 
 
+class _Build(NamedTuple):
+    """What every part of the model is built from: sizes, layer config, groups, device."""
+
+    cfg: GPTConfig
+    mp: mg.ModelParallelConfig
+    pgc: mg.ProcessGroupCollection
+    device: torch.device
+
+    def column(
+        self, n_in: int, n_out: int, *, bias: bool, own_weight: bool = True
+    ) -> tpl.ColumnParallelLinear:
+        """``[.., n_in] → [.., n_out / tp]``: the weight's output rows split over TP.
+
+        Without ``own_weight`` the layer allocates no weight: forward gets ``weight=``.
+        """
+        return tpl.ColumnParallelLinear(
+            n_in,
+            n_out,
+            config=self.mp,
+            init_method=_no_init,
+            bias=bias,
+            skip_weight_param_allocation=not own_weight,
+            pg_collection=self.pgc,
+            device=self.device,
+        )
+
+    def row(self, n_in: int, n_out: int) -> tpl.RowParallelLinear:
+        """``[.., n_in / tp] → [.., n_out]`` summed over TP (reduce-scattered under SP), + bias."""
+        return tpl.RowParallelLinear(
+            n_in,
+            n_out,
+            config=self.mp,
+            init_method=_no_init,
+            bias=True,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            pg_collection=self.pgc,
+            device=self.device,
+        )
+
+    def layer_norm(self) -> LayerNorm:
+        """A layer norm over the hidden size (see :meth:`LayerNorm.for_model`)."""
+        return LayerNorm.for_model(self.cfg, self.mp, self.device)
+
+
 class _SelfAttention(nn.Module):
     """Causal self-attention over this rank's heads (Column QKV, Row output projection)."""
 
-    def __init__(
-        self,
-        cfg: GPTConfig,
-        mp: mg.ModelParallelConfig,
-        pgc: mg.ProcessGroupCollection,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, build: _Build) -> None:
         super().__init__()
-        h = cfg.hidden_size
-        self.head_dim = cfg.head_dim
-        self.local_heads = cfg.num_heads // mg.group_size(pgc.require("tp", "GPT attention"))
-        self.linear_qkv = _column(h, 3 * h, mp, pgc, device, bias=False)
-        self.linear_proj = _row(h, h, mp, pgc, device)
+        h = build.cfg.hidden_size
+        self.head_dim = build.cfg.head_dim
+        tp = build.pgc.require("tp", "GPT attention")
+        self.local_heads = build.cfg.num_heads // mg.group_size(tp)
+        self.linear_qkv = build.column(h, 3 * h, bias=False)
+        self.linear_proj = build.row(h, h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[s(/tp), b, h] → [s(/tp), b, h]``: QKV gathers the sequence, proj scatters it."""
@@ -155,16 +160,11 @@ class _SelfAttention(nn.Module):
 class _MLP(nn.Module):
     """``fc2(gelu(fc1(x)))`` with fc1 split by columns and fc2 by rows."""
 
-    def __init__(
-        self,
-        cfg: GPTConfig,
-        mp: mg.ModelParallelConfig,
-        pgc: mg.ProcessGroupCollection,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, build: _Build) -> None:
         super().__init__()
-        self.linear_fc1 = _column(cfg.hidden_size, cfg.ffn_size, mp, pgc, device, bias=True)
-        self.linear_fc2 = _row(cfg.ffn_size, cfg.hidden_size, mp, pgc, device)
+        h, ffn = build.cfg.hidden_size, build.cfg.ffn_size
+        self.linear_fc1 = build.column(h, ffn, bias=True)
+        self.linear_fc2 = build.row(ffn, h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[s(/tp), b, h] → [s(/tp), b, h]``."""
@@ -182,10 +182,11 @@ class TransformerLayer(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        self.input_layernorm = LayerNorm.for_model(cfg, mp, device)
-        self.self_attention = _SelfAttention(cfg, mp, pgc, device)
-        self.pre_mlp_layernorm = LayerNorm.for_model(cfg, mp, device)
-        self.mlp = _MLP(cfg, mp, pgc, device)
+        build = _Build(cfg, mp, pgc, device)
+        self.input_layernorm = build.layer_norm()
+        self.self_attention = _SelfAttention(build)
+        self.pre_mlp_layernorm = build.layer_norm()
+        self.mlp = _MLP(build)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One block."""
@@ -198,21 +199,10 @@ class TransformerLayer(nn.Module):
 class _Decoder(nn.Module):
     """The blocks of this stage (keyed by global index) and, on the last stage, the final LN."""
 
-    def __init__(
-        self,
-        cfg: GPTConfig,
-        mp: mg.ModelParallelConfig,
-        pgc: mg.ProcessGroupCollection,
-        device: torch.device,
-        indices: Iterable[int],
-        *,
-        final_norm: bool,
-    ) -> None:
+    def __init__(self, build: _Build, indices: Iterable[int], *, final_norm: bool) -> None:
         super().__init__()
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg, mp, pgc, device) for i in indices}
-        )
-        self.final_layernorm = LayerNorm.for_model(cfg, mp, device) if final_norm else None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(*build) for i in indices})
+        self.final_layernorm = build.layer_norm() if final_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every block in order, then the final LN when this stage has it."""
@@ -224,14 +214,9 @@ class _Decoder(nn.Module):
 class _Embedding(nn.Module):
     """Word embedding (vocabulary split over TP) plus a learned position embedding."""
 
-    def __init__(
-        self,
-        cfg: GPTConfig,
-        mp: mg.ModelParallelConfig,
-        pgc: mg.ProcessGroupCollection,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, build: _Build) -> None:
         super().__init__()
+        cfg, mp, pgc, device = build
         tp = pgc.require("tp", "GPT embedding")
         self.sequence_parallel = mp.sequence_parallel
         self.tp_rank, self.tp_size = mg.group_rank(tp), mg.group_size(tp)
@@ -305,20 +290,14 @@ class GPT(nn.Module):
         self.post_process = mg.is_pipeline_last_stage(pgc) if post_process is None else post_process
         indices = range(cfg.num_layers) if layers is None else list(layers)
         self.tp_group = pgc.require("tp", "GPT")
+        build = _Build(cfg, mp, pgc, device)
         if self.pre_process:
-            self.embedding = _Embedding(cfg, mp, pgc, device)
-        self.decoder = _Decoder(cfg, mp, pgc, device, indices, final_norm=self.post_process)
+            self.embedding = _Embedding(build)
+        self.decoder = _Decoder(build, indices, final_norm=self.post_process)
         if self.post_process:
-            self.output_layer = tpl.ColumnParallelLinear(
-                cfg.hidden_size,
-                cfg.vocab_size,
-                config=mp,
-                init_method=_no_init,
-                bias=False,
-                gather_output=False,
-                skip_weight_param_allocation=self.pre_process,
-                pg_collection=pgc,
-                device=device,
+            # logits stay split over the vocabulary; a stage with the embedding passes E
+            self.output_layer = build.column(
+                cfg.hidden_size, cfg.vocab_size, bias=False, own_weight=not self.pre_process
             )
         self._mark_shared_embedding(pipeline_stages=mp.pipeline_model_parallel_size)
 
