@@ -86,82 +86,6 @@ SOURCES = (
     ),
 )
 
-# mc-tp-layers' table (case id -> [exception, *fragments]) has no doc cells yet and is
-# being refactored by its owner; until it carries doc_call/doc_input, its cells live here.
-# A case added to or removed from that table without updating this map fails generation.
-PENDING_CELLS: dict[str, dict[str, tuple[str, str]]] = {
-    "mc_tp_layers_tests.test_errors": {
-        "output_size": ("`ColumnParallelLinear(8, 5, ...)` at TP 2", "output size not divisible"),
-        "input_size": ("`RowParallelLinear(5, 8, ...)` at TP 2", "input size not divisible"),
-        "vocab": ("`VocabParallelEmbedding(9, 4, ...)` at TP 2", "vocabulary not divisible"),
-        "sp_not_parallel": (
-            "`RowParallelLinear(..., input_is_parallel=False)`",
-            "with sequence parallelism",
-        ),
-        "rank": ("`ColumnParallelLinear(...)(x)`", "4-D input"),
-        "last_dim": ("`ColumnParallelLinear(8, ...)(x)`", "input with 7 features"),
-        "no_weight": (
-            "`ColumnParallelLinear(..., skip_weight_param_allocation=True)(x)`",
-            "no `weight=`",
-        ),
-        "weight_shape": ("`ColumnParallelLinear(...)(x, weight=)`", "weight of the wrong shape"),
-        "main_grad": (
-            "`ColumnParallelLinear` with `gradient_accumulation_fusion`",
-            "weight without `main_grad`",
-        ),
-        "sequence": ("`RowParallelLinear` under SP", "sequence length 3 at TP 2"),
-        "emb_sequence": (
-            "`VocabParallelEmbedding(reduce_scatter_embeddings=True)`",
-            "sequence length 3 at TP 2",
-        ),
-        "emb_ids": ("`VocabParallelEmbedding(...)(ids)`", "float ids"),
-        "device_init": (
-            "`ColumnParallelLinear` with `use_cpu_initialization=False`",
-            "no RNG tracker",
-        ),
-        "defer_buffers": (
-            "`ColumnParallelLinear` with `defer_embedding_wgrad_compute`",
-            "no buffers",
-        ),
-        "both_reductions": (
-            "`linear_with_grad_accumulation_and_async_allreduce`",
-            "`allreduce_dgrad` and `sequence_parallel`",
-        ),
-        "deferral_without_fusion": (
-            "`linear_with_grad_accumulation_and_async_allreduce`",
-            "`grad_output_buffer` without fusion",
-        ),
-        "drain_mismatch": ("`drain_embedding_wgrad_compute`", "buffers of different lengths"),
-        "config": ("`ColumnParallelLinear(config=)`", "`object()`"),
-        "mapping_group": ("`copy_to_tensor_model_parallel_region(x, group=)`", "`'tp'`"),
-        "split_sizes_count": (
-            "`gather_from_sequence_parallel_region(..., output_split_sizes=)`",
-            "1 size for 2 ranks",
-        ),
-        "split_sizes_rows": (
-            "`gather_from_sequence_parallel_region(..., output_split_sizes=)`",
-            "sizes that disagree with the input",
-        ),
-        "last_dim_split": ("`scatter_to_tensor_model_parallel_region(x)`", "last dim 3 at TP 2"),
-        "tokens_split": ("`all_to_all_hp2sp(x)`", "3 tokens at TP 2"),
-        "smoothing": ("`vocab_parallel_cross_entropy(..., label_smoothing=)`", "`1.0`"),
-        "target_dtype": ("`vocab_parallel_cross_entropy(logits, target)`", "float target"),
-        "target_shape": (
-            "`vocab_parallel_cross_entropy(logits, target)`",
-            "target shape ≠ logits without vocab",
-        ),
-        "frozen_deferral": ("`linear_with_frozen_weight(..., grad_output_buffer=)`", "a buffer"),
-        "output_dtype": (
-            "`linear_with_grad_accumulation_and_async_allreduce(..., output_dtype=)`",
-            "`'bf16'`",
-        ),
-        "gtp_size": (
-            "`linear_with_grad_accumulation_and_async_allreduce(..., gtp_remat_size=)`",
-            "`0`",
-        ),
-    },
-}
-
 
 class Row(NamedTuple):
     """One catalogue row."""
@@ -205,22 +129,16 @@ def _asserted(entry: Any) -> tuple[str, tuple[str, ...]]:
 
 
 def _cells(source: Source, case: str, entry: Any) -> tuple[str, str]:
-    if hasattr(entry, "doc_call"):
-        return entry.doc_call, entry.doc_input
-    pending = PENDING_CELLS.get(source.module, {})
-    if case not in pending:
+    if not hasattr(entry, "doc_call"):
         raise ValueError(
             f"{source.module}.{source.table}[{case!r}] has no doc_call/doc_input: add them to "
             "the test's table entry"
         )
-    return pending[case]
+    return entry.doc_call, entry.doc_input
 
 
 def _rows_of(source: Source) -> Iterator[Row]:
     table = getattr(_import(source), source.table)
-    stale = set(PENDING_CELLS.get(source.module, {})) - set(table)
-    if stale:
-        raise ValueError(f"PENDING_CELLS[{source.module!r}] holds removed cases {sorted(stale)}")
     module_path = source.module.replace(".", "/") + ".py"
     for case, entry in table.items():
         error, words = _asserted(entry)

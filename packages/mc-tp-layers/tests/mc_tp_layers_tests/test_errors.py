@@ -10,7 +10,7 @@ peers instead).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -172,69 +172,277 @@ def _run_cases() -> dict[str, str]:
         mg.destroy_model_parallel(pgc)
 
 
-EXPECTED = {
-    "output_size": ["ValueError", "output_size=5", "tensor-parallel size 2", "multiple"],
-    "input_size": ["ValueError", "input_size=5", "tensor-parallel size 2"],
-    "vocab": ["ValueError", "num_embeddings=9", "pad the vocabulary"],
-    "sp_not_parallel": ["ValueError", "sequence_parallel=True", "input_is_parallel=True"],
-    "rank": ["ValueError", "(2, 2, 2, 8)", "[sequence, batch, 8]"],
-    "last_dim": ["ValueError", "(2, 2, 7)", "[sequence, batch, 8]"],
-    "no_weight": [
+class Case(NamedTuple):
+    """One bad input: the exception, the fragments its message must hold, and the
+    catalogue cells (docs/bad_inputs.md is generated from this table)."""
+
+    error: str
+    words: tuple[str, ...]
+    doc_call: str
+    doc_input: str
+
+
+EXPECTED: dict[str, Case] = {
+    "output_size": Case(
         "ValueError",
-        "skip_weight_param_allocation=True",
-        "weight=<tensor of shape [2, 8]>",
-    ],
-    "weight_shape": ["ValueError", "(4, 8)", "[2, 8]"],
-    "main_grad": [
+        (
+            "output_size=5",
+            "tensor-parallel size 2",
+            "multiple",
+        ),
+        "`ColumnParallelLinear(8, 5, ...)` at TP 2",
+        "output size not divisible",
+    ),
+    "input_size": Case(
         "ValueError",
-        "gradient_accumulation_fusion=True",
-        "main_grad",
-        "DistributedDataParallel",
-    ],
-    "sequence": ["ValueError", "(3, 2, 2)", "sequence length 3", "tensor-parallel size 2"],
-    "emb_sequence": ["ValueError", "sequence length 3", "pad the"],
-    "emb_ids": ["TypeError", "torch.float32", "integer"],
-    "device_init": ["ValueError", "rng_tracker=", "use_cpu_initialization=True"],
-    "defer_buffers": ["ValueError", "embedding_activation_buffer", "grad_output_buffer"],
-    "both_reductions": [
+        (
+            "input_size=5",
+            "tensor-parallel size 2",
+        ),
+        "`RowParallelLinear(5, 8, ...)` at TP 2",
+        "input size not divisible",
+    ),
+    "vocab": Case(
         "ValueError",
-        "allreduce_dgrad=True",
-        "sequence_parallel=True",
-        "allreduce_dgrad=False",
-    ],
-    "deferral_without_fusion": [
+        (
+            "num_embeddings=9",
+            "pad the vocabulary",
+        ),
+        "`VocabParallelEmbedding(9, 4, ...)` at TP 2",
+        "vocabulary not divisible",
+    ),
+    "sp_not_parallel": Case(
         "ValueError",
-        "grad_output_buffer",
-        "gradient_accumulation_fusion=True",
-    ],
-    "drain_mismatch": ["ValueError", "holds 1", "holds 0"],
-    "config": ["TypeError", "lacks", "ModelParallelConfig"],
-    "mapping_group": ["TypeError", "tp_group='tp' must be a torch.distributed.ProcessGroup"],
-    "split_sizes_count": ["ValueError", "output_split_sizes=[2] must hold one", "(2 ranks)"],
-    "split_sizes_rows": [
+        (
+            "sequence_parallel=True",
+            "input_is_parallel=True",
+        ),
+        "`RowParallelLinear(..., input_is_parallel=False)`",
+        "with sequence parallelism",
+    ),
+    "rank": Case(
         "ValueError",
-        "output_split_sizes=[3, 3] gives rank",
-        "3 rows but input_ has shape (2, 2)",
-    ],
-    "last_dim_split": [
+        (
+            "(2, 2, 2, 8)",
+            "[sequence, batch, 8]",
+        ),
+        "`ColumnParallelLinear(...)(x)`",
+        "4-D input",
+    ),
+    "last_dim": Case(
         "ValueError",
-        "input_ has shape (2, 3)",
-        "not divisible by the tensor-parallel size 2",
-        "pad it",
-    ],
-    "tokens_split": ["ValueError", "input_ has shape (3, 3)", "token count (dim 0, 3)"],
-    "smoothing": ["ValueError", "label_smoothing=1.0 must be in [0, 1)"],
-    "target_dtype": ["TypeError", "target holds torch.float32", "integer tensor"],
-    "target_shape": ["ValueError", "target has shape (2, 3)", "(2, 2, 4)"],
-    "frozen_deferral": ["ValueError", "grad_output_buffer and wgrad_deferral_limit", "pass None"],
-    "output_dtype": ["TypeError", "output_dtype='bf16' must be a torch.dtype or None"],
-    "gtp_size": ["ValueError", "gtp_remat_size=0 must be >= 1"],
+        (
+            "(2, 2, 7)",
+            "[sequence, batch, 8]",
+        ),
+        "`ColumnParallelLinear(8, ...)(x)`",
+        "input with 7 features",
+    ),
+    "no_weight": Case(
+        "ValueError",
+        (
+            "skip_weight_param_allocation=True",
+            "weight=<tensor of shape [2, 8]>",
+        ),
+        "`ColumnParallelLinear(..., skip_weight_param_allocation=True)(x)`",
+        "no `weight=`",
+    ),
+    "weight_shape": Case(
+        "ValueError",
+        (
+            "(4, 8)",
+            "[2, 8]",
+        ),
+        "`ColumnParallelLinear(...)(x, weight=)`",
+        "weight of the wrong shape",
+    ),
+    "main_grad": Case(
+        "ValueError",
+        (
+            "gradient_accumulation_fusion=True",
+            "main_grad",
+            "DistributedDataParallel",
+        ),
+        "`ColumnParallelLinear` with `gradient_accumulation_fusion`",
+        "weight without `main_grad`",
+    ),
+    "sequence": Case(
+        "ValueError",
+        (
+            "(3, 2, 2)",
+            "sequence length 3",
+            "tensor-parallel size 2",
+        ),
+        "`RowParallelLinear` under SP",
+        "sequence length 3 at TP 2",
+    ),
+    "emb_sequence": Case(
+        "ValueError",
+        (
+            "sequence length 3",
+            "pad the",
+        ),
+        "`VocabParallelEmbedding(reduce_scatter_embeddings=True)`",
+        "sequence length 3 at TP 2",
+    ),
+    "emb_ids": Case(
+        "TypeError",
+        (
+            "torch.float32",
+            "integer",
+        ),
+        "`VocabParallelEmbedding(...)(ids)`",
+        "float ids",
+    ),
+    "device_init": Case(
+        "ValueError",
+        (
+            "rng_tracker=",
+            "use_cpu_initialization=True",
+        ),
+        "`ColumnParallelLinear` with `use_cpu_initialization=False`",
+        "no RNG tracker",
+    ),
+    "defer_buffers": Case(
+        "ValueError",
+        (
+            "embedding_activation_buffer",
+            "grad_output_buffer",
+        ),
+        "`ColumnParallelLinear` with `defer_embedding_wgrad_compute`",
+        "no buffers",
+    ),
+    "both_reductions": Case(
+        "ValueError",
+        (
+            "allreduce_dgrad=True",
+            "sequence_parallel=True",
+            "allreduce_dgrad=False",
+        ),
+        "`linear_with_grad_accumulation_and_async_allreduce`",
+        "`allreduce_dgrad` and `sequence_parallel`",
+    ),
+    "deferral_without_fusion": Case(
+        "ValueError",
+        (
+            "grad_output_buffer",
+            "gradient_accumulation_fusion=True",
+        ),
+        "`linear_with_grad_accumulation_and_async_allreduce`",
+        "`grad_output_buffer` without fusion",
+    ),
+    "drain_mismatch": Case(
+        "ValueError",
+        (
+            "holds 1",
+            "holds 0",
+        ),
+        "`drain_embedding_wgrad_compute`",
+        "buffers of different lengths",
+    ),
+    "config": Case(
+        "TypeError",
+        (
+            "lacks",
+            "ModelParallelConfig",
+        ),
+        "`ColumnParallelLinear(config=)`",
+        "`object()`",
+    ),
+    "mapping_group": Case(
+        "TypeError",
+        ("tp_group='tp' must be a torch.distributed.ProcessGroup",),
+        "`copy_to_tensor_model_parallel_region(x, group=)`",
+        "`'tp'`",
+    ),
+    "split_sizes_count": Case(
+        "ValueError",
+        (
+            "output_split_sizes=[2] must hold one",
+            "(2 ranks)",
+        ),
+        "`gather_from_sequence_parallel_region(..., output_split_sizes=)`",
+        "1 size for 2 ranks",
+    ),
+    "split_sizes_rows": Case(
+        "ValueError",
+        (
+            "output_split_sizes=[3, 3] gives rank",
+            "3 rows but input_ has shape (2, 2)",
+        ),
+        "`gather_from_sequence_parallel_region(..., output_split_sizes=)`",
+        "sizes that disagree with the input",
+    ),
+    "last_dim_split": Case(
+        "ValueError",
+        (
+            "input_ has shape (2, 3)",
+            "not divisible by the tensor-parallel size 2",
+            "pad it",
+        ),
+        "`scatter_to_tensor_model_parallel_region(x)`",
+        "last dim 3 at TP 2",
+    ),
+    "tokens_split": Case(
+        "ValueError",
+        (
+            "input_ has shape (3, 3)",
+            "token count (dim 0, 3)",
+        ),
+        "`all_to_all_hp2sp(x)`",
+        "3 tokens at TP 2",
+    ),
+    "smoothing": Case(
+        "ValueError",
+        ("label_smoothing=1.0 must be in [0, 1)",),
+        "`vocab_parallel_cross_entropy(..., label_smoothing=)`",
+        "`1.0`",
+    ),
+    "target_dtype": Case(
+        "TypeError",
+        (
+            "target holds torch.float32",
+            "integer tensor",
+        ),
+        "`vocab_parallel_cross_entropy(logits, target)`",
+        "float target",
+    ),
+    "target_shape": Case(
+        "ValueError",
+        (
+            "target has shape (2, 3)",
+            "(2, 2, 4)",
+        ),
+        "`vocab_parallel_cross_entropy(logits, target)`",
+        "target shape ≠ logits without vocab",
+    ),
+    "frozen_deferral": Case(
+        "ValueError",
+        (
+            "grad_output_buffer and wgrad_deferral_limit",
+            "pass None",
+        ),
+        "`linear_with_frozen_weight(..., grad_output_buffer=)`",
+        "a buffer",
+    ),
+    "output_dtype": Case(
+        "TypeError",
+        ("output_dtype='bf16' must be a torch.dtype or None",),
+        "`linear_with_grad_accumulation_and_async_allreduce(..., output_dtype=)`",
+        "`'bf16'`",
+    ),
+    "gtp_size": Case(
+        "ValueError",
+        ("gtp_remat_size=0 must be >= 1",),
+        "`linear_with_grad_accumulation_and_async_allreduce(..., gtp_remat_size=)`",
+        "`0`",
+    ),
 }
 
 
 def test_bad_input_is_a_clear_error_before_any_collective(rank_pools: RankPools) -> None:
     for out in rank_pools.get(2).run(_run_cases):
         assert out["log"] == "[]"
-        for name, parts in EXPECTED.items():
-            for part in parts:
+        for name, case in EXPECTED.items():
+            for part in (case.error, *case.words):
                 assert part in out[name], f"{name}: {part!r} not in {out[name]!r}"
