@@ -6,12 +6,12 @@ A bucket group owns one contiguous shard position ``ShardSpec(group, rank, size)
 buckets go in one coalesced batch (a one-bucket group issues its collective alone), native
 reduce-scatter / all-gather / all-reduce through mc_groups.
 
-On gloo, mc_groups runs reduce-scatter and all-gather as all-to-alls through a staging
-buffer the size of the bucket (torch 2.13 gloo's own ones took 200 / 175 ms for 100 MB on 2
-ranks, the all-to-all 53 ms). The bucket group keeps those buffers in its
-:class:`ScratchBuffers` (one per bucket and dtype, shared by its reduce-scatter and
-all-gather, never in flight together): a fresh 33 MB CPU tensor costs ~27 ms of page faults
-per use (:func:`mc_groups.needs_staging`).
+On gloo, mc_groups runs reduce-scatter as an all-to-all through a staging buffer the size
+of the bucket (torch 2.13 gloo's own one took 200 ms for 100 MB on 2 ranks, the
+all-to-all 53 ms) and all-gather as point-to-point exchanges straight into the bucket (no
+staging). The bucket group keeps the reduce-scatter buffers in its :class:`ScratchBuffers`
+(one per bucket and dtype): a fresh 33 MB CPU tensor costs ~27 ms of page faults per use
+(:func:`mc_groups.needs_staging`).
 
 Two more gloo facts (torch 2.13): one batch must hold one dtype ("allreduce_coalesced:
 tensors must all have the same type"), so a group mixing fp32 and bf16 buckets issues one
@@ -96,7 +96,7 @@ def _issue_all_reduces(
 
 
 _Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
-"""(output, input, staging) of one bucket's reduce-scatter or all-gather."""
+"""(output, input, staging) of one bucket's reduce-scatter."""
 
 
 def _issue_reduce_scatters(
@@ -120,21 +120,19 @@ def _issue_reduce_scatters(
 
 
 def _issue_all_gathers(
-    triples: Sequence[_Triple],
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     group: dist.ProcessGroup,
     *,
     async_op: bool,
     label: str,
     detail: str,
 ) -> mg.CollectiveHandle:
-    if len(triples) == 1:
-        out, shard, staging = triples[0]
-        return mg.all_gather(
-            out, shard, group, async_op=async_op, label=label, staging=staging, detail=detail
-        )
+    if len(pairs) == 1:
+        out, shard = pairs[0]
+        return mg.all_gather(out, shard, group, async_op=async_op, label=label, detail=detail)
     with mg.coalesced(group, async_op=async_op, label=label, detail=detail) as batch:
-        for out, shard, staging in triples:
-            batch.all_gather(out, shard, staging=staging)
+        for out, shard in pairs:
+            batch.all_gather(out, shard)
     return batch.handle
 
 
@@ -236,17 +234,15 @@ def all_reduce_across_instances(
 
 
 def _gather(
-    pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     shard: ShardSpec,
     *,
     async_op: bool,
     label: str,
-    scratch: ScratchBuffers,
     detail: str,
 ) -> PendingCollective:
-    triples = [(out, s, _staging(scratch, shard.group, i, out)) for i, out, s in pairs]
     return PendingCollective(
-        [_issue_all_gathers(triples, shard.group, async_op=async_op, label=label, detail=detail)]
+        [_issue_all_gathers(pairs, shard.group, async_op=async_op, label=label, detail=detail)]
     )
 
 
@@ -255,15 +251,13 @@ def gather_grad_shards(
     shard: ShardSpec,
     *,
     label: str,
-    scratch: ScratchBuffers,
     detail: str = "",
 ) -> None:
     """``grad_data ← concat_r grad_shard(r)``: turns reduce-scattered shards into the full
     reduced gradients an all-reduce would have produced (synchronous)."""
-    index = {id(b): i for i, b in enumerate(buckets)}
     for batch in _by_dtype(buckets, _grad_dtype):
-        pairs = [(index[id(b)], b.grad_data, b.grad_shard(shard.rank, shard.size)) for b in batch]
-        _gather(pairs, shard, async_op=False, label=label, scratch=scratch, detail=detail).wait()
+        pairs = [(b.grad_data, b.grad_shard(shard.rank, shard.size)) for b in batch]
+        _gather(pairs, shard, async_op=False, label=label, detail=detail).wait()
 
 
 def gather_bucket_params(
@@ -272,18 +266,12 @@ def gather_bucket_params(
     *,
     async_op: bool,
     label: str,
-    scratch: ScratchBuffers,
     detail: str = "",
 ) -> PendingCollective:
     """``param_data ← concat_r param_shard(r)`` for each bucket (the distributed optimizer's
     param all-gather, in place: the input is this rank's view of the output)."""
-    index = {id(b): i for i, b in enumerate(buckets)}
     parts = []
     for batch in _by_dtype(buckets, _param_dtype):
-        pairs = [
-            (index[id(b)], _param_data(b), b.param_shard(shard.rank, shard.size)) for b in batch
-        ]
-        parts.append(
-            _gather(pairs, shard, async_op=async_op, label=label, scratch=scratch, detail=detail)
-        )
+        pairs = [(_param_data(b), b.param_shard(shard.rank, shard.size)) for b in batch]
+        parts.append(_gather(pairs, shard, async_op=async_op, label=label, detail=detail))
     return PendingCollective([], [p.wait for p in parts])

@@ -254,7 +254,6 @@ class ParamAndGradBucketGroup:
                 self.buckets,
                 self.shard,
                 label=f"grad gather {self.name}",
-                scratch=self.scratch,
                 detail=self.layout_detail,
             )
         for bucket in self.buckets:
@@ -311,7 +310,6 @@ class ParamAndGradBucketGroup:
             self.shard,
             async_op=async_op,
             label=f"param gather {self.name}",
-            scratch=self.scratch,
             detail=self.layout_detail,
         )
         self.param_gather_handle = pending if async_op else None

@@ -47,8 +47,9 @@ class CoalescedBatch:
 
     On NCCL the batch is one ``torch.distributed._coalescing_manager`` launch. On gloo,
     which gains nothing from coalescing on CPU, each collective is issued asynchronously
-    as it is added (reduce-scatters as all-to-all + local reduction, see
-    :func:`~mc_groups.reduce_scatter`) and the batch's handle waits for all of them. With
+    as it is added (reduce-scatters as all-to-all + local reduction, all-gathers as
+    point-to-point exchanges, see :func:`~mc_groups.reduce_scatter` and
+    :func:`~mc_groups.all_gather`) and the batch's handle waits for all of them. With
     the schedule check on (:mod:`mc_groups.schedule_check`) the collectives are queued and
     issued when the block closes, after the batch as a whole was checked.
     """
@@ -142,21 +143,19 @@ class CoalescedBatch:
 
         self._submit(input, issue)
 
-    def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, staging: torch.Tensor | None = None
-    ) -> None:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Queue an all-gather of ``input`` into ``output`` (see :func:`~mc_groups.all_gather`)."""
         check_all_gather(output, input, self._size)
         self._claim("all_gather", None)
         if self._size == 1:
             copy_unless_alias(output, input)
             return
-        repeated = gloo.staging_for(output, staging) if self._per_op else None
 
         def issue() -> None:
             self._note("all_gather", input, None)
-            if repeated is not None:
-                self._add(gloo.all_gather_by_all_to_all(output, input, self._group, True, repeated))
+            if self._per_op:
+                for work in gloo.all_gather_by_exchange(output, input, self._group):
+                    self._add(work)
                 return
             self._add(all_gather_flat(output, input, group=self._group, async_op=self._async))
 

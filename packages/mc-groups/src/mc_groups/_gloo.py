@@ -1,6 +1,7 @@
-"""The gloo algorithms of the collective layer: reduce-scatter and all-gather built from
-``all_to_all_single`` (torch 2.13 gloo's own ones are 2-4× slower on CPU), and their
-caller-kept staging buffers."""
+"""The gloo algorithms of the collective layer: reduce-scatter built from
+``all_to_all_single`` plus a local reduction, with its caller-kept staging buffer, and
+all-gather built from point-to-point exchanges straight into the output (torch 2.13 gloo's
+own reduce-scatter and all-gather are 2-4× slower on CPU)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ def is_gloo(group: dist.ProcessGroup) -> bool:
 
 
 def needs_staging(group: dist.ProcessGroup) -> bool:
-    """True when :func:`~mc_groups.reduce_scatter` / :func:`~mc_groups.all_gather` on
-    ``group`` use a staging tensor the size of the full (unsharded) buffer: gloo groups of
-    more than one rank.
+    """True when :func:`~mc_groups.reduce_scatter` on ``group`` uses a staging tensor the
+    size of the full (unsharded) buffer: gloo groups of more than one rank.
+    (:func:`~mc_groups.all_gather` needs none: on gloo it exchanges the shards directly.)
 
     Callers that repeat a collective on the same buffer pass a kept ``staging`` tensor:
     on CPU a fresh 33 MB tensor costs about 27 ms of page faults per use, a reused one
@@ -102,20 +103,44 @@ def reduce_scatter_by_all_to_all(
     return work, finish
 
 
-def all_gather_by_all_to_all(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: dist.ProcessGroup,
-    async_op: bool,
-    repeated: torch.Tensor,
-) -> Any:
-    """Gloo's all-gather as an all-to-all of the repeated shard.
+EXCHANGE_TAG = 0x6D63
+"""The point-to-point tag of the all-gather exchange: apart from user ``send``/``recv``
+(tag 0) on the same group, so neither can take the other's message."""
 
-    Rank r sends ``[x_r | x_r | … | x_r]`` (``staging``); rank r then receives chunk r of
-    every rank's input, which is ``x_s`` from rank s: ``output = [x_0 | … | x_{W-1}]``.
-    torch 2.13 gloo's ``all_gather_single`` took 175 ms for 100 MB on 2 ranks, this 53 ms
-    (measured). ``input`` may be a view of ``output``: it is copied into ``repeated`` (a flat
-    buffer of ``output``'s numel and dtype) before the collective.
+
+def all_gather_by_exchange(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+) -> list[Any]:
+    """Gloo's all-gather as point-to-point exchanges, issued asynchronously.
+
+    Group rank r puts ``x_r`` in row r of ``output`` (nothing to copy when ``input`` is
+    that row: a shard view of a flat buffer), sends row r to every other rank and receives
+    row s from rank s straight into ``output``: ``output = [x_0 | … | x_{W-1}]``. Each rank
+    sends and receives ``(W-1)/W`` of the output, like a ring all-gather, with no staging
+    buffer. Measured on 2 ranks, 25 MiB output: 8.7 ms, against 13.3 ms for an
+    all-to-all of the repeated shard and 13.2 ms for gloo's ``all_gather_into_tensor``.
+
+    Messages between two ranks on one tag arrive in the order they were posted, so
+    several all-gathers in flight on one group match up as long as every rank issues them
+    in the same order (as for any collective). Returns the works (2 (W-1) of them).
     """
-    repeated.view(group.size(), -1).copy_(input.reshape(1, -1).expand(group.size(), -1))
-    return dist.all_to_all_single(output.view(-1), repeated, group=group, async_op=async_op)
+    size, me = group.size(), group.rank()
+    rows = output.view(size, -1)
+    own = rows[me]
+    source = input.reshape(-1)
+    if source.data_ptr() != own.data_ptr():
+        if _shares_memory(source, output):
+            source = source.clone()  # another row of output: read it before it is received
+        own.copy_(source)
+    works: list[Any] = []
+    for peer in range(size):
+        if peer != me:
+            works.append(dist.isend(own, group=group, group_dst=peer, tag=EXCHANGE_TAG))
+            works.append(dist.irecv(rows[peer], group=group, group_src=peer, tag=EXCHANGE_TAG))
+    return works
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The byte ranges of ``a`` and ``b`` (both contiguous) overlap."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

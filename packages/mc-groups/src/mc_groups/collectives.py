@@ -171,14 +171,13 @@ def all_gather(
     *,
     async_op: bool = False,
     label: str = "",
-    staging: torch.Tensor | None = None,
     detail: str = "",
 ) -> CollectiveHandle:
     """Concatenate every rank's ``input`` along dim 0 into ``output`` (group-rank order).
 
     ``input`` may be a view of ``output`` (this rank's shard of a flat buffer). On gloo it
-    runs as an all-to-all of the repeated input (see :func:`needs_staging`; ``staging`` is
-    an optional reused send buffer of ``output``'s numel and dtype).
+    runs as point-to-point exchanges straight into ``output`` (each rank sends its shard to
+    every other rank; no staging buffer), recorded as one ``all_gather``.
     """
     check_group(group)
     size = group.size()
@@ -188,14 +187,17 @@ def all_gather(
         return DONE
     description = describe("all_gather", group, input, label, detail)
     if gloo.is_gloo(group):
-        repeated = gloo.staging_for(output, staging)
         check_schedule("all_gather", group, input, label=label, detail=detail)
         record("all_gather", group, input, reduce_op=None, async_op=async_op, label=label)
-        return issue(
-            description,
-            lambda: gloo.all_gather_by_all_to_all(output, input, group, async_op, repeated),
-            async_op=async_op,
-        )
+        try:
+            works = gloo.all_gather_by_exchange(output, input, group)
+        except RuntimeError as err:
+            raise CollectiveError(f"{description} failed: {err}") from err
+        handle = CollectiveHandle(works, description)
+        if async_op:
+            return handle
+        handle.wait()
+        return DONE
     check_schedule("all_gather", group, input, label=label, detail=detail)
     record("all_gather", group, input, reduce_op=None, async_op=async_op, label=label)
     return issue(

@@ -126,10 +126,10 @@ CASES: dict[str, Case] = {
         doc_input="output on `meta`, input on cpu",
     ),
     "staging size": Case(
-        lambda g, r: mg.all_gather(torch.zeros(4), torch.zeros(2), g, staging=torch.zeros(3)),
+        lambda g, r: mg.reduce_scatter(torch.zeros(2), torch.zeros(4), g, staging=torch.zeros(3)),
         "ValueError",
         ("staging=3 × float32 on cpu", "4 × float32 on cpu"),
-        doc_call="`all_gather(..., staging=)`",
+        doc_call="`reduce_scatter(..., staging=)`",
         doc_input="staging buffer of the wrong size",
     ),
     # -- collectives: ranks, splits, batches ---------------------------------------------

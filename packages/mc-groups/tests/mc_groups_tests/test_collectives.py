@@ -121,7 +121,8 @@ def test_reduce_scatter_every_op(rank_pools: RankPools) -> None:
 
 
 def _with_staging() -> dict[str, Any]:
-    """Reused staging buffers give the same values as fresh ones, in and out of batches."""
+    """A reused reduce-scatter staging buffer gives the same values as a fresh one, in and
+    out of batches; a wrong-sized one is refused before anything is issued."""
     g, r, w = _world(), dist.get_rank(), dist.get_world_size()
     n = 4 * w
     staging = torch.full((n,), float("nan"))  # garbage in the buffer must not leak out
@@ -131,14 +132,14 @@ def _with_staging() -> dict[str, Any]:
         shard = flat.view(-1)[r * 4 : (r + 1) * 4]
         mg.reduce_scatter(shard, flat, g, staging=staging)
         gathered = torch.zeros(n)
-        mg.all_gather(gathered, shard, g, staging=staging, async_op=True).wait()
+        mg.all_gather(gathered, shard, g, async_op=True).wait()
         with mg.coalesced(g) as batch:
             out = torch.zeros(n)
-            batch.all_gather(out, torch.full((4,), float(r)), staging=staging)
-        results[f"round{round_}"] = (gathered.tolist(), out.tolist())
+            batch.reduce_scatter(out[:4], torch.full((n,), float(r + 1)), staging=staging)
+        results[f"round{round_}"] = (gathered.tolist(), out[:4].tolist())
     with record_collectives() as log:
         try:
-            mg.all_gather(torch.zeros(n), torch.zeros(4), g, staging=torch.zeros(3))
+            mg.reduce_scatter(torch.zeros(4), torch.zeros(n), g, staging=torch.zeros(3))
             results["bad"] = "no error"
         except ValueError as err:
             results["bad"] = str(err)
@@ -148,17 +149,63 @@ def _with_staging() -> dict[str, Any]:
 
 def test_staging_buffers_are_reused_safely(rank_pools: RankPools) -> None:
     w = 2
-    total = w * (w + 1) / 2  # rank r contributes arange·(r + 1)
+    total = w * (w + 1) / 2  # rank r contributes arange·(r + 1), or the constant r + 1
     full = [v * total for v in range(4 * w)]
     for out in rank_pools.get(w).run(_with_staging):
         assert out["needs"] is True  # gloo, 2 ranks
         for key in ("round0", "round1"):
             gathered, batch = out[key]
             assert gathered == full
-            assert batch == [float(k) for k in range(w) for _ in range(4)]
+            assert batch == [total] * 4
         assert "staging=3 × float32" in out["bad"]
         assert f"{4 * w} × float32" in out["bad"]
         assert out["logged"] == 0
+
+
+def _all_gather_exchange() -> dict[str, Any]:
+    """The gloo all-gather (point-to-point exchange into the output) in its corner cases."""
+    g, r, w = _world(), dist.get_rank(), dist.get_world_size()
+    results: dict[str, Any] = {}
+    # in place: the input is this rank's row of the output
+    flat = torch.full((3 * w,), -1.0)
+    flat[3 * r : 3 * (r + 1)] = float(r)
+    mg.all_gather(flat, flat[3 * r : 3 * (r + 1)], g)
+    results["in_place"] = flat.tolist()
+    # the input is another row of the output (read before that row is received)
+    other = (r + 1) % w
+    flat = torch.full((3 * w,), -1.0)
+    flat[3 * other : 3 * (other + 1)] = float(10 + r)
+    mg.all_gather(flat, flat[3 * other : 3 * (other + 1)], g)
+    results["aliased"] = flat.tolist()
+    # several gathers in flight at once on one group, with a user send/recv (tag 0) between
+    outs = [torch.zeros(2 * w) for _ in range(3)]
+    handles = [
+        mg.all_gather(out, torch.full((2,), float(100 * k + r)), g, async_op=True)
+        for k, out in enumerate(outs)
+    ]
+    token = torch.full((1,), float(r))
+    if r == 0:
+        mg.send(token, g, group_dst=1)
+    elif r == 1:
+        mg.recv(token, g, group_src=0)
+    for handle in reversed(handles):
+        handle.wait()
+    results["in_flight"] = [out.tolist() for out in outs]
+    results["token"] = token.item()
+    return results
+
+
+def test_gloo_all_gather_exchange(rank_pools: RankPools) -> None:
+    """Localizes the point-to-point all-gather: in-place and aliased inputs, and three
+    gathers in flight at once beside a user send/recv on the same group (messages must
+    not cross: the exchange has its own tag; same-tag messages match in posting order)."""
+    for w in (2, 4):
+        for r, out in enumerate(rank_pools.get(w).run(_all_gather_exchange)):
+            assert out["in_place"] == [float(s) for s in range(w) for _ in range(3)]
+            assert out["aliased"] == [float(10 + s) for s in range(w) for _ in range(3)]
+            for k, got in enumerate(out["in_flight"]):
+                assert got == [float(100 * k + s) for s in range(w) for _ in range(2)]
+            assert out["token"] == (0.0 if r <= 1 else float(r))
 
 
 def _all_gather_values() -> dict[str, Any]:
