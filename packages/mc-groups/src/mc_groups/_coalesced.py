@@ -48,7 +48,7 @@ class CoalescedBatch:
     On NCCL the batch is one ``torch.distributed._coalescing_manager`` launch. On gloo,
     which gains nothing from coalescing on CPU, each collective is issued asynchronously
     as it is added (reduce-scatters as all-to-all + local reduction, all-gathers as
-    point-to-point exchanges, see :func:`~mc_groups.reduce_scatter` and
+    point-to-point exchanges or all-to-alls by size, see :func:`~mc_groups.reduce_scatter` and
     :func:`~mc_groups.all_gather`) and the batch's handle waits for all of them. With
     the schedule check on (:mod:`mc_groups.schedule_check`) the collectives are queued and
     issued when the block closes, after the batch as a whole was checked.
@@ -154,7 +154,7 @@ class CoalescedBatch:
         def issue() -> None:
             self._note("all_gather", input, None)
             if self._per_op:
-                for work in gloo.all_gather_by_exchange(output, input, self._group):
+                for work in gloo.all_gather_works(output, input, self._group):
                     self._add(work)
                 return
             self._add(all_gather_flat(output, input, group=self._group, async_op=self._async))

@@ -177,7 +177,8 @@ def all_gather(
 
     ``input`` may be a view of ``output`` (this rank's shard of a flat buffer). On gloo it
     runs as point-to-point exchanges straight into ``output`` (each rank sends its shard to
-    every other rank; no staging buffer), recorded as one ``all_gather``.
+    every other rank; no staging buffer) from 4 MiB of output on, as an all-to-all of the
+    repeated input below that; recorded as one ``all_gather`` either way.
     """
     check_group(group)
     size = group.size()
@@ -190,7 +191,7 @@ def all_gather(
         check_schedule("all_gather", group, input, label=label, detail=detail)
         record("all_gather", group, input, reduce_op=None, async_op=async_op, label=label)
         try:
-            works = gloo.all_gather_by_exchange(output, input, group)
+            works = gloo.all_gather_works(output, input, group)
         except RuntimeError as err:
             raise CollectiveError(f"{description} failed: {err}") from err
         handle = CollectiveHandle(works, description)

@@ -162,25 +162,31 @@ def test_staging_buffers_are_reused_safely(rank_pools: RankPools) -> None:
         assert out["logged"] == 0
 
 
-def _all_gather_exchange() -> dict[str, Any]:
-    """The gloo all-gather (point-to-point exchange into the output) in its corner cases."""
+def _rows(out: torch.Tensor, w: int) -> list[tuple[float, float]]:
+    """(min, max) of each rank's row of a gathered output."""
+    return [(float(row.min()), float(row.max())) for row in out.view(w, -1)]
+
+
+def _gloo_all_gathers(per_rank: int) -> dict[str, Any]:
+    """The gloo all-gather in its corner cases, ``per_rank`` elements from each rank."""
     g, r, w = _world(), dist.get_rank(), dist.get_world_size()
+    n = per_rank * w
     results: dict[str, Any] = {}
     # in place: the input is this rank's row of the output
-    flat = torch.full((3 * w,), -1.0)
-    flat[3 * r : 3 * (r + 1)] = float(r)
-    mg.all_gather(flat, flat[3 * r : 3 * (r + 1)], g)
-    results["in_place"] = flat.tolist()
-    # the input is another row of the output (read before that row is received)
+    flat = torch.full((n,), -1.0)
+    flat[per_rank * r : per_rank * (r + 1)] = float(r)
+    mg.all_gather(flat, flat[per_rank * r : per_rank * (r + 1)], g)
+    results["in_place"] = _rows(flat, w)
+    # the input is another row of the output (it must be read before that row is received)
     other = (r + 1) % w
-    flat = torch.full((3 * w,), -1.0)
-    flat[3 * other : 3 * (other + 1)] = float(10 + r)
-    mg.all_gather(flat, flat[3 * other : 3 * (other + 1)], g)
-    results["aliased"] = flat.tolist()
+    flat = torch.full((n,), -1.0)
+    flat[per_rank * other : per_rank * (other + 1)] = float(10 + r)
+    mg.all_gather(flat, flat[per_rank * other : per_rank * (other + 1)], g)
+    results["aliased"] = _rows(flat, w)
     # several gathers in flight at once on one group, with a user send/recv (tag 0) between
-    outs = [torch.zeros(2 * w) for _ in range(3)]
+    outs = [torch.zeros(n) for _ in range(3)]
     handles = [
-        mg.all_gather(out, torch.full((2,), float(100 * k + r)), g, async_op=True)
+        mg.all_gather(out, torch.full((per_rank,), float(100 * k + r)), g, async_op=True)
         for k, out in enumerate(outs)
     ]
     token = torch.full((1,), float(r))
@@ -190,21 +196,26 @@ def _all_gather_exchange() -> dict[str, Any]:
         mg.recv(token, g, group_src=0)
     for handle in reversed(handles):
         handle.wait()
-    results["in_flight"] = [out.tolist() for out in outs]
+    results["in_flight"] = [_rows(out, w) for out in outs]
     results["token"] = token.item()
     return results
 
 
-def test_gloo_all_gather_exchange(rank_pools: RankPools) -> None:
-    """Localizes the point-to-point all-gather: in-place and aliased inputs, and three
-    gathers in flight at once beside a user send/recv on the same group (messages must
-    not cross: the exchange has its own tag; same-tag messages match in posting order)."""
+@pytest.mark.parametrize(
+    "per_rank_bytes", [12, 4 * 2**20], ids=["all-to-all (small)", "exchange (4 MiB per rank)"]
+)
+def test_gloo_all_gather_paths(rank_pools: RankPools, per_rank_bytes: int) -> None:
+    """Localizes gloo's two all-gather algorithms (all-to-all of the repeated shard below
+    4 MiB of output, point-to-point exchange above): in-place and aliased inputs, and three
+    gathers in flight at once beside a user send/recv on the same group (messages must not
+    cross: the exchange has its own tag; same-tag messages match in posting order)."""
     for w in (2, 4):
-        for r, out in enumerate(rank_pools.get(w).run(_all_gather_exchange)):
-            assert out["in_place"] == [float(s) for s in range(w) for _ in range(3)]
-            assert out["aliased"] == [float(10 + s) for s in range(w) for _ in range(3)]
+        results = rank_pools.get(w).run(_gloo_all_gathers, per_rank_bytes // 4)
+        for r, out in enumerate(results):
+            assert out["in_place"] == [(float(s), float(s)) for s in range(w)]
+            assert out["aliased"] == [(float(10 + s), float(10 + s)) for s in range(w)]
             for k, got in enumerate(out["in_flight"]):
-                assert got == [float(100 * k + s) for s in range(w) for _ in range(2)]
+                assert got == [(float(100 * k + s), float(100 * k + s)) for s in range(w)]
             assert out["token"] == (0.0 if r <= 1 else float(r))
 
 
