@@ -17,7 +17,10 @@ barrier) so load from other processes on the machine hits them alike:
   then every param all-gather dispatched asynchronously by the optimizer step
   (``overlap_param_gather_with_optimizer_step``) and waited for by the forward pre-hooks;
 - ``mc DDP (dist. opt., gather from pre-hooks)``: the same, but each forward pre-hook
-  dispatches the next group's gather (``overlap_param_gather`` alone).
+  dispatches the next group's gather (``overlap_param_gather`` alone);
+- ``no communication (floor)``: the plain model and SGD on each rank, no DDP at all: what
+  the step costs without gradient synchronisation, so the table shows how much of each
+  variant is communication.
 
 Reported: median step time over ``--iters`` rounds after ``--warmup``, its ratio to torch
 DDP with bucket views (the slower rank's median counts), gradient memory per rank (torch:
@@ -95,6 +98,22 @@ def _torch_variant(bucket_view: bool) -> tuple[Step, Memory]:
     return step, memory
 
 
+def _floor_variant() -> tuple[Step, Memory]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = _batch()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        torch.autograd.backward((model(x) - y).pow(2).mean())
+        opt.step()
+
+    def memory() -> tuple[int, int]:
+        return sum(p.grad.nbytes for p in model.parameters() if p.grad is not None), 0
+
+    return step, memory
+
+
 def _mc_variant(
     pgc: mg.ProcessGroupCollection, step_dispatch: bool = False, **fields: Any
 ) -> tuple[Step, Memory]:
@@ -150,6 +169,7 @@ def _measure(warmup: int, iters: int) -> dict[str, Any]:
                 use_distributed_optimizer=True,
                 bucket_size=BUCKET_ELEMENTS,
             ),
+            "no communication (floor)": _floor_variant(),
         }
         medians = _common.interleaved_medians({k: v[0] for k, v in variants.items()}, warmup, iters)
         params = sum(p.numel() for p in _model().parameters())
@@ -188,7 +208,7 @@ def _table(per_rank: list[dict[str, Any]]) -> tuple[list[str], bool]:
 
 
 def main() -> int:
-    args = _common.parse_arguments(__doc__, iters=12, iters_help="timed rounds (>= 10)", warmup=2)
+    args = _common.parse_arguments(__doc__, iters=20, iters_help="timed rounds (>= 10)", warmup=2)
     with _common.rank_pool(2) as pool:
         per_rank = pool.run(_common.rank_worker("benchmarks.ddp_step"), args.warmup, args.iters)
     print(f"{per_rank[0]['params']:,} params, batch {BATCH} per rank, 2 gloo ranks, 1 thread each")
