@@ -64,7 +64,7 @@ from mc_groups.schedule_check import (
     schedule_check_enabled,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AXES",
