@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups._core import ReduceOp, dtype_name
+from mc_groups._p2p import exchange_rows
 
 __all__ = ["needs_staging"]
 
@@ -134,34 +135,6 @@ def all_gather_works(
 
 
 def _exchange(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> list[Any]:
-    """All-gather by point-to-point exchange.
-
-    Group rank r puts ``x_r`` in row r of ``output`` (nothing to copy when ``input`` is
-    that row: a shard view of a flat buffer), sends row r to every other rank and receives
-    row s from rank s straight into ``output``: ``output = [x_0 | … | x_{W-1}]``. Each rank
-    sends and receives ``(W-1)/W`` of the output, like a ring all-gather.
-
-    Messages between two ranks on one tag arrive in the order they were posted, so
-    several all-gathers in flight on one group match up as long as every rank issues them
-    in the same order (as for any collective). Returns the works (2 (W-1) of them).
-    """
-    size, me = group.size(), group.rank()
-    rows = output.view(size, -1)
-    own = rows[me]
-    source = input.reshape(-1)
-    if source.data_ptr() != own.data_ptr():
-        if _shares_memory(source, output):
-            source = source.clone()  # another row of output: read it before it is received
-        own.copy_(source)
-    works: list[Any] = []
-    for peer in range(size):
-        if peer != me:
-            works.append(dist.isend(own, group=group, group_dst=peer, tag=EXCHANGE_TAG))
-            works.append(dist.irecv(rows[peer], group=group, group_src=peer, tag=EXCHANGE_TAG))
-    return works
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The byte ranges of ``a`` and ``b`` (both contiguous) overlap."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+    """All-gather by point-to-point exchange on :data:`EXCHANGE_TAG` (see
+    :func:`mc_groups._p2p.exchange_rows`)."""
+    return exchange_rows(output, input, group, tag=EXCHANGE_TAG)

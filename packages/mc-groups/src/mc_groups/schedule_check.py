@@ -20,7 +20,9 @@ checks, before it is recorded or issued):
 1. fingerprint = 64-bit BLAKE2b digest of ``op(reduce op) | numel × dtype | label |
    detail`` (``detail`` is the caller's words for what the tensor holds, e.g. a DDP
    bucket's param layout);
-2. one synchronous all-gather of the fingerprints (8 bytes per rank) over the group;
+2. one synchronous all-gather of the fingerprints (8 bytes per rank) over the group (on
+   gloo as point-to-point sends on their own tag, which do not wait in the group's work
+   queue behind collectives still in flight);
 3. equal → the collective is issued as usual; different → the ranks all-gather their
    descriptions (only then) and every rank raises :class:`CollectiveScheduleError`
    listing which ranks were about to run what. Nothing of the mismatched collective
@@ -55,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups._errors import CollectiveError, CollectiveScheduleError
+from mc_groups._p2p import exchange_rows
 from mc_groups._shims import all_gather_flat
 
 __all__ = [
@@ -168,10 +171,22 @@ def verify_schedule(
     raise CollectiveScheduleError(_mismatch_message(ranks, keys, descriptions))
 
 
+SCHEDULE_TAG = 0x6D64
+"""The point-to-point tag of the fingerprint exchange on gloo (apart from user
+``send``/``recv`` and the all-gather exchange)."""
+
+
 def _exchange_keys(group: dist.ProcessGroup, key: int, device: torch.device) -> list[int]:
+    """Every rank's fingerprint, in group-rank order. On gloo by point-to-point exchange,
+    which does not queue behind the group's in-flight collectives (a gloo all-gather would
+    wait for an overlapped bucket reduction issued just before); elsewhere one all-gather."""
     mine = torch.tensor([key], dtype=torch.int64, device=device)
     out = torch.empty(group.size(), dtype=torch.int64, device=device)
-    all_gather_flat(out, mine, group=group)
+    if dist.get_backend(group) == "gloo":
+        for work in exchange_rows(out, mine, group, tag=SCHEDULE_TAG):
+            work.wait()
+    else:
+        all_gather_flat(out, mine, group=group)
     return [int(v) for v in out.tolist()]
 
 
