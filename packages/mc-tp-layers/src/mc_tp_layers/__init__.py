@@ -63,7 +63,7 @@ from mc_tp_layers.random import (
 from mc_tp_layers.row import RowParallelLinear
 from mc_tp_layers.utils import VocabUtility, divide, split_tensor_along_last_dim
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 __all__ = [
     "ColumnParallelLinear",

@@ -17,6 +17,7 @@ import torch
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools, gpu_skip_reason
+from mc_tp_layers import _gemm
 from mc_tp_layers_tests._helpers import assert_close, chunk, config, ops, randn, world
 
 S, B, K, N = 4, 2, 8, 16
@@ -146,3 +147,29 @@ def test_two_devices_sequence_parallel_block(rank_pools: RankPools) -> None:
             "all_gather",
             "reduce_scatter",
         ]
+
+
+def _te_skip_reason() -> str | None:
+    if _ONE is not None:
+        return _ONE
+    if not _gemm._te_gemm_available:
+        return "needs transformer-engine (optional extra, GPU only), not importable here"
+    return None
+
+
+_TE = _te_skip_reason()
+
+
+@pytest.mark.skipif(_TE is not None, reason=_TE or "")
+def test_output_dtype_through_transformer_engine() -> None:
+    """On CUDA with TE importable, ``output_dtype`` runs TE's ``general_gemm``; it must match
+    the exact torch path (bf16 operands, fp32 accumulation) up to summation order."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    x = randn(S, B, K, seed=11).bfloat16().to(cuda)
+    w = randn(N, K, seed=12).bfloat16().to(cuda)
+    bias = randn(N, seed=13).bfloat16().to(cuda)
+    y = _gemm._linear_forward(x, w, bias, torch.float32)
+    assert y.dtype == torch.float32
+    assert y.shape == (S, B, N)
+    reference = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    assert_close(y.cpu(), reference.cpu(), "TE general_gemm against the torch path")

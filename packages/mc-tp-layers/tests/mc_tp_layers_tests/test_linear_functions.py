@@ -17,6 +17,7 @@ import mc_groups as mg
 import mc_tp_layers as tpl
 import mc_tp_layers.linear as tpl_linear
 from mc_groups.testing import RankPools
+from mc_tp_layers import _gemm
 from mc_tp_layers.layers import _linear_forward, _wgrad_gemm
 from mc_tp_layers_tests._helpers import (
     assert_close,
@@ -405,6 +406,38 @@ def test_gemm_helpers_widen_exactly() -> None:
     assert _wgrad_gemm(out, dy, x) is out
     assert torch.equal(out, dy.double().t().matmul(x.double()).float())
     assert _linear_forward(x, w, None, None).dtype == torch.bfloat16
+
+
+def test_te_wrapper_reshapes_and_adds_bias() -> None:
+    """Localizes mc's use of Transformer Engine's ``general_gemm`` for ``output_dtype`` (the
+    real kernel needs CUDA: ``test_cuda.py``): a stand-in with TE's documented contract
+    (``layout="TN"``: ``out = B · Aᵀ`` in ``out_dtype``, returned first of four) receives a
+    2-D input and the weight, and the wrapper restores the leading dims and adds the bias in
+    fp32. Integer operands keep every value exact, so the torch path must agree bitwise."""
+    calls: list[tuple[tuple[int, ...], tuple[int, ...], str]] = []
+
+    def general_gemm(
+        a: torch.Tensor,
+        b: torch.Tensor,
+        workspace: torch.Tensor,
+        *,
+        out_dtype: torch.dtype,
+        layout: str,
+    ) -> tuple[torch.Tensor, None, None, None]:
+        calls.append((tuple(a.shape), tuple(b.shape), layout))
+        return b.double().matmul(a.double().t()).to(out_dtype), None, None, None
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-8, 9, (3, 2, 16), generator=g).bfloat16()
+    w = torch.randint(-8, 9, (5, 16), generator=g).bfloat16()
+    bias = torch.randint(-8, 9, (5,), generator=g).bfloat16()
+    te = (general_gemm, lambda: torch.empty(0))
+    for b in (None, bias):
+        y = _gemm._te_linear_forward(te, x, w, b, torch.float32)
+        assert y.dtype == torch.float32
+        assert y.shape == (3, 2, 5)
+        assert torch.equal(y, _linear_forward(x, w, b, torch.float32))
+    assert calls == [((5, 16), (6, 16), "TN")] * 2
 
 
 def _layer_options(d: dict[str, torch.Tensor]) -> dict[str, Any]:
