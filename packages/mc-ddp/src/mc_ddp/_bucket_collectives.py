@@ -119,21 +119,25 @@ def _issue_reduce_scatters(
     return batch.handle
 
 
-def _issue_all_gathers(
+def _gather(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    group: dist.ProcessGroup,
+    shard: ShardSpec,
     *,
     async_op: bool,
     label: str,
     detail: str,
-) -> mg.CollectiveHandle:
+) -> PendingCollective:
+    """``out ← concat_r shard_r`` over ``shard.group`` for each ``(out, shard)`` pair."""
+    group = shard.group
     if len(pairs) == 1:
-        out, shard = pairs[0]
-        return mg.all_gather(out, shard, group, async_op=async_op, label=label, detail=detail)
+        out, part = pairs[0]
+        return PendingCollective(
+            [mg.all_gather(out, part, group, async_op=async_op, label=label, detail=detail)]
+        )
     with mg.coalesced(group, async_op=async_op, label=label, detail=detail) as batch:
-        for out, shard in pairs:
-            batch.all_gather(out, shard)
-    return batch.handle
+        for out, part in pairs:
+            batch.all_gather(out, part)
+    return PendingCollective([batch.handle])
 
 
 def _a2a_scratch(
@@ -231,19 +235,6 @@ def all_reduce_across_instances(
             b.grad_data if whole_bucket else b.grad_shard(shard.rank, shard.size) for b in batch
         ]
         _issue_all_reduces(tensors, inter_group, op, async_op=False, label=label, detail=detail)
-
-
-def _gather(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    shard: ShardSpec,
-    *,
-    async_op: bool,
-    label: str,
-    detail: str,
-) -> PendingCollective:
-    return PendingCollective(
-        [_issue_all_gathers(pairs, shard.group, async_op=async_op, label=label, detail=detail)]
-    )
 
 
 def gather_grad_shards(

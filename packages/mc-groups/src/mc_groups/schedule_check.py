@@ -171,7 +171,7 @@ def verify_schedule(
     raise CollectiveScheduleError(_mismatch_message(ranks, keys, descriptions))
 
 
-SCHEDULE_TAG = 0x6D64
+_SCHEDULE_TAG = 0x6D64
 """The point-to-point tag of the fingerprint exchange on gloo (apart from user
 ``send``/``recv`` and the all-gather exchange)."""
 
@@ -183,7 +183,7 @@ def _exchange_keys(group: dist.ProcessGroup, key: int, device: torch.device) -> 
     mine = torch.tensor([key], dtype=torch.int64, device=device)
     out = torch.empty(group.size(), dtype=torch.int64, device=device)
     if dist.get_backend(group) == "gloo":
-        for work in exchange_rows(out, mine, group, tag=SCHEDULE_TAG):
+        for work in exchange_rows(out, mine, group, tag=_SCHEDULE_TAG):
             work.wait()
     else:
         all_gather_flat(out, mine, group=group)
