@@ -175,8 +175,10 @@ def _gloo_all_gathers(per_rank: int) -> dict[str, Any]:
     # in place: the input is this rank's row of the output
     flat = torch.full((n,), -1.0)
     flat[per_rank * r : per_rank * (r + 1)] = float(r)
-    mg.all_gather(flat, flat[per_rank * r : per_rank * (r + 1)], g)
+    with record_collectives() as log:
+        mg.all_gather(flat, flat[per_rank * r : per_rank * (r + 1)], g)
     results["in_place"] = _rows(flat, w)
+    results["log"] = _ops(log)
     # the input is another row of the output (it must be read before that row is received)
     other = (r + 1) % w
     flat = torch.full((n,), -1.0)
@@ -217,6 +219,11 @@ def test_gloo_all_gather_paths(rank_pools: RankPools, per_rank_bytes: int) -> No
             for k, got in enumerate(out["in_flight"]):
                 assert got == [(float(100 * k + s), float(100 * k + s)) for s in range(w)]
             assert out["token"] == (0.0 if r <= 1 else float(r))
+            # either algorithm is recorded as one all-gather of this rank's input
+            n = per_rank_bytes // 4
+            assert out["log"] == [
+                ("all_gather", None, tuple(range(w)), n, per_rank_bytes, False, False)
+            ]
 
 
 def _all_gather_values() -> dict[str, Any]:
