@@ -28,7 +28,7 @@ from mc_ddp.param_ready import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from mc_ddp.protocols import TransformerConfigLike
 from mc_ddp.sharded_optimizer import OwnedSlice, ShardedOptimizer
 
-__version__ = "0.2.1"
+__version__ = "0.3.0"
 
 __all__ = [
     "PARAM_READY_CALLBACK_ATTR",

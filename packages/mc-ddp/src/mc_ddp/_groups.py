@@ -20,8 +20,8 @@ class DDPGroups:
     ``dp_cp``: every rank holding a replica of the dense params (scaling 1/|dp_cp|,
     ``broadcast_params``); ``intra_dp_cp``: the dense reduction group (one optimizer
     instance; equals ``dp_cp`` with one instance); ``inter_dist_opt``: same shard position
-    across instances; ``expt_dp`` / ``intra_expt_dp``: the same for expert params; ``pp``:
-    None reads as pipeline stage 0.
+    across instances; ``expt_dp`` / ``intra_expt_dp`` / ``inter_expt_dp``: the same for
+    expert params; ``pp``: None reads as pipeline stage 0.
     """
 
     dp: dist.ProcessGroup
@@ -30,6 +30,7 @@ class DDPGroups:
     inter_dist_opt: dist.ProcessGroup | None
     expt_dp: dist.ProcessGroup | None
     intra_expt_dp: dist.ProcessGroup | None
+    inter_expt_dp: dist.ProcessGroup | None
     pp: dist.ProcessGroup | None
 
     @property
@@ -68,17 +69,16 @@ def resolve_groups(
         intra = pgc.require("intra_dp_cp", f"{_WHAT} with {instances} optimizer instances")
         inter = pgc.require("inter_dist_opt", f"{_WHAT} with {instances} optimizer instances")
         _check_instance_sizes(dp_cp, intra, inter, instances)
-    expt_dp = intra_expt = None
+    expt_dp = intra_expt = inter_expt = None
     if has_expert:
         expt_dp = pgc.require("expt_dp", f"{_WHAT} for expert params (allreduce=False)")
         intra_expt = pgc.intra_expt_dp if pgc.intra_expt_dp is not None else expt_dp
         if instances > 1:
-            raise NotImplementedError(
-                f"expert params (allreduce=False) with num_distributed_optimizer_instances="
-                f"{instances}: mc-ddp reduces expert params over one instance only; use one "
-                "instance or make the expert params dense"
-            )
-    return DDPGroups(dp, dp_cp, intra, inter, expt_dp, intra_expt, pgc.pp)
+            what = f"{_WHAT} for expert params with {instances} optimizer instances"
+            intra_expt = pgc.require("intra_expt_dp", what)
+            inter_expt = pgc.require("inter_expt_dp", what)
+            _check_split(expt_dp, intra_expt, inter_expt, instances, "expt_dp", "expt_dp")
+    return DDPGroups(dp, dp_cp, intra, inter, expt_dp, intra_expt, inter_expt, pgc.pp)
 
 
 def _check_instance_sizes(
@@ -87,10 +87,30 @@ def _check_instance_sizes(
     inter: dist.ProcessGroup,
     instances: int,
 ) -> None:
-    if intra.size() * instances != dp_cp.size() or inter.size() != instances:
+    if inter.size() != instances:
         raise ValueError(
             f"num_distributed_optimizer_instances={instances} but pg_collection has "
-            f"intra_dp_cp of {intra.size()} ranks and inter_dist_opt of {inter.size()} ranks "
-            f"for dp_cp of {dp_cp.size()}: build the collection with "
+            f"inter_dist_opt of {inter.size()} ranks: build the collection with "
+            f"initialize_model_parallel(num_distributed_optimizer_instances={instances})"
+        )
+    _check_split(dp_cp, intra, inter, instances, "dp_cp", "dist_opt")
+
+
+def _check_split(
+    whole: dist.ProcessGroup,
+    intra: dist.ProcessGroup,
+    inter: dist.ProcessGroup,
+    instances: int,
+    whole_name: str,
+    inter_suffix: str,
+) -> None:
+    """``whole`` = one ``intra`` chunk per instance, linked position by position by
+    ``inter``: |intra| · |inter| = |whole|."""
+    if intra.size() * inter.size() != whole.size():
+        intra_name = "intra_dp_cp" if whole_name == "dp_cp" else "intra_expt_dp"
+        raise ValueError(
+            f"num_distributed_optimizer_instances={instances} but pg_collection has "
+            f"{intra_name} of {intra.size()} ranks and inter_{inter_suffix} of {inter.size()} "
+            f"ranks for {whole_name} of {whole.size()}: build the collection with "
             f"initialize_model_parallel(num_distributed_optimizer_instances={instances})"
         )

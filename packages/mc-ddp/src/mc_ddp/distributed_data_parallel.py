@@ -18,7 +18,8 @@ Buckets: params in reverse registration order (bucket 0 = end of the model, read
 one buffer per (param dtype, grad dtype, expert) key; each bucket is its own group unless
 ``disable_bucketing``. Collectives go through ``mc_groups`` (so ``record_collectives`` sees
 them): dense grads over ``intra_dp_cp``, expert grads (``param.allreduce = False``) over
-``intra_expt_dp``, the cross-instance all-reduce over ``inter_dist_opt``.
+``intra_expt_dp``, the cross-instance all-reduce over ``inter_dist_opt`` (dense) and
+``inter_expt_dp`` (expert).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         disable_bucketing: one bucket per buffer and one bucket group for all of them.
         pg_collection: groups ``dp`` and ``dp_cp`` (required), ``pp`` (optional: stage 0),
             ``expt_dp`` (with expert params), ``intra_dp_cp`` / ``inter_dist_opt`` (with
-            several optimizer instances); None: the registered default collection.
+            several optimizer instances; ``intra_expt_dp`` / ``inter_expt_dp`` too when
+            there are expert params); None: the registered default collection.
         full_param_layout: precomputed layouts per buffer key (mc_buffers).
 
     Bucket size: ``ddp_config.bucket_size``, ``num_buckets`` → total // num_buckets, or
@@ -132,6 +134,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         self.inter_dist_opt_group = groups.inter_dist_opt
         self.expt_dp_group = groups.expt_dp
         self.intra_expt_dp_group = groups.intra_expt_dp
+        self.inter_expt_dp_group = groups.inter_expt_dp
         self.pp_group = groups.pp
 
     def _build(
@@ -167,7 +170,13 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             buffers.dense, cfg, groups.intra_dp_cp, inter, names, "dense", disable_bucketing
         )
         self.expert_parallel_bucket_groups = build.build_bucket_groups(
-            buffers.expert, cfg, groups.intra_expt_dp, None, names, "expert", disable_bucketing
+            buffers.expert,
+            cfg,
+            groups.intra_expt_dp,
+            groups.inter_expt_dp,
+            names,
+            "expert",
+            disable_bucketing,
         )
         self.param_to_bucket_group: dict[Param, ParamAndGradBucketGroup] = {
             p: g for g in self._all_groups() for p in g.params

@@ -76,7 +76,17 @@ def _construction_errors() -> dict[str, tuple[str, int]]:
     world = dist.group.WORLD
     assert world is not None
     loose: Any = DistributedDataParallel  # lets the wrong types through to the checks
-    with model_parallel() as pgc:
+    with (
+        model_parallel() as pgc,
+        model_parallel(num_distributed_optimizer_instances=2) as pgc_two,
+    ):
+        no_expert_inter = mg.ProcessGroupCollection(
+            **{
+                name: getattr(pgc_two, name)
+                for name in ("dp", "dp_cp", "intra_dp_cp", "inter_dist_opt", "expt_dp")
+            },
+            intra_expt_dp=pgc_two.intra_expt_dp,
+        )
         mutated = DistributedDataParallelConfig()
         mutated.num_distributed_optimizer_instances = 2
         skip = mlp()
@@ -100,6 +110,7 @@ def _construction_errors() -> dict[str, tuple[str, int]]:
             "disable_bucketing": lambda: loose(MP, cfg, mlp(), 1, pgc),
             "instances": lambda: loose(MP, two, mlp(), pg_collection=pgc),
             "expert_group": lambda: loose(MP, cfg, _expert(), pg_collection=bare),
+            "expert_instances": lambda: loose(MP, two, _expert(), pg_collection=no_expert_inter),
             "per_token_avg": lambda: loose(
                 per_token, ddp_config(average_in_collective=True), mlp(), pg_collection=pgc
             ),
@@ -173,6 +184,12 @@ CONSTRUCTION = {
         "needs pg_collection.expt_dp",
         doc_call="`DistributedDataParallel(...)`",
         doc_input="expert params, collection without `expt_dp`",
+    ),
+    "expert_instances": Expect(
+        "MissingGroupError: DistributedDataParallel for expert params with 2 optimizer "
+        "instances needs pg_collection.inter_expt_dp",
+        doc_call="`DistributedDataParallel(...)`",
+        doc_input="expert params and 2 optimizer instances, collection without `inter_expt_dp`",
     ),
     "per_token_avg": Expect(
         "ValueError: config.calculate_per_token_loss=True with "

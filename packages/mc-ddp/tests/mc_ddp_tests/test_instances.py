@@ -165,6 +165,77 @@ def test_expert_params_reduce_over_expert_data_parallel(rank_pools: RankPools) -
                 assert out["broadcast_groups"] == [dense, dense, expert, expert, dense, dense]
 
 
+def _experts_with_instances(ep: int, overlap: bool) -> dict[str, Any]:
+    with model_parallel(
+        expert_model_parallel_size=ep, num_distributed_optimizer_instances=2
+    ) as pgc:
+        assert pgc.ep is not None
+        assert pgc.expt_dp is not None
+        assert pgc.intra_expt_dp is not None
+        assert pgc.inter_expt_dp is not None
+        ep_rank, world, rank = mg.group_rank(pgc.ep), dist.get_world_size(), dist.get_rank()
+        model = _expert_model(ep_rank)
+        before = [p.detach().clone() for p in model.parameters()]
+        cfg = ddp_config(
+            use_distributed_optimizer=True,
+            num_distributed_optimizer_instances=2,
+            overlap_grad_reduce=overlap,
+            overlap_param_gather=overlap,
+        )
+        ddp = DistributedDataParallel(MP, cfg, model, pg_collection=pgc)
+        opt = ShardedOptimizer(torch.optim.SGD(ddp.parameters(), lr=LR), ddp)
+        x, y = global_batch(0, world, torch.float32)
+        ddp.zero_grad_buffer()
+        with mg.record_collectives() as log:
+            ddp_backward(ddp, local_rows(x, rank), local_rows(y, rank), 1)
+            ddp.finish_grad_sync()
+        expt_ranks = mg.group_ranks(pgc.expt_dp)
+        grads = {
+            s: _local_grads(ep_rank if s in expt_ranks else ep - 1 - ep_rank, s, x, y)
+            for s in range(world)
+        }
+        expected: list[torch.Tensor] = []
+        for i, p in enumerate(model.parameters()):
+            ranks = expt_ranks if not getattr(p, "allreduce", True) else range(world)
+            expected.append(torch.stack([grads[s][i] for s in ranks]).sum(0) / world)
+        opt.step()
+        ddp.start_param_sync(force_sync=True)  # overlap: publish the step's params now
+        stepped = [b - LR * g for b, g in zip(before, expected, strict=True)]
+        return {
+            "grad_err": max_grad_error(ddp, expected),
+            "param_err": max(
+                float((p.detach() - q).abs().max())
+                for p, q in zip(model.parameters(), stepped, strict=True)
+            ),
+            "expert_ops": [  # the gradient reduction of the expert bucket group
+                (r.op, r.group_ranks)
+                for r in log
+                if r.label.startswith("grad") and "expert bucket group" in r.label
+            ],
+            "intra_expt_dp": mg.group_ranks(pgc.intra_expt_dp),
+            "inter_expt_dp": mg.group_ranks(pgc.inter_expt_dp),
+        }
+
+
+def test_expert_params_with_two_optimizer_instances(rank_pools: RankPools) -> None:
+    """Expert grads are reduce-scattered inside their instance's chunk of expt_dp
+    (intra_expt_dp), then the shard is all-reduced with the same position in the other
+    instance (inter_expt_dp): Σ over expt_dp / |dp_cp|, as with one instance; one SGD step
+    matches the hand-computed update. ep = 1 (expt_dp = dp_cp: both stages have 2 ranks)
+    and ep = 2 (expt_dp of 2 ranks, one per instance: a 1-rank reduce-scatter, then the
+    all-reduce carries the whole reduction)."""
+    pool = rank_pools.get(4)
+    for ep in (1, 2):
+        for overlap in (False, True):
+            for out in pool.run(_experts_with_instances, ep, overlap):
+                intra, inter = out["intra_expt_dp"], out["inter_expt_dp"]
+                assert len(intra) * len(inter) == 4 // ep
+                assert out["grad_err"] <= 1e-6, (ep, overlap)
+                assert out["param_err"] <= 1e-6, (ep, overlap)
+                stages = [] if len(intra) == 1 else [(SCATTER_OP, intra)]
+                assert out["expert_ops"] == [*stages, ("all_reduce", inter)], (ep, overlap)
+
+
 def _fp32_accumulation(op: str) -> list[float]:
     rank = dist.get_rank()
     world = dist.group.WORLD

@@ -37,6 +37,7 @@ GROUP_FIELDS: tuple[str, ...] = (
     "intra_dp_cp",  # dp_cp inside one distributed-optimizer instance
     "intra_expt_dp",
     "inter_dist_opt",  # same shard position across distributed-optimizer instances
+    "inter_expt_dp",  # the same for expert params (same intra_expt_dp position)
     "intra_dist_opt",  # every rank of one distributed-optimizer instance
     "world",
 )
@@ -79,6 +80,7 @@ class ProcessGroupCollection:
     intra_dp_cp: dist.ProcessGroup | None
     intra_expt_dp: dist.ProcessGroup | None
     inter_dist_opt: dist.ProcessGroup | None
+    inter_expt_dp: dist.ProcessGroup | None
     intra_dist_opt: dist.ProcessGroup | None
     world: dist.ProcessGroup | None
 

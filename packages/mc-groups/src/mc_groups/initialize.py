@@ -185,7 +185,10 @@ def _dist_opt_rank_lists(
     With k instances, each dp·cp group is cut into k contiguous chunks (one instance each:
     ``intra_dp_cp``); ``inter_dist_opt`` links the ranks holding the same shard position in
     every instance (stride = chunk length); ``intra_dist_opt`` is every rank of one instance:
-    the world cut into k contiguous blocks.
+    the world cut into k contiguous blocks. Expert params the same over ``expt_dp``:
+    ``intra_expt_dp`` cuts each expt_dp group into k contiguous chunks, ``inter_expt_dp``
+    links the same position of every chunk (so an expert gradient reduce-scattered inside
+    its chunk is then all-reduced with the ranks that hold the same expert and shard).
     """
     k = sizes.dist_opt_instances
     if k == 1:
@@ -203,6 +206,7 @@ def _dist_opt_rank_lists(
         "intra_expt_dp": [
             g[i * e_chunk : (i + 1) * e_chunk] for g in expt_dp for i in range(len(g) // e_chunk)
         ],
+        "inter_expt_dp": [g[i::e_chunk] for g in expt_dp for i in range(e_chunk)],
         "intra_dist_opt": [list(range(i * block, (i + 1) * block)) for i in range(k)],
     }
 
@@ -235,8 +239,8 @@ def initialize_model_parallel(
     pipeline rank; ``None`` on middle stages), pos_embd (first pipeline rank; ``None``
     elsewhere), cp, tp_cp, tp_dp_cp, dp, dp_cp, dp_cp_gtp_remat, gtp_remat, ep, expt_tp,
     tp_ep, tp_ep_pp, expt_gtp_remat, expt_dp, expt_dp_gtp_remat, intra_dp_cp,
-    intra_expt_dp, inter_dist_opt (only with several optimizer instances), intra_dist_opt,
-    world.
+    intra_expt_dp, inter_dist_opt and inter_expt_dp (only with several optimizer instances),
+    intra_dist_opt, world.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise DistributedNotInitializedError(

@@ -115,6 +115,19 @@ def test_distributed_optimizer_instances(rank_pools: RankPools) -> None:
     assert [r["intra_dp_cp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["inter_dist_opt"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [r["intra_dist_opt"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    # experts (ep = 1): expt_dp = dp_cp, cut and linked the same way
+    assert [r["intra_expt_dp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["inter_expt_dp"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    # ep = 2: expt_dp groups of 2 ranks, one rank per instance; the inter group is expt_dp
+    results = rank_pools.get(4).run(
+        _my_groups, {"num_distributed_optimizer_instances": 2, "expert_model_parallel_size": 2}
+    )
+    for rank, r in enumerate(results):
+        assert r["intra_expt_dp"] == [rank]
+        expt_dp = r["expt_dp"]
+        assert expt_dp is not None
+        assert len(expt_dp) == 2
+        assert r["inter_expt_dp"] == expt_dp
 
 
 def _pipeline_facts() -> tuple[bool, bool, int, int, bool]:
