@@ -63,7 +63,7 @@ from mc_tp_layers.random import (
 from mc_tp_layers.row import RowParallelLinear
 from mc_tp_layers.utils import VocabUtility, divide, split_tensor_along_last_dim
 
-__version__ = "0.2.1"
+__version__ = "0.3.0"
 
 __all__ = [
     "ColumnParallelLinear",
@@ -90,6 +90,7 @@ __all__ = [
     "get_expert_parallel_rng_tracker_name",
     "get_model_parallel_rng_tracker_name",
     "gtp_local_pad_zero_count",
+    "gtp_sharded_tensor",
     "linear_with_frozen_weight",
     "linear_with_grad_accumulation_and_async_allreduce",
     "model_parallel_cuda_manual_seed",

@@ -21,9 +21,17 @@ The DTensors are views of the parameters: ``dcp.load`` writes straight into them
     torch.distributed.checkpoint.load(other.sharded_state_dict(prefix="fc1."),
                                       checkpoint_id=path)            # at TP = 1 or 4
 
+A gtp_remat shard (a weight whose TP-local rows are split over the gtp_remat group, see
+:mod:`mc_tp_layers.gtp`) becomes a DTensor on a 2-D mesh ``(tp, gtp_remat)`` sharded first
+along ``partition_dim`` by TP, then along dim 0 by gtp_remat: each rank contributes its
+rows without the alignment padding (``ceil(d0 / G)`` rows per rank, the last ones fewer or
+none: DTensor's own uneven split), so the checkpoint holds the plain weight and loads at
+any TP and gtp_remat size. Building that mesh all-gathers the gtp_remat ranks over the TP
+group, so ``sharded_state_dict`` of such a layer is a collective over its TP group (as
+the DCP save/load around it is over every rank). Strided GTP shards are not supported.
+
 DCP coordinates its ranks itself (over the default group unless given one), outside
-mc_groups' recorder. GTP (gtp_remat) shards and Megatron's ``sharded_offsets`` are not
-supported.
+mc_groups' recorder. Megatron's ``sharded_offsets`` are not supported.
 """
 
 from __future__ import annotations
@@ -35,7 +43,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["sharded_state_dict_of", "tp_sharded_tensor"]
+import mc_groups as mg
+
+__all__ = ["gtp_sharded_tensor", "sharded_state_dict_of", "tp_sharded_tensor"]
 
 
 def _strided_view(t: torch.Tensor, dim: int, stride: int) -> torch.Tensor:
@@ -80,11 +90,68 @@ def _checked(module: torch.nn.Module, sharded_offsets: Any, metadata: Any) -> No
             "its name only; prepend no offsets (give stacked layers distinct prefixes)"
         )
     for name, param in module.named_parameters(recurse=False):
-        if getattr(param, "is_gtp_weight_remat", False):
+        if getattr(param, "is_gtp_weight_remat", False) and _stride(param) > 1:
             raise NotImplementedError(
-                f"{type(module).__name__}.{name} is a gtp_remat shard; sharded_state_dict "
-                "supports gtp_remat_size=1 only"
+                f"{type(module).__name__}.{name} is a gtp_remat shard with partition_stride="
+                f"{_stride(param)}; sharded_state_dict supports strided weights without "
+                "gtp_remat only"
             )
+
+
+def _stride(param: torch.Tensor) -> int:
+    return int(getattr(param, "partition_stride", 1))
+
+
+def gtp_sharded_tensor(
+    shard: torch.Tensor, tp_group: dist.ProcessGroup, partition_dim: int
+) -> torch.Tensor:
+    """A gtp_remat ``shard`` (padded rows of this rank's TP shard) as a DTensor over the
+    ``(tp, gtp_remat)`` mesh: Shard(``partition_dim``) by TP, then Shard(0) by gtp_remat
+    (see the module notes). The local tensor is a view of the shard's unpadded rows."""
+    gtp_group: dist.ProcessGroup = shard.group  # type: ignore[attr-defined]
+    tp_local_shape = tuple(shard.gtp_unsharded_shape)  # type: ignore[attr-defined]
+    rows, g = int(shard.shape[0]), int(gtp_group.rank())
+    local = shard.detach()[: max(0, min(rows, tp_local_shape[0] - g * rows))]
+    dim = partition_dim % len(tp_local_shape)
+    shape = list(tp_local_shape)
+    shape[dim] *= int(tp_group.size())
+    global_shape = torch.Size(shape)
+    groups, placements = _mesh_axes(tp_group, gtp_group, dim)
+    if len(groups) == 2:
+        mesh = DeviceMesh.from_group(
+            groups,
+            local.device.type,
+            mesh=_rank_grid(tp_group, gtp_group),
+            mesh_dim_names=("tp", "gtp_remat"),
+        )
+    else:
+        mesh = DeviceMesh.from_group(groups[0], local.device.type)
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=global_shape,
+        stride=torch.empty(global_shape, device="meta").stride(),
+    )
+
+
+def _mesh_axes(
+    tp_group: dist.ProcessGroup, gtp_group: dist.ProcessGroup, tp_dim: int
+) -> tuple[list[dist.ProcessGroup], list[Shard]]:
+    """The mesh's groups and placements, outermost first; a one-rank TP group is dropped."""
+    if tp_group.size() == 1:
+        return [gtp_group], [Shard(0)]
+    return [tp_group, gtp_group], [Shard(tp_dim), Shard(0)]
+
+
+def _rank_grid(tp_group: dist.ProcessGroup, gtp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Global ranks ``[tp rank][gtp_remat rank]`` of the mesh this rank belongs to: every
+    TP peer reports its gtp_remat group's ranks (group-rank order)."""
+    rows = mg.all_gather_objects(
+        list(mg.group_ranks(gtp_group)), tp_group, label="gtp_remat checkpoint mesh"
+    )
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def sharded_state_dict_of(
@@ -98,7 +165,13 @@ def sharded_state_dict_of(
     _checked(module, sharded_offsets, metadata)
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters(recurse=False):
-        if getattr(param, "tensor_model_parallel", False):
+        if getattr(param, "is_gtp_weight_remat", False):
+            out[prefix + name] = gtp_sharded_tensor(
+                param,
+                tp_group,
+                int(getattr(param, "partition_dim", 0)),
+            )
+        elif getattr(param, "tensor_model_parallel", False):
             out[prefix + name] = tp_sharded_tensor(
                 param,
                 tp_group,

@@ -114,7 +114,9 @@ def _refusals() -> list[str]:
     pgc = world(1, gtp_remat_size=2)
     try:
         cfg = config(1, gtp_remat_size=2)
-        col = tpl.ColumnParallelLinear(4, 4, config=cfg, init_method=_init, pg_collection=pgc)
+        col = tpl.ColumnParallelLinear(
+            4, 4, config=cfg, init_method=_init, stride=2, pg_collection=pgc
+        )
         messages = []
         for offsets in (((0, 1, 2),), ()):
             try:
@@ -130,4 +132,74 @@ def _refusals() -> list[str]:
 def test_unsupported_options_are_refused(rank_pools: RankPools) -> None:
     for offsets, gtp in rank_pools.get(2).run(_refusals):
         assert "sharded_offsets=((0, 1, 2),)" in offsets
-        assert "gtp_remat shard" in gtp
+        assert "gtp_remat shard with partition_stride=2" in gtp
+
+
+def _gtp_layers(tp: int, gtp: int, init: Any) -> dict[str, torch.nn.Module]:
+    """Column 8 → 6 and Row 6 → 5 at TP = ``tp``, gtp_remat = ``gtp``, CPU-initialised."""
+    pgc = mg.get_default_collection()
+    assert pgc is not None
+    cfg = config(tp, gtp_remat_size=gtp)
+    torch.manual_seed(SEED)
+    col = tpl.ColumnParallelLinear(8, 6, config=cfg, init_method=init, pg_collection=pgc)
+    torch.manual_seed(SEED + 1)
+    row = tpl.RowParallelLinear(
+        6,
+        5,
+        config=cfg,
+        init_method=init,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        pg_collection=pgc,
+    )
+    return {"col.": col, "row.": row}
+
+
+def _gtp_round_trip(path: str, saved: tuple[int, int], loaded: tuple[int, int]) -> dict[str, Any]:
+    """Save at ``saved`` = (tp, gtp_remat), load at ``loaded``; return, per param, whether
+    the loaded tensor equals the one CPU init builds at ``loaded`` (same master weights)."""
+    out: dict[str, Any] = {}
+    for phase, (tp, gtp) in (("save", saved), ("load", loaded)):
+        pgc = world(tp, gtp_remat_size=gtp, set_default=True)
+        try:
+            expected = _gtp_layers(tp, gtp, _init)
+            if phase == "save":
+                with torch.no_grad():
+                    for layer in expected.values():
+                        layer.bias.fill_(3.0)  # type: ignore[operator]
+                dcp_save(_state(expected), checkpoint_id=path)
+                continue
+            got = _gtp_layers(tp, gtp, torch.nn.init.zeros_)
+            dcp_load(_state(got), checkpoint_id=path)
+            for prefix, layer in got.items():
+                for name, p in layer.named_parameters():
+                    want = expected[prefix].get_parameter(name).detach()
+                    if name == "bias":
+                        want = torch.full_like(want, 3.0)
+                    out[prefix + name] = (tuple(p.shape), torch.equal(p.detach(), want))
+        finally:
+            mg.clear_default_collection()
+            mg.destroy_model_parallel(pgc)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [((2, 2), (1, 1)), ((2, 2), (1, 2)), ((1, 2), (2, 2)), ((2, 1), (2, 2)), ((2, 2), (2, 2))],
+)
+def test_gtp_remat_checkpoint_round_trip(
+    rank_pools: RankPools, tmp_path: Path, saved: tuple[int, int], loaded: tuple[int, int]
+) -> None:
+    """gtp_remat shards are stored without their padding rows (the column weight's 3 TP-local
+    rows over 2 gtp ranks: 2 + 1 plus one zero row; the row weight's 5: 3 + 2 plus one), so
+    a checkpoint loads across TP and gtp_remat sizes; every loaded shard, padding included,
+    equals what CPU init builds at the loading layout (torch.equal: DCP copies bytes)."""
+    results = rank_pools.get(4).run(_gtp_round_trip, str(tmp_path / "ckpt"), saved, loaded)
+    for out in results:
+        assert set(out) == {"col.weight", "col.bias", "row.weight", "row.bias"}
+        assert all(equal for _, equal in out.values()), out
+    tp, gtp = loaded
+    shapes = results[0]
+    assert shapes["col.weight"][0] == (-(-6 // tp // gtp), 8)
+    assert shapes["row.weight"][0] == (-(-5 // gtp), 6 // tp)
