@@ -136,7 +136,8 @@ def test_unsupported_options_are_refused(rank_pools: RankPools) -> None:
 
 
 def _gtp_layers(tp: int, gtp: int, init: Any) -> dict[str, torch.nn.Module]:
-    """Column 8 → 6 and Row 6 → 5 at TP = ``tp``, gtp_remat = ``gtp``, CPU-initialised."""
+    """Column 8 → 6, Row 6 → 5 and Column 8 → 2 at TP = ``tp``, gtp_remat = ``gtp``,
+    CPU-initialised."""
     pgc = mg.get_default_collection()
     assert pgc is not None
     cfg = config(tp, gtp_remat_size=gtp)
@@ -153,7 +154,10 @@ def _gtp_layers(tp: int, gtp: int, init: Any) -> dict[str, torch.nn.Module]:
         skip_bias_add=False,
         pg_collection=pgc,
     )
-    return {"col.": col, "row.": row}
+    torch.manual_seed(SEED + 2)
+    # 2 rows over tp = gtp = 2: the second gtp rank holds only a padding row (an empty shard)
+    small = tpl.ColumnParallelLinear(8, 2, config=cfg, init_method=init, pg_collection=pgc)
+    return {"col.": col, "row.": row, "small.": small}
 
 
 def _gtp_round_trip(path: str, saved: tuple[int, int], loaded: tuple[int, int]) -> dict[str, Any]:
@@ -197,7 +201,9 @@ def test_gtp_remat_checkpoint_round_trip(
     equals what CPU init builds at the loading layout (torch.equal: DCP copies bytes)."""
     results = rank_pools.get(4).run(_gtp_round_trip, str(tmp_path / "ckpt"), saved, loaded)
     for out in results:
-        assert set(out) == {"col.weight", "col.bias", "row.weight", "row.bias"}
+        assert set(out) == {
+            f"{layer}.{name}" for layer in ("col", "row", "small") for name in ("weight", "bias")
+        }
         assert all(equal for _, equal in out.values()), out
     tp, gtp = loaded
     shapes = results[0]
