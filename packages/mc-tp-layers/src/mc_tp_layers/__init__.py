@@ -26,7 +26,7 @@ from mc_tp_layers.attributes import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
-from mc_tp_layers.checkpoint import tp_sharded_tensor
+from mc_tp_layers.checkpoint import gtp_sharded_tensor, tp_sharded_tensor
 from mc_tp_layers.column import ColumnParallelLinear
 from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
 from mc_tp_layers.deferral import drain_embedding_wgrad_compute
