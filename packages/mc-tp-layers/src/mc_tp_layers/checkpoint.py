@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 import mc_groups as mg
+from mc_tp_layers.gtp import unsharded_shape
 
 __all__ = ["gtp_sharded_tensor", "sharded_state_dict_of", "tp_sharded_tensor"]
 
@@ -108,8 +109,8 @@ def gtp_sharded_tensor(
     """A gtp_remat ``shard`` (padded rows of this rank's TP shard) as a DTensor over the
     ``(tp, gtp_remat)`` mesh: Shard(``partition_dim``) by TP, then Shard(0) by gtp_remat
     (see the module notes). The local tensor is a view of the shard's unpadded rows."""
+    tp_local_shape = unsharded_shape(shard)  # ValueError unless shard_weight_for_gtp made it
     gtp_group: dist.ProcessGroup = shard.group  # type: ignore[attr-defined]
-    tp_local_shape = tuple(shard.gtp_unsharded_shape)  # type: ignore[attr-defined]
     rows, g = int(shard.shape[0]), int(gtp_group.rank())
     local = shard.detach()[: max(0, min(rows, tp_local_shape[0] - g * rows))]
     dim = partition_dim % len(tp_local_shape)

@@ -129,6 +129,12 @@ def _refusals() -> list[str]:
         mg.destroy_model_parallel(pgc)
 
 
+def test_gtp_sharded_tensor_refuses_a_plain_tensor() -> None:
+    world_group = torch.distributed.group.WORLD  # never reached: the check comes first
+    with pytest.raises(ValueError, match=r"needs a weight sharded by shard_weight_for_gtp"):
+        tpl.gtp_sharded_tensor(torch.zeros(3, 2), world_group, 0)  # type: ignore[arg-type]
+
+
 def test_unsupported_options_are_refused(rank_pools: RankPools) -> None:
     for offsets, gtp in rank_pools.get(2).run(_refusals):
         assert "sharded_offsets=((0, 1, 2),)" in offsets
@@ -172,7 +178,12 @@ def _gtp_round_trip(path: str, saved: tuple[int, int], loaded: tuple[int, int]) 
                 with torch.no_grad():
                     for layer in expected.values():
                         layer.bias.fill_(3.0)  # type: ignore[operator]
-                dcp_save(_state(expected), checkpoint_id=path)
+                with mg.record_collectives() as log:
+                    state = _state(expected)
+                # one mesh all-gather per gtp weight, over the TP group (none at TP = 1 or
+                # without gtp_remat)
+                out["mesh_ops"] = [(r.op, len(r.group_ranks)) for r in log]
+                dcp_save(state, checkpoint_id=path)
                 continue
             got = _gtp_layers(tp, gtp, torch.nn.init.zeros_)
             dcp_load(_state(got), checkpoint_id=path)
@@ -201,6 +212,9 @@ def test_gtp_remat_checkpoint_round_trip(
     equals what CPU init builds at the loading layout (torch.equal: DCP copies bytes)."""
     results = rank_pools.get(4).run(_gtp_round_trip, str(tmp_path / "ckpt"), saved, loaded)
     for out in results:
+        mesh_ops = out.pop("mesh_ops")
+        tp, gtp = saved  # gtp weights on a TP group of more than one rank need the mesh
+        assert mesh_ops == ([("all_gather_object", tp)] * 3 if tp > 1 and gtp > 1 else [])
         assert set(out) == {
             f"{layer}.{name}" for layer in ("col", "row", "small") for name in ("weight", "bias")
         }
