@@ -61,8 +61,22 @@ def gradient_scaling(
     - ``average_in_collective``: dense 1 (the AVG collective divides by |dp_cp|), expert
       |expt_dp| / |dp_cp| (AVG over expt_dp then gives 1/|dp_cp|);
     - otherwise 1/|dp_cp| for both, then a SUM collective.
+
+    Refused (ValueError, nothing built): ``average_in_collective`` with
+    ``calculate_per_token_loss`` (per-token losses are summed), and ``average_in_collective``
+    with an active gtp_remat group, as Megatron-Core's DDP refuses it: gtp_remat shards
+    are pre-scaled by 1/gtp_remat before their SUM reduce-scatter and the replicate-group
+    collective must then SUM after DDP's own 1/|dp_cp|; an AVG there would leave the
+    gtp_remat factor out of the composition.
     """
     dp_cp = mg.group_size(groups.dp_cp)
+    if groups.gtp_remat_active and ddp_config.average_in_collective:
+        raise ValueError(
+            "ddp_config.average_in_collective=True with an active gtp_remat group "
+            "(pg_collection.gtp_remat or expt_gtp_remat spans > 1 rank): gtp_remat needs "
+            "SUM collectives after a 1/dp_cp pre-scale (Megatron-Core refuses this too); "
+            "set average_in_collective=False"
+        )
     if config.calculate_per_token_loss:
         if ddp_config.average_in_collective:
             raise ValueError(

@@ -21,7 +21,8 @@ class DDPGroups:
     ``broadcast_params``); ``intra_dp_cp``: the dense reduction group (one optimizer
     instance; equals ``dp_cp`` with one instance); ``inter_dist_opt``: same shard position
     across instances; ``expt_dp`` / ``intra_expt_dp`` / ``inter_expt_dp``: the same for
-    expert params; ``pp``: None reads as pipeline stage 0.
+    expert params; ``pp``: None reads as pipeline stage 0; ``gtp_remat_active``: the
+    collection's ``gtp_remat`` or ``expt_gtp_remat`` group spans more than one rank.
     """
 
     dp: dist.ProcessGroup
@@ -32,6 +33,7 @@ class DDPGroups:
     intra_expt_dp: dist.ProcessGroup | None
     inter_expt_dp: dist.ProcessGroup | None
     pp: dist.ProcessGroup | None
+    gtp_remat_active: bool = False
 
     @property
     def pipeline_rank(self) -> int:
@@ -78,7 +80,10 @@ def resolve_groups(
             intra_expt = pgc.require("intra_expt_dp", what)
             inter_expt = pgc.require("inter_expt_dp", what)
             _check_split(expt_dp, intra_expt, inter_expt, instances, "expt_dp", "expt_dp")
-    return DDPGroups(dp, dp_cp, intra, inter, expt_dp, intra_expt, inter_expt, pgc.pp)
+    gtp_active = any(
+        g is not None and mg.group_size(g) > 1 for g in (pgc.gtp_remat, pgc.expt_gtp_remat)
+    )
+    return DDPGroups(dp, dp_cp, intra, inter, expt_dp, intra_expt, inter_expt, pgc.pp, gtp_active)
 
 
 def _check_instance_sizes(

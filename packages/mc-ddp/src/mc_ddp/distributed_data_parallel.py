@@ -82,7 +82,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
     ``max(40M, 1M · |dp_cp|)``; one bucket without overlap_grad_reduce, on pipeline stages
     > 0 or with ``disable_bucketing``. Scaling before the collective: 1/|dp_cp| (SUM),
     1 with ``average_in_collective`` (AVG; experts |expt_dp|/|dp_cp|), 1 with
-    ``calculate_per_token_loss``.
+    ``calculate_per_token_loss``. ``average_in_collective`` is refused with per-token loss
+    and with an active gtp_remat group (ValueError before anything is built).
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         single = checks.check_flag("disable_bucketing", disable_bucketing)
         has_expert = any(not getattr(p, "allreduce", True) for _, p in named)
         groups = resolve_groups(collection_or_default(pg_collection), ddp_config, has_expert)
+        scaling = build.gradient_scaling(config, ddp_config, groups)  # may refuse: before state
         super().__init__()
         self.module = module
         self._config = config
@@ -107,7 +109,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         self._set_groups(groups)
         self.param_to_name: dict[Param, str] = {p: n for n, p in named}
         self.params_with_grad: list[Param] = [p for _, p in named]
-        self._build(groups, disable_bucketing=single, full_param_layout=full_param_layout)
+        self._build(groups, scaling, disable_bucketing=single, full_param_layout=full_param_layout)
         self.force_all_reduce = False
         self.overlap_param_gather_with_optimizer_step = False
         self.use_forward_hook = ddp_config.use_distributed_optimizer and (
@@ -140,6 +142,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
     def _build(
         self,
         groups: DDPGroups,
+        scaling: build.Scaling,
         *,
         disable_bucketing: bool,
         full_param_layout: FullParamLayout | None,
@@ -151,7 +154,6 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         )
         for param in self.params_with_grad:
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
-        scaling = build.gradient_scaling(self.config, cfg, groups)
         buffers = build.build_buffers(
             self.params_with_grad,
             self.param_to_name,

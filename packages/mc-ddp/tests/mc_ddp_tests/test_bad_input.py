@@ -92,6 +92,7 @@ def _construction_errors() -> dict[str, tuple[str, int]]:
         skip = mlp()
         skip[0].weight.skip_backward_post_hook = True  # type: ignore[union-attr]
         bare = mg.ProcessGroupCollection(dp=world, dp_cp=world)
+        gtp = mg.ProcessGroupCollection(dp=pgc.dp, dp_cp=pgc.dp_cp, gtp_remat=world)
         two = ddp_config(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
         per_token = mg.ModelParallelConfig(calculate_per_token_loss=True)
         cfg = ddp_config()
@@ -116,6 +117,9 @@ def _construction_errors() -> dict[str, tuple[str, int]]:
             ),
             "wgrad_owner": lambda: loose(
                 MP, ddp_config(delay_wgrad_compute=True), skip, pg_collection=pgc
+            ),
+            "gtp_avg": lambda: loose(
+                MP, ddp_config(average_in_collective=True), mlp(), pg_collection=gtp
             ),
         }
         return {name: _attempt(call) for name, call in calls.items()}
@@ -196,6 +200,12 @@ CONSTRUCTION = {
         "ddp_config.average_in_collective=True",
         doc_call="`DistributedDataParallel(...)`",
         doc_input="`calculate_per_token_loss` with `average_in_collective`",
+    ),
+    "gtp_avg": Expect(
+        "ValueError: ddp_config.average_in_collective=True with an active gtp_remat group",
+        doc_call="`DistributedDataParallel(...)`",
+        doc_input="`average_in_collective` with gtp_remat (Megatron-Core refuses it too)",
+        also=("set average_in_collective=False",),
     ),
     "wgrad_owner": Expect(
         "ValueError: param '0.weight' has skip_backward_post_hook=True",

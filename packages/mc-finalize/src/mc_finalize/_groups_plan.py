@@ -16,8 +16,7 @@ class _Groups:
     pp: dist.ProcessGroup | None
     embd: dist.ProcessGroup | None
     pos_embd: dist.ProcessGroup | None
-    dp_cp: dist.ProcessGroup | None
-    tokens: dist.ProcessGroup | None
+    data: dist.ProcessGroup | None
     tp_dp_cp: dist.ProcessGroup | None
     gtp_remat: dist.ProcessGroup | None
     expt_gtp_remat: dist.ProcessGroup | None
@@ -70,12 +69,18 @@ def _plan_groups(
         pp=need("pp", bool(pp_why), pp_why),
         embd=embd,
         pos_embd=pos_embd,
-        dp_cp=need(
-            "dp_cp",
-            settings.quantile_balancing,
-            "quantile balancing, qb_beta averaged over dp·cp",
+        data=need(
+            _data_field(collection, settings),
+            settings.quantile_balancing or has_tokens,
+            "; ".join(
+                why
+                for when, why in (
+                    (settings.quantile_balancing, "quantile balancing, qb_beta averaged"),
+                    (has_tokens, "num_tokens summed"),
+                )
+                if when
+            ),
         ),
-        tokens=need(_token_field(collection, settings), has_tokens, "num_tokens summed"),
         tp_dp_cp=need(
             "tp_dp_cp",
             settings.moe_router_enable_expert_bias,
@@ -92,8 +97,10 @@ def _plan_groups(
     return groups
 
 
-def _token_field(collection: mg.ProcessGroupCollection, settings: _Settings) -> str:
-    # gtp_remat peers see different data, so their tokens count in the global total.
+def _data_field(collection: mg.ProcessGroupCollection, settings: _Settings) -> str:
+    """The group of every rank that sees different data: ``dp_cp``, or ``dp_cp_gtp_remat``
+    under gtp_remat, whose peers see different tokens too (Megatron-Core's
+    ``dp_cp_gtp_remat or dp_cp``). num_tokens is summed and qb_beta averaged over it."""
     gtp_active = settings.gtp_remat_size > 1 or _multi(collection.gtp_remat)
     return "dp_cp_gtp_remat" if gtp_active else "dp_cp"
 

@@ -12,7 +12,8 @@ chunk's ``finish_grad_sync``. Then, in order:
  6. shared word-embedding grad      SUM over embd        (first and last stage)
  7. position-embedding grad         SUM over pos_embd    (member ranks, group > 1)
  8. router expert bias              SUM of tokens over tp_dp_cp (moe_router_enable_expert_bias)
- 9. router qb_beta                  AVG over dp_cp       (quantile_balancing)
+ 9. router qb_beta                  AVG over dp_cp (dp_cp_gtp_remat under gtp_remat)
+                                                         (quantile_balancing)
 10. reset_model_temporary_tensors                        (no communication)
 11. with num_tokens: broadcast from the last pp rank, SUM over dp_cp (dp_cp_gtp_remat when
     gtp_remat is active: those peers see different tokens), then every chunk's
@@ -20,7 +21,7 @@ chunk's ``finish_grad_sync``. Then, in order:
 
 Groups come from ``pg_collection`` (or the registered default collection). Needed always:
 ``tp``. Needed when their step runs: ``pp`` (steps 2, 3, 6, 7 with a multi-rank group, 11),
-``dp_cp`` (9, 11; ``dp_cp_gtp_remat`` for 11 under gtp_remat), ``tp_dp_cp`` (8),
+``dp_cp`` (9, 11; ``dp_cp_gtp_remat`` for both under gtp_remat), ``tp_dp_cp`` (8),
 ``gtp_remat`` / ``expt_gtp_remat`` when the config's ``gtp_remat_size`` /
 ``expert_gtp_remat_size`` > 1. ``embd`` / ``pos_embd`` may be None (ranks that hold no
 embedding copy).
@@ -107,10 +108,10 @@ def finalize_model_grads(
     if settings.moe_router_enable_expert_bias:
         _update_router_expert_bias(chunks, config, groups.tp_dp_cp)
     if settings.quantile_balancing:
-        _update_router_qb_beta(chunks, config, groups.dp_cp)
+        _update_router_qb_beta(chunks, config, groups.data)
     reset_model_temporary_tensors(config, chunks)
     if num_tokens is not None:
-        _scale_by_num_tokens(chunks, num_tokens, groups.pp, groups.tokens)
+        _scale_by_num_tokens(chunks, num_tokens, groups.pp, groups.data)
 
 
 def _word_embedding_getter(config: FinalizeConfig) -> partial[torch.nn.Parameter | None]:

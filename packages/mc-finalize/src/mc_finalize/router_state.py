@@ -1,7 +1,8 @@
 """Once per global batch: MoE router load-balancing state, then the per-batch counters reset.
 
 Expert bias (aux-loss-free balancing, arXiv:2408.15664), for every training-mode module
-with ``expert_bias`` and ``local_tokens_per_expert`` (E experts each):
+with ``expert_bias`` and ``local_tokens_per_expert`` (E experts each) whose bias is not
+frozen (``frozen_expert_bias`` absent or False, as in Megatron-Core):
 
     t      ← Σ_{tp·dp·cp} local_tokens_per_expert      (one all-reduce of all routers stacked)
     bias   ← bias + rate · sign(mean_e(t) − t)          rate = moe_router_bias_update_rate
@@ -13,7 +14,9 @@ batch.
 Quantile balancing, for every training-mode module with ``qb_beta_accum`` (sum of per
 micro-batch quantile estimates), ``qb_beta_count`` (how many) and ``qb_beta``:
 
-    q      ← AVG_{dp·cp} (qb_beta_accum / max(qb_beta_count, 1))   (one all-reduce, stacked)
+    q      ← AVG_{dp·cp} (qb_beta_accum / max(qb_beta_count, 1))   (one all-reduce, stacked;
+             finalize_model_grads passes dp_cp_gtp_remat under gtp_remat: its peers see
+             different tokens)
     b      ← ema · qb_beta + (1 − ema) · q                         ema = ..._quantile_balancing_ema
     qb_beta ← b − mean_e(b)                                         (zero-sum: no overall shift)
     qb_beta_accum, qb_beta_count ← 0
@@ -43,12 +46,17 @@ def _update_router_expert_bias(
 
     All-reduces the routers' ``local_tokens_per_expert`` (stacked, one collective) across
     TP×DP×CP ranks, moves each bias by ``moe_router_bias_update_rate`` towards balance, and
-    zeroes the counters. ``tp_dp_cp_group=None`` reads the default collection's ``tp_dp_cp``.
+    zeroes the counters. Routers with ``frozen_expert_bias=True`` are left alone (bias and
+    counters). ``tp_dp_cp_group=None`` reads the default collection's ``tp_dp_cp``.
     """
     chunks = _as_chunks(model)
     rate = _read_settings(config).moe_router_bias_update_rate
     group = _require_group(tp_dp_cp_group, "tp_dp_cp", "_update_router_expert_bias")
-    routers = _training_modules(chunks, ("expert_bias", "local_tokens_per_expert"))
+    routers = [
+        m
+        for m in _training_modules(chunks, ("expert_bias", "local_tokens_per_expert"))
+        if not getattr(m, "frozen_expert_bias", False)
+    ]
     if not routers:
         return  # hybrid models: dense layers only on this stage
     with torch.no_grad():
@@ -72,7 +80,8 @@ def _update_router_qb_beta(
 
     Averages each router's accumulated quantile (``qb_beta_accum / qb_beta_count``) across
     DP×CP, EMA-blends it with the current ``qb_beta``, re-centres it and writes it back;
-    then zeroes the accumulators. ``dp_cp_group=None`` reads the default's ``dp_cp``.
+    then zeroes the accumulators. ``dp_cp_group=None`` reads the default's ``dp_cp``;
+    ``finalize_model_grads`` passes ``dp_cp_gtp_remat`` under gtp_remat.
     """
     chunks = _as_chunks(model)
     ema = _read_settings(config).quantile_balancing_ema

@@ -137,18 +137,18 @@ def test_gtp_remat_per_token_loss_counts_every_data_rank(rank_pools: RankPools) 
     # rank = gtp + 2·dp: gtp_remat pairs {0, 1}, {2, 3}; dp_cp pairs {0, 2}, {1, 3}.
     # Per-token loss: dense grads SUM over gtp_remat (1 + 2 = 3, 4 + 8 = 12), then ÷ the
     # tokens of all four data ranks (1 + 2 + 2 + 3 = 8): 0.375 and 1.5. qb: quantile [r, 0]
-    # averaged over the dp_cp pair {r % 2, r % 2 + 2} → [r % 2 + 1, 0], re-centred
-    # → ±(r % 2 + 1) / 2.
+    # averaged over all four ranks (dp_cp_gtp_remat: gtp_remat peers see different tokens;
+    # Megatron-Core's finalize_model_grads passes `dp_cp_gtp_remat or dp_cp` to
+    # _update_router_qb_beta) → [1.5, 0], re-centred → [0.75, -0.75].
     for r, out in enumerate(rank_pools.get(4).run(_gtp_per_token)):
-        gtp, dp = (r & ~1, r | 1), (r % 2, r % 2 + 2)
+        gtp = (r & ~1, r | 1)
         assert out["dense"] == (0.375 if r < 2 else 1.5)
-        half = (r % 2 + 1) / 2
-        assert out["beta"] == [half, -half]
+        assert out["beta"] == [0.75, -0.75]
         assert out["tokens"] == 8
         assert out["sync"] == [False]
         assert out["log"] == [
             ("all_reduce", "sum", gtp, "float32", 3, "replicated grads over gtp_remat"),
-            ("all_reduce", "avg", dp, "float32", 2, "router qb_beta"),
+            ("all_reduce", "avg", (0, 1, 2, 3), "float32", 2, "router qb_beta"),
             ("all_reduce", "sum", (0, 1, 2, 3), "int64", 1, "num_tokens"),
         ]
 

@@ -58,6 +58,8 @@ def _bias_chunk(cfg: Cfg) -> Chunk:
     chunk.b = BiasRouter([1.0, 1.0, 1.0, 1.0], [0.5, -0.5, 0.0, 1.0])
     chunk.frozen = BiasRouter([9.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0])
     chunk.frozen.eval()
+    chunk.pinned = BiasRouter([0.0, 7.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0])
+    chunk.pinned.frozen_expert_bias = True  # type: ignore[assignment]
     chunk.hashed = HashRouter()
     return chunk
 
@@ -74,7 +76,9 @@ def _expert_bias() -> dict[str, Any]:
 def test_expert_bias_from_known_token_counts(rank_pools: RankPools) -> None:
     # Router a over 4 ranks: tokens Σ_r [r, 0, 2, 1] = [6, 0, 8, 4], mean 4.5,
     # sign(mean − t) = [−1, +1, −1, +1] → bias ±0.25. Router b: Σ = [4, 4, 4, 4] = mean,
-    # sign 0 → bias unchanged. The eval-mode router keeps bias and counts.
+    # sign 0 → bias unchanged. The eval-mode router keeps bias and counts, and so does the
+    # router with frozen_expert_bias=True (Megatron-Core's _update_router_expert_bias skips
+    # it): it is left out of the stacked all-reduce (2 routers × 4 experts = 8 elements).
     for r, out in enumerate(rank_pools.get(4).run(_expert_bias)):
         state = out["state"]
         assert state["a.expert_bias"] == [-0.25, 0.25, -0.25, 0.25]
@@ -83,6 +87,8 @@ def test_expert_bias_from_known_token_counts(rank_pools: RankPools) -> None:
         assert state["b.local_tokens_per_expert"] == [0.0] * 4
         assert state["frozen.expert_bias"] == [0.0] * 4
         assert state["frozen.local_tokens_per_expert"] == [9.0, 0.0, 0.0, 0.0]
+        assert state["pinned.expert_bias"] == [1.0] * 4
+        assert state["pinned.local_tokens_per_expert"] == [0.0, 7.0, 0.0, 0.0]
         assert out["log"] == [
             ("all_reduce", "sum", (0, 1, 2, 3), "float32", 8, "router expert bias")
         ], f"rank {r}"

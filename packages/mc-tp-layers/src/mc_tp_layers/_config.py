@@ -31,10 +31,17 @@ class TensorParallelConfig(Protocol):
             gradients in buffers and compute its weight gradient later
             (:func:`mc_tp_layers.drain_embedding_wgrad_compute`).
         wgrad_deferral_limit: how many micro-batches to defer (0: all of them).
-        expert_model_parallel_size: > 1 marks expert weights as not all-reduced over DP
-            (their ``allreduce`` attribute is False).
+        expert_model_parallel_size, tensor_model_parallel_size,
+            expert_tensor_parallel_size (None reads as the TP size): an expert layer's
+            params are tagged ``allreduce=False`` (reduced over the expert-DP group, in the
+            expert buffer) when ``ep > 1`` or ``etp != tp``, as in Megatron-Core.
         gtp_remat_size: > 1 shards each linear weight's dim 0 over the gtp_remat group;
             it is all-gathered before each GEMM and its gradient reduce-scattered.
+        calculate_per_token_loss: the gtp_remat wgrad is SUM-reduced (per-token losses are
+            normalised later) instead of averaged over the gtp_remat axis.
+
+    The last four are read with ``getattr`` and Megatron's defaults (1, 1, None, False), so
+    older configs without them keep working.
     """
 
     sequence_parallel: bool

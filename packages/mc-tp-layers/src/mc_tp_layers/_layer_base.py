@@ -104,8 +104,9 @@ class ParallelLinear(TensorParallelModule):
             )
 
     def _allreduce(self) -> bool:
-        """The params' ``allreduce`` tag: False only for experts split over EP ranks."""
-        return not (self.is_expert and self.expert_parallel)
+        """The params' ``allreduce`` tag: ``not (is_expert and (ep > 1 or etp != tp))``
+        (see :func:`_layer_common.uses_expert_groups`)."""
+        return not common.uses_expert_groups(self.config, self.is_expert)
 
     def _new_weight(
         self,
@@ -128,7 +129,13 @@ class ParallelLinear(TensorParallelModule):
         )
         weight.allreduce = self._allreduce()  # type: ignore[attr-defined]
         if self.gtp_group is not None:
-            weight = shard_weight_for_gtp(weight, self.gtp_group)
+            weight = shard_weight_for_gtp(
+                weight,
+                self.gtp_group,
+                calculate_per_token_loss=bool(
+                    getattr(self.config, "calculate_per_token_loss", False)
+                ),
+            )
         return weight
 
     def _new_bias(

@@ -60,6 +60,23 @@ def expert_parallel(config: TensorParallelConfig) -> bool:
     return int(getattr(config, "expert_model_parallel_size", 1)) > 1
 
 
+def uses_expert_groups(config: TensorParallelConfig, is_expert: bool) -> bool:
+    """Megatron-Core's ``use_expert_pgs``: an expert layer whose params are reduced over the
+    expert data-parallel group (tagged ``allreduce=False``, kept in the expert buffer).
+
+    True for ``is_expert`` when experts are split over EP ranks (``ep > 1``) or the expert
+    TP size differs from the dense one (``etp != tp``, ``etp=None`` reading as ``tp``): then
+    the expert-DP group differs from the dense dp_cp group, so the params cannot share the
+    dense buffer. An expert layer with ``ep = 1`` and ``etp = tp`` is reduced like a dense
+    one.
+    """
+    if not is_expert:
+        return False
+    tp = int(getattr(config, "tensor_model_parallel_size", 1))
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    return expert_parallel(config) or (etp is not None and int(etp) != tp)
+
+
 def sequence_parallel(config: TensorParallelConfig, world: int, what: str) -> bool:
     """``config.sequence_parallel``, switched off (with a warning) for a one-rank TP group."""
     if config.sequence_parallel and world == 1:

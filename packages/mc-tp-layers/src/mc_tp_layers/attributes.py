@@ -7,6 +7,8 @@ Every parameter a TP layer creates carries:
 - ``partition_stride`` (int): the split is strided (see ``_initialize_affine_weight_cpu``);
 - ``allreduce`` (bool): its gradient is reduced over the data-parallel group
   (False for expert-parallel weights, reduced over the expert-DP group instead);
+- ``expert_tp``, ``is_qkv``, ``qkv_split_shapes``: Megatron's further TP keys, copied with
+  the others by :func:`copy_tensor_model_parallel_attributes` when present;
 - ``sequence_parallel`` (bool, row-parallel bias only): its gradient is a partial sum
   over the TP ranks and must be all-reduced over TP after backward.
 
@@ -37,15 +39,22 @@ __all__ = [
     "set_tensor_model_parallel_attributes",
 ]
 
-_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, bool | int] = {
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, object] = {
+    "expert_tp": False,
+    "is_qkv": False,
+    "qkv_split_shapes": None,
     "tensor_model_parallel": False,
     "partition_dim": -1,
     "partition_stride": 1,
 }
-"""The TP attributes and the values an unsharded parameter has."""
+"""The TP attributes and the values an unsharded parameter has (Megatron-Core's six keys:
+``expert_tp`` marks an expert-TP shard, ``is_qkv`` / ``qkv_split_shapes`` a fused QKV
+weight and the sizes of its Q, K and V blocks, which optimizers that orthogonalise per
+block need on every copy of the weight)."""
 
 GTP_ATTRIBUTES: tuple[str, ...] = (
     "is_gtp_weight_remat",
+    "allreduce",
     "gtp_remat_rank",
     "gtp_replica_group",
     "gtp_remat_size",
@@ -53,7 +62,8 @@ GTP_ATTRIBUTES: tuple[str, ...] = (
     "pad_length",
     "group",
 )
-"""Attributes :func:`copy_gtp_attributes` carries from a parameter to its copies."""
+"""Attributes :func:`copy_gtp_attributes` carries from a parameter to its copies
+(``allreduce`` too: the dense/expert tag decides which gtp_remat axis the dedup uses)."""
 
 
 def set_tensor_model_parallel_attributes(
@@ -93,7 +103,11 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tenso
 def copy_tensor_model_parallel_attributes(
     destination_tensor: torch.Tensor, source_tensor: torch.Tensor
 ) -> None:
-    """Copy every TP attribute ``source_tensor`` has onto ``destination_tensor``."""
+    """Copy every TP attribute ``source_tensor`` has onto ``destination_tensor``.
+
+    The keys are those of :data:`_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS` (``is_qkv`` and
+    ``qkv_split_shapes`` included); attributes the source lacks are left alone.
+    """
     for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
         if hasattr(source_tensor, name):
             setattr(destination_tensor, name, getattr(source_tensor, name))

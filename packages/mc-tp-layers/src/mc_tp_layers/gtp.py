@@ -8,8 +8,19 @@ rows at the end of dim 0 and rank g of the gtp_remat group keeps rows ``[g·s, (
 
 Before each GEMM (forward, and again in backward: the full weight is rematerialised, not
 kept) the shards are all-gathered and the padding dropped; the full weight gradient is
-padded, reduce-scattered (summed) over the group, and rank g keeps its rows. gtp_remat
-ranks see different data, so the summed gradient is the shard's gradient over their data.
+padded, pre-scaled and reduce-scattered (SUM) over the group, and rank g keeps its rows::
+
+    dW_g = Σ_{j ∈ gtp_remat} c · dW_j[rows of g]      c = 1/G, or 1 under per-token loss
+
+gtp_remat ranks see different data, like data-parallel ranks. Every param replicated over
+the axis (biases, layer norms) is averaged over it in ``finalize_model_grads``, and DDP
+divides by the replicate (dp·cp) size; with ``c = 1/G`` the sharded weights get the same
+mean over all (dp·cp × gtp_remat) ranks (Megatron-Core's ``_prescale_wgrads_for_mean_rs``).
+Under ``calculate_per_token_loss`` nothing is averaged (DDP does not scale, finalize
+divides by the global token count, which counts every gtp_remat rank's tokens), so the
+axis is summed: ``c = 1``. The factor is fixed when the shard is made
+(``shard_weight_for_gtp(..., calculate_per_token_loss=)``) and kept on it as
+``gtp_wgrad_scale``.
 """
 
 from __future__ import annotations
@@ -35,13 +46,23 @@ def gtp_remat_shard_dim0(dim0: int, gtp_remat_size: int) -> tuple[int, int]:
 
 
 def shard_weight_for_gtp(
-    weight: torch.nn.Parameter, group: dist.ProcessGroup
+    weight: torch.nn.Parameter,
+    group: dist.ProcessGroup,
+    *,
+    calculate_per_token_loss: bool = False,
 ) -> torch.nn.Parameter:
     """A new parameter holding this rank's rows of ``weight`` (padded), tagged for GTP.
 
     The shard carries ``is_gtp_weight_remat``, ``group``, ``gtp_remat_size``,
-    ``pad_length``, ``gtp_unsharded_shape`` and ``weight``'s TP attributes.
+    ``pad_length``, ``gtp_unsharded_shape``, ``gtp_wgrad_scale`` (``1/G``, or 1 with
+    ``calculate_per_token_loss``: see the module notes) and ``weight``'s TP attributes.
+    The layers pass their ``config.calculate_per_token_loss``.
     """
+    if not isinstance(calculate_per_token_loss, bool):
+        raise TypeError(
+            f"calculate_per_token_loss={calculate_per_token_loss!r} must be a bool (the "
+            "config's calculate_per_token_loss)"
+        )
     size, rank = int(group.size()), int(group.rank())
     rows, pad = gtp_remat_shard_dim0(weight.shape[0], size)
     padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight.detach()
@@ -57,6 +78,7 @@ def shard_weight_for_gtp(
     shard.gtp_remat_size = size  # type: ignore[attr-defined]
     shard.pad_length = pad  # type: ignore[attr-defined]
     shard.gtp_unsharded_shape = tuple(weight.shape)  # type: ignore[attr-defined]
+    shard.gtp_wgrad_scale = 1.0 if calculate_per_token_loss else 1.0 / size  # type: ignore[attr-defined]
     return shard
 
 
@@ -87,10 +109,16 @@ def gather_gtp_weight(shard: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_scatter_gtp_grad(full_grad: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
-    """Sum ``full_grad`` (TP-local shape) over the gtp_remat group; return this rank's rows."""
+    """``Σ_gtp_remat c · full_grad`` (TP-local shape), this rank's rows; ``c`` is the shard's
+    ``gtp_wgrad_scale`` (``1/G`` by default: the mean over the axis; see the module notes).
+    ``full_grad`` itself is left unchanged."""
     group = _gtp_group(shard)
+    scale = float(getattr(shard, "gtp_wgrad_scale", 1.0 / int(group.size())))
     pad = shard.shape[0] * int(group.size()) - full_grad.shape[0]
-    padded = torch.nn.functional.pad(full_grad, (0, 0, 0, pad)) if pad else full_grad
+    if pad:
+        padded = torch.nn.functional.pad(full_grad, (0, 0, 0, pad)).mul_(scale)
+    else:
+        padded = full_grad * scale if scale != 1.0 else full_grad
     out = full_grad.new_empty((shard.shape[0], *full_grad.shape[1:]))
     mg.reduce_scatter(out, padded.contiguous(), group, label="gtp_remat wgrad reduce-scatter")
     return out

@@ -22,7 +22,9 @@ Backward, in issue order (collectives are asynchronous so they overlap the GEMMs
            carries that attribute, else None), or
          - deferred: dY is appended to grad_output_buffer (embedding wgrad deferral,
            see :func:`mc_tp_layers.drain_embedding_wgrad_compute`)
-       GTP: dW is padded and reduce-scattered over gtp_remat (rank g keeps its rows).
+       GTP: dW is padded, pre-scaled by the shard's gtp_wgrad_scale (1/G: the mean over
+       gtp_remat; 1 under calculate_per_token_loss) and SUM-reduce-scattered over
+       gtp_remat (rank g keeps its rows); see :mod:`mc_tp_layers.gtp`.
     6. db = Σ dY over every dim but the last
     7. wait for 4, return dX
 
@@ -217,8 +219,8 @@ def _new_wgrad(
 def _gtp_wgrad(
     weight: torch.Tensor, like: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor
 ) -> torch.Tensor:
-    """The gtp_remat shard's part of the full ``dW`` (computed in ``like``'s dtype), summed
-    over the gtp_remat group."""
+    """The gtp_remat shard's part of the full ``dW`` (computed in ``like``'s dtype), reduced
+    over the gtp_remat group (mean, or sum under per-token loss)."""
     full = _new_wgrad(like, unsharded_shape(weight), grad_output, total_input)
     return reduce_scatter_gtp_grad(full, weight)
 

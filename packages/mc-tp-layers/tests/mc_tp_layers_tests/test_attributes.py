@@ -77,7 +77,11 @@ def test_gtp_duplicate_tags() -> None:
 def test_tp_attribute_helpers() -> None:
     t = torch.zeros(2)
     tpl.set_defaults_if_not_set_tensor_model_parallel_attributes(t)
+    # Megatron-Core's six keys and defaults (megatron/core/tensor_parallel/layers.py).
     assert {k: getattr(t, k) for k in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS} == {
+        "expert_tp": False,
+        "is_qkv": False,
+        "qkv_split_shapes": None,
         "tensor_model_parallel": False,
         "partition_dim": -1,
         "partition_stride": 1,
@@ -90,6 +94,28 @@ def test_tp_attribute_helpers() -> None:
     assert (v.tensor_model_parallel, v.partition_dim, v.partition_stride) == (True, 1, 2)  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="differ"):
         tpl.set_tensor_model_parallel_attributes(u, True, 0, 1)
+
+
+def test_copies_keep_qkv_and_expert_tags() -> None:
+    """A fused-QKV weight's ``is_qkv`` / ``qkv_split_shapes`` survive
+    ``copy_tensor_model_parallel_attributes`` (Megatron copies every key of its six), and
+    ``copy_gtp_attributes`` keeps ``allreduce``: an optimizer's copy of an expert shard must
+    still dedup over the expert gtp_remat axis (Megatron copies is_gtp_weight_remat,
+    allreduce, gtp_replica_group, pad_length)."""
+    qkv = torch.zeros(6, 2)
+    tpl.set_tensor_model_parallel_attributes(qkv, True, 0, 1)
+    qkv.is_qkv = True  # type: ignore[attr-defined]
+    qkv.qkv_split_shapes = [2, 2, 2]  # type: ignore[attr-defined]
+    copy = torch.zeros(6, 2)
+    tpl.copy_tensor_model_parallel_attributes(copy, qkv)
+    assert (copy.is_qkv, copy.qkv_split_shapes) == (True, [2, 2, 2])  # type: ignore[attr-defined]
+    assert not hasattr(copy, "expert_tp")  # absent on the source: not invented
+    expert = torch.zeros(2)
+    expert.allreduce = False  # type: ignore[attr-defined]
+    expert.is_gtp_weight_remat = True  # type: ignore[attr-defined]
+    master = torch.zeros(2)
+    tpl.copy_gtp_attributes(master, expert)
+    assert (master.allreduce, master.is_gtp_weight_remat) == (False, True)  # type: ignore[attr-defined]
 
 
 SPEC_LAYERS_NAMES = (

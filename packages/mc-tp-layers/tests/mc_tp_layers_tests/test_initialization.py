@@ -184,6 +184,48 @@ def test_tp_attributes_are_set_with_or_without_initialisation(
         assert out["dup"] == [True, True, True, r == 0, True]
 
 
+def _expert_tags(ep: int, etp: int) -> dict[str, list[bool]]:
+    pgc = world(2, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    try:
+        cfg = config(2, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        tags: dict[str, list[bool]] = {}
+        for is_expert in (False, True):
+            col = tpl.ColumnParallelLinear(
+                8, 16, config=cfg, init_method=_init, is_expert=is_expert, pg_collection=pgc
+            )
+            row = tpl.RowParallelLinear(
+                16,
+                8,
+                config=cfg,
+                init_method=_init,
+                bias=True,
+                input_is_parallel=True,
+                skip_bias_add=True,
+                is_expert=is_expert,
+                pg_collection=pgc,
+            )
+            params = (col.weight, col.bias, row.weight, row.bias)
+            tags[str(is_expert)] = [bool(getattr(p, "allreduce", "unset")) for p in params]
+        return tags
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+@pytest.mark.parametrize(
+    ("ep", "etp", "expert_allreduce"), [(1, 2, True), (1, 1, False), (2, 1, False)]
+)
+def test_expert_allreduce_tag(
+    rank_pools: RankPools, ep: int, etp: int, expert_allreduce: bool
+) -> None:
+    """``allreduce = not (is_expert and (ep > 1 or etp != tp))`` on every weight and bias
+    (Megatron-Core's ``use_expert_pgs`` in ColumnParallelLinear / RowParallelLinear,
+    megatron/core/tensor_parallel/layers.py). TP = 2 on 2 ranks: an expert layer with
+    EP = 1 and ETP = 1 ≠ TP is reduced over the expert-DP group (False), one with ETP = TP
+    and EP = 1 like a dense layer (True); dense layers are always True."""
+    for out in rank_pools.get(2).run(_expert_tags, ep, etp):
+        assert out == {"False": [True] * 4, "True": [expert_allreduce] * 4}
+
+
 def _device_init(is_expert: bool) -> dict[str, Any]:
     pgc = world(2)
     try:

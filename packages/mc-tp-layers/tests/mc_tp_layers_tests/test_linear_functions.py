@@ -263,11 +263,16 @@ def test_wgrad_deferral_and_drain(rank_pools: RankPools, limit: int, sp: bool) -
         assert out["drain"] == (["all_gather"] * deferred if sp else [])
 
 
-def _gtp(d: dict[str, torch.Tensor], fusion: bool) -> dict[str, Any]:
+def _gtp(d: dict[str, torch.Tensor], fusion: bool, per_token: bool) -> dict[str, Any]:
     pgc = world(1, gtp_remat_size=2)
     try:
         r = pgc.require("gtp_remat", "test").rank()
-        cfg = config(1, gtp_remat_size=2, gradient_accumulation_fusion=fusion)
+        cfg = config(
+            1,
+            gtp_remat_size=2,
+            gradient_accumulation_fusion=fusion,
+            calculate_per_token_loss=per_token,
+        )
         col = tpl.ColumnParallelLinear(
             K, 5, config=cfg, init_method=lambda t: t.copy_(d["w"]), pg_collection=pgc
         )
@@ -311,11 +316,19 @@ def _gtp(d: dict[str, torch.Tensor], fusion: bool) -> dict[str, Any]:
         mg.destroy_model_parallel(pgc)
 
 
+@pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("fusion", [False, True])
-def test_gtp_remat_shards_the_weight_rows(rank_pools: RankPools, fusion: bool) -> None:
-    # TP = 1, gtp_remat = 2: each rank holds ceil(5/2) = 3 rows of the column weight [5, 8]
-    # (rank 1's last row is padding) and 4 of the row weight [8, 5]. The ranks see different
-    # data; every GEMM uses the full weight, and each shard's grad sums both ranks' grads.
+def test_gtp_remat_shards_the_weight_rows(
+    rank_pools: RankPools, fusion: bool, per_token: bool
+) -> None:
+    """TP = 1, gtp_remat = 2: each rank holds ceil(5/2) = 3 rows of the column weight [5, 8]
+    (rank 1's last row is padding) and 4 of the row weight [8, 5]. The ranks see different
+    data; every GEMM uses the full weight, and each shard's grad is the MEAN of both ranks'
+    grads (the wgrad is pre-scaled by 1/2 before the SUM reduce-scatter), or their SUM under
+    calculate_per_token_loss. Reading from Megatron-Core's
+    ``generalized_tensor_parallelism.py::_prescale_wgrads_for_mean_rs``: the gtp_remat axis
+    is averaged like every replicated param's (finalize's AVG), summed under per-token
+    loss (finalize divides by the global token count)."""
     d = {
         "x": randn(2, S, B, K, seed=1),
         "w": randn(5, K, seed=2),
@@ -330,9 +343,11 @@ def test_gtp_remat_shards_the_weight_rows(rank_pools: RankPools, fusion: bool) -
         backward(y, d["dy"][r])
         refs.append(y.detach())
         dw, dwr = dw + w.grad, dwr + wr.grad  # type: ignore[operator]
+    if not per_token:
+        dw, dwr = dw / 2, dwr / 2
     padded_w = torch.cat([d["w"], torch.zeros(1, K)])
     padded_dw = torch.cat([dw, torch.zeros(1, K)])
-    for r, out in enumerate(rank_pools.get(2).run(_gtp, d, fusion)):
+    for r, out in enumerate(rank_pools.get(2).run(_gtp, d, fusion, per_token)):
         assert_close(out["y"], refs[r], "gtp output")
         assert torch.equal(out["shards"][0], padded_w[3 * r : 3 * r + 3])
         assert torch.equal(out["shards"][1], d["wr"][4 * r : 4 * r + 4])
