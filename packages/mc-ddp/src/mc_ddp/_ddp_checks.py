@@ -28,12 +28,7 @@ def check_ddp_config(ddp_config: object) -> DistributedDataParallelConfig:
         raise TypeError(
             f"ddp_config={type(ddp_config).__name__} must be a mc_ddp.DistributedDataParallelConfig"
         )
-    ddp_config.validate()
-    if ddp_config.fp8_param_gather or ddp_config.fp4_param_gather:
-        raise NotImplementedError(
-            "fp8_param_gather / fp4_param_gather: mc-ddp does not gather Transformer Engine "
-            "fp8/fp4 params yet; set both to False"
-        )
+    ddp_config.validate()  # also refuses the Megatron fields mc does not implement
     return ddp_config
 
 

@@ -1,6 +1,10 @@
-"""``DistributedDataParallelConfig``: Megatron-Core's DDP knobs (the non-FSDP ones), validated.
+"""``DistributedDataParallelConfig``: Megatron-Core's DDP knobs, validated.
 
-Field names and defaults are Megatron's, so a Megatron config ports by changing the import.
+Every field of Megatron-Core's config, in its order and with its defaults, so a Megatron
+config ports by changing the import. The fields of features mc does not implement
+(Megatron-FSDP, NCCL user buffers, fp8/fp4/MXFP8 param gathering) are accepted at their
+defaults; any other value raises ``NotImplementedError`` naming the field, instead of
+being ignored.
 Validation runs in ``__post_init__`` and again when :class:`~mc_ddp.DistributedDataParallel`
 is built (:meth:`DistributedDataParallelConfig.validate`), because Megatron code often sets
 fields after construction. Wrong types are ``TypeError`` (``bucket_size=True`` is not the
@@ -9,9 +13,10 @@ size 1); incompatible combinations are ``ValueError`` naming both fields.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import torch
 
 from mc_ddp._config_checks import check_flag, check_optional_count, check_patterns, need
 
@@ -28,14 +33,40 @@ _FLAGS = (
     "pad_buckets_for_high_nccl_busbw",
     "average_in_collective",
     "reduce_scatter_with_fp32_accumulation",
-    "fp8_param_gather",
-    "fp4_param_gather",
     "delay_wgrad_compute",
 )
 
-
-def _have_transformer_engine() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
+_TE_GATHER = (
+    "Transformer Engine fp8/fp4 param gathering (installing Transformer Engine does not enable it)"
+)
+_FSDP = "Megatron-FSDP (mc has no FSDP; use_megatron_fsdp must stay False)"
+_NCCL_UB = "NCCL user-buffer registration"
+_NOT_IMPLEMENTED: dict[str, tuple[object, str]] = {
+    "fp8_param_gather": (False, _TE_GATHER),
+    "fp4_param_gather": (False, _TE_GATHER),
+    "reuse_grad_buf_for_mxfp8_param_ag": (False, "MXFP8 param gathering into the grad buffer"),
+    "use_megatron_fsdp": (False, _FSDP),
+    "megatron_fsdp_version": (1, _FSDP),
+    "use_custom_fsdp": (False, _FSDP),
+    "data_parallel_sharding_strategy": ("no_shard", _FSDP),
+    "gradient_reduce_div_fusion": (True, _FSDP),
+    "suggested_communication_unit_size": (None, _FSDP),
+    "keep_fp8_transpose_cache": (False, _FSDP),
+    "nccl_ub": (False, _NCCL_UB),
+    "fsdp_double_buffer": (False, _FSDP),
+    "fsdp_db_use_persist_buf_on_alloc_fail": (False, _FSDP),
+    "fsdp_all_gather_in_start_param_sync": (True, _FSDP),
+    "outer_dp_sharding_strategy": ("no_shard", _FSDP),
+    "fsdp_manual_registration": (False, _FSDP),
+    "megatron_fsdp_main_params_dtype": (torch.float32, _FSDP),
+    "megatron_fsdp_main_grads_dtype": (None, _FSDP),
+    "megatron_fsdp_grad_comm_dtype": (None, _FSDP),
+    "megatron_fsdp_use_decoupled_grad": (False, _FSDP),
+    "megatron_fsdp_cuda_graph_mode": (False, _FSDP),
+    "megatron_fsdp_enable_fine_grained_param_gather": (False, _FSDP),
+    "megatron_fsdp_max_pool_double_buffer": (False, _FSDP),
+}
+"""Megatron-Core fields of features mc does not implement: ``(default, feature)``."""
 
 
 @dataclass
@@ -70,9 +101,19 @@ class DistributedDataParallelConfig:
         param_name_patterns_for_fp32_local_accumulation: fnmatch patterns (``"all"`` for
             every param) of params whose ``main_grad`` accumulates locally in a separate
             fp32 tensor, copied into the (lower-precision) buffer for the collective.
-        fp8_param_gather / fp4_param_gather: need Transformer Engine.
         delay_wgrad_compute: params marked ``skip_backward_post_hook`` get their DDP hook
             from their module's ``register_wgrad_accumulation_and_reduce_hooks``.
+        disable_symmetric_registration: accepted at either value: mc never registers NCCL
+            buffers, which is what True asks for.
+
+    Not implemented, accepted only at Megatron's default (anything else is a
+    ``NotImplementedError`` naming the field): ``fp8_param_gather``, ``fp4_param_gather``,
+    ``reuse_grad_buf_for_mxfp8_param_ag`` (Transformer Engine low-precision gathers),
+    ``nccl_ub`` (NCCL user buffers), ``use_megatron_fsdp``, ``use_custom_fsdp`` and every
+    Megatron-FSDP setting (``megatron_fsdp_*``, ``fsdp_*``,
+    ``data_parallel_sharding_strategy``, ``outer_dp_sharding_strategy``,
+    ``gradient_reduce_div_fusion``, ``suggested_communication_unit_size``,
+    ``keep_fp8_transpose_cache``).
     """
 
     grad_reduce_in_fp32: bool = False
@@ -86,24 +127,47 @@ class DistributedDataParallelConfig:
     bucket_size: int | None = None
     num_buckets: int | None = None
     pad_buckets_for_high_nccl_busbw: bool = False
-    average_in_collective: bool = False
     reduce_scatter_with_fp32_accumulation: bool = False
-    param_name_patterns_for_fp32_local_accumulation: Sequence[str] = field(default_factory=list)
+    param_name_patterns_for_fp32_local_accumulation: Sequence[str] = ()
+    average_in_collective: bool = False
     fp8_param_gather: bool = False
     fp4_param_gather: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    use_megatron_fsdp: bool = False
+    megatron_fsdp_version: int = 1
+    use_custom_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    gradient_reduce_div_fusion: bool = True
+    suggested_communication_unit_size: int | None = None
+    keep_fp8_transpose_cache: bool = False
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False
+    fsdp_all_gather_in_start_param_sync: bool = True
+    outer_dp_sharding_strategy: str = "no_shard"
+    disable_symmetric_registration: bool = False
+    fsdp_manual_registration: bool = False
     delay_wgrad_compute: bool = False
+    megatron_fsdp_main_params_dtype: torch.dtype | None = torch.float32
+    megatron_fsdp_main_grads_dtype: torch.dtype | None = None
+    megatron_fsdp_grad_comm_dtype: torch.dtype | None = None
+    megatron_fsdp_use_decoupled_grad: bool = False
+    megatron_fsdp_cuda_graph_mode: bool = False
+    megatron_fsdp_enable_fine_grained_param_gather: bool = False
+    megatron_fsdp_max_pool_double_buffer: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Check every field's type, then every combination (see the class docstring)."""
+        """Check every field's type, then the fields mc does not implement, then every
+        combination (see the class docstring)."""
         self._check_types()
+        self._check_not_implemented()
         self._check_combinations()
-        self._check_low_precision_gather()
 
     def _check_types(self) -> None:
-        for name in _FLAGS:
+        for name in (*_FLAGS, "disable_symmetric_registration"):
             check_flag(name, getattr(self, name))
         instances = self.num_distributed_optimizer_instances
         check_optional_count("num_distributed_optimizer_instances", instances, allow_none=False)
@@ -156,15 +220,32 @@ class DistributedDataParallelConfig:
             "the fp32-accumulating reduce-scatter supports one instance only",
         )
 
-    def _check_low_precision_gather(self) -> None:
-        for name in ("fp8_param_gather", "fp4_param_gather"):
-            if getattr(self, name) and not _have_transformer_engine():
-                raise ValueError(
-                    f"{name}=True needs Transformer Engine (its fp8/fp4 tensor types), which "
-                    "is not installed: pip install transformer-engine, or set "
-                    f"{name}=False"
-                )
+    def _check_not_implemented(self) -> None:
+        for name, (default, feature) in _NOT_IMPLEMENTED.items():
+            _check_like_default(name, getattr(self, name), default)
         need(
-            not (self.fp8_param_gather and self.fp4_param_gather),
-            "fp8_param_gather=True and fp4_param_gather=True: choose one",
+            self.megatron_fsdp_version in (1, 2),
+            f"megatron_fsdp_version={self.megatron_fsdp_version} must be 1 or 2",
         )
+        for name, (default, feature) in _NOT_IMPLEMENTED.items():
+            value = getattr(self, name)
+            if value != default:
+                raise NotImplementedError(
+                    f"{name}={value!r}: mc-ddp does not implement {feature}; leave {name} "
+                    f"at Megatron's default {default!r}"
+                )
+
+
+def _check_like_default(name: str, value: object, default: object) -> None:
+    """``value`` has the type of Megatron's ``default`` (bools are bools, dtypes dtypes)."""
+    if isinstance(default, bool):
+        check_flag(name, value)
+    elif isinstance(default, int):
+        check_optional_count(name, value, allow_none=False)
+    elif isinstance(default, str) and not isinstance(value, str):
+        raise TypeError(f"{name}={value!r} must be a str (Megatron's default {default!r})")
+    elif isinstance(default, torch.dtype) or (default is None and "dtype" in name):
+        if value is not None and not isinstance(value, torch.dtype):
+            raise TypeError(f"{name}={value!r} must be a torch.dtype or None")
+    elif default is None:
+        check_optional_count(name, value)
