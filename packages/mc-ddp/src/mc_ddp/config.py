@@ -221,7 +221,7 @@ class DistributedDataParallelConfig:
         )
 
     def _check_not_implemented(self) -> None:
-        for name, (default, feature) in _NOT_IMPLEMENTED.items():
+        for name, (default, _) in _NOT_IMPLEMENTED.items():
             _check_like_default(name, getattr(self, name), default)
         need(
             self.megatron_fsdp_version in (1, 2),
