@@ -75,7 +75,7 @@ def device_for(backend: str) -> torch.device:
 @contextmanager
 def model_parallel(layout: ParallelLayout) -> Iterator[mg.ProcessGroupCollection]:
     """The layout's groups, destroyed on exit even when the body raises."""
-    pgc = mg.initialize_model_parallel(layout.tp, layout.pp)
+    pgc = layout.initialize_groups()
     try:
         yield pgc
     finally:

@@ -1,9 +1,10 @@
 """What the small GPT is and how it is split: the one place that declares both.
 
 ``GPTConfig`` holds the sizes of the model, ``ParallelLayout`` every parallelism choice
-(TP × DP × PP sizes, sequence parallelism, the distributed optimizer, overlap, dtypes,
-micro-batches, buckets) and ``OptimizerConfig`` the AdamW hyperparameters shared by the
-parallel run and the 1-process reference. ``ParallelLayout.check`` validates a layout
+(TP × DP × PP sizes, virtual pipeline chunks, sequence parallelism, the distributed optimizer
+and its instances, overlap, dtypes, per-token loss, micro-batches, buckets) and
+``OptimizerConfig`` the AdamW hyperparameters shared by the parallel run and the 1-process
+reference. ``ParallelLayout.check`` validates a layout
 against a model and a world size before anything is built or communicated, so an
 impossible layout is a ``ValueError`` that names the setting, its value and the fix.
 """
@@ -123,14 +124,29 @@ class ParallelLayout:
         tp: tensor-parallel size: heads, MLP columns and the vocabulary are split over it.
         dp: data-parallel size: each DP rank trains on ``global_batch / dp`` sequences.
         pp: pipeline stages (1 for the trainer; 2 in the pipeline test).
+        vpp: virtual pipeline chunks per stage (Megatron's
+            ``virtual_pipeline_model_parallel_size``), or None. Interleaved placement: chunk
+            ``v`` of stage ``p`` is global chunk ``c = v·pp + p`` and holds blocks
+            ``[c·L/(pp·vpp), (c+1)·L/(pp·vpp))``; the embedding is in chunk 0 (stage 0,
+            ``v = 0``), the final LN and LM head in chunk ``pp·vpp − 1`` (last stage, last
+            ``v``). Each chunk is its own model, wrapped in its own DDP.
         sequence_parallel: outside the TP region, activations hold ``s / tp`` rows.
         distributed_optimizer: reduce-scatter grads into this rank's shard, step the shard,
             all-gather the params (else: all-reduce grads, every rank steps every param).
+        num_distributed_optimizer_instances: k optimizer instances: grads are reduce-scattered
+            inside each instance's ``dp/k`` ranks, then each shard is all-reduced over the k
+            instances (needs the distributed optimizer; k must divide dp).
+        reduce_scatter_with_fp32_accumulation: the grad reduce-scatter moves grads in their
+            own dtype and sums them in fp32, rounding once (distributed optimizer, one
+            instance).
         overlap: overlap the grad reduction with backward and (distributed optimizer) the
             param all-gather with the next forward.
         params_dtype: dtype of the model params (fp32 masters live in the optimizer).
         grad_reduce_in_fp32: fp32 ``main_grad`` buffers and reductions.
         gradient_accumulation_fusion: weight grads accumulate straight into ``main_grad``.
+        calculate_per_token_loss: the loss of a step is summed over (unmasked) tokens and
+            the grads are divided by the global token count in ``finalize_model_grads``
+            (``num_tokens``); DDP then sums over DP instead of averaging.
         microbatches: forward/backward passes per step and DP rank.
         bucket_size: elements per DDP bucket (small, so the small model has several).
     """
@@ -138,12 +154,16 @@ class ParallelLayout:
     tp: int = 1
     dp: int = 1
     pp: int = 1
+    vpp: int | None = None
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    num_distributed_optimizer_instances: int = 1
+    reduce_scatter_with_fp32_accumulation: bool = False
     overlap: bool = True
     params_dtype: torch.dtype = torch.float32
     grad_reduce_in_fp32: bool = False
     gradient_accumulation_fusion: bool = False
+    calculate_per_token_loss: bool = False
     microbatches: int = 2
     bucket_size: int | None = 8192
 
@@ -174,12 +194,40 @@ class ParallelLayout:
                 f"num_layers={model.num_layers} is not divisible by pp={self.pp}; every stage "
                 "holds the same number of layers"
             )
+        self._check_virtual_chunks(model)
+        self._check_instances()
         per_microbatch = self.dp * self.microbatches
         if global_batch % per_microbatch:
             raise ValueError(
                 f"global_batch={global_batch} is not divisible by dp × microbatches = "
                 f"{self.dp} × {self.microbatches} = {per_microbatch}; each micro-batch of "
                 "each DP rank holds the same number of sequences"
+            )
+
+    def _check_virtual_chunks(self, model: GPTConfig) -> None:
+        if self.vpp is None:
+            return
+        _positive("vpp", self.vpp)
+        if self.pp == 1:
+            raise ValueError(
+                f"vpp={self.vpp} needs pp > 1: virtual chunks interleave pipeline stages; "
+                "raise pp or set vpp=None"
+            )
+        chunks = self.pp * self.vpp
+        if model.num_layers % chunks:
+            raise ValueError(
+                f"num_layers={model.num_layers} is not divisible by pp × vpp = {self.pp} × "
+                f"{self.vpp} = {chunks}; every virtual chunk holds the same number of layers"
+            )
+
+    def _check_instances(self) -> None:
+        k = _positive(
+            "num_distributed_optimizer_instances", self.num_distributed_optimizer_instances
+        )
+        if self.dp % k:
+            raise ValueError(
+                f"num_distributed_optimizer_instances={k} does not divide dp={self.dp}; each "
+                "instance shards the optimizer over dp / k ranks"
             )
 
     def _check_tp_split(self, model: GPTConfig) -> None:
@@ -199,17 +247,30 @@ class ParallelLayout:
                     f"of {self.tp} or a tp that divides {value}"
                 )
 
+    def initialize_groups(self) -> mg.ProcessGroupCollection:
+        """Every process group of this layout (collective: every rank calls it, after
+        ``torch.distributed.init_process_group``); destroy with
+        ``mc_groups.destroy_model_parallel``."""
+        return mg.initialize_model_parallel(
+            self.tp,
+            self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp,
+            num_distributed_optimizer_instances=self.num_distributed_optimizer_instances,
+        )
+
     def model_parallel_config(self) -> mg.ModelParallelConfig:
         """The config the mc layers read (weights are loaded, so no initialisation runs)."""
         return mg.ModelParallelConfig(
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp,
             sequence_parallel=self.sequence_parallel,
             params_dtype=self.params_dtype,
             use_cpu_initialization=True,
             perform_initialization=False,
             bf16=self.params_dtype == torch.bfloat16,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            calculate_per_token_loss=self.calculate_per_token_loss,
         )
 
     def ddp_config(self) -> DistributedDataParallelConfig:
@@ -219,15 +280,25 @@ class ParallelLayout:
             overlap_grad_reduce=self.overlap,
             overlap_param_gather=self.overlap and self.distributed_optimizer,
             use_distributed_optimizer=self.distributed_optimizer,
+            num_distributed_optimizer_instances=self.num_distributed_optimizer_instances,
+            reduce_scatter_with_fp32_accumulation=self.reduce_scatter_with_fp32_accumulation,
             bucket_size=self.bucket_size,
         )
 
     def describe(self) -> str:
         """One line, e.g. ``TP=2 × DP=2, sequence parallel, distributed optimizer, ...``."""
         parts = [f"TP={self.tp} × DP={self.dp}" + (f" × PP={self.pp}" if self.pp > 1 else "")]
+        if self.vpp is not None:
+            parts.append(f"{self.vpp} virtual chunks per stage")
         if self.sequence_parallel:
             parts.append("sequence parallel")
         parts.append("distributed optimizer" if self.distributed_optimizer else "all-reduce")
+        if self.num_distributed_optimizer_instances > 1:
+            parts.append(f"{self.num_distributed_optimizer_instances} optimizer instances")
+        if self.reduce_scatter_with_fp32_accumulation:
+            parts.append("fp32-accumulating reduce-scatter")
+        if self.calculate_per_token_loss:
+            parts.append("per-token loss")
         if self.overlap:
             gather = " and param gather" if self.distributed_optimizer else ""
             parts.append(f"overlapped grad reduce{gather}")

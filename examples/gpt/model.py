@@ -21,12 +21,15 @@ layer norms and the position table then see only ``s/tp`` rows, so their params 
 ``sequence_parallel`` and ``finalize_model_grads`` sums their grads over TP (as it does for
 the Row layers' biases, which mc-tp-layers marks).
 
-Pipeline stages (the pipeline test): ``pre_process`` stages hold the embedding,
+Pipeline stages (the pipeline tests): ``pre_process`` stages hold the embedding,
 ``post_process`` stages the final LN and the LM head; a last stage without the embedding
 holds its own copy of E (``output_layer.weight``, marked ``shared_embedding``) whose grad
 ``finalize_model_grads`` sums with the first stage's over the ``embd`` group
 (``share_embeddings_and_output_weights`` / ``shared_embedding_or_output_weight()`` are
-Megatron's names, which finalize reads).
+Megatron's names, which finalize reads). With virtual pipeline chunks
+(``mp.virtual_pipeline_model_parallel_size``) each chunk is a ``GPT`` built with its
+``vp_stage``: only chunk 0 of the first stage embeds, only the last chunk of the last stage
+computes the loss, as in Megatron-Core's ``GPTModel(vp_stage=...)``.
 
 No attention biases: the key bias has an exactly zero gradient (softmax is invariant to a
 shift of all scores of a query), so Adam turns its rounding noise into updates that differ
@@ -261,13 +264,20 @@ class GPT(nn.Module):
             ``post_process`` are left to default).
         device: where the params live.
         layers: global indices of the blocks this stage holds (default: all).
-        pre_process: this stage embeds the tokens (default: first pipeline stage).
-        post_process: this stage computes the loss (default: last pipeline stage).
+        pre_process: this stage embeds the tokens (default: first pipeline stage, and
+            with ``vp_stage`` its chunk 0 only).
+        post_process: this stage computes the loss (default: last pipeline stage, and
+            with ``vp_stage`` its last chunk only,
+            ``vp_stage == mp.virtual_pipeline_model_parallel_size − 1``).
+        vp_stage: this chunk's index among the stage's virtual chunks (needs
+            ``mp.virtual_pipeline_model_parallel_size``), or None without virtual chunks.
 
-    ``forward(tokens, labels, hidden_states=None)``: a ``pre_process`` stage embeds
-    ``tokens``, any other stage starts from ``hidden_states`` (``[s(/tp), b, h]``);
-    a ``post_process`` stage returns the mean cross-entropy of predicting ``labels``
-    (``[b, s]``), any other stage its output hidden states.
+    ``forward(tokens, labels, hidden_states=None, per_token_loss=False)``: a
+    ``pre_process`` stage embeds ``tokens``, any other stage starts from ``hidden_states``
+    (``[s(/tp), b, h]``); a ``post_process`` stage returns the mean cross-entropy of
+    predicting ``labels`` (``[b, s]``), or with ``per_token_loss`` each token's
+    cross-entropy (``[b, s]``, Megatron's GPTModel output, to be masked and summed by the
+    loss function); any other stage its output hidden states.
     """
 
     share_embeddings_and_output_weights = True
@@ -282,12 +292,17 @@ class GPT(nn.Module):
         layers: Iterable[int] | None = None,
         pre_process: bool | None = None,
         post_process: bool | None = None,
+        vp_stage: int | None = None,
     ) -> None:
         super().__init__()
         device = torch.device(device)
-        self.cfg, self.pg_collection = cfg, pgc
-        self.pre_process = mg.is_pipeline_first_stage(pgc) if pre_process is None else pre_process
-        self.post_process = mg.is_pipeline_last_stage(pgc) if post_process is None else post_process
+        self.cfg, self.pg_collection, self.vp_stage = cfg, pgc, vp_stage
+        vp_size = mp.virtual_pipeline_model_parallel_size
+        if pre_process is None:
+            pre_process = mg.is_pipeline_first_stage(pgc, vp_stage, vp_size)
+        if post_process is None:
+            post_process = mg.is_pipeline_last_stage(pgc, vp_stage, vp_size)
+        self.pre_process, self.post_process = pre_process, post_process
         indices = range(cfg.num_layers) if layers is None else list(layers)
         self.tp_group = pgc.require("tp", "GPT")
         build = _Build(cfg, mp, pgc, device)
@@ -326,10 +341,15 @@ class GPT(nn.Module):
         tokens: torch.Tensor,
         labels: torch.Tensor,
         hidden_states: torch.Tensor | None = None,
+        per_token_loss: bool = False,
     ) -> torch.Tensor:
-        """The stage's output: the mean loss (last stage) or hidden states (see class)."""
-        x = self.decoder(self._stage_input(tokens, hidden_states))
-        return self._loss(x, labels) if self.post_process else x
+        """The stage's output: the mean loss or (``per_token_loss``) the ``[b, s]`` per-token
+        losses on the last stage, hidden states elsewhere (see class)."""
+        x: torch.Tensor = self.decoder(self._stage_input(tokens, hidden_states))
+        if not self.post_process:
+            return x
+        losses = self._token_losses(x, labels)  # [s, b]
+        return losses.transpose(0, 1) if per_token_loss else losses.mean()
 
     def _stage_input(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
         if self.pre_process:
@@ -342,10 +362,11 @@ class GPT(nn.Module):
             )
         return hidden
 
-    def _loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``[s, b]`` cross-entropy of each token (the same on every TP rank)."""
         weight = self.embedding.word_embeddings.weight if self.pre_process else None
         logits, _ = self.output_layer(x, weight=weight)  # [s, b, V/tp]: SP input gathered
-        losses = tpl.vocab_parallel_cross_entropy(
+        losses: torch.Tensor = tpl.vocab_parallel_cross_entropy(
             logits, labels.transpose(0, 1), tp_group=self.tp_group
         )
-        return losses.mean()
+        return losses

@@ -10,7 +10,10 @@ batch at once (no micro-batches, no data-parallel split)::
     x = LN_f(blocks(E[tokens] + P[:s]))
 
 so the parallel run's per-step loss, ``(1/dp) Σ_dp (1/m) Σ_microbatch mean CE``, is the same
-number when micro-batches hold equal token counts.
+number when micro-batches hold equal token counts. With a loss mask ``M`` (1 = the token
+counts) the reference takes the mean over the unmasked tokens of the whole batch,
+``Σ M·CE / Σ M``: what a per-token-loss run (``calculate_per_token_loss``, grads divided by
+the global token count) computes whatever the micro-batches' counts.
 """
 
 from __future__ import annotations
@@ -52,9 +55,12 @@ def _mlp(x: torch.Tensor, w: Weights, p: str) -> torch.Tensor:
     return hidden @ w[p + "linear_fc2.weight"].T + w[p + "linear_fc2.bias"]
 
 
-def reference_loss(w: Weights, cfg: GPTConfig, tokens: torch.Tensor) -> torch.Tensor:
+def reference_loss(
+    w: Weights, cfg: GPTConfig, tokens: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean next-token cross-entropy of the GPT with weights ``w`` on ``tokens``
-    (``[B, s + 1]``: inputs are ``tokens[:, :-1]``, targets ``tokens[:, 1:]``)."""
+    (``[B, s + 1]``: inputs are ``tokens[:, :-1]``, targets ``tokens[:, 1:]``); with
+    ``loss_mask`` (``[B, s]``, 1 where the target counts) ``Σ mask·CE / Σ mask``."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     s = inputs.shape[1]
     x = w[WORD_EMBEDDING][inputs] + w["embedding.position_embeddings.weight"][:s]
@@ -64,15 +70,22 @@ def reference_loss(w: Weights, cfg: GPTConfig, tokens: torch.Tensor) -> torch.Te
         x = x + _mlp(_layer_norm(x, w, p + "pre_mlp_layernorm"), w, p + "mlp.")
     x = _layer_norm(x, w, "decoder.final_layernorm")
     logits = x @ w[WORD_EMBEDDING].T
-    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+    if loss_mask is None:
+        return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+    losses = F.cross_entropy(
+        logits.reshape(-1, cfg.vocab_size), targets.reshape(-1), reduction="none"
+    )
+    mask = loss_mask.reshape(-1).to(losses.dtype)
+    return (losses * mask).sum() / mask.sum()
 
 
 def reference_grads(
-    full: Weights, cfg: GPTConfig, tokens: torch.Tensor
+    full: Weights, cfg: GPTConfig, tokens: torch.Tensor, loss_mask: torch.Tensor | None = None
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """The loss and the gradient of every weight at ``full`` on ``tokens``."""
+    """The loss and the gradient of every weight at ``full`` on ``tokens`` (masked mean
+    with ``loss_mask``, see :func:`reference_loss`)."""
     params = {k: v.detach().clone().requires_grad_() for k, v in full.items()}
-    loss = reference_loss(params, cfg, tokens)
+    loss = reference_loss(params, cfg, tokens, loss_mask)
     torch.autograd.backward(loss)
     return float(loss.detach()), {k: p.grad for k, p in params.items() if p.grad is not None}
 
@@ -92,15 +105,18 @@ def train_reference(
     opt: OptimizerConfig,
     batch: Callable[[int], torch.Tensor],
     steps: int,
+    loss_mask: Callable[[int], torch.Tensor] | None = None,
 ) -> ReferenceRun:
-    """Train the plain-PyTorch GPT from ``full`` for ``steps`` AdamW steps on
-    ``batch(step)`` (the whole global batch, ``[B, s + 1]`` tokens) in fp32 on CPU."""
+    """Train the plain-PyTorch GPT from ``full`` for ``steps`` steps of ``opt`` on
+    ``batch(step)`` (the whole global batch, ``[B, s + 1]`` tokens) in fp32 on CPU; with
+    ``loss_mask``, step ``t``'s loss is the mean over the tokens ``loss_mask(t)`` keeps."""
     params = {k: v.detach().to(torch.float32).clone().requires_grad_() for k, v in full.items()}
     optimizer = opt.build(list(params.values()))
     losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = reference_loss(params, cfg, batch(step).cpu())
+        mask = None if loss_mask is None else loss_mask(step).cpu()
+        loss = reference_loss(params, cfg, batch(step).cpu(), mask)
         torch.autograd.backward(loss)
         optimizer.step()
         losses.append(float(loss.detach()))

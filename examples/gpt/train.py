@@ -2,8 +2,8 @@
 
 The plan, for a layout declared in :class:`~examples.gpt.config.ParallelLayout`:
 
-1. ``build_model``: the GPT of this rank (its TP slice and pipeline stage) from mc layers,
-   loaded with this rank's part of the full weights.
+1. ``build_model``: the GPT of this rank (its TP slice and pipeline stage, or one virtual
+   chunk of it) from mc layers, loaded with this rank's part of the full weights.
 2. ``apply_ddp``: wrap it in mc's ``DistributedDataParallel`` (contiguous grad buffers,
    buckets reduced while backward runs; with the distributed optimizer, params kept in
    the buffer and all-gathered bucket by bucket from the next forward's pre-hooks).
@@ -52,11 +52,27 @@ class Trainer:
     device: torch.device
 
 
-def stage_layers(cfg: GPTConfig, pgc: mg.ProcessGroupCollection) -> range:
-    """Global indices of the blocks of this rank's pipeline stage (equal contiguous runs)."""
+def stage_layers(
+    cfg: GPTConfig,
+    pgc: mg.ProcessGroupCollection,
+    vp_stage: int | None = None,
+    vp_size: int | None = None,
+) -> range:
+    """Global indices of the blocks of this rank's pipeline stage (equal contiguous runs).
+
+    With virtual chunks (``vp_stage`` of ``vp_size``), Megatron's interleaved placement:
+    the model is cut into ``P·V`` equal runs and stage ``p``'s chunk ``v`` holds run
+    ``c = v·P + p``, i.e. blocks ``[c·L/(P·V), (c+1)·L/(P·V))``.
+    """
     stages, stage = mg.pipeline_size(pgc), mg.pipeline_rank(pgc)
-    per_stage = cfg.num_layers // stages
-    return range(stage * per_stage, (stage + 1) * per_stage)
+    if vp_stage is None:
+        per_stage = cfg.num_layers // stages
+        return range(stage * per_stage, (stage + 1) * per_stage)
+    if vp_size is None or not 0 <= vp_stage < vp_size:
+        raise ValueError(f"vp_stage={vp_stage} needs vp_size (got {vp_size}) > vp_stage >= 0")
+    per_chunk = cfg.num_layers // (stages * vp_size)
+    chunk = vp_stage * stages + stage
+    return range(chunk * per_chunk, (chunk + 1) * per_chunk)
 
 
 def build_model(
@@ -65,19 +81,33 @@ def build_model(
     pgc: mg.ProcessGroupCollection,
     full: dict[str, torch.Tensor],
     device: torch.device,
+    vp_stage: int | None = None,
 ) -> GPT:
-    """1. This rank's GPT (TP slice, pipeline stage), holding its part of ``full``."""
-    model = GPT(cfg, layout.model_parallel_config(), pgc, device, layers=stage_layers(cfg, pgc))
+    """1. This rank's GPT (TP slice, pipeline stage, or with ``vp_stage`` that virtual chunk
+    of ``layout.vpp``), holding its part of ``full``."""
+    mp = layout.model_parallel_config()
+    layers = stage_layers(cfg, pgc, vp_stage, layout.vpp)
+    model = GPT(cfg, mp, pgc, device, layers=layers, vp_stage=vp_stage)
     load_full_weights(model, full, pgc.require("tp", "build_model"))
     return model
 
 
 def apply_ddp(
-    model: GPT, layout: ParallelLayout, pgc: mg.ProcessGroupCollection
+    model: GPT,
+    layout: ParallelLayout,
+    pgc: mg.ProcessGroupCollection,
+    *,
+    disable_bucketing: bool = False,
 ) -> DistributedDataParallel[mg.ModelParallelConfig]:
-    """2. mc DDP over ``model`` with the layout's bucket, overlap and sharding settings."""
+    """2. mc DDP over ``model`` with the layout's bucket, overlap and sharding settings
+    (``disable_bucketing``: one bucket, as Megatron does for virtual chunks after the
+    first)."""
     return DistributedDataParallel(
-        layout.model_parallel_config(), layout.ddp_config(), model, pg_collection=pgc
+        layout.model_parallel_config(),
+        layout.ddp_config(),
+        model,
+        disable_bucketing=disable_bucketing,
+        pg_collection=pgc,
     )
 
 
