@@ -55,10 +55,13 @@ from mc_tp_layers.mappings import (
 from mc_tp_layers.random import (
     CudaRNGStatesTracker,
     RNGStatesTracker,
+    clear_cuda_rng_tracker,
+    get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
     get_model_parallel_rng_tracker_name,
     model_parallel_cuda_manual_seed,
+    set_cuda_rng_tracker,
 )
 from mc_tp_layers.row import RowParallelLinear
 from mc_tp_layers.utils import VocabUtility, divide, split_tensor_along_last_dim
@@ -79,6 +82,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_hp2sp",
     "all_to_all_sp2hp",
+    "clear_cuda_rng_tracker",
     "copy_gtp_attributes",
     "copy_tensor_model_parallel_attributes",
     "copy_to_tensor_model_parallel_region",
@@ -86,6 +90,7 @@ __all__ = [
     "drain_embedding_wgrad_compute",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
+    "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
     "get_model_parallel_rng_tracker_name",
@@ -101,6 +106,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
+    "set_cuda_rng_tracker",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",
     "shard_weight_for_gtp",

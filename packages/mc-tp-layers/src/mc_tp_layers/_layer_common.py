@@ -21,7 +21,7 @@ from mc_tp_layers.linear import (
     linear_with_frozen_weight,
     linear_with_grad_accumulation_and_async_allreduce,
 )
-from mc_tp_layers.random import RNGStatesTracker
+from mc_tp_layers.random import RNGStatesTracker, _default_tracker
 
 __all__: list[str] = []
 
@@ -122,7 +122,9 @@ class WeightInit:
         rng_tracker: RNGStatesTracker | None,
         group: dist.ProcessGroup,
     ) -> None:
-        self.config, self.init_method, self.rng_tracker = config, init_method, rng_tracker
+        # rng_tracker=None: the default registered by model_parallel_cuda_manual_seed, if any.
+        tracker = _default_tracker() if rng_tracker is None else rng_tracker
+        self.config, self.init_method, self.rng_tracker = config, init_method, tracker
         self.rank, self.world = int(group.rank()), int(group.size())
 
     def run(
@@ -171,8 +173,9 @@ class WeightInit:
             if self.rng_tracker is None:
                 raise ValueError(
                     "config.use_cpu_initialization=False initialises on the device and needs "
-                    "rng_tracker=mc_tp_layers.model_parallel_cuda_manual_seed(seed, "
-                    "pg_collection=...); or set use_cpu_initialization=True or "
+                    "an RNG tracker: call mc_tp_layers.model_parallel_cuda_manual_seed(seed, "
+                    "pg_collection=...) first (it registers the default) or pass its result "
+                    "as rng_tracker=; or set use_cpu_initialization=True or "
                     "perform_initialization=False"
                 )
             if not isinstance(self.rng_tracker, RNGStatesTracker):

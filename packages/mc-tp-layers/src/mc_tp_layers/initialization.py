@@ -28,6 +28,7 @@ from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.gtp import gtp_remat_shard_dim0
 from mc_tp_layers.random import (
     RNGStatesTracker,
+    _default_tracker,
     get_expert_parallel_rng_tracker_name,
     get_model_parallel_rng_tracker_name,
 )
@@ -49,15 +50,18 @@ def _initialize_affine_weight_gpu(
     """Set ``weight``'s TP attributes and run ``init_method(weight)`` in the tracker's stream.
 
     The stream is ``model-parallel-rng`` (``expert-parallel-rng`` when ``is_expert``) of
-    ``rng_tracker``, whose device must be ``weight``'s device type.
+    ``rng_tracker`` (None: the default registered by ``model_parallel_cuda_manual_seed``, as
+    Megatron reads its global tracker), whose device must be ``weight``'s device type.
     """
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     if rng_tracker is None:
+        rng_tracker = _default_tracker()
+    if rng_tracker is None:
         raise ValueError(
-            "device initialisation (config.use_cpu_initialization=False) needs "
-            "rng_tracker=mc_tp_layers.model_parallel_cuda_manual_seed(seed, "
-            "pg_collection=...); or set config.use_cpu_initialization=True, or "
-            "config.perform_initialization=False"
+            "device initialisation (config.use_cpu_initialization=False) needs an RNG "
+            "tracker: call mc_tp_layers.model_parallel_cuda_manual_seed(seed, "
+            "pg_collection=...) first (it registers the default) or pass rng_tracker=; "
+            "or set config.use_cpu_initialization=True, or config.perform_initialization=False"
         )
     if rng_tracker.device.type != weight.device.type:
         raise ValueError(

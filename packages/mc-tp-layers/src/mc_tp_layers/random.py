@@ -7,12 +7,19 @@ that was active before. Nesting follows the stack: forking B inside A checkpoint
 so A continues where it stopped once B exits; forking the stream that is already active
 is a no-op (it keeps drawing from the same stream).
 
-:func:`model_parallel_cuda_manual_seed` builds the tracker Megatron builds (no global: it
-returns it)::
+:func:`model_parallel_cuda_manual_seed` builds the tracker Megatron builds and returns it::
 
     data-parallel-rng   = seed                           (same on every rank)
     model-parallel-rng  = seed + 2718 + tp_rank          (differs across TP ranks)
     expert-parallel-rng = seed + 1024 + 100·ep_rank + etp_rank
+    gtp-remat-rng       = seed + 2718 + tp_rank + 65536·(1 + gtp_remat_rank)   (gtp_remat > 1)
+    egtp-remat-rng      = expert seed + 32768 + 65536·(1 + egtp_remat_rank)    (egtp_remat > 1)
+
+It also registers the tracker as the process default (``set_default=False`` opts out), as
+Megatron's call sets its global tracker: :func:`get_cuda_rng_tracker` returns it and layers
+built with ``rng_tracker=None`` initialise with it. This is the opt-in pattern of
+``mc_groups.set_default_collection``: nothing requires the default, explicit trackers keep
+working, and a process that never seeds has none.
 """
 
 from __future__ import annotations
@@ -28,19 +35,26 @@ from mc_groups import ProcessGroupCollection, get_default_collection
 __all__ = [
     "CudaRNGStatesTracker",
     "RNGStatesTracker",
+    "clear_cuda_rng_tracker",
+    "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
     "get_model_parallel_rng_tracker_name",
     "model_parallel_cuda_manual_seed",
+    "set_cuda_rng_tracker",
 ]
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
+_GTP_REMAT_RNG_TRACKER_NAME = "gtp-remat-rng"
+_EXPERT_GTP_REMAT_RNG_TRACKER_NAME = "egtp-remat-rng"
 
 _TP_SEED_OFFSET = 2718
 _EXPERT_SEED_OFFSET = 1024
 _EP_RANK_STRIDE = 100
+_GTP_SEED_STRIDE = 65536
+_EGTP_SEED_OFFSET = 32768
 
 
 def get_model_parallel_rng_tracker_name() -> str:
@@ -156,6 +170,42 @@ CudaRNGStatesTracker = RNGStatesTracker
 """Megatron's name for :class:`RNGStatesTracker`."""
 
 
+class _DefaultTracker:
+    """Holds the optional process default tracker (the one permitted global of this package)."""
+
+    tracker: RNGStatesTracker | None = None
+
+
+def set_cuda_rng_tracker(tracker: RNGStatesTracker) -> None:
+    """Register ``tracker`` as the default (``model_parallel_cuda_manual_seed`` does this)."""
+    if not isinstance(tracker, RNGStatesTracker):
+        raise TypeError(f"tracker={tracker!r} must be a mc_tp_layers.RNGStatesTracker")
+    _DefaultTracker.tracker = tracker
+
+
+def get_cuda_rng_tracker() -> RNGStatesTracker:
+    """The default tracker registered by :func:`model_parallel_cuda_manual_seed` (Megatron's
+    name; the CPU tracker of a gloo world too). RuntimeError when none is registered:
+    Megatron would hand out an empty tracker whose ``fork()`` then fails."""
+    tracker = _DefaultTracker.tracker
+    if tracker is None:
+        raise RuntimeError(
+            "no default RNG tracker is registered: call "
+            "mc_tp_layers.model_parallel_cuda_manual_seed(seed, pg_collection=...) first, or "
+            "pass rng_tracker= explicitly"
+        )
+    return tracker
+
+
+def clear_cuda_rng_tracker() -> None:
+    """Forget the default tracker (explicit trackers are unaffected)."""
+    _DefaultTracker.tracker = None
+
+
+def _default_tracker() -> RNGStatesTracker | None:
+    return _DefaultTracker.tracker
+
+
 def _rank_of(explicit: int | None, collection: ProcessGroupCollection | None, field: str) -> int:
     if explicit is not None:
         if isinstance(explicit, bool) or not isinstance(explicit, int) or explicit < 0:
@@ -172,29 +222,78 @@ def _rank_of(explicit: int | None, collection: ProcessGroupCollection | None, fi
     return 0
 
 
+def _size_of(explicit: int | None, collection: ProcessGroupCollection | None, field: str) -> int:
+    if explicit is not None:
+        if isinstance(explicit, bool) or not isinstance(explicit, int) or explicit < 1:
+            raise ValueError(f"{field}_world_size={explicit!r} must be an int >= 1")
+        return explicit
+    group: dist.ProcessGroup | None = None if collection is None else getattr(collection, field)
+    return 1 if group is None else int(group.size())
+
+
+def _check_flags(flags: dict[str, object], unsupported: tuple[str, ...]) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be a bool")
+    for name in unsupported:
+        if flags[name]:
+            raise NotImplementedError(
+                f"{name}=True: mc's tracker has no Transformer Engine, inference or "
+                "CUDA-graph-safe variant; leave it False"
+            )
+
+
 def model_parallel_cuda_manual_seed(
     seed: int,
-    *,
-    pg_collection: ProcessGroupCollection | None = None,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
     tp_rank: int | None = None,
     ep_rank: int | None = None,
     etp_rank: int | None = None,
+    gtp_remat_rank: int | None = None,
+    egtp_remat_rank: int | None = None,
+    force_reset_rng: bool = False,
+    gtp_remat_world_size: int | None = None,
+    egtp_remat_world_size: int | None = None,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
     device: torch.device | str | None = None,
+    set_default: bool = True,
 ) -> RNGStatesTracker:
-    """Seed ``device``'s default generator with ``seed`` and return Megatron's tracker.
+    """Seed ``device``'s default generator with ``seed``, build Megatron's tracker, register
+    it as the default (unless ``set_default=False``) and return it.
 
-    Streams: ``data-parallel-rng`` = seed, ``model-parallel-rng`` = seed + 2718 + tp_rank,
-    ``expert-parallel-rng`` = seed + 1024 + 100·ep_rank + etp_rank. Ranks come from the
-    explicit arguments, else ``pg_collection`` (or the registered default collection:
-    its ``tp``, ``ep`` and ``expt_tp`` groups), else 0 in a single process.
-    ``device`` defaults to the current CUDA device when CUDA is available, else CPU.
+    Streams (see the module notes): data-parallel, model-parallel, expert-parallel, and the
+    gtp_remat streams when those axes span more than one rank. Ranks and sizes come from the
+    explicit arguments, else ``pg_collection`` (or the registered default collection: its
+    ``tp``, ``ep``, ``expt_tp``, ``gtp_remat`` and ``expt_gtp_remat`` groups), else rank 0
+    of size 1 in a single process. ``device`` defaults to the current CUDA device when CUDA
+    is available, else CPU. The signature is Megatron-Core's (positional order included);
+    ``te_rng_tracker``, ``inference_rng_tracker`` and ``use_cudagraphable_rng`` must stay
+    False (``NotImplementedError``), ``force_reset_rng`` is accepted (a new tracker is built
+    on every call anyway).
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r} must be an int >= 0")
+    _check_flags(
+        {
+            "te_rng_tracker": te_rng_tracker,
+            "inference_rng_tracker": inference_rng_tracker,
+            "use_cudagraphable_rng": use_cudagraphable_rng,
+            "force_reset_rng": force_reset_rng,
+            "set_default": set_default,
+        },
+        unsupported=("te_rng_tracker", "inference_rng_tracker", "use_cudagraphable_rng"),
+    )
     collection = pg_collection if pg_collection is not None else get_default_collection()
     tp = _rank_of(tp_rank, collection, "tp")
     ep = _rank_of(ep_rank, collection, "ep")
     etp = _rank_of(etp_rank, collection, "expt_tp")
+    gtp_size = _size_of(gtp_remat_world_size, collection, "gtp_remat")
+    egtp_size = _size_of(egtp_remat_world_size, collection, "expt_gtp_remat")
+    gtp = _rank_of(gtp_remat_rank, collection, "gtp_remat") if gtp_size > 1 else 0
+    egtp = _rank_of(egtp_remat_rank, collection, "expt_gtp_remat") if egtp_size > 1 else 0
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tracker = RNGStatesTracker(device)
@@ -202,10 +301,18 @@ def model_parallel_cuda_manual_seed(
         torch.cuda.default_generators[tracker.device.index or 0].manual_seed(seed)
     else:
         torch.default_generator.manual_seed(seed)
+    tp_seed = seed + _TP_SEED_OFFSET + tp
+    expert_seed = seed + _EXPERT_SEED_OFFSET + _EP_RANK_STRIDE * ep + etp
     tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-    tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _TP_SEED_OFFSET + tp)
-    tracker.add(
-        _EXPERT_PARALLEL_RNG_TRACKER_NAME,
-        seed + _EXPERT_SEED_OFFSET + _EP_RANK_STRIDE * ep + etp,
-    )
+    tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, tp_seed)
+    tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, expert_seed)
+    if gtp_size > 1:
+        tracker.add(_GTP_REMAT_RNG_TRACKER_NAME, tp_seed + _GTP_SEED_STRIDE * (1 + gtp))
+    if egtp_size > 1:
+        tracker.add(
+            _EXPERT_GTP_REMAT_RNG_TRACKER_NAME,
+            expert_seed + _EGTP_SEED_OFFSET + _GTP_SEED_STRIDE * (1 + egtp),
+        )
+    if set_default:
+        set_cuda_rng_tracker(tracker)
     return tracker

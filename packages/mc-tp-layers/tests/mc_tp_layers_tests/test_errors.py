@@ -157,6 +157,7 @@ def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
 
 def _run_cases() -> dict[str, str]:
     pgc = world(2)
+    tpl.clear_cuda_rng_tracker()  # "device_init" needs no default tracker in this worker
     try:
         messages: dict[str, str] = {}
         with mg.record_collectives() as log:

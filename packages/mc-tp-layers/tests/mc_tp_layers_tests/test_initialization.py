@@ -226,7 +226,7 @@ def test_expert_allreduce_tag(
         assert out == {"False": [True] * 4, "True": [expert_allreduce] * 4}
 
 
-def _device_init(is_expert: bool) -> dict[str, Any]:
+def _device_init(is_expert: bool, use_default: bool) -> dict[str, Any]:
     pgc = world(2)
     try:
         cfg = config(2, use_cpu_initialization=False)
@@ -238,20 +238,26 @@ def _device_init(is_expert: bool) -> dict[str, Any]:
             init_method=_init,
             is_expert=is_expert,
             pg_collection=pgc,
-            rng_tracker=tracker,
+            rng_tracker=None if use_default else tracker,
             device="cpu",
         )
         assert col.weight is not None
         # the default generator was seeded with SEED and the init drew from the tracker
         return {"w": col.weight.detach(), "next_default": torch.rand(3)}
     finally:
+        tpl.clear_cuda_rng_tracker()
         mg.destroy_model_parallel(pgc)
 
 
+@pytest.mark.parametrize("use_default", [False, True], ids=["explicit", "default"])
 @pytest.mark.parametrize("is_expert", [False, True])
-def test_device_init_draws_from_the_tracker_stream(rank_pools: RankPools, is_expert: bool) -> None:
-    # 2 ranks, TP = 2 = expert TP, EP = 1: tp_rank = etp_rank = r, ep_rank = 0
-    for r, out in enumerate(rank_pools.get(2).run(_device_init, is_expert)):
+def test_device_init_draws_from_the_tracker_stream(
+    rank_pools: RankPools, is_expert: bool, use_default: bool
+) -> None:
+    """2 ranks, TP = 2 = expert TP, EP = 1: tp_rank = etp_rank = r, ep_rank = 0. With
+    ``rng_tracker=None`` the layer uses the tracker ``model_parallel_cuda_manual_seed``
+    registered (Megatron's layers read its global tracker): the same weights."""
+    for r, out in enumerate(rank_pools.get(2).run(_device_init, is_expert, use_default)):
         seed = SEED + 1024 + r if is_expert else SEED + 2718 + r
         expected = torch.empty(8, 8)
         torch.manual_seed(seed)

@@ -7,6 +7,8 @@ compared with ``torch.equal`` (same generator, same draws).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -72,7 +74,7 @@ def test_states_round_trip_and_errors() -> None:
 
 def test_model_parallel_seed_streams() -> None:
     tracker = tpl.model_parallel_cuda_manual_seed(
-        100, tp_rank=3, ep_rank=2, etp_rank=1, device="cpu"
+        100, tp_rank=3, ep_rank=2, etp_rank=1, device="cpu", set_default=False
     )
     expected = {
         tpl.get_data_parallel_rng_tracker_name(): 100,
@@ -85,3 +87,57 @@ def test_model_parallel_seed_streams() -> None:
         with tracker.fork(name):
             assert torch.equal(torch.rand(2), _draws(seed, 2)), name
     assert tpl.CudaRNGStatesTracker is tpl.RNGStatesTracker
+
+
+def test_seeding_registers_the_default_tracker() -> None:
+    """``model_parallel_cuda_manual_seed`` sets the process tracker, as Megatron's does
+    (tests/unit_tests/tensor_parallel/test_random.py::test_model_parallel_cuda_manual_seed:
+    ``get_cuda_rng_tracker().get_states()['model-parallel-rng']`` exists afterwards); the
+    default is opt-out (``set_default=False``) and can be cleared; without one,
+    ``get_cuda_rng_tracker()`` is a RuntimeError naming the fix."""
+    tpl.clear_cuda_rng_tracker()
+    try:
+        with pytest.raises(RuntimeError, match="model_parallel_cuda_manual_seed"):
+            tpl.get_cuda_rng_tracker()
+        kept = tpl.model_parallel_cuda_manual_seed(5, tp_rank=0, ep_rank=0, etp_rank=0)
+        assert tpl.get_cuda_rng_tracker() is kept
+        assert "model-parallel-rng" in tpl.get_cuda_rng_tracker().get_states()
+        tpl.model_parallel_cuda_manual_seed(6, tp_rank=0, ep_rank=0, etp_rank=0, set_default=False)
+        assert tpl.get_cuda_rng_tracker() is kept
+        other = tpl.RNGStatesTracker()
+        tpl.set_cuda_rng_tracker(other)
+        assert tpl.get_cuda_rng_tracker() is other
+        with pytest.raises(TypeError, match="RNGStatesTracker"):
+            tpl.set_cuda_rng_tracker("tracker")  # type: ignore[arg-type]
+    finally:
+        tpl.clear_cuda_rng_tracker()
+
+
+def test_megatron_signature_and_gtp_streams() -> None:
+    """Megatron's positional order (seed, te_rng_tracker, inference_rng_tracker,
+    use_cudagraphable_rng, tp_rank, ep_rank, etp_rank, gtp_remat_rank, egtp_remat_rank,
+    force_reset_rng, gtp_remat_world_size, egtp_remat_world_size) and its gtp_remat seeds
+    (megatron/core/tensor_parallel/random.py: tp seed + 65536·(1 + gtp rank); expert seed +
+    32768 + 65536·(1 + egtp rank), added only when the axis spans > 1 rank)."""
+    tracker = tpl.model_parallel_cuda_manual_seed(
+        10, False, False, False, 1, 0, 1, 1, 0, True, 2, 2, device="cpu", set_default=False
+    )
+    tp_seed, expert_seed = 10 + 2718 + 1, 10 + 1024 + 1
+    for name, seed in {
+        "gtp-remat-rng": tp_seed + 65536 * 2,
+        "egtp-remat-rng": expert_seed + 32768 + 65536,
+    }.items():
+        with tracker.fork(name):
+            assert torch.equal(torch.rand(2), _draws(seed, 2)), name
+    plain = tpl.model_parallel_cuda_manual_seed(10, tp_rank=0, set_default=False, ep_rank=0)
+    assert sorted(plain.get_states()) == [
+        "data-parallel-rng",
+        "expert-parallel-rng",
+        "model-parallel-rng",
+    ]
+    loose: Any = tpl.model_parallel_cuda_manual_seed
+    for flag in ("te_rng_tracker", "inference_rng_tracker", "use_cudagraphable_rng"):
+        with pytest.raises(NotImplementedError, match=flag):
+            loose(1, tp_rank=0, **{flag: True})
+    with pytest.raises(TypeError, match="set_default"):
+        tpl.model_parallel_cuda_manual_seed(1, tp_rank=0, set_default="no")  # type: ignore[arg-type]
