@@ -1,0 +1,434 @@
+"""Generate ``docs/compatibility.md``: every public name of the three spec modules and every
+field of ``DistributedDataParallelConfig``, with how mc matches Megatron-Core.
+
+Usage: ``python scripts/gen_compatibility.py`` (writes the file) or ``--check`` (exit 1 when
+the file is stale). ``integration_tests/test_docs.py`` runs the same checks, so the document
+cannot drift from the code:
+
+- the names come from ``docs/spec/*.txt``, a copy of ``../shared/spec`` (Megatron-Core's API
+  documentation; the copy travels with the repository so CI can read it); each
+  module's mc counterpart must hold every name not marked absent, and none marked absent;
+- a signature status is computed, not declared: ``same`` when mc's parameters equal the
+  spec's (names and order), ``extended`` when the spec's are a prefix of mc's (mc adds
+  keyword arguments after them); anything else must be declared ``differs`` with the
+  reason in :data:`NOTES`, and a name declared ``differs`` must have a reason;
+- config rows are probed: a field whose non-default value raises ``NotImplementedError``
+  is reported absent (accepted at Megatron's default only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from mc_ddp import DistributedDataParallelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "compatibility.md"
+SPEC_DIRS = (ROOT / "docs" / "spec", ROOT.parent / "shared" / "spec")
+
+MODULES = {
+    "core.distributed.distributed_data_parallel": (
+        "distributed_data_parallel.txt",
+        "mc_ddp.distributed_data_parallel",
+    ),
+    "core.distributed.finalize_model_grads": ("finalize_model_grads.txt", "mc_finalize"),
+    "core.tensor_parallel.layers": ("tensor_parallel_layers.txt", "mc_tp_layers.layers"),
+}
+
+_DCP = (
+    "returns DTensors for torch.distributed.checkpoint (a (tp) or (tp, gtp_remat) mesh), not "
+    "Megatron's ShardedTensor dist-checkpointing objects: checkpoints load across TP and "
+    "gtp_remat sizes through DCP"
+)
+_RNG = (
+    "adds keyword-only `rng_tracker` (None: the default tracker that "
+    "`model_parallel_cuda_manual_seed` registers, as Megatron reads its global one) and "
+    "`device`"
+)
+_DEFAULT_GROUPS = (
+    "`pg_collection=None` reads the registered default collection (Megatron: parallel_state "
+    "globals); without one it is an error naming the fix"
+)
+
+NOTES: dict[str, tuple[str | None, str]] = {
+    # name: (declared status or None for the computed one, note)
+    "logger": (None, "a `logging.Logger` named after the module"),
+    "DistributedDataParallel": (
+        None,
+        "`config` is any object with a bool `calculate_per_token_loss`; "
+        + _DEFAULT_GROUPS
+        + "; refuses `average_in_collective` with gtp_remat and with per-token loss",
+    ),
+    "DistributedDataParallel.offload_grad_buffers": (
+        None,
+        "`synchronize` / `empty_cache` are no-ops on CPU",
+    ),
+    "DistributedDataParallel.free_overlap_buffers": (
+        None,
+        "also frees mc's gloo staging buffers (kept between steps on CPU)",
+    ),
+    "_allreduce_router_grads": (
+        None,
+        "adds `pp_group` (Megatron reads the global pipeline group)",
+    ),
+    "finalize_model_grads": (None, _DEFAULT_GROUPS),
+    "_allreduce_layernorm_grads": (
+        None,
+        "Megatron's alias of `_allreduce_non_tensor_model_parallel_grads`",
+    ),
+    "_update_router_qb_beta": (
+        None,
+        "finalize passes `dp_cp_gtp_remat` under gtp_remat (`dp_cp` otherwise)",
+    ),
+    "_grad_accum_fusion_available": (
+        None,
+        "True when apex's fused wgrad kernel imports; without it mc accumulates with "
+        "`main_grad.addmm_` (same numbers) instead of raising",
+    ),
+    "copy_gtp_attributes": (
+        "extended",
+        "copies Megatron's four tags (is_gtp_weight_remat, allreduce, gtp_replica_group, "
+        "pad_length) and mc's gtp_remat_rank, gtp_remat_size, gtp_unsharded_shape and group",
+    ),
+    "param_is_not_gtp_duplicate": (
+        "differs",
+        "reads the param's `gtp_remat_rank` tag (set by the layers) instead of the global "
+        "gtp_remat rank: mc has no parallel_state globals",
+    ),
+    "set_tensor_model_parallel_attributes": (
+        "differs",
+        "setting the same values again is allowed and different values raise ValueError; "
+        "Megatron asserts that none of its six attributes is set",
+    ),
+    "_initialize_affine_weight_gpu": ("extended", _RNG.replace(" and `device`", "")),
+    "_initialize_affine_weight_cpu": (
+        None,
+        "the full master weight is built with the CPU generator and sliced, so TP=N equals "
+        "TP=1 sliced (stride honoured)",
+    ),
+    "VocabParallelEmbedding": ("extended", _RNG),
+    "VocabParallelEmbedding.sharded_state_dict": ("differs", _DCP),
+    "LinearWithFrozenWeight": (
+        None,
+        "a bias that requires grad gets `Σ dY` (Megatron returns None for it)",
+    ),
+    "linear_with_grad_accumulation_and_async_allreduce": (
+        None,
+        "gtp_remat wgrads are pre-scaled by 1/gtp_remat (1 under calculate_per_token_loss) "
+        "before their SUM reduce-scatter, as Megatron's `_prescale_wgrads_for_mean_rs`",
+    ),
+    "ColumnParallelLinear": ("extended", _RNG),
+    "RowParallelLinear": ("extended", _RNG),
+    "ColumnParallelLinear.backward_dw": (
+        "differs",
+        "`delay_wgrad_compute` is not supported by mc's layers: the wgrad is always computed "
+        "in backward and this is a no-op",
+    ),
+    "RowParallelLinear.backward_dw": (
+        "differs",
+        "as `ColumnParallelLinear.backward_dw`",
+    ),
+    "ColumnParallelLinear.sharded_state_dict": ("differs", _DCP),
+    "RowParallelLinear.sharded_state_dict": ("differs", _DCP),
+}
+
+CONFIG_NOTES = {
+    "average_in_collective": "refused (ValueError) with gtp_remat and with per-token loss, "
+    "as Megatron refuses both",
+    "reduce_scatter_with_fp32_accumulation": "distributed optimizer, one instance; on gloo "
+    "an all-to-all plus a local fp32 sum",
+    "disable_symmetric_registration": "accepted at either value: mc never registers NCCL "
+    "buffers, which is what True asks for",
+    "delay_wgrad_compute": "DDP registers hooks through the owning module's "
+    "`register_wgrad_accumulation_and_reduce_hooks`; mc's own layers do not delay wgrads",
+}
+
+DELIBERATE = """\
+## Deliberate differences (all names)
+
+- **Errors instead of asserts.** Bad input is a `TypeError` / `ValueError` naming the
+  argument, the value and the fix, raised before any state changes or any collective
+  (Megatron asserts, or fails later).
+- **No required globals.** Groups are passed explicitly (`tp_group=`, `pg_collection=`);
+  `initialize_model_parallel(..., set_default=True)` and `model_parallel_cuda_manual_seed`
+  register opt-in defaults that `None` arguments read, as Megatron's globals would.
+- **Checkpoints through DCP.** `sharded_state_dict` returns DTensors for
+  `torch.distributed.checkpoint`, not Megatron's `ShardedTensor` / dist_checkpointing.
+- **Expert gtp_remat.** An expert layer's gtp_remat group must have `config.gtp_remat_size`
+  ranks: mc's layers have no separate `expert_gtp_remat_size` (Megatron's
+  `expert_gtp_weight_remat_size`), so the expert tag is
+  `allreduce = not (is_expert and (ep > 1 or etp != tp))` without Megatron's third term.
+- **No Megatron-FSDP, NCCL user buffers, Transformer Engine fp8/fp4 gathers, TE or
+  CUDA-graph RNG trackers**: their switches exist at Megatron's defaults and any other value
+  raises `NotImplementedError` naming the field.
+"""
+
+
+class Param(NamedTuple):
+    """One parameter of a signature: its name and kind (``"*"`` var-positional, ``"kw"``
+    keyword-only, ``""`` positional-or-keyword)."""
+
+    name: str
+    kind: str
+
+
+class Row(NamedTuple):
+    """One line of the document."""
+
+    module: str
+    name: str
+    status: str
+    note: str
+
+
+def _spec_dir() -> Path:
+    for folder in SPEC_DIRS:
+        if folder.is_dir():
+            return folder
+    raise FileNotFoundError(f"no spec folder among {[str(p) for p in SPEC_DIRS]}")
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for char in text:
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _parse_params(text: str | None) -> list[Param] | None:
+    if text is None:
+        return None
+    params: list[Param] = []
+    keyword_only = False
+    for part in _split_top_level(text):
+        name = re.split(r"[:=]", part, maxsplit=1)[0].strip()
+        if name.startswith("**"):
+            continue  # **kwargs: mc's side drops VAR_KEYWORD too
+        if name == "*":
+            keyword_only = True
+        elif name.startswith("*"):
+            params.append(Param(name.lstrip("*"), "*"))
+            keyword_only = True
+        elif name not in ("self", "ctx"):
+            params.append(Param(name, "kw" if keyword_only else ""))
+    return params
+
+
+_METHOD = re.compile(r"^(?:static )?(\w+)\((.*?)\)(?: → [^#]*)?#")
+
+
+def spec_names(spec_module: str) -> dict[str, list[Param] | None]:
+    """``{name: parameters}`` of the spec module's API section (methods as ``Class.method``;
+    parameters None for data)."""
+    prefix = re.escape(spec_module)
+    class_line = re.compile(rf"^class {prefix}\.(\w+)(?:\((.*)\))?#")
+    func_line = re.compile(rf"^{prefix}\.(\w+)(?:\((.*?)\))?(?: → [^#]*)?#")
+    text = (_spec_dir() / MODULES[spec_module][0]).read_text(encoding="utf-8")
+    api = text.split("\nAPI#\n", 1)[1]
+    names: dict[str, list[Param] | None] = {}
+    owner: str | None = None
+    for line in api.splitlines():
+        if m := class_line.match(line):
+            owner = m[1]
+            names.setdefault(owner, _parse_params(m[2]))
+        elif m := func_line.match(line):
+            owner = None
+            names.setdefault(m[1], _parse_params(m[2]))
+        elif owner and (m := _METHOD.match(line)):
+            names.setdefault(f"{owner}.{m[1]}", _parse_params(m[2]))
+    return names
+
+
+def _resolve(module: Any, name: str) -> Any:
+    value = module
+    for part in name.split("."):
+        if not hasattr(value, part):
+            return None
+        value = getattr(value, part)
+    return value
+
+
+def _mc_params(obj: Any) -> list[Param] | None:
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    kinds: dict[inspect._ParameterKind, str] = {
+        inspect.Parameter.VAR_POSITIONAL: "*",
+        inspect.Parameter.KEYWORD_ONLY: "kw",
+    }
+    return [
+        Param(p.name, kinds.get(p.kind, ""))
+        for p in signature.parameters.values()
+        if p.name not in ("self", "ctx") and p.kind != inspect.Parameter.VAR_KEYWORD
+    ]
+
+
+def signature_status(spec: list[Param] | None, mine: list[Param] | None) -> str:
+    """``same`` (equal parameter lists), ``extended`` (the spec's are a prefix of mc's and the
+    extra ones are keyword-only), else ``differs``; data and non-callables are ``same``."""
+    if spec is None or mine is None or not spec:
+        return "same"
+    if [p.name for p in spec] == [p.name for p in mine]:
+        return "same"
+    if [p.name for p in mine[: len(spec)]] == [p.name for p in spec]:
+        return "extended"
+    return "differs"
+
+
+def module_rows(spec_module: str) -> list[Row]:
+    """Rows of one spec module, each checked against mc (``ValueError`` on any mismatch)."""
+    mc_name = MODULES[spec_module][1]
+    mc_module = importlib.import_module(mc_name)
+    rows = []
+    for name, spec_params in spec_names(spec_module).items():
+        declared, note = NOTES.get(name, (None, ""))
+        obj = _resolve(mc_module, name)
+        if declared == "absent":
+            if obj is not None:
+                raise ValueError(f"{name} is marked absent but {mc_name} has it")
+            rows.append(Row(spec_module, name, "absent", note))
+            continue
+        if obj is None:
+            raise ValueError(f"{mc_name} lacks {name} (spec {spec_module}); add it or mark it")
+        computed = signature_status(spec_params, _mc_params(obj))
+        status = declared or computed
+        if computed == "differs" and status != "differs":
+            raise ValueError(f"{name}: the signature differs from the spec; explain it in NOTES")
+        if status in ("differs", "extended") and not note:
+            raise ValueError(f"{name} is '{status}' without a note saying how")
+        if declared == "extended" and computed == "differs":
+            raise ValueError(f"{name}: declared extended but the spec's parameters are no prefix")
+        rows.append(Row(spec_module, name, status, note))
+    return rows
+
+
+def _check_notes() -> None:
+    known = {name for module in MODULES for name in spec_names(module)}
+    unknown = set(NOTES) - known
+    if unknown:
+        raise ValueError(f"NOTES names that no spec module has: {sorted(unknown)}")
+
+
+def _other_value(name: str, default: object) -> object:
+    """A value of the field's type other than Megatron's default."""
+    if isinstance(default, tuple):
+        return ("all",)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 1
+    if isinstance(default, str):
+        return "optim"
+    if "dtype" in name:
+        return torch.bfloat16
+    return 1
+
+
+def config_rows() -> list[Row]:
+    """One row per DistributedDataParallelConfig field, its status probed: a field whose
+    other value raises ``NotImplementedError`` is absent; one whose other value is accepted,
+    or refused only for a missing companion setting (ValueError), is implemented."""
+    defaults = DistributedDataParallelConfig()
+    rows = []
+    for field in dataclasses.fields(DistributedDataParallelConfig):
+        default = getattr(defaults, field.name)
+        note = CONFIG_NOTES.get(field.name, "")
+        status = "same"
+        try:
+            build: Any = DistributedDataParallelConfig  # values of every field type
+            build(**{field.name: _other_value(field.name, default)})
+        except NotImplementedError:
+            status = "absent"
+            note = (
+                f"accepted at Megatron's default {default!r}; any other value raises "
+                "NotImplementedError naming the field"
+            )
+        except ValueError:
+            pass  # needs a companion setting (e.g. overlap_param_gather): implemented
+        rows.append(Row("DistributedDataParallelConfig", field.name, status, note))
+    return rows
+
+
+def _table(rows: list[Row]) -> list[str]:
+    lines = ["| name | status | how |", "|---|---|---|"]
+    lines += [f"| `{r.name}` | {r.status} | {r.note} |" for r in rows]
+    return lines
+
+
+def _counts(rows: list[Row]) -> str:
+    counts = {s: sum(r.status == s for r in rows) for s in ("same", "extended", "differs")}
+    counts["absent"] = sum(r.status == "absent" for r in rows)
+    return ", ".join(f"{n} {s}" for s, n in counts.items())
+
+
+_INTRO = """\
+# Compatibility with Megatron-Core
+
+<!-- Generated by `python scripts/gen_compatibility.py`; integration_tests/test_docs.py fails
+when it disagrees with the code or the spec. Edit the script's NOTES, not this file. -->
+
+One row per public name of the three spec modules (`docs/spec/`, a copy of the team's
+`../shared/spec/`: Megatron-Core's API documentation) and per field of
+`DistributedDataParallelConfig`. **same**: mc has the name
+with the spec's parameters, in order; **extended**: the spec's parameters, then mc's
+keyword additions; **differs**: a deliberate difference, said how and why; **absent**: not
+implemented (config fields: accepted only at Megatron's default). Statuses of signatures are
+computed from the code and the spec each time the document is generated; behaviour beyond
+the signature is held by the conformance tests (`test_conformance_*.py` in each package,
+each naming the Megatron-LM unit test it follows) and the end-to-end parity tests
+(`integration_tests/test_parity*.py`).
+"""
+
+
+def render() -> str:
+    """The whole document (raises ``ValueError`` when code, spec and notes disagree)."""
+    _check_notes()
+    parts = [_INTRO]
+    for spec_module, (_, mc_name) in MODULES.items():
+        rows = module_rows(spec_module)
+        parts.append(f"## `{spec_module}` → `{mc_name}` ({_counts(rows)})\n")
+        parts.append("\n".join(_table(rows)) + "\n")
+    rows = config_rows()
+    parts.append(f"## `DistributedDataParallelConfig` → `mc_ddp` ({_counts(rows)})\n")
+    parts.append("\n".join(_table(rows)) + "\n")
+    parts.append(DELIBERATE)
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the document, or with ``--check`` report whether it is up to date."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = DOC.read_text(encoding="utf-8") if DOC.exists() else ""
+        print(f"{DOC.relative_to(ROOT)} is {'out of date' if current != text else 'up to date'}")
+        return int(current != text)
+    DOC.write_text(text, encoding="utf-8")
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
