@@ -27,12 +27,14 @@ are divided by it.
 Layouts: plain (all-reduce), distributed optimizer (the tied copies get buckets of their
 own), per-token loss. 5 SGD steps each.
 
-Tolerances (fp32, as test_pipeline.py): grads after finalize within 1e-6 of each tensor's
-largest magnitude (measured ≤ 2.4e-7); the two copies of the table bit-identical; loss per
-step within 1e-5 relative (measured ≤ 1.2e-7); final weights within 1e-6 absolute
-(measured ≤ 1.5e-7) while every tensor moves by ≥ 1.0e-3 (checked ≥ 100 × the tolerance).
-The per-token reference is ≥ 1.4e-3 away from a run normalising per micro-batch (checked
-≥ 100 × the tolerance), so the test tells the two normalisations apart.
+Tolerances (fp32, as test_pipeline.py; measured on gloo, printed with ``-s``): step 0's
+grads after finalize within 1e-6 of each tensor's largest magnitude (measured ≤ 5.5e-7:
+the chunks split the same sums by micro-batch and the head's grad is summed across
+stages); the two copies of the table bit-identical; loss per step within 1e-5 relative
+(measured ≤ 1.5e-7); final weights within 1e-6 absolute (measured ≤ 1.5e-7) while every
+tensor moves by ≥ 7.1e-4 (checked ≥ 100 × the tolerance). The per-token reference is
+1.1e-2 away from a run normalising per micro-batch (checked ≥ 100 × the tolerance), so
+the test tells the two normalisations apart. NCCL (not run here, no GPUs): 1e-5.
 """
 
 from __future__ import annotations
@@ -257,7 +259,8 @@ def _smallest_update(ref: ReferenceRun) -> float:
     return min(float((w - start[k]).abs().max()) for k, w in ref.weights.items())
 
 
-def _check_grads(layout: ParallelLayout, stage0: dict[str, Any], stage1: dict[str, Any]) -> None:
+def _check_grads(layout: ParallelLayout, stage0: dict[str, Any], stage1: dict[str, Any]) -> float:
+    """Checks step 0's grads before and after finalize; returns the largest error after."""
     per_token = layout.calculate_per_token_loss
     mask = loss_mask(0) if per_token else None
     with single_thread():
@@ -271,14 +274,17 @@ def _check_grads(layout: ParallelLayout, stage0: dict[str, Any], stage1: dict[st
     assert float((lookup - table).abs().max()) > 1e-2 * top  # one use each
     assert float((head - table).abs().max()) > 1e-2 * top
     assert float((lookup + head - table).abs().max()) <= 1e-6 * top
+    worst = 0.0
     for stage in (stage0, stage1):
         for name, grad in stage["grads_after"].items():
             expected = ref[_full_name(name)]
             err = float((grad - expected).abs().max()) / float(expected.abs().max())
             assert err <= 1e-6, (layout.describe(), name, err)
+            worst = max(worst, err)
     assert torch.equal(
         stage0["grads_after"][WORD_EMBEDDING], stage1["grads_after"]["output_layer.weight"]
     )
+    return worst
 
 
 def _check_collectives(
@@ -316,7 +322,12 @@ def test_virtual_pipeline_chunks_share_embedding_grads(rank_pools: RankPools, ba
             (2, 0, [1], False, False),
             (2, 1, [3], False, True),
         ]
-        _check_grads(layout, stage0, stage1)
+        # bucket groups: only stage 0's first chunk is bucketed (disable_bucketing after it,
+        # one bucket on later pipeline stages)
+        buckets = [p[5] for p in stage0["placement"] + stage1["placement"]]
+        assert buckets[0] >= 2, buckets
+        assert buckets[1:] == [1, 1, 1], buckets
+        grad_err = _check_grads(layout, stage0, stage1)
         _check_collectives(layout, stage0, stage1)
         ref = _reference(layout)
         assert _smallest_update(ref) >= 100 * tol
@@ -329,7 +340,7 @@ def test_virtual_pipeline_chunks_share_embedding_grads(rank_pools: RankPools, ba
         merged = {**stage0["weights"], **stage1["weights"], WORD_EMBEDDING: table0}
         diff, name = max_weight_diff(merged, ref.weights)
         assert diff <= tol, (layout.describe(), name, diff)
-        print(f"{layout.describe()}: loss rel {rel:.2e}, weights {diff:.2e} ({name})")
+        print(f"{layout.describe()}: grads {grad_err:.1e}, loss {rel:.1e}, weights {diff:.1e}")
     # The per-token case is far from a per-micro-batch normalisation of the same masks.
     apart, _ = max_weight_diff(
         per_token_reference(CFG4).weights, microbatch_mean_reference(CFG4, 2).weights
