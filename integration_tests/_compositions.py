@@ -35,7 +35,12 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig, ShardedOptimizer
+from mc_ddp import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    ShardedOptimizer,
+    ensure_params_ready,
+)
 from mc_finalize import finalize_model_grads
 from mc_tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -62,17 +67,21 @@ class Layout:
     ep: int = 1
     etp: int | None = None
     gtp: int = 1
+    egtp: int = 1  # expert_gtp_remat_size (mc's layers shard experts by config.gtp_remat_size)
     per_token_loss: bool = False
+    dist_opt: bool = False  # DDP's use_distributed_optimizer (grads reduce-scattered)
 
     def describe(self) -> str:
         """E.g. ``world=4 tp=2 etp=1 per-token``."""
         parts = [f"world={self.world}"]
-        for name in ("tp", "cp", "ep", "gtp"):
+        for name in ("tp", "cp", "ep", "gtp", "egtp"):
             if getattr(self, name) > 1:
                 parts.append(f"{name}={getattr(self, name)}")
         if self.etp is not None:
             parts.append(f"etp={self.etp}")
         parts.append("per-token" if self.per_token_loss else "mean")
+        if self.dist_opt:
+            parts.append("dist-opt")
         return " ".join(parts)
 
     def config(self, *, sequence_parallel: bool = False) -> mg.ModelParallelConfig:
@@ -99,6 +108,7 @@ def collection(layout: Layout) -> Iterator[mg.ProcessGroupCollection]:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         gtp_remat_size=layout.gtp,
+        expert_gtp_remat_size=layout.egtp,
     )
     try:
         yield pgc
@@ -106,9 +116,13 @@ def collection(layout: Layout) -> Iterator[mg.ProcessGroupCollection]:
         mg.destroy_model_parallel(pgc)
 
 
-def ddp_config() -> DistributedDataParallelConfig:
-    """Overlapped grad reduction in buckets of >= 64 elements (several per buffer)."""
-    return DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=64)
+def ddp_config(layout: Layout) -> DistributedDataParallelConfig:
+    """Overlapped grad reduction in buckets of >= 64 elements (several per buffer); with
+    ``dist_opt``, grads reduce-scattered into shards and params all-gathered after the
+    step."""
+    return DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size=64, use_distributed_optimizer=layout.dist_opt
+    )
 
 
 def group_ranks(pgc: mg.ProcessGroupCollection, *names: str) -> dict[str, tuple[int, ...]]:
@@ -284,10 +298,11 @@ def train(
             finalize_model_grads([ddp], num_tokens=num_tokens, pg_collection=pgc)
         if log is not None:
             records = summarize(log)
-        if step == 0:
+        if step == 0 and not layout.dist_opt:  # (dist-opt: only this rank's shard is reduced)
             grads = full_state(ddp.module, rename, grads=True)
         optimizer.step()
         losses.append(_logged_loss(total, tokens, data, layout.per_token_loss))
+    ensure_params_ready(list(ddp.module.parameters()))
     return RankRun(
         losses=losses,
         weights=full_state(ddp.module, rename),
@@ -423,8 +438,10 @@ def compare(layout: Layout, per_rank: list[RankRun], ref: Reference) -> Measured
         assert run.losses == losses, (label, rank, run.losses, losses)
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses, strict=True))
     grads = merge([r.grads for r in per_rank], f"{label}: step-0 grad")
-    assert sorted(grads) == sorted(ref.grads), sorted(set(grads) ^ set(ref.grads))
-    grad_rel, grad_name, note = _grad_diff(grads, ref.grads)
+    grad_rel, grad_name, note = -1.0, "(not compared)", ""
+    if not layout.dist_opt:
+        assert sorted(grads) == sorted(ref.grads), sorted(set(grads) ^ set(ref.grads))
+        grad_rel, grad_name, note = _grad_diff(grads, ref.grads)
     weights = merge([r.weights for r in per_rank], f"{label}: final weight")
     weight_abs, weight_name = -1.0, ""
     for key, value in weights.items():
@@ -451,7 +468,34 @@ def grad_reductions(records: list[Rec]) -> set[tuple[str, str | None, tuple[int,
     return out
 
 
-def numel_by(records: list[Rec], op: str, label_prefix: str) -> int:
+def numel_by(
+    records: list[Rec], op: str, label_prefix: str, group: tuple[int, ...] | None = None
+) -> int:
     """Elements this rank sent in the recorded ``op`` collectives whose label starts with
-    ``label_prefix`` (the full input of a reduce-scatter, the shard of an all-gather)."""
-    return sum(r.numel for r in records if r.op == op and r.label.startswith(label_prefix))
+    ``label_prefix`` (on ``group`` only, if given): the full input of a reduce-scatter, the
+    shard of an all-gather."""
+    return sum(
+        r.numel
+        for r in records
+        if r.op == op and r.label.startswith(label_prefix) and group in (None, r.group_ranks)
+    )
+
+
+Reduction = tuple[str, str | None, tuple[int, ...], str]
+
+
+def buffer_reduction(
+    run: RankRun, layout: Layout, kind: str, group: tuple[int, ...], params: int, where: str
+) -> Reduction:
+    """The recorded reduction of DDP's ``kind`` buffer over ``group`` (more than one rank):
+    an all-reduce (SUM after the 1/|dp_cp| pre-scale, or unscaled under per-token loss) of
+    exactly ``params`` elements, or with the distributed optimizer a reduce-scatter of them
+    padded to a multiple of the group size. Returns the record's key."""
+    op = "reduce_scatter" if layout.dist_opt else "all_reduce"
+    sent = numel_by(run.records, op, f"grad reduce {kind}", group)
+    if layout.dist_opt:
+        assert sent >= params, (where, kind, sent, params)
+        assert sent % len(group) == 0, (where, kind, sent, group)
+    else:
+        assert sent == params, (where, kind, sent, params)
+    return (op, "sum", group, f"grad reduce {kind}")

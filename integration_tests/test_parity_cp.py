@@ -22,8 +22,10 @@ give the mean over the whole sequence; with ``calculate_per_token_loss`` each ra
 ``num_tokens`` over dp_cp and divides.
 
 Layouts (each with and without per-token loss): CP = 2 on 2 ranks (dp_cp = the cp group),
-CP = 2 × DP = 2 on 4 (dp_cp = all four). Step 2's collectives are recorded: every param in
-DDP's dense buffer, reduced over dp_cp (exactly every param's elements), ``num_tokens`` over
+CP = 2 × DP = 2 on 4 (dp_cp = all four); and CP = 2 × DP = 2 with the distributed optimizer
+(the buffer reduce-scattered over dp_cp; no step-0 grad check). Step 2's collectives are
+recorded: every param in DDP's dense buffer, reduced over dp_cp (exactly every param's
+elements; padded to the shard count with the distributed optimizer), ``num_tokens`` over
 dp_cp, nothing else.
 
 Tolerances as in ``test_parity_gtp.py`` (fp32, gloo): loss per step ≤ 1e-5 relative;
@@ -47,6 +49,7 @@ from integration_tests._compositions import (
     Layout,
     RankRun,
     Reference,
+    buffer_reduction,
     collection,
     compare,
     ddp_config,
@@ -54,7 +57,6 @@ from integration_tests._compositions import (
     load_weights,
     make_mask,
     normalised,
-    numel_by,
     reference_loss,
     reference_run,
     token_loss,
@@ -156,7 +158,7 @@ def train_cp(layout: Layout) -> RankRun:
         config = layout.config()
         module = PerTokenModel(config, pgc)
         load_weights(module, initial())
-        ddp = DistributedDataParallel(config, ddp_config(), module, pg_collection=pgc)
+        ddp = DistributedDataParallel(config, ddp_config(layout), module, pg_collection=pgc)
         dp, cp = pgc.require("dp", "test"), pgc.require("cp", "test")
         shard, shards = mg.group_rank(dp), mg.group_size(dp)
         positions = cp_positions(mg.group_rank(cp), mg.group_size(cp))
@@ -181,13 +183,12 @@ def _check_groups(layout: Layout, per_rank: list[RankRun]) -> None:
         assert set(run.placement) == set(initial()), (where, run.placement)
         for name, (kind, ranks) in run.placement.items():
             assert (kind, ranks) == ("dense", g["dp_cp"]), (where, name, kind, ranks)
-        required = {("all_reduce", "sum", g["dp_cp"], "grad reduce dense")}
+        total = sum(run.local_numel.values())
+        required = {buffer_reduction(run, layout, "dense", g["dp_cp"], total, where)}
         if layout.per_token_loss:
             required.add(("all_reduce", "sum", g["dp_cp"], "num_tokens"))
         found = grad_reductions(run.records)
         assert found == required, (where, "missing", required - found, "extra", found - required)
-        sent = numel_by(run.records, "all_reduce", "grad reduce dense")
-        assert sent == sum(run.local_numel.values()), (where, sent)
 
 
 LAYOUTS = [
@@ -195,6 +196,7 @@ LAYOUTS = [
     Layout(2, cp=2, per_token_loss=True),
     Layout(4, cp=2),
     Layout(4, cp=2, per_token_loss=True),
+    Layout(4, cp=2, dist_opt=True),
 ]
 
 

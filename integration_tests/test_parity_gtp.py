@@ -17,15 +17,17 @@ Localizes the gtp_remat axis, which is a data axis for everything but the sharde
 
 Layouts (each with and without ``calculate_per_token_loss``; ``H = 7``, ``F = 10`` so
 both weights need padding rows at some layout): world 2: gtp_remat=2 (dp=1); world 4:
-gtp_remat=2 × DP=2, and TP=2 × gtp_remat=2. The ranks of ``dp_cp_gtp_remat`` see
-different data (each takes its micro-batch units of the 4-unit global batch, see
-``_compositions.py``); TP ranks see the same. 5 steps of SGD (lr 0.1, momentum 0.9).
-Step 2's collectives are recorded: the reduce-scatter of exactly the sharded weights'
-padded wgrads over ``gtp_remat`` (SUM), the all-gathers of their shards there, one
-replicated-grad all-reduce over ``gtp_remat`` of exactly the replicated params' elements
-(AVG / SUM), DDP's dense buffer (every param, nothing in an expert buffer) reduced over
-``dp_cp`` when it has more than one rank, ``num_tokens`` over ``dp_cp_gtp_remat``, and
-nothing on any other group.
+gtp_remat=2 × DP=2, and TP=2 × gtp_remat=2; plus gtp_remat=2 × DP=2 with the distributed
+optimizer (mean loss; DDP reduce-scatters the dense buffer over dp_cp; no step-0 grad
+check: only this rank's shard of ``main_grad`` is reduced). The ranks of
+``dp_cp_gtp_remat`` see different data (each takes its micro-batch units of the 4-unit
+global batch, see ``_compositions.py``); TP ranks see the same. 5 steps of SGD (lr 0.1,
+momentum 0.9). Step 2's collectives are recorded: the reduce-scatter of exactly the
+sharded weights' padded wgrads over ``gtp_remat`` (SUM), the all-gathers of their shards
+there, one replicated-grad all-reduce over ``gtp_remat`` of exactly the replicated params'
+elements (AVG / SUM), DDP's dense buffer (every param, nothing in an expert buffer)
+reduced over ``dp_cp`` when it has more than one rank, ``num_tokens`` over
+``dp_cp_gtp_remat``, and nothing on any other group.
 
 Tolerances (fp32, gloo): loss per step ≤ 1e-5 relative (the issue's bound); final weights
 ≤ 1e-6 absolute while every reference tensor moves ≥ 1e-4 (100× the tolerance, checked),
@@ -61,6 +63,7 @@ from integration_tests._compositions import (
     Layout,
     RankRun,
     Reference,
+    buffer_reduction,
     collection,
     compare,
     ddp_config,
@@ -160,7 +163,7 @@ def train_gtp(layout: Layout) -> RankRun:
         config = layout.config()
         module = GtpMLP(config, pgc)
         load_weights(module, initial())
-        ddp = DistributedDataParallel(config, ddp_config(), module, pg_collection=pgc)
+        ddp = DistributedDataParallel(config, ddp_config(layout), module, pg_collection=pgc)
         data = pgc.require("dp_cp_gtp_remat", "test")
         shard, shards = mg.group_rank(data), mg.group_size(data)
         microbatches = UNITS // shards
@@ -197,8 +200,9 @@ def _check_groups(layout: Layout, per_rank: list[RankRun]) -> None:
             ("all_gather", None, gtp, "gtp_remat weight all-gather"),
             ("all_reduce", replicated_op, gtp, "replicated grads over gtp_remat"),
         }
-        if len(dp_cp) > 1:
-            required.add(("all_reduce", "sum", dp_cp, "grad reduce dense"))
+        if len(dp_cp) > 1:  # one dense buffer holding every param's local part
+            total = sum(v for n, v in run.local_numel.items() if n in initial())
+            required.add(buffer_reduction(run, layout, "dense", dp_cp, total, where))
         if layout.per_token_loss:
             required.add(("all_reduce", "sum", g["dp_cp_gtp_remat"], "num_tokens"))
         extra = {r for r in found - required if not (r[2] == tp and r[3].startswith("tp "))}
@@ -210,10 +214,6 @@ def _check_groups(layout: Layout, per_rank: list[RankRun]) -> None:
         # exactly the replicated params' grads (the sharded weights are skipped)
         avg = numel_by(run.records, "all_reduce", "replicated grads over gtp_remat")
         assert avg == sum(run.local_numel[n] for n in replicated), (where, avg, replicated)
-        if len(dp_cp) > 1:  # one dense buffer holding every param's local part
-            dense = numel_by(run.records, "all_reduce", "grad reduce dense")
-            total = sum(v for n, v in run.local_numel.items() if n in initial())
-            assert dense == total, (where, dense, total)
 
 
 LAYOUTS = {
@@ -223,6 +223,7 @@ LAYOUTS = {
         Layout(4, gtp=2, per_token_loss=True),
         Layout(4, tp=2, gtp=2),
         Layout(4, tp=2, gtp=2, per_token_loss=True),
+        Layout(4, gtp=2, dist_opt=True),
     ],
 }
 
