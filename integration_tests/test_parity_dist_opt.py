@@ -1,5 +1,5 @@
-"""The distributed optimizer's two reduction variants end to end on 4 ranks (DP=4), against
-the 1-process reference: several optimizer instances, and bf16 params reduce-scattered with
+"""The distributed optimizer's two reduction variants end to end on 4 ranks, against the
+1-process reference: several optimizer instances, and bf16 params reduce-scattered with
 fp32 accumulation.
 
 1. ``num_distributed_optimizer_instances=2`` (``ParallelLayout(dp=4, ...)``; overlap on and
@@ -19,7 +19,10 @@ fp32 accumulation.
    each rank's reduced shard must equal, bit for bit, ``bf16(Σ_s fp32(g_s / 4))`` computed
    here from the 4 ranks' captured bf16 grads (one rounding); a bf16 running sum differs
    from it in some elements (checked, so a bf16-accumulating reduction would fail). The
-   reduction is recorded as one bf16 ``all_to_all`` per bucket over the 4 ranks.
+   reduction is recorded as one bf16 ``all_to_all`` per bucket over the 4 ranks. Composed
+   with TP too: TP=2 × DP=2, sequence parallel, overlapped reduce and gather (the
+   all-to-alls dispatched from the backward hooks, on the DP pairs (0, 2), (1, 3)),
+   parity only.
 
 Tolerances (measured on gloo, printed with ``-s``):
 - (1) fp32: loss per step within 1e-5 relative (measured 1.4e-7, both layouts), final
@@ -27,13 +30,14 @@ Tolerances (measured on gloo, printed with ``-s``):
   ≥ 100 × the tolerance); all 4 ranks bit-identical. NCCL (not run here): 1e-5.
 - (2) against the fp32 reference, as test_bf16.py and for the same reason (bf16 has an
   8-bit mantissa, unit roundoff 2^-9 ≈ 2e-3; the forward runs in bf16): loss per step
-  within 2e-3 relative (measured 3.8e-4); final weights within 2^-4 of each tensor's
-  largest magnitude (measured 1.8e-2, the final layer-norm bias: it starts at 0 and is
-  built only from grads that are sums of cancelling terms over 128 tokens). Here the
-  grads are bf16 too (each micro-batch's grad rounded to 2^-9 when added into
-  ``main_grad``, the reduced shard rounded once more), then the fp32 masters step with
-  them and are rounded back to bf16. All 4 ranks bit-identical. The bit-exact shard
-  check has no tolerance; 8109 shard elements of step 0 differ from a bf16 running sum.
+  within 2e-3 relative (measured 3.8e-4 DP=4, 5.0e-4 TP=2 × DP=2); final weights within
+  2^-4 of each tensor's largest magnitude (measured 1.8e-2 in both, the final layer-norm
+  bias: it starts at 0 and is built only from grads that are sums of cancelling terms
+  over 128 tokens, computed from bf16 logits). Here the grads are bf16 too (each
+  micro-batch's grad rounded to 2^-9 when added into ``main_grad``, the reduced shard
+  rounded once more), then the fp32 masters step with them and are rounded back to bf16.
+  All 4 ranks bit-identical. The bit-exact shard check has no tolerance; 8109 shard
+  elements of step 0 differ from a bf16 running sum.
 """
 
 from __future__ import annotations
@@ -74,13 +78,23 @@ INSTANCES = [
         dp=4, distributed_optimizer=True, num_distributed_optimizer_instances=2, overlap=False
     ),
 ]
-FP32_RS = ParallelLayout(
-    dp=4,
-    distributed_optimizer=True,
-    reduce_scatter_with_fp32_accumulation=True,
-    params_dtype=torch.bfloat16,
-    overlap=False,
-)
+FP32_RS = [
+    ParallelLayout(
+        dp=4,
+        distributed_optimizer=True,
+        reduce_scatter_with_fp32_accumulation=True,
+        params_dtype=torch.bfloat16,
+        overlap=False,
+    ),
+    ParallelLayout(
+        tp=2,
+        dp=2,
+        sequence_parallel=True,
+        distributed_optimizer=True,
+        reduce_scatter_with_fp32_accumulation=True,
+        params_dtype=torch.bfloat16,
+    ),
+]
 Rec = tuple[str, str | None, tuple[int, ...], str, int, str]
 
 
@@ -146,14 +160,22 @@ def _captured_step(trainer: Trainer, tokens: torch.Tensor) -> dict[str, Any]:
     return {"loss": float(total), "before": before, "shards": shards, "records": _summary(log)}
 
 
-def train_fp32_reduce_scatter(layout: ParallelLayout, backend: str) -> dict[str, Any]:
-    """Runs on every rank: 5 steps, step 0 with its grads captured."""
+def _train_fp32_reduce_scatter(layout: ParallelLayout, backend: str) -> dict[str, Any]:
     with model_parallel(layout) as pgc:
         layout.check(CFG, dist.get_world_size(), GLOBAL_BATCH)
         trainer = parallelize(CFG, layout, SGD, pgc, full_weights(), device_for(backend))
-        first = _captured_step(trainer, batch(0))
-        losses = [first.pop("loss")]
-        losses += [train_step(trainer, batch(step)) for step in range(1, STEPS)]
+        first: dict[str, Any] = {"dp": mg.group_ranks(pgc.require("dp", "test"))}
+        losses: list[float] = []
+        for step in range(STEPS):
+            if step == 0 and not layout.overlap:
+                first |= _captured_step(trainer, batch(0))
+                losses.append(first.pop("loss"))
+            elif step == RECORDED_STEP and layout.overlap:
+                with mg.record_collectives() as log:
+                    losses.append(train_step(trainer, batch(step)))
+                first["records"] = _summary(log)
+            else:
+                losses.append(train_step(trainer, batch(step)))
         params = list(trainer.model.module.parameters())
         first["dtypes"] = {
             "params": {str(p.dtype) for p in params},
@@ -161,6 +183,12 @@ def train_fp32_reduce_scatter(layout: ParallelLayout, backend: str) -> dict[str,
             "masters": {str(m.dtype) for m in trainer.optimizer.master_params},
         }
         return {"losses": losses, "weights": final_weights(trainer), **first}
+
+
+def train_fp32_reduce_scatter(layouts: list[ParallelLayout], backend: str) -> list[dict[str, Any]]:
+    """Runs on every rank: each layout trained for 5 steps; without overlap step 0's grads
+    are captured, with it step 3's collectives recorded."""
+    return [_train_fp32_reduce_scatter(layout, backend) for layout in layouts]
 
 
 def _check_instance_records(out: dict[str, Any]) -> None:
@@ -224,37 +252,51 @@ def _expected_shards(per_rank: list[dict[str, Any]]) -> tuple[Shards, Shards]:
     return exact, running
 
 
+def _check_exact_shards(per_rank: list[dict[str, Any]]) -> int:
+    """Each rank's reduced shards equal ``bf16(Σ_s fp32(g_s / 4))``; returns how many
+    elements a bf16 running sum would have got wrong."""
+    with single_thread():
+        exact, running = _expected_shards(per_rank)
+    differs = 0
+    for rank, result in enumerate(per_rank):
+        for b, shards in enumerate(exact):
+            assert torch.equal(result["shards"][b], shards[rank]), (rank, b)
+            differs += int((running[b][rank] != shards[rank]).sum())
+        grad = [r for r in result["records"] if r[3].startswith("grad reduce")]
+        assert len(grad) == len(exact), result["records"]  # one all-to-all per bucket
+        assert {(r[0], r[2], r[5]) for r in grad} == {("all_to_all", (0, 1, 2, 3), "bfloat16")}
+    return differs
+
+
 @pytest.mark.parametrize("backend", backends(4))
 def test_bf16_fp32_accumulating_reduce_scatter_tracks_reference(
     rank_pools: RankPools, backend: str
 ) -> None:
     per_rank = rank_pools.get(4, backend).run(train_fp32_reduce_scatter, FP32_RS, backend)
-    out = per_rank[0]
-    assert out["dtypes"] == {
-        "params": {"torch.bfloat16"},
-        "main_grad": {"torch.bfloat16"},
-        "masters": {"torch.float32"},
-    }
-    buckets = len(out["before"])
     with single_thread():
-        exact, running = _expected_shards(per_rank)
         ref = reference()
-    differs = 0
-    for rank, result in enumerate(per_rank):
-        for b in range(buckets):
-            assert torch.equal(result["shards"][b], exact[b][rank]), (rank, b)
-            differs += int((running[b][rank] != exact[b][rank]).sum())
-        grad = [r for r in result["records"] if r[3].startswith("grad reduce")]
-        assert len(grad) == buckets, result["records"]
-        assert {(r[0], r[2], r[5]) for r in grad} == {("all_to_all", (0, 1, 2, 3), "bfloat16")}
-    assert differs > 0  # one rounding differs from a bf16 running sum: the test can tell
-    rel = max_rel_loss_diff(out["losses"], ref.losses)
-    assert rel <= 2e-3, (FP32_RS.describe(), rel)
-    diff, name = max_weight_diff(out["weights"], ref.weights, relative_to_tensor=True)
-    assert diff <= 2.0**-4, (FP32_RS.describe(), name, diff)
-    for rank, results in enumerate(per_rank):
-        for key, value in results["weights"].items():
-            assert torch.equal(value, out["weights"][key]), (rank, key)
-    print(
-        f"{FP32_RS.describe()}: loss rel {rel:.2e}, weights {diff:.2e} ({name}), {differs} differ"
-    )
+    for i, layout in enumerate(FP32_RS):
+        out = per_rank[0][i]
+        assert out["dtypes"] == {
+            "params": {"torch.bfloat16"},
+            "main_grad": {"torch.bfloat16"},
+            "masters": {"torch.float32"},
+        }
+        differs = None
+        if not layout.overlap:
+            differs = _check_exact_shards([r[i] for r in per_rank])
+            assert differs > 0  # one rounding differs from a bf16 running sum: it can tell
+        else:
+            for results in per_rank:
+                grad = [r for r in results[i]["records"] if r[3].startswith("grad reduce")]
+                assert grad, results[i]["records"]
+                kinds = {(r[0], r[2], r[5]) for r in grad}
+                assert kinds == {("all_to_all", results[i]["dp"], "bfloat16")}, kinds
+        rel = max_rel_loss_diff(out["losses"], ref.losses)
+        assert rel <= 2e-3, (layout.describe(), rel)
+        diff, name = max_weight_diff(out["weights"], ref.weights, relative_to_tensor=True)
+        assert diff <= 2.0**-4, (layout.describe(), name, diff)
+        for rank, results in enumerate(per_rank):
+            for key, value in results[i]["weights"].items():
+                assert torch.equal(value, out["weights"][key]), (layout.describe(), rank, key)
+        print(f"{layout.describe()}: loss {rel:.1e}, weights {diff:.1e} ({name}), {differs=}")
