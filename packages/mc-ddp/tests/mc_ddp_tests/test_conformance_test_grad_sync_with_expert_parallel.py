@@ -174,17 +174,16 @@ def test_grad_sync(four_ranks: list[dict[str, Any]], grid: tuple[int, int, int])
     """Follows ``tests/unit_tests/distributed/test_grad_sync_with_expert_parallel.py::
     test_grad_sync``.
 
-    Same grid (ep, etp ∈ {1, 2} × 1 or 2 optimizer instances × distributed optimizer ×
-    overlap × average_in_collective; on 4 ranks, so ep = etp = 2 with 2 instances is left
-    out), one bucket per buffer. Dense grads start at 1, expert grads at ep·etp (an expert
-    sees that many data-parallel batches). Facts: each group (dense, expert) dispatches and
+    Same grid (ep, etp ∈ {1, 2} × 1 or 2 optimizer instances × distributed optimizer × overlap ×
+    average_in_collective; on 4 ranks, so ep = etp = 2 with 2 instances is left out), one bucket per
+    buffer. Dense grads start at 1, expert grads at ep·etp (an expert sees that many data-parallel
+    batches). Facts: every param is in exactly one group; each group (dense, expert) dispatches and
     may finish only once its own last param is ready, its ``grad_data[0]`` unchanged before;
-    afterwards it is 1 for both, except on a distributed-optimizer rank not owning element 0
-    under SUM, where it keeps the pre-scaled value (1/dp dense, ep·etp/dp = 1/|expt_dp|
-    expert); the scaling uses the whole dp (4), the shard index counts inside the optimizer
-    instance. Readings as in ``test_conformance_test_param_and_grad_buffer.py::test_grad_sync``
-    (mc's non-overlap finish is idempotent within an iteration; early finishes are refused
-    with several instances too).
+    afterwards it is 1 for both, except on a distributed-optimizer rank not owning element 0 under
+    SUM, where it keeps the pre-scaled value (1/dp dense, ep·etp/dp = 1/|expt_dp| expert); the
+    scaling uses the whole dp (4), the shard index counts inside the optimizer instance. Readings as
+    in ``test_conformance_test_param_and_grad_buffer.py::test_grad_sync`` (mc's non-overlap finish
+    is idempotent within an iteration; early finishes are refused with several instances too).
     """
     ep, etp, instances = grid
     dp = 4
@@ -200,6 +199,7 @@ def test_grad_sync(four_ranks: list[dict[str, Any]], grid: tuple[int, int, int])
                     trace = facts[str((dist_opt, overlap, average))]
                     assert [s["kind"] for s in trace] == ["dense", "dense", "expert", "expert"] * 2
                     for step in trace:
+                        assert step["owners"] == 1  # every param in exactly one group
                         start = 1.0 if step["kind"] == "dense" else float(ep * etp)
                         if overlap and step["index"] < step["size"] - 1:
                             assert (step["refused"], step["value"], step["ops"]) == (

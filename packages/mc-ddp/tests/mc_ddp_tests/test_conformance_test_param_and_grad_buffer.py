@@ -84,10 +84,10 @@ def grad_sync_trace(
     iteration, Megatron's non-overlap one re-issues on every call, so upstream's per-param
     loop maps to one iteration per param here) and the grads are filled again.
 
-    Returns, per param in ``module.parameters()`` order: its group ("dense"/"expert"), its
-    index in the group, the group's size, whether finish refused, ``grad_data[0]`` of the
-    group's (single) bucket afterwards, the collectives issued (op, group ranks) and the
-    group's shard position (rank, size).
+    Returns, per param in ``module.parameters()`` order: how many groups hold it, its group
+    ("dense"/"expert"), its index in the group, the group's size, whether finish refused,
+    ``grad_data[0]`` of the group's (single) bucket afterwards, the collectives issued (op, group
+    ranks) and the group's shard position (rank, size).
     """
     group_of = {p: g for g in _groups(ddp) for p in g.params}
     params = list(ddp.module.parameters())
@@ -113,6 +113,7 @@ def grad_sync_trace(
                 refused = True
         out.append(
             {
+                "owners": sum(param in g.params for g in _groups(ddp)),
                 "kind": "dense" if group in ddp.bucket_groups else "expert",
                 "index": index,
                 "size": len(group.params),
@@ -544,14 +545,14 @@ def four_ranks(rank_pools: RankPools) -> list[dict[str, Any]]:
 def test_grad_sync(four_ranks: list[dict[str, Any]], instances: int) -> None:
     """Follows ``tests/unit_tests/distributed/test_param_and_grad_buffer.py::test_grad_sync``.
 
-    Same grid (distributed optimizer × overlap × average_in_collective × 1 or 2 optimizer
-    instances, the latter with the distributed optimizer only), one bucket, every grad 1 on
-    every rank, dp = 4. Facts: with overlap, nothing is communicated and ``grad_data[0]``
-    stays 1 until the last param of the group is registered ready, and finishing earlier is
-    refused; once the reduction ran, ``grad_data[0]`` is 1, except on a distributed-optimizer
-    rank not owning element 0 under a SUM reduction, where it is the pre-scaled 1/dp (the
-    shard index counts inside the optimizer instance, the scaling uses the whole dp).
-    Without overlap ``finish_grad_sync`` forces the collective through.
+    Same grid (distributed optimizer × overlap × average_in_collective × 1 or 2 optimizer instances,
+    the latter with the distributed optimizer only), one bucket, every grad 1 on every rank, dp = 4.
+    Facts: every param is in exactly one bucket group; with overlap, nothing is communicated and
+    ``grad_data[0]`` stays 1 until the last param of the group is registered ready, and finishing
+    earlier is refused; once the reduction ran, ``grad_data[0]`` is 1, except on a
+    distributed-optimizer rank not owning element 0 under a SUM reduction, where it is the
+    pre-scaled 1/dp (the shard index counts inside the optimizer instance, the scaling uses the
+    whole dp). Without overlap ``finish_grad_sync`` forces the collective through.
 
     Readings: upstream expects ``register_grad_ready`` to raise without overlap and calls
     ``finish_grad_sync`` once per param, each call re-issuing the collective (Megatron's
@@ -570,6 +571,7 @@ def test_grad_sync(four_ranks: list[dict[str, Any]], instances: int) -> None:
                     trace = out["grad_sync"][str((instances, dist_opt, overlap, average))]
                     assert len(trace) == 8
                     for step in trace:
+                        assert step["owners"] == 1  # every param in exactly one group
                         shard_rank, shard_size = step["shard"]
                         assert shard_size == (dp // instances if dist_opt else dp)
                         last = step["index"] == step["size"] - 1
