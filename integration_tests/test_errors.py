@@ -35,6 +35,14 @@ from mc_groups.testing import RankPools
         (ParallelLayout(tp=1, dp=1, pp=4), 4, 8, ["num_layers=2", "pp=4"]),
         (ParallelLayout(tp=1, dp=2, microbatches=3), 2, 8, ["global_batch=8", "2 × 3 = 6"]),
         (ParallelLayout(tp=0, dp=2), 2, 8, ["tp=0 must be >= 1"]),
+        (ParallelLayout(dp=2, vpp=2), 2, 8, ["vpp=2 needs pp > 1"]),
+        (ParallelLayout(pp=2, vpp=2), 2, 8, ["num_layers=2", "pp × vpp = 2 × 2 = 4"]),
+        (
+            ParallelLayout(dp=4, distributed_optimizer=True, num_distributed_optimizer_instances=3),
+            4,
+            8,
+            ["num_distributed_optimizer_instances=3 does not divide dp=4"],
+        ),
     ],
 )
 def test_layout_check_names_the_setting(
