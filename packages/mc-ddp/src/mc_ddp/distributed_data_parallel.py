@@ -239,16 +239,13 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         return ForwardPreHook(self)
 
     def _on_module_forward(self, module: torch.nn.Module) -> None:
-        skip_next = (
-            self.ddp_config.align_param_gather or self.overlap_param_gather_with_optimizer_step
-        )
         done: set[int] = set()
         for param in module.parameters(recurse=False):
             group = self.param_to_bucket_group.get(param)
             if group is None or id(group) in done:
                 continue
             done.add(id(group))
-            group.finish_param_sync(skip_next_bucket_dispatch=skip_next)
+            self._finish_param_sync_for_bucket_group(group)
 
     def enable_forward_pre_hook(self) -> None:
         """Register the param-gather pre-hook on every submodule (overlap_param_gather)."""
@@ -394,8 +391,14 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         bucket_group.start_param_sync(force_sync=force_sync)
 
     def _finish_param_sync_for_bucket_group(self, bucket_group: ParamAndGradBucketGroup) -> None:
-        """Drain one group's in-flight param all-gather (its scratch stays for reuse)."""
-        bucket_group.free_overlap_buffers(keep_scratch=True)
+        """Finish one group's param all-gather as its forward pre-hook does: dispatch it if
+        nobody did, wait for it, then dispatch the next group's (model-start-first chain)
+        unless ``align_param_gather`` or the optimizer step owns the dispatch. mc has no
+        fp8/fp4 post-processing to run after it. Needs ``overlap_param_gather``."""
+        skip_next = (
+            self.ddp_config.align_param_gather or self.overlap_param_gather_with_optimizer_step
+        )
+        bucket_group.finish_param_sync(skip_next_bucket_dispatch=skip_next)
 
     def start_param_sync(
         self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False

@@ -207,7 +207,7 @@ class ShardedOptimizer:
         # A gather still in flight would overwrite the shards this step writes.
         for chunk in self.model_chunks:
             for group in chunk._all_groups():
-                chunk._finish_param_sync_for_bucket_group(group)
+                group.free_overlap_buffers(keep_scratch=True)
 
     def _write_masters_to_params(self) -> None:
         for slot in self._slots:
