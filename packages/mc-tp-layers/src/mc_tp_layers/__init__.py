@@ -9,6 +9,7 @@
 - :mod:`mc_tp_layers.random`: the RNG tracker for device initialisation.
 - :mod:`mc_tp_layers.checkpoint`: DTensor views for ``torch.distributed.checkpoint``.
 - :mod:`mc_tp_layers.layers`: every name of Megatron's ``core.tensor_parallel.layers``.
+- :func:`backends`: which optional CUDA kernels (Transformer Engine, apex) are in use.
 
 Groups are passed explicitly (``tp_group=`` / ``pg_collection=``); every collective goes
 through :mod:`mc_groups`, so :func:`mc_groups.record_collectives` sees it.
@@ -17,6 +18,7 @@ through :mod:`mc_groups`, so :func:`mc_groups.record_collectives` sees it.
 from __future__ import annotations
 
 from mc_tp_layers._config import TensorParallelConfig
+from mc_tp_layers._gemm import backends
 from mc_tp_layers.attributes import (
     copy_gtp_attributes,
     copy_tensor_model_parallel_attributes,
@@ -82,6 +84,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_hp2sp",
     "all_to_all_sp2hp",
+    "backends",
     "clear_cuda_rng_tracker",
     "copy_gtp_attributes",
     "copy_tensor_model_parallel_attributes",

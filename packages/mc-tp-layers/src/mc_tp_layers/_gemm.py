@@ -2,14 +2,28 @@
 
 Weight gradients either fill a fresh tensor (:func:`_wgrad_gemm`) or accumulate into
 ``weight.main_grad`` (:func:`accumulate_wgrad`): apex's ``fused_weight_gradient_mlp_cuda``
-kernel when it is importable and the tensors are on CUDA, ``main_grad.addmm_`` otherwise.
-Both compute ``main_grad += grad_outputᵀ · input`` with fp32 accumulation, so the numbers
-agree up to summation order.
+kernel when it is importable and the tensors are on CUDA; on CUDA without apex, torch's
+mixed-dtype GEMM (``torch.addmm(..., out_dtype=torch.float32)``: bf16/fp16 operands on the
+tensor cores, fp32 accumulation and output) when this torch has it; ``main_grad.addmm_``
+on operands widened to ``main_grad``'s dtype otherwise (exact, but an fp32 GEMM: on a GPU
+many times slower than the tensor-core one). All compute ``main_grad += grad_outputᵀ ·
+input`` with fp32 accumulation, so the numbers agree up to summation order.
+
+Optional kernels (:func:`backends` reports which are active): Transformer Engine's
+``general_gemm`` for ``output_dtype`` and apex's fused weight-gradient kernel. Both are
+probed once, at import; any failure to import (ImportError when absent, OSError when CUDA
+libraries are missing, RuntimeError from TE's meta package without a framework build)
+means "not available", never a failed import of mc. A TE whose ``general_gemm`` does not
+accept mc's call (an older or newer API) is not used: mc warns once, naming the versions it
+supports (:data:`TE_SUPPORTED_VERSIONS`), and keeps the torch path.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import inspect
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -17,39 +31,175 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["_grad_accum_fusion_available", "_linear_forward", "_te_gemm_available", "_wgrad_gemm"]
+__all__ = [
+    "TE_SUPPORTED_VERSIONS",
+    "_grad_accum_fusion_available",
+    "_linear_forward",
+    "_te_gemm_available",
+    "_wgrad_gemm",
+    "accumulate_wgrad",
+    "backends",
+]
+
+TE_SUPPORTED_VERSIONS = ">=2.20.2,<2.21"
+"""The Transformer Engine releases mc's TE path is tested against: the bound of the ``te``
+extra of mc-tp-layers (``pip install "mc-tp-layers[te]"``), and the release whose
+``general_gemm`` signature the CPU tests check."""
+
+TEGemm = Callable[..., Any]
+"""Transformer Engine's ``general_gemm`` (or a stand-in with its signature)."""
+
+_TE_GEMM_MODULE = "transformer_engine.pytorch.cpp_extensions"
+_APEX_MODULE = "fused_weight_gradient_mlp_cuda"
+_warned: set[str] = set()
 
 
-def _import_apex_kernel() -> ModuleType | None:
+def _import_optional(name: str, import_module: Callable[[str], ModuleType]) -> ModuleType | None:
+    """``name`` imported, or None on any failure: an optional CUDA extension that cannot
+    load (absent, CUDA libraries missing, a meta package without its build) is absent."""
     try:
-        return importlib.import_module("fused_weight_gradient_mlp_cuda")
-    except ImportError:
+        return import_module(name)
+    except Exception:
         return None
 
 
-def _import_te_gemm() -> tuple[Callable[..., Any], Callable[[], torch.Tensor]] | None:
-    """Transformer Engine's ``general_gemm`` and its cuBLAS workspace getter, if importable."""
+def _te_call(
+    weight: torch.Tensor, input_2d: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments of mc's one call to TE's ``general_gemm``:
+    ``A = weight [n, k]``, ``B = input [m, k]``, layout ``TN`` (``out = B · Aᵀ``),
+    written in ``out_dtype``; every other parameter at TE's default (no workspace: TE 2.x
+    allocates its cuBLAS workspace itself)."""
+    return (weight, input_2d), {"out_dtype": out_dtype, "layout": "TN"}
+
+
+def _te_gemm_signature_problem(general_gemm: object) -> str | None:
+    """None when ``general_gemm`` accepts mc's call (:func:`_te_call`), else why not.
+
+    Binds the call against the signature (no kernel runs), so a parameter that became
+    required (TE 1.x/early 2.x's ``workspace``) or a renamed keyword is caught before the
+    first forward, not as a TypeError inside it.
+    """
+    if not callable(general_gemm):
+        return "it has no general_gemm function"
     try:
-        gemm_module = importlib.import_module("transformer_engine.pytorch.cpp_extensions")
-        base_module = importlib.import_module("transformer_engine.pytorch.module.base")
-        return gemm_module.general_gemm, base_module.get_workspace
-    except (ImportError, AttributeError):
+        signature = inspect.signature(general_gemm)
+    except (TypeError, ValueError) as err:
+        return f"the signature of general_gemm cannot be read ({err})"
+    probe = torch.empty(0)
+    args, kwargs = _te_call(probe, probe, torch.float32)
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        return (
+            f"general_gemm{signature} does not accept mc's call "
+            f"general_gemm(A, B, out_dtype=..., layout='TN'): {err}"
+        )
+    return None
+
+
+def _te_version() -> str:
+    for dist_name in ("transformer-engine", "transformer_engine"):
+        try:
+            return importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _warn_once(message: str) -> None:
+    if message in _warned:
+        return
+    _warned.add(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _load_te_gemm(
+    import_module: Callable[[str], ModuleType] = importlib.import_module,
+) -> TEGemm | None:
+    """TE's ``general_gemm`` when TE imports and its API is one mc supports; else None
+    (with a one-time warning when TE imported but its API is not supported)."""
+    module = _import_optional(_TE_GEMM_MODULE, import_module)
+    if module is None:
         return None
+    general_gemm = getattr(module, "general_gemm", None)
+    problem = _te_gemm_signature_problem(general_gemm)
+    if problem is None:
+        return general_gemm
+    _warn_once(
+        f"Transformer Engine {_te_version()} is installed but not used by mc_tp_layers: "
+        f"{problem}. mc supports transformer-engine{TE_SUPPORTED_VERSIONS} "
+        '(pip install "mc-tp-layers[te]"); output_dtype falls back to the exact torch path.'
+    )
+    return None
 
 
-_APEX_KERNEL = _import_apex_kernel()
-_TE_GEMM = _import_te_gemm()
+_APEX_KERNEL = _import_optional(_APEX_MODULE, importlib.import_module)
+_TE_GEMM = _load_te_gemm()
 _te_gemm_available: bool = _TE_GEMM is not None
-"""True when Transformer Engine's ``general_gemm`` is importable (used for ``output_dtype``
-on CUDA; the exact torch path otherwise)."""
+"""True when Transformer Engine's ``general_gemm`` is importable and has the supported API
+(used for ``output_dtype`` on CUDA; the exact torch path otherwise)."""
 _grad_accum_fusion_available: bool = _APEX_KERNEL is not None
-"""True when apex's fused weight-gradient kernel is importable (mc falls back to addmm_)."""
+"""True when apex's fused weight-gradient kernel is importable (mc falls back to a torch
+GEMM accumulating into main_grad)."""
+
+
+def backends() -> dict[str, bool]:
+    """Which optional kernels this process uses (probed once, at import).
+
+    - ``"transformer_engine_gemm"``: TE's ``general_gemm`` computes linear layers with an
+      ``output_dtype`` different from the input's on CUDA. False when TE is not installed,
+      cannot load (no CUDA libraries) or has an API mc does not support (a warning at
+      import says which versions are: :data:`TE_SUPPORTED_VERSIONS`).
+    - ``"apex_fused_wgrad"``: apex's ``fused_weight_gradient_mlp_cuda`` accumulates weight
+      gradients into ``main_grad`` on CUDA (``gradient_accumulation_fusion``). False when
+      apex was not built with ``--cuda_ext``; mc then uses a torch GEMM, same numbers up to
+      summation order.
+
+    Either False changes speed, never results beyond summation order: the fallbacks are
+    tested against the same references.
+    """
+    return {
+        "transformer_engine_gemm": _TE_GEMM is not None,
+        "apex_fused_wgrad": _APEX_KERNEL is not None,
+    }
+
 
 _FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+_HALF = (torch.float16, torch.bfloat16)
+_mixed_mm_by_device: dict[torch.device, bool] = {}
 
 
 def _wider(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     return a if _FLOAT_WIDTH.get(a, 0) >= _FLOAT_WIDTH.get(b, 0) else b
+
+
+def _mixed_mm_supported(device: torch.device) -> bool:
+    """Whether torch runs a bf16 GEMM with fp32 output on ``device`` (``addmm(...,
+    out_dtype=)``, CUDA only, torch 2.8+). Probed once per device with a 1×1 GEMM."""
+    known = _mixed_mm_by_device.get(device)
+    if known is not None:
+        return known
+    try:
+        acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
+        one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+        ok = True
+    except (RuntimeError, TypeError):
+        ok = False
+    _mixed_mm_by_device[device] = ok
+    return ok
+
+
+def _use_mixed_mm(out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """fp16/bf16 operands of one dtype, fp32 out, on a CUDA device whose torch supports it."""
+    return (
+        a.is_cuda
+        and out_dtype == torch.float32
+        and a.dtype in _HALF
+        and b.dtype == a.dtype
+        and _mixed_mm_supported(a.device)
+    )
 
 
 def _linear_forward(
@@ -61,13 +211,13 @@ def _linear_forward(
     """``input · weightᵀ + bias``, returned in ``output_dtype`` (default: the input's).
 
     With an ``output_dtype`` different from the input's: on CUDA with Transformer Engine
-    importable, TE's ``general_gemm`` (as Megatron: layout ``TN``, operands in their own
-    dtype, fp32 accumulation, output written in ``output_dtype``; the bias is added
-    after, in fp32, then rounded); otherwise the torch path: both operands are converted
-    to the wider of the two dtypes (exact: every bf16/fp16 value is an fp32 value), the
-    GEMM runs there with fp32 accumulation and the result is cast to ``output_dtype``.
-    The two differ only in summation order (and, for an output narrower than the input,
-    one rounding of the bias add).
+    available (:func:`backends`), TE's ``general_gemm`` (as Megatron: layout ``TN``,
+    operands in their own dtype, fp32 accumulation, output written in ``output_dtype``;
+    the bias is added after, in fp32, then rounded); otherwise the torch path: both
+    operands are converted to the wider of the two dtypes (exact: every bf16/fp16 value is
+    an fp32 value), the GEMM runs there with fp32 accumulation and the result is cast to
+    ``output_dtype``. The two differ only in summation order (and, for an output narrower
+    than the input, one rounding of the bias add).
     """
     if output_dtype is None or output_dtype == input.dtype:
         return F.linear(input, weight, bias)
@@ -79,7 +229,7 @@ def _linear_forward(
 
 
 def _te_linear_forward(
-    te: tuple[Callable[..., Any], Callable[[], torch.Tensor]],
+    general_gemm: TEGemm,
     input: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -88,13 +238,13 @@ def _te_linear_forward(
     """``input · weightᵀ (+ bias)`` by TE's ``general_gemm`` in ``output_dtype``.
 
     ``general_gemm(A=weight [n, k], B=input [m, k], layout="TN")`` computes ``B · Aᵀ``
-    ([m, n]); ``input`` is flattened to 2-D and the leading dims restored after.
+    ([m, n]) and returns a tuple whose first element is the output; ``input`` is flattened
+    to 2-D and the leading dims restored after. The bias is added here in fp32 (TE's
+    epilogue would need a bias of the output dtype).
     """
-    general_gemm, get_workspace = te
     flat = input.reshape(-1, input.shape[-1])
-    gemm_out: torch.Tensor = general_gemm(
-        weight, flat, get_workspace(), out_dtype=output_dtype, layout="TN"
-    )[0]
+    args, kwargs = _te_call(weight, flat, output_dtype)
+    gemm_out: torch.Tensor = general_gemm(*args, **kwargs)[0]
     out = gemm_out.view(*input.shape[:-1], weight.shape[0])
     if bias is None:
         return out
@@ -106,26 +256,36 @@ def _wgrad_gemm(
 ) -> torch.Tensor:
     """``out ← grad_outputᵀ · total_input`` (2-D operands); return ``out``.
 
-    ``out`` may be wider than the operands (bf16 in, fp32 out): they are converted to
+    ``out`` may be wider than the operands (bf16 in, fp32 out): on CUDA torch's
+    mixed-dtype GEMM writes fp32 from bf16 operands; elsewhere they are converted to
     ``out.dtype`` first (exact), so the products and the sum are in ``out.dtype``.
     """
-    if grad_output.dtype != out.dtype or total_input.dtype != out.dtype:
-        grad_output, total_input = grad_output.to(out.dtype), total_input.to(out.dtype)
-    torch.mm(grad_output.t(), total_input, out=out)
-    return out
+    if grad_output.dtype == out.dtype and total_input.dtype == out.dtype:
+        return torch.mm(grad_output.t(), total_input, out=out)
+    if _use_mixed_mm(out.dtype, grad_output, total_input):
+        return torch.mm(grad_output.t(), total_input, out_dtype=out.dtype, out=out)
+    grad_output, total_input = grad_output.to(out.dtype), total_input.to(out.dtype)
+    return torch.mm(grad_output.t(), total_input, out=out)
 
 
 def accumulate_wgrad(
     main_grad: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor
 ) -> None:
-    """``main_grad += grad_outputᵀ · total_input`` (apex kernel on CUDA, else ``addmm_``)."""
+    """``main_grad += grad_outputᵀ · total_input`` (apex kernel on CUDA when built; else
+    torch's mixed-dtype ``addmm`` on CUDA; else ``addmm_`` on widened operands)."""
     if _APEX_KERNEL is not None and main_grad.is_cuda:
         if main_grad.dtype == torch.float32:
             _APEX_KERNEL.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
             return
-        if main_grad.dtype in (torch.float16, torch.bfloat16):
+        if main_grad.dtype in _HALF:
             _APEX_KERNEL.wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
             return
-    if grad_output.dtype != main_grad.dtype or total_input.dtype != main_grad.dtype:
-        grad_output, total_input = grad_output.to(main_grad.dtype), total_input.to(main_grad.dtype)
-    main_grad.addmm_(grad_output.t(), total_input)
+    if grad_output.dtype == main_grad.dtype and total_input.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_output.t(), total_input)
+        return
+    if _use_mixed_mm(main_grad.dtype, grad_output, total_input):
+        torch.addmm(
+            main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad
+        )
+        return
+    main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))

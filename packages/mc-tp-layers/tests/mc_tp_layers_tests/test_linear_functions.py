@@ -425,30 +425,38 @@ def test_gemm_helpers_widen_exactly() -> None:
 
 def test_te_wrapper_reshapes_and_adds_bias() -> None:
     """Localizes mc's use of Transformer Engine's ``general_gemm`` for ``output_dtype`` (the
-    real kernel needs CUDA: ``test_cuda.py``): a stand-in with TE's documented contract
-    (``layout="TN"``: ``out = B · Aᵀ`` in ``out_dtype``, returned first of four) receives a
+    real kernel needs CUDA: ``test_cuda.py``): a stand-in with TE 2.x's contract
+    (``general_gemm(A, B, out_dtype=None, ..., layout="TN", ...)``, no workspace;
+    ``layout="TN"``: ``out = B · Aᵀ`` in ``out_dtype``, returned first of four) receives a
     2-D input and the weight, and the wrapper restores the leading dims and adds the bias in
-    fp32. Integer operands keep every value exact, so the torch path must agree bitwise."""
+    fp32. Integer operands keep every value exact, so the torch path must agree bitwise.
+    ``test_te_gemm.py`` builds the stand-in from the pinned TE release's own signature."""
     calls: list[tuple[tuple[int, ...], tuple[int, ...], str]] = []
 
     def general_gemm(
-        a: torch.Tensor,
-        b: torch.Tensor,
-        workspace: torch.Tensor,
-        *,
-        out_dtype: torch.dtype,
-        layout: str,
+        A: torch.Tensor,  # noqa: N803 - TE's parameter names
+        B: torch.Tensor,  # noqa: N803
+        out_dtype: torch.dtype | None = None,
+        quantization_params: object = None,
+        gelu: bool = False,
+        gelu_in: torch.Tensor | None = None,
+        alpha: float = 1.0,
+        beta: float | None = None,
+        accumulate: bool = False,
+        layout: str = "TN",
+        out: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None, None, None]:
-        calls.append((tuple(a.shape), tuple(b.shape), layout))
-        return b.double().matmul(a.double().t()).to(out_dtype), None, None, None
+        assert out_dtype is not None
+        calls.append((tuple(A.shape), tuple(B.shape), layout))
+        return B.double().matmul(A.double().t()).to(out_dtype), None, None, None
 
     g = torch.Generator().manual_seed(3)
     x = torch.randint(-8, 9, (3, 2, 16), generator=g).bfloat16()
     w = torch.randint(-8, 9, (5, 16), generator=g).bfloat16()
     bias = torch.randint(-8, 9, (5,), generator=g).bfloat16()
-    te = (general_gemm, lambda: torch.empty(0))
     for b in (None, bias):
-        y = _gemm._te_linear_forward(te, x, w, b, torch.float32)
+        y = _gemm._te_linear_forward(general_gemm, x, w, b, torch.float32)
         assert y.dtype == torch.float32
         assert y.shape == (3, 2, 5)
         assert torch.equal(y, _linear_forward(x, w, b, torch.float32))
