@@ -7,11 +7,7 @@ handed would all-gather the wrong peer's shard. Here the "global" groups are mc'
 registered default collection and the block is a column + row MLP.
 
 Not covered: the GatedDeltaProduct mixer (``test_gdp_projections_use_custom_gtp_group``,
-not offered) and the gtp_remat RNG streams of ``_set_random_seed``
-(``test_custom_gtp_groups_seed_without_mpu``): mc's tracker has no gtp_remat streams,
-because mc initialises the TP-local weight and then cuts the gtp_remat shard from it (the
-values of a run without gtp_remat), where Megatron initialises each shard from its own
-stream.
+not offered).
 """  # noqa: E501
 
 from __future__ import annotations
@@ -66,6 +62,32 @@ def _mlp(pgc: mg.ProcessGroupCollection, d: dict[str, torch.Tensor]) -> dict[str
     }
 
 
+def _seed_from_explicit_groups(
+    default: mg.ProcessGroupCollection, strided: dist.ProcessGroup
+) -> dict[str, torch.Tensor]:
+    """Seed from explicit groups with no default collection registered: gtp_remat over the
+    adjacent pairs, expert gtp_remat over the strided ones; two draws from each stream."""
+    explicit = mg.ProcessGroupCollection(
+        tp=default.tp,
+        ep=default.ep,
+        expt_tp=default.expt_tp,
+        gtp_remat=default.gtp_remat,
+        expt_gtp_remat=strided,
+    )
+    mg.clear_default_collection()
+    try:
+        tracker = tpl.model_parallel_cuda_manual_seed(
+            42, pg_collection=explicit, device="cpu", set_default=False
+        )
+    finally:
+        mg.set_default_collection(default)
+    draws = {}
+    for name in tracker.get_states():
+        with tracker.fork(name):
+            draws[name] = torch.rand(2)
+    return draws
+
+
 def _custom_pgs(d: dict[str, torch.Tensor]) -> dict[str, Any]:
     default = world(1, gtp_remat_size=2, set_default=True)
     # Every rank creates every group of the other pairing, in the same order.
@@ -93,6 +115,7 @@ def _custom_pgs(d: dict[str, torch.Tensor]) -> dict[str, Any]:
             except ValueError as err:
                 out["partial"] = str(err)
         out["partial_log"] = len(log)
+        out["streams"] = _seed_from_explicit_groups(default, mine)
         return out
     finally:
         dist.barrier()
@@ -163,3 +186,32 @@ def test_pg_collection_without_gtp_remat_is_refused(results: list[dict[str, Any]
     for res in results:
         assert "pg_collection.gtp_remat" in res["partial"]
         assert res["partial_log"] == 0
+
+
+def test_custom_gtp_groups_seed_without_default(results: list[dict[str, Any]]) -> None:
+    """Follows ``tests/unit_tests/generalized_tensor_parallel/test_gtp_custom_pgs.py::
+    TestGTPCustomProcessGroups::test_custom_gtp_groups_seed_without_mpu``.
+
+    With no default collection registered, ``model_parallel_cuda_manual_seed`` seeded from
+    an explicit collection (one-rank TP/EP/expert-TP groups, gtp_remat over [0, 1], [2, 3],
+    expert gtp_remat over [0, 2], [1, 3]) has both gtp_remat streams (upstream asserts
+    their names; Megatron's ``get_gtp_remat_rng_tracker_name`` has no mc counterpart, so
+    the names are spelled out), seeded from the explicit groups' ranks: ``42 + 2718 +
+    65536·(1 + gtp rank)`` and ``42 + 1024 + 32768 + 65536·(1 + expert gtp rank)``.
+    """
+    for r, res in enumerate(results):
+        streams = res["streams"]
+        assert sorted(streams) == [
+            "data-parallel-rng",
+            "egtp-remat-rng",
+            "expert-parallel-rng",
+            "gtp-remat-rng",
+            "model-parallel-rng",
+        ]
+        seeds = {
+            "gtp-remat-rng": 42 + 2718 + 65536 * (1 + r % 2),
+            "egtp-remat-rng": 42 + 1024 + 32768 + 65536 * (1 + r // 2),
+        }
+        for name, seed in seeds.items():
+            expected = torch.rand(2, generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(streams[name], expected), name

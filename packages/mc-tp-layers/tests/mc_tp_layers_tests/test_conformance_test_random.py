@@ -5,9 +5,14 @@ holds the states of one device's generator, here the CPU's (the backend-independ
 a stream seeded with s is the generator state ``manual_seed(s)`` gives, and forking swaps
 states in and out). Expectations are fresh ``torch.Generator`` objects seeded by hand.
 
+``test_model_parallel_cuda_manual_seed`` (the process tracker holds
+``model-parallel-rng`` after seeding) is held by
+``test_random.py::test_seeding_registers_the_default_tracker``.
+
 Not covered (mc offers no such API): the CUDA-graph-safe tracker
-(``use_cudagraphable_rng``) and ``convert_cuda_rng_state``; activation checkpointing
-(``checkpoint``, ``CheckpointWithoutOutput`` and its manager).
+(``use_cudagraphable_rng``, refused with ``NotImplementedError``) and
+``convert_cuda_rng_state``; activation checkpointing (``checkpoint``,
+``CheckpointWithoutOutput`` and its manager).
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 
 import mc_tp_layers as tpl
@@ -89,23 +93,3 @@ def test_double_fork_cuda_rng_states_tracker() -> None:
     assert torch.equal(torch.cat(one_plain), torch.cat(expected))  # the stream is seed 1234
     for name in ("state1", "state2"):
         assert torch.equal(states_nested[name], states_plain[name])
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="divergence: model_parallel_cuda_manual_seed registers no default tracker and "
-    "mc_tp_layers has no get_cuda_rng_tracker (fix pending)",
-)
-def test_model_parallel_cuda_manual_seed() -> None:
-    """Follows ``tests/unit_tests/tensor_parallel/test_random.py::test_model_parallel_cuda_manual_seed``.
-
-    After ``model_parallel_cuda_manual_seed(0)`` the process's tracker
-    (``get_cuda_rng_tracker()``) holds a ``model-parallel-rng`` stream. Upstream runs in a
-    TP = 4 world; the stream's presence does not depend on the rank, so it is checked in one
-    process with explicit ranks. (The tracker mc returns has the stream:
-    ``test_random.py::test_model_parallel_seed_streams``.)
-    """  # noqa: E501
-    tpl.model_parallel_cuda_manual_seed(0, tp_rank=0, ep_rank=0, etp_rank=0, device="cpu")
-    get_tracker: Callable[[], tpl.RNGStatesTracker] = getattr(tpl, "get_cuda_rng_tracker")  # noqa: B009
-    states = get_tracker().get_states()
-    assert torch.equal(states[tpl.get_model_parallel_rng_tracker_name()], _seeded_state(2718))
