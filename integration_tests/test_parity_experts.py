@@ -28,8 +28,10 @@ it), dense params in the dense buffer over ``dp_cp``, and the sequence-parallel 
 - EP = 1 with ETP ≠ TP (TP = 2, ETP = 1, sequence parallel): world 2 (dp_cp of one rank,
   expt_dp = both TP ranks) and world 4 (dp_cp of 2, expt_dp of 4). Here an expert weight
   tagged ``allreduce=True`` would sit in the dense buffer, reduced over dp_cp only, and miss
-  the other TP rank's tokens (caught at 610d8f0, before the tag fix: ‖grad‖/‖ref‖ ≠ 1 and
-  the TP ranks' copies of the experts differ);
+  the other TP rank's tokens (at 610d8f0, before the tag fix, both layouts fail: the expert
+  params are in the dense buffer on dp_cp (0,) / (0, 2) instead of the expert buffer on
+  expt_dp (0, 1) / (0, 1, 2, 3), and the TP ranks' step-0 grads of
+  ``experts.0.fc1.weight`` differ by 1.1e-2);
 - TP = 2 × EP = 2 (ETP = 1) on 4 ranks: the all-to-all inside each TP pair;
 - EP = 2 × gtp_remat = 2 (expert_gtp_remat = 2) on 4 ranks: dense weights sharded over
   ``gtp_remat``, expert weights over ``expt_gtp_remat`` (another pair of ranks), the
@@ -54,12 +56,19 @@ Ambiguous points, read from Megatron-Core: the expert tag
 ``allreduce = not (is_expert and (ep > 1 or etp != tp))`` (``tensor_parallel/layers.py``,
 ``use_expert_pgs``); expert grads scaled by 1/|dp_cp| (``distributed/
 distributed_data_parallel.py``, ``expert_gradient_scaling_factor``); the router's weight
-tagged ``sequence_parallel`` (``transformer/moe/router.py``). The experts' Row layer has no
-bias: Megatron's RowParallelLinear tags its bias ``sequence_parallel`` even for an expert
-(``layers.py``: ``setattr(self.bias, "sequence_parallel", self.sequence_parallel)``), so
-under SP with TP = 2, ETP = 1 finalize would add the TP ranks' (already expt_dp-summed)
-expert-bias grads again; Megatron's Transformer-Engine experts do not tag it. mc copies
-the legacy tag; the test stays out of that corner (it is reported, not tested).
+tagged ``sequence_parallel`` (``transformer/moe/router.py``).
+
+Not tested, reported: (1) the experts' Row layer has no bias here. Megatron's
+RowParallelLinear tags its bias ``sequence_parallel`` even for an expert (``layers.py``,
+``setattr(self.bias, "sequence_parallel", self.sequence_parallel)``) and mc copies that, so
+under SP with TP = 2, ETP = 1 finalize sums over ``tp`` expert-bias grads that DDP already
+summed over expt_dp: measured 2.0000× the reference for every ``experts.e.fc2.bias`` (the
+other expert params exact). (2) expert_gtp_remat ≠ gtp_remat: mc's layers shard experts by
+``config.gtp_remat_size`` (no expert size in the config), so gtp 2 / expert gtp 1 fails at
+construction (ValueError: expt_gtp_remat has 1 rank), and gtp 1 / expert gtp 2 builds
+unsharded experts that finalize averages over expt_gtp_remat: expert grads 0.5000× the
+reference; by the same arithmetic Megatron-Core's 1/|dp_cp| expert scaling with a 1/egtp
+reduce-scatter mean gives gtp/egtp, so only egtp = gtp is tested.
 """
 
 from __future__ import annotations
