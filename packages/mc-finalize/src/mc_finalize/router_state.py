@@ -4,9 +4,8 @@ Expert bias (aux-loss-free balancing, arXiv:2408.15664), for every training-mode
 with ``expert_bias`` and ``local_tokens_per_expert`` (E experts each) whose bias is not
 frozen (``frozen_expert_bias`` absent or False, as in Megatron-Core):
 
-    t      ← Σ_{tp·dp·cp} local_tokens_per_expert      (one all-reduce of all routers stacked)
+    t      ← Σ_{tp·dp·cp} local_tokens_per_expert      (one all-reduce of a stacked copy)
     bias   ← bias + rate · sign(mean_e(t) − t)          rate = moe_router_bias_update_rate
-    local_tokens_per_expert ← 0
 
 An expert that got fewer tokens than the average gets a higher bias, so more tokens next
 batch.
@@ -19,9 +18,12 @@ micro-batch quantile estimates), ``qb_beta_count`` (how many) and ``qb_beta``:
              different tokens)
     b      ← ema · qb_beta + (1 − ema) · q                         ema = ..._quantile_balancing_ema
     qb_beta ← b − mean_e(b)                                         (zero-sum: no overall shift)
-    qb_beta_accum, qb_beta_count ← 0
 
-Eval-mode modules (e.g. a frozen teacher in distillation) keep their state.
+Eval-mode modules (e.g. a frozen teacher in distillation) keep their biases. The counters
+(``local_tokens_per_expert``, ``qb_beta_accum``, ``qb_beta_count``) keep this rank's local
+values through the updates and are zeroed afterwards by
+:func:`reset_model_temporary_tensors`, for every module (eval mode included), as in
+Megatron-Core, where the updates reduce stacked copies and only the reset zeroes.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ def _update_router_expert_bias(
     """Update every training router's expert bias from the global tokens per expert.
 
     All-reduces the routers' ``local_tokens_per_expert`` (stacked, one collective) across
-    TP×DP×CP ranks, moves each bias by ``moe_router_bias_update_rate`` towards balance, and
-    zeroes the counters. Routers with ``frozen_expert_bias=True`` are left alone (bias and
-    counters). ``tp_dp_cp_group=None`` reads the default collection's ``tp_dp_cp``.
+    TP×DP×CP ranks and moves each bias by ``moe_router_bias_update_rate`` towards balance;
+    the local counters are left for :func:`reset_model_temporary_tensors`. Routers with
+    ``frozen_expert_bias=True`` keep their bias. ``tp_dp_cp_group=None`` reads the default
+    collection's ``tp_dp_cp``.
     """
     chunks = _as_chunks(model)
     rate = _read_settings(config).moe_router_bias_update_rate
@@ -68,7 +71,6 @@ def _update_router_expert_bias(
         for router, step in zip(routers, torch.sign(offset) * rate, strict=True):
             bias = _tensor(router, "expert_bias")
             bias.add_(step.to(bias.dtype))
-            _tensor(router, "local_tokens_per_expert").zero_()
 
 
 def _update_router_qb_beta(
@@ -80,7 +82,8 @@ def _update_router_qb_beta(
 
     Averages each router's accumulated quantile (``qb_beta_accum / qb_beta_count``) across
     DP×CP, EMA-blends it with the current ``qb_beta``, re-centres it and writes it back;
-    then zeroes the accumulators. ``dp_cp_group=None`` reads the default's ``dp_cp``;
+    the accumulators are left for :func:`reset_model_temporary_tensors`.
+    ``dp_cp_group=None`` reads the default's ``dp_cp``;
     ``finalize_model_grads`` passes ``dp_cp_gtp_remat`` under gtp_remat.
     """
     chunks = _as_chunks(model)
@@ -96,7 +99,6 @@ def _update_router_qb_beta(
             beta = _tensor(router, "qb_beta")
             blended = ema * beta + (1.0 - ema) * quantile
             beta.copy_(blended - blended.mean(dim=-1, keepdim=True))
-            _reset_quantiles(router)
 
 
 def reset_model_temporary_tensors(config: FinalizeConfig, model: Sequence[ModelChunk]) -> None:
@@ -104,8 +106,9 @@ def reset_model_temporary_tensors(config: FinalizeConfig, model: Sequence[ModelC
 
     Zeroes ``local_tokens_per_expert`` when ``config.moe_router_enable_expert_bias``; calls
     ``reset_global_aux_loss_tracker()`` when the load-balancing type includes
-    ``global_aux_loss``; zeroes ``qb_beta_accum`` / ``qb_beta_count`` under
-    ``quantile_balancing``. Modules in eval mode are reset too.
+    ``global_aux_loss``; zeroes ``qb_beta_accum`` / ``qb_beta_count`` of every module that
+    has them (whatever the load-balancing type, as Megatron-Core). Modules in eval mode are
+    reset too.
     """
     chunks = _as_chunks(model)
     settings = _read_settings(config)
@@ -117,7 +120,7 @@ def reset_model_temporary_tensors(config: FinalizeConfig, model: Sequence[ModelC
                 reset = getattr(module, "reset_global_aux_loss_tracker", None)
                 if callable(reset):
                     reset()
-            if settings.quantile_balancing and _has(module, "qb_beta_accum"):
+            if _has(module, "qb_beta_accum"):
                 _reset_quantiles(module)
 
 

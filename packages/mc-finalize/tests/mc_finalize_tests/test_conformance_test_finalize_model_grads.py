@@ -215,13 +215,6 @@ def test_finalize_model_grads_updates_router_expert_bias_with_custom_group(
         assert facts["log"] == [("all_reduce", "sum", (0, 1), "float32", 2, "router expert bias")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "divergence: mc's _update_router_expert_bias zeroes local_tokens_per_expert itself; "
-        "Megatron-Core leaves that to reset_model_temporary_tensors (fix pending)"
-    ),
-)
 def test_expert_bias_update_leaves_token_counts_to_the_reset(
     two_ranks: list[dict[str, Any]],
 ) -> None:
@@ -243,13 +236,6 @@ def test_expert_bias_update_leaves_token_counts_to_the_reset(
         assert steps["bias_reset"]["router.local_tokens_per_expert"] == [0.0, 0.0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "divergence: mc's _update_router_qb_beta zeroes qb_beta_accum / qb_beta_count itself; "
-        "Megatron-Core leaves that to reset_model_temporary_tensors (fix pending)"
-    ),
-)
 def test_qb_beta_update_leaves_accumulators_to_the_reset(
     two_ranks: list[dict[str, Any]],
 ) -> None:
