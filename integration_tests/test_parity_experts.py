@@ -8,7 +8,7 @@ The model, per token (``H = F = 8``)::
     h = x + fc2(gelu(fc1(ln1(x))))          dense Column/Row (TP; sequence-parallel at TP > 1)
     z = ln2(h);  p = softmax(router(z))     router: a replicated nn.Linear(H, E)
     out = h + p[e] · expert_e(z)            e = (token index in its micro-batch unit) mod E
-    expert_e(z) = fc2_e(gelu(fc1_e(z)))     fc1_e with bias, fc2_e without (see below)
+    expert_e(z) = fc2_e(gelu(fc1_e(z)))     expert Column and Row layers, both with a bias
 
 Routing is deterministic, and scaled by the router's softmax probability so the router gets
 grads. Tokens move to the rank owning their expert and back through mc: the per-expert
@@ -58,12 +58,15 @@ Ambiguous points, read from Megatron-Core: the expert tag
 distributed_data_parallel.py``, ``expert_gradient_scaling_factor``); the router's weight
 tagged ``sequence_parallel`` (``transformer/moe/router.py``).
 
-Not tested, reported: (1) the experts' Row layer has no bias here. Megatron's
+A deliberate difference from Megatron-Core, held here: the experts' Row bias. Megatron's
 RowParallelLinear tags its bias ``sequence_parallel`` even for an expert (``layers.py``,
-``setattr(self.bias, "sequence_parallel", self.sequence_parallel)``) and mc copies that, so
-under SP with TP = 2, ETP = 1 finalize sums over ``tp`` expert-bias grads that DDP already
-summed over expt_dp: measured 2.0000× the reference for every ``experts.e.fc2.bias`` (the
-other expert params exact). (2) expert_gtp_remat ≠ gtp_remat: mc's layers shard experts by
+``setattr(self.bias, "sequence_parallel", self.sequence_parallel)``), so under SP with
+TP = 2, ETP = 1 finalize sums over ``tp`` expert-bias grads that DDP already summed over
+expt_dp: measured 2.0000× the reference for every ``experts.e.fc2.bias`` (the other expert
+params exact) while mc copied that tag; mc's RowParallelLinear leaves expert biases
+untagged, and ``experts.e.fc2.bias`` matches the reference like every other param.
+
+Not tested, reported: expert_gtp_remat ≠ gtp_remat: mc's layers shard experts by
 ``config.gtp_remat_size`` (no expert size in the config), so gtp 2 / expert gtp 1 fails at
 construction (ValueError: expt_gtp_remat has 1 rank), and gtp 1 / expert gtp 2 builds
 unsharded experts that finalize averages over expt_gtp_remat: expert grads 0.5000× the
@@ -137,7 +140,7 @@ class Expert(torch.nn.Module):
             H,
             config=config,
             init_method=_no_init,
-            bias=False,
+            bias=True,
             input_is_parallel=True,
             skip_bias_add=False,
             is_expert=True,
@@ -243,6 +246,7 @@ def initial() -> dict[str, torch.Tensor]:
         weights[f"experts.{e}.fc1.weight"] = 0.4 * torch.randn(FFN, H, generator=g)
         weights[f"experts.{e}.fc1.bias"] = 0.1 * torch.randn(FFN, generator=g)
         weights[f"experts.{e}.fc2.weight"] = 0.3 * torch.randn(H, FFN, generator=g)
+        weights[f"experts.{e}.fc2.bias"] = 0.1 * torch.randn(H, generator=g)
     return weights
 
 
@@ -264,7 +268,8 @@ def _reference_forward(w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Ten
     for e in range(E):
         rows = expert == e
         inner = F.linear(z[rows], w[f"experts.{e}.fc1.weight"], w[f"experts.{e}.fc1.bias"])
-        y = y.index_put((rows,), F.linear(F.gelu(inner), w[f"experts.{e}.fc2.weight"]))
+        outer = F.linear(F.gelu(inner), w[f"experts.{e}.fc2.weight"], w[f"experts.{e}.fc2.bias"])
+        y = y.index_put((rows,), outer)
     return h + (probs.gather(1, expert[:, None]) * y).view_as(h)
 
 
@@ -325,7 +330,7 @@ def _check_groups(layout: Layout, per_rank: list[RankRun]) -> None:
         assert len(g["ep"]) == layout.ep, (where, g)
         assert len(g["expt_tp"]) == 1, (where, g)
         expert = {n for n in run.placement if n.startswith("experts.")}
-        assert len(expert) == 3 * E // layout.ep, (where, sorted(expert))
+        assert len(expert) == 4 * E // layout.ep, (where, sorted(expert))
         for name, (kind, ranks) in run.placement.items():
             want = ("expert", g["expt_dp"]) if name in expert else ("dense", g["dp_cp"])
             assert (kind, ranks) == want, (where, name, kind, ranks, "wanted", want)

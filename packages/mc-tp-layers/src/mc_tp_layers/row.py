@@ -125,8 +125,13 @@ class RowParallelLinear(ParallelLinear):
     def _make_bias(self, device: torch.device) -> torch.nn.Parameter:
         bias = self._new_bias(device, self.output_size, False, -1, 1)
         # Under SP each rank's bias gradient sums only its own rows: finalize_model_grads
-        # all-reduces parameters tagged sequence_parallel over TP.
-        bias.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+        # all-reduces parameters tagged sequence_parallel over the dense TP group. An expert
+        # layer's bias is not tagged (mc differs from Megatron-Core here): its tokens come
+        # from the MoE dispatcher, not from a reduce-scatter over the dense TP group, and its
+        # grad is reduced by DDP (over expt_dp when ETP != TP), so the TP sum would double
+        # count it (measured 2.0x at TP = 2, ETP = 1 in integration_tests/test_parity_experts).
+        tagged = self.sequence_parallel and not self.is_expert
+        bias.sequence_parallel = tagged  # type: ignore[attr-defined]
         return bias
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

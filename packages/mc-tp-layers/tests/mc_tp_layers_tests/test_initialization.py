@@ -8,6 +8,7 @@ into ``W·stride`` blocks of which rank r owns ``r, r + W, …`` (Megatron's str
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -187,12 +188,19 @@ def test_tp_attributes_are_set_with_or_without_initialisation(
 def _expert_tags(ep: int, etp: int) -> dict[str, list[bool]]:
     pgc = world(2, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     try:
-        cfg = config(2, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        cfg = config(
+            2,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            sequence_parallel=True,
+        )
         tags: dict[str, list[bool]] = {}
         for is_expert in (False, True):
-            col = tpl.ColumnParallelLinear(
-                8, 16, config=cfg, init_method=_init, is_expert=is_expert, pg_collection=pgc
-            )
+            with warnings.catch_warnings():  # an expert-TP group of one rank disables SP
+                warnings.simplefilter("ignore", UserWarning)
+                col = tpl.ColumnParallelLinear(
+                    8, 16, config=cfg, init_method=_init, is_expert=is_expert, pg_collection=pgc
+                )
             row = tpl.RowParallelLinear(
                 16,
                 8,
@@ -206,6 +214,7 @@ def _expert_tags(ep: int, etp: int) -> dict[str, list[bool]]:
             )
             params = (col.weight, col.bias, row.weight, row.bias)
             tags[str(is_expert)] = [bool(getattr(p, "allreduce", "unset")) for p in params]
+            tags[f"{is_expert} sp"] = [getattr(row.bias, "sequence_parallel", "unset")]
         return tags
     finally:
         mg.destroy_model_parallel(pgc)
@@ -221,9 +230,18 @@ def test_expert_allreduce_tag(
     (Megatron-Core's ``use_expert_pgs`` in ColumnParallelLinear / RowParallelLinear,
     megatron/core/tensor_parallel/layers.py). TP = 2 on 2 ranks: an expert layer with
     EP = 1 and ETP = 1 ≠ TP is reduced over the expert-DP group (False), one with ETP = TP
-    and EP = 1 like a dense layer (True); dense layers are always True."""
+    and EP = 1 like a dense layer (True); dense layers are always True.
+
+    Under sequence parallelism a dense Row bias is tagged ``sequence_parallel`` (finalize
+    sums it over TP) and an expert Row bias is not — mc's deliberate difference from
+    Megatron, which tags it too and so double-counts it (see test_parity_experts.py)."""
     for out in rank_pools.get(2).run(_expert_tags, ep, etp):
-        assert out == {"False": [True] * 4, "True": [expert_allreduce] * 4}
+        assert out == {
+            "False": [True] * 4,
+            "True": [expert_allreduce] * 4,
+            "False sp": [True],
+            "True sp": [False],
+        }
 
 
 def _device_init(is_expert: bool, use_default: bool) -> dict[str, Any]:
