@@ -26,7 +26,7 @@ GROUP_FIELDS: tuple[str, ...] = (
     "expt_tp",  # expert tensor parallel
     "tp_ep",
     "tp_ep_pp",
-    "tp_dp_cp",
+    "tp_dp_cp",  # tp × gtp_remat × dp × cp (router token counts; gtp_remat peers: other data)
     "dp",  # data parallel (the replicate axis; excludes gtp_remat)
     "dp_cp",
     "dp_cp_gtp_remat",  # every rank that sees different data: dp × cp × gtp_remat

@@ -159,7 +159,8 @@ def _role_rank_lists(sizes: ParallelSizes, order: str) -> dict[str, list[list[in
         "pos_embd": [[r[0]] for r in pp_lists],
         "cp": dense.get_ranks("cp"),
         "tp_cp": dense.get_ranks("tp-cp"),
-        "tp_dp_cp": dense.get_ranks("tp-dp-cp"),
+        # spans gtp_remat like dp (Megatron: "tp-gtp_remat-dp-cp"): its peers see other tokens
+        "tp_dp_cp": dense.get_ranks("tp-gtp_remat-dp-cp"),
         "dp": dense.get_ranks("dp"),
         "dp_cp": dense.get_ranks("dp-cp"),
         "dp_cp_gtp_remat": dense.get_ranks("dp-cp-gtp_remat"),

@@ -34,7 +34,8 @@ def _expected(world: int, kw: dict[str, Any]) -> dict[str, list[list[int]]]:
         "mp": d.get_ranks("tp-gtp_remat-pp"),
         "tp_cp": d.get_ranks("tp-cp"),
         "dp_cp": d.get_ranks("dp-cp"),
-        "tp_dp_cp": d.get_ranks("tp-dp-cp"),
+        # spans gtp_remat, as Megatron-Core's parallel_state builds it ('tp-gtp_remat-dp-cp')
+        "tp_dp_cp": d.get_ranks("tp-gtp_remat-dp-cp"),
         "gtp_remat": d.get_ranks("gtp_remat"),
         "dp_cp_gtp_remat": d.get_ranks("dp-cp-gtp_remat"),
         "ep": e.get_ranks("ep"),

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 
 import mc_groups as mg
@@ -123,11 +122,6 @@ def _tp_dp_cp() -> dict[str, int]:
         mg.destroy_model_parallel(pgc)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="divergence: mc_groups builds tp_dp_cp over tp-dp-cp without the gtp_remat axis; "
-    "Megatron-Core builds it from 'tp-gtp_remat-dp-cp' (reported, not fixed here: mc-groups)",
-)
 def test_expert_bias_gtp_inclusive(rank_pools: RankPools) -> None:
     """Follows ``tests/unit_tests/generalized_tensor_parallel/test_moe_egtp.py::
     TestMoEEGTPCorrectness::test_expert_bias_gtp_inclusive`` (its group fact).

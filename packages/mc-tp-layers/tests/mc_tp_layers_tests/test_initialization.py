@@ -214,7 +214,7 @@ def _expert_tags(ep: int, etp: int) -> dict[str, list[bool]]:
             )
             params = (col.weight, col.bias, row.weight, row.bias)
             tags[str(is_expert)] = [bool(getattr(p, "allreduce", "unset")) for p in params]
-            tags[f"{is_expert} sp"] = [getattr(row.bias, "sequence_parallel", "unset")]
+            tags[f"{is_expert} sp"] = [bool(getattr(row.bias, "sequence_parallel", False))]
         return tags
     finally:
         mg.destroy_model_parallel(pgc)
