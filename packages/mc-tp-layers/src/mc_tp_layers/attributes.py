@@ -121,14 +121,16 @@ def param_is_not_tensor_parallel_duplicate(
     """True if ``param`` counts once when summing over the tensor-parallel ranks.
 
     A TP shard (``tensor_model_parallel``) is unique on every rank; a replicated parameter
-    counts only on TP rank 0. Parameters reduced over the expert data-parallel group
-    (``allreduce`` False) use ``expert_tp_group``, the others ``tp_group``; a missing
-    group falls back to the default collection's ``expt_tp`` / ``tp``.
+    counts only on rank 0 of its group. The group, as in Megatron-Core: ``expert_tp_group``
+    for a parameter reduced over the expert data-parallel group (``allreduce`` False) when
+    it is given, else ``tp_group`` when given. With neither, the registered default
+    collection's ``expt_tp`` (expert params) or ``tp`` (the others) — where Megatron falls
+    back to its global dense TP rank for both.
     """
     if getattr(param, "tensor_model_parallel", False):
         return True
     is_expert = not getattr(param, "allreduce", True)
-    group = expert_tp_group if is_expert else tp_group
+    group = expert_tp_group if is_expert and expert_tp_group is not None else tp_group
     resolved = resolve_tp_group(
         group, None, is_expert=is_expert, what="param_is_not_tensor_parallel_duplicate"
     )

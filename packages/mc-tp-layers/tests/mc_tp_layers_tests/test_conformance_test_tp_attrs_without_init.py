@@ -117,7 +117,8 @@ def _duplicate_filter() -> dict[str, bool]:
         expert = tpl.param_is_not_tensor_parallel_duplicate(
             param, tp_group=pgc.tp, expert_tp_group=pgc.expt_tp
         )
-        return {"plain": plain, "expert": expert}
+        given_tp = tpl.param_is_not_tensor_parallel_duplicate(param, tp_group=pgc.tp)
+        return {"plain": plain, "expert": expert, "given_tp": given_tp}
     finally:
         mg.destroy_model_parallel(pgc)
 
@@ -137,3 +138,6 @@ def test_non_allreduce_param_uses_expert_tp_group_for_duplicate_filter(
     results = rank_pools.get(2).run(_duplicate_filter)
     assert [res["plain"] for res in results] == [True, False]
     assert [res["expert"] for res in results] == [True, True]
+    # without expert_tp_group the given tp_group decides, for expert params too (Megatron's
+    # `if not allreduce and expert_tp_group is not None`; else `tp_group.rank() == 0`)
+    assert [res["given_tp"] for res in results] == [True, False]
