@@ -99,6 +99,11 @@ NOTES: dict[str, tuple[str | None, str]] = {
         "copies Megatron's four tags (is_gtp_weight_remat, allreduce, gtp_replica_group, "
         "pad_length) and mc's gtp_remat_rank, gtp_remat_size, gtp_unsharded_shape and group",
     ),
+    "param_is_not_tensor_parallel_duplicate": (
+        None,
+        "with neither group given, the default collection's `expt_tp` (expert params) or "
+        "`tp`; Megatron falls back to its global dense TP rank for both",
+    ),
     "param_is_not_gtp_duplicate": (
         "differs",
         "reads the param's `gtp_remat_rank` tag (set by the layers) instead of the global "
@@ -127,7 +132,12 @@ NOTES: dict[str, tuple[str | None, str]] = {
         "before their SUM reduce-scatter, as Megatron's `_prescale_wgrads_for_mean_rs`",
     ),
     "ColumnParallelLinear": ("extended", _RNG),
-    "RowParallelLinear": ("extended", _RNG),
+    "RowParallelLinear": (
+        "differs",
+        _RNG + "; an expert layer's bias is not tagged `sequence_parallel`: Megatron tags it, and "
+        "finalize then sums over the dense TP group an expert-bias grad that DDP already "
+        "reduced (2.0× at TP = 2, ETP = 1; integration_tests/test_parity_experts.py)",
+    ),
     "ColumnParallelLinear.backward_dw": (
         "differs",
         "`delay_wgrad_compute` is not supported by mc's layers: the wgrad is always computed "
@@ -167,10 +177,174 @@ DELIBERATE = """\
   ranks: mc's layers have no separate `expert_gtp_remat_size` (Megatron's
   `expert_gtp_weight_remat_size`), so the expert tag is
   `allreduce = not (is_expert and (ep > 1 or etp != tp))` without Megatron's third term.
+- **gtp_remat padding.** A gtp_remat weight is padded to a multiple of the gtp_remat size;
+  Megatron pads dim 0 to a multiple of `pad_for_alignment` (16) × the size (its global
+  `GTP_CONFIG`). Grads and outputs are equal; shard shapes differ, and checkpoints (DCP,
+  without padding) load across both.
+- **Grad sync.** `finish_grad_sync` is idempotent within an iteration in every mode
+  (Megatron's non-overlapped path issues the collective again on every call); calling it
+  before a group's last grad is ready is a RuntimeError; `register_grad_ready` without
+  `overlap_grad_reduce` counts without dispatching (Megatron asserts);
+  `overlap_param_gather` needs the distributed optimizer (ValueError; Megatron accepts it
+  for its layer-wise optimizer).
+- **Buffer layout.** A bucket closed by a `shared_embedding` param reports
+  `numel_unpadded` up to the end of its last param (params [emb(10, shared), w(100)] at
+  dp 1: mc [100, 10], Megatron [128, 10], counting up to the shared param's padded start);
+  bucket ranges are identical. Only Megatron's distributed-optimizer checkpoint format reads
+  it; mc's checkpoints go through DCP.
+- **Collectives.** Nothing is issued on one-rank groups; vocab-parallel cross-entropy
+  issues two all-reduces (MAX, then one stacked SUM) where Megatron issues three; on gloo,
+  reduce-scatters run as an all-to-all plus a local sum and all-gathers as point-to-point
+  exchanges (recorded as reduce_scatter / all_gather).
 - **No Megatron-FSDP, NCCL user buffers, Transformer Engine fp8/fp4 gathers, TE or
   CUDA-graph RNG trackers**: their switches exist at Megatron's defaults and any other value
   raises `NotImplementedError` naming the field.
 """
+
+
+UPSTREAM: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    # (Megatron-LM test file, mc test files holding its facts, what is not covered and why)
+    (
+        "distributed/test_param_and_grad_buffer.py",
+        (
+            "packages/mc-buffers/tests/mc_buffers_tests/test_conformance_test_param_and_grad_buffer.py",
+            "packages/mc-ddp/tests/mc_ddp_tests/test_conformance_test_param_and_grad_buffer.py",
+        ),
+        "TestNVFP4IndexMaps (mc has no NVFP4 params)",
+    ),
+    (
+        "distributed/test_distributed_data_parallel.py",
+        ("packages/mc-ddp/tests/mc_ddp_tests/test_conformance_test_distributed_data_parallel.py",),
+        "the dp = 8 variant (8 ranks; dp = 2 held)",
+    ),
+    (
+        "distributed/test_finalize_model_grads.py",
+        (
+            "packages/mc-finalize/tests/mc_finalize_tests/test_conformance_test_finalize_model_grads.py",
+        ),
+        "",
+    ),
+    (
+        "distributed/test_grad_sync_with_expert_parallel.py",
+        (
+            "packages/mc-ddp/tests/mc_ddp_tests/test_conformance_test_grad_sync_with_expert_parallel.py",
+        ),
+        "(ep, etp, instances) = (2, 2, 2) (8 ranks); TE variants collapse into one (DDP sees "
+        "only `allreduce=False`)",
+    ),
+    (
+        "distributed/test_grad_reduce_for_replicated_embedder.py",
+        ("packages/mc-finalize/tests/mc_finalize_tests/test_pipeline_grads.py",),
+        "",
+    ),
+    (
+        "distributed/test_param_layout.py",
+        (
+            "packages/mc-buffers/tests/mc_buffers_tests/test_padding.py",
+            "packages/mc-buffers/tests/mc_buffers_tests/test_keys.py",
+            "packages/mc-buffers/tests/mc_buffers_tests/test_layout_examples.py",
+            "packages/mc-buffers/tests/mc_buffers_tests/test_layout_properties.py",
+        ),
+        "",
+    ),
+    (
+        "distributed/test_layer_wise_param_layout.py",
+        (),
+        "all: mc has no LayerWiseDistributedOptimizer (Muon routing, layer-wise layouts)",
+    ),
+    (
+        "distributed/test_param_readiness.py",
+        (
+            "packages/mc-ddp/tests/mc_ddp_tests/test_param_ready.py",
+            "packages/mc-ddp/tests/mc_ddp_tests/test_conformance_test_param_readiness.py",
+        ),
+        "",
+    ),
+    (
+        "distributed/test_reduce_scatter_with_fp32_accumulation.py",
+        (
+            "packages/mc-ddp/tests/mc_ddp_tests/test_conformance_test_reduce_scatter_with_fp32_accumulation.py",
+        ),
+        "",
+    ),
+    (
+        "distributed/mfsdp_v1, mfsdp_v2, test_torch_fully_sharded_parallel.py",
+        (),
+        "all: mc has no FSDP",
+    ),
+    (
+        "tensor_parallel/test_layers.py",
+        ("packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_layers.py",),
+        "TE `general_gemm` parity needs CUDA + Transformer Engine (test_cuda.py, GPU only)",
+    ),
+    (
+        "tensor_parallel/test_mappings.py",
+        ("packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_mappings.py",),
+        "the ONNX `symbolic` hooks (mc has none)",
+    ),
+    (
+        "tensor_parallel/test_random.py",
+        (
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_random.py",
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_random.py",
+        ),
+        "graph-safe trackers and `_convert_cuda_rng_state` (NotImplementedError in mc); "
+        "activation `checkpoint` (mc has no activation checkpointing)",
+    ),
+    (
+        "tensor_parallel/test_initialization.py",
+        ("packages/mc-tp-layers/tests/mc_tp_layers_tests/test_initialization.py",),
+        "the TE layers' init (Transformer Engine)",
+    ),
+    (
+        "tensor_parallel/test_cross_entropy.py",
+        ("packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_cross_entropy.py",),
+        "`LanguageModule`'s unfused loss (mc has no LanguageModule)",
+    ),
+    (
+        "tensor_parallel/test_tp_attrs_without_init.py",
+        (
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_tp_attrs_without_init.py",
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_attributes.py",
+        ),
+        "",
+    ),
+    (
+        "tensor_parallel/test_tensor_parallel_utils.py",
+        (
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_tensor_parallel_utils.py",
+        ),
+        "`split_tensor_into_1d_equal_chunks` / `gather_split_1d_tensor` (not offered by mc)",
+    ),
+    ("tensor_parallel/test_data.py", (), "`broadcast_data` (not offered by mc)"),
+    (
+        "generalized_tensor_parallel/test_gtp_basics.py, test_tp_gtp.py, "
+        "test_gtp_custom_pgs.py, test_gtp_loss_correctness.py, test_gtp_grad_correctness.py, "
+        "test_moe_egtp.py",
+        (
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_gtp_basics.py",
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_tp_gtp.py",
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_gtp_custom_pgs.py",
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_gtp_loss_correctness.py",
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_gtp_grad_correctness.py",
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_moe_egtp.py",
+            "integration_tests/test_parity_gtp.py",
+        ),
+        "weight cache, prefetch chains, CUDA-graph wgrad rings, TE LayerNormLinear / "
+        "GroupedLinear, MXFP8, `pad_for_alignment`, the fp32-accumulating gtp reduce-scatter, "
+        "Megatron's optimizer grad norms, the MoE layer (mc has none of these)",
+    ),
+    (
+        "generalized_tensor_parallel/ (attention, cudagraph, partial_cg, dcp internals, "
+        "ddp_param_sync_race, recompute_chain, fp8_param_gather, mtp, muon, muon_dcp, "
+        "symmetric_memory, mamba)",
+        (),
+        "all: TE attention, CUDA graphs, ShardedTensor internals (mc's gtp checkpoints: "
+        "test_checkpoint.py), prefetch chains, fp8, MTP, Muon, symmetric memory and Mamba are "
+        "not in mc",
+    ),
+)
+"""Megatron-LM's unit tests (``tests/unit_tests/``) and where mc holds their facts."""
 
 
 class Param(NamedTuple):
@@ -400,6 +574,25 @@ each naming the Megatron-LM unit test it follows) and the end-to-end parity test
 """
 
 
+def upstream_section() -> str:
+    """The table of Megatron-LM unit tests; every mc test file it names must exist."""
+    lines = [
+        "## Megatron-LM's unit tests and where mc holds their facts\n",
+        "Each `test_conformance_*` test's docstring names the upstream test it follows; "
+        "`existing` tests were already holding the fact. Upstream paths are under "
+        "`tests/unit_tests/` of NVIDIA/Megatron-LM.\n",
+        "| upstream | mc tests | not covered (why) |",
+        "|---|---|---|",
+    ]
+    for upstream, files, missing in UPSTREAM:
+        for path in files:
+            if not (ROOT / path).is_file():
+                raise ValueError(f"UPSTREAM names {path}, which does not exist")
+        cited = "<br>".join(f"`{path}`" for path in files) or "—"
+        lines.append(f"| `{upstream}` | {cited} | {missing or '—'} |")
+    return "\n".join(lines) + "\n"
+
+
 def render() -> str:
     """The whole document (raises ``ValueError`` when code, spec and notes disagree)."""
     _check_notes()
@@ -412,6 +605,7 @@ def render() -> str:
     parts.append(f"## `DistributedDataParallelConfig` → `mc_ddp` ({_counts(rows)})\n")
     parts.append("\n".join(_table(rows)) + "\n")
     parts.append(DELIBERATE)
+    parts.append(upstream_section())
     return "\n".join(parts)
 
 
