@@ -3,11 +3,13 @@
 Weight gradients either fill a fresh tensor (:func:`_wgrad_gemm`) or accumulate into
 ``weight.main_grad`` (:func:`accumulate_wgrad`): apex's ``fused_weight_gradient_mlp_cuda``
 kernel when it is importable and the tensors are on CUDA; on CUDA without apex, torch's
-mixed-dtype GEMM (``torch.addmm(..., out_dtype=torch.float32)``: bf16/fp16 operands on the
-tensor cores, fp32 accumulation and output) when this torch has it; ``main_grad.addmm_``
-on operands widened to ``main_grad``'s dtype otherwise (exact, but an fp32 GEMM: on a GPU
-many times slower than the tensor-core one). All compute ``main_grad += grad_outputᵀ ·
-input`` with fp32 accumulation, so the numbers agree up to summation order.
+mixed-dtype GEMM (bf16/fp16 operands on the tensor cores, fp32 accumulation and output:
+``torch.addmm(main_grad, ..., out_dtype=torch.float32, out=main_grad)`` in place, or on
+torch versions that refuse an fp32 accumulator there, ``torch.mm(..., out_dtype=...)``
+then an add); ``main_grad.addmm_`` on operands widened to ``main_grad``'s dtype otherwise
+(exact, but an fp32 GEMM: on a GPU many times slower than the tensor-core one). All
+compute ``main_grad += grad_outputᵀ · input`` with fp32 accumulation, so the numbers agree
+up to summation order.
 
 Optional kernels (:func:`backends` reports which are active): Transformer Engine's
 ``general_gemm`` for ``output_dtype`` and apex's fused weight-gradient kernel. Both are
@@ -26,7 +28,7 @@ import inspect
 import warnings
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -167,39 +169,51 @@ def backends() -> dict[str, bool]:
 
 _FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 _HALF = (torch.float16, torch.bfloat16)
-_mixed_mm_by_device: dict[torch.device, bool] = {}
+MixedGemm = Literal["addmm", "mm", "none"]
+"""How torch multiplies bf16/fp16 operands into fp32 on a device: ``"addmm"``, accumulating
+in place (``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)``, newer torch);
+``"mm"``, into a fresh fp32 tensor (``torch.mm(a, b, out_dtype=torch.float32)``; torch
+versions whose ``addmm`` wants the accumulator in the operands' dtype); ``"none"``, not at
+all (CPU; torch before 2.8)."""
+
+_mixed_mm_by_device: dict[torch.device, MixedGemm] = {}
 
 
 def _wider(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     return a if _FLOAT_WIDTH.get(a, 0) >= _FLOAT_WIDTH.get(b, 0) else b
 
 
-def _mixed_mm_supported(device: torch.device) -> bool:
-    """Whether torch runs a bf16 GEMM with fp32 output on ``device`` (``addmm(...,
-    out_dtype=)``, CUDA only, torch 2.8+). Probed once per device with a 1×1 GEMM."""
-    known = _mixed_mm_by_device.get(device)
-    if known is not None:
-        return known
+def _probe_mixed_gemm(device: torch.device) -> MixedGemm:
+    one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+    acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
     try:
-        acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
-        one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
         torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
-        ok = True
+        return "addmm"
     except (RuntimeError, TypeError):
-        ok = False
-    _mixed_mm_by_device[device] = ok
-    return ok
+        pass
+    try:
+        torch.mm(one, one, out_dtype=torch.float32)
+        return "mm"
+    except (RuntimeError, TypeError):
+        return "none"
 
 
-def _use_mixed_mm(out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """fp16/bf16 operands of one dtype, fp32 out, on a CUDA device whose torch supports it."""
-    return (
-        a.is_cuda
-        and out_dtype == torch.float32
-        and a.dtype in _HALF
-        and b.dtype == a.dtype
-        and _mixed_mm_supported(a.device)
-    )
+def _mixed_gemm(device: torch.device) -> MixedGemm:
+    """Which mixed-dtype GEMM torch runs on ``device`` (probed once per device with a 1×1
+    GEMM; CPU has none: its kernels take one dtype)."""
+    if device.type != "cuda":
+        return "none"
+    known = _mixed_mm_by_device.get(device)
+    if known is None:
+        known = _mixed_mm_by_device[device] = _probe_mixed_gemm(device)
+    return known
+
+
+def _mixed_operands(out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> MixedGemm:
+    """The mixed GEMM for fp16/bf16 operands of one dtype into fp32, else ``"none"``."""
+    if out_dtype != torch.float32 or a.dtype not in _HALF or b.dtype != a.dtype:
+        return "none"
+    return _mixed_gemm(a.device)
 
 
 def _linear_forward(
@@ -262,7 +276,7 @@ def _wgrad_gemm(
     """
     if grad_output.dtype == out.dtype and total_input.dtype == out.dtype:
         return torch.mm(grad_output.t(), total_input, out=out)
-    if _use_mixed_mm(out.dtype, grad_output, total_input):
+    if _mixed_operands(out.dtype, grad_output, total_input) != "none":
         return torch.mm(grad_output.t(), total_input, out_dtype=out.dtype, out=out)
     grad_output, total_input = grad_output.to(out.dtype), total_input.to(out.dtype)
     return torch.mm(grad_output.t(), total_input, out=out)
@@ -283,9 +297,13 @@ def accumulate_wgrad(
     if grad_output.dtype == main_grad.dtype and total_input.dtype == main_grad.dtype:
         main_grad.addmm_(grad_output.t(), total_input)
         return
-    if _use_mixed_mm(main_grad.dtype, grad_output, total_input):
+    mixed = _mixed_operands(main_grad.dtype, grad_output, total_input)
+    if mixed == "addmm":
         torch.addmm(
             main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad
         )
+        return
+    if mixed == "mm":
+        main_grad.add_(torch.mm(grad_output.t(), total_input, out_dtype=main_grad.dtype))
         return
     main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))

@@ -463,22 +463,31 @@ def test_rng_tracker_streams_on_device(kind: str) -> None:
 # -- the wgrad GEMMs against fp64 --------------------------------------------------------------
 
 
+_MODES_UP_TO = {"none": ["none"], "mm": ["none", "mm"], "addmm": ["none", "mm", "addmm"]}
+
+
 @pytest.mark.parametrize("kind", devices())
-def test_wgrad_gemms_accumulate_in_fp32(kind: str) -> None:
+def test_wgrad_gemms_accumulate_in_fp32(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``main_grad += dYᵀ·X`` and ``out ← dYᵀ·X`` for bf16 operands into fp32 (the paths of
-    ``gradient_accumulation_fusion`` without apex: torch's mixed-dtype GEMM on CUDA when
-    available, widened operands otherwise), twice into the same ``main_grad``."""
+    ``gradient_accumulation_fusion`` without apex), twice into the same ``main_grad``, by
+    every mixed-dtype GEMM this torch has on the device (in-place ``addmm``, ``mm`` then an
+    add) and by widened operands (CPU has only those)."""
     device = _device(kind)
     rows = 256
     dy = randn(rows, N, seed=31).bfloat16().to(device)
     x = randn(rows, K, seed=32).bfloat16().to(device)
     product = dy.double().t() @ x.double()
-    acc = torch.full((N, K), MAIN_GRAD_START, dtype=torch.float32, device=device)
-    _gemm.accumulate_wgrad(acc, dy, x)
-    _gemm.accumulate_wgrad(acc, dy, x)
-    assert_close(acc.cpu(), (MAIN_GRAD_START + 2 * product).float().cpu(), "accumulated main_grad")
-    out = torch.empty(N, K, dtype=torch.float32, device=device)
-    assert _gemm._wgrad_gemm(out, dy, x) is out
-    assert_close(out.cpu(), product.float().cpu(), "fresh fp32 wgrad")
+    available = _gemm._mixed_gemm(device)
     if kind == "cpu":
-        assert not _gemm._mixed_mm_supported(device)  # a CUDA-only kernel
+        assert available == "none"  # CUDA-only kernels
+    for mode in _MODES_UP_TO[available]:
+        if kind == "cuda":
+            monkeypatch.setitem(_gemm._mixed_mm_by_device, device, mode)
+        acc = torch.full((N, K), MAIN_GRAD_START, dtype=torch.float32, device=device)
+        _gemm.accumulate_wgrad(acc, dy, x)
+        _gemm.accumulate_wgrad(acc, dy, x)
+        expected = (MAIN_GRAD_START + 2 * product).float()
+        assert_close(acc.cpu(), expected, f"accumulated main_grad ({mode})")
+        out = torch.empty(N, K, dtype=torch.float32, device=device)
+        assert _gemm._wgrad_gemm(out, dy, x) is out
+        assert_close(out.cpu(), product.float(), f"fresh fp32 wgrad ({mode})")
