@@ -10,11 +10,14 @@
   ``MC_CHECK_COLLECTIVE_SCHEDULE=1``).
 - :mod:`mc_groups.device`: stream/synchronise helpers that are no-ops on CPU.
 - :class:`ModelParallelConfig`: the validated parallel config (Megatron field names).
+- :mod:`mc_groups.argcheck`: the argument checks every mc package shares (bools are bools,
+  ints >= a minimum, finite reals, float dtypes), one message shape.
 - :mod:`mc_groups.testing`: a reusable multi-process CPU harness for tests.
 """
 
 from __future__ import annotations
 
+from mc_groups import argcheck as argcheck
 from mc_groups.collection import GROUP_FIELDS, MissingGroupError, ProcessGroupCollection
 from mc_groups.collectives import (
     CoalescedBatch,

@@ -1,0 +1,109 @@
+"""Argument checks every mc package shares: one home, one message shape.
+
+Each check returns the checked value (normalised: ``int(...)``, ``float(...)``) or raises
+before anything changes or communicates:
+
+- ``TypeError`` for a wrong type: ``"<name>=<value!r> must be <what>"``. Bools are bools
+  (``True`` is not the count 1, ``'no'`` is not False: a truthy object in a flag's place is
+  usually a misplaced positional argument);
+- ``ValueError`` for a value of the right type outside its range, with the same shape and
+  the fix where there is one.
+
+Domain checks (divisibility by a group size, shapes against a layout) stay with their
+package; they use these for the types. Cheap: ``isinstance`` and comparisons only, nothing
+that synchronises a device, so the checks may run on hot paths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from numbers import Integral, Real
+
+import torch
+
+__all__ = [
+    "check_flag",
+    "check_float_dtype",
+    "check_int",
+    "check_optional_int",
+    "check_patterns",
+    "check_real",
+    "check_tensor",
+]
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` when it is a bool (``True``/``False``), else a ``TypeError``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be a bool (True or False)")
+    return value
+
+
+def check_int(name: str, value: object, *, minimum: int = 1) -> int:
+    """``value`` as an int ``>= minimum``; bools and floats are ``TypeError``."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        why = " (a bool is not a number)" if isinstance(value, bool) else ""
+        raise TypeError(f"{name}={value!r} must be an int{why}")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return int(value)
+
+
+def check_optional_int(name: str, value: object, *, minimum: int = 1) -> int | None:
+    """``None``, or ``value`` checked by :func:`check_int`."""
+    return None if value is None else check_int(name, value, minimum=minimum)
+
+
+def check_real(
+    name: str, value: object, *, positive: bool = False, allow_zero: bool = True
+) -> float:
+    """``value`` as a finite float (NaN and ±inf are ``ValueError``; bools ``TypeError``).
+
+    ``positive``: also ``> 0`` (``>= 0`` with ``allow_zero``).
+    """
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name}={value!r} must be a real number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name}={value!r} must be finite (not NaN or ±inf)")
+    if positive and (number < 0 or (number == 0 and not allow_zero)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={value!r} must be {bound}")
+    return number
+
+
+def check_float_dtype(name: str, value: object, *, allow_none: bool = False) -> torch.dtype | None:
+    """A floating-point ``torch.dtype`` (or None when allowed); ``torch.int64`` or a string
+    such as ``'bf16'`` is a ``TypeError``."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, torch.dtype):
+        none = " or None" if allow_none else ""
+        raise TypeError(
+            f"{name}={value!r} must be a floating-point torch.dtype (e.g. torch.bfloat16){none}"
+        )
+    if not value.is_floating_point:
+        raise TypeError(f"{name}={value} must be a floating-point dtype (e.g. torch.bfloat16)")
+    return value
+
+
+def check_tensor(name: str, value: object) -> torch.Tensor:
+    """``value`` when it is a ``torch.Tensor``, else a ``TypeError`` naming its type."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_patterns(name: str, value: object) -> tuple[str, ...]:
+    """A collection of ``fnmatch`` pattern strings; a bare str would be iterated per
+    character, so it is a ``TypeError`` suggesting the list."""
+    if isinstance(value, str) or not isinstance(value, Collection):
+        raise TypeError(
+            f"{name}={value!r} must be a list of fnmatch patterns, e.g. ['all'] or "
+            "['*.layernorm.weight']"
+        )
+    for pattern in value:
+        if not isinstance(pattern, str):
+            raise TypeError(f"{name} holds {pattern!r}; every pattern must be a str")
+    return tuple(value)
