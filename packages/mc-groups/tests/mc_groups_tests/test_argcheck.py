@@ -67,7 +67,7 @@ def test_float_dtypes() -> None:
 def test_tensors_and_patterns() -> None:
     t = torch.zeros(1)
     assert ac.check_tensor("input", t) is t
-    with pytest.raises(TypeError, match="input must be a torch.Tensor, got list"):
+    with pytest.raises(TypeError, match=r"input must be a torch\.Tensor, got list"):
         ac.check_tensor("input", [1.0])
     assert ac.check_patterns("patterns", ["all", "*.bias"]) == ("all", "*.bias")
     with pytest.raises(TypeError, match=r"\['all'\]"):
