@@ -10,6 +10,10 @@ and the folder holding ``loss.png`` and ``metrics.json``.
 Flags change the layout (``--tp``, ``--dp``, ``--[no-]sequence-parallel``,
 ``--[no-]distributed-optimizer``), the run (``--steps``, ``--output``, ...) and the model
 (``--hidden-size``, ...); an impossible layout is reported before any rank communicates.
+
+On GPUs: ``torchrun --nproc-per-node N -m examples.train_gpt --backend nccl --tp T --dp D``
+(T × D = N): each rank trains on ``cuda:LOCAL_RANK`` over NCCL; the parity reference still
+runs on rank 0's CPU. gloo (CPU) stays the default.
 """
 
 from __future__ import annotations
@@ -42,15 +46,23 @@ from examples.gpt import (
     train_step,
 )
 
-__all__ = ["DemoResult", "DemoRun", "main", "parse_args", "plan", "run"]
+__all__ = ["BACKENDS", "DemoResult", "DemoRun", "device_for", "main", "parse_args", "plan", "run"]
 
 _SEED = 1234
+BACKENDS = ("gloo", "nccl")
+"""The demo's process-group backends: gloo on CPU ranks, NCCL on one CUDA device per rank."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The demo's flags (see ``--help``)."""
     p = argparse.ArgumentParser(
         prog="hatch run demo", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="gloo",
+        help="gloo: CPU ranks (default); nccl: one CUDA device per rank, cuda:LOCAL_RANK",
     )
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel size (default 2)")
@@ -99,6 +111,7 @@ class DemoRun:
     global_batch: int
     parity_steps: int
     output: Path
+    backend: str = "gloo"
 
 
 def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
@@ -139,7 +152,20 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
     layout.check(model, world_size, args.global_batch)
     opt = OptimizerConfig(name="adamw", lr=args.lr)
     parity = min(args.parity_steps, args.steps)
-    return DemoRun(model, layout, opt, args.steps, args.global_batch, parity, Path(args.output))
+    backend = getattr(args, "backend", "gloo")
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend={backend!r} must be one of {', '.join(BACKENDS)}")
+    return DemoRun(
+        model, layout, opt, args.steps, args.global_batch, parity, Path(args.output), backend
+    )
+
+
+def device_for(backend: str) -> torch.device:
+    """Where this rank trains: its CUDA device (set from ``LOCAL_RANK``) under NCCL, else
+    the CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass
@@ -190,7 +216,7 @@ def _header(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO) -> None:
     out.write(
         f"mc demo: GPT with {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
         f"vocab {m.vocab_size}, sequence {m.seq_length} ({params:,} params) on "
-        f"{mg.group_size(world)} gloo ranks\n"
+        f"{_ranks(demo, mg.group_size(world))}\n"
         f"layout:  {demo.layout.describe()}\n"
         f"groups:  "
         + "  ".join(f"r{r}: tp{list(t['tp'])} dp{list(t['dp'])}" for r, t in enumerate(table))  # type: ignore[index]
@@ -201,13 +227,21 @@ def _header(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO) -> None:
     )
 
 
+def _ranks(demo: DemoRun, world_size: int) -> str:
+    """``4 gloo ranks`` / ``2 nccl ranks (NVIDIA H200)``: what the header says ran where."""
+    if demo.backend != "nccl":
+        return f"{world_size} {demo.backend} ranks"
+    return f"{world_size} nccl ranks ({torch.cuda.get_device_name(device_for(demo.backend))})"
+
+
 def _batch(demo: DemoRun, step: int) -> torch.Tensor:
     return global_batch(step, demo.global_batch, demo.model.seq_length, seed=_SEED)
 
 
 def _train(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO) -> DemoResult:
     full = init_full_weights(demo.model, _SEED)
-    trainer = parallelize(demo.model, demo.layout, demo.optimizer, pgc, full, torch.device("cpu"))
+    device = device_for(demo.backend)
+    trainer = parallelize(demo.model, demo.layout, demo.optimizer, pgc, full, device)
     progress = _Progress(demo.steps, out)
     tokens_per_step = demo.global_batch * demo.model.seq_length
     losses: list[float] = []
@@ -245,6 +279,7 @@ def _write_outputs(demo: DemoRun, result: DemoResult) -> Path:
         "steps": demo.steps,
         "global_batch": demo.global_batch,
         "world_size": dist.get_world_size(),
+        "backend": demo.backend,
         "losses": result.losses,
         "final_loss": result.losses[-1],
         "tokens_per_s": result.tokens_per_s,
@@ -330,20 +365,42 @@ def _checked(args: argparse.Namespace, world_size: int, rank: int) -> DemoRun | 
         return None
 
 
+def _local_cuda_device(rank: int) -> torch.device | None:
+    """``cuda:LOCAL_RANK``, made current; None after printing why there is none."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local < count:
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        return device
+    print(
+        f"train_gpt: error: rank {rank}: --backend nccl needs a CUDA device per rank on each "
+        f"node, but LOCAL_RANK={local} and {count} device(s) are visible; start at most "
+        f"{count} ranks per node (torchrun --nproc-per-node) or use --backend gloo",
+        file=sys.stderr,
+    )
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point under torchrun: validate, join the gloo world, train, report (or, with
-    ``--preflight N``, only validate for N ranks)."""
+    """Entry point under torchrun: validate, join the world (gloo, or NCCL on
+    ``cuda:LOCAL_RANK``), train, report (or, with ``--preflight N``, only validate for N
+    ranks)."""
     args = parse_args(argv)
     if args.preflight is not None:
         return 0 if _checked(args, args.preflight, rank=0) else 2
     if "WORLD_SIZE" not in os.environ:
         print("train_gpt: run under torchrun, e.g. `hatch run demo`", file=sys.stderr)
         return 2
-    demo = _checked(args, int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0")))
+    rank = int(os.environ.get("RANK", "0"))
+    demo = _checked(args, int(os.environ["WORLD_SIZE"]), rank)
     if demo is None:
         return 2
+    device = _local_cuda_device(rank) if demo.backend == "nccl" else None
+    if demo.backend == "nccl" and device is None:
+        return 2
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    dist.init_process_group(demo.backend, timeout=timedelta(seconds=120), device_id=device)
     try:
         run(demo)
     finally:
