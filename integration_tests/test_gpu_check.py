@@ -26,12 +26,14 @@ from benchmarks import gpu_step
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 ONE_GPU_FILES = {
+    "packages/mc-groups/tests/mc_groups_tests/test_device_cuda.py",
     "packages/mc-buffers/tests/mc_buffers_tests/test_buffer_cuda.py",
     "packages/mc-ddp/tests/mc_ddp_tests/test_nccl.py",
     "packages/mc-ddp/tests/mc_ddp_tests/test_one_gpu.py",
     "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_cuda.py",
     "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_one_gpu.py",
     "integration_tests/test_one_gpu.py",
+    "integration_tests/test_demo_backend.py",
 }
 
 
