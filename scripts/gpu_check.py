@@ -42,7 +42,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any, TextIO
@@ -281,7 +281,8 @@ def overall_ok(tests: dict[str, Any], bench: dict[str, Any], dry_run: bool) -> b
 def environment(dry_run: bool) -> dict[str, Any]:
     """Where the check ran (torch and the device are in the benchmark's record)."""
     return {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        # timezone.utc, not datetime.UTC: the GPU machine's python3 may be 3.10
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017
         "mode": "cpu-dry-run" if dry_run else "gpu",
         "python": platform.python_version(),
         "executable": sys.executable,
