@@ -12,8 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mc_groups.argcheck import check_int
 from mc_tp_layers import _layer_common as common
-from mc_tp_layers._validate import positive_int
+from mc_tp_layers import agreement
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.checkpoint import sharded_state_dict_of
 from mc_tp_layers.gtp import shard_weight_for_gtp
@@ -22,13 +23,30 @@ __all__: list[str] = []
 
 
 class TensorParallelModule(torch.nn.Module):
-    """A layer whose parameters are split over ``self.tp_group`` (set by the subclass)."""
+    """A layer whose parameters are split over ``self.tp_group`` (set by the subclass).
+
+    The subclass ends its constructor with :meth:`_record_construction` and starts its
+    forward with :meth:`_check_agreement` (see :mod:`mc_tp_layers.agreement`).
+    """
 
     tp_group: dist.ProcessGroup
+    _tp_agreement: agreement.LayerFingerprint
 
     def __init__(self, config: object) -> None:
         super().__init__()
         self.config = common.check_config(config)
+
+    def _record_construction(self, fields: dict[str, object], name: str | None = None) -> None:
+        """Record what this layer was built with, for its TP peers to compare (no
+        communication here; see :mod:`mc_tp_layers.agreement`)."""
+        fields["params_dtype"] = self.config.params_dtype
+        self._tp_agreement = agreement.register(self.tp_group, type(self).__name__, fields, name)
+
+    def _check_agreement(self) -> None:
+        """At the first forward: compare the pending constructions of this TP group (one
+        small exchange); afterwards an attribute read."""
+        if not self._tp_agreement.checked:
+            agreement.settle(self._tp_agreement)
 
     def sharded_state_dict(
         self,
@@ -93,8 +111,8 @@ class ParallelLinear(TensorParallelModule):
         per-rank size is ``per_partition``.
         """
         unsplit = "input" if side == "output" else "output"
-        positive_int(unsplit_size, f"{unsplit}_size")
-        positive_int(stride, "stride")
+        check_int(f"{unsplit}_size", unsplit_size)
+        check_int("stride", stride)
         common.check_init_method(init_method)
         if per_partition % stride:
             total = self.output_size if side == "output" else self.input_size

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mc_tp_layers import _validate
+from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import default_device
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
@@ -34,10 +34,30 @@ _CONFIG_FIELDS = (
     "defer_embedding_wgrad_compute",
     "wgrad_deferral_limit",
 )
+_CONFIG_FLAGS = (
+    "sequence_parallel",
+    "use_cpu_initialization",
+    "perform_initialization",
+    "gradient_accumulation_fusion",
+    "defer_embedding_wgrad_compute",
+)
+# Read with getattr and Megatron's defaults: (name, minimum, may be None).
+_OPTIONAL_SIZES = (
+    ("gtp_remat_size", 1, False),
+    ("expert_model_parallel_size", 1, False),
+    ("tensor_model_parallel_size", 1, False),
+    ("expert_tensor_parallel_size", 1, True),
+)
 
 
 def check_config(config: object) -> TensorParallelConfig:
-    """``config`` when it has every attribute the layers read, else a ``TypeError``."""
+    """``config`` when it has every attribute the layers read, each of the right type.
+
+    A config without an attribute, with a flag that is not a bool (``'no'`` would read as
+    True), a size that is not an int, or a non-float ``params_dtype`` is a ``TypeError``
+    naming ``config.<field>``; a negative size a ``ValueError``. Megatron's configs, and
+    any object with these attributes, pass.
+    """
     missing = [name for name in _CONFIG_FIELDS if not hasattr(config, name)]
     if missing:
         raise TypeError(
@@ -45,14 +65,23 @@ def check_config(config: object) -> TensorParallelConfig:
             "mc_groups.ModelParallelConfig (or any object with the attributes of "
             "mc_tp_layers.TensorParallelConfig)"
         )
-    if not isinstance(config.params_dtype, torch.dtype):  # type: ignore[attr-defined]
-        raise TypeError(f"config.params_dtype={config.params_dtype!r} must be a torch.dtype")  # type: ignore[attr-defined]
+    read: Any = config  # every field checked present above
+    for name in _CONFIG_FLAGS:
+        check_flag(f"config.{name}", getattr(read, name))
+    if hasattr(read, "calculate_per_token_loss"):
+        check_flag("config.calculate_per_token_loss", read.calculate_per_token_loss)
+    check_float_dtype("config.params_dtype", read.params_dtype)
+    check_int("config.wgrad_deferral_limit", read.wgrad_deferral_limit, minimum=0)
+    for name, minimum, optional in _OPTIONAL_SIZES:
+        value = getattr(config, name, None if optional else 1)
+        if not (optional and value is None):
+            check_int(f"config.{name}", value, minimum=minimum)
     return config  # type: ignore[return-value]
 
 
 def gtp_remat_size(config: TensorParallelConfig) -> int:
     """``config.gtp_remat_size`` (1 when an older config lacks it)."""
-    return _validate.positive_int(getattr(config, "gtp_remat_size", 1), "config.gtp_remat_size")
+    return check_int("config.gtp_remat_size", getattr(config, "gtp_remat_size", 1))
 
 
 def expert_parallel(config: TensorParallelConfig) -> bool:
@@ -89,12 +118,49 @@ def sequence_parallel(config: TensorParallelConfig, world: int, what: str) -> bo
     return bool(config.sequence_parallel)
 
 
+def check_device(device: object) -> torch.device | None:
+    """``device`` as a ``torch.device`` (None stays None); a wrong type is a ``TypeError``,
+    a string torch cannot parse a ``ValueError``."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"device={device!r} must be a torch.device, a str such as 'cpu', or None")
+    try:
+        return torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device={device!r} is not a device torch knows ({err})") from None
+
+
+def check_optional_str(name: str, value: object) -> str | None:
+    """``value`` when it is a str or None, else a ``TypeError``."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name}={value!r} must be a str or None")
+    return value
+
+
+def check_buffer(name: str, value: object) -> list[torch.Tensor] | None:
+    """A list the layer appends to (embedding wgrad deferral), or None."""
+    if value is not None and not isinstance(value, list):
+        raise TypeError(f"{name} must be a list or None, got {type(value).__name__}")
+    return value
+
+
+def check_tracker(rng_tracker: object) -> RNGStatesTracker | None:
+    """``rng_tracker`` when it is an :class:`RNGStatesTracker` or None (checked whether or
+    not this layer initialises on the device)."""
+    if rng_tracker is not None and not isinstance(rng_tracker, RNGStatesTracker):
+        raise TypeError(
+            f"rng_tracker={rng_tracker!r} must be a mc_tp_layers.RNGStatesTracker or None"
+        )
+    return rng_tracker
+
+
 def layer_device(
-    device: torch.device | str | None, config: TensorParallelConfig, group: dist.ProcessGroup
+    device: torch.device | None, config: TensorParallelConfig, group: dist.ProcessGroup
 ) -> torch.device:
     """The explicit ``device``, else the default for the config and group."""
     if device is not None:
-        return torch.device(device)
+        return device
     return default_device(config.use_cpu_initialization, group)
 
 
@@ -192,8 +258,13 @@ def zero_bias(bias: torch.Tensor, config: TensorParallelConfig) -> None:
 
 
 def check_input(input_: object, last: int, what: str) -> torch.Tensor:
-    """A 2-D or 3-D tensor whose last dimension is ``last``, else a ``ValueError``."""
-    x = _validate.tensor(input_, "input_")
+    """A 2-D or 3-D floating-point tensor whose last dimension is ``last``.
+
+    A non-tensor or integer tensor is a ``TypeError``, a wrong shape a ``ValueError``.
+    """
+    x = check_tensor("input_", input_)
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"input_ holds {x.dtype}; {what} needs a floating-point input")
     if x.dim() not in (2, 3) or x.shape[-1] != last:
         raise ValueError(
             f"{what} expects input_ of shape [sequence, batch, {last}] (or [tokens, {last}]), "

@@ -1,38 +1,31 @@
-"""Argument checks shared by the layers and functions; each raises before any collective."""
+"""Tensor-parallel domain checks (divisibility by the group size, split sizes, partition
+dims, ``main_grad``); each raises before any collective. Type and range checks of plain
+arguments live in :mod:`mc_groups.argcheck`."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
 
+from mc_groups.argcheck import check_int
+
 __all__: list[str] = []
 
 
-def positive_int(value: object, arg: str) -> int:
-    """``value`` when it is an int >= 1, else a ``TypeError``/``ValueError`` naming ``arg``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{arg}={value!r} must be an int")
-    if value < 1:
-        raise ValueError(f"{arg}={value} must be >= 1")
-    return value
+def check_divisible(value: object, size: int, arg: str, fix: str) -> int:
+    """``value // size``, or a ``ValueError`` naming ``arg``, its value and ``fix``.
 
-
-def check_divisible(value: int, size: int, arg: str, fix: str) -> int:
-    """``value // size``, or a ``ValueError`` naming ``arg``, its value and ``fix``."""
-    positive_int(value, arg)
-    if value % size:
+    Judged the same at every group size: ``value`` must be an int >= 1 even where ``size``
+    is 1.
+    """
+    number = check_int(arg, value)
+    if number % size:
         raise ValueError(
-            f"{arg}={value} is not divisible by the tensor-parallel size {size}; {fix}"
+            f"{arg}={number} is not divisible by the tensor-parallel size {size}; {fix}"
         )
-    return value // size
-
-
-def tensor(value: object, arg: str) -> torch.Tensor:
-    """``value`` when it is a tensor, else a ``TypeError`` naming ``arg``."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{arg} must be a torch.Tensor, got {type(value).__name__}")
-    return value
+    return number // size
 
 
 def min_dims(value: torch.Tensor, ndim: int, arg: str) -> None:
@@ -53,10 +46,16 @@ def dim_divisible(value: torch.Tensor, dim: int, size: int, arg: str, what: str)
         )
 
 
-def split_sizes(sizes: Sequence[int] | None, group_size: int, arg: str) -> list[int] | None:
-    """Validated per-rank split sizes (one non-negative int per rank), or None."""
+def split_sizes(sizes: object, group_size: int, arg: str) -> list[int] | None:
+    """Validated per-rank split sizes (one non-negative int per rank), or None.
+
+    A str, a tensor or anything that is not a sequence is a ``TypeError`` (a tensor of
+    sizes would need a device synchronisation to read).
+    """
     if sizes is None:
         return None
+    if isinstance(sizes, (str, bytes, torch.Tensor)) or not isinstance(sizes, Sequence):
+        raise TypeError(f"{arg}={sizes!r} must be a list of ints (one row count per rank) or None")
     listed = list(sizes)
     bad = [s for s in listed if isinstance(s, bool) or not isinstance(s, int) or s < 0]
     if len(listed) != group_size or bad:
@@ -65,6 +64,21 @@ def split_sizes(sizes: Sequence[int] | None, group_size: int, arg: str) -> list[
             f"({group_size} ranks)"
         )
     return listed
+
+
+def partition_dim(value: object, ndim: int, arg: str = "partition_dim") -> int:
+    """``value`` as a dimension index of a ``ndim``-D tensor, normalised to ``[0, ndim)``.
+
+    Only ``[-ndim, ndim)`` is accepted: a dim that Python's ``%`` would wrap (5 on a 2-D
+    weight reading as 1) is a ``ValueError``, not another dimension.
+    """
+    dim = check_int(arg, value, minimum=-sys.maxsize - 1)
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{arg}={dim} is not a dimension of a {ndim}-D tensor; use one of "
+            f"{list(range(ndim))} (or {list(range(-ndim, 0))} from the end)"
+        )
+    return dim % ndim
 
 
 def main_grad(weight: torch.Tensor) -> None:

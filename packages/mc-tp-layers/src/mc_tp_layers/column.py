@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection
+from mc_groups.argcheck import check_flag, check_float_dtype
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import resolve_gtp_group, resolve_tp_group
@@ -101,13 +102,24 @@ class ColumnParallelLinear(ParallelLinear):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(config, input_size, output_size)
-        self.gather_output, self.skip_bias_add = bool(gather_output), bool(skip_bias_add)
-        self.is_expert, self.disable_grad_reduce = bool(is_expert), bool(disable_grad_reduce)
-        self.embedding_activation_buffer = embedding_activation_buffer
-        self.grad_output_buffer = grad_output_buffer
-        self.tp_comm_buffer_name = tp_comm_buffer_name
-        self.name = name
-        self.output_dtype = output_dtype
+        self.gather_output = check_flag("gather_output", gather_output)
+        self.skip_bias_add = check_flag("skip_bias_add", skip_bias_add)
+        self.is_expert = check_flag("is_expert", is_expert)
+        self.disable_grad_reduce = check_flag("disable_grad_reduce", disable_grad_reduce)
+        with_bias = check_flag("bias", bias)
+        keep_master = check_flag("keep_master_weight_for_test", keep_master_weight_for_test)
+        skip_weight = check_flag("skip_weight_param_allocation", skip_weight_param_allocation)
+        self.embedding_activation_buffer = common.check_buffer(
+            "embedding_activation_buffer", embedding_activation_buffer
+        )
+        self.grad_output_buffer = common.check_buffer("grad_output_buffer", grad_output_buffer)
+        self.tp_comm_buffer_name = common.check_optional_str(
+            "tp_comm_buffer_name", tp_comm_buffer_name
+        )
+        self.name = common.check_optional_str("name", name)
+        self.output_dtype = check_float_dtype("output_dtype", output_dtype, allow_none=True)
+        tracker = common.check_tracker(rng_tracker)
+        explicit_device = common.check_device(device)
         self.tp_group = resolve_tp_group(
             tp_group, pg_collection, is_expert=self.is_expert, what="ColumnParallelLinear"
         )
@@ -119,19 +131,36 @@ class ColumnParallelLinear(ParallelLinear):
         )
         self._check_arguments(input_size, stride, init_method)
         self._set_communication(pg_collection)
-        init = common.WeightInit(self.config, init_method, rng_tracker, self.tp_group)
-        target = common.layer_device(device, self.config, self.tp_group)
+        init = common.WeightInit(self.config, init_method, tracker, self.tp_group)
+        target = common.layer_device(explicit_device, self.config, self.tp_group)
         self.weight: torch.nn.Parameter | None = None
-        if not skip_weight_param_allocation:
+        if not skip_weight:
             init.check_tracker()
             shape = (self.output_size_per_partition, self.input_size)
-            self.weight = self._new_weight(
-                init, target, shape, 0, stride, keep_master_weight_for_test
-            )
+            self.weight = self._new_weight(init, target, shape, 0, stride, keep_master)
         self._set_bias(
             self._new_bias(target, self.output_size_per_partition, True, 0, stride)
-            if bias
+            if with_bias
             else None
+        )
+        self._record_construction(
+            {
+                "input_size": input_size,
+                "output_size": output_size,
+                "bias": with_bias,
+                "gather_output": self.gather_output,
+                "skip_bias_add": self.skip_bias_add,
+                "sequence_parallel": self.sequence_parallel,
+                "stride": stride,
+                "is_expert": self.is_expert,
+                "explicit_expert_comm": self.explicit_expert_comm,
+                "disable_grad_reduce": self.disable_grad_reduce,
+                "gtp_remat_size": self.gtp_remat_size,
+                "output_dtype": self.output_dtype,
+                "defer_embedding_wgrad_compute": self.config.defer_embedding_wgrad_compute,
+                "wgrad_deferral_limit": self.config.wgrad_deferral_limit,
+            },
+            self.name,
         )
 
     def _set_communication(self, pg_collection: ProcessGroupCollection | None) -> None:
@@ -201,11 +230,18 @@ class ColumnParallelLinear(ParallelLinear):
         Args:
             input_: ``[s, b, k]`` (``[s/W, b, k]`` under sequence parallelism), or 2-D.
             weight: the weight to use (needed with ``skip_weight_param_allocation``).
-            runtime_gather_output: overrides ``gather_output`` for this call.
+            runtime_gather_output: overrides ``gather_output`` for this call (a bool, or
+                None to keep it).
+
+        The first forward first compares this TP group's pending layer constructions (see
+        :mod:`mc_tp_layers.agreement`).
         """
+        self._check_agreement()
         w = self._resolve_weight(weight)
         x = common.check_input(input_, self.input_size, "ColumnParallelLinear")
-        deferring = bool(self.config.defer_embedding_wgrad_compute) and w.requires_grad
+        if runtime_gather_output is not None:
+            check_flag("runtime_gather_output", runtime_gather_output)
+        deferring = self.config.defer_embedding_wgrad_compute and w.requires_grad
         if self.gradient_accumulation_fusion and w.requires_grad:
             main_grad(w)
         bias = None if self.skip_bias_add else self.bias

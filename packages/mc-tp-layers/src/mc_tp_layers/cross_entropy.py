@@ -16,6 +16,25 @@ stacked ``[..., 3]`` partial sums), none in backward::
 Label smoothing follows ``torch.nn.functional.cross_entropy`` (α/V on every class, the
 mean over the whole vocabulary), so any TP size gives the TP=1 numbers. Megatron-Core
 instead scales α by V/(V - 1) and averages log-probabilities over the local partition only.
+
+**Targets.** Every target must lie in ``[0, V)``, except positions equal to the optional
+``ignore_index`` (as ``F.cross_entropy(..., reduction="none", ignore_index=)``: loss 0 and
+no gradient there). Megatron-Core scores a target outside ``[0, V)`` as ``log Z`` (torch's
+``-100`` included); mc refuses it at every TP size: on CPU a ``ValueError`` before any
+collective, on a device an asynchronous device assert (no host synchronisation; a failure
+surfaces at a later CUDA call and ends that process's CUDA context).
+
+**Agreement.** The vocabulary slice and the other per-call arguments must be the same on
+every rank of the group, or the numbers are silently wrong (each rank places its slice at
+``rank · V_local``). They ride along the MAX all-reduce, which already runs: its payload
+grows by 10 numbers holding ``(V_local, a digest of target, label_smoothing,
+ignore_index)`` and their negatives, so after it every rank holds the maximum and minus the
+minimum of each and knows whether the ranks agree, with no extra collective. On CPU a
+disagreement makes every rank exchange the four values (only then) and raise the same
+:class:`~mc_tp_layers.TensorParallelAgreementError` naming the argument and the ranks; on a
+device it is an asynchronous device assert. Not checked: the logits' values (they differ by
+design), and that the slices are in rank order (a permuted group gives a permuted
+vocabulary).
 """
 
 from __future__ import annotations
@@ -26,11 +45,17 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_tp_layers import _validate
+from mc_groups.argcheck import check_int, check_tensor
 from mc_tp_layers._autograd import apply
 from mc_tp_layers._groups import resolve_tp_group
+from mc_tp_layers._index_range import check_index_range
+from mc_tp_layers.agreement import TensorParallelAgreementError
 
 __all__ = ["vocab_parallel_cross_entropy"]
+
+_DIGEST_MODULUS = 1 << 20  # digests and small ints stay exact in fp32 (< 2**24)
+_NO_IGNORE = float(1 << 21)
+_PROBE_FIELDS = ("vocab_parallel_logits.shape[-1]", "target", "label_smoothing", "ignore_index")
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -41,9 +66,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target: torch.Tensor,
         label_smoothing: float,
         group: dist.ProcessGroup,
+        ignore_index: int | None,
     ) -> torch.Tensor:
         x = logits.to(_compute_dtype(logits.dtype))
-        z = x - _global_max(x, group).unsqueeze(-1)
+        probe = _probe(x, target, label_smoothing, ignore_index)
+        z = x - _global_max(x, group, probe, (target, label_smoothing, ignore_index)).unsqueeze(-1)
         local_target, outside = _local_target(target, group, z.shape[-1])
         picked = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = z.exp()
@@ -56,30 +83,106 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = log_z - picked
         if label_smoothing > 0.0:
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - sum_z / vocab)
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside)
+        ignored = None if ignore_index is None else target == ignore_index
+        if ignored is not None:
+            loss = loss.masked_fill(ignored, 0.0)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside, ignored)
         ctx.label_smoothing, ctx.vocab, ctx.dtype = label_smoothing, vocab, logits.dtype
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        softmax, local_target, outside = ctx.saved_tensors
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        softmax, local_target, outside, ignored = ctx.saved_tensors
         alpha = ctx.label_smoothing
         hit = (~outside).to(softmax.dtype) * (1.0 - alpha)
         grad = softmax.scatter_add(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
         if alpha > 0.0:
             grad = grad - alpha / ctx.vocab
-        return (grad * grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None
+        if ignored is not None:
+            grad_loss = grad_loss.masked_fill(ignored, 0.0)
+        return (grad * grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _global_max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _probe(
+    x: torch.Tensor, target: torch.Tensor, label_smoothing: float, ignore_index: int | None
+) -> torch.Tensor:
+    """``(V_local // 4096, V_local % 4096, digest(target), α, ignore_index)``, built on the
+    logits' device without a host-to-device copy (fills, no synchronisation)."""
+    flat = target.reshape(-1).to(torch.int64)
+    weights = torch.arange(flat.numel(), device=flat.device).remainder_(8191).add_(1)
+    digest = torch.remainder(((flat + 1) * weights).sum(), _DIGEST_MODULUS).to(x.dtype)
+    vocab = x.shape[-1]
+    ignore = _NO_IGNORE if ignore_index is None else float(ignore_index % _DIGEST_MODULUS)
+    parts = [x.new_full((), float(vocab // 4096)), x.new_full((), float(vocab % 4096))]
+    parts += [digest, x.new_full((), label_smoothing), x.new_full((), ignore)]
+    return torch.stack(parts)
+
+
+def _global_max(
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    probe: torch.Tensor,
+    args: tuple[torch.Tensor, float, int | None],
+) -> torch.Tensor:
+    """The max over the whole vocabulary; the agreement probe rides along (see notes)."""
     local = x.max(dim=-1).values
-    if group.size() > 1:
-        mg.all_reduce(local, group, op=mg.ReduceOp.MAX, label="tp cross-entropy max")
-    return local
+    if group.size() == 1:
+        return local
+    payload = torch.cat([local.reshape(-1), probe, -probe])
+    mg.all_reduce(payload, group, op=mg.ReduceOp.MAX, label="tp cross-entropy max")
+    count, width = local.numel(), probe.numel()
+    highest, lowest = payload[count : count + width], -payload[count + width :]
+    agreed = (highest == lowest).all()
+    if x.device.type != "cpu":
+        torch._assert_async(
+            agreed,
+            "vocab_parallel_cross_entropy: the ranks of the tensor-parallel group disagree "
+            "on the vocabulary slice, target, label_smoothing or ignore_index",
+        )
+    elif not bool(agreed):
+        _raise_disagreement(group, x.shape[-1], *args)
+    return payload[:count].view_as(local)
+
+
+def _raise_disagreement(
+    group: dist.ProcessGroup,
+    vocab_local: int,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int | None,
+) -> None:
+    """Every rank found the disagreement in the MAX all-reduce: exchange the arguments
+    (only now; the target as its shape and first values) and raise the same error, naming
+    each argument that differs and which ranks hold what."""
+    head = target.reshape(-1)[:6].tolist()
+    mine = (vocab_local, f"{list(target.shape)} {head}", label_smoothing, ignore_index)
+    everyone = mg.all_gather_objects(mine, group, label="tp cross-entropy agreement")
+    ranks = list(mg.group_ranks(group))
+    lines = []
+    for index, field in enumerate(_PROBE_FIELDS):
+        values: dict[str, list[int]] = {}
+        for rank, theirs in zip(ranks, everyone, strict=True):
+            values.setdefault(str(theirs[index]), []).append(rank)  # type: ignore[index]
+        if len(values) > 1:
+            parts = ", ".join(f"{value} on rank(s) {who}" for value, who in values.items())
+            lines.append(f"  {field}: {parts}")
+    if not lines:  # targets alike in shape and first values: they differ further on
+        lines.append("  target: differs after its first values (digests differ)")
+    raise TensorParallelAgreementError(
+        "\n".join(
+            [
+                f"vocab_parallel_cross_entropy: tensor-parallel group ranks {ranks} called it "
+                "with different arguments (found in the MAX all-reduce, before the loss):",
+                *lines,
+                "Every rank must pass its own equal slice of the vocabulary (rank r: classes "
+                "[r·V/W, (r+1)·V/W)) and the same target, label_smoothing and ignore_index.",
+            ]
+        )
+    )
 
 
 def _local_target(
@@ -91,14 +194,14 @@ def _local_target(
 
 
 def _check(
-    logits: object, target: object, label_smoothing: object
-) -> tuple[torch.Tensor, torch.Tensor]:
-    x = _validate.tensor(logits, "vocab_parallel_logits")
-    t = _validate.tensor(target, "target")
-    if not x.dtype.is_floating_point or x.dim() < 1:
+    logits: object, target: object, label_smoothing: object, ignore_index: object
+) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    x = check_tensor("vocab_parallel_logits", logits)
+    t = check_tensor("target", target)
+    if not x.dtype.is_floating_point or x.dim() < 1 or x.shape[-1] == 0:
         raise TypeError(
-            f"vocab_parallel_logits must be a floating tensor [..., vocab/TP], got {x.dtype} "
-            f"of shape {tuple(x.shape)}"
+            f"vocab_parallel_logits must be a floating tensor [..., vocab/TP] with at least "
+            f"one class, got {x.dtype} of shape {tuple(x.shape)}"
         )
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"target holds {t.dtype}; class indices must be an integer tensor")
@@ -107,11 +210,19 @@ def _check(
             f"target has shape {tuple(t.shape)} but vocab_parallel_logits has "
             f"{tuple(x.shape)}; target must be the logits' shape without the vocab dim"
         )
+    if t.device != x.device:
+        raise ValueError(
+            f"target is on {t.device} but vocab_parallel_logits on {x.device}; move the "
+            "target to the logits' device"
+        )
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
         raise TypeError(f"label_smoothing={label_smoothing!r} must be a float in [0, 1)")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-    return x, t
+    ignore = (
+        None if ignore_index is None else check_int("ignore_index", ignore_index, minimum=-(2**63))
+    )
+    return x, t, ignore
 
 
 def vocab_parallel_cross_entropy(
@@ -120,21 +231,42 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     *,
     tp_group: dist.ProcessGroup | None = None,
+    ignore_index: int | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy of vocabulary-split logits (see the module notes).
 
     Args:
         vocab_parallel_logits: ``[..., V/W]``, this rank's slice of the vocabulary (rank r
             holds classes ``[r·V/W, (r+1)·V/W)``). Not modified.
-        target: ``[...]`` class indices in ``[0, V)``.
+        target: ``[...]`` class indices in ``[0, V)`` (or equal to ``ignore_index``), the
+            same on every rank.
         label_smoothing: α in ``[0, 1)``, as in ``torch.nn.functional.cross_entropy``.
         tp_group: the group the vocabulary is split over (None: the default
             collection's ``tp``).
+        ignore_index: positions whose target equals it get loss 0 and no gradient, as
+            ``F.cross_entropy(..., reduction="none", ignore_index=)`` (mc addition; pass
+            ``-100`` for torch's convention). None (the default): every target must lie in
+            ``[0, V)``.
 
     Returns:
         ``[...]`` losses (fp32, or fp64 for fp64 logits), identical on every rank. The
         gradient flows to ``vocab_parallel_logits`` in its dtype.
+
+    Raises:
+        ValueError: a target outside ``[0, V)`` that is not ``ignore_index`` (on CPU,
+            before any collective; on a device, an asynchronous device assert).
+        TensorParallelAgreementError: the ranks passed different vocabulary slices,
+            targets, ``label_smoothing`` or ``ignore_index`` (every rank, after the MAX
+            all-reduce; on a device, an asynchronous device assert).
     """
-    x, t = _check(vocab_parallel_logits, target, label_smoothing)
+    x, t, ignore = _check(vocab_parallel_logits, target, label_smoothing, ignore_index)
     group = resolve_tp_group(tp_group, None, what="vocab_parallel_cross_entropy")
-    return apply(_VocabParallelCrossEntropy, x, t, float(label_smoothing), group)
+    vocab = x.shape[-1] * int(group.size())
+    fix = (
+        "pass ignore_index=<that value> to skip those positions (as F.cross_entropy, whose "
+        "default is -100)"
+        if ignore is None
+        else "targets index the whole vocabulary, V = vocab_parallel_logits.shape[-1] × TP size"
+    )
+    check_index_range(t, vocab, "target", "class index(es)", fix, ignore=ignore)
+    return apply(_VocabParallelCrossEntropy, x, t, float(label_smoothing), group, ignore)

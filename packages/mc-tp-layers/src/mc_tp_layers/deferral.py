@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups.argcheck import check_flag, check_tensor
 from mc_tp_layers import _comm
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._gemm import accumulate_wgrad
@@ -25,21 +26,70 @@ _Gather = tuple[torch.Tensor, mg.CollectiveHandle | None]
 
 
 def _check(
-    activations: list[torch.Tensor], grads: list[torch.Tensor], weight: torch.Tensor
-) -> torch.Tensor:
-    if len(activations) != len(grads):
+    config: object,
+    activations: object,
+    grads: object,
+    weight: object,
+    group: dist.ProcessGroup,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, bool]:
+    """Every argument and every buffered pair, before anything is popped or communicated:
+    a failing drain leaves both buffers as they were."""
+    sequence_parallel = check_flag(
+        "config.sequence_parallel", getattr(config, "sequence_parallel", None)
+    )
+    xs = _check_list("embedding_activation_buffer", activations)
+    dys = _check_list("grad_output_buffer", grads)
+    w = check_tensor("weight", weight)
+    if len(xs) != len(dys):
         raise ValueError(
-            f"embedding_activation_buffer holds {len(activations)} tensors but "
-            f"grad_output_buffer holds {len(grads)}; both must hold one per deferred "
+            f"embedding_activation_buffer holds {len(xs)} tensors but "
+            f"grad_output_buffer holds {len(dys)}; both must hold one per deferred "
             "micro-batch (drain after every deferred backward ran)"
         )
-    main_grad = getattr(weight, "main_grad", None)
+    main_grad = getattr(w, "main_grad", None)
     if not isinstance(main_grad, torch.Tensor):
         raise ValueError(
             "drain_embedding_wgrad_compute adds into weight.main_grad, which this weight "
-            f"(shape {tuple(weight.shape)}) lacks; wrap the model in a DDP that allocates it"
+            f"(shape {tuple(w.shape)}) lacks; wrap the model in a DDP that allocates it"
         )
-    return main_grad
+    if w.dim() != 2 or main_grad.shape != w.shape:
+        raise ValueError(
+            f"weight has shape {tuple(w.shape)} and weight.main_grad {tuple(main_grad.shape)}; "
+            "drain needs a 2-D weight [n, k] and a main_grad of its shape"
+        )
+    gather = sequence_parallel and group.size() > 1
+    for index, (x, dy) in enumerate(zip(xs, dys, strict=True)):
+        _check_pair(index, x, dy, w, int(group.size()) if sequence_parallel else 1)
+    return xs, dys, main_grad, gather
+
+
+def _check_list(name: str, value: object) -> list[torch.Tensor]:
+    if not isinstance(value, list):
+        raise TypeError(f"{name} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _check_pair(index: int, x: object, dy: object, w: torch.Tensor, rows_factor: int) -> None:
+    """Pair ``index``: ``X [.., k]`` (this rank's rows under SP) and ``dY [.., n]`` with
+    ``rows(X) · W == rows(dY)``, floating, on the weight's device."""
+    x = check_tensor(f"embedding_activation_buffer[{index}]", x)
+    dy = check_tensor(f"grad_output_buffer[{index}]", dy)
+    n, k = w.shape
+    for name, t, last in (("embedding_activation_buffer", x, k), ("grad_output_buffer", dy, n)):
+        if t.dim() < 1 or t.shape[-1] != last or not t.dtype.is_floating_point:
+            raise ValueError(
+                f"{name}[{index}] is {t.dtype} of shape {tuple(t.shape)}; it must be a "
+                f"floating tensor [..., {last}] for a weight of shape {tuple(w.shape)}"
+            )
+        if t.device != w.device:
+            raise ValueError(f"{name}[{index}] is on {t.device} but the weight on {w.device}")
+    rows_x, rows_dy = x.numel() // k * rows_factor, dy.numel() // n
+    if rows_x != rows_dy:
+        gathered = f" (× {rows_factor} ranks under sequence parallelism)" if rows_factor > 1 else ""
+        raise ValueError(
+            f"pair {index}: the activation has {x.numel() // k} rows{gathered} but the output "
+            f"gradient {rows_dy}; each pair must come from the same micro-batch"
+        )
 
 
 def drain_embedding_wgrad_compute(
@@ -55,20 +105,25 @@ def drain_embedding_wgrad_compute(
     ``config.sequence_parallel`` each ``Xᵢ`` is this rank's rows and is all-gathered along
     dim 0 over ``tp_group`` first; the gather of pair i+1 is issued before the GEMM of
     pair i so the two overlap. ``tp_group`` None reads the default collection's ``tp``.
+
+    Every argument and every pair (types, shapes against the weight, devices, equal
+    lengths) is checked before the first pair is taken: a drain that raises leaves both
+    buffers untouched.
     """
-    main_grad = _check(embedding_activation_buffer, grad_output_buffer, weight)
-    if not embedding_activation_buffer:
-        return
     group = resolve_tp_group(tp_group, None, what="drain_embedding_wgrad_compute")
-    gather = bool(config.sequence_parallel) and group.size() > 1
-    pending: _Gather | None = _start_gather(embedding_activation_buffer.pop(0), group, gather)
+    activations, grads, main_grad, gather = _check(
+        config, embedding_activation_buffer, grad_output_buffer, weight, group
+    )
+    if not activations:
+        return
+    pending: _Gather | None = _start_gather(activations.pop(0), group, gather)
     while pending is not None:
         total_input, handle = pending
-        upcoming = embedding_activation_buffer.pop(0) if embedding_activation_buffer else None
+        upcoming = activations.pop(0) if activations else None
         pending = None if upcoming is None else _start_gather(upcoming, group, gather)
         if handle is not None:
             handle.wait()
-        grad_output = grad_output_buffer.pop(0)
+        grad_output = grads.pop(0)
         accumulate_wgrad(
             main_grad,
             grad_output.reshape(-1, grad_output.shape[-1]),

@@ -10,8 +10,12 @@ r"""``VocabParallelEmbedding``: an embedding table split along the vocabulary.
 
 Collectives (W > 1): forward one all-reduce (or one reduce-scatter of ``[s, b, h]``, the
 ``[b, s]`` ids transposed to sequence-first); backward none (or one all-gather along dim
-0). Ids are not range-checked (that would synchronise with the device): an id outside
-``[0, V)`` embeds to zeros.
+0).
+
+Ids must lie in ``[0, V)`` at every TP size (``F.embedding``'s rule; without the check an
+id outside would embed to zeros at TP > 1). On CPU that is a ``ValueError`` before any
+collective; on a device an asynchronous device assert, which costs no host
+synchronisation (see :mod:`mc_tp_layers._index_range`).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mc_groups import ProcessGroupCollection
+from mc_groups.argcheck import check_flag, check_int
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import resolve_tp_group
+from mc_tp_layers._index_range import check_index_range
 from mc_tp_layers._layer_base import TensorParallelModule
-from mc_tp_layers._validate import check_divisible, positive_int
+from mc_tp_layers._validate import check_divisible
 from mc_tp_layers.initialization import InitMethod
 from mc_tp_layers.mappings import (
     reduce_from_tensor_model_parallel_region,
@@ -68,7 +74,11 @@ class VocabParallelEmbedding(TensorParallelModule):
     ) -> None:
         super().__init__(config)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.reduce_scatter_embeddings = bool(reduce_scatter_embeddings)
+        self.reduce_scatter_embeddings = check_flag(
+            "reduce_scatter_embeddings", reduce_scatter_embeddings
+        )
+        tracker = common.check_tracker(rng_tracker)
+        explicit_device = common.check_device(device)
         self.tp_group = resolve_tp_group(tp_group, pg_collection, what="VocabParallelEmbedding")
         rank, world = int(self.tp_group.rank()), int(self.tp_group.size())
         self.num_embeddings_per_partition = check_divisible(
@@ -77,23 +87,34 @@ class VocabParallelEmbedding(TensorParallelModule):
             "num_embeddings",
             "pad the vocabulary to a multiple of it (Megatron's make-vocab-size-divisible-by)",
         )
-        positive_int(embedding_dim, "embedding_dim")
+        check_int("embedding_dim", embedding_dim)
         common.check_init_method(init_method)
         self.vocab_start_index = rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
-        target = common.layer_device(device, self.config, self.tp_group)
-        init = common.WeightInit(self.config, init_method, rng_tracker, self.tp_group)
+        target = common.layer_device(explicit_device, self.config, self.tp_group)
+        init = common.WeightInit(self.config, init_method, tracker, self.tp_group)
         init.check_tracker()
         shape = (self.num_embeddings_per_partition, embedding_dim)
         self.weight = common.new_parameter(shape, self.config, target)
         init.run(self.weight, (num_embeddings, embedding_dim), 0, 1)
         self.weight.allreduce = True  # type: ignore[attr-defined]
+        self._record_construction(
+            {
+                "num_embeddings": num_embeddings,
+                "embedding_dim": embedding_dim,
+                "reduce_scatter_embeddings": self.reduce_scatter_embeddings,
+            }
+        )
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Embeddings of the token ids ``input_`` (``[b, s]``), summed over the TP ranks.
 
-        Returns ``[b, s, h]``, or ``[s/W, b, h]`` with ``reduce_scatter_embeddings``.
+        Returns ``[b, s, h]``, or ``[s/W, b, h]`` with ``reduce_scatter_embeddings``. Ids
+        outside ``[0, num_embeddings)`` are an error (see the module notes). The first
+        forward first compares this TP group's pending layer constructions (see
+        :mod:`mc_tp_layers.agreement`).
         """
+        self._check_agreement()
         ids = self._check_ids(input_)
         world = int(self.tp_group.size())
         if world > 1:
@@ -114,8 +135,16 @@ class VocabParallelEmbedding(TensorParallelModule):
             raise TypeError(
                 f"input_ must be a torch.Tensor of token ids, got {type(input_).__name__}"
             )
-        if input_.dtype.is_floating_point or input_.dtype.is_complex or input_.dtype == torch.bool:
-            raise TypeError(f"input_ holds {input_.dtype}; token ids must be an integer tensor")
+        if input_.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"input_ holds {input_.dtype}; token ids must be an integer tensor "
+                "(torch.int64 or torch.int32)"
+            )
+        if input_.device != self.weight.device:
+            raise ValueError(
+                f"input_ is on {input_.device} but the embedding table is on "
+                f"{self.weight.device}; move the ids there (ids.to(device))"
+            )
         if self.reduce_scatter_embeddings:
             if input_.dim() != 2:
                 raise ValueError(
@@ -123,6 +152,14 @@ class VocabParallelEmbedding(TensorParallelModule):
                     f"{tuple(input_.shape)}"
                 )
             common.check_sequence(input_.transpose(0, 1), int(self.tp_group.size()))
+        check_index_range(
+            input_,
+            self.num_embeddings,
+            "input_",
+            "token id(s)",
+            f"ids index the num_embeddings={self.num_embeddings} rows of the vocabulary; map "
+            "unknown or padding tokens to an id inside it",
+        )
         return input_
 
     def extra_repr(self) -> str:

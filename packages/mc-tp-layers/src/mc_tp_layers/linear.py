@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor
 from mc_tp_layers import _comm, _validate
 from mc_tp_layers._autograd import apply
 from mc_tp_layers._gemm import _linear_forward, _wgrad_gemm, accumulate_wgrad
@@ -283,37 +284,91 @@ def _check_common(
     input: object,
     weight: object,
     bias: object,
-    allreduce_dgrad: bool,
-    sequence_parallel: bool,
-    gtp_remat_size: int,
+    allreduce_dgrad: object,
+    sequence_parallel: object,
+    gtp_remat_size: object,
     output_dtype: object,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    x = _validate.tensor(input, "input")
-    w = _validate.tensor(weight, "weight")
-    if bias is not None:
-        _validate.tensor(bias, "bias")
+) -> tuple[torch.Tensor, torch.Tensor, torch.dtype | None]:
+    """Types, shapes, dtypes and devices of a linear call (cheap: no device sync)."""
+    check_flag("allreduce_dgrad", allreduce_dgrad)
+    check_flag("sequence_parallel", sequence_parallel)
+    x, w = check_tensor("input", input), check_tensor("weight", weight)
+    b = None if bias is None else check_tensor("bias", bias)
+    out_dtype = check_float_dtype("output_dtype", output_dtype, allow_none=True)
     _validate.min_dims(x, 1, "input")
     if allreduce_dgrad and sequence_parallel:
         raise ValueError(
             "allreduce_dgrad=True and sequence_parallel=True: under sequence parallelism the "
             "dgrad is reduce-scattered, not all-reduced; pass allreduce_dgrad=False"
         )
-    _validate.positive_int(gtp_remat_size, "gtp_remat_size")
-    full = unsharded_shape(w) if gtp_remat_size > 1 else tuple(w.shape)
+    gtp = check_int("gtp_remat_size", gtp_remat_size)
+    full = _weight_shape(w, gtp)
     if len(full) != 2 or full[1] != x.shape[-1]:
         raise ValueError(
             f"input has shape {tuple(x.shape)} but the weight is {list(full)}: the input's "
             "last dimension must equal the weight's second"
         )
-    if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
-        raise TypeError(f"output_dtype={output_dtype!r} must be a torch.dtype or None")
-    return x, w
+    _check_dtypes(x, w, out_dtype)
+    if b is not None:
+        _check_bias(b, full[0], x, w, out_dtype)
+    return x, w, out_dtype
+
+
+def _weight_shape(w: torch.Tensor, gtp_remat_size: int) -> tuple[int, ...]:
+    """The (unsharded) weight shape; a gtp_remat shard needs its own ``gtp_remat_size``."""
+    shard_size = (
+        getattr(w, "gtp_remat_size", None) if getattr(w, "is_gtp_weight_remat", False) else None
+    )
+    if gtp_remat_size == 1 and shard_size is None:
+        return tuple(w.shape)
+    if shard_size != gtp_remat_size:
+        raise ValueError(
+            f"gtp_remat_size={gtp_remat_size} but the weight (shape {tuple(w.shape)}) is "
+            + ("not a gtp_remat shard" if shard_size is None else f"a shard over {shard_size}")
+            + "; pass the gtp_remat_size the weight was sharded with "
+            "(shard_weight_for_gtp), or 1 for a plain weight"
+        )
+    return unsharded_shape(w)
+
+
+def _check_dtypes(x: torch.Tensor, w: torch.Tensor, output_dtype: torch.dtype | None) -> None:
+    for name, t in (("input", x), ("weight", w)):
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} holds {t.dtype}; the linear layer needs floating point")
+    if x.device != w.device:
+        raise ValueError(
+            f"input is on {x.device} but the weight on {w.device}; move the input there"
+        )
+    if (output_dtype is None or output_dtype == x.dtype) and x.dtype != w.dtype:
+        raise TypeError(
+            f"input holds {x.dtype} but the weight {w.dtype}; cast the input to "
+            f"{w.dtype}, or pass output_dtype=<dtype of the result> to compute in the wider "
+            "of the two"
+        )
+
+
+def _check_bias(
+    b: torch.Tensor,
+    rows: int,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    output_dtype: torch.dtype | None,
+) -> None:
+    if tuple(b.shape) != (rows,) or b.device != w.device:
+        raise ValueError(
+            f"bias has shape {tuple(b.shape)} on {b.device} but the weight has {rows} output "
+            f"rows on {w.device}; the bias must be [{rows}] on the weight's device"
+        )
+    if (output_dtype is None or output_dtype == x.dtype) and b.dtype != x.dtype:
+        raise TypeError(f"bias holds {b.dtype} but the input {x.dtype}; they must match")
 
 
 def _check_deferral(grad_output_buffer: object, wgrad_deferral_limit: object, fusion: bool) -> int:
-    limit = 0 if wgrad_deferral_limit is None else wgrad_deferral_limit
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise ValueError(f"wgrad_deferral_limit={wgrad_deferral_limit!r} must be an int >= 0")
+    limit = check_int(
+        "wgrad_deferral_limit",
+        0 if wgrad_deferral_limit is None else wgrad_deferral_limit,
+        minimum=0,
+    )
     if grad_output_buffer is None:
         return limit
     if not isinstance(grad_output_buffer, list):
@@ -378,29 +433,30 @@ def linear_with_grad_accumulation_and_async_allreduce(
     Every argument is checked before any collective is issued. See the module notes for
     the collective schedule.
     """
-    x, w = _check_common(
+    fusion = check_flag("gradient_accumulation_fusion", gradient_accumulation_fusion)
+    x, w, out_dtype = _check_common(
         input, weight, bias, allreduce_dgrad, sequence_parallel, gtp_remat_size, output_dtype
     )
     group = resolve_tp_group(
         tp_group, None, what="linear_with_grad_accumulation_and_async_allreduce"
     )
-    if gradient_accumulation_fusion:
+    if fusion:
         _validate.main_grad(w)
-    limit = _check_deferral(grad_output_buffer, wgrad_deferral_limit, gradient_accumulation_fusion)
+    limit = _check_deferral(grad_output_buffer, wgrad_deferral_limit, fusion)
     _warn_device_connections(x, sequence_parallel or allreduce_dgrad)
     return apply(
         LinearWithGradAccumulationAndAsyncCommunication,
         x,
         w,
         bias,
-        bool(gradient_accumulation_fusion),
-        bool(allreduce_dgrad),
-        bool(sequence_parallel),
+        fusion,
+        allreduce_dgrad,
+        sequence_parallel,
         grad_output_buffer,
         limit,
         group,
         gtp_remat_size,
-        output_dtype,
+        out_dtype,
     )
 
 
@@ -428,10 +484,10 @@ def linear_with_frozen_weight(
     ``grad_output_buffer`` and ``wgrad_deferral_limit`` must stay None (deferral exists only
     for trained weights).
     """
-    x, w = _check_common(
+    check_flag("gradient_accumulation_fusion", gradient_accumulation_fusion)
+    x, w, out_dtype = _check_common(
         input, weight, bias, allreduce_dgrad, sequence_parallel, gtp_remat_size, output_dtype
     )
-    del gradient_accumulation_fusion
     if grad_output_buffer is not None or wgrad_deferral_limit is not None:
         raise ValueError(
             "grad_output_buffer and wgrad_deferral_limit are only supported by "
@@ -441,4 +497,4 @@ def linear_with_frozen_weight(
     if sequence_parallel:
         x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
     full = gather_gtp_weight(w) if gtp_remat_size > 1 else w
-    return apply(LinearWithFrozenWeight, x, full, bias, bool(allreduce_dgrad), group, output_dtype)
+    return apply(LinearWithFrozenWeight, x, full, bias, allreduce_dgrad, group, out_dtype)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mc_groups.argcheck import check_flag, check_tensor
 from mc_tp_layers import _comm, _validate
 from mc_tp_layers._autograd import apply
 from mc_tp_layers._groups import resolve_tp_group
@@ -148,7 +149,7 @@ def _exchange(group: dist.ProcessGroup, outs: list[int] | None, ins: list[int] |
 def _prepare(
     input_: object, group: dist.ProcessGroup | None, what: str, min_ndim: int = 1
 ) -> tuple[torch.Tensor, dist.ProcessGroup]:
-    x = _validate.tensor(input_, "input_")
+    x = check_tensor("input_", input_)
     _validate.min_dims(x, min_ndim, "input_")
     return x, resolve_tp_group(group, None, what=what)
 
@@ -196,11 +197,16 @@ def scatter_to_sequence_parallel_region(
     Parts are equal (dim 0 must divide by the group size) or ``split_sizes[rank]`` rows.
     """
     x, g = _prepare(input_, group, "scatter_to_sequence_parallel_region")
-    if g.size() == 1:
-        return x
     sizes = _sizes(split_sizes, g, "split_sizes")
     if sizes is None:
         _validate.dim_divisible(x, 0, g.size(), "input_", "sequence length")
+    elif sum(sizes) != x.shape[0]:
+        raise ValueError(
+            f"split_sizes={sizes} sum to {sum(sizes)} but input_ has shape {tuple(x.shape)}; "
+            "they must add up to dim 0"
+        )
+    if g.size() == 1:
+        return x
     return _mapped(x, _split_dim0(g, sizes), _gather_dim0(g, sizes))
 
 
@@ -219,16 +225,17 @@ def gather_from_sequence_parallel_region(
     and keeps its rows without communicating. ``use_global_buffer`` is accepted for
     Megatron compatibility; mc allocates a fresh output.
     """
-    del use_global_buffer
+    check_flag("tensor_parallel_output_grad", tensor_parallel_output_grad)
+    check_flag("use_global_buffer", use_global_buffer)
     x, g = _prepare(input_, group, "gather_from_sequence_parallel_region")
-    if g.size() == 1:
-        return x
     sizes = _sizes(output_split_sizes, g, "output_split_sizes")
     if sizes is not None and sizes[g.rank()] != x.shape[0]:
         raise ValueError(
             f"output_split_sizes={sizes} gives rank {g.rank()} {sizes[g.rank()]} rows but "
             f"input_ has shape {tuple(x.shape)}"
         )
+    if g.size() == 1:
+        return x
     if tensor_parallel_output_grad:
         return _mapped(x, _gather_dim0(g, sizes), _reduce_scatter_dim0(g, sizes))
     return _mapped(x, _gather_dim0(g, sizes), _split_dim0(g, sizes))
@@ -245,10 +252,8 @@ def reduce_scatter_to_sequence_parallel_region(
     Parts are equal (dim 0 must divide by the group size) or ``input_split_sizes[r]`` rows
     for rank r. ``use_global_buffer`` is accepted for Megatron compatibility.
     """
-    del use_global_buffer
+    check_flag("use_global_buffer", use_global_buffer)
     x, g = _prepare(input_, group, "reduce_scatter_to_sequence_parallel_region")
-    if g.size() == 1:
-        return x
     sizes = _sizes(input_split_sizes, g, "input_split_sizes")
     if sizes is None:
         _validate.dim_divisible(x, 0, g.size(), "input_", "sequence length")
@@ -257,6 +262,8 @@ def reduce_scatter_to_sequence_parallel_region(
             f"input_split_sizes={sizes} sum to {sum(sizes)} but input_ has shape "
             f"{tuple(x.shape)}; they must add up to dim 0"
         )
+    if g.size() == 1:
+        return x
     return _mapped(x, _reduce_scatter_dim0(g, sizes), _gather_dim0(g, sizes))
 
 
@@ -286,8 +293,6 @@ def all_to_all(
     split sizes swap roles).
     """
     x, g = _prepare(input_, group, "all_to_all")
-    if g.size() == 1:
-        return x
     outs = _sizes(output_split_sizes_, g, "output_split_sizes_")
     ins = _sizes(input_split_sizes, g, "input_split_sizes")
     if ins is None:
@@ -296,6 +301,13 @@ def all_to_all(
         raise ValueError(
             f"input_split_sizes={ins} sum to {sum(ins)} but input_ has shape {tuple(x.shape)}"
         )
+    if g.size() == 1:
+        if outs is not None and outs != [x.shape[0]]:
+            raise ValueError(
+                f"output_split_sizes_={outs} on a group of one rank must be [{x.shape[0]}] "
+                "(the rows this rank keeps)"
+            )
+        return x
     # Backward is the reverse exchange: what this rank received from j goes back to j.
     return _mapped(x, _exchange(g, outs, ins), _exchange(g, ins, outs))
 

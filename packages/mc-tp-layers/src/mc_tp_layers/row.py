@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection
+from mc_groups.argcheck import check_flag
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import resolve_gtp_group, resolve_tp_group
@@ -88,13 +89,18 @@ class RowParallelLinear(ParallelLinear):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(config, input_size, output_size)
-        self.input_is_parallel, self.skip_bias_add = bool(input_is_parallel), bool(skip_bias_add)
-        self.is_expert, self.tp_comm_buffer_name, self.name = (
-            bool(is_expert),
-            tp_comm_buffer_name,
-            name,
+        self.input_is_parallel = check_flag("input_is_parallel", input_is_parallel)
+        self.skip_bias_add = check_flag("skip_bias_add", skip_bias_add)
+        self.is_expert = check_flag("is_expert", is_expert)
+        with_bias = check_flag("bias", bias)
+        keep_master = check_flag("keep_master_weight_for_test", keep_master_weight_for_test)
+        self.tp_comm_buffer_name = common.check_optional_str(
+            "tp_comm_buffer_name", tp_comm_buffer_name
         )
-        self.sequence_parallel = bool(self.config.sequence_parallel)
+        self.name = common.check_optional_str("name", name)
+        tracker = common.check_tracker(rng_tracker)
+        explicit_device = common.check_device(device)
+        self.sequence_parallel = self.config.sequence_parallel
         if self.sequence_parallel and not self.input_is_parallel:
             raise ValueError(
                 "config.sequence_parallel=True needs input_is_parallel=True: under sequence "
@@ -114,13 +120,28 @@ class RowParallelLinear(ParallelLinear):
         )
         self.expert_parallel = common.expert_parallel(self.config)
         self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
-        self.gradient_accumulation_fusion = bool(self.config.gradient_accumulation_fusion)
-        target = common.layer_device(device, self.config, self.tp_group)
-        init = common.WeightInit(self.config, init_method, rng_tracker, self.tp_group)
+        self.gradient_accumulation_fusion = self.config.gradient_accumulation_fusion
+        target = common.layer_device(explicit_device, self.config, self.tp_group)
+        init = common.WeightInit(self.config, init_method, tracker, self.tp_group)
         init.check_tracker()
         shape = (self.output_size, self.input_size_per_partition)
-        self.weight = self._new_weight(init, target, shape, 1, stride, keep_master_weight_for_test)
-        self._set_bias(self._make_bias(target) if bias else None)
+        self.weight = self._new_weight(init, target, shape, 1, stride, keep_master)
+        self._set_bias(self._make_bias(target) if with_bias else None)
+        self._record_construction(
+            {
+                "input_size": input_size,
+                "output_size": output_size,
+                "bias": with_bias,
+                "input_is_parallel": self.input_is_parallel,
+                "skip_bias_add": self.skip_bias_add,
+                "sequence_parallel": self.sequence_parallel,
+                "stride": stride,
+                "is_expert": self.is_expert,
+                "explicit_expert_comm": self.explicit_expert_comm,
+                "gtp_remat_size": self.gtp_remat_size,
+            },
+            self.name,
+        )
 
     def _make_bias(self, device: torch.device) -> torch.nn.Parameter:
         bias = self._new_bias(device, self.output_size, False, -1, 1)
@@ -139,7 +160,11 @@ class RowParallelLinear(ParallelLinear):
 
         Args:
             input_: ``[s, b, k/W]`` when ``input_is_parallel`` else ``[s, b, k]`` (or 2-D).
+
+        The first forward first compares this TP group's pending layer constructions (see
+        :mod:`mc_tp_layers.agreement`).
         """
+        self._check_agreement()
         world = int(self.tp_group.size())
         last = self.input_size_per_partition if self.input_is_parallel else self.input_size
         x = common.check_input(input_, last, "RowParallelLinear")

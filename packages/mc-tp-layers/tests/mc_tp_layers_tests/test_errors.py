@@ -428,7 +428,7 @@ EXPECTED: dict[str, Case] = {
     ),
     "output_dtype": Case(
         "TypeError",
-        ("output_dtype='bf16' must be a torch.dtype or None",),
+        ("output_dtype='bf16' must be a floating-point torch.dtype", "or None"),
         "`linear_with_grad_accumulation_and_async_allreduce(..., output_dtype=)`",
         "`'bf16'`",
     ),
