@@ -91,8 +91,8 @@ NOTES: dict[str, tuple[str | None, str]] = {
     ),
     "_grad_accum_fusion_available": (
         None,
-        "True when apex's fused wgrad kernel imports; without it mc accumulates with "
-        "`main_grad.addmm_` (same numbers) instead of raising",
+        "True when apex's fused wgrad kernel imports; without it mc accumulates through "
+        "torch's mixed-dtype GEMM (same numbers up to summation order) instead of raising",
     ),
     "copy_gtp_attributes": (
         "extended",
