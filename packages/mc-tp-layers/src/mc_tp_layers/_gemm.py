@@ -22,6 +22,7 @@ supports (:data:`TE_SUPPORTED_VERSIONS`), and keeps the torch path.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -53,7 +54,6 @@ TEGemm = Callable[..., Any]
 
 _TE_GEMM_MODULE = "transformer_engine.pytorch.cpp_extensions"
 _APEX_MODULE = "fused_weight_gradient_mlp_cuda"
-_warned: set[str] = set()
 
 
 def _import_optional(name: str, import_module: Callable[[str], ModuleType]) -> ModuleType | None:
@@ -109,18 +109,12 @@ def _te_version() -> str:
     return "unknown"
 
 
-def _warn_once(message: str) -> None:
-    if message in _warned:
-        return
-    _warned.add(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
 def _load_te_gemm(
     import_module: Callable[[str], ModuleType] = importlib.import_module,
 ) -> TEGemm | None:
     """TE's ``general_gemm`` when TE imports and its API is one mc supports; else None
-    (with a one-time warning when TE imported but its API is not supported)."""
+    (with a warning when TE imported but its API is not supported: the module probes once,
+    at import, so a process sees it once)."""
     module = _import_optional(_TE_GEMM_MODULE, import_module)
     if module is None:
         return None
@@ -128,10 +122,12 @@ def _load_te_gemm(
     problem = _te_gemm_signature_problem(general_gemm)
     if problem is None:
         return general_gemm
-    _warn_once(
+    warnings.warn(
         f"Transformer Engine {_te_version()} is installed but not used by mc_tp_layers: "
         f"{problem}. mc supports transformer-engine{TE_SUPPORTED_VERSIONS} "
-        '(pip install "mc-tp-layers[te]"); output_dtype falls back to the exact torch path.'
+        '(pip install "mc-tp-layers[te]"); output_dtype falls back to the exact torch path.',
+        RuntimeWarning,
+        stacklevel=2,
     )
     return None
 
@@ -176,14 +172,14 @@ in place (``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)``, newer to
 versions whose ``addmm`` wants the accumulator in the operands' dtype); ``"none"``, not at
 all (CPU; torch before 2.8)."""
 
-_mixed_mm_by_device: dict[torch.device, MixedGemm] = {}
-
 
 def _wider(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     return a if _FLOAT_WIDTH.get(a, 0) >= _FLOAT_WIDTH.get(b, 0) else b
 
 
+@functools.cache
 def _probe_mixed_gemm(device: torch.device) -> MixedGemm:
+    """One 1×1 GEMM per device and process (memoised: a fact of torch and the device)."""
     one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
     acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
     try:
@@ -203,10 +199,7 @@ def _mixed_gemm(device: torch.device) -> MixedGemm:
     GEMM; CPU has none: its kernels take one dtype)."""
     if device.type != "cuda":
         return "none"
-    known = _mixed_mm_by_device.get(device)
-    if known is None:
-        known = _mixed_mm_by_device[device] = _probe_mixed_gemm(device)
-    return known
+    return _probe_mixed_gemm(device)
 
 
 def _mixed_operands(out_dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> MixedGemm:
