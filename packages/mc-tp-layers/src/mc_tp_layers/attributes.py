@@ -22,10 +22,13 @@ deduplication).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
-from mc_tp_layers._groups import resolve_tp_group
+from mc_groups.argcheck import check_flag, check_int, check_tensor
+from mc_tp_layers._groups import _check_group, resolve_tp_group
 
 __all__ = [
     "GTP_ATTRIBUTES",
@@ -72,8 +75,14 @@ def set_tensor_model_parallel_attributes(
     """Set ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride``.
 
     Setting the same values again is allowed; different values than those already set
-    raise ``ValueError`` (a parameter cannot be split two ways).
+    raise ``ValueError`` (a parameter cannot be split two ways). ``dim`` is an int (not
+    range-checked: the tags describe the parameter a tensor comes from, and a flattened copy
+    keeps its source's dim), ``stride`` an int >= 1.
     """
+    check_tensor("tensor", tensor)
+    check_flag("is_parallel", is_parallel)
+    check_int("dim", dim, minimum=-sys.maxsize - 1)
+    check_int("stride", stride)
     wanted = {
         "tensor_model_parallel": is_parallel,
         "partition_dim": dim,
@@ -95,6 +104,7 @@ def set_tensor_model_parallel_attributes(
 
 def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
     """Give ``tensor`` the unsharded defaults for every TP attribute it lacks."""
+    check_tensor("tensor", tensor)
     for name, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
         if not hasattr(tensor, name):
             setattr(tensor, name, value)
@@ -108,6 +118,8 @@ def copy_tensor_model_parallel_attributes(
     The keys are those of :data:`_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS` (``is_qkv`` and
     ``qkv_split_shapes`` included); attributes the source lacks are left alone.
     """
+    check_tensor("destination_tensor", destination_tensor)
+    check_tensor("source_tensor", source_tensor)
     for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
         if hasattr(source_tensor, name):
             setattr(destination_tensor, name, getattr(source_tensor, name))
@@ -127,6 +139,10 @@ def param_is_not_tensor_parallel_duplicate(
     collection's ``expt_tp`` (expert params) or ``tp`` (the others) — where Megatron falls
     back to its global dense TP rank for both.
     """
+    check_tensor("param", param)
+    for arg, given in (("tp_group", tp_group), ("expert_tp_group", expert_tp_group)):
+        if given is not None:
+            _check_group(given, arg)
     if getattr(param, "tensor_model_parallel", False):
         return True
     is_expert = not getattr(param, "allreduce", True)
@@ -144,6 +160,8 @@ def copy_gtp_attributes(destination: torch.Tensor, source: torch.Tensor) -> None
     dedup tags keep :func:`param_is_not_gtp_duplicate` right, and ``pad_length`` with
     ``group`` keep :func:`gtp_local_pad_zero_count` right (without both it returns 0).
     """
+    check_tensor("destination", destination)
+    check_tensor("source", source)
     for name in GTP_ATTRIBUTES:
         if hasattr(source, name):
             setattr(destination, name, getattr(source, name))
@@ -156,6 +174,7 @@ def param_is_not_gtp_duplicate(param: torch.Tensor) -> bool:
     the axis counts only where ``gtp_remat_rank`` is 0; without GTP the tag is absent and
     reads as 0, so every parameter is kept.
     """
+    check_tensor("param", param)
     if getattr(param, "is_gtp_weight_remat", False):
         return True
     return int(getattr(param, "gtp_remat_rank", 0)) == 0
@@ -177,6 +196,13 @@ def gtp_local_pad_zero_count(gtp_shard: torch.Tensor, range_start: int, range_en
         range_start: first flat index of the fragment asked about.
         range_end: one past its last flat index (``0, gtp_shard.numel()`` for all).
     """
+    check_tensor("gtp_shard", gtp_shard)
+    start_at = check_int("range_start", range_start, minimum=0)
+    if check_int("range_end", range_end, minimum=0) < start_at:
+        raise ValueError(
+            f"range_end={range_end} < range_start={range_start}; the range is "
+            "[range_start, range_end)"
+        )
     pad_length = int(getattr(gtp_shard, "pad_length", 0) or 0)
     group = getattr(gtp_shard, "group", None)
     if pad_length == 0 or group is None or gtp_shard.dim() == 0:

@@ -36,6 +36,7 @@ mc_groups' recorder. Megatron's ``sharded_offsets`` are not supported.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,6 +45,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 import mc_groups as mg
+from mc_groups.argcheck import check_int, check_tensor
+from mc_tp_layers import _validate
+from mc_tp_layers._groups import _check_group
 from mc_tp_layers.gtp import unsharded_shape
 
 __all__ = ["gtp_sharded_tensor", "sharded_state_dict_of", "tp_sharded_tensor"]
@@ -63,8 +67,14 @@ def tp_sharded_tensor(
     notes). A group of one rank holds the whole tensor: it is returned as a plain tensor
     (in the same strided view).
     """
-    local = tensor.detach()
-    dim = partition_dim % local.dim()
+    local = check_tensor("tensor", tensor).detach()
+    _check_group(tp_group, "tp_group")
+    dim = _validate.partition_dim(partition_dim, local.dim())
+    if local.shape[dim] % check_int("stride", stride):
+        raise ValueError(
+            f"stride={stride} does not divide dim {dim} of the tensor's shape "
+            f"{tuple(local.shape)}; a strided shard holds stride equal blocks"
+        )
     if stride > 1:
         local, dim = _strided_view(local, dim, stride), dim + 1
     if tp_group.size() == 1:
@@ -83,8 +93,17 @@ def tp_sharded_tensor(
     )
 
 
-def _checked(module: torch.nn.Module, sharded_offsets: Any, metadata: Any) -> None:
-    del metadata  # Megatron's metadata only selects its own checkpoint formats
+def _checked(module: torch.nn.Module, prefix: object, sharded_offsets: Any, metadata: Any) -> None:
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix={prefix!r} must be a str (e.g. 'decoder.fc1.')")
+    if isinstance(sharded_offsets, (str, bytes)) or not isinstance(sharded_offsets, Sequence):
+        raise TypeError(
+            f"sharded_offsets={sharded_offsets!r} must be a tuple of (axis, offset, count) "
+            "triples (mc supports only the empty tuple)"
+        )
+    if metadata is not None and not isinstance(metadata, dict):
+        raise TypeError(f"metadata={metadata!r} must be a dict or None")
+    # Megatron's metadata only selects its own checkpoint formats: accepted, not read.
     if tuple(sharded_offsets):
         raise NotImplementedError(
             f"sharded_offsets={sharded_offsets!r}: mc's DCP state dicts key every tensor by "
@@ -110,10 +129,11 @@ def gtp_sharded_tensor(
     ``(tp, gtp_remat)`` mesh: Shard(``partition_dim``) by TP, then Shard(0) by gtp_remat
     (see the module notes). The local tensor is a view of the shard's unpadded rows."""
     tp_local_shape = unsharded_shape(shard)  # ValueError unless shard_weight_for_gtp made it
+    _check_group(tp_group, "tp_group")
+    dim = _validate.partition_dim(partition_dim, len(tp_local_shape))
     gtp_group: dist.ProcessGroup = shard.group  # type: ignore[attr-defined]
     rows, g = int(shard.shape[0]), int(gtp_group.rank())
     local = shard.detach()[: max(0, min(rows, tp_local_shape[0] - g * rows))]
-    dim = partition_dim % len(tp_local_shape)
     shape = list(tp_local_shape)
     shape[dim] *= int(tp_group.size())
     global_shape = torch.Size(shape)
@@ -163,7 +183,7 @@ def sharded_state_dict_of(
     metadata: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``{prefix + name: DTensor or tensor}`` for ``module``'s own parameters (see notes)."""
-    _checked(module, sharded_offsets, metadata)
+    _checked(module, prefix, sharded_offsets, metadata)
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters(recurse=False):
         if getattr(param, "is_gtp_weight_remat", False):

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups.argcheck import check_int, check_tensor
+from mc_tp_layers._groups import _check_group
 from mc_tp_layers.attributes import copy_tensor_model_parallel_attributes
 
 __all__ = [
@@ -41,6 +43,8 @@ __all__ = [
 
 def gtp_remat_shard_dim0(dim0: int, gtp_remat_size: int) -> tuple[int, int]:
     """``(shard rows s, pad_length)`` for ``dim0`` rows over ``gtp_remat_size`` ranks."""
+    check_int("dim0", dim0, minimum=0)
+    check_int("gtp_remat_size", gtp_remat_size)
     shard = -(-dim0 // gtp_remat_size)
     return shard, shard * gtp_remat_size - dim0
 
@@ -63,6 +67,15 @@ def shard_weight_for_gtp(
             f"calculate_per_token_loss={calculate_per_token_loss!r} must be a bool (the "
             "config's calculate_per_token_loss)"
         )
+    check_tensor("weight", weight)
+    if weight.dim() < 1:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; gtp_remat shards dim 0")
+    if getattr(weight, "is_gtp_weight_remat", False):
+        raise ValueError(
+            "weight is already a gtp_remat shard (is_gtp_weight_remat); shard the "
+            "TP-local weight once"
+        )
+    _check_group(group, "group")
     size, rank = int(group.size()), int(group.rank())
     rows, pad = gtp_remat_shard_dim0(weight.shape[0], size)
     padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight.detach()
@@ -83,6 +96,7 @@ def shard_weight_for_gtp(
 
 
 def _gtp_group(shard: torch.Tensor) -> dist.ProcessGroup:
+    check_tensor("shard", shard)
     group = getattr(shard, "group", None)
     if not isinstance(group, dist.ProcessGroup) or not hasattr(shard, "gtp_unsharded_shape"):
         raise ValueError(
@@ -113,6 +127,12 @@ def reduce_scatter_gtp_grad(full_grad: torch.Tensor, shard: torch.Tensor) -> tor
     ``gtp_wgrad_scale`` (``1/G`` by default: the mean over the axis; see the module notes).
     ``full_grad`` itself is left unchanged."""
     group = _gtp_group(shard)
+    check_tensor("full_grad", full_grad)
+    if tuple(full_grad.shape) != unsharded_shape(shard):
+        raise ValueError(
+            f"full_grad has shape {tuple(full_grad.shape)} but the shard was cut from "
+            f"{list(unsharded_shape(shard))}; pass the gradient of the whole TP-local weight"
+        )
     scale = float(getattr(shard, "gtp_wgrad_scale", 1.0 / int(group.size())))
     pad = shard.shape[0] * int(group.size()) - full_grad.shape[0]
     if pad:

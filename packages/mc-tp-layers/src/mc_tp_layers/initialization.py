@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor
+from mc_tp_layers import _validate
 from mc_tp_layers._groups import resolve_tp_group
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.gtp import gtp_remat_shard_dim0
@@ -52,8 +54,17 @@ def _initialize_affine_weight_gpu(
     The stream is ``model-parallel-rng`` (``expert-parallel-rng`` when ``is_expert``) of
     ``rng_tracker`` (None: the default registered by ``model_parallel_cuda_manual_seed``, as
     Megatron reads its global tracker), whose device must be ``weight``'s device type.
+    Every argument is checked before the weight is tagged or drawn.
     """
-    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    w = check_tensor("weight", weight)
+    _check_init(init_method)
+    _validate.partition_dim(partition_dim, w.dim())
+    check_int("stride", stride)
+    check_flag("is_expert", is_expert)
+    if rng_tracker is not None and not isinstance(rng_tracker, RNGStatesTracker):
+        raise TypeError(
+            f"rng_tracker={rng_tracker!r} must be a mc_tp_layers.RNGStatesTracker or None"
+        )
     if rng_tracker is None:
         rng_tracker = _default_tracker()
     if rng_tracker is None:
@@ -68,12 +79,58 @@ def _initialize_affine_weight_gpu(
             f"rng_tracker drives {rng_tracker.device} but the weight is on {weight.device}; "
             "build the tracker for the weight's device"
         )
+    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     if is_expert:
         stream = get_expert_parallel_rng_tracker_name()
     else:
         stream = get_model_parallel_rng_tracker_name()
     with rng_tracker.fork(stream), torch.no_grad():
         init_method(weight)
+
+
+def _check_init(init_method: object) -> None:
+    if not callable(init_method):
+        raise TypeError(f"init_method={init_method!r} must be callable (tensor -> None)")
+
+
+def _check_cpu_init(
+    weight: object,
+    sizes: tuple[object, object, object],
+    partition_dim: object,
+    init_method: object,
+    stride: object,
+    flags: tuple[object, object],
+    params_dtype: object,
+    placement: tuple[object, object],
+) -> tuple[int, int]:
+    """The arguments of :func:`_initialize_affine_weight_cpu`; returns ``(rank, world)``."""
+    check_tensor("weight", weight)
+    full = (check_int("output_size", sizes[0]), check_int("input_size", sizes[1]))
+    per_partition = check_int("per_partition_size", sizes[2])
+    dim = _validate.partition_dim(partition_dim, 2)
+    _check_init(init_method)
+    if per_partition % check_int("stride", stride):
+        raise ValueError(
+            f"per_partition_size={per_partition} is not divisible by stride={stride}; "
+            "each rank's part must hold stride equal blocks"
+        )
+    check_flag("return_master_weight", flags[0])
+    check_flag("skip_set_tensor_parallel_attributes", flags[1])
+    check_float_dtype("params_dtype", params_dtype)
+    rank, world = placement
+    if rank is None or world is None:
+        group = resolve_tp_group(None, None, what="_initialize_affine_weight_cpu")
+        rank, world = int(group.rank()), int(group.size())
+    world = check_int("world_size", world)
+    rank = check_int("rank", rank, minimum=0)
+    if rank >= world:
+        raise ValueError(f"rank={rank} must be < world_size={world}")
+    if per_partition * world != full[dim]:
+        raise ValueError(
+            f"per_partition_size={per_partition} × world_size={world} must equal the master "
+            f"weight's partition dim {dim} of [{full[0]}, {full[1]}] ({full[dim]})"
+        )
+    return rank, world
 
 
 def _my_blocks(
@@ -127,13 +184,19 @@ def _initialize_affine_weight_cpu(
     blocks ``r::world_size`` (see the module docstring). A GTP shard
     (``is_gtp_weight_remat``) is further cut to its gtp_remat rows, so the values match a
     run without GTP. ``rank``/``world_size`` default to the default collection's TP group.
-    Returns the master weight (in ``params_dtype``) when ``return_master_weight``.
+    Returns the master weight (in ``params_dtype``) when ``return_master_weight``. Every
+    argument is checked before the weight is tagged or written.
     """
-    if not skip_set_tensor_parallel_attributes:
-        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
-    if rank is None or world_size is None:
-        group = resolve_tp_group(None, None, what="_initialize_affine_weight_cpu")
-        rank, world_size = int(group.rank()), int(group.size())
+    rank, world_size = _check_cpu_init(
+        weight,
+        (output_size, input_size, per_partition_size),
+        partition_dim,
+        init_method,
+        stride,
+        (return_master_weight, skip_set_tensor_parallel_attributes),
+        params_dtype,
+        (rank, world_size),
+    )
     master = torch.empty(output_size, input_size, dtype=torch.float32)
     with torch.no_grad():
         init_method(master)
@@ -146,6 +209,8 @@ def _initialize_affine_weight_cpu(
             f"weight has shape {tuple(weight.shape)} but rank {rank}'s part of the "
             f"[{output_size}, {input_size}] master weight has shape {tuple(part.shape)}"
         )
+    if not skip_set_tensor_parallel_attributes:
+        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     with torch.no_grad():
         weight.data.copy_(part)
     return master if return_master_weight else None

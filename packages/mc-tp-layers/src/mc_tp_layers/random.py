@@ -24,13 +24,14 @@ working, and a process that never seeds has none.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection, get_default_collection
+from mc_groups.argcheck import check_flag, check_int
 
 __all__ = [
     "CudaRNGStatesTracker",
@@ -55,6 +56,7 @@ _EXPERT_SEED_OFFSET = 1024
 _EP_RANK_STRIDE = 100
 _GTP_SEED_STRIDE = 65536
 _EGTP_SEED_OFFSET = 32768
+_SEED_LIMIT = 2**64
 
 
 def get_model_parallel_rng_tracker_name() -> str:
@@ -98,7 +100,7 @@ class RNGStatesTracker:
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
-        resolved = torch.device(device)
+        resolved = _check_device(device)
         if str(resolved) == "cuda":  # no index: the current device
             resolved = torch.device("cuda", torch.cuda.current_device())
         if resolved.type not in ("cpu", "cuda"):
@@ -123,17 +125,46 @@ class RNGStatesTracker:
         return {name: state.clone() for name, state in self._states.items()}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        """Replace the streams with ``states`` (from :meth:`get_states`)."""
+        """Replace the streams with ``states`` (from :meth:`get_states`).
+
+        ``states`` must map stream names (non-empty str) to generator states of this
+        tracker's device (1-D ``torch.uint8`` CPU tensors of the size its generator uses);
+        everything is checked before any stream is replaced.
+        """
         if self._active:
             raise RuntimeError(f"set_states() inside fork({self._active[-1]!r})")
+        if not isinstance(states, Mapping):
+            raise TypeError(
+                f"states must be a dict of stream name -> generator state (from "
+                f"get_states()), got {type(states).__name__}"
+            )
+        size = _seeded_state(self.device, 0).numel()
+        for name, state in states.items():
+            _check_name(name)
+            if (
+                not isinstance(state, torch.Tensor)
+                or state.dtype != torch.uint8
+                or state.device.type != "cpu"
+                or tuple(state.shape) != (size,)
+            ):
+                shown = (
+                    f"{state.dtype} of shape {tuple(state.shape)} on {state.device}"
+                    if isinstance(state, torch.Tensor)
+                    else type(state).__name__
+                )
+                raise ValueError(
+                    f"states[{name!r}] is {shown}; a {self.device.type} generator state is a "
+                    f"torch.uint8 CPU tensor of shape ({size},) (as get_states() returns)"
+                )
         self._states = {name: state.clone() for name, state in states.items()}
 
     def add(self, name: str, seed: int) -> None:
-        """Add stream ``name`` seeded with ``seed``; names and seeds must be new."""
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"name={name!r} must be a non-empty str")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed={seed!r} must be an int")
+        """Add stream ``name`` seeded with ``seed`` (an int in ``[0, 2**64)``); names and
+        seeds must be new."""
+        _check_name(name)
+        check_int("seed", seed, minimum=0)
+        if seed >= _SEED_LIMIT:
+            raise ValueError(f"seed={seed} must be < 2**64 (a generator seed is 64 bits)")
         if seed in self._seeds:
             raise ValueError(f"seed {seed} already seeds a stream; each stream needs its own")
         if name in self._states:
@@ -144,6 +175,7 @@ class RNGStatesTracker:
     @contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
         """Draw from stream ``name`` inside the block (see the module docstring)."""
+        _check_name(name)
         if name not in self._states:
             raise ValueError(
                 f"RNG stream {name!r} was never added (known: {sorted(self._states)}); "
@@ -206,35 +238,64 @@ def _default_tracker() -> RNGStatesTracker | None:
     return _DefaultTracker.tracker
 
 
-def _rank_of(explicit: int | None, collection: ProcessGroupCollection | None, field: str) -> int:
+def _check_device(device: object) -> torch.device:
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"device={device!r} must be a torch.device or a str such as 'cpu'")
+    try:
+        return torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device={device!r} is not a device torch knows ({err})") from None
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name={name!r} must be a non-empty str")
+    return name
+
+
+def _rank_of(
+    explicit: object, collection: ProcessGroupCollection | None, field: str, arg: str
+) -> int:
     if explicit is not None:
-        if isinstance(explicit, bool) or not isinstance(explicit, int) or explicit < 0:
-            raise ValueError(f"{field}_rank={explicit!r} must be an int >= 0")
-        return explicit
+        return check_int(arg, explicit, minimum=0)
     group: dist.ProcessGroup | None = None if collection is None else getattr(collection, field)
     if group is not None:
         return int(group.rank())
     if collection is None and dist.is_available() and dist.is_initialized():
         raise ValueError(
             f"model_parallel_cuda_manual_seed cannot tell this rank's {field} rank: pass "
-            f"pg_collection=<ProcessGroupCollection> or {field}_rank=<int>"
+            f"pg_collection=<ProcessGroupCollection> or {arg}=<int>"
         )
     return 0
 
 
-def _size_of(explicit: int | None, collection: ProcessGroupCollection | None, field: str) -> int:
+def _size_of(
+    explicit: object, collection: ProcessGroupCollection | None, field: str, arg: str
+) -> int:
     if explicit is not None:
-        if isinstance(explicit, bool) or not isinstance(explicit, int) or explicit < 1:
-            raise ValueError(f"{field}_world_size={explicit!r} must be an int >= 1")
-        return explicit
+        return check_int(arg, explicit)
     group: dist.ProcessGroup | None = None if collection is None else getattr(collection, field)
     return 1 if group is None else int(group.size())
 
 
+def _axis_rank(
+    explicit: object, collection: ProcessGroupCollection | None, field: str, arg: str, size: int
+) -> int:
+    """A gtp_remat axis rank in ``[0, size)``; an explicit one is checked at every size."""
+    if explicit is None and size == 1:
+        return 0
+    rank = _rank_of(explicit, collection, field, arg)
+    if rank >= size:
+        raise ValueError(
+            f"{arg}={rank} is outside its axis of {size} rank(s); a rank must be in "
+            f"[0, {size}) (pass the matching world size or pg_collection)"
+        )
+    return rank
+
+
 def _check_flags(flags: dict[str, object], unsupported: tuple[str, ...]) -> None:
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}={value!r} must be a bool")
+        check_flag(name, value)
     for name in unsupported:
         if flags[name]:
             raise NotImplementedError(
@@ -274,8 +335,7 @@ def model_parallel_cuda_manual_seed(
     False (``NotImplementedError``), ``force_reset_rng`` is accepted (a new tracker is built
     on every call anyway).
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed={seed!r} must be an int >= 0")
+    check_int("seed", seed, minimum=0)
     _check_flags(
         {
             "te_rng_tracker": te_rng_tracker,
@@ -286,21 +346,25 @@ def model_parallel_cuda_manual_seed(
         },
         unsupported=("te_rng_tracker", "inference_rng_tracker", "use_cudagraphable_rng"),
     )
+    if pg_collection is not None and not isinstance(pg_collection, ProcessGroupCollection):
+        raise TypeError(
+            f"pg_collection={pg_collection!r} must be a mc_groups.ProcessGroupCollection or None"
+        )
     collection = pg_collection if pg_collection is not None else get_default_collection()
-    tp = _rank_of(tp_rank, collection, "tp")
-    ep = _rank_of(ep_rank, collection, "ep")
-    etp = _rank_of(etp_rank, collection, "expt_tp")
-    gtp_size = _size_of(gtp_remat_world_size, collection, "gtp_remat")
-    egtp_size = _size_of(egtp_remat_world_size, collection, "expt_gtp_remat")
-    gtp = _rank_of(gtp_remat_rank, collection, "gtp_remat") if gtp_size > 1 else 0
-    egtp = _rank_of(egtp_remat_rank, collection, "expt_gtp_remat") if egtp_size > 1 else 0
+    tp = _rank_of(tp_rank, collection, "tp", "tp_rank")
+    ep = _rank_of(ep_rank, collection, "ep", "ep_rank")
+    etp = _rank_of(etp_rank, collection, "expt_tp", "etp_rank")
+    gtp_size = _size_of(gtp_remat_world_size, collection, "gtp_remat", "gtp_remat_world_size")
+    egtp_size = _size_of(
+        egtp_remat_world_size, collection, "expt_gtp_remat", "egtp_remat_world_size"
+    )
+    gtp = _axis_rank(gtp_remat_rank, collection, "gtp_remat", "gtp_remat_rank", gtp_size)
+    egtp = _axis_rank(egtp_remat_rank, collection, "expt_gtp_remat", "egtp_remat_rank", egtp_size)
+    # Every stream is added to a tracker nobody sees yet, so a bad seed fails before the
+    # device's generator or the default tracker changes.
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tracker = RNGStatesTracker(device)
-    if tracker.device.type == "cuda":
-        torch.cuda.default_generators[tracker.device.index or 0].manual_seed(seed)
-    else:
-        torch.default_generator.manual_seed(seed)
     tp_seed = seed + _TP_SEED_OFFSET + tp
     expert_seed = seed + _EXPERT_SEED_OFFSET + _EP_RANK_STRIDE * ep + etp
     tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
@@ -313,6 +377,10 @@ def model_parallel_cuda_manual_seed(
             _EXPERT_GTP_REMAT_RNG_TRACKER_NAME,
             expert_seed + _EGTP_SEED_OFFSET + _GTP_SEED_STRIDE * (1 + egtp),
         )
+    if tracker.device.type == "cuda":
+        torch.cuda.default_generators[tracker.device.index or 0].manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
     if set_default:
         set_cuda_rng_tracker(tracker)
     return tracker
