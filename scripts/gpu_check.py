@@ -12,7 +12,7 @@ network, mc not installed. It:
    child processes), so mc and the tests import from the checkout;
 2. runs the one-GPU tier: every test marked ``gpu`` in the test files that define such
    tests (``pytest -m gpu``), with mc's pytest plugin loaded explicitly (``-p
-   mc_groups.testing.pytest_plugin``: without an installed mc-groups its entry point does
+   mc_groups_pytest``: without an installed mc-groups its entry point does
    not exist; plugin autoloading is switched off so an installed one cannot register
    twice). Without pytest it says so and goes on;
 3. runs ``benchmarks.gpu_step`` (mc DDP + TP layers against torch DDP, interleaved);
@@ -59,7 +59,7 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_MARK = "pytest.mark.gpu"
-PLUGIN = "mc_groups.testing.pytest_plugin"
+PLUGIN = "mc_groups_pytest"
 SCHEMA = 1
 
 

@@ -1,17 +1,12 @@
-"""pytest plugin (entry point ``mc_groups``): the session-wide ``rank_pools`` fixture."""
+"""The ``rank_pools`` fixture, for ``pytest -p mc_groups.testing.pytest_plugin``.
+
+The entry point registered with pytest is the top-level :mod:`mc_groups_pytest`, which
+defines the fixture without importing torch at start-up; this module re-exports it for
+code that names the plugin by its old path.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from mc_groups_pytest import rank_pools
 
-import pytest
-
-from mc_groups.testing import RankPools
-
-
-@pytest.fixture(scope="session")
-def rank_pools() -> Iterator[RankPools]:
-    """Rank-process pools shared by every test of the session, closed at its end."""
-    pools = RankPools()
-    yield pools
-    pools.close()
+__all__ = ["rank_pools"]
