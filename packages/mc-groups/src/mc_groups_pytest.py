@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 @pytest.fixture(scope="session")
 def rank_pools() -> Iterator[RankPools]:
     """Rank-process pools shared by every test of the session, closed at its end."""
-    from mc_groups.testing import RankPools
+    from mc_groups.testing import RankPools  # noqa: PLC0415 (lazy: torch only when used)
 
     pools = RankPools()
     yield pools
