@@ -10,6 +10,8 @@
 - :mod:`mc_tp_layers.checkpoint`: DTensor views for ``torch.distributed.checkpoint``.
 - :mod:`mc_tp_layers.layers`: every name of Megatron's ``core.tensor_parallel.layers``.
 - :func:`backends`: which optional CUDA kernels (Transformer Engine, apex) are in use.
+- :func:`check_tp_agreement` / :class:`TensorParallelAgreementError`: TP peers compare how
+  they built their layers, once (:mod:`mc_tp_layers.agreement`).
 
 Groups are passed explicitly (``tp_group=`` / ``pg_collection=``); every collective goes
 through :mod:`mc_groups`, so :func:`mc_groups.record_collectives` sees it.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._gemm import backends
+from mc_tp_layers.agreement import TensorParallelAgreementError, check_tp_agreement
 from mc_tp_layers.attributes import (
     copy_gtp_attributes,
     copy_tensor_model_parallel_attributes,
@@ -77,6 +80,7 @@ __all__ = [
     "LinearWithGradAccumulationAndAsyncCommunication",
     "RNGStatesTracker",
     "RowParallelLinear",
+    "TensorParallelAgreementError",
     "TensorParallelConfig",
     "VocabParallelEmbedding",
     "VocabUtility",
@@ -85,6 +89,7 @@ __all__ = [
     "all_to_all_hp2sp",
     "all_to_all_sp2hp",
     "backends",
+    "check_tp_agreement",
     "clear_cuda_rng_tracker",
     "copy_gtp_attributes",
     "copy_tensor_model_parallel_attributes",

@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups.schedule_check import PlannedCollective, verify_schedule
+from mc_groups import schedule_check
 
 __all__ = ["LayerFingerprint", "TensorParallelAgreementError", "check_tp_agreement"]
 
@@ -215,9 +215,11 @@ def _encode(batch: list[LayerFingerprint]) -> str:
 
 
 def _compare(group: dist.ProcessGroup, batch: list[LayerFingerprint]) -> None:
-    planned = PlannedCollective(kind=_KIND, payload=f"{len(batch)} layer(s)", detail=_encode(batch))
+    planned = schedule_check.PlannedCollective(
+        kind=_KIND, payload=f"{len(batch)} layer(s)", detail=_encode(batch)
+    )
     try:
-        verify_schedule(group, planned, _exchange_device(group))
+        schedule_check.verify_schedule(group, planned, _exchange_device(group))
     except mg.CollectiveScheduleError as err:
         variants = _variants(str(err))
         if variants is None:  # a peer was about to run something else: its error says what
