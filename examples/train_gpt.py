@@ -13,7 +13,16 @@ Flags change the layout (``--tp``, ``--dp``, ``--[no-]sequence-parallel``,
 
 On GPUs: ``torchrun --nproc-per-node N -m examples.train_gpt --backend nccl --tp T --dp D``
 (T × D = N): each rank trains on ``cuda:LOCAL_RANK`` over NCCL; the parity reference still
-runs on rank 0's CPU. gloo (CPU) stays the default.
+runs on rank 0's CPU. gloo (CPU) stays the default. On several nodes: one ``torchrun
+--nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT`` per node
+(README, "Multi-node"); the trainer only reads the world torchrun built.
+
+Checkpoints (:mod:`examples.gpt.resume`): ``--save-dir DIR --save-every N`` publishes
+``DIR/step-…`` every N steps and after the last one (model, optimizer state, step, every
+loss so far, RNG states); ``--resume auto`` continues from the newest complete one in
+``--save-dir`` (or starts fresh), ``--resume PATH`` from that one, at this run's layout.
+Under ``torchrun --max-restarts K … --resume auto`` a run that lost a rank restarts from its
+last complete checkpoint, and its ``metrics.json`` equals an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -21,9 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -37,6 +47,7 @@ from examples.gpt import (
     GPTConfig,
     OptimizerConfig,
     ParallelLayout,
+    Trainer,
     corpus,
     full_shapes,
     global_batch,
@@ -45,6 +56,7 @@ from examples.gpt import (
     train_reference,
     train_step,
 )
+from examples.gpt import resume as ckpt
 
 __all__ = ["BACKENDS", "DemoResult", "DemoRun", "device_for", "main", "parse_args", "plan", "run"]
 
@@ -91,6 +103,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--parity-steps", type=int, default=20, help="steps compared with 1 process (0: skip)"
     )
     p.add_argument(
+        "--save-dir",
+        metavar="DIR",
+        help="publish checkpoints here as DIR/step-NNNNNNNN (after the last step, and every "
+        "--save-every steps); on a file system every node sees",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        metavar="N",
+        help="also save after every N steps (needs --save-dir)",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="{auto,PATH}",
+        help="auto: continue from the newest complete checkpoint in --save-dir (start fresh "
+        "when there is none); PATH: from that checkpoint folder. Any TP × DP layout resumes",
+    )
+    p.add_argument(
         "--preflight",
         type=int,
         metavar="WORLD_SIZE",
@@ -112,6 +142,25 @@ class DemoRun:
     parity_steps: int
     output: Path
     backend: str = "gloo"
+    save_dir: Path | None = None
+    save_every: int | None = None
+    resume: str | None = None
+
+    def run_settings(self) -> dict[str, object]:
+        """What a checkpoint's run shares with every run that continues it (the layout is
+        free): the model, the optimizer, the batch and the data stream."""
+        return {
+            "model": asdict(self.model),
+            "optimizer": asdict(self.optimizer),
+            "global_batch": self.global_batch,
+            "data_seed": _SEED,
+        }
+
+    def saves_after(self, step: int) -> bool:
+        """Whether a checkpoint is published after ``step`` (1-based) steps."""
+        if self.save_dir is None:
+            return False
+        return step == self.steps or (self.save_every is not None and step % self.save_every == 0)
 
 
 def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
@@ -127,8 +176,8 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
     if args.tp * args.dp != world_size:
         raise ValueError(
             f"--tp {args.tp} × --dp {args.dp} = {args.tp * args.dp}, but the demo runs on "
-            f"{world_size} ranks (torchrun --nproc-per-node); choose --tp and --dp whose "
-            f"product is {world_size}, e.g. --tp {world_size} --dp 1"
+            f"{world_size} ranks (torchrun's --nnodes × --nproc-per-node); choose --tp and "
+            f"--dp whose product is {world_size}, e.g. --tp {world_size} --dp 1"
         )
     if args.sequence_parallel and args.tp == 1:
         raise ValueError(
@@ -155,9 +204,37 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
     backend = getattr(args, "backend", "gloo")
     if backend not in BACKENDS:
         raise ValueError(f"--backend={backend!r} must be one of {', '.join(BACKENDS)}")
+    save_dir, save_every, resume = _checkpoint_flags(args)
     return DemoRun(
-        model, layout, opt, args.steps, args.global_batch, parity, Path(args.output), backend
+        model,
+        layout,
+        opt,
+        args.steps,
+        args.global_batch,
+        parity,
+        Path(args.output),
+        backend,
+        save_dir,
+        save_every,
+        resume,
     )
+
+
+def _checkpoint_flags(args: argparse.Namespace) -> tuple[Path | None, int | None, str | None]:
+    save_dir = getattr(args, "save_dir", None)
+    save_every = getattr(args, "save_every", None)
+    resume = getattr(args, "resume", None)
+    if save_every is not None and save_every < 1:
+        raise ValueError(f"--save-every={save_every} must be >= 1")
+    if save_every is not None and save_dir is None:
+        raise ValueError("--save-every needs --save-dir DIR: the folder to save into")
+    if resume == "":
+        raise ValueError("--resume needs 'auto' or the path of a checkpoint folder")
+    if resume == "auto" and save_dir is None:
+        raise ValueError(
+            "--resume auto looks for the newest checkpoint in --save-dir: pass --save-dir DIR"
+        )
+    return (None if save_dir is None else Path(save_dir)), save_every, resume
 
 
 def device_for(backend: str) -> torch.device:
@@ -178,6 +255,9 @@ class DemoResult:
     parity_max_rel_diff: float | None = None
     reference_losses: list[float] = field(default_factory=list)
     output: str = ""
+    resumed_from: str | None = None
+    resumed_step: int = 0
+    checkpoints: list[str] = field(default_factory=list)
 
 
 class _Progress:
@@ -189,6 +269,7 @@ class _Progress:
         self.every = max(1, total // 10)
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """Show step ``step`` (0-based) of ``total``."""
         done = step + 1
         filled = self.width * done // self.total
         bar = "#" * filled + "." * (self.width - filled)
@@ -238,21 +319,85 @@ def _batch(demo: DemoRun, step: int) -> torch.Tensor:
     return global_batch(step, demo.global_batch, demo.model.seq_length, seed=_SEED)
 
 
-def _train(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO) -> DemoResult:
+def _resume_verdict(demo: DemoRun, pgc: mg.ProcessGroupCollection) -> ckpt.Verdict:
+    """What every rank resumes from (collective): ``ResumeError`` on every rank when the
+    checkpoint cannot be resumed, before anything is built or written."""
+    if demo.resume is None:
+        return ckpt.Verdict(None, 0, (), None)
+    mine = ckpt.inspect(demo.resume, demo.save_dir, demo.run_settings(), demo.steps)
+    return ckpt.agree(mine, pgc.require("world", "resume"))
+
+
+def _start(demo: DemoRun, trainer: Trainer, verdict: ckpt.Verdict, out: TextIO) -> list[float]:
+    """The losses so far: none, or the checkpoint's after loading it into ``trainer``."""
+    if demo.save_dir is not None and dist.get_rank() == 0:
+        for name in ckpt.remove_partial(demo.save_dir):
+            out.write(f"removed {name}: an interrupted save, never published\n")
+    if verdict.path is None:
+        return []
+    state = ckpt.load_run(trainer, verdict)
+    if dist.get_rank() == 0:
+        out.write(f"resumed from {verdict.path} at step {state.step}\n")
+    return list(state.losses)
+
+
+def _save(demo: DemoRun, save_dir: Path, trainer: Trainer, losses: list[float]) -> str:
+    """Publish the checkpoint after ``len(losses)`` steps (collective)."""
+    state = ckpt.RunState(
+        step=len(losses),
+        losses=list(losses),
+        run=json.loads(json.dumps(demo.run_settings())),
+        layout=_layout_json(demo),
+        world_size=dist.get_world_size(),
+    )
+    hook = _sigkill_hook("save", state.step)
+    return str(ckpt.save_run(trainer, save_dir, state, before_publish=hook))
+
+
+_SIGKILL_ENV = "MC_DEMO_SIGKILL_AT"
+
+
+def _sigkill_hook(where: str, step: int) -> Callable[[], None] | None:
+    """Fault injection for the elastic-restart tests (not a user feature):
+    ``MC_DEMO_SIGKILL_AT=RANK:STEP:WHERE`` makes rank RANK SIGKILL itself after step STEP
+    (``step``) or while the step-STEP checkpoint is half written (``save``: its own part on
+    disk, nothing published), on torchrun's first attempt only
+    (``TORCHELASTIC_RESTART_COUNT`` 0), so the restarted group runs through."""
+    spec = os.environ.get(_SIGKILL_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    rank, at, kind = spec.split(":")
+    if (int(rank), int(at), kind) != (dist.get_rank(), step, where):
+        return None
+    return lambda: os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _train(
+    demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO, verdict: ckpt.Verdict
+) -> DemoResult:
     full = init_full_weights(demo.model, _SEED)
     device = device_for(demo.backend)
     trainer = parallelize(demo.model, demo.layout, demo.optimizer, pgc, full, device)
+    losses = _start(demo, trainer, verdict, out)
+    first = len(losses)
     progress = _Progress(demo.steps, out)
     tokens_per_step = demo.global_batch * demo.model.seq_length
-    losses: list[float] = []
+    saved: list[str] = []
     start = time.perf_counter()
-    for step in range(demo.steps):
+    for step in range(first, demo.steps):
         losses.append(train_step(trainer, _batch(demo, step)))
         elapsed = time.perf_counter() - start
         if dist.get_rank() == 0:
-            progress.update(step, losses[-1], tokens_per_step * (step + 1) / elapsed)
+            progress.update(step, losses[-1], tokens_per_step * (step + 1 - first) / elapsed)
+        if (kill := _sigkill_hook("step", step + 1)) is not None:
+            kill()
+        if demo.save_dir is not None and demo.saves_after(step + 1):
+            saved.append(_save(demo, demo.save_dir, trainer, losses))
     seconds = time.perf_counter() - start
-    return DemoResult(losses, tokens_per_step * demo.steps / seconds, seconds)
+    trained = demo.steps - first
+    result = DemoResult(losses, tokens_per_step * trained / seconds if trained else 0.0, seconds)
+    result.resumed_from, result.resumed_step, result.checkpoints = verdict.path, first, saved
+    return result
 
 
 def _parity(demo: DemoRun, result: DemoResult) -> None:
@@ -269,12 +414,16 @@ def _parity(demo: DemoRun, result: DemoResult) -> None:
     )
 
 
+def _layout_json(demo: DemoRun) -> dict[str, object]:
+    return {**asdict(demo.layout), "params_dtype": str(demo.layout.params_dtype)}
+
+
 def _write_outputs(demo: DemoRun, result: DemoResult) -> Path:
     folder = demo.output.resolve()
     folder.mkdir(parents=True, exist_ok=True)
     metrics = {
         "model": asdict(demo.model),
-        "layout": {**asdict(demo.layout), "params_dtype": str(demo.layout.params_dtype)},
+        "layout": _layout_json(demo),
         "optimizer": asdict(demo.optimizer),
         "steps": demo.steps,
         "global_batch": demo.global_batch,
@@ -287,6 +436,9 @@ def _write_outputs(demo: DemoRun, result: DemoResult) -> Path:
         "parity_steps": demo.parity_steps,
         "reference_losses": result.reference_losses,
         "parity_max_rel_diff": result.parity_max_rel_diff,
+        "resumed_from": result.resumed_from,
+        "resumed_step": result.resumed_step,
+        "checkpoints": result.checkpoints,
     }
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
     _plot(demo, result, folder / "loss.png")
@@ -335,16 +487,27 @@ def _summary(demo: DemoRun, result: DemoResult, folder: Path, out: TextIO) -> No
             f"parity: steps 1-{demo.parity_steps} against the same GPT in plain PyTorch on 1 "
             f"process: max relative loss difference {result.parity_max_rel_diff:.1e}\n"
         )
+    if result.checkpoints:
+        out.write(
+            f"saved {len(result.checkpoints)} checkpoint(s) to {demo.save_dir} (last: "
+            f"{Path(result.checkpoints[-1]).name})\n"
+        )
     out.write(f"wrote loss.png and metrics.json to {folder}\n")
 
 
 def run(demo: DemoRun, out: TextIO = sys.stdout) -> DemoResult:
     """Train on the already initialised world; rank 0 reports to ``out`` and writes the
-    outputs. Collective: every rank calls it."""
+    outputs. Collective: every rank calls it.
+
+    With ``demo.resume``, the ranks first agree on the checkpoint (``ResumeError`` on every
+    rank, before anything is built or written, when it cannot be resumed); the losses of
+    the result then start at step 1 (the checkpoint's history), and training at its step.
+    """
     pgc = mg.initialize_model_parallel(demo.layout.tp)
     try:
+        verdict = _resume_verdict(demo, pgc)
         _header(demo, pgc, out)
-        result = _train(demo, pgc, out)
+        result = _train(demo, pgc, out, verdict)
         if dist.get_rank() == 0:
             _parity(demo, result)
             folder = _write_outputs(demo, result)
@@ -403,6 +566,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.init_process_group(demo.backend, timeout=timedelta(seconds=120), device_id=device)
     try:
         run(demo)
+    except ckpt.ResumeError as err:
+        if rank == 0:  # every rank raised the same error
+            print(f"train_gpt: error: {err}", file=sys.stderr)
+        return 2
     finally:
         dist.destroy_process_group()
     return 0
