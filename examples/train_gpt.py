@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -146,7 +146,7 @@ class DemoRun:
     save_every: int | None = None
     resume: str | None = None
 
-    def run_settings(self) -> dict[str, object]:
+    def run_settings(self) -> dict[str, Any]:
         """What a checkpoint's run shares with every run that continues it (the layout is
         free): the model, the optimizer, the batch and the data stream."""
         return {
@@ -330,9 +330,11 @@ def _resume_verdict(demo: DemoRun, pgc: mg.ProcessGroupCollection) -> ckpt.Verdi
 
 def _start(demo: DemoRun, trainer: Trainer, verdict: ckpt.Verdict, out: TextIO) -> list[float]:
     """The losses so far: none, or the checkpoint's after loading it into ``trainer``."""
-    if demo.save_dir is not None and dist.get_rank() == 0:
-        for name in ckpt.remove_partial(demo.save_dir):
-            out.write(f"removed {name}: an interrupted save, never published\n")
+    if dist.get_rank() == 0:
+        removed = [] if demo.save_dir is None else ckpt.remove_partial(demo.save_dir)
+        for name in sorted({*verdict.ignored, *removed}):
+            gone = " (removed: an interrupted save)" if name in removed else ""
+            out.write(f"ignored {name}: incomplete, never loaded{gone}\n")
     if verdict.path is None:
         return []
     state = ckpt.load_run(trainer, verdict)
