@@ -62,7 +62,7 @@ from __future__ import annotations
 import json
 import re
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -155,7 +155,7 @@ def settle(entry: LayerFingerprint) -> None:
         _settle(entry.ledger)
 
 
-def check_tp_agreement(model: torch.nn.Module | Iterable[torch.nn.Module]) -> int:
+def check_tp_agreement(model: torch.nn.Module | Sequence[torch.nn.Module]) -> int:
     """Compare now, over each TP group, how every rank built the TP layers of ``model``.
 
     ``model`` is a module or a list of model chunks. For each TP group its layers use (in
@@ -168,6 +168,10 @@ def check_tp_agreement(model: torch.nn.Module | Iterable[torch.nn.Module]) -> in
     capturing it in a CUDA graph. Returns how many layers were compared (0 when all were
     compared before).
     """
+    if not isinstance(model, (torch.nn.Module, list, tuple)):
+        raise TypeError(
+            f"model={model!r} must be a torch.nn.Module or a list of model chunks (modules)"
+        )
     chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     for index, chunk in enumerate(chunks):
         if not isinstance(chunk, torch.nn.Module):

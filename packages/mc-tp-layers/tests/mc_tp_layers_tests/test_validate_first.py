@@ -1,0 +1,156 @@
+"""Validate, then mutate; and the same call is judged the same at every group size.
+
+A public function that refuses its arguments must leave everything as it was: the
+deferral buffers of ``drain_embedding_wgrad_compute`` (which used to pop pairs before
+failing, losing them), an RNG tracker's streams, the device generator and the default
+tracker of ``model_parallel_cuda_manual_seed``, a weight's TP tags. And a wrong argument
+that a group of one rank never needed to read (split sizes, a flag) is refused at TP=1
+exactly as at TP=2, so a script that passes on one rank does not fail on the real group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+import mc_tp_layers as tpl
+from mc_groups.testing import RankPools
+from mc_tp_layers.layers import _initialize_affine_weight_cpu
+from mc_tp_layers_tests._helpers import config, world
+
+
+def _drain(sequence_parallel: bool) -> dict[str, Any]:
+    pgc = world(2)
+    try:
+        weight = torch.ones(2, 8)
+        weight.main_grad = torch.zeros(2, 8)  # type: ignore[attr-defined]
+        if sequence_parallel:  # each activation holds this rank's rows: 2 × 2 ranks = 4
+            activations = [torch.ones(2, 8), torch.ones(3, 8)]
+        else:
+            activations = [torch.ones(4, 8), torch.ones(4, 7)]
+        grads = [torch.ones(4, 2), torch.ones(4, 2)]
+        kept = (list(activations), list(grads))
+        cfg = config(2, sequence_parallel=sequence_parallel)
+        with mg.record_collectives() as log:
+            try:
+                tpl.drain_embedding_wgrad_compute(cfg, activations, grads, weight, pgc.tp)
+                error = "no error"
+            except ValueError as err:
+                error = str(err)
+        return {
+            "error": error,
+            "kept": (activations, grads) == kept,  # same tensors, same order: nothing popped
+            "log": len(log),
+            "untouched": not weight.main_grad.any(),  # type: ignore[attr-defined]
+        }
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+@pytest.mark.parametrize(
+    ("sequence_parallel", "start"),
+    [
+        (False, "embedding_activation_buffer[1] is torch.float32 of shape (4, 7)"),
+        (True, "pair 1: the activation has 3 rows (× 2 ranks under sequence parallelism)"),
+    ],
+)
+def test_a_refused_drain_keeps_every_pair_and_communicates_nothing(
+    rank_pools: RankPools, sequence_parallel: bool, start: str
+) -> None:
+    for out in rank_pools.get(2).run(_drain, sequence_parallel):
+        assert out["error"].startswith(start), out["error"]
+        assert out["kept"]
+        assert out["log"] == 0
+        assert out["untouched"]
+
+
+def test_set_states_refused_keeps_the_streams() -> None:
+    tracker = tpl.RNGStatesTracker("cpu")
+    tracker.add("a", 1)
+    before = tracker.get_states()
+    good = before["a"]
+    with pytest.raises(TypeError, match="name=3 must be a non-empty str"):
+        tracker.set_states({"a": good, 3: good})  # type: ignore[dict-item]
+    after = tracker.get_states()
+    assert list(after) == ["a"]
+    assert torch.equal(after["a"], before["a"])
+
+
+def test_a_refused_seed_changes_no_generator_and_no_default() -> None:
+    tpl.clear_cuda_rng_tracker()
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match=r"gtp_remat_rank=2 is outside its axis of 2 rank"):
+        tpl.model_parallel_cuda_manual_seed(
+            7, gtp_remat_rank=2, gtp_remat_world_size=2, device="cpu"
+        )
+    assert torch.equal(torch.get_rng_state(), state)
+    with pytest.raises(RuntimeError, match="no default RNG tracker"):
+        tpl.get_cuda_rng_tracker()
+
+
+def test_a_refused_cpu_init_leaves_the_weight_untagged() -> None:
+    weight = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match=r"per_partition_size=3 × world_size=2 must equal"):
+        _initialize_affine_weight_cpu(weight, 4, 8, 3, 0, torch.nn.init.ones_, rank=0, world_size=2)
+    assert not hasattr(weight, "tensor_model_parallel")
+    assert not weight.any()
+
+
+def _loose(value: object) -> Any:
+    """``value`` typed as anything: lets wrong types reach the checks."""
+    return value
+
+
+CALLS: dict[str, tuple[Callable[[dist.ProcessGroup], object], str, str]] = {
+    "split sizes for three ranks": (
+        lambda g: tpl.scatter_to_sequence_parallel_region(
+            torch.ones(4, 2), g, split_sizes=[1, 1, 2]
+        ),
+        "ValueError",
+        "split_sizes=[1, 1, 2] must hold one non-negative int per rank",
+    ),
+    "a flag that is not a bool": (
+        lambda g: tpl.gather_from_sequence_parallel_region(torch.ones(2, 2), _loose("no"), g),
+        "TypeError",
+        "tensor_parallel_output_grad='no' must be a bool",
+    ),
+    "sizes that do not add up": (
+        lambda g: tpl.reduce_scatter_to_sequence_parallel_region(
+            torch.ones(4, 2), g, input_split_sizes=[5] * g.size()
+        ),
+        "ValueError",
+        "sum to",
+    ),
+    "split sizes as a string": (
+        lambda g: tpl.all_to_all(g, torch.ones(2, 2), output_split_sizes_=_loose("2")),
+        "TypeError",
+        "output_split_sizes_='2' must be a list of ints",
+    ),
+}
+
+
+def _judge(tp: int, case: str) -> tuple[str, str, int]:
+    pgc = world(tp)
+    try:
+        with mg.record_collectives() as log:
+            try:
+                CALLS[case][0](pgc.require("tp", "test"))
+                return "no error", "", len(log)
+            except (TypeError, ValueError) as err:
+                return type(err).__name__, str(err), len(log)
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+@pytest.mark.parametrize("case", list(CALLS))
+def test_the_same_call_is_judged_the_same_at_tp1_and_tp2(rank_pools: RankPools, case: str) -> None:
+    _, kind, fragment = CALLS[case]
+    for tp in (1, 2):
+        for error, message, logged in rank_pools.get(2).run(_judge, tp, case):
+            assert (error, logged) == (kind, 0), (tp, message)
+            assert fragment in message, (tp, message)
