@@ -73,7 +73,7 @@ KINDS: dict[str, tuple[object, ...]] = {
     "opt_group": ("tp", 0, Ref("pgc")),
     "dtype": ("float32", torch.int64, float),
     "opt_dtype": ("float32", torch.int64),
-    "device": ("nope", 3),
+    "device": ("nope", 2.5),
     "text": (3, b"x"),
     "collection": ("tp", Ref("world"), {"tp": None}),
     "misuse": (None,),

@@ -11,7 +11,9 @@
 - :mod:`mc_groups.device`: stream/synchronise helpers that are no-ops on CPU.
 - :class:`ModelParallelConfig`: the validated parallel config (Megatron field names).
 - :mod:`mc_groups.argcheck`: the argument checks every mc package shares (bools are bools,
-  ints >= a minimum, finite reals, float dtypes), one message shape.
+  ints >= a minimum, finite reals, float dtypes, strs), one message shape.
+- :func:`is_group_live`: False once a group was destroyed; every collective refuses a
+  destroyed group, and :func:`destroy_model_parallel` marks its collection destroyed.
 - :mod:`mc_groups.testing`: a reusable multi-process CPU harness for tests.
 """
 
@@ -35,6 +37,7 @@ from mc_groups.collectives import (
     group_rank,
     group_ranks,
     group_size,
+    is_group_live,
     needs_staging,
     recv,
     reduce_scatter,
@@ -59,7 +62,7 @@ from mc_groups.pipeline import (
     pipeline_rank,
     pipeline_size,
 )
-from mc_groups.rank_generator import AXES, RankGenerator
+from mc_groups.rank_generator import AXES, MAX_WORLD_SIZE, RankGenerator
 from mc_groups.recorder import CollectiveRecord, record_collectives
 from mc_groups.schedule_check import (
     SCHEDULE_CHECK_ENV,
@@ -72,6 +75,7 @@ __version__ = "0.3.0"
 __all__ = [
     "AXES",
     "GROUP_FIELDS",
+    "MAX_WORLD_SIZE",
     "SCHEDULE_CHECK_ENV",
     "CoalescedBatch",
     "CollectiveError",
@@ -102,6 +106,7 @@ __all__ = [
     "group_ranks",
     "group_size",
     "initialize_model_parallel",
+    "is_group_live",
     "is_pipeline_first_stage",
     "is_pipeline_last_stage",
     "needs_staging",

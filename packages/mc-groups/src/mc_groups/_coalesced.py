@@ -18,13 +18,14 @@ from mc_groups._core import (
     check_all_gather,
     check_group,
     check_op,
+    check_options,
     check_reduce_scatter,
     check_tensor,
     copy_unless_alias,
     dtype_name,
-    group_ranks,
     key_device,
     kind_text,
+    ranks_of,
     record,
 )
 from mc_groups._errors import CollectiveError
@@ -121,6 +122,7 @@ class CoalescedBatch:
         :func:`~mc_groups.reduce_scatter`)."""
         check_op(op)
         check_reduce_scatter(output, input, self._size)
+        gloo.check_staging(input, staging)
         self._claim("reduce_scatter", op)
         if self._size == 1:
             copy_unless_alias(output, input)
@@ -183,7 +185,7 @@ class CoalescedBatch:
         kind = "nothing" if self._kind is None else kind_text(*self._kind)
         text = (
             f"coalesced batch of {len(self._payload)} × {kind} on group ranks "
-            f"{list(group_ranks(self._group))}"
+            f"{list(ranks_of(self._group))}"
         )
         if self._label:
             text += f" for '{self._label}'"
@@ -224,6 +226,17 @@ class CoalescedBatch:
             self.handle = DONE
 
 
+def _check_device(device: object) -> None:
+    if device is None or isinstance(device, torch.device):
+        return
+    if not isinstance(device, str | int) or isinstance(device, bool):
+        raise TypeError(f"device={device!r} must be None, a torch.device or a device string")
+    try:
+        torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device={device!r} is not a device: {err}") from None
+
+
 @contextmanager
 def coalesced(
     group: dist.ProcessGroup,
@@ -241,6 +254,8 @@ def coalesced(
     in errors and compared by the schedule check.
     """
     check_group(group)
+    check_options(async_op, label, detail)
+    _check_device(device)
     batch = CoalescedBatch(group, async_op, label, detail)
     if group.size() == 1:
         yield batch

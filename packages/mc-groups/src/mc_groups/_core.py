@@ -13,10 +13,18 @@ import torch
 import torch.distributed as dist
 
 from mc_groups._errors import CollectiveError
+from mc_groups.argcheck import check_flag, check_real, check_str
 from mc_groups.recorder import CollectiveRecord, _emit, _recording
 from mc_groups.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
 
-__all__ = ["CollectiveHandle", "ReduceOp", "group_rank", "group_ranks", "group_size"]
+__all__ = [
+    "CollectiveHandle",
+    "ReduceOp",
+    "group_rank",
+    "group_ranks",
+    "group_size",
+    "is_group_live",
+]
 
 
 class ReduceOp(enum.Enum):
@@ -68,9 +76,11 @@ class CollectiveHandle:
         """Wait for completion; raise :class:`CollectiveError` on failure or timeout.
 
         Args:
-            timeout: seconds to wait at most; ``None`` relies on the process group's
-                timeout, which torch enforces on every operation.
+            timeout: seconds to wait at most (a finite number > 0); ``None`` relies on the
+                process group's timeout, which torch enforces on every operation.
         """
+        if timeout is not None:
+            check_real("timeout", timeout, positive=True, allow_zero=False)
         works, self._works = self._works, []
         for work in works:
             try:
@@ -88,20 +98,34 @@ class CollectiveHandle:
 DONE = CollectiveHandle((), "completed")
 
 
+def is_group_live(group: dist.ProcessGroup) -> bool:
+    """False once ``group`` was destroyed (:func:`~mc_groups.destroy_model_parallel`,
+    ``torch.distributed.destroy_process_group``) or when ``torch.distributed`` is not
+    initialised: a dictionary lookup in torch's group registry, no communication."""
+    try:
+        dist.get_backend(group)
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
 def group_size(group: dist.ProcessGroup) -> int:
     """Number of ranks in ``group``."""
-    return int(group.size())
+    return int(check_group(group).size())
 
 
 def group_rank(group: dist.ProcessGroup) -> int:
     """This process's rank inside ``group``."""
-    return int(group.rank())
+    return int(check_group(group).rank())
 
 
 def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
     """Global ranks of ``group`` in group-rank order."""
-    if group.size() == 1 and not dist.is_initialized():
-        return (0,)
+    return ranks_of(check_group(group))
+
+
+def ranks_of(group: dist.ProcessGroup) -> tuple[int, ...]:
+    """:func:`group_ranks` of a group already checked (records and error texts)."""
     return tuple(dist.get_process_group_ranks(group))
 
 
@@ -121,7 +145,7 @@ def describe(
     error says about a collective (op, the group's global ranks, the payload, the caller's
     label naming the group's role, and the caller's detail)."""
     payload = "" if tensor is None else f" ({tensor.numel()} × {dtype_name(tensor.dtype)})"
-    text = f"{op} on group ranks {list(group_ranks(group))}{payload}"
+    text = f"{op} on group ranks {list(ranks_of(group))}{payload}"
     if label:
         text += f" for '{label}'"
     if detail:
@@ -147,7 +171,7 @@ def record(
         CollectiveRecord(
             op=op,
             reduce_op=None if reduce_op is None else reduce_op.value,
-            group_ranks=group_ranks(group),
+            group_ranks=ranks_of(group),
             dtype=None if tensor is None else tensor.dtype,
             numel=numel,
             bytes=0 if tensor is None else numel * tensor.element_size(),
@@ -169,10 +193,28 @@ def issue(description: str, call: Callable[[], Any], *, async_op: bool) -> Colle
     return CollectiveHandle([work], description)
 
 
-def check_group(group: object, arg: str = "group") -> None:
-    """A real process group."""
+def check_group(group: object, arg: str = "group") -> dist.ProcessGroup:
+    """A process group that was not destroyed (``TypeError`` / ``RuntimeError``)."""
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{arg}={group!r} must be a torch.distributed.ProcessGroup")
+    if not is_group_live(group):
+        raise RuntimeError(
+            f"{arg} (a process group of {group.size()} rank(s)) was destroyed "
+            "(destroy_model_parallel() or torch.distributed.destroy_process_group()) or "
+            "torch.distributed is no longer initialised; build new groups, e.g. with "
+            "initialize_model_parallel()"
+        )
+    return group
+
+
+def check_options(async_op: object, label: object, detail: object = "") -> None:
+    """A collective's common options, and the schedule-check switch, checked at every group
+    size (a one-rank group short-circuits after this: the same call is judged the same on
+    any group)."""
+    check_flag("async_op", async_op)
+    check_str("label", label)
+    check_str("detail", detail)
+    schedule_check_enabled()  # a switch that is neither on nor off is an error everywhere
 
 
 def check_tensor(t: object, arg: str) -> torch.Tensor:

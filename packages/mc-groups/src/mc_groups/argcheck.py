@@ -9,6 +9,8 @@ before anything changes or communicates:
 - ``ValueError`` for a value of the right type outside its range, with the same shape and
   the fix where there is one.
 
+The checks' own keyword arguments (``minimum``, ``positive``, ...) are checked the same way.
+
 Domain checks (divisibility by a group size, shapes against a layout) stay with their
 package; they use these for the types. Cheap: ``isinstance`` and comparisons only, nothing
 that synchronises a device, so the checks may run on hot paths.
@@ -29,6 +31,7 @@ __all__ = [
     "check_optional_int",
     "check_patterns",
     "check_real",
+    "check_str",
     "check_tensor",
 ]
 
@@ -40,19 +43,36 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
-def check_int(name: str, value: object, *, minimum: int = 1) -> int:
-    """``value`` as an int ``>= minimum``; bools and floats are ``TypeError``."""
+def check_int(name: str, value: object, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """``value`` as an int ``>= minimum`` (and ``<= maximum`` when given); bools and floats
+    are ``TypeError``."""
+    _check_bound("minimum", minimum)
+    if maximum is not None:
+        _check_bound("maximum", maximum)
     if isinstance(value, bool) or not isinstance(value, Integral):
         why = " (a bool is not a number)" if isinstance(value, bool) else ""
         raise TypeError(f"{name}={value!r} must be an int{why}")
-    if value < minimum:
+    number = int(value)
+    if number < minimum:
         raise ValueError(f"{name}={value} must be >= {minimum}")
-    return int(value)
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name}={value} must be <= {maximum}")
+    return number
 
 
-def check_optional_int(name: str, value: object, *, minimum: int = 1) -> int | None:
+def _check_bound(name: str, bound: object) -> None:
+    # A check's own arguments: a wrong bound would compare an int with a str, or pass 1.5.
+    if isinstance(bound, bool) or not isinstance(bound, int):
+        raise TypeError(f"{name}={bound!r} must be an int")
+
+
+def check_optional_int(
+    name: str, value: object, *, minimum: int = 1, maximum: int | None = None
+) -> int | None:
     """``None``, or ``value`` checked by :func:`check_int`."""
-    return None if value is None else check_int(name, value, minimum=minimum)
+    if value is None:
+        return None
+    return check_int(name, value, minimum=minimum, maximum=maximum)
 
 
 def check_real(
@@ -62,6 +82,8 @@ def check_real(
 
     ``positive``: also ``> 0`` (``>= 0`` with ``allow_zero``).
     """
+    check_flag("positive", positive)
+    check_flag("allow_zero", allow_zero)
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name}={value!r} must be a real number")
     number = float(value)
@@ -76,7 +98,7 @@ def check_real(
 def check_float_dtype(name: str, value: object, *, allow_none: bool = False) -> torch.dtype | None:
     """A floating-point ``torch.dtype`` (or None when allowed); ``torch.int64`` or a string
     such as ``'bf16'`` is a ``TypeError``."""
-    if value is None and allow_none:
+    if check_flag("allow_none", allow_none) and value is None:
         return None
     if not isinstance(value, torch.dtype):
         none = " or None" if allow_none else ""
@@ -85,6 +107,16 @@ def check_float_dtype(name: str, value: object, *, allow_none: bool = False) -> 
         )
     if not value.is_floating_point:
         raise TypeError(f"{name}={value} must be a floating-point dtype (e.g. torch.bfloat16)")
+    return value
+
+
+def check_str(name: str, value: object, *, allow_empty: bool = True) -> str:
+    """``value`` when it is a ``str`` (non-empty unless ``allow_empty``), else a
+    ``TypeError`` (``ValueError`` for an empty one)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}={value!r} must be a str")
+    if not value and not check_flag("allow_empty", allow_empty):
+        raise ValueError(f"{name}='' must be a non-empty str")
     return value
 
 

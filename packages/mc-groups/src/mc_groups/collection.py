@@ -83,6 +83,7 @@ class ProcessGroupCollection:
     inter_expt_dp: dist.ProcessGroup | None
     intra_dist_opt: dist.ProcessGroup | None
     world: dist.ProcessGroup | None
+    _destroyed: bool = False
 
     def __init__(self, **groups: dist.ProcessGroup | None) -> None:
         unknown = sorted(set(groups) - set(GROUP_FIELDS))
@@ -107,13 +108,32 @@ class ProcessGroupCollection:
             )
         object.__setattr__(self, name, value)
 
+    @property
+    def destroyed(self) -> bool:
+        """True once :func:`~mc_groups.destroy_model_parallel` destroyed this collection."""
+        return self._destroyed
+
+    def _mark_destroyed(self) -> None:
+        object.__setattr__(self, "_destroyed", True)
+
     def require(self, name: str, needed_for: str) -> dist.ProcessGroup:
         """Return group ``name``, or raise :class:`MissingGroupError` naming the caller's need.
 
         Call it before issuing any collective so a missing group fails fast on every rank.
+        A destroyed collection is a ``RuntimeError``.
         """
+        if not isinstance(name, str):
+            raise TypeError(f"name={name!r} must be a str: a ProcessGroupCollection field")
+        if not isinstance(needed_for, str):
+            raise TypeError(f"needed_for={needed_for!r} must be a str saying what needs the group")
         if name not in GROUP_FIELDS:
             raise ValueError(f"name={name!r} is not a ProcessGroupCollection field")
+        if self._destroyed:
+            raise RuntimeError(
+                f"{needed_for} needs pg_collection.{name}, but this ProcessGroupCollection was "
+                "destroyed by destroy_model_parallel(); build a new one with "
+                "initialize_model_parallel()"
+            )
         group: dist.ProcessGroup | None = getattr(self, name)
         if group is None:
             raise MissingGroupError(
@@ -135,4 +155,5 @@ class ProcessGroupCollection:
 
     def __repr__(self) -> str:
         parts = [f"{name}({group.size()})" for name, group in self.items()]
-        return f"ProcessGroupCollection({', '.join(parts) or 'empty'})"
+        destroyed = ", destroyed" if self._destroyed else ""
+        return f"ProcessGroupCollection({', '.join(parts) or 'empty'}{destroyed})"

@@ -48,6 +48,7 @@ from mc_groups._core import (
     check_all_gather,
     check_group,
     check_op,
+    check_options,
     check_pair,
     check_reduce_scatter,
     check_schedule,
@@ -58,6 +59,7 @@ from mc_groups._core import (
     group_rank,
     group_ranks,
     group_size,
+    is_group_live,
     issue,
     record,
 )
@@ -81,6 +83,7 @@ __all__ = [
     "group_rank",
     "group_ranks",
     "group_size",
+    "is_group_live",
     "needs_staging",
     "recv",
     "reduce_scatter",
@@ -101,6 +104,7 @@ def all_reduce(
     check_group(group)
     check_tensor(tensor, "tensor")
     check_op(op)
+    check_options(async_op, label, detail)
     if group.size() == 1:
         return DONE
     check_schedule("all_reduce", group, tensor, reduce_op=op, label=label, detail=detail)
@@ -133,8 +137,10 @@ def reduce_scatter(
     """
     check_group(group)
     check_op(op)
+    check_options(async_op, label, detail)
     size = group.size()
     check_reduce_scatter(output, input, size)
+    gloo.check_staging(input, staging)
     if size == 1:
         copy_unless_alias(output, input)
         return DONE
@@ -181,6 +187,7 @@ def all_gather(
     repeated input below that; recorded as one ``all_gather`` either way.
     """
     check_group(group)
+    check_options(async_op, label, detail)
     size = group.size()
     check_all_gather(output, input, size)
     if size == 1:
@@ -220,9 +227,9 @@ def broadcast(
     """Copy ``tensor`` from the rank whose *group* rank is ``group_src`` to every rank."""
     check_group(group)
     check_tensor(tensor, "tensor")
+    check_options(async_op, label, detail)
     size = group.size()
-    if isinstance(group_src, bool) or not isinstance(group_src, int) or not 0 <= group_src < size:
-        raise ValueError(f"group_src={group_src!r} must be a group rank in [0, {size})")
+    _check_group_rank(group_src, "group_src", size)
     if size == 1:
         return DONE
     op = f"broadcast from group rank {group_src}"
@@ -235,15 +242,51 @@ def broadcast(
     )
 
 
+def _check_group_rank(value: object, arg: str, size: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{arg}={value!r} must be an int group rank in [0, {size})")
+    if not 0 <= value < size:
+        raise ValueError(f"{arg}={value!r} must be a group rank in [0, {size})")
+    return value
+
+
 def _check_splits(
-    output_split_sizes: Sequence[int] | None, input_split_sizes: Sequence[int] | None, size: int
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: object,
+    input_split_sizes: object,
+    size: int,
 ) -> None:
-    for name, splits in (
-        ("input_split_sizes", input_split_sizes),
-        ("output_split_sizes", output_split_sizes),
+    """Split sizes: ``size`` ints >= 0 adding up to dim 0 of their tensor; without them, dim
+    0 divides by ``size`` and both tensors hold as many elements."""
+    for name, splits, tensor in (
+        ("input_split_sizes", input_split_sizes, input),
+        ("output_split_sizes", output_split_sizes, output),
     ):
-        if splits is not None and len(splits) != size:
+        rows = tensor.shape[0] if tensor.dim() else 1
+        if splits is None:
+            if rows % size:
+                raise ValueError(
+                    f"all_to_all: {name.split('_')[0]} has {rows} rows (dim 0), not divisible "
+                    f"by the group size {size}; pass {name}"
+                )
+            continue
+        if isinstance(splits, str) or not isinstance(splits, Sequence):
+            raise TypeError(f"all_to_all: {name}={splits!r} must be a list of {size} ints")
+        if len(splits) != size:
             raise ValueError(f"all_to_all: {name}={list(splits)} must have {size} entries")
+        if any(isinstance(s, bool) or not isinstance(s, int) for s in splits):
+            raise TypeError(f"all_to_all: {name}={list(splits)} must hold ints")
+        if any(s < 0 for s in splits) or sum(splits) != rows:
+            raise ValueError(
+                f"all_to_all: {name}={list(splits)} must be ints >= 0 adding up to the "
+                f"{rows} rows (dim 0) of the {name.split('_')[0]}"
+            )
+    if output_split_sizes is None and input_split_sizes is None and output.numel() != input.numel():
+        raise ValueError(
+            f"all_to_all: output.numel()={output.numel()} must equal input.numel()="
+            f"{input.numel()} without split sizes"
+        )
 
 
 def all_to_all(
@@ -266,8 +309,9 @@ def all_to_all(
     check_tensor(output, "output")
     check_tensor(input, "input")
     check_pair(output, input, "all_to_all")
+    check_options(async_op, label, detail)
     size = group.size()
-    _check_splits(output_split_sizes, input_split_sizes, size)
+    _check_splits(output, input, output_split_sizes, input_split_sizes, size)
     if size == 1:
         copy_unless_alias(output, input)
         return DONE
@@ -293,6 +337,7 @@ def send(
     schedule-checked: the group's other ranks take no part)."""
     check_group(group)
     check_tensor(tensor, "tensor")
+    check_options(False, label)
     _check_peer(group, group_dst, "group_dst")
     record("send", group, tensor, reduce_op=None, async_op=False, label=label)
     issue(
@@ -309,6 +354,7 @@ def recv(
     schedule-checked)."""
     check_group(group)
     check_tensor(tensor, "tensor")
+    check_options(False, label)
     _check_peer(group, group_src, "group_src")
     record("recv", group, tensor, reduce_op=None, async_op=False, label=label)
     issue(
@@ -320,13 +366,16 @@ def recv(
 
 def _check_peer(group: dist.ProcessGroup, peer: object, arg: str) -> None:
     size, me = group.size(), group.rank()
-    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < size or peer == me:
+    if isinstance(peer, bool) or not isinstance(peer, int):
+        raise TypeError(f"{arg}={peer!r} must be an int: another group rank in [0, {size})")
+    if not 0 <= peer < size or peer == me:
         raise ValueError(f"{arg}={peer!r} must be another group rank in [0, {size}), not {me}")
 
 
 def barrier(group: dist.ProcessGroup, *, label: str = "") -> None:
     """Block until every rank of ``group`` reached this call (bounded by the group timeout)."""
     check_group(group)
+    check_options(False, label)
     if group.size() == 1:
         return
     check_schedule("barrier", group, None, label=label)
@@ -339,6 +388,7 @@ def barrier(group: dist.ProcessGroup, *, label: str = "") -> None:
 def all_gather_objects(obj: object, group: dist.ProcessGroup, *, label: str = "") -> list[object]:
     """Every rank's picklable ``obj``, in group-rank order."""
     check_group(group)
+    check_options(False, label)
     size = group.size()
     if size == 1:
         return [obj]

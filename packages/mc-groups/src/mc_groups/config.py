@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_optional_int
+
 __all__ = ["ModelParallelConfig"]
 
 _INT_FIELDS = (
@@ -51,7 +53,7 @@ class ModelParallelConfig:
             uninitialised; TP attributes are still set).
         use_cpu_initialization: build the full fp32 master weight on CPU and keep this
             rank's slice, so a TP=N model equals the TP=1 model sliced.
-        params_dtype: dtype of the layer parameters.
+        params_dtype: dtype of the layer parameters (a floating-point dtype).
         fp16 / bf16: mixed-precision flags (mutually exclusive).
         gradient_accumulation_fusion: accumulate weight gradients straight into
             ``weight.main_grad`` (the DDP grad buffer).
@@ -89,20 +91,13 @@ class ModelParallelConfig:
 
     def _check_types(self) -> None:
         for name in _INT_FIELDS:
-            _positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         for name in ("virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size"):
-            value = getattr(self, name)
-            if value is not None:
-                _positive_int(name, value)
+            check_optional_int(name, getattr(self, name))
         for name in _BOOL_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name}={value!r} must be a bool")
-        if not isinstance(self.params_dtype, torch.dtype):
-            raise TypeError(f"params_dtype={self.params_dtype!r} must be a torch.dtype")
-        limit = self.wgrad_deferral_limit
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"wgrad_deferral_limit={limit!r} must be an int >= 0")
+            check_flag(name, getattr(self, name))
+        check_float_dtype("params_dtype", self.params_dtype)
+        check_int("wgrad_deferral_limit", self.wgrad_deferral_limit, minimum=0)
 
     def _check_combinations(self) -> None:
         if self.sequence_parallel and self.tensor_model_parallel_size <= 1:
@@ -134,10 +129,3 @@ class ModelParallelConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return ModelParallelConfig(**values)
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < 1:
-        raise ValueError(f"{name}={value} must be >= 1")

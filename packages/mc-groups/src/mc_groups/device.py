@@ -39,11 +39,17 @@ StreamLike: TypeAlias = "torch.cuda.Stream | NullStream"
 """A CUDA stream, or :class:`NullStream` off CUDA."""
 
 
-def _cuda(device: torch.device | str | None) -> torch.device | None:
-    """``device`` as a torch.device when it is a CUDA device, else None."""
+def _cuda(device: object) -> torch.device | None:
+    """``device`` as a torch.device when it is a CUDA device, else None (a ``TypeError`` /
+    ``ValueError`` naming ``device`` when it is not a device at all)."""
     if device is None:
         return None
-    resolved = torch.device(device)
+    if isinstance(device, bool) or not isinstance(device, torch.device | str | int):
+        raise TypeError(f"device={device!r} must be None, a torch.device or a device string")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device={device!r} is not a device: {err}") from None
     return resolved if resolved.type == "cuda" else None
 
 
@@ -66,6 +72,11 @@ def side_stream(device: torch.device | str | None) -> StreamLike:
 @contextmanager
 def stream_scope(stream: StreamLike) -> Iterator[None]:
     """Run the block on ``stream`` (nothing to switch on CPU)."""
+    if not isinstance(stream, torch.cuda.Stream | NullStream):
+        raise TypeError(
+            f"stream={stream!r} must be a torch.cuda.Stream or a NullStream (see "
+            "current_stream / side_stream)"
+        )
     if isinstance(stream, torch.cuda.Stream):
         with torch.cuda.stream(stream):
             yield

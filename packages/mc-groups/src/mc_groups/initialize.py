@@ -7,7 +7,11 @@ The layout (Megatron-Core's)::
 
 Both generators share ``pp`` and the ``order`` string; the dense one has ``ep = 1``, the
 expert one ``cp = 1``. All sizes are validated before any group is created, so a bad layout
-fails with a ``ValueError`` on every rank instead of a hang inside ``new_group``.
+fails with a ``ValueError`` on every rank instead of a hang inside ``new_group``. Then the
+ranks compare their layouts in one all-gather of ten int64 per rank over the world (the
+sizes and a digest of ``order``): ranks that pass different layouts would otherwise create
+different groups (a hang inside ``new_group``, or groups that silently mix the wrong ranks),
+so every rank raises the same ``ValueError`` naming the fields and the ranks that differ.
 
 Every rank calls ``torch.distributed.new_group`` for every distinct rank list, in the same
 order (a collective requirement of ``new_group``); a rank list needed by several roles
@@ -16,15 +20,18 @@ order (a collective requirement of ``new_group``); a rank list needed by several
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from mc_groups._core import is_group_live, key_device
+from mc_groups.argcheck import check_flag, check_int, check_optional_int
 from mc_groups.collection import ProcessGroupCollection
-from mc_groups.collectives import barrier
-from mc_groups.rank_generator import RankGenerator
+from mc_groups.collectives import all_gather, all_gather_objects, barrier
+from mc_groups.rank_generator import MAX_WORLD_SIZE, RankGenerator
 
 __all__ = [
     "DistributedNotInitializedError",
@@ -60,14 +67,6 @@ class ParallelSizes:
     dist_opt_instances: int
 
 
-def _int_arg(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
-
-
 def _divide(world: int, parts: dict[str, int], what: str) -> int:
     product = 1
     for v in parts.values():
@@ -93,32 +92,44 @@ def validate_sizes(
     expert_gtp_remat_size: int = 1,
     num_distributed_optimizer_instances: int = 1,
 ) -> ParallelSizes:
-    """Check a layout against ``world_size`` and derive the data-parallel sizes."""
-    tp = _int_arg("tensor_model_parallel_size", tensor_model_parallel_size)
-    pp = _int_arg("pipeline_model_parallel_size", pipeline_model_parallel_size)
-    cp = _int_arg("context_parallel_size", context_parallel_size)
-    ep = _int_arg("expert_model_parallel_size", expert_model_parallel_size)
-    etp = (
-        tp
-        if expert_tensor_parallel_size is None
-        else _int_arg("expert_tensor_parallel_size", expert_tensor_parallel_size)
+    """Check a layout against ``world_size`` and derive the data-parallel sizes.
+
+    Every size is an int >= 1 (``TypeError`` / ``ValueError`` naming it), none exceeds the
+    world (``world_size`` itself is at most :data:`~mc_groups.MAX_WORLD_SIZE`), and the
+    products divide the world. Pure arithmetic: nothing is allocated or communicated.
+    """
+    world = check_int("world_size", world_size, maximum=MAX_WORLD_SIZE)
+    tp = check_int("tensor_model_parallel_size", tensor_model_parallel_size)
+    pp = check_int("pipeline_model_parallel_size", pipeline_model_parallel_size)
+    cp = check_int("context_parallel_size", context_parallel_size)
+    ep = check_int("expert_model_parallel_size", expert_model_parallel_size)
+    etp_arg = check_optional_int("expert_tensor_parallel_size", expert_tensor_parallel_size)
+    etp = tp if etp_arg is None else etp_arg
+    gtp = check_int("gtp_remat_size", gtp_remat_size)
+    egtp = check_int("expert_gtp_remat_size", expert_gtp_remat_size)
+    inst = check_int("num_distributed_optimizer_instances", num_distributed_optimizer_instances)
+    vpp = check_optional_int(
+        "virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size
     )
-    gtp = _int_arg("gtp_remat_size", gtp_remat_size)
-    egtp = _int_arg("expert_gtp_remat_size", expert_gtp_remat_size)
-    inst = _int_arg("num_distributed_optimizer_instances", num_distributed_optimizer_instances)
-    vpp = virtual_pipeline_model_parallel_size
-    if vpp is not None:
-        _int_arg("virtual_pipeline_model_parallel_size", vpp)
-        if pp <= 1:
-            raise ValueError(
-                f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size"
-                f" > 1 (got {pp}); drop the virtual size or use more pipeline stages"
-            )
-    dp = _divide(
-        world_size, {"tp": tp, "gtp_remat": gtp, "cp": cp, "pp": pp}, "the data-parallel size"
+    _within_world(
+        world,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        gtp_remat_size=gtp,
+        expert_gtp_remat_size=egtp,
+        num_distributed_optimizer_instances=inst,
     )
+    if vpp is not None and pp <= 1:
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size"
+            f" > 1 (got {pp}); drop the virtual size or use more pipeline stages"
+        )
+    dp = _divide(world, {"tp": tp, "gtp_remat": gtp, "cp": cp, "pp": pp}, "the data-parallel size")
     edp = _divide(
-        world_size,
+        world,
         {"etp": etp, "expert_gtp_remat": egtp, "ep": ep, "pp": pp},
         "the expert data-parallel size",
     )
@@ -132,7 +143,16 @@ def validate_sizes(
             f"gtp_remat_size={gtp} / expert_gtp_remat_size={egtp} cannot be combined with "
             f"num_distributed_optimizer_instances={inst} > 1; use one instance with gtp_remat"
         )
-    return ParallelSizes(world_size, tp, pp, vpp, cp, ep, etp, gtp, egtp, dp, edp, inst)
+    return ParallelSizes(world, tp, pp, vpp, cp, ep, etp, gtp, egtp, dp, edp, inst)
+
+
+def _within_world(world: int, **sizes: int) -> None:
+    for name, size in sizes.items():
+        if size > world:
+            raise ValueError(
+                f"{name}={size} exceeds the world size {world}: a parallel axis cannot span "
+                "more ranks than the world has"
+            )
 
 
 def _role_rank_lists(sizes: ParallelSizes, order: str) -> dict[str, list[list[int]]]:
@@ -230,7 +250,11 @@ def initialize_model_parallel(
     """Create every process group of the layout and return this rank's collection.
 
     Must be called by every rank with the same arguments (group creation is collective).
-    Sizes are validated before any group exists. ``timeout`` bounds every collective on the
+    Sizes are validated before any group exists; then the ranks compare their layouts (one
+    all-gather of ten int64 over the world) and every rank raises the same ``ValueError``
+    naming the fields and ranks that differ (a rank whose own arguments are invalid raises
+    at once, before any collective; its peers then wait in that all-gather until the world
+    group's timeout and raise ``CollectiveError``). ``timeout`` bounds every collective on the
     new groups (default: the default group's timeout, set by ``init_process_group``; torch
     itself would give new groups 30 minutes). With ``set_default=True`` the
     collection is also registered as the process default (see
@@ -261,8 +285,11 @@ def initialize_model_parallel(
         expert_gtp_remat_size,
         num_distributed_optimizer_instances,
     )
-    roles = _role_rank_lists(sizes, order)
-    groups = _create_groups(roles, _default_group_timeout() if timeout is None else timeout)
+    roles = _role_rank_lists(sizes, order)  # checks order: pure arithmetic
+    group_timeout = _check_timeout(timeout)
+    check_flag("set_default", set_default)
+    _agree_on_layout(sizes, order)
+    groups = _create_groups(roles, _default_group_timeout() if timeout is None else group_timeout)
     me = dist.get_rank()
     mine: dict[str, dist.ProcessGroup | None] = {}
     for role, lists in roles.items():
@@ -273,6 +300,87 @@ def initialize_model_parallel(
     if set_default:
         set_default_collection(collection)
     return collection
+
+
+def _check_timeout(timeout: object) -> timedelta | None:
+    if timeout is None:
+        return None
+    if not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"timeout={timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=5)) or "
+            "None (the default group's timeout)"
+        )
+    if timeout <= timedelta(0):
+        raise ValueError(f"timeout={timeout!r} must be positive")
+    return timeout
+
+
+_LAYOUT_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "gtp_remat_size",
+    "expert_gtp_remat_size",
+    "num_distributed_optimizer_instances",
+    "order",
+)
+
+
+def _layout_row(sizes: ParallelSizes, order: str) -> list[int]:
+    """This rank's layout as ten int64: the sizes (virtual pipeline None as 0, the expert
+    tensor-parallel size resolved) and a 63-bit digest of ``order``."""
+    digest = int.from_bytes(hashlib.blake2b(order.encode(), digest_size=8).digest(), "little")
+    return [
+        sizes.tp,
+        sizes.pp,
+        sizes.vpp or 0,
+        sizes.cp,
+        sizes.ep,
+        sizes.etp,
+        sizes.gtp_remat,
+        sizes.expert_gtp_remat,
+        sizes.dist_opt_instances,
+        digest >> 1,
+    ]
+
+
+def _agree_on_layout(sizes: ParallelSizes, order: str) -> None:
+    """Every rank raises the same ``ValueError`` when the ranks' layouts differ.
+
+    One all-gather of ten int64 per rank over the world (nothing on a world of one rank);
+    only when they differ, an all-gather of the ``order`` strings to show them. Group
+    creation is collective: ranks with different layouts would call ``new_group`` with
+    different rank lists (a hang until the timeout, or groups that mix the wrong ranks).
+    """
+    world = dist.group.WORLD
+    if world is None or dist.get_world_size() == 1:
+        return
+    device = key_device(world, None)
+    row = torch.tensor(_layout_row(sizes, order), dtype=torch.int64, device=device)
+    table = torch.empty(dist.get_world_size() * row.numel(), dtype=torch.int64, device=device)
+    all_gather(table, row, world, label="initialize_model_parallel layout")
+    rows = [[int(v) for v in r] for r in table.view(-1, row.numel()).tolist()]
+    differing = [i for i in range(row.numel()) if len({r[i] for r in rows}) > 1]
+    if not differing:
+        return
+    orders = all_gather_objects(order, world, label="initialize_model_parallel layout")
+    parts = []
+    for i in differing:
+        values: dict[object, list[int]] = {}
+        for rank, r in enumerate(rows):
+            shown: object = orders[rank] if _LAYOUT_FIELDS[i] == "order" else r[i]
+            values.setdefault(shown, []).append(rank)
+        listed = "; ".join(f"rank(s) {ranks}: {value!r}" for value, ranks in values.items())
+        parts.append(f"{_LAYOUT_FIELDS[i]} ({listed})")
+    raise ValueError(
+        "initialize_model_parallel: the ranks passed different layouts: "
+        + ", ".join(parts)
+        + ". Every rank must pass the same sizes and order (group creation is collective); "
+        "no group was created"
+    )
 
 
 def _default_group_timeout() -> timedelta | None:
@@ -334,15 +442,39 @@ def destroy_model_parallel(collection: ProcessGroupCollection) -> None:
     """Destroy the groups of ``collection`` (each once) and unregister it as default.
 
     Collective: every rank calls it (a world barrier first lets peers finish using the
-    groups).
+    groups). Checked first, before the barrier: ``collection`` must be a
+    ``ProcessGroupCollection`` not destroyed yet whose groups are all alive (a second call,
+    ``None`` or a dict is an error on the calling rank, not a failure after its peers
+    entered the barrier). The world group is never destroyed. Afterwards the collection is
+    marked destroyed: :meth:`ProcessGroupCollection.require` refuses it and every collective
+    on its groups raises a ``RuntimeError`` naming the destroyed group.
     """
+    if not isinstance(collection, ProcessGroupCollection):
+        raise TypeError(
+            f"collection={collection!r} must be the ProcessGroupCollection that "
+            "initialize_model_parallel() returned"
+        )
+    if collection.destroyed:
+        raise RuntimeError(
+            "destroy_model_parallel(): this ProcessGroupCollection was already destroyed; "
+            "call it once per initialize_model_parallel()"
+        )
+    world = dist.group.WORLD
+    dead = [n for n, g in collection.items() if g is not world and not is_group_live(g)]
+    if dead:
+        raise RuntimeError(
+            f"destroy_model_parallel(): the collection's group(s) {dead} were already "
+            "destroyed (by another collection holding them, or "
+            "torch.distributed.destroy_process_group()); nothing was destroyed"
+        )
     _world_barrier("destroy_model_parallel")
     seen: set[int] = set()
     for _, group in collection.items():
-        if id(group) in seen or group is dist.group.WORLD:
+        if id(group) in seen or group is world:
             continue
         seen.add(id(group))
         dist.destroy_process_group(group)
+    collection._mark_destroyed()
     if get_default_collection() is collection:
         clear_default_collection()
 
@@ -357,6 +489,10 @@ def set_default_collection(collection: ProcessGroupCollection) -> None:
     """Register ``collection`` for callers that pass ``pg_collection=None``."""
     if not isinstance(collection, ProcessGroupCollection):
         raise TypeError(f"collection={collection!r} must be a ProcessGroupCollection")
+    if collection.destroyed:
+        raise RuntimeError(
+            "set_default_collection(): the collection was destroyed by destroy_model_parallel()"
+        )
     _DefaultSlot.collection = collection
 
 

@@ -9,6 +9,7 @@ first stage only when ``s = 0`` and ``vp_stage = 0``, the last only when ``s = P
 
 from __future__ import annotations
 
+from mc_groups.argcheck import check_optional_int
 from mc_groups.collection import ProcessGroupCollection
 from mc_groups.collectives import group_ranks
 
@@ -22,17 +23,30 @@ __all__ = [
 ]
 
 
+def _collection(pg_collection: object, what: str) -> ProcessGroupCollection:
+    if not isinstance(pg_collection, ProcessGroupCollection):
+        raise TypeError(
+            f"{what}: pg_collection={pg_collection!r} must be a ProcessGroupCollection (e.g. "
+            "from initialize_model_parallel())"
+        )
+    return pg_collection
+
+
 def pipeline_rank(pg_collection: ProcessGroupCollection) -> int:
     """This rank's pipeline stage."""
-    return int(pg_collection.require("pp", "pipeline_rank").rank())
+    collection = _collection(pg_collection, "pipeline_rank")
+    return int(collection.require("pp", "pipeline_rank").rank())
 
 
 def pipeline_size(pg_collection: ProcessGroupCollection) -> int:
     """Number of pipeline stages."""
-    return int(pg_collection.require("pp", "pipeline_size").size())
+    collection = _collection(pg_collection, "pipeline_size")
+    return int(collection.require("pp", "pipeline_size").size())
 
 
-def _check_vp(vp_stage: int | None, vp_size: int | None) -> None:
+def _check_vp(vp_stage: object, vp_size: object) -> None:
+    vp_stage = check_optional_int("vp_stage", vp_stage, minimum=0)
+    vp_size = check_optional_int("vp_size", vp_size)
     if vp_stage is None:
         return
     if vp_size is None or not 0 <= vp_stage < vp_size:
@@ -47,6 +61,7 @@ def is_pipeline_first_stage(
     vp_size: int | None = None,
 ) -> bool:
     """True on pipeline stage 0 (and, with virtual stages, for chunk 0 only)."""
+    _collection(pg_collection, "is_pipeline_first_stage")
     _check_vp(vp_stage, vp_size)
     return pipeline_rank(pg_collection) == 0 and (vp_stage is None or vp_stage == 0)
 
@@ -57,6 +72,7 @@ def is_pipeline_last_stage(
     vp_size: int | None = None,
 ) -> bool:
     """True on the last pipeline stage (and, with virtual stages, for the last chunk only)."""
+    _collection(pg_collection, "is_pipeline_last_stage")
     _check_vp(vp_stage, vp_size)
     last = pipeline_rank(pg_collection) == pipeline_size(pg_collection) - 1
     return last and (vp_stage is None or vp_size is None or vp_stage == vp_size - 1)
@@ -64,11 +80,13 @@ def is_pipeline_last_stage(
 
 def get_pipeline_next_rank(pg_collection: ProcessGroupCollection) -> int:
     """Global rank of the next pipeline stage (wrapping around)."""
-    ranks = group_ranks(pg_collection.require("pp", "get_pipeline_next_rank"))
+    collection = _collection(pg_collection, "get_pipeline_next_rank")
+    ranks = group_ranks(collection.require("pp", "get_pipeline_next_rank"))
     return ranks[(pipeline_rank(pg_collection) + 1) % len(ranks)]
 
 
 def get_pipeline_prev_rank(pg_collection: ProcessGroupCollection) -> int:
     """Global rank of the previous pipeline stage (wrapping around)."""
-    ranks = group_ranks(pg_collection.require("pp", "get_pipeline_prev_rank"))
+    collection = _collection(pg_collection, "get_pipeline_prev_rank")
+    ranks = group_ranks(collection.require("pp", "get_pipeline_prev_rank"))
     return ranks[(pipeline_rank(pg_collection) - 1) % len(ranks)]

@@ -24,10 +24,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["AXES", "RankGenerator"]
+from mc_groups.argcheck import check_flag, check_int
+
+__all__ = ["AXES", "MAX_WORLD_SIZE", "RankGenerator"]
 
 AXES: tuple[str, ...] = ("tp", "gtp_remat", "cp", "ep", "dp", "pp")
 """Axis names an ``order`` string may contain."""
+
+MAX_WORLD_SIZE = 2**20
+"""The most ranks a layout may have (about ten times the largest clusters): a generator
+enumerates every rank, so an absurd size (``tp = 2**40``) is refused before anything is
+allocated instead of filling memory."""
 
 
 class RankGenerator:
@@ -43,7 +50,8 @@ class RankGenerator:
             after ``tp`` (dense) or after ``ep`` (expert).
 
     ``ep > 1`` together with ``cp > 1`` is a ``ValueError``: context parallelism lives in
-    the dense generator and expert parallelism in the expert one.
+    the dense generator and expert parallelism in the expert one; so is a layout of more
+    than :data:`MAX_WORLD_SIZE` ranks.
     """
 
     def __init__(
@@ -59,21 +67,27 @@ class RankGenerator:
         *,
         is_expert: bool = False,
     ) -> None:
-        sizes = {"tp": tp, "gtp_remat": gtp_remat, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
-        for name, size in sizes.items():
-            _check_size(name, size)
-        if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
-            raise ValueError(f"rank_offset={rank_offset!r} must be an int >= 0")
+        given = {"tp": tp, "gtp_remat": gtp_remat, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
+        sizes = {name: check_int(name, size) for name, size in given.items()}
+        rank_offset = check_int("rank_offset", rank_offset, minimum=0)
+        check_flag("is_expert", is_expert)
+        world = math.prod(sizes.values())
+        if world > MAX_WORLD_SIZE:
+            shown = " × ".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
+            raise ValueError(
+                f"{shown} = {world} ranks exceeds MAX_WORLD_SIZE={MAX_WORLD_SIZE}; the sizes "
+                "multiply to the world size: check for a misplaced or mistyped size"
+            )
         if ep > 1 and cp > 1:
             raise ValueError(
                 f"ep={ep} and cp={cp}: one RankGenerator cannot have both expert and context "
                 "parallelism > 1; use cp in the dense generator and ep in the expert generator"
             )
-        self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
-        self.gtp_remat = gtp_remat
+        self.tp, self.ep, self.dp = sizes["tp"], sizes["ep"], sizes["dp"]
+        self.pp, self.cp, self.gtp_remat = sizes["pp"], sizes["cp"], sizes["gtp_remat"]
         self.rank_offset = rank_offset
         self.is_expert = is_expert
-        self.world_size = math.prod(sizes.values())
+        self.world_size = world
         self.order = _complete_order(order, sizes, anchor="ep" if is_expert else "tp")
         self._axes = self.order.split("-")
         self._sizes = [sizes[a] for a in self._axes]
@@ -99,18 +113,13 @@ class RankGenerator:
         return f"RankGenerator({sizes}, order={self.order!r}, rank_offset={self.rank_offset})"
 
 
-def _check_size(name: str, size: object) -> None:
-    if isinstance(size, bool) or not isinstance(size, int):
-        raise TypeError(f"{name}={size!r} must be an int")
-    if size < 1:
-        raise ValueError(f"{name}={size} must be >= 1")
-
-
 def _complete_order(order: str, sizes: dict[str, int], anchor: str) -> str:
     """Validate ``order``, inject ``gtp_remat`` after ``anchor`` and append size-1 axes."""
     if not isinstance(order, str):
         raise TypeError(f"order={order!r} must be a string such as 'tp-cp-ep-dp-pp'")
     axes = [a for a in order.lower().split("-") if a]
+    if not axes:
+        raise ValueError(f"order={order!r} names no axis; use e.g. 'tp-cp-ep-dp-pp'")
     unknown = [a for a in axes if a not in sizes]
     if unknown or len(set(axes)) != len(axes):
         raise ValueError(
@@ -130,7 +139,11 @@ def _complete_order(order: str, sizes: dict[str, int], anchor: str) -> str:
     return "-".join(axes)
 
 
-def _parse_token(token: str, axes: Sequence[str]) -> set[str]:
+def _parse_token(token: object, axes: Sequence[str]) -> set[str]:
+    if not isinstance(token, str):
+        raise TypeError(
+            f"token={token!r} must be a str of axis names from {list(axes)} joined by '-'"
+        )
     names = token.lower().split("-")
     bad = [n for n in names if n not in axes]
     if bad or not token:

@@ -74,3 +74,36 @@ def test_tensors_and_patterns() -> None:
         ac.check_patterns("patterns", "all")
     with pytest.raises(TypeError, match="holds 1"):
         ac.check_patterns("patterns", [1])
+
+
+def test_ints_check_a_maximum_and_the_bounds_themselves() -> None:
+    assert ac.check_int("world_size", 8, maximum=8) == 8
+    with pytest.raises(ValueError, match=r"^world_size=9 must be <= 8$"):
+        ac.check_int("world_size", 9, maximum=8)
+    bad_bounds: list[Any] = ["1", 1.5, None, True]
+    for bound in bad_bounds:
+        with pytest.raises(TypeError, match=r"^minimum=.* must be an int$"):
+            ac.check_int("n", 3, minimum=bound)
+    with pytest.raises(TypeError, match=r"^maximum='9' must be an int$"):
+        ac.check_optional_int("n", 3, maximum="9")  # type: ignore[arg-type]
+
+
+def test_strs() -> None:
+    assert ac.check_str("label", "") == ""
+    assert ac.check_str("label", "grad reduce") == "grad reduce"
+    for bad in (3, None, b"x", ["a"]):
+        with pytest.raises(TypeError, match=r"^label=.* must be a str$"):
+            ac.check_str("label", bad)
+    with pytest.raises(ValueError, match=r"^name='' must be a non-empty str$"):
+        ac.check_str("name", "", allow_empty=False)
+
+
+def test_the_checks_own_switches_are_bools() -> None:
+    with pytest.raises(TypeError, match=r"^positive='no' must be a bool"):
+        ac.check_real("x", 1.0, positive="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^allow_zero=1 must be a bool"):
+        ac.check_real("x", 1.0, allow_zero=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^allow_none=0.0 must be a bool"):
+        ac.check_float_dtype("d", torch.float32, allow_none=0.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^allow_empty='' must be a bool"):
+        ac.check_str("s", "", allow_empty="")  # type: ignore[arg-type]

@@ -13,8 +13,10 @@ the recorder stayed empty. ``docs/bad_inputs.md`` lists the same cases.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import pytest
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups import argcheck, device
 from mc_groups.testing import RankPool, RankPools
 
 
@@ -33,16 +36,18 @@ def Loose(value: object) -> Any:  # noqa: N802 (reads as a cast)
 class Case(NamedTuple):
     """``call(world_group, rank)`` must raise ``error`` with every fragment of ``words``,
     after issuing ``issued`` collectives (0 but for a batch whose valid first collective
-    went out on gloo before the odd second one was refused). ``doc_call`` and
-    ``doc_input`` are the catalogue's "call" and "bad input" cells (markdown), read by
-    ``scripts/gen_bad_inputs.py``."""
+    went out on gloo before the odd second one was refused). With ``setup``, its result
+    (made outside the recorder: e.g. a collection already destroyed) replaces the world
+    group as ``call``'s first argument. ``doc_call`` and ``doc_input`` are the catalogue's
+    "call" and "bad input" cells (markdown), read by ``scripts/gen_bad_inputs.py``."""
 
-    call: Callable[[dist.ProcessGroup, int], object]
+    call: Callable[[Any, int], object]
     error: str
     words: tuple[str, ...]
     doc_call: str
     doc_input: str
     issued: int = 0
+    setup: Callable[[], object] | None = None
 
 
 def _batch_mixing_kinds(g: dist.ProcessGroup) -> None:
@@ -62,6 +67,31 @@ def _bad_switch(g: dist.ProcessGroup) -> None:
 def _enter(manager: Any) -> None:
     with manager:
         pass
+
+
+def _one_rank_group() -> dist.ProcessGroup:
+    """This rank alone as a group (every rank creates every rank's group, in order)."""
+    mine: dist.ProcessGroup | None = None
+    for r in range(dist.get_world_size()):
+        group: dist.ProcessGroup = dist.new_group([r])
+        if r == dist.get_rank():
+            mine = group
+    assert mine is not None
+    return mine
+
+
+def _one_rank_switch(g: dist.ProcessGroup) -> None:
+    os.environ[mg.SCHEDULE_CHECK_ENV] = "maybe"
+    try:
+        mg.all_reduce(torch.ones(2), g)
+    finally:
+        del os.environ[mg.SCHEDULE_CHECK_ENV]
+
+
+def _destroyed() -> mg.ProcessGroupCollection:
+    pgc = mg.initialize_model_parallel()
+    mg.destroy_model_parallel(pgc)
+    return pgc
 
 
 _F32, _BF16 = torch.float32, torch.bfloat16
@@ -149,8 +179,8 @@ CASES: dict[str, Case] = {
     ),
     "recv bool": Case(
         lambda g, r: mg.recv(torch.zeros(2), g, group_src=Loose(True)),
-        "ValueError",
-        ("group_src=True",),
+        "TypeError",
+        ("group_src=True", "must be an int"),
         doc_call="`recv(..., group_src=)`",
         doc_input="`True` (a bool)",
     ),
@@ -205,7 +235,7 @@ CASES: dict[str, Case] = {
     "tp on world": Case(
         lambda g, r: mg.initialize_model_parallel(tensor_model_parallel_size=3),
         "ValueError",
-        ("world size 2 is not divisible by tp=3",),
+        ("tensor_model_parallel_size=3 exceeds the world size 2",),
         doc_call="`initialize_model_parallel` (2 ranks)",
         doc_input="`tensor_model_parallel_size=3`",
     ),
@@ -436,11 +466,261 @@ CASES: dict[str, Case] = {
         doc_call="`config.replace(...)`",
         doc_input="unknown field `nonsense=`",
     ),
+    # -- issue 16: flags, texts and ranks are typed; one-rank groups are judged the same ----
+    "async_op flag": Case(
+        lambda g, r: mg.all_reduce(torch.zeros(2), g, async_op=Loose("no")),
+        "TypeError",
+        ("async_op='no' must be a bool",),
+        doc_call="`all_reduce(..., async_op=)`",
+        doc_input="`'no'` (truthy, not a bool)",
+    ),
+    "label type": Case(
+        lambda g, r: mg.all_gather(torch.zeros(4), torch.zeros(2), g, label=Loose(3)),
+        "TypeError",
+        ("label=3 must be a str",),
+        doc_call="`all_gather(..., label=)`",
+        doc_input="`3`",
+    ),
+    "broadcast source type": Case(
+        lambda g, r: mg.broadcast(torch.zeros(2), g, group_src=Loose(0.0)),
+        "TypeError",
+        ("group_src=0.0 must be an int",),
+        doc_call="`broadcast(..., group_src=)`",
+        doc_input="`0.0`",
+    ),
+    "all_to_all numel": Case(
+        lambda g, r: mg.all_to_all(torch.zeros(8), torch.zeros(4), g),
+        "ValueError",
+        ("output.numel()=8", "input.numel()=4"),
+        doc_call="`all_to_all(out, inp, group)`",
+        doc_input="output of 8 for an input of 4, no split sizes",
+    ),
+    "all_to_all split type": Case(
+        lambda g, r: mg.all_to_all(torch.zeros(4), torch.zeros(4), g, input_split_sizes=Loose(4)),
+        "TypeError",
+        ("input_split_sizes=4 must be a list of 2 ints",),
+        doc_call="`all_to_all(..., input_split_sizes=)`",
+        doc_input="`4` (an int)",
+    ),
+    "all_to_all split sum": Case(
+        lambda g, r: mg.all_to_all(torch.zeros(4), torch.zeros(4), g, input_split_sizes=[1, 5]),
+        "ValueError",
+        ("input_split_sizes=[1, 5]", "adding up to the 4 rows"),
+        doc_call="`all_to_all(..., input_split_sizes=)`",
+        doc_input="splits adding up to 6 for 4 rows",
+    ),
+    "coalesced device": Case(
+        lambda g, r: _enter(mg.coalesced(g, device=Loose("nope"))),
+        "ValueError",
+        ("device='nope' is not a device",),
+        doc_call="`coalesced(group, device=)`",
+        doc_input="`'nope'`",
+    ),
+    "group query": Case(
+        lambda g, r: mg.group_size(Loose(None)),
+        "TypeError",
+        ("group=None", "ProcessGroup"),
+        doc_call="`group_size(group)`",
+        doc_input="`None`",
+    ),
+    "switch at one rank": Case(
+        lambda g, r: _one_rank_switch(g),
+        "ValueError",
+        ("MC_CHECK_COLLECTIVE_SCHEDULE='maybe' is not a switch",),
+        setup=_one_rank_group,
+        doc_call="any collective on a one-rank group",
+        doc_input="`MC_CHECK_COLLECTIVE_SCHEDULE=maybe` (refused at every group size)",
+    ),
+    "staging at one rank": Case(
+        lambda g, r: mg.reduce_scatter(torch.zeros(4), torch.zeros(4), g, staging=torch.zeros(3)),
+        "ValueError",
+        ("staging=3 × float32 on cpu", "4 × float32 on cpu"),
+        setup=_one_rank_group,
+        doc_call="`reduce_scatter(..., staging=)` on a one-rank group",
+        doc_input="staging buffer of the wrong size (refused at every group size)",
+    ),
+    "handle timeout": Case(
+        lambda g, r: mg.all_reduce(torch.zeros(2), g, async_op=True).wait(timeout=math.nan),
+        "ValueError",
+        ("timeout=nan must be finite",),
+        setup=_one_rank_group,
+        doc_call="`handle.wait(timeout=)`",
+        doc_input="`nan`",
+    ),
+    # -- issue 16: layouts, destroy, the generator ------------------------------------------
+    "world size zero": Case(
+        lambda g, r: mg.validate_sizes(0),
+        "ValueError",
+        ("world_size=0 must be >= 1",),
+        doc_call="`validate_sizes(world_size)`",
+        doc_input="`0`",
+    ),
+    "size beyond world": Case(
+        lambda g, r: mg.validate_sizes(8, tensor_model_parallel_size=2**40),
+        "ValueError",
+        ("tensor_model_parallel_size=1099511627776 exceeds the world size 8",),
+        doc_call="`validate_sizes(8, ...)`",
+        doc_input="`tensor_model_parallel_size=2**40`",
+    ),
+    "init timeout": Case(
+        lambda g, r: mg.initialize_model_parallel(timeout=Loose(10)),
+        "TypeError",
+        ("timeout=10 must be a datetime.timedelta",),
+        doc_call="`initialize_model_parallel(timeout=)`",
+        doc_input="`10` (seconds as an int)",
+    ),
+    "init negative timeout": Case(
+        lambda g, r: mg.initialize_model_parallel(timeout=timedelta(seconds=-1)),
+        "ValueError",
+        ("timeout=", "must be positive"),
+        doc_call="`initialize_model_parallel(timeout=)`",
+        doc_input="`timedelta(seconds=-1)`",
+    ),
+    "init set_default": Case(
+        lambda g, r: mg.initialize_model_parallel(set_default=Loose("no")),
+        "TypeError",
+        ("set_default='no' must be a bool",),
+        doc_call="`initialize_model_parallel(set_default=)`",
+        doc_input="`'no'`",
+    ),
+    "init empty order": Case(
+        lambda g, r: mg.initialize_model_parallel(order=""),
+        "ValueError",
+        ("order='' names no axis",),
+        doc_call="`initialize_model_parallel(order=)`",
+        doc_input="`''`",
+    ),
+    "destroy dict": Case(
+        lambda g, r: mg.destroy_model_parallel(Loose({"tp": None})),
+        "TypeError",
+        ("collection={'tp': None} must be the ProcessGroupCollection",),
+        doc_call="`destroy_model_parallel(collection)`",
+        doc_input="`{'tp': None}` (would have destroyed the world group)",
+    ),
+    "destroy None": Case(
+        lambda g, r: mg.destroy_model_parallel(Loose(None)),
+        "TypeError",
+        ("collection=None must be the ProcessGroupCollection",),
+        doc_call="`destroy_model_parallel(collection)`",
+        doc_input="`None` (refused before the world barrier)",
+    ),
+    "destroy twice": Case(
+        lambda pgc, r: mg.destroy_model_parallel(pgc),
+        "RuntimeError",
+        ("already destroyed", "once per initialize_model_parallel()"),
+        setup=_destroyed,
+        doc_call="`destroy_model_parallel(collection)`",
+        doc_input="a second call (refused before the world barrier)",
+    ),
+    "destroyed group": Case(
+        lambda pgc, r: mg.all_reduce(torch.zeros(2), pgc.dp),
+        "RuntimeError",
+        ("group (a process group of 2 rank(s)) was destroyed",),
+        setup=_destroyed,
+        doc_call="`all_reduce(t, pgc.dp)`",
+        doc_input="a group of a destroyed collection",
+    ),
+    "destroyed collection": Case(
+        lambda pgc, r: pgc.require("dp", "a step"),
+        "RuntimeError",
+        ("a step needs pg_collection.dp", "destroyed by destroy_model_parallel()"),
+        setup=_destroyed,
+        doc_call="`pgc.require('dp', ...)`",
+        doc_input="a destroyed collection",
+    ),
+    "destroyed default": Case(
+        lambda pgc, r: mg.set_default_collection(pgc),
+        "RuntimeError",
+        ("destroyed by destroy_model_parallel()",),
+        setup=_destroyed,
+        doc_call="`set_default_collection(c)`",
+        doc_input="a destroyed collection",
+    ),
+    "require name type": Case(
+        lambda g, r: mg.ProcessGroupCollection().require(Loose(3), "a step"),
+        "TypeError",
+        ("name=3 must be a str",),
+        doc_call="`pgc.require(name, ...)`",
+        doc_input="`name=3`",
+    ),
+    "generator absurd": Case(
+        lambda g, r: mg.RankGenerator(**{**_RG, "tp": 2**40}),
+        "ValueError",
+        ("tp=1099511627776", "exceeds MAX_WORLD_SIZE=1048576"),
+        doc_call="`RankGenerator(tp=)`",
+        doc_input="`2**40` (refused before anything is allocated)",
+    ),
+    "generator expert flag": Case(
+        lambda g, r: mg.RankGenerator(**_RG, is_expert=Loose("no")),
+        "TypeError",
+        ("is_expert='no' must be a bool",),
+        doc_call="`RankGenerator(is_expert=)`",
+        doc_input="`'no'`",
+    ),
+    "generator token type": Case(
+        lambda g, r: mg.RankGenerator(**_RG).get_ranks(Loose(3)),
+        "TypeError",
+        ("token=3 must be a str",),
+        doc_call="`gen.get_ranks(token)`",
+        doc_input="`3`",
+    ),
+    # -- issue 16: config, pipeline helpers, devices, argcheck -------------------------------
+    "config integer dtype": Case(
+        lambda g, r: mg.ModelParallelConfig(params_dtype=torch.int64),
+        "TypeError",
+        ("params_dtype=torch.int64 must be a floating-point dtype",),
+        doc_call="`ModelParallelConfig(params_dtype=)`",
+        doc_input="`torch.int64`",
+    ),
+    "pipeline collection": Case(
+        lambda g, r: mg.pipeline_rank(Loose(None)),
+        "TypeError",
+        ("pipeline_rank: pg_collection=None must be a ProcessGroupCollection",),
+        doc_call="`pipeline_rank(pg_collection)`",
+        doc_input="`None`",
+    ),
+    "virtual stage type": Case(
+        lambda g, r: mg.is_pipeline_first_stage(
+            mg.ProcessGroupCollection(), vp_stage=Loose("0"), vp_size=2
+        ),
+        "TypeError",
+        ("vp_stage='0' must be an int",),
+        doc_call="`is_pipeline_first_stage(..., vp_stage=)`",
+        doc_input="`'0'`",
+    ),
+    "stream type": Case(
+        lambda g, r: _enter(device.stream_scope(Loose("x"))),
+        "TypeError",
+        ("stream='x' must be a torch.cuda.Stream or a NullStream",),
+        doc_call="`device.stream_scope(stream)`",
+        doc_input="`'x'`",
+    ),
+    "device string": Case(
+        lambda g, r: device.synchronize(Loose("nope")),
+        "ValueError",
+        ("device='nope' is not a device",),
+        doc_call="`device.synchronize(device)`",
+        doc_input="`'nope'`",
+    ),
+    "check bound": Case(
+        lambda g, r: argcheck.check_int("n", 3, minimum=Loose("1")),
+        "TypeError",
+        ("minimum='1' must be an int",),
+        doc_call="`argcheck.check_int(..., minimum=)`",
+        doc_input="`'1'`",
+    ),
+    "check flag of a check": Case(
+        lambda g, r: argcheck.check_real("x", 1.0, positive=Loose("no")),
+        "TypeError",
+        ("positive='no' must be a bool",),
+        doc_call="`argcheck.check_real(..., positive=)`",
+        doc_input="`'no'`",
+    ),
     # -- the test harness ------------------------------------------------------------------
     "pool size": Case(
         lambda g, r: RankPool(0),
         "ValueError",
-        ("world_size=0 must be an int",),
+        ("world_size=0 must be >= 1",),
         doc_call="`RankPool(world_size)`",
         doc_input="`world_size=0`",
     ),
@@ -458,6 +738,20 @@ CASES: dict[str, Case] = {
         doc_call="`RankPool(..., pg_timeout_s=)`",
         doc_input="`pg_timeout_s=0`",
     ),
+    "pool grace": Case(
+        lambda g, r: RankPool(2, failure_grace_s=math.nan),
+        "ValueError",
+        ("failure_grace_s=nan must be finite",),
+        doc_call="`RankPool(..., failure_grace_s=)`",
+        doc_input="`nan`",
+    ),
+    "pool env": Case(
+        lambda g, r: RankPool(2, env=Loose({"A": 1})),
+        "TypeError",
+        ("env={'A': 1} must be a dict of str to str",),
+        doc_call="`RankPool(..., env=)`",
+        doc_input="`{'A': 1}`",
+    ),
 }
 
 
@@ -466,11 +760,12 @@ def _run_cases() -> dict[str, tuple[str, str, int]]:
     assert g is not None
     out: dict[str, tuple[str, str, int]] = {}
     for name, case in CASES.items():
+        first: Any = g if case.setup is None else case.setup()
         with mg.record_collectives() as log:
             try:
-                case.call(g, dist.get_rank())
+                case.call(first, dist.get_rank())
                 out[name] = ("no error", "", len(log))
-            except (TypeError, ValueError) as err:
+            except (TypeError, ValueError, RuntimeError) as err:
                 out[name] = (type(err).__name__, str(err), len(log))
     return out
 

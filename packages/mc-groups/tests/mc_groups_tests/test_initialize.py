@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import mc_groups as mg
@@ -182,3 +183,105 @@ def test_not_initialised_says_how() -> None:
         pytest.skip("this process already has a default group")
     with pytest.raises(ValueError, match="init_process_group"):
         mg.initialize_model_parallel()
+
+
+def _disagreeing_layout(kw_by_rank: list[dict[str, Any]]) -> tuple[str, str, int, float]:
+    """Each rank calls initialize_model_parallel with its own arguments; what it raised, how
+    many process groups exist before and after (nothing may be created), and the world
+    group's sum afterwards (it must still work)."""
+    me = dist.get_rank()
+    before = len(dist.distributed_c10d._world.pg_map)
+    try:
+        mg.destroy_model_parallel(mg.initialize_model_parallel(**kw_by_rank[me]))
+        kind, text = "no error", ""
+    except ValueError as err:
+        kind, text = type(err).__name__, str(err)
+    created = len(dist.distributed_c10d._world.pg_map) - before
+    t = torch.ones(1)
+    world = dist.group.WORLD
+    assert world is not None
+    mg.all_reduce(t, world)
+    return kind, text, created, float(t)
+
+
+def test_ranks_that_pass_different_layouts_all_raise_the_same_error(
+    rank_pools: RankPools,
+) -> None:
+    # tp 2 on rank 0, 1 on rank 1: both layouts are valid on 2 ranks, so only comparing
+    # them finds it; before, rank 0 waited in new_group for a group rank 1 never created.
+    tp = [{"tensor_model_parallel_size": 2}, {"tensor_model_parallel_size": 1}]
+    outs = rank_pools.get(2).run(_disagreeing_layout, tp)
+    assert [o[0] for o in outs] == ["ValueError"] * 2
+    assert outs[0][1] == outs[1][1]  # the same message on every rank
+    for word in ("tensor_model_parallel_size", "rank(s) [0]: 2", "rank(s) [1]: 1"):
+        assert word in outs[0][1], outs[0][1]
+    assert "order" not in outs[0][1].split("Every rank")[0]  # only the field that differs
+    assert [(o[2], o[3]) for o in outs] == [(0, 2.0), (0, 2.0)]
+    # order (and pp) differ: the strings are shown, both fields named
+    orders = [
+        {"pipeline_model_parallel_size": 2, "order": "tp-pp-dp"},
+        {"pipeline_model_parallel_size": 1, "order": "tp-dp-pp"},
+    ]
+    outs = rank_pools.get(2).run(_disagreeing_layout, orders)
+    text = outs[0][1]
+    assert outs[1][1] == text
+    for word in ("pipeline_model_parallel_size (rank(s) [0]: 2; rank(s) [1]: 1)", "order"):
+        assert word in text, text
+    assert "'tp-pp-dp'" in text
+    assert "'tp-dp-pp'" in text
+    assert [(o[2], o[3]) for o in outs] == [(0, 2.0), (0, 2.0)]
+
+
+def _layout_exchange() -> list[tuple[str, str, tuple[int, ...], int]]:
+    with mg.record_collectives() as log:
+        pgc = mg.initialize_model_parallel(tensor_model_parallel_size=2)
+    mg.destroy_model_parallel(pgc)
+    return [(r.op, r.label, r.group_ranks, r.numel) for r in log]
+
+
+def test_agreeing_ranks_compare_ten_ints_once(rank_pools: RankPools) -> None:
+    # one all-gather of 10 int64 per rank before any group, then the creation barrier
+    for log in rank_pools.get(2).run(_layout_exchange):
+        assert log == [
+            ("all_gather", "initialize_model_parallel layout", (0, 1), 10),
+            ("barrier", "initialize_model_parallel", (0, 1), 0),
+        ]
+
+
+def _destroy_misuse() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    world_before = len(dist.distributed_c10d._world.pg_map)
+    for name, bad in (("dict", {"tp": None}), ("none", None)):
+        with mg.record_collectives() as log:
+            try:
+                mg.destroy_model_parallel(bad)  # type: ignore[arg-type]
+            except TypeError as err:
+                out[name] = (str(err), len(log))
+    pgc = mg.initialize_model_parallel()
+    mg.destroy_model_parallel(pgc)
+    with mg.record_collectives() as log:
+        try:
+            mg.destroy_model_parallel(pgc)
+        except RuntimeError as err:
+            out["twice"] = (str(err), len(log))
+    out["destroyed"] = pgc.destroyed
+    out["groups"] = len(dist.distributed_c10d._world.pg_map) - world_before
+    t = torch.ones(1)
+    world = dist.group.WORLD
+    assert world is not None
+    mg.all_reduce(t, world)  # the world group survived all of it
+    out["world_sum"] = float(t)
+    return out
+
+
+def test_destroy_refuses_what_is_not_a_live_collection_before_the_barrier(
+    rank_pools: RankPools,
+) -> None:
+    for out in rank_pools.get(2).run(_destroy_misuse):
+        assert "collection={'tp': None} must be the ProcessGroupCollection" in out["dict"][0]
+        assert "collection=None must be" in out["none"][0]
+        assert "already destroyed" in out["twice"][0]
+        assert (out["dict"][1], out["none"][1], out["twice"][1]) == (0, 0, 0)  # no barrier
+        assert out["destroyed"] is True
+        assert out["groups"] == 0  # everything initialize created was destroyed, once
+        assert out["world_sum"] == 2.0

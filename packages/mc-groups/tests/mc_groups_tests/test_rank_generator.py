@@ -7,6 +7,9 @@ fastest, groups listed with the leftmost unmasked axis fastest.
 
 from __future__ import annotations
 
+import pytest
+
+import mc_groups as mg
 from mc_groups import RankGenerator
 
 
@@ -123,3 +126,14 @@ def test_every_rank_in_exactly_one_group_per_token() -> None:
     for token in ("tp", "dp", "pp", "cp", "tp-pp", "dp-cp", "tp-dp-cp"):
         flat = sorted(r for group in g.get_ranks(token) for r in group)
         assert flat == list(range(g.world_size)), token
+
+
+def test_world_size_is_bounded_before_anything_is_allocated() -> None:
+    # exactly MAX_WORLD_SIZE ranks is a layout (2**20 = 2**10 tp × 2**10 dp); one more
+    # factor of 2 is refused in the constructor, so get_ranks never enumerates 2**40 ranks
+    gen = RankGenerator(tp=2**10, ep=1, dp=2**10, pp=1, cp=1)
+    assert gen.world_size == mg.MAX_WORLD_SIZE == 2**20
+    with pytest.raises(ValueError, match=r"tp=1024 × dp=2048 = 2097152 ranks exceeds MAX_WORLD"):
+        RankGenerator(tp=2**10, ep=1, dp=2**11, pp=1, cp=1)
+    with pytest.raises(ValueError, match=r"tp=1099511627776 = 1099511627776 ranks exceeds"):
+        RankGenerator(tp=2**40, ep=1, dp=1, pp=1, cp=1)

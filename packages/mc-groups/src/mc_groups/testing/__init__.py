@@ -25,7 +25,14 @@ from __future__ import annotations
 
 import torch
 
-from mc_groups.testing._pool import RankFailure, RankOutcome, RankPool, RankTimeout
+from mc_groups.argcheck import check_int
+from mc_groups.testing._pool import (
+    RankFailure,
+    RankOutcome,
+    RankPool,
+    RankTimeout,
+    check_times,
+)
 
 __all__ = [
     "RankFailure",
@@ -39,6 +46,7 @@ __all__ = [
 
 def gpu_skip_reason(count: int) -> str | None:
     """``None`` when ``count`` CUDA devices are visible, else the reason to skip."""
+    check_int("count", count)
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if available >= count:
         return None
@@ -59,6 +67,7 @@ class RankPools:
         call_deadline_s: float = 120.0,
         failure_grace_s: float = 2.0,
     ) -> None:
+        check_times(pg_timeout_s, call_deadline_s, failure_grace_s=failure_grace_s)
         self._pg_timeout_s = pg_timeout_s
         self._call_deadline_s = call_deadline_s
         self._failure_grace_s = failure_grace_s

@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, ParamSpec, TypeVar
 
+from mc_groups.argcheck import check_int, check_real
 from mc_groups.testing._worker import worker_main
 
 __all__ = ["RankFailure", "RankOutcome", "RankPool", "RankTimeout"]
@@ -75,6 +76,34 @@ def _default_env() -> dict[str, str]:
     return env
 
 
+def check_times(
+    pg_timeout_s: object,
+    call_deadline_s: object,
+    start_deadline_s: object = 90.0,
+    failure_grace_s: object = 2.0,
+) -> None:
+    """Timeouts and deadlines are finite seconds > 0 (the grace period >= 0): the harness
+    exists to bound every call."""
+    for name, value in (
+        ("pg_timeout_s", pg_timeout_s),
+        ("call_deadline_s", call_deadline_s),
+        ("start_deadline_s", start_deadline_s),
+    ):
+        check_real(name, value, positive=True, allow_zero=False)
+    check_real("failure_grace_s", failure_grace_s, positive=True)
+
+
+def check_env(env: object) -> dict[str, str]:
+    """``env`` as a dict of str to str (None: empty)."""
+    if env is None:
+        return {}
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise TypeError(f"env={env!r} must be a dict of str to str (environment variables)")
+    return dict(env)
+
+
 def _function_ref(fn: Callable[..., Any]) -> tuple[str, str, str | None]:
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
@@ -113,24 +142,17 @@ class RankPool:
         failure_grace_s: float = 2.0,
         env: dict[str, str] | None = None,
     ) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+        check_int("world_size", world_size)
         if backend not in _BACKENDS:
             raise ValueError(f"backend={backend!r} must be one of {_BACKENDS}")
-        for name, value in (
-            ("pg_timeout_s", pg_timeout_s),
-            ("call_deadline_s", call_deadline_s),
-            ("start_deadline_s", start_deadline_s),
-        ):
-            if not value > 0:
-                raise ValueError(f"{name}={value!r} must be > 0")
+        check_times(pg_timeout_s, call_deadline_s, start_deadline_s, failure_grace_s)
+        self._env = {**_default_env(), **check_env(env)}
         self.world_size = world_size
         self.backend = backend
         self.pg_timeout_s = pg_timeout_s
         self.call_deadline_s = call_deadline_s
         self.start_deadline_s = start_deadline_s
         self.failure_grace_s = failure_grace_s
-        self._env = {**_default_env(), **(env or {})}
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._tmpdir: str | None = None
