@@ -4,7 +4,10 @@ For every package under ``packages/``: in one fresh virtual environment that hol
 torch (pinned to the test version) and hatchling, ``pip install`` the package together with
 the closure of the mc siblings it *declares*, import it from outside the repository, check
 every name in its ``__all__`` resolves and that no undeclared mc package was installed,
-then uninstall the mc packages before the next one. Exits non-zero on the first failure.
+run ``mypy --strict`` on a short user snippet of the package's API in that environment (the
+typed-API promise, checked as users get it: from the installed wheel's ``py.typed``, not
+the repository's sources), then uninstall the mc packages before the next one. Exits
+non-zero on the first failure.
 """
 
 from __future__ import annotations
@@ -20,6 +23,72 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ROOT / "packages"
 TORCH = "torch==2.13.0"
+MYPY = "mypy==2.4.1"
+
+# What a user writes first with each package; mypy --strict must accept it against the
+# installed package (a public name that lost its annotations, or py.typed missing from the
+# wheel, fails here).
+SNIPPETS = {
+    "mc-groups": """
+import torch
+import mc_groups as mg
+
+def reduce_over_dp(t: torch.Tensor, pgc: mg.ProcessGroupCollection) -> None:
+    mg.all_reduce(t, pgc.require("dp", "my trainer"), op=mg.ReduceOp.SUM)
+
+config: mg.ModelParallelConfig = mg.ModelParallelConfig(tensor_model_parallel_size=2)
+ranks: list[list[int]] = mg.RankGenerator(2, 1, 2, 1, 1).get_ranks("tp")
+with mg.record_collectives() as log:
+    pass
+ops: list[str] = [record.op for record in log]
+""",
+    "mc-buffers": """
+import torch
+from mc_buffers import BufferKey
+
+key = BufferKey(torch.bfloat16, torch.float32, False)
+grad_dtype: torch.dtype = key.grad_dtype
+""",
+    "mc-ddp": """
+import torch
+import mc_groups as mg
+from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig, ShardedOptimizer
+
+def wrap(net: torch.nn.Module, pgc: mg.ProcessGroupCollection) -> ShardedOptimizer:
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    model = DistributedDataParallel(mg.ModelParallelConfig(), ddp_config, net, pg_collection=pgc)
+    model.zero_grad_buffer()
+    return ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+""",
+    "mc-tp-layers": """
+import torch
+import mc_groups as mg
+from mc_tp_layers import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+
+def mlp(h: int, pgc: mg.ProcessGroupCollection) -> tuple[torch.nn.Module, torch.nn.Module]:
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True)
+    init = torch.nn.init.xavier_normal_
+    up = ColumnParallelLinear(h, 4 * h, config=cfg, init_method=init, pg_collection=pgc)
+    down = RowParallelLinear(
+        4 * h, h, config=cfg, init_method=init, bias=True, input_is_parallel=True,
+        skip_bias_add=False, pg_collection=pgc,
+    )
+    return up, down
+
+def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return vocab_parallel_cross_entropy(logits, target).mean()
+""",
+    "mc-finalize": """
+from collections.abc import Sequence
+import torch
+import mc_groups as mg
+from mc_finalize import ModelChunk, finalize_model_grads
+
+def after_backward(chunks: Sequence[ModelChunk], tokens: torch.Tensor,
+                   pgc: mg.ProcessGroupCollection) -> None:
+    finalize_model_grads(chunks, num_tokens=tokens, pg_collection=pgc)
+""",
+}
 
 
 def _declared_mc_deps(package: str) -> list[str]:
@@ -73,8 +142,16 @@ def _check(python: str, package: str, workdir: Path) -> None:
         f"assert 'site-packages' in m.__file__, m.__file__; print(len(m.__all__))"
     )
     count = _run(python, "-c", probe, cwd=workdir).strip()
+    snippet = workdir / f"user_{module}.py"
+    snippet.write_text(SNIPPETS[package].lstrip(), encoding="utf-8")
+    # one cache for the five runs: torch's stubs are analysed once, not per package
+    cache = workdir / ".mypy_cache"
+    _run(python, "-m", "mypy", "--strict", "--cache-dir", str(cache), str(snippet), cwd=workdir)
     siblings = [n for n in closure if n != package] or "no siblings"
-    print(f"  {package:<14} with {siblings} + torch: import ok, {count} public names")
+    print(
+        f"  {package:<14} with {siblings} + torch: import ok, {count} public names, "
+        "mypy --strict on a user snippet ok"
+    )
     _run(python, "-m", "pip", "uninstall", "-y", "-q", *closure)
 
 
@@ -85,7 +162,7 @@ def main() -> None:
         venv = Path(tmp) / "venv"
         _run(sys.executable, "-m", "venv", str(venv))
         python = str(venv / "bin" / "python")
-        _run(python, "-m", "pip", "install", "-q", TORCH, "numpy", "hatchling")
+        _run(python, "-m", "pip", "install", "-q", TORCH, "numpy", "hatchling>=1.27", MYPY)
         print(f"install check: fresh venv with {TORCH} in {time.monotonic() - started:.0f} s")
         for package in packages:
             _check(python, package, Path(tmp))
