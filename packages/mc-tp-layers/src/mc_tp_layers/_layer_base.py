@@ -136,7 +136,7 @@ class ParallelLinear(TensorParallelModule):
         keep_master: bool,
     ) -> torch.nn.Parameter:
         """This rank's ``shape`` of the ``[output_size, input_size]`` weight, initialised."""
-        weight = common.new_parameter(shape, self.config, device)
+        weight = common.new_parameter(shape, self.config, device, self._sizes())
         self.master_weight = init.run(
             weight,
             (self.output_size, self.input_size),
@@ -160,7 +160,7 @@ class ParallelLinear(TensorParallelModule):
         self, device: torch.device, size: int, is_parallel: bool, dim: int, stride: int
     ) -> torch.nn.Parameter:
         """A bias of ``size`` (zeroed when initialising) with its TP attributes and tags."""
-        bias = common.new_parameter((size,), self.config, device)
+        bias = common.new_parameter((size,), self.config, device, self._sizes())
         set_tensor_model_parallel_attributes(bias, is_parallel, dim, stride)
         common.zero_bias(bias, self.config)
         bias.allreduce = self._allreduce()  # type: ignore[attr-defined]
@@ -170,6 +170,11 @@ class ParallelLinear(TensorParallelModule):
     def _set_bias(self, bias: torch.nn.Parameter | None) -> None:
         """Register ``bias`` (None: no bias; ``self.bias`` reads None, as in ``nn.Linear``)."""
         self.register_parameter("bias", bias)
+
+    def _sizes(self) -> str:
+        return (
+            f"{type(self).__name__}(input_size={self.input_size}, output_size={self.output_size})"
+        )
 
     def _repr_sizes(self) -> str:
         return (

@@ -172,10 +172,34 @@ def check_init_method(init_method: object) -> InitMethod:
 
 
 def new_parameter(
-    shape: tuple[int, ...], config: TensorParallelConfig, device: torch.device
+    shape: tuple[int, ...], config: TensorParallelConfig, device: torch.device, what: str
 ) -> torch.nn.Parameter:
-    """An uninitialised ``config.params_dtype`` parameter on ``device``."""
-    return torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
+    """An uninitialised ``config.params_dtype`` parameter on ``device``.
+
+    ``what`` names the layer and its sizes (``ColumnParallelLinear(input_size=..,
+    output_size=..)``) for the error when the allocation fails (absurd sizes, a device out
+    of memory): a ``RuntimeError`` naming them, the shape and the bytes asked for.
+    """
+    data = allocate(shape, config.params_dtype, device, what)
+    return torch.nn.Parameter(data)
+
+
+def allocate(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, what: str
+) -> torch.Tensor:
+    """``torch.empty(shape)``, or a ``RuntimeError`` naming ``what`` when it fails."""
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except RuntimeError as err:  # torch.OutOfMemoryError is one
+        numel = 1
+        for size in shape:
+            numel *= size
+        gib = numel * dtype.itemsize / 2**30
+        first_line = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+        raise RuntimeError(
+            f"{what} cannot allocate a {list(shape)} {dtype} tensor ({gib:,.1f} GiB) on "
+            f"{device}: {first_line}; check the sizes (or the TP size that splits them)"
+        ) from None
 
 
 class WeightInit:

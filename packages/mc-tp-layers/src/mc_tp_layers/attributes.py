@@ -22,12 +22,11 @@ deduplication).
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_flag, check_int, check_tensor
+from mc_tp_layers import _validate
 from mc_tp_layers._groups import _check_group, resolve_tp_group
 
 __all__ = [
@@ -75,13 +74,14 @@ def set_tensor_model_parallel_attributes(
     """Set ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride``.
 
     Setting the same values again is allowed; different values than those already set
-    raise ``ValueError`` (a parameter cannot be split two ways). ``dim`` is an int (not
-    range-checked: the tags describe the parameter a tensor comes from, and a flattened copy
-    keeps its source's dim), ``stride`` an int >= 1.
+    raise ``ValueError`` (a parameter cannot be split two ways). ``dim`` must be a dimension
+    of ``tensor`` (``[-ndim, ndim)``; -1 also marks an unsplit 0-D tensor), ``stride`` an
+    int >= 1. (:func:`copy_tensor_model_parallel_attributes` copies the tags unchecked: a
+    flattened copy keeps its source's dim.)
     """
     check_tensor("tensor", tensor)
     check_flag("is_parallel", is_parallel)
-    check_int("dim", dim, minimum=-sys.maxsize - 1)
+    _validate.partition_dim(dim, tensor.dim() if is_parallel else max(tensor.dim(), 1), "dim")
     check_int("stride", stride)
     wanted = {
         "tensor_model_parallel": is_parallel,

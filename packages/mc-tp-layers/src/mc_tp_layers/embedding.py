@@ -95,7 +95,11 @@ class VocabParallelEmbedding(TensorParallelModule):
         init = common.WeightInit(self.config, init_method, tracker, self.tp_group)
         init.check_tracker()
         shape = (self.num_embeddings_per_partition, embedding_dim)
-        self.weight = common.new_parameter(shape, self.config, target)
+        what = (
+            f"VocabParallelEmbedding(num_embeddings={num_embeddings}, "
+            f"embedding_dim={embedding_dim})"
+        )
+        self.weight = common.new_parameter(shape, self.config, target, what)
         init.run(self.weight, (num_embeddings, embedding_dim), 0, 1)
         self.weight.allreduce = True  # type: ignore[attr-defined]
         self._record_construction(

@@ -88,6 +88,19 @@ def _initialize_affine_weight_gpu(
         init_method(weight)
 
 
+def _allocate_master(output_size: int, input_size: int) -> torch.Tensor:
+    try:
+        return torch.empty(output_size, input_size, dtype=torch.float32)
+    except RuntimeError as err:
+        gib = output_size * input_size * 4 / 2**30
+        raise RuntimeError(
+            f"CPU initialisation cannot allocate the [{output_size}, {input_size}] fp32 "
+            f"master weight ({gib:,.1f} GiB; output_size={output_size}, "
+            f"input_size={input_size}): {str(err).splitlines()[0][:160]}; check the sizes, "
+            "or initialise on the device (use_cpu_initialization=False)"
+        ) from None
+
+
 def _check_init(init_method: object) -> None:
     if not callable(init_method):
         raise TypeError(f"init_method={init_method!r} must be callable (tensor -> None)")
@@ -197,7 +210,7 @@ def _initialize_affine_weight_cpu(
         params_dtype,
         (rank, world_size),
     )
-    master = torch.empty(output_size, input_size, dtype=torch.float32)
+    master = _allocate_master(output_size, input_size)
     with torch.no_grad():
         init_method(master)
     master = master.to(dtype=params_dtype)

@@ -140,7 +140,10 @@ class RNGStatesTracker:
             )
         size = _seeded_state(self.device, 0).numel()
         for name, state in states.items():
-            _check_name(name)
+            if not isinstance(name, str) or not name:
+                raise TypeError(
+                    f"states holds the key {name!r}; stream names must be non-empty str"
+                )
             if (
                 not isinstance(state, torch.Tensor)
                 or state.dtype != torch.uint8

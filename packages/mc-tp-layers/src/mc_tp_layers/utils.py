@@ -18,7 +18,10 @@ def divide(numerator: int, denominator: int) -> int:
     check_int("numerator", numerator, minimum=0)
     check_int("denominator", denominator)
     if numerator % denominator:
-        raise ValueError(f"{numerator} is not divisible by {denominator}")
+        raise ValueError(
+            f"{numerator} is not divisible by {denominator} (numerator={numerator}, "
+            f"denominator={denominator})"
+        )
     return numerator // denominator
 
 
@@ -32,7 +35,13 @@ def split_tensor_along_last_dim(
     check_int("num_partitions", num_partitions)
     check_flag("contiguous_split_chunks", contiguous_split_chunks)
     last = tensor.shape[-1]
-    size = divide(last, num_partitions)
+    if last % num_partitions:
+        raise ValueError(
+            f"{last} is not divisible by {num_partitions}: the last dimension of the tensor "
+            f"(shape {tuple(tensor.shape)}) does not split into num_partitions="
+            f"{num_partitions} equal chunks"
+        )
+    size = last // num_partitions
     chunks = torch.split(tensor, size, dim=-1)
     if contiguous_split_chunks:
         return tuple(chunk.contiguous() for chunk in chunks)

@@ -86,7 +86,7 @@ def test_tp_attribute_helpers() -> None:
         "partition_dim": -1,
         "partition_stride": 1,
     }
-    u = torch.zeros(2)
+    u = torch.zeros(2, 2)  # split along dim 1: a 2-D tensor (dim 1 of a 1-D one is refused)
     tpl.set_tensor_model_parallel_attributes(u, True, 1, 2)
     tpl.set_tensor_model_parallel_attributes(u, True, 1, 2)  # same values again: fine
     v = torch.zeros(2)

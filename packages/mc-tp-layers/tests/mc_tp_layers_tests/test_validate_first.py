@@ -74,7 +74,7 @@ def test_set_states_refused_keeps_the_streams() -> None:
     tracker.add("a", 1)
     before = tracker.get_states()
     good = before["a"]
-    with pytest.raises(TypeError, match="name=3 must be a non-empty str"):
+    with pytest.raises(TypeError, match="states holds the key 3; stream names must be"):
         tracker.set_states({"a": good, 3: good})  # type: ignore[dict-item]
     after = tracker.get_states()
     assert list(after) == ["a"]
