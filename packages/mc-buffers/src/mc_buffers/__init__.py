@@ -13,6 +13,9 @@ Memory and layout only; nothing here communicates (``mc_ddp`` does, over these b
   ``buckets``, ``reset``, ``scale_gradients``, ``offload_to_cpu`` / ``reload_from_cpu``),
   :class:`ParamAndGradBucket` (with per-shard views), :func:`shard_buffer`,
   :func:`build_param_and_grad_buffers` (one buffer per key).
+- :class:`OffloadedView`: what ``param.main_grad`` is while its buffer is offloaded
+  (every operation on it raises, naming the param and ``reload_from_cpu`` /
+  ``restore_grad_buffers``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from mc_buffers.layout import (
     compute_distributed_optimizer_param_layout,
     compute_full_param_layout,
 )
+from mc_buffers.offloaded import OffloadedView
 from mc_buffers.padding import (
     PARAM_START_ALIGNMENT,
     bucket_end_divisor,
@@ -42,6 +46,7 @@ __all__ = [
     "PARAM_START_ALIGNMENT",
     "BufferKey",
     "FullParamLayout",
+    "OffloadedView",
     "ParamAndGradBucket",
     "ParamAndGradBuffer",
     "PerBufferParamLayout",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from numbers import Real
 
 import torch
 
@@ -12,17 +11,15 @@ from mc_buffers._checks import (
     Param,
     as_param_list,
     check_bucket_size,
-    check_dp_size,
-    check_flag,
     check_non_empty_numel,
     check_not_views,
-    check_patterns,
     check_requires_grad,
     check_same_device,
     check_same_dtype,
     check_unique,
     describe,
 )
+from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_patterns, check_real
 
 Scale = float | torch.Tensor
 
@@ -45,14 +42,26 @@ class BufferArgs:
 
 
 def check_scale(value: object, name: str) -> Scale:
-    """A real number or a one-element tensor (e.g. ``1 / num_tokens`` kept on device)."""
+    """A finite real number, or a one-element floating-point tensor (e.g. ``1 / num_tokens``
+    kept on device: its value is not read, so a NaN there is not caught: no device sync)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{name} must be a scalar; got a tensor of shape {value.shape}")
+            raise ValueError(
+                f"{name} must be a scalar; got a tensor of shape {tuple(value.shape)} (pass "
+                "a float or a one-element tensor)"
+            )
+        if not value.is_floating_point():
+            raise TypeError(f"{name} is a {value.dtype} tensor; it must be floating-point")
         return value
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name}={value!r} must be a float (or a one-element tensor)")
-    return float(value)
+    return check_real(name, value)
+
+
+def check_scaling_factor(value: object, name: str) -> float:
+    """A buffer's or bucket's ``gradient_scaling_factor``: a finite float > 0 (0 would
+    zero every gradient; NaN/inf would poison them)."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a float when building a buffer, got a tensor")
+    return check_real(name, value, positive=True, allow_zero=False)
 
 
 def _names(param_to_name: object) -> dict[Param, str]:
@@ -62,28 +71,26 @@ def _names(param_to_name: object) -> dict[Param, str]:
         raise TypeError(
             f"param_to_name must map params to names (dict), got {type(param_to_name).__name__}"
         )
+    for name in param_to_name.values():
+        if not isinstance(name, str):
+            raise TypeError(f"param_to_name maps a param to {name!r}; every name must be a str")
     return dict(param_to_name)
 
 
 def _dtype(value: object, name: str, default: torch.dtype) -> torch.dtype:
-    if value is None:
-        return default
-    if not isinstance(value, torch.dtype):
-        raise TypeError(f"{name}={value!r} must be a torch.dtype such as torch.float32")
-    if not value.is_floating_point:
-        raise TypeError(f"{name}={value} must be a floating-point dtype")
-    return value
+    checked = check_float_dtype(name, value, allow_none=True)
+    return default if checked is None else checked
 
 
 def _indices(value: object, count: int) -> list[int] | None:
     if value is None:
         return None
-    if not isinstance(value, Sequence) or len(value) != count:
+    if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != count:
         raise ValueError(
             f"param_indices must be a sequence with one index per param ({count}), got "
             f"{value!r}; take them from group_params_for_buffers"
         )
-    return [int(i) for i in value]
+    return [check_int(f"param_indices[{i}]", v, minimum=0) for i, v in enumerate(value)]
 
 
 def _check_names_for_patterns(
@@ -134,11 +141,9 @@ def check_buffer_args(
     plist = _checked_params(params, names)
     p_dtype = _dtype(param_dtype, "param_dtype", plist[0].dtype)
     check_same_dtype(plist, p_dtype, names)
-    checked_patterns = check_patterns(patterns)
+    checked_patterns = check_patterns("param_name_patterns_for_fp32_local_accumulation", patterns)
     _check_names_for_patterns(plist, names, checked_patterns)
-    scale = check_scale(gradient_scaling_factor, "gradient_scaling_factor")
-    if isinstance(scale, torch.Tensor):
-        raise TypeError("gradient_scaling_factor must be a float when building a buffer")
+    scale = check_scaling_factor(gradient_scaling_factor, "gradient_scaling_factor")
     return BufferArgs(
         params=plist,
         names=names,
@@ -146,11 +151,11 @@ def check_buffer_args(
         grad_dtype=_dtype(grad_dtype, "grad_dtype", p_dtype),
         bucket_size=check_bucket_size(bucket_size),
         use_distributed_optimizer=check_flag(
-            use_distributed_optimizer, "use_distributed_optimizer"
+            "use_distributed_optimizer", use_distributed_optimizer
         ),
-        data_parallel_size=check_dp_size(data_parallel_size),
+        data_parallel_size=check_int("data_parallel_size", data_parallel_size),
         pad_buckets_for_high_nccl_busbw=check_flag(
-            pad_buckets_for_high_nccl_busbw, "pad_buckets_for_high_nccl_busbw"
+            "pad_buckets_for_high_nccl_busbw", pad_buckets_for_high_nccl_busbw
         ),
         patterns=checked_patterns,
         param_indices=_indices(param_indices, len(plist)),

@@ -3,10 +3,11 @@ the value, and the fix, and is raised before anything is allocated."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
-from numbers import Integral
+from collections.abc import Iterable, Mapping
 
 import torch
+
+from mc_groups.argcheck import check_optional_int
 
 Param = torch.nn.Parameter
 
@@ -17,35 +18,20 @@ BUFFER_VIEW_ATTR = "_mc_buffers_param_data_slot"
 
 
 def check_bucket_size(bucket_size: object) -> int | None:
-    """``bucket_size`` as an int >= 1, or None (one bucket)."""
-    if bucket_size is None:
-        return None
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, Integral):
-        why = "; a bool is not a size" if isinstance(bucket_size, bool) else ""
-        raise TypeError(
-            f"bucket_size={bucket_size!r} must be an int number of elements or None "
-            f"(one bucket){why}"
-        )
-    if bucket_size <= 0:
-        raise ValueError(
-            f"bucket_size={bucket_size} must be >= 1 element; pass None for a single bucket"
-        )
-    return int(bucket_size)
+    """``bucket_size`` as an int >= 1 (elements), or None (one bucket)."""
+    return check_optional_int("bucket_size", bucket_size)
 
 
-def check_dp_size(value: object, name: str = "data_parallel_size") -> int:
-    """A data-parallel size as an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name}={value!r} must be an int (the data-parallel group size)")
-    if value < 1:
-        raise ValueError(f"{name}={value} must be >= 1 (the data-parallel group size)")
-    return int(value)
-
-
-def check_flag(value: object, name: str) -> bool:
-    """A real bool (a truthy object is usually a misplaced positional argument)."""
+def param_flag(param: torch.Tensor, attr: str, default: bool) -> bool:
+    """The bool attribute ``attr`` of ``param`` (``default`` when absent); any other value
+    is a ``TypeError`` (``allreduce=0`` must not be read by its truthiness)."""
+    value = getattr(param, attr, default)
     if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be a bool")
+        dtype = str(param.dtype).removeprefix("torch.")
+        raise TypeError(
+            f"param (shape {tuple(param.shape)}, {dtype}) has {attr}={value!r}; the attribute "
+            "must be a bool (True or False)"
+        )
     return value
 
 
@@ -168,19 +154,3 @@ def check_not_views(params: list[Param], names: Mapping[Param, str] | None = Non
                 f"{own}, contiguous={p.is_contiguous()}); the buffer must own each param's "
                 "memory: make it its own tensor, e.g. torch.nn.Parameter(t.detach().clone())"
             )
-
-
-def check_patterns(patterns: object) -> tuple[str, ...]:
-    """fnmatch patterns as a tuple of str (a bare str would be iterated per character)."""
-    if isinstance(patterns, str) or not isinstance(patterns, Collection):
-        raise TypeError(
-            f"param_name_patterns_for_fp32_local_accumulation={patterns!r} must be a list or "
-            "tuple of fnmatch patterns, e.g. ('all',) or ('*.layernorm.weight',)"
-        )
-    for p in patterns:
-        if not isinstance(p, str):
-            raise TypeError(
-                f"param_name_patterns_for_fp32_local_accumulation holds {p!r}; every pattern "
-                "must be a str"
-            )
-    return tuple(patterns)

@@ -8,16 +8,18 @@ from typing import NamedTuple
 
 import torch
 
-from mc_buffers._checks import Param, check_dp_size
+from mc_buffers._args import check_scaling_factor
+from mc_buffers._checks import Param
+from mc_buffers.offloaded import OffloadedView
+from mc_groups.argcheck import check_int, check_tensor
 
 __all__ = ["ParamAndGradBucket", "ShardParamSlice", "shard_buffer"]
 
 
 def _check_shard(shard_index: object, num_shards: object, numel: int, what: str) -> int:
-    n = check_dp_size(num_shards, "num_shards")
-    if isinstance(shard_index, bool) or not isinstance(shard_index, int):
-        raise TypeError(f"shard_index={shard_index!r} must be an int (the data-parallel rank)")
-    if not 0 <= shard_index < n:
+    n = check_int("num_shards", num_shards)
+    shard_index = check_int("shard_index", shard_index, minimum=0)
+    if shard_index >= n:
         raise ValueError(f"shard_index={shard_index} must be in [0, num_shards={n})")
     if numel % n:
         raise ValueError(
@@ -33,7 +35,8 @@ def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> list[to
     View ``r`` is ``buffer[r·s : (r+1)·s]`` with ``s = numel / dp``: data-parallel rank
     ``r``'s shard, what a reduce-scatter writes on rank ``r`` and an all-gather reads there.
     """
-    dp = check_dp_size(data_parallel_world_size, "data_parallel_world_size")
+    check_tensor("buffer", buffer)
+    dp = check_int("data_parallel_world_size", data_parallel_world_size)
     if buffer.dim() != 1 or buffer.numel() % dp:
         raise ValueError(
             f"buffer of shape {tuple(buffer.shape)} must be 1-D with a numel divisible by "
@@ -55,6 +58,53 @@ class ShardParamSlice(NamedTuple):
     param_range: tuple[int, int]
     bucket_range: tuple[int, int]
     shard_range: tuple[int, int]
+
+
+def _bucket_params(params: object, bucket_id: int) -> list[Param]:
+    if isinstance(params, (str, set, frozenset)) or not isinstance(params, Sequence):
+        raise TypeError(
+            f"bucket {bucket_id}: params must be a sequence of parameters in buffer order, got "
+            f"{type(params).__name__}"
+        )
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"bucket {bucket_id}: params[{i}] is a {type(p).__name__}, not a param")
+    return list(params)
+
+
+def _check_views(grad_data: object, param_data: object, bucket_id: int) -> None:
+    grad = check_tensor("grad_data", grad_data)
+    if grad.dim() != 1:
+        raise ValueError(
+            f"bucket {bucket_id}: grad_data must be 1-D, got shape {tuple(grad.shape)}"
+        )
+    if param_data is not None:
+        data = check_tensor("param_data", param_data)
+        if data.shape != grad.shape:
+            raise ValueError(
+                f"bucket {bucket_id}: param_data of shape {tuple(data.shape)} must match "
+                f"grad_data's {tuple(grad.shape)}"
+            )
+
+
+def _check_index_map(
+    params: list[Param], index_map: object, offset: int, numel: int, bucket_id: int
+) -> None:
+    if not isinstance(index_map, Mapping):
+        raise TypeError(
+            f"bucket {bucket_id}: param_index_map must map each param to (start, end, "
+            f"bucket_id), got {type(index_map).__name__}"
+        )
+    for i, p in enumerate(params):
+        entry = index_map.get(p)
+        if entry is None:
+            raise ValueError(f"bucket {bucket_id}: param_index_map has no entry for params[{i}]")
+        start, end = entry[0] - offset, entry[1] - offset
+        if not 0 <= start <= end <= numel or end - start != p.numel():
+            raise ValueError(
+                f"bucket {bucket_id}: params[{i}] (numel {p.numel()}) is mapped to [{entry[0]}, "
+                f"{entry[1]}), not inside the bucket [{offset}, {offset + numel})"
+            )
 
 
 class ParamAndGradBucket:
@@ -90,16 +140,26 @@ class ParamAndGradBucket:
         param_index_map: Mapping[Param, tuple[int, int, int]],
         params_with_extra_main_grads: Sequence[Param] = (),
     ) -> None:
-        self.params_list: list[Param] = list(params)
+        bucket_id = check_int("bucket_id", bucket_id, minimum=0)
+        self.params_list: list[Param] = _bucket_params(params, bucket_id)
         self.params: set[Param] = set(self.params_list)
         if len(self.params) != len(self.params_list):
             raise ValueError(f"bucket {bucket_id} lists a param twice")
-        self.param_data = param_data
-        self.grad_data = grad_data
-        self.offset = offset
-        self.numel_unpadded = numel_unpadded
-        self.gradient_scaling_factor = gradient_scaling_factor
+        _check_views(grad_data, param_data, bucket_id)
+        self._param_data = param_data
+        self._grad_data = grad_data
+        self.offset = check_int("offset", offset, minimum=0)
+        self.numel_unpadded = check_int("numel_unpadded", numel_unpadded, minimum=0)
+        if self.numel_unpadded > grad_data.numel():
+            raise ValueError(
+                f"numel_unpadded={numel_unpadded} exceeds the bucket's {grad_data.numel()} "
+                "elements (grad_data)"
+            )
+        self.gradient_scaling_factor = check_scaling_factor(
+            gradient_scaling_factor, "gradient_scaling_factor"
+        )
         self.bucket_id = bucket_id
+        _check_index_map(self.params_list, param_index_map, offset, grad_data.numel(), bucket_id)
         self.param_to_index: dict[Param, tuple[int, int]] = {
             p: (param_index_map[p][0] - offset, param_index_map[p][1] - offset)
             for p in self.params_list
@@ -107,9 +167,37 @@ class ParamAndGradBucket:
         self.params_with_extra_main_grads: list[Param] = list(params_with_extra_main_grads)
 
     @property
+    def grad_data(self) -> torch.Tensor:
+        """This bucket's view of the buffer's ``grad_data``; an
+        :class:`~mc_buffers.OffloadedView` (every op refused) while offloaded."""
+        if self.is_grad_data_offloaded:
+            return OffloadedView(self._grad_data, f"grad_data of bucket {self.bucket_id}")
+        return self._grad_data
+
+    @property
+    def param_data(self) -> torch.Tensor | None:
+        """This bucket's view of the buffer's ``param_data`` (or None); an
+        :class:`~mc_buffers.OffloadedView` while offloaded."""
+        if self._param_data is not None and self.is_param_data_offloaded:
+            return OffloadedView(self._param_data, f"param_data of bucket {self.bucket_id}")
+        return self._param_data
+
+    @property
     def numel(self) -> int:
         """Elements of the bucket, padding included."""
-        return self.grad_data.numel()
+        return self._grad_data.numel()
+
+    @property
+    def is_grad_data_offloaded(self) -> bool:
+        """True while the buffer's grad storage is freed (``offload_to_cpu``): nothing may
+        read or write ``grad_data`` until it is reloaded."""
+        return self._grad_data.untyped_storage().nbytes() == 0
+
+    @property
+    def is_param_data_offloaded(self) -> bool:
+        """True while the buffer's param storage is freed (distributed optimizer)."""
+        data = self._param_data
+        return data is not None and data.untyped_storage().nbytes() == 0
 
     def shard_range(self, shard_index: int, num_shards: int) -> tuple[int, int]:
         """``[start, end)`` of shard ``shard_index`` of ``num_shards`` equal shards, in

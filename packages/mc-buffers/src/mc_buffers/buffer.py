@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from mc_buffers._args import BufferArgs, Scale, check_buffer_args, check_scale
-from mc_buffers._checks import BUFFER_VIEW_ATTR, Param, buffer_slot, check_flag
+from mc_buffers._checks import BUFFER_VIEW_ATTR, Param, buffer_slot, describe
 from mc_buffers._layout_check import check_layout
 from mc_buffers.bucket import ParamAndGradBucket
 from mc_buffers.layout import (
@@ -19,6 +19,8 @@ from mc_buffers.layout import (
     compute_default_per_buffer_param_layout,
     compute_distributed_optimizer_param_layout,
 )
+from mc_buffers.offloaded import OffloadedView
+from mc_groups.argcheck import check_flag
 
 __all__ = ["ParamAndGradBuffer"]
 
@@ -110,6 +112,7 @@ class ParamAndGradBuffer:
         self._names = args.names
         self._allocate(args)
         self.extra_main_grads: list[torch.Tensor] = []
+        self._main_grad_views: dict[Param, dict[str, torch.Tensor]] = {}
         self.buckets: list[ParamAndGradBucket] = []
         self.param_to_bucket: dict[Param, ParamAndGradBucket] = {}
         self._map_params(args.patterns)
@@ -117,15 +120,31 @@ class ParamAndGradBuffer:
         self.param_data_cpu: torch.Tensor | None = None
         self._grad_nbytes: list[int] = []
         self._param_nbytes = 0
+        self._offloaded_views: dict[Param, dict[str, tuple[torch.Tensor, OffloadedView]]] = {}
 
     # -- construction -----------------------------------------------------------------
 
     def _allocate(self, args: BufferArgs) -> None:
         device = args.params[0].device
-        self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
-        self.param_data: torch.Tensor | None = None
+        self._grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
+        self._param_data: torch.Tensor | None = None
         if self.use_distributed_optimizer:
-            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+            self._param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+
+    @property
+    def grad_data(self) -> torch.Tensor:
+        """The flat grad buffer; an :class:`~mc_buffers.OffloadedView` while offloaded."""
+        if self.is_grad_data_offloaded:
+            return OffloadedView(self._grad_data, f"grad_data of {self!r}")
+        return self._grad_data
+
+    @property
+    def param_data(self) -> torch.Tensor | None:
+        """The flat param buffer (distributed optimizer, else None); an
+        :class:`~mc_buffers.OffloadedView` while offloaded."""
+        if self._param_data is not None and self.is_param_data_offloaded:
+            return OffloadedView(self._param_data, f"param_data of {self!r}")
+        return self._param_data
 
     def _view(self, flat: torch.Tensor, param: Param) -> torch.Tensor:
         start, end, _ = self.param_index_map[param]
@@ -134,19 +153,23 @@ class ParamAndGradBuffer:
     @torch.no_grad()
     def _map_params(self, patterns: tuple[str, ...]) -> None:
         for param in self.params:
-            if self.param_data is not None:
-                new_data = self._view(self.param_data, param)
+            if self._param_data is not None:
+                new_data = self._view(self._param_data, param)
                 new_data.copy_(param.data)
                 param.data = new_data
                 setattr(param, BUFFER_VIEW_ATTR, buffer_slot(param))
-            main_grad = self._view(self.grad_data, param)
+            main_grad = self._view(self._grad_data, param)
+            views = {}
             if self._promotes(param, patterns):
                 setattr(param, _MAIN_GRAD_COPY, main_grad)
+                views[_MAIN_GRAD_COPY] = main_grad
                 main_grad = torch.zeros_like(main_grad, dtype=torch.float32)
                 self.extra_main_grads.append(main_grad)
             elif hasattr(param, _MAIN_GRAD_COPY):
                 delattr(param, _MAIN_GRAD_COPY)  # left by an earlier buffer
             setattr(param, _MAIN_GRAD, main_grad)
+            views[_MAIN_GRAD] = main_grad
+            self._main_grad_views[param] = views
 
     def _promotes(self, param: Param, patterns: tuple[str, ...]) -> bool:
         if self.grad_dtype in _WIDE_DTYPES:
@@ -166,8 +189,8 @@ class ParamAndGradBuffer:
             members = by_bucket[bucket_id]
             bucket = ParamAndGradBucket(
                 params=members,
-                param_data=None if self.param_data is None else self.param_data[start:end],
-                grad_data=self.grad_data[start:end],
+                param_data=None if self._param_data is None else self._param_data[start:end],
+                grad_data=self._grad_data[start:end],
                 offset=start,
                 numel_unpadded=self.param_layout.per_bucket_numel_unpadded[bucket_id],
                 gradient_scaling_factor=self.gradient_scaling_factor,
@@ -201,7 +224,7 @@ class ParamAndGradBuffer:
     def reset(self) -> None:
         """Zero ``grad_data`` and every separate fp32 ``main_grad``."""
         self._require_resident_grads("reset()")
-        self.grad_data.zero_()
+        self._grad_data.zero_()
         for grad in self.extra_main_grads:
             grad.zero_()
 
@@ -213,63 +236,90 @@ class ParamAndGradBuffer:
         """
         factor = check_scale(scaling_factor, "scaling_factor")
         self._require_resident_grads("scale_gradients()")
-        self.grad_data.mul_(factor)
+        self._grad_data.mul_(factor)
         for grad in self.extra_main_grads:
             grad.mul_(factor)
 
     # -- offload ----------------------------------------------------------------------
 
     def _grad_tensors(self) -> list[torch.Tensor]:
-        return [self.grad_data, *self.extra_main_grads]
+        return [self._grad_data, *self.extra_main_grads]
 
     @torch.no_grad()
     def offload_to_cpu(self, move_params: bool = True, move_grads: bool = True) -> None:
-        """Release device memory; views (``main_grad``, bucket views, ``param.data``) stay
-        valid objects but must not be read until :meth:`reload_from_cpu`.
+        """Release device memory; views (bucket views, ``param.data``) stay valid objects
+        but must not be read until :meth:`reload_from_cpu`.
 
         Grads: each storage is resized to 0 bytes (nothing is copied; they come back
-        zeroed). Params (distributed optimizer only): ``param_data`` is first copied to
-        ``param_data_cpu`` (pinned on CUDA), then its storage is resized to 0. Offloading
-        what is already offloaded does nothing.
+        zeroed), and each param's ``main_grad`` (and ``main_grad_copy_in_grad_buffer``) is
+        swapped for an :class:`~mc_buffers.OffloadedView` on which every operation
+        raises (a write into the freed view would corrupt memory or crash the process);
+        :meth:`reload_from_cpu` puts the original views back. Params (distributed
+        optimizer only): ``param_data`` is first copied to ``param_data_cpu`` (pinned on
+        CUDA), then its storage is resized to 0. Offloading what is already offloaded does
+        nothing.
         """
-        if check_flag(move_grads, "move_grads") and not self.is_grad_data_offloaded:
+        grads = check_flag("move_grads", move_grads)
+        params = check_flag("move_params", move_params)
+        if grads and not self.is_grad_data_offloaded:
             self._grad_nbytes = [t.untyped_storage().nbytes() for t in self._grad_tensors()]
+            self._swap_in_sentinels()
             for t in self._grad_tensors():
                 t.untyped_storage().resize_(0)
-        params_resident = self.param_data is not None and not self.is_param_data_offloaded
-        if check_flag(move_params, "move_params") and params_resident:
+        if params and self._param_data is not None and not self.is_param_data_offloaded:
             self._offload_params()
 
+    def _swap_in_sentinels(self) -> None:
+        for param, views in self._main_grad_views.items():
+            swapped = {}
+            for attr, view in views.items():
+                if getattr(param, attr, None) is view:  # not re-pointed since (DDP re-wrap)
+                    sentinel = OffloadedView(view, f"{attr} of {describe(param, self._names)}")
+                    setattr(param, attr, sentinel)
+                    swapped[attr] = (view, sentinel)
+            self._offloaded_views[param] = swapped
+
+    def _swap_out_sentinels(self) -> None:
+        for param, swapped in self._offloaded_views.items():
+            for attr, (view, sentinel) in swapped.items():
+                if getattr(param, attr, None) is sentinel:
+                    setattr(param, attr, view)
+        self._offloaded_views = {}
+
     def _offload_params(self) -> None:
-        assert self.param_data is not None  # guarded by the caller
-        on_cuda = self.param_data.device.type == "cuda"
+        assert self._param_data is not None  # guarded by the caller
+        on_cuda = self._param_data.device.type == "cuda"
         if self.param_data_cpu is None:
             self.param_data_cpu = torch.empty(
-                self.param_data.shape, dtype=self.param_dtype, pin_memory=on_cuda
+                self._param_data.shape, dtype=self.param_dtype, pin_memory=on_cuda
             )
-        self.param_data_cpu.copy_(self.param_data, non_blocking=on_cuda)
-        self._param_nbytes = self.param_data.untyped_storage().nbytes()
-        self.param_data.untyped_storage().resize_(0)
+        self.param_data_cpu.copy_(self._param_data, non_blocking=on_cuda)
+        self._param_nbytes = self._param_data.untyped_storage().nbytes()
+        self._param_data.untyped_storage().resize_(0)
 
     @torch.no_grad()
     def reload_from_cpu(self, move_params: bool = True, move_grads: bool = True) -> None:
         """Re-allocate what :meth:`offload_to_cpu` released: params get their values back
-        from ``param_data_cpu``; grads (and separate fp32 ``main_grad`` s) come back zeroed.
-        Reloading what is resident does nothing."""
-        if check_flag(move_params, "move_params") and self.is_param_data_offloaded:
+        from ``param_data_cpu``; grads (and separate fp32 ``main_grad`` s) come back zeroed,
+        and each param's ``main_grad`` is its original view again. Reloading what is
+        resident does nothing."""
+        params = check_flag("move_params", move_params)
+        grads = check_flag("move_grads", move_grads)
+        if params and self.is_param_data_offloaded:
             self._reload_params()
-        if check_flag(move_grads, "move_grads") and self.is_grad_data_offloaded:
+        if grads and self.is_grad_data_offloaded:
             for t, nbytes in zip(self._grad_tensors(), self._grad_nbytes, strict=True):
                 t.untyped_storage().resize_(nbytes)
                 t.zero_()
             self._grad_nbytes = []
+            self._swap_out_sentinels()
 
     def _reload_params(self) -> None:
-        assert self.param_data is not None  # offloaded implies both exist
+        assert self._param_data is not None  # offloaded implies both exist
         assert self.param_data_cpu is not None
-        self.param_data.untyped_storage().resize_(self._param_nbytes)
-        on_cuda = self.param_data.device.type == "cuda"
-        self.param_data.copy_(self.param_data_cpu, non_blocking=on_cuda)
+        self._param_data.untyped_storage().resize_(self._param_nbytes)
+        on_cuda = self._param_data.device.type == "cuda"
+        self._param_data.copy_(self.param_data_cpu, non_blocking=on_cuda)
         self._param_nbytes = 0
 
     def __repr__(self) -> str:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from mc_buffers._checks import Param, as_param_list, check_dp_size, check_flag
+from mc_buffers._checks import Param, as_param_list
 from mc_buffers.buffer import ParamAndGradBuffer
 from mc_buffers.keys import BufferKey, group_params_for_buffers
 from mc_buffers.layout import FullParamLayout, compute_full_param_layout
+from mc_groups.argcheck import check_flag, check_int
 
 __all__ = ["build_param_and_grad_buffers"]
 
@@ -56,8 +57,8 @@ def build_param_and_grad_buffers(
     appearance of a key in ``params``).
     """
     plist = as_param_list(params)
-    use_dist_opt = check_flag(use_distributed_optimizer, "use_distributed_optimizer")
-    dp = check_dp_size(data_parallel_size)
+    use_dist_opt = check_flag("use_distributed_optimizer", use_distributed_optimizer)
+    dp = check_int("data_parallel_size", data_parallel_size)
     groups = group_params_for_buffers(plist, grad_reduce_in_fp32)
     computed = FullParamLayout()
     if full_param_layout is None:
@@ -99,7 +100,7 @@ def build_param_and_grad_buffers(
 
 def _expert_size(expert_dp: int | None, dp: int, use_dist_opt: bool) -> int:
     if expert_dp is not None:
-        return check_dp_size(expert_dp, "expert_data_parallel_size")
+        return check_int("expert_data_parallel_size", expert_dp)
     if use_dist_opt:
         raise ValueError(
             "expert_data_parallel_size=None but expert-parallel params (allreduce=False) "

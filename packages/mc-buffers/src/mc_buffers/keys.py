@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mc_buffers._checks import Param, as_param_list, check_requires_grad, check_unique
+from mc_buffers._checks import Param, as_param_list, check_requires_grad, check_unique, param_flag
+from mc_groups.argcheck import check_flag
 
 __all__ = ["BufferKey", "group_params_for_buffers", "is_expert_parallel_param"]
 
@@ -29,8 +30,9 @@ class BufferKey:
 
 
 def is_expert_parallel_param(param: torch.Tensor) -> bool:
-    """Megatron's rule: a param is expert-parallel when it carries ``allreduce=False``."""
-    return not getattr(param, "allreduce", True)
+    """Megatron's rule: a param is expert-parallel when it carries ``allreduce=False``
+    (a non-bool ``allreduce`` is a ``TypeError``)."""
+    return not param_flag(param, "allreduce", True)
 
 
 def group_params_for_buffers(
@@ -49,11 +51,11 @@ def group_params_for_buffers(
         to map checkpoints across param storage formats.
 
     Raises:
-        TypeError: ``params`` is unordered or holds a non-tensor.
+        TypeError: ``params`` is unordered or holds a non-tensor; an ``allreduce`` that is
+            not a bool.
         ValueError: a param does not require grad, or appears twice.
     """
-    if not isinstance(grad_reduce_in_fp32, bool):
-        raise TypeError(f"grad_reduce_in_fp32={grad_reduce_in_fp32!r} must be a bool")
+    check_flag("grad_reduce_in_fp32", grad_reduce_in_fp32)
     plist = as_param_list(params)
     check_unique(plist)
     check_requires_grad(plist)

@@ -22,13 +22,13 @@ from mc_buffers._checks import (
     Param,
     as_param_list,
     check_bucket_size,
-    check_dp_size,
-    check_flag,
     check_non_empty_numel,
     check_unique,
+    param_flag,
 )
 from mc_buffers.keys import BufferKey, group_params_for_buffers
 from mc_buffers.padding import pad_bucket_end, pad_param_start
+from mc_groups.argcheck import check_flag, check_int
 
 __all__ = [
     "FullParamLayout",
@@ -109,8 +109,8 @@ class _LayoutWalk:
         self._open = 0  # params in the open bucket
 
     def add(self, param: Param) -> None:
-        isolate = self._padding.isolate_shared_embedding and bool(
-            getattr(param, "shared_embedding", False)
+        isolate = self._padding.isolate_shared_embedding and param_flag(
+            param, "shared_embedding", False
         )
         if isolate and self._open:
             self._close()
@@ -184,8 +184,8 @@ def compute_distributed_optimizer_param_layout(
     """
     plist = _checked_params(params)
     size = check_bucket_size(bucket_size)
-    dp = check_dp_size(data_parallel_size)
-    busbw = check_flag(pad_buckets_for_high_nccl_busbw, "pad_buckets_for_high_nccl_busbw")
+    dp = check_int("data_parallel_size", data_parallel_size)
+    busbw = check_flag("pad_buckets_for_high_nccl_busbw", pad_buckets_for_high_nccl_busbw)
     padding = _Padding(
         pad_param_start,
         lambda n: pad_bucket_end(n, dp, busbw),
@@ -229,12 +229,12 @@ def compute_full_param_layout(
             ``expert_data_parallel_size``; and every error of the functions above.
     """
     check_bucket_size(bucket_size)
-    dp = check_dp_size(data_parallel_size)
-    use_dist_opt = check_flag(use_distributed_optimizer, "use_distributed_optimizer")
-    busbw = check_flag(pad_buckets_for_high_nccl_busbw, "pad_buckets_for_high_nccl_busbw")
+    dp = check_int("data_parallel_size", data_parallel_size)
+    use_dist_opt = check_flag("use_distributed_optimizer", use_distributed_optimizer)
+    busbw = check_flag("pad_buckets_for_high_nccl_busbw", pad_buckets_for_high_nccl_busbw)
     expert_dp = None
     if expert_data_parallel_size is not None:
-        expert_dp = check_dp_size(expert_data_parallel_size, "expert_data_parallel_size")
+        expert_dp = check_int("expert_data_parallel_size", expert_data_parallel_size)
     full = FullParamLayout()
     for key, (members, indices) in group_params_for_buffers(params, grad_reduce_in_fp32).items():
         if not use_dist_opt:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from mc_groups.argcheck import check_flag, check_int
+
 __all__ = [
     "PARAM_START_ALIGNMENT",
     "bucket_end_divisor",
@@ -30,18 +32,10 @@ _BUCKET_ALIGNMENT = 128
 _HIGH_BUSBW_ALIGNMENT = 2**16
 
 
-def _check_count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
-
-
 def pad_to_divisor(n: int, d: int) -> int:
     """Smallest multiple of ``d`` that is ``>= n``: ``ceil(n / d) · d`` (exact integers)."""
-    _check_count("n", n, 0)
-    _check_count("d", d, 1)
+    n = check_int("n", n, minimum=0)
+    d = check_int("d", d)
     return -(-n // d) * d
 
 
@@ -52,7 +46,8 @@ def pad_param_start(n: int) -> int:
 
 def bucket_end_divisor(data_parallel_size: int, pad_for_high_nccl_busbw: bool) -> int:
     """``lcm(dp, 128)``, or ``lcm(dp, 128, 2**16)`` with ``pad_for_high_nccl_busbw``."""
-    dp = _check_count("data_parallel_size", data_parallel_size, 1)
+    dp = check_int("data_parallel_size", data_parallel_size)
+    check_flag("pad_for_high_nccl_busbw", pad_for_high_nccl_busbw)
     if pad_for_high_nccl_busbw:
         return math.lcm(dp, _BUCKET_ALIGNMENT, _HIGH_BUSBW_ALIGNMENT)
     return math.lcm(dp, _BUCKET_ALIGNMENT)

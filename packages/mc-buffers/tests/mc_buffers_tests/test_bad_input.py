@@ -15,13 +15,16 @@ from torch import nn
 
 from mc_buffers import (
     FullParamLayout,
+    ParamAndGradBucket,
     ParamAndGradBuffer,
     PerBufferParamLayout,
+    bucket_end_divisor,
     build_param_and_grad_buffers,
     compute_default_per_buffer_param_layout,
     compute_distributed_optimizer_param_layout,
     compute_full_param_layout,
     group_params_for_buffers,
+    pad_to_divisor,
     shard_buffer,
 )
 from mc_buffers_tests._params import param
@@ -114,6 +117,58 @@ def _offloaded_reset() -> object:
     buf.offload_to_cpu()
     buf.reset()
     return buf
+
+
+def _offloaded_main_grad_write() -> object:
+    p = param(4)
+    buf = ParamAndGradBuffer([p], param_to_name={p: "decoder.w"})
+    buf.offload_to_cpu()
+    p.main_grad.add_(1.0)  # type: ignore[attr-defined]  # a fused wgrad's write
+    return buf
+
+
+def _offloaded_copy_in_buffer_read() -> object:
+    p = param(4, dtype=torch.bfloat16)
+    buf = ParamAndGradBuffer(
+        [p], param_to_name={p: "norm.w"}, param_name_patterns_for_fp32_local_accumulation=["all"]
+    )
+    buf.offload_to_cpu()
+    return p.main_grad_copy_in_grad_buffer.sum()  # type: ignore[attr-defined]
+
+
+def _offloaded_bucket_read() -> object:
+    buf = ParamAndGradBuffer([param(4)], use_distributed_optimizer=True, data_parallel_size=2)
+    buf.offload_to_cpu()
+    return float(buf.buckets[0].grad_data.sum())
+
+
+def _offloaded_param_shard() -> object:
+    buf = ParamAndGradBuffer([param(4)], use_distributed_optimizer=True, data_parallel_size=2)
+    buf.offload_to_cpu(move_grads=False)
+    return buf.buckets[0].param_shard(1, 2)
+
+
+def _offloaded_scale() -> object:
+    buf = ParamAndGradBuffer([param(4)])
+    buf.offload_to_cpu(move_params=False)
+    buf.scale_gradients(0.5)
+    return buf
+
+
+def _bucket(**changes: object) -> object:
+    p = param(4)
+    fields: dict[str, object] = {
+        "params": [p],
+        "param_data": None,
+        "grad_data": torch.zeros(8),
+        "offset": 0,
+        "numel_unpadded": 4,
+        "gradient_scaling_factor": 1.0,
+        "bucket_id": 0,
+        "param_index_map": {p: (0, 4, 0)},
+    }
+    fields.update(changes)
+    return ParamAndGradBucket(**fields)  # type: ignore[arg-type]
 
 
 class Case(NamedTuple):
@@ -388,6 +443,186 @@ CASES: dict[str, Case] = {
         "data_parallel_world_size=4",
         doc_call="`shard_buffer(buffer, dp)`",
         doc_input="10 elements over 4 ranks",
+    ),
+    "scale nan": Case(
+        lambda: ParamAndGradBuffer([param(3)]).scale_gradients(float("nan")),
+        ValueError,
+        "scaling_factor=nan must be finite",
+        doc_call="`buffer.scale_gradients(f)`",
+        doc_input="`nan`",
+    ),
+    "scale inf": Case(
+        lambda: ParamAndGradBuffer([param(3)]).scale_gradients(float("-inf")),
+        ValueError,
+        "scaling_factor=-inf must be finite",
+        doc_call="`buffer.scale_gradients(f)`",
+        doc_input="`-inf`",
+    ),
+    "scale tensor shape": Case(
+        lambda: ParamAndGradBuffer([param(3)]).scale_gradients(torch.ones(2)),
+        ValueError,
+        "scaling_factor must be a scalar; got a tensor of shape \\(2,\\)",
+        doc_call="`buffer.scale_gradients(f)`",
+        doc_input="a 2-element tensor",
+    ),
+    "scale int tensor": Case(
+        lambda: ParamAndGradBuffer([param(3)]).scale_gradients(torch.tensor(2)),
+        TypeError,
+        "scaling_factor is a torch.int64 tensor; it must be floating-point",
+        doc_call="`buffer.scale_gradients(f)`",
+        doc_input="an int64 tensor",
+    ),
+    "scaling factor nan": Case(
+        lambda: ParamAndGradBuffer([param(3)], gradient_scaling_factor=float("nan")),
+        ValueError,
+        "gradient_scaling_factor=nan must be finite",
+        doc_call="`ParamAndGradBuffer(..., gradient_scaling_factor=)`",
+        doc_input="`nan`",
+    ),
+    "scaling factor 0": Case(
+        lambda: build_param_and_grad_buffers(
+            [param(3)], bucket_size=None, gradient_scaling_factor=0.0
+        ),
+        ValueError,
+        "gradient_scaling_factor=0.0 must be > 0",
+        doc_call="`build_param_and_grad_buffers(..., gradient_scaling_factor=)`",
+        doc_input="`0.0` (would zero every gradient)",
+    ),
+    "param_indices float": Case(
+        lambda: ParamAndGradBuffer([param(3)], param_indices=[1.5]),  # type: ignore[list-item]
+        TypeError,
+        "param_indices\\[0\\]=1.5 must be an int",
+        doc_call="`ParamAndGradBuffer(..., param_indices=)`",
+        doc_input="`[1.5]`",
+    ),
+    "param_to_name value": Case(
+        lambda: ParamAndGradBuffer([p := param(3)], param_to_name={p: 7}),  # type: ignore[dict-item]
+        TypeError,
+        "param_to_name maps a param to 7; every name must be a str",
+        doc_call="`ParamAndGradBuffer(..., param_to_name=)`",
+        doc_input="a name that is an int",
+    ),
+    "allreduce not bool": Case(
+        lambda: group_params_for_buffers([param(3, allreduce=0)], grad_reduce_in_fp32=False),
+        TypeError,
+        "has allreduce=0; the attribute must be a bool",
+        doc_call="`group_params_for_buffers(params, ...)`",
+        doc_input="`param.allreduce = 0` (read by truthiness before)",
+    ),
+    "shared_embedding not bool": Case(
+        lambda: compute_distributed_optimizer_param_layout(
+            [param(3, shared_embedding="yes")], None, 2
+        ),
+        TypeError,
+        "has shared_embedding='yes'; the attribute must be a bool",
+        doc_call="`compute_distributed_optimizer_param_layout(params, ...)`",
+        doc_input="`param.shared_embedding = 'yes'`",
+    ),
+    "busbw flag": Case(
+        lambda: bucket_end_divisor(2, "no"),  # type: ignore[arg-type]
+        TypeError,
+        "pad_for_high_nccl_busbw='no' must be a bool",
+        doc_call="`bucket_end_divisor(dp, pad_for_high_nccl_busbw)`",
+        doc_input="`'no'` (truthy: padded to 2**16 before)",
+    ),
+    "pad negative": Case(
+        lambda: pad_to_divisor(-1, 64),
+        ValueError,
+        "n=-1 must be >= 0",
+        doc_call="`pad_to_divisor(n, d)`",
+        doc_input="`n=-1`",
+    ),
+    "shard_buffer type": Case(
+        lambda: shard_buffer([1.0, 2.0], 2),  # type: ignore[arg-type]
+        TypeError,
+        "buffer must be a torch.Tensor, got list",
+        doc_call="`shard_buffer(buffer, dp)`",
+        doc_input="a list",
+    ),
+    "offload flag": Case(
+        lambda: ParamAndGradBuffer([param(3)]).offload_to_cpu(move_grads=1),  # type: ignore[arg-type]
+        TypeError,
+        "move_grads=1 must be a bool",
+        doc_call="`buffer.offload_to_cpu(move_params=, move_grads=)`",
+        doc_input="`move_grads=1`",
+    ),
+    "reload flag": Case(
+        lambda: ParamAndGradBuffer([param(3)]).reload_from_cpu(move_params=None),  # type: ignore[arg-type]
+        TypeError,
+        "move_params=None must be a bool",
+        doc_call="`buffer.reload_from_cpu(move_params=, move_grads=)`",
+        doc_input="`move_params=None`",
+    ),
+    "bucket offset": Case(
+        lambda: _bucket(offset=-1),
+        ValueError,
+        "offset=-1 must be >= 0",
+        doc_call="`ParamAndGradBucket(..., offset=)`",
+        doc_input="`-1`",
+    ),
+    "bucket index map": Case(
+        lambda: _bucket(param_index_map={}),
+        ValueError,
+        "bucket 0: param_index_map has no entry for params\\[0\\]",
+        doc_call="`ParamAndGradBucket(..., param_index_map=)`",
+        doc_input="a map without the bucket's param",
+    ),
+    "bucket range": Case(
+        lambda: _bucket(offset=6),
+        ValueError,
+        "bucket 0: params\\[0\\] \\(numel 4\\) is mapped to \\[0, 4\\), not inside the bucket",
+        doc_call="`ParamAndGradBucket(...)`",
+        doc_input="a param mapped outside the bucket's range",
+    ),
+    "bucket params set": Case(
+        lambda: _bucket(params={param(4)}),
+        TypeError,
+        "bucket 0: params must be a sequence of parameters in buffer order, got set",
+        doc_call="`ParamAndGradBucket(params, ...)`",
+        doc_input="a `set`",
+    ),
+    "bucket unpadded": Case(
+        lambda: _bucket(numel_unpadded=9),
+        ValueError,
+        "numel_unpadded=9 exceeds the bucket's 8 elements",
+        doc_call="`ParamAndGradBucket(..., numel_unpadded=)`",
+        doc_input="more than the bucket holds",
+    ),
+    "offloaded main_grad": Case(
+        _offloaded_main_grad_write,
+        RuntimeError,
+        "main_grad of 'decoder.w' \\(shape \\(4,\\), float32, cpu\\) is offloaded.*"
+        "restore_grad_buffers\\(\\).*reload_from_cpu\\(\\).*nothing was read or written",
+        doc_call="`param.main_grad.add_(g)` (a layer's fused wgrad)",
+        doc_input="after `offload_to_cpu()` (call order; segfault before)",
+    ),
+    "offloaded copy in buffer": Case(
+        _offloaded_copy_in_buffer_read,
+        RuntimeError,
+        "main_grad_copy_in_grad_buffer of 'norm.w'.*is offloaded",
+        doc_call="`param.main_grad_copy_in_grad_buffer.sum()`",
+        doc_input="after `offload_to_cpu()` (fp32 local accumulation; call order)",
+    ),
+    "offloaded bucket read": Case(
+        _offloaded_bucket_read,
+        RuntimeError,
+        "grad_data of bucket 0 is offloaded.*nothing was read or written",
+        doc_call="`float(bucket.grad_data.sum())`",
+        doc_input="after `offload_to_cpu()` (call order; segfault before)",
+    ),
+    "offloaded param shard": Case(
+        _offloaded_param_shard,
+        RuntimeError,
+        "param_data of bucket 0 is offloaded",
+        doc_call="`bucket.param_shard(r, dp)`",
+        doc_input="after `offload_to_cpu(move_grads=False)` (call order)",
+    ),
+    "offloaded scale": Case(
+        _offloaded_scale,
+        RuntimeError,
+        "scale_gradients\\(\\): the grad buffer is offloaded.*reload_from_cpu\\(\\)",
+        doc_call="`buffer.scale_gradients(f)`",
+        doc_input="after `offload_to_cpu(move_params=False)` (call order)",
     ),
     "offloaded reset": Case(
         _offloaded_reset,

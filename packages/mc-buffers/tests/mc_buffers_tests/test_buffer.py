@@ -7,11 +7,15 @@ comparison is exact (torch.equal); bf16 cases use integers below 256, exact in b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 from torch import nn
 
 from mc_buffers import (
     BufferKey,
+    OffloadedView,
     ParamAndGradBuffer,
     build_param_and_grad_buffers,
     compute_distributed_optimizer_param_layout,
@@ -125,6 +129,66 @@ def test_offload_frees_storage_and_reload_restores() -> None:
     grad_view.fill_(2.0)  # the old main_grad object aliases the new storage
     start, end, _ = buf.param_index_map[ps[1]]
     assert torch.equal(buf.grad_data[start:end], torch.full((64,), 2.0))
+
+
+def test_offloaded_main_grads_refuse_every_op_and_come_back() -> None:
+    """While offloaded, ``main_grad`` is a storage-free stand-in with the view's metadata on
+    which every op raises (a write into the freed view would crash the process); reload
+    puts the very same view objects back. A main_grad re-pointed elsewhere is left alone."""
+    ps = [param(8, dtype=torch.bfloat16), param(6, dtype=torch.bfloat16), param(4)]
+    other = ps[2]
+    names = {ps[0]: "a", ps[1]: "b"}
+    buf = ParamAndGradBuffer(
+        ps[:2], param_to_name=names, param_name_patterns_for_fp32_local_accumulation=["a"]
+    )
+    views = [(_main_grad(p), getattr(p, "main_grad_copy_in_grad_buffer", None)) for p in ps[:2]]
+    foreign = torch.zeros(6)
+    ps[1].main_grad = foreign  # type: ignore[attr-defined]  # someone re-pointed it
+    other.main_grad = torch.zeros(4)  # type: ignore[attr-defined]
+    buf.offload_to_cpu()
+    stand_in = _main_grad(ps[0])
+    assert isinstance(stand_in, OffloadedView)
+    assert (stand_in.shape, stand_in.dtype, stand_in.device) == ((8,), torch.float32, ps[0].device)
+    assert isinstance(ps[0].main_grad_copy_in_grad_buffer, OffloadedView)  # type: ignore[attr-defined]
+    assert _main_grad(ps[1]) is foreign
+    ops: list[Callable[[], object]] = [
+        lambda: stand_in.add_(1.0),
+        stand_in.sum,
+        lambda: torch.ones(8).copy_(stand_in),
+    ]
+    for op in ops:
+        with pytest.raises(RuntimeError, match=r"main_grad of 'a' .* is offloaded"):
+            op()
+    assert buf.grad_data.untyped_storage().nbytes() == 0  # nothing was re-allocated
+    buf.reload_from_cpu()
+    assert _main_grad(ps[0]) is views[0][0]
+    assert ps[0].main_grad_copy_in_grad_buffer is views[0][1]  # type: ignore[attr-defined]
+    assert _main_grad(ps[1]) is foreign
+    _main_grad(ps[0]).add_(1.0)
+    assert float(_main_grad(ps[0]).sum()) == 8.0
+
+
+def test_offload_and_reload_check_both_flags_before_changing_anything() -> None:
+    buf = ParamAndGradBuffer(linears(1, width=4), use_distributed_optimizer=True)
+    with pytest.raises(TypeError, match="move_params='yes' must be a bool"):
+        buf.offload_to_cpu(move_params="yes", move_grads=True)  # type: ignore[arg-type]
+    assert _offloaded(buf) == [False, False, False, False]
+    buf.offload_to_cpu()
+    with pytest.raises(TypeError, match="move_grads=0 must be a bool"):
+        buf.reload_from_cpu(move_params=True, move_grads=0)  # type: ignore[arg-type]
+    assert _offloaded(buf) == [True, True, True, True]
+    buf.reload_from_cpu()
+    assert _offloaded(buf) == [False, False, False, False]
+
+
+def _offloaded(buf: ParamAndGradBuffer) -> list[bool]:
+    bucket = buf.buckets[0]
+    return [
+        buf.is_grad_data_offloaded,
+        buf.is_param_data_offloaded,
+        bucket.is_grad_data_offloaded,
+        bucket.is_param_data_offloaded,
+    ]
 
 
 def test_offload_grads_only_keeps_params_resident() -> None:
