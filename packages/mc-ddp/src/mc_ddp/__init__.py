@@ -14,10 +14,13 @@
 - :func:`reduce_scatter_with_fp32_accumulation`: all-to-all + local fp32 sum.
 - :class:`NonFiniteGradError`, :class:`LargeGradMonitor`, :func:`check_finite_grads`: the
   checks run before a collective.
+- :class:`DataParallelAgreementError`: ranks of a reduction group that built their DDP
+  differently (compared once, at construction; every rank raises it).
 """
 
 from __future__ import annotations
 
+from mc_ddp._agreement import DataParallelAgreementError
 from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
 from mc_ddp.checkpoint_pieces import CheckpointPieces
 from mc_ddp.config import DistributedDataParallelConfig
@@ -33,6 +36,7 @@ __version__ = "0.3.0"
 __all__ = [
     "PARAM_READY_CALLBACK_ATTR",
     "CheckpointPieces",
+    "DataParallelAgreementError",
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
     "LargeGradMonitor",

@@ -10,7 +10,13 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_buffers import BufferKey, FullParamLayout, ParamAndGradBuffer, build_param_and_grad_buffers
+from mc_buffers import (
+    BufferKey,
+    FullParamLayout,
+    ParamAndGradBuffer,
+    build_param_and_grad_buffers,
+    compute_full_param_layout,
+)
 from mc_ddp._groups import DDPGroups
 from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
 from mc_ddp.config import DistributedDataParallelConfig
@@ -41,8 +47,50 @@ def resolve_bucket_size(
     if ddp_config.num_buckets is not None:
         return max(1, total_numel // ddp_config.num_buckets)
     if ddp_config.bucket_size is not None:
-        return ddp_config.bucket_size
+        return int(ddp_config.bucket_size)
     return max(DEFAULT_MIN_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_DP_RANK * dp_size)
+
+
+class LayoutPlan(NamedTuple):
+    """The resolved bucket size and the layout of every buffer (computed, not allocated)."""
+
+    bucket_size: int | None
+    layout: FullParamLayout
+
+
+def plan_layout(
+    params: Sequence[Param],
+    ddp_config: DistributedDataParallelConfig,
+    groups: DDPGroups,
+    disable_bucketing: bool,
+    full_param_layout: object,
+) -> LayoutPlan:
+    """Bucket size (:func:`resolve_bucket_size`) and the buffers' layouts: the caller's
+    ``full_param_layout`` or mc_buffers' ``compute_full_param_layout`` for the reduction
+    group sizes (intra_dp_cp / intra_expt_dp). Pure: nothing allocated or communicated."""
+    total = sum(p.numel() for p in params)
+    dp_cp = mg.group_size(groups.dp_cp)
+    bucket_size = resolve_bucket_size(
+        ddp_config, total, dp_cp, groups.pipeline_rank, disable_bucketing
+    )
+    if full_param_layout is not None:
+        if not isinstance(full_param_layout, FullParamLayout):
+            raise TypeError(
+                "full_param_layout must be a FullParamLayout, got "
+                f"{type(full_param_layout).__name__}"
+            )
+        return LayoutPlan(bucket_size, full_param_layout)
+    expert_dp = None if groups.intra_expt_dp is None else mg.group_size(groups.intra_expt_dp)
+    layout = compute_full_param_layout(
+        params,
+        bucket_size,
+        mg.group_size(groups.intra_dp_cp),
+        use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+        grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32,
+        pad_buckets_for_high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw,
+        expert_data_parallel_size=expert_dp,
+    )
+    return LayoutPlan(bucket_size, layout)
 
 
 class Scaling(NamedTuple):
@@ -103,22 +151,21 @@ def build_buffers(
     names: Mapping[Param, str],
     ddp_config: DistributedDataParallelConfig,
     groups: DDPGroups,
-    bucket_size: int | None,
+    plan: LayoutPlan,
     scaling: Scaling,
-    full_param_layout: FullParamLayout | None,
 ) -> Buffers:
-    """One buffer per (param dtype, grad dtype, expert) key, laid out for the reduction
-    group size (intra_dp_cp / intra_expt_dp)."""
+    """One buffer per (param dtype, grad dtype, expert) key, laid out by ``plan`` (for the
+    reduction group sizes intra_dp_cp / intra_expt_dp)."""
     expert_dp = None if groups.intra_expt_dp is None else mg.group_size(groups.intra_expt_dp)
     built: dict[BufferKey, ParamAndGradBuffer] = build_param_and_grad_buffers(
         params,
-        bucket_size=bucket_size,
+        bucket_size=plan.bucket_size,
         data_parallel_size=mg.group_size(groups.intra_dp_cp),
         use_distributed_optimizer=ddp_config.use_distributed_optimizer,
         grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32,
         pad_buckets_for_high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw,
         expert_data_parallel_size=expert_dp,
-        full_param_layout=full_param_layout,
+        full_param_layout=plan.layout,
         param_to_name=names,
         param_name_patterns_for_fp32_local_accumulation=list(
             ddp_config.param_name_patterns_for_fp32_local_accumulation

@@ -53,13 +53,6 @@ def trainable_params(module: object) -> list[tuple[str, Param]]:
     return named
 
 
-def check_flag(name: str, value: object) -> bool:
-    """A real bool argument."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be a bool")
-    return value
-
-
 def find_wgrad_hook_owner(module: torch.nn.Module, param: Param, name: str) -> torch.nn.Module:
     """The submodule owning ``param`` that offers ``register_wgrad_accumulation_and_reduce_hooks``
     (needed for a ``skip_backward_post_hook`` param under ``delay_wgrad_compute``)."""

@@ -3,6 +3,7 @@ checked before anything is built or communicated."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -39,6 +40,41 @@ class DDPGroups:
     def pipeline_rank(self) -> int:
         """This rank's pipeline stage (0 without a pp group)."""
         return 0 if self.pp is None else mg.group_rank(self.pp)
+
+    def named(self) -> list[tuple[str, dist.ProcessGroup | None]]:
+        """``(description, group)`` of every group DDP communicates over."""
+        return [
+            ("process group dp_cp", self.dp_cp),
+            ("process group intra_dp_cp", self.intra_dp_cp),
+            ("process group inter_dist_opt", self.inter_dist_opt),
+            ("process group expt_dp", self.expt_dp),
+            ("process group intra_expt_dp", self.intra_expt_dp),
+            ("process group inter_expt_dp", self.inter_expt_dp),
+        ]
+
+
+def is_live(group: dist.ProcessGroup) -> bool:
+    """False once ``group`` was destroyed (``destroy_model_parallel``,
+    ``torch.distributed.destroy_process_group``): a dictionary lookup, no communication."""
+    try:
+        dist.get_backend(group)
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+def require_live(groups: Iterable[tuple[str, dist.ProcessGroup | None]], what: str) -> None:
+    """``RuntimeError`` naming the first destroyed group (``(description, group)`` pairs),
+    before anything is issued (a collective on a destroyed group fails inside the backend,
+    far from the cause)."""
+    for name, group in groups:
+        if group is not None and not is_live(group):
+            raise RuntimeError(
+                f"{what}: {name} was destroyed (destroy_model_parallel() or "
+                "torch.distributed.destroy_process_group()), so this DistributedDataParallel "
+                "can no longer communicate; build a new one over live groups (e.g. after "
+                "initialize_model_parallel())"
+            )
 
 
 def collection_or_default(pg_collection: object) -> mg.ProcessGroupCollection:

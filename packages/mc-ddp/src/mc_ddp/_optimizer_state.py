@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from numbers import Real
 from typing import Any, NamedTuple
 
 import torch
@@ -180,14 +181,33 @@ class CheckpointKeys(NamedTuple):
     places: Mapping[Param, Placement]
 
 
-def apply_loaded_values(
+def _same_kind(old: object, new: object) -> bool:
+    """A loaded value may replace ``old`` when it is of the same kind: a real number (or a
+    one-element tensor) for a number, a tensor or number for a tensor, a sequence for a
+    sequence, a bool or None for a bool or None (``foreach``), else the same type."""
+    if old is None or isinstance(old, bool):
+        return new is None or isinstance(new, bool)
+    if isinstance(old, Real):
+        scalar = isinstance(new, torch.Tensor) and new.numel() == 1
+        return scalar or (isinstance(new, Real) and not isinstance(new, bool))
+    if isinstance(old, torch.Tensor):
+        return isinstance(new, torch.Tensor) or (
+            isinstance(new, Real) and not isinstance(new, bool)
+        )
+    if isinstance(old, (list, tuple)):
+        return isinstance(new, (list, tuple))
+    return isinstance(new, type(old))
+
+
+def check_loaded_values(
     optimizer: torch.optim.Optimizer,
     slots: Sequence[OwnedSlice],
     keys: CheckpointKeys,
     state_dict: Mapping[str, Any],
 ) -> None:
-    """Write the values DCP replaced in ``state_dict`` (hyperparameters and non-tensor
-    states; tensors were loaded in place) back into the optimizer."""
+    """Every hyperparameter key present with a value of its current kind, and every
+    non-tensor state value of its kind: checked before :func:`apply_loaded_values` changes
+    anything."""
     prefix = keys.prefix
     for index, group in enumerate(optimizer.param_groups):
         for name in [n for n in group if n != "params"]:
@@ -197,7 +217,35 @@ def apply_loaded_values(
                     f"state_dict has no {key!r}: pass the dict the last sharded_state_dict() "
                     "call returned, after torch.distributed.checkpoint.load filled it"
                 )
-            group[name] = state_dict[key]
+            _check_kind(key, group[name], state_dict[key])
+    for slot in slots:
+        base = f"{prefix}{keys.places[slot.param].key}."
+        for name, value in optimizer.state[slot.master].items():
+            if not isinstance(value, torch.Tensor) and base + name in state_dict:
+                _check_kind(base + name, value, state_dict[base + name])
+
+
+def _check_kind(key: str, old: object, new: object) -> None:
+    if not _same_kind(old, new):
+        raise TypeError(
+            f"state_dict[{key!r}] is {new!r} ({type(new).__name__}) where the optimizer holds "
+            f"a {type(old).__name__}: the checkpoint does not fit this optimizer"
+        )
+
+
+def apply_loaded_values(
+    optimizer: torch.optim.Optimizer,
+    slots: Sequence[OwnedSlice],
+    keys: CheckpointKeys,
+    state_dict: Mapping[str, Any],
+) -> None:
+    """Write the values DCP replaced in ``state_dict`` (hyperparameters and non-tensor
+    states; tensors were loaded in place) back into the optimizer (after
+    :func:`check_loaded_values`)."""
+    prefix = keys.prefix
+    for index, group in enumerate(optimizer.param_groups):
+        for name in [n for n in group if n != "params"]:
+            group[name] = state_dict[group_key(prefix, index, name)]
     for slot in slots:
         base = f"{prefix}{keys.places[slot.param].key}."
         state = optimizer.state[slot.master]

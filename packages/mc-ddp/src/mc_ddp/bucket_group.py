@@ -30,11 +30,13 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_buffers import ParamAndGradBucket, ParamAndGradBuffer
 from mc_ddp import _bucket_collectives as comm
+from mc_ddp._groups import require_live
 from mc_ddp._layout_detail import bucket_layout_detail
 from mc_ddp._pending import PendingCollective
 from mc_ddp._scratch import ScratchBuffers
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_finite_grads
+from mc_groups.argcheck import check_flag
 
 __all__ = ["ParamAndGradBucketGroup", "partition_buckets"]
 
@@ -74,6 +76,11 @@ class ParamAndGradBucketGroup:
         param_to_name: Mapping[Param, str] | None = None,
         name: str = "bucket group",
     ) -> None:
+        _check_arguments(buckets, ddp_config, collective_group, inter_instance_group, name)
+        if param_to_name is not None and not isinstance(param_to_name, Mapping):
+            raise TypeError(
+                f"param_to_name must map params to names, got {type(param_to_name).__name__}"
+            )
         self.buckets = list(buckets)
         self.ddp_config = ddp_config
         self.collective_group = collective_group
@@ -101,9 +108,9 @@ class ParamAndGradBucketGroup:
 
     # -- bookkeeping ------------------------------------------------------------------
 
-    def reset(self) -> None:
-        """Prepare the next iteration: the first iteration's ready counts become the golden
-        counts; clear counts and flags. Refuses while a grad reduction is in flight."""
+    def check_reset(self) -> None:
+        """Raise what :meth:`reset` would refuse (a reduction in flight; under overlap, a
+        param without a gradient in the first iteration), changing nothing."""
         if self.grad_reduce_handle is not None:
             raise RuntimeError(
                 f"{self.name}: a gradient reduction is still in flight; call "
@@ -111,6 +118,12 @@ class ParamAndGradBucketGroup:
             )
         if self.is_first_batch and self.per_param_grad_ready_counts:
             self._check_every_param_seen()
+
+    def reset(self) -> None:
+        """Prepare the next iteration: the first iteration's ready counts become the golden
+        counts; clear counts and flags. Refuses while a grad reduction is in flight."""
+        self.check_reset()
+        if self.is_first_batch and self.per_param_grad_ready_counts:
             self.golden_per_param_grad_ready_counts = self.per_param_grad_ready_counts
             self.is_first_batch = False
         self.per_param_grad_ready_counts = {}
@@ -148,6 +161,12 @@ class ParamAndGradBucketGroup:
     def register_grad_ready(self, param: Param, force_all_reduce: bool = False) -> None:
         """Count one ready gradient of ``param`` (last microbatch only); once every count
         equals the golden count (second iteration on, overlap on) start the reduction."""
+        if param not in self.params:
+            raise ValueError(
+                f"{self.name}: register_grad_ready() got a param (shape "
+                f"{tuple(getattr(param, 'shape', ()))}) that is not in this bucket group"
+            )
+        check_flag("force_all_reduce", force_all_reduce)
         if not self.is_last_microbatch:
             return
         if self.grad_reduce_finished:
@@ -196,6 +215,7 @@ class ParamAndGradBucketGroup:
         In the first iteration a second call is a no-op once a reduction is in flight;
         later, a second call before :meth:`finish_grad_sync` is an error.
         """
+        check_flag("force_all_reduce", force_all_reduce)
         if self.grad_reduce_handle is not None:
             if self.is_first_batch:
                 return
@@ -203,6 +223,7 @@ class ParamAndGradBucketGroup:
                 f"{self.name}: start_grad_sync() called while its reduction is in flight; "
                 "call finish_grad_sync() first"
             )
+        self._require_communicable("start_grad_sync()")
         self.free_overlap_buffers(keep_scratch=True)  # its all-to-all scratch is shared
         self._prepare_grads()
         how = self._reduction(force_all_reduce)
@@ -225,9 +246,12 @@ class ParamAndGradBucketGroup:
         distributed-optimizer mode (an all-reduce; a reduce-scatter already issued by a
         hook is completed with an all-gather of the shards, which gives the same values).
         """
-        self.param_gather_dispatched = False
+        check_flag("force_all_reduce", force_all_reduce)
         if self.grad_reduce_finished:
+            self.param_gather_dispatched = False
             return
+        self._require_communicable("finish_grad_sync()")
+        self.param_gather_dispatched = False
         if self.grad_reduce_handle is None:
             if self._dispatches_from_hooks():
                 raise RuntimeError(self._not_dispatched_message())
@@ -261,6 +285,23 @@ class ParamAndGradBucketGroup:
                 param.main_grad.copy_(param.main_grad_copy_in_grad_buffer)  # type: ignore[attr-defined]
         self.grad_reduce_finished = True
 
+    def _require_live(self, what: str) -> None:
+        inter = self.inter_distributed_optimizer_instance_group
+        groups = [(f"the reduction group of {self.name}", self.collective_group)]
+        require_live([*groups, (f"the inter-instance group of {self.name}", inter)], what)
+
+    def _require_communicable(self, what: str) -> None:
+        """Live groups and resident grads, before anything is written or issued (a write
+        into an offloaded bucket corrupts freed memory)."""
+        self._require_live(what)
+        offloaded = [b.bucket_id for b in self.buckets if b.is_grad_data_offloaded]
+        if offloaded:
+            raise RuntimeError(
+                f"{self.name}: {what}: the grad buffer of bucket(s) {offloaded} is offloaded "
+                "(its storage is freed); call ddp.restore_grad_buffers() (or the buffer's "
+                "reload_from_cpu()) first"
+            )
+
     def _not_dispatched_message(self) -> str:
         golden, seen = self.golden_per_param_grad_ready_counts, self.per_param_grad_ready_counts
         off = [p for p in self.params if seen.get(p, 0) != golden.get(p, 0)]
@@ -289,6 +330,7 @@ class ParamAndGradBucketGroup:
         """All-gather every bucket's params from the shards (async with
         overlap_param_gather unless ``force_sync``; ``force_sync`` with a gather in flight
         only waits for it)."""
+        check_flag("force_sync", force_sync)
         self._require_param_buffers("start_param_sync()")
         if self.grad_reduce_handle is not None:
             raise RuntimeError(
@@ -304,6 +346,14 @@ class ParamAndGradBucketGroup:
             self.param_gather_handle.wait()
             self.param_gather_handle = None
             return
+        self._require_live("start_param_sync()")
+        offloaded = [b.bucket_id for b in self.buckets if b.is_param_data_offloaded]
+        if offloaded:
+            raise RuntimeError(
+                f"{self.name}: start_param_sync(): the params of bucket(s) {offloaded} are "
+                "offloaded (offload_to_cpu(move_params=True)); call the buffer's "
+                "reload_from_cpu(move_params=True) first"
+            )
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         pending = comm.gather_bucket_params(
             self.buckets,
@@ -318,6 +368,7 @@ class ParamAndGradBucketGroup:
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
         """Wait for this group's all-gather (dispatching it if nobody did), then dispatch
         the next group's (model-start-first chain) unless ``skip_next_bucket_dispatch``."""
+        check_flag("skip_next_bucket_dispatch", skip_next_bucket_dispatch)
         if not self.ddp_config.overlap_param_gather:
             raise RuntimeError(
                 f"{self.name}: finish_param_sync() needs overlap_param_gather=True; without "
@@ -350,6 +401,7 @@ class ParamAndGradBucketGroup:
     def free_overlap_buffers(self, keep_scratch: bool = False) -> None:
         """Drain an in-flight param all-gather, then release the group's all-to-all
         temporaries (gloo) unless ``keep_scratch``; the next collective allocates again."""
+        check_flag("keep_scratch", keep_scratch)
         if self.param_gather_handle is not None:
             self.param_gather_handle.wait()
             self.param_gather_handle = None
@@ -363,12 +415,51 @@ class ParamAndGradBucketGroup:
         )
 
 
+def _check_arguments(
+    buckets: object,
+    ddp_config: object,
+    group: object,
+    inter_group: object,
+    name: object,
+) -> None:
+    if isinstance(buckets, str) or not isinstance(buckets, Sequence) or not buckets:
+        raise TypeError(
+            f"buckets must be a non-empty sequence of ParamAndGradBucket, got {buckets!r}"
+        )
+    for i, bucket in enumerate(buckets):
+        if not isinstance(bucket, ParamAndGradBucket):
+            raise TypeError(f"buckets[{i}] is a {type(bucket).__name__}, not a ParamAndGradBucket")
+    if not isinstance(ddp_config, DistributedDataParallelConfig):
+        raise TypeError(
+            f"ddp_config={type(ddp_config).__name__} must be a mc_ddp.DistributedDataParallelConfig"
+        )
+    for arg, value in (("collective_group", group), ("inter_instance_group", inter_group)):
+        if not isinstance(value, dist.ProcessGroup) and (
+            value is not None or arg == "collective_group"
+        ):
+            raise TypeError(f"{arg}={value!r} must be a torch.distributed.ProcessGroup")
+    if not isinstance(name, str):
+        raise TypeError(f"name={name!r} must be a str (how errors and labels call the group)")
+
+
+def _check_buffers(buffers: object) -> None:
+    if isinstance(buffers, str) or not isinstance(buffers, Sequence):
+        raise TypeError(
+            f"buffers must be a sequence of ParamAndGradBuffer, got {type(buffers).__name__}"
+        )
+    for i, buf in enumerate(buffers):
+        if not isinstance(buf, ParamAndGradBuffer):
+            raise TypeError(f"buffers[{i}] is a {type(buf).__name__}, not a ParamAndGradBuffer")
+
+
 def partition_buckets(
     buffers: Sequence[ParamAndGradBuffer], force_single_bucket_group: bool = False
 ) -> list[list[ParamAndGradBucket]]:
     """Which buckets share a group: every bucket of every buffer in one group with
     ``force_single_bucket_group``, else one group per bucket (buffer order, then bucket
     order, so group 0 holds the end of the model)."""
+    check_flag("force_single_bucket_group", force_single_bucket_group)
+    _check_buffers(buffers)
     if force_single_bucket_group:
         return [[b for buf in buffers for b in buf.buckets]] if buffers else []
     return [[b] for buf in buffers for b in buf.buckets]

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mc_ddp._config_checks import check_flag, check_optional_count, check_patterns, need
+from mc_ddp._config_checks import need
+from mc_groups.argcheck import check_flag, check_int, check_optional_int, check_patterns
 
 __all__ = ["DistributedDataParallelConfig"]
 
@@ -169,11 +170,13 @@ class DistributedDataParallelConfig:
     def _check_types(self) -> None:
         for name in (*_FLAGS, "disable_symmetric_registration"):
             check_flag(name, getattr(self, name))
-        instances = self.num_distributed_optimizer_instances
-        check_optional_count("num_distributed_optimizer_instances", instances, allow_none=False)
-        check_optional_count("bucket_size", self.bucket_size)
-        check_optional_count("num_buckets", self.num_buckets)
-        check_patterns(self.param_name_patterns_for_fp32_local_accumulation)
+        check_int("num_distributed_optimizer_instances", self.num_distributed_optimizer_instances)
+        check_optional_int("bucket_size", self.bucket_size)
+        check_optional_int("num_buckets", self.num_buckets)
+        check_patterns(
+            "param_name_patterns_for_fp32_local_accumulation",
+            self.param_name_patterns_for_fp32_local_accumulation,
+        )
 
     def _check_combinations(self) -> None:
         dist_opt = self.use_distributed_optimizer
@@ -241,11 +244,11 @@ def _check_like_default(name: str, value: object, default: object) -> None:
     if isinstance(default, bool):
         check_flag(name, value)
     elif isinstance(default, int):
-        check_optional_count(name, value, allow_none=False)
+        check_int(name, value)
     elif isinstance(default, str) and not isinstance(value, str):
         raise TypeError(f"{name}={value!r} must be a str (Megatron's default {default!r})")
     elif isinstance(default, torch.dtype) or (default is None and "dtype" in name):
         if value is not None and not isinstance(value, torch.dtype):
             raise TypeError(f"{name}={value!r} must be a torch.dtype or None")
     elif default is None:
-        check_optional_count(name, value)
+        check_optional_int(name, value)

@@ -25,8 +25,9 @@ them): dense grads over ``intra_dp_cp``, expert grads (``param.allreduce = False
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Generic
 
 import torch
@@ -34,16 +35,23 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import TypeVar
 
 import mc_groups as mg
-from mc_buffers import FullParamLayout, ParamAndGradBuffer
+from mc_buffers import (
+    FullParamLayout,
+    OffloadedView,
+    ParamAndGradBuffer,
+    is_expert_parallel_param,
+)
+from mc_ddp import _agreement as agreement
 from mc_ddp import _ddp_build as build
 from mc_ddp import _ddp_checks as checks
-from mc_ddp._groups import DDPGroups, collection_or_default, resolve_groups
+from mc_ddp._groups import DDPGroups, collection_or_default, require_live, resolve_groups
 from mc_ddp._hooks import BackwardPostHook, ForwardPreHook
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.param_ready import PARAM_READY_CALLBACK_ATTR, _BucketParamReadyCallback
 from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
+from mc_groups.argcheck import check_flag
 
 __all__ = ["DistributedDataParallel", "_BucketParamReadyCallback", "logger"]
 
@@ -55,6 +63,61 @@ ConfigT_co = TypeVar(
     "ConfigT_co", bound=TransformerConfigLike, default=TransformerConfigLike, covariant=True
 )
 """The wrapped config's type, kept so consumers (mc_finalize) can read more of it."""
+
+
+def _agree_across_ranks(
+    config: TransformerConfigLike,
+    ddp_config: DistributedDataParallelConfig,
+    groups: DDPGroups,
+    disable_bucketing: bool,
+    plan: build.LayoutPlan,
+    named: Sequence[tuple[str, Param]],
+    experts: int,
+) -> None:
+    """The construction-time agreement (:mod:`mc_ddp._agreement`): dense over ``dp_cp``,
+    then, with expert params, expert over ``expt_dp``."""
+
+    def record(expert: bool) -> agreement.Record:
+        return agreement.build_record(
+            calculate_per_token_loss=config.calculate_per_token_loss,
+            ddp_config=ddp_config,
+            disable_bucketing=disable_bucketing,
+            bucket_size=plan.bucket_size,
+            named=named,
+            layout=plan.layout,
+            expert=expert,
+            expert_count=experts,
+        )
+
+    agreement.agree(groups.dp_cp, "dp_cp", record(expert=False))
+    if experts and groups.expt_dp is not None:
+        agreement.agree(groups.expt_dp, "expt_dp", record(expert=True))
+
+
+@dataclass
+class _IterationState:
+    """What DDP knows about this iteration's gradients; ``zero_grad_buffer`` starts the
+    next iteration (``generation + 1``, every other field cleared)."""
+
+    generation: int = 0
+    """``zero_grad_buffer()`` calls so far: an optimizer compares it to refuse a second
+    step on the same gradients."""
+    scaled_by: str | None = None
+    """The factor ``scale_gradients`` applied this iteration (shown in the error)."""
+    accumulated: bool = False
+    """A backward hook added a gradient this iteration."""
+    finalized: bool = False
+    """``mark_grads_finalized()`` was called (``finalize_model_grads`` ran)."""
+    discarded: bool = False
+    """``offload_grad_buffers()`` dropped gradients this iteration had accumulated."""
+    force_all_reduce: bool | None = None
+    """How ``finish_grad_sync`` completed this iteration (None: not yet)."""
+
+    def next(self) -> None:
+        """Start the next iteration."""
+        self.generation += 1
+        self.scaled_by, self.accumulated, self.finalized, self.discarded = None, False, False, False
+        self.force_all_reduce = None
 
 
 class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
@@ -98,10 +161,14 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         checks.check_config(config)
         checks.check_ddp_config(ddp_config)
         named = checks.trainable_params(module)
-        single = checks.check_flag("disable_bucketing", disable_bucketing)
-        has_expert = any(not getattr(p, "allreduce", True) for _, p in named)
-        groups = resolve_groups(collection_or_default(pg_collection), ddp_config, has_expert)
+        single = check_flag("disable_bucketing", disable_bucketing)
+        experts = sum(is_expert_parallel_param(p) for _, p in named)
+        groups = resolve_groups(collection_or_default(pg_collection), ddp_config, experts > 0)
         scaling = build.gradient_scaling(config, ddp_config, groups)  # may refuse: before state
+        plan = build.plan_layout(
+            [p for _, p in named], ddp_config, groups, single, full_param_layout
+        )
+        _agree_across_ranks(config, ddp_config, groups, single, plan, named, experts)
         super().__init__()
         self.module = module
         self._config = config
@@ -109,7 +176,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         self._set_groups(groups)
         self.param_to_name: dict[Param, str] = {p: n for n, p in named}
         self.params_with_grad: list[Param] = [p for _, p in named]
-        self._build(groups, scaling, disable_bucketing=single, full_param_layout=full_param_layout)
+        self._build(groups, scaling, plan, disable_bucketing=single)
+        self._iteration = _IterationState()
         self.force_all_reduce = False
         self.overlap_param_gather_with_optimizer_step = False
         self.use_forward_hook = ddp_config.use_distributed_optimizer and (
@@ -143,25 +211,16 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         self,
         groups: DDPGroups,
         scaling: build.Scaling,
+        plan: build.LayoutPlan,
         *,
         disable_bucketing: bool,
-        full_param_layout: FullParamLayout | None,
     ) -> None:
         cfg = self.ddp_config
-        total = sum(p.numel() for p in self.params_with_grad)
-        self.bucket_size = build.resolve_bucket_size(
-            cfg, total, mg.group_size(groups.dp_cp), groups.pipeline_rank, disable_bucketing
-        )
+        self.bucket_size = plan.bucket_size
         for param in self.params_with_grad:
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
         buffers = build.build_buffers(
-            self.params_with_grad,
-            self.param_to_name,
-            cfg,
-            groups,
-            self.bucket_size,
-            scaling,
-            full_param_layout,
+            self.params_with_grad, self.param_to_name, cfg, groups, plan, scaling
         )
         # Megatron's name: it shadows nn.Module.buffers() on purpose (ported code reads
         # ddp.buffers as the grad buffers); use named_buffers() for module buffers.
@@ -223,6 +282,10 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         group = self.param_to_bucket_group.get(param)
         if group is None:
             return
+        if self._iteration.discarded or isinstance(param.main_grad, OffloadedView):  # type: ignore[attr-defined]
+            param.grad = None  # a retry must not add it twice
+            raise RuntimeError(self._no_grad_memory_message(param))
+        self._iteration.accumulated = True
         grad = param.grad
         if grad is not None and (
             not getattr(param, "grad_added_to_main_grad", False)
@@ -231,6 +294,20 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             param.main_grad.add_(grad)  # type: ignore[attr-defined]
         param.grad = None
         group.register_grad_ready(param, self.force_all_reduce)
+
+    def _no_grad_memory_message(self, param: Param) -> str:
+        name = self.param_to_name.get(param, "<unnamed>")
+        if self._iteration.discarded and not self._grads_offloaded():
+            return (
+                f"backward: a gradient of '{name}' arrived after offload_grad_buffers() "
+                "discarded this iteration's gradients; call zero_grad_buffer() to start a new "
+                "iteration, then run its forward and backward (nothing was written)"
+            )
+        return (
+            f"backward: the gradient of '{name}' has no memory to go to: the grad buffers "
+            "are offloaded (offload_grad_buffers()); call restore_grad_buffers() before the "
+            "forward and backward (nothing was written)"
+        )
 
     def _make_forward_pre_hook(self) -> ForwardPreHook:
         """A pre-hook that waits for the all-gather of the module's own params (starting it
@@ -245,7 +322,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             if group is None or id(group) in done:
                 continue
             done.add(id(group))
-            self._finish_param_sync_for_bucket_group(group)
+            self._finish_param_sync(group)
 
     def enable_forward_pre_hook(self) -> None:
         """Register the param-gather pre-hook on every submodule (overlap_param_gather)."""
@@ -263,6 +340,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
     def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
         """Remove the pre-hooks; then all-gather every param synchronously unless
         ``param_sync=False`` (the caller then owns the param sync)."""
+        check_flag("param_sync", param_sync)
+        if param_sync:
+            self._require_usable("disable_forward_pre_hook(param_sync=True)", grads=False)
         if not self.use_forward_hook or not self.remove_forward_pre_hook_handles:
             raise RuntimeError(
                 "disable_forward_pre_hook(): the forward pre-hooks are not enabled (call "
@@ -277,7 +357,22 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
     # -- forward ----------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module."""
+        """Run the wrapped module. Refused while params are offloaded (they would be read
+        from freed memory) and, with autograd on, while grads are offloaded (its backward
+        would have nowhere to put them: run inference under ``torch.no_grad()``)."""
+        if self._params_offloaded():
+            raise RuntimeError(
+                "forward: the params are offloaded (a buffer's offload_to_cpu(move_params="
+                "True)) and would be read from freed memory; call each buffer's "
+                "reload_from_cpu(move_params=True) first"
+            )
+        if torch.is_grad_enabled() and self._grads_offloaded():
+            raise RuntimeError(
+                "forward with autograd on while the grad buffers are offloaded "
+                "(offload_grad_buffers()): its backward would have nowhere to write the "
+                "gradients; run the forward under torch.no_grad() / torch.inference_mode(), "
+                "or call restore_grad_buffers() first"
+            )
         return self.module(*inputs, **kwargs)
 
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
@@ -288,6 +383,18 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """Load into the wrapped module (values are copied into the buffer-backed params)."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"state_dict must be a mapping of names to tensors (module.state_dict()), got "
+                f"{type(state_dict).__name__}"
+            )
+        check_flag("strict", strict)
+        check_flag("assign", assign)
+        if self._params_offloaded():
+            raise RuntimeError(
+                "load_state_dict(): the params are offloaded (offload_to_cpu(move_params="
+                "True)); call each buffer's reload_from_cpu(move_params=True) first"
+            )
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- gradients --------------------------------------------------------------------
@@ -305,21 +412,74 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
 
     def start_grad_sync(self, *unused: Any) -> None:
         """Issue every group's reduction (async with overlap_grad_reduce)."""
+        self._require_usable("start_grad_sync()")
         for group in self._all_groups():
             group.start_grad_sync()
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         """Complete every group's reduction (issuing what no hook issued); safe to call
-        twice. ``force_all_reduce=True``: full reduced grads on every rank even with the
-        distributed optimizer."""
-        force = bool(force_all_reduce)
+        twice. ``force_all_reduce=True`` (None reads as False): full reduced grads on every
+        rank even with the distributed optimizer; it must be given to the first call of the
+        iteration (a later one would find the shards already final)."""
+        force = (
+            False if force_all_reduce is None else check_flag("force_all_reduce", force_all_reduce)
+        )
+        self._require_usable("finish_grad_sync()")
+        done = self._iteration.force_all_reduce
+        if force and done is False and self.ddp_config.use_distributed_optimizer:
+            raise RuntimeError(
+                "finish_grad_sync(force_all_reduce=True) after this iteration's gradients were "
+                "already reduce-scattered by finish_grad_sync(force_all_reduce=False): each "
+                "rank holds only its shard; pass force_all_reduce=True to the first call of "
+                "the iteration (e.g. to finalize_model_grads)"
+            )
         for group in self._all_groups():
             group.finish_grad_sync(force_all_reduce=force)
+        self._iteration.force_all_reduce = force if done is None else done
 
-    def scale_gradients(self, scaling_factor: float) -> None:
-        """``main_grad *= scaling_factor`` for every buffer."""
-        for buffer in self._all_buffers():
+    @property
+    def grads_finalized(self) -> bool:
+        """True once this iteration's gradients were finalized (:meth:`mark_grads_finalized`,
+        which ``mc_finalize.finalize_model_grads`` calls last); ``zero_grad_buffer()``
+        clears it. A second finalize in the same iteration would reduce the TP/PP grads
+        and scale by the token count twice, so finalize refuses a chunk that reads True."""
+        return self._iteration.finalized
+
+    def mark_grads_finalized(self) -> None:
+        """Record that this iteration's gradients are final (every reduction finished, every
+        scaling applied). Refused when they were already marked this iteration or when a
+        bucket group has not finished its grad sync."""
+        if self._iteration.finalized:
+            raise RuntimeError(
+                "mark_grads_finalized(): this iteration's gradients were already finalized "
+                "(finalize_model_grads ran on this chunk); finalizing again would reduce and "
+                "scale them twice: call zero_grad_buffer() and run the next iteration first"
+            )
+        pending = [g.name for g in self._all_groups() if not g.grad_reduce_finished]
+        if pending:
+            raise RuntimeError(
+                f"mark_grads_finalized(): {pending} have not finished their grad sync; call "
+                "finish_grad_sync() first"
+            )
+        self._iteration.finalized = True
+
+    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
+        """``main_grad *= scaling_factor`` for every buffer: a finite float or a one-element
+        floating-point tensor (kept on device: its value is not read). Once per iteration:
+        a second call would scale the same gradients twice (e.g. after
+        ``finalize_model_grads(num_tokens=...)`` already divided by the token count)."""
+        self._require_resident_grads("scale_gradients()")
+        if self._iteration.scaled_by is not None:
+            raise RuntimeError(
+                f"scale_gradients(): this iteration's gradients were already scaled by "
+                f"{self._iteration.scaled_by}; a second call would scale them twice (e.g. "
+                "finalize_model_grads(num_tokens=...) already divided by the token count). "
+                "Scale once per iteration; zero_grad_buffer() starts the next one"
+            )
+        for buffer in self._all_buffers():  # the first buffer checks the factor, before any write
             buffer.scale_gradients(scaling_factor)
+        shown = "a tensor" if isinstance(scaling_factor, torch.Tensor) else repr(scaling_factor)
+        self._iteration.scaled_by = shown
 
     def _require_no_grad_reduction_in_flight(self, what: str) -> None:
         busy = [g.name for g in self._all_groups() if g.grad_reduce_handle is not None]
@@ -330,10 +490,46 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
                 "discard_grad_sync())"
             )
 
+    def _grads_offloaded(self) -> bool:
+        return any(b.is_grad_data_offloaded for b in self._all_buffers())
+
+    def _params_offloaded(self) -> bool:
+        return any(b.is_param_data_offloaded for b in self._all_buffers())
+
+    def _require_resident_grads(self, what: str) -> None:
+        if self._grads_offloaded():
+            raise RuntimeError(
+                f"{what}: the grad buffers are offloaded (offload_grad_buffers()); call "
+                "restore_grad_buffers() first"
+            )
+
+    def _require_usable(self, what: str, *, grads: bool = True) -> None:
+        """Before communicating: live groups, resident params (and grads, kept this
+        iteration, unless ``grads=False``)."""
+        require_live(self.groups.named(), what)
+        if self._params_offloaded():
+            raise RuntimeError(
+                f"{what}: the params are offloaded (offload_to_cpu(move_params=True)); call "
+                "each buffer's reload_from_cpu(move_params=True) first"
+            )
+        if not grads:
+            return
+        self._require_resident_grads(what)
+        if self._iteration.discarded:
+            raise RuntimeError(
+                f"{what}: offload_grad_buffers() discarded this iteration's gradients (they "
+                "come back zeroed); call zero_grad_buffer() and run the iteration's forward "
+                "and backward again"
+            )
+
     def zero_grad_buffer(self) -> None:
         """Zero every grad buffer and reset the groups for the next iteration (call it at
-        the start of each iteration). Refuses while a reduction is in flight."""
+        the start of each iteration). Refuses while a reduction is in flight or while the
+        grad buffers are offloaded."""
         self._require_no_grad_reduction_in_flight("zero_grad_buffer()")
+        self._require_resident_grads("zero_grad_buffer()")
+        for group in self._all_groups():
+            group.check_reset()
         if getattr(self.config, "cuda_graph_impl", "none") != "transformer_engine":
             for param in self.params_with_grad:
                 param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
@@ -341,6 +537,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             buffer.reset()
         for group in self._all_groups():
             group.reset()
+        self._iteration.next()
 
     def discard_grad_sync(self) -> None:
         """Recover from an exception raised between ``zero_grad_buffer()`` and the end of
@@ -363,22 +560,37 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             param.grad = None
 
     def offload_grad_buffers(self, synchronize: bool = True, empty_cache: bool = True) -> None:
-        """Free every ``grad_data`` storage (``resize_(0)``); ``main_grad`` and bucket views
-        stay valid objects but must not be read until :meth:`restore_grad_buffers`."""
+        """Free every ``grad_data`` storage (``resize_(0)``). Until
+        :meth:`restore_grad_buffers`, each ``param.main_grad`` is an
+        ``mc_buffers.OffloadedView`` (every operation on it raises), a backward, a
+        forward with autograd on, ``zero_grad_buffer``, ``scale_gradients`` and the grad
+        sync are refused with an error naming ``restore_grad_buffers()``. Gradients
+        accumulated this iteration are lost (they come back zeroed), so the grad sync and an
+        optimizer step refuse them until ``zero_grad_buffer()`` starts a new iteration."""
+        sync = check_flag("synchronize", synchronize)
+        empty = check_flag("empty_cache", empty_cache)
         self._require_no_grad_reduction_in_flight("offload_grad_buffers()")
         device = self.params_with_grad[0].device
-        if checks.check_flag("synchronize", synchronize):
+        if sync:
             mg_device.synchronize(device)
+        if not self._grads_offloaded() and self._has_iteration_grads():
+            self._iteration.discarded = True
         for buffer in self._all_buffers():
             buffer.offload_to_cpu(move_params=False, move_grads=True)
-        if checks.check_flag("empty_cache", empty_cache):
+        if empty:
             mg_device.empty_cache(device)
 
+    def _has_iteration_grads(self) -> bool:
+        finished = any(g.grad_reduce_finished for g in self._all_groups())
+        return self._iteration.accumulated or finished
+
     def restore_grad_buffers(self, synchronize: bool = True) -> None:
-        """Re-allocate every ``grad_data`` (zeroed); existing views become valid again."""
+        """Re-allocate every ``grad_data`` (zeroed); existing views become valid again and
+        each ``param.main_grad`` is its view again."""
+        sync = check_flag("synchronize", synchronize)
         for buffer in self._all_buffers():
             buffer.reload_from_cpu(move_params=False, move_grads=True)
-        if checks.check_flag("synchronize", synchronize):
+        if sync:
             mg_device.synchronize(self.params_with_grad[0].device)
 
     # -- params -----------------------------------------------------------------------
@@ -395,6 +607,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         nobody did, wait for it, then dispatch the next group's (model-start-first chain)
         unless ``align_param_gather`` or the optimizer step owns the dispatch. mc has no
         fp8/fp4 post-processing to run after it. Needs ``overlap_param_gather``."""
+        self._finish_param_sync(bucket_group)
+
+    def _finish_param_sync(self, bucket_group: ParamAndGradBucketGroup) -> None:
         skip_next = (
             self.ddp_config.align_param_gather or self.overlap_param_gather_with_optimizer_step
         )
@@ -406,6 +621,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         """All-gather every group's params from the shards, model start first (the last
         group of each chain first). Async with overlap_param_gather unless ``force_sync``;
         skipped when the optimizer step already dispatched (unless ``force_dispatch``)."""
+        check_flag("force_sync", force_sync)
+        check_flag("force_dispatch", force_dispatch)
         if not self.ddp_config.use_distributed_optimizer:
             raise RuntimeError(
                 "start_param_sync() needs use_distributed_optimizer=True: without it every "
@@ -413,6 +630,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             )
         if not force_sync and self.overlap_param_gather_with_optimizer_step and not force_dispatch:
             return
+        self._require_usable("start_param_sync()", grads=False)
         for group in [*reversed(self.bucket_groups), *reversed(self.expert_parallel_bucket_groups)]:
             self._start_bucket_group_param_sync(group, force_sync)
 
@@ -429,7 +647,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             group.free_overlap_buffers()
 
     def _broadcast_group(self, param: Param) -> Any:
-        if getattr(param, "allreduce", True):
+        if not is_expert_parallel_param(param):
             return self.dp_cp_group
         if self.expt_dp_group is None:
             raise mg.MissingGroupError(
@@ -448,5 +666,6 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         """Copy every param from data-parallel rank 0: dense params over ``dp_cp``, expert
         params over ``expt_dp`` (one broadcast per param)."""
         plan = [(p, self._broadcast_group(p)) for p in self.module.parameters()]
+        self._require_usable("broadcast_params()", grads=False)
         for param, group in plan:
             mg.broadcast(param.data, group, group_src=0, label="broadcast_params")

@@ -19,11 +19,16 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_ddp._pending import PendingCollective
+from mc_groups.argcheck import check_flag, check_tensor
 
 __all__ = ["reduce_scatter_with_fp32_accumulation"]
 
 
 def _check(output: torch.Tensor, input: torch.Tensor, size: int, op: mg.ReduceOp) -> None:
+    check_tensor("output", output)
+    check_tensor("input", input)
+    if not isinstance(op, mg.ReduceOp):
+        raise TypeError(f"op={op!r} must be a mc_groups.ReduceOp (SUM or AVG)")
     if op not in (mg.ReduceOp.SUM, mg.ReduceOp.AVG):
         raise ValueError(f"op={op} is not supported: use ReduceOp.SUM or ReduceOp.AVG")
     if input.numel() != output.numel() * size:
@@ -36,6 +41,7 @@ def _check(output: torch.Tensor, input: torch.Tensor, size: int, op: mg.ReduceOp
 
 
 def _check_scratch(t: torch.Tensor, numel: int, dtype: torch.dtype, name: str) -> None:
+    check_tensor(name, t)
     if t.numel() != numel or t.dtype != dtype or not t.is_contiguous():
         raise ValueError(
             f"{name} must be a contiguous {dtype} tensor of {numel} elements, got "
@@ -71,6 +77,9 @@ def reduce_scatter_with_fp32_accumulation(
         raise TypeError(f"group={group!r} must be a torch.distributed.ProcessGroup")
     size = mg.group_size(group)
     _check(output, input, size, op)
+    check_flag("async_op", async_op)
+    if fp32_sum is not None and output.dtype != torch.float32:
+        _check_scratch(fp32_sum, output.numel(), torch.float32, "fp32_sum")
     received = torch.empty_like(input) if received is None else received
     _check_scratch(received, input.numel(), input.dtype, "received")
     handle = mg.all_to_all(

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_buffers import ParamAndGradBucket
+from mc_groups.argcheck import check_int
 
 __all__ = ["LargeGradMonitor", "NonFiniteGradError", "check_finite_grads"]
 
@@ -107,6 +108,7 @@ def check_finite_grads(
     rank with its bucket and param (param names are read from this rank's own buckets: the
     replicas hold the same params).
     """
+    _check_arguments(buckets, names, where, groups)
     finding = _local_finding(buckets)
     if not groups:
         if finding[1]:
@@ -130,6 +132,31 @@ def check_finite_grads(
     raise NonFiniteGradError(f"rank {finding[0]}: {where} was not reduced: {tail}")
 
 
+def _check_arguments(buckets: object, names: object, where: object, groups: object) -> None:
+    if isinstance(buckets, str) or not isinstance(buckets, Sequence) or not buckets:
+        raise TypeError(
+            f"buckets must be a non-empty sequence of ParamAndGradBucket, got {buckets!r}"
+        )
+    for i, bucket in enumerate(buckets):
+        if not isinstance(bucket, ParamAndGradBucket):
+            raise TypeError(f"buckets[{i}] is a {type(bucket).__name__}, not a ParamAndGradBucket")
+    if not isinstance(names, Mapping):
+        raise TypeError(f"names must map params to names, got {type(names).__name__}")
+    if not isinstance(where, str):
+        raise TypeError(f"where={where!r} must be a str (how the error names the buckets)")
+    if isinstance(groups, (str, dist.ProcessGroup)) or not isinstance(groups, Sequence):
+        raise TypeError(f"groups={groups!r} must be a sequence of process groups")
+    for i, group in enumerate(groups):
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"groups[{i}]={group!r} must be a torch.distributed.ProcessGroup")
+    offloaded = [b.bucket_id for b in buckets if b.is_grad_data_offloaded]
+    if offloaded:
+        raise RuntimeError(
+            f"check_finite_grads: the grad buffer of bucket(s) {offloaded} is offloaded; "
+            "restore it (ddp.restore_grad_buffers()) first"
+        )
+
+
 def _own_text(
     finding: list[int],
     buckets: Sequence[ParamAndGradBucket],
@@ -149,10 +176,15 @@ class LargeGradMonitor:
     norm that bucket had in earlier checks (the first check only records)."""
 
     def __init__(self, num_buckets: int) -> None:
-        self._largest: list[float | None] = [None] * num_buckets
+        self._largest: list[float | None] = [None] * check_int("num_buckets", num_buckets)
 
     def check(self, buckets: Sequence[ParamAndGradBucket], where: str) -> None:
         """Compare each bucket's norm with its history, warn, then record it."""
+        if not isinstance(buckets, Sequence) or len(buckets) != len(self._largest):
+            raise ValueError(
+                f"LargeGradMonitor.check: expected the {len(self._largest)} bucket(s) it was "
+                f"built for, got {buckets!r}"
+            )
         for i, bucket in enumerate(buckets):
             norm = float(bucket.grad_data.float().norm())
             largest = self._largest[i]

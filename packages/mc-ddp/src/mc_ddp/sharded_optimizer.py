@@ -37,6 +37,7 @@ from mc_ddp import _optimizer_state as sharded_state
 from mc_ddp._optimizer_state import OwnedSlice
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
+from mc_groups.argcheck import check_flag
 
 __all__ = ["OwnedSlice", "ShardedOptimizer"]
 
@@ -87,14 +88,34 @@ def _owned_ranges(group: ParamAndGradBucketGroup) -> list[tuple[Param, int, int]
 
 
 def _check_step_dispatch(flag: object, chunks: list[DistributedDataParallel]) -> bool:
-    if not isinstance(flag, bool):
-        raise TypeError(f"overlap_param_gather_with_optimizer_step={flag!r} must be a bool")
+    check_flag("overlap_param_gather_with_optimizer_step", flag)
     if flag and not all(c.ddp_config.overlap_param_gather for c in chunks):
         raise ValueError(
             "overlap_param_gather_with_optimizer_step=True needs every model chunk built with "
             "ddp_config.overlap_param_gather=True (and use_distributed_optimizer=True)"
         )
-    return flag
+    return bool(flag)
+
+
+def _check_saved_masters(masters: object, slots: Sequence[OwnedSlice]) -> list[torch.Tensor]:
+    expected = [tuple(s.master.shape) for s in slots]
+    shapes = None
+    if isinstance(masters, list) and all(isinstance(m, torch.Tensor) for m in masters):
+        shapes = [tuple(m.shape) for m in masters]
+    if shapes != expected:
+        got = shapes if shapes is not None else type(masters).__name__
+        raise ValueError(
+            "state_dict['master_params'] does not match this rank's shard layout (same "
+            "model, data-parallel size and bucket layout needed): expected tensors of shapes "
+            f"{expected}, got {got}"
+        )
+    assert isinstance(masters, list)  # checked above
+    for i, master in enumerate(masters):
+        if not master.is_floating_point():
+            raise TypeError(
+                f"state_dict['master_params'][{i}] is {master.dtype}, not floating-point"
+            )
+    return masters
 
 
 class ShardedOptimizer:
@@ -130,6 +151,7 @@ class ShardedOptimizer:
                 self.overlap_param_gather_with_optimizer_step
             )
         owned = self._owned_slices()
+        self._stepped_on: tuple[int, ...] | None = None
         self._slots: list[OwnedSlice] = []
         self._checkpoint_keys: sharded_state.CheckpointKeys | None = None
         for i, group in enumerate(self.optimizer.param_groups):
@@ -182,8 +204,21 @@ class ShardedOptimizer:
         """The fp32 masters, one per owned param slice."""
         return [slot.master for slot in self._slots]
 
+    def _generations(self) -> tuple[int, ...]:
+        return tuple(chunk._iteration.generation for chunk in self.model_chunks)
+
+    def _require_new_grads(self) -> None:
+        if self._stepped_on == self._generations():
+            raise RuntimeError(
+                "step(): this optimizer already stepped on this iteration's gradients; a "
+                "second step would apply them twice. Start the next iteration first: "
+                "ddp.zero_grad_buffer(), forward and backward, ddp.finish_grad_sync() (or "
+                "finalize_model_grads)"
+            )
+
     def _require_synced_grads(self) -> None:
         for chunk in self.model_chunks:
+            chunk._require_usable("step()")
             pending = [g.name for g in chunk._all_groups() if not g.grad_reduce_finished]
             if pending:
                 raise RuntimeError(
@@ -193,15 +228,32 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """One optimizer step on this rank's masters, then publish the params (see class)."""
+        """One optimizer step on this rank's masters, then publish the params (see class).
+        Refused (before anything changes) without finished grad sync, a second time on the
+        same gradients, with offloaded grads or params, or after the groups were destroyed."""
         self._require_synced_grads()
+        self._require_new_grads()
         self._drain_param_gathers()
         for slot in self._slots:
             grad = slot.param.main_grad.view(-1)[slot.start : slot.end]  # type: ignore[attr-defined]
             slot.master.grad = grad.to(torch.float32)
         self.optimizer.step()
+        self._stepped_on = self._generations()
         self._write_masters_to_params()
         self._publish_params(force_sync=False)
+
+    def _require_resident_params(self, what: str) -> None:
+        for chunk in self.model_chunks:
+            if chunk._params_offloaded():
+                raise RuntimeError(
+                    f"{what}: the params are offloaded (offload_to_cpu(move_params=True)); "
+                    "call each buffer's reload_from_cpu(move_params=True) first"
+                )
+
+    def _require_publishable(self, what: str) -> None:
+        """Before writing params and all-gathering them: resident params, live groups."""
+        for chunk in self.model_chunks:
+            chunk._require_usable(what, grads=False)
 
     def _drain_param_gathers(self) -> None:
         # A gather still in flight would overwrite the shards this step writes.
@@ -231,7 +283,7 @@ class ShardedOptimizer:
         because ``step()`` rebuilds every master grad from ``main_grad`` (the DDP grad buffer
         is zeroed by ``ddp.zero_grad_buffer()``).
         """
-        del set_to_none
+        check_flag("set_to_none", set_to_none)
         for slot in self._slots:
             slot.master.grad = None
         for chunk in self.model_chunks:
@@ -242,6 +294,7 @@ class ShardedOptimizer:
     def reload_model_params(self) -> None:
         """Refresh the masters from the current params (after ``broadcast_params`` or a
         checkpoint loaded into the model; fp32 masters alias the params already)."""
+        self._require_resident_params("reload_model_params()")
         for slot in self._slots:
             if not slot.aliased:
                 slot.master.copy_(slot.param.detach().view(-1)[slot.start : slot.end])
@@ -258,17 +311,28 @@ class ShardedOptimizer:
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load this rank's state, write the masters into the params and all-gather them
-        (collective with the distributed optimizer: every rank calls it)."""
-        masters = state_dict.get("master_params")
-        if not isinstance(masters, list) or [m.numel() for m in masters] != [
-            s.master.numel() for s in self._slots
-        ]:
-            raise ValueError(
-                "state_dict['master_params'] does not match this rank's shard layout (same "
-                "model, data-parallel size and bucket layout needed); got "
-                f"{None if not isinstance(masters, list) else [m.numel() for m in masters]}"
+        (collective with the distributed optimizer: every rank calls it). Everything is
+        checked before anything is loaded: a mapping with ``master_params`` (tensors shaped
+        like this rank's masters) and ``optimizer`` (the wrapped optimizer's state dict)."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                "state_dict must be the mapping ShardedOptimizer.state_dict() returned, got "
+                f"{type(state_dict).__name__}"
             )
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        missing = [k for k in ("master_params", "optimizer") if k not in state_dict]
+        if missing:
+            raise ValueError(
+                f"state_dict has no {missing}: pass what ShardedOptimizer.state_dict() returned"
+            )
+        masters = _check_saved_masters(state_dict["master_params"], self._slots)
+        inner = state_dict["optimizer"]
+        if not isinstance(inner, Mapping) or not {"state", "param_groups"} <= set(inner):
+            raise TypeError(
+                "state_dict['optimizer'] must be the wrapped optimizer's state dict (with "
+                f"'state' and 'param_groups'), got {type(inner).__name__}"
+            )
+        self._require_publishable("load_state_dict()")
+        self.optimizer.load_state_dict(dict(inner))
         for slot, saved in zip(self._slots, masters, strict=True):
             slot.master.copy_(saved)
         self._drain_param_gathers()
@@ -345,6 +409,8 @@ class ShardedOptimizer:
                 "sharded_state_dict(model_sharded_state_dict, is_loading=True), load it with "
                 "torch.distributed.checkpoint.load, then pass it here"
             )
+        sharded_state.check_loaded_values(self.optimizer, self._slots, keys, state_dict)
+        self._require_publishable("load_sharded_state_dict()")
         sharded_state.apply_loaded_values(self.optimizer, self._slots, keys, state_dict)
         self._drain_param_gathers()
         self._write_masters_to_params()

@@ -24,6 +24,11 @@ import mc_groups as mg
 from mc_ddp import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
+    LargeGradMonitor,
+    ParamAndGradBucketGroup,
+    check_finite_grads,
+    ensure_params_ready,
+    partition_buckets,
     reduce_scatter_with_fp32_accumulation,
 )
 from mc_ddp_tests._catalogue import Expect, assert_fails_as
@@ -278,7 +283,70 @@ def _order_errors() -> dict[str, tuple[str, int]]:
         bare = mg.ProcessGroupCollection(dp=world, dp_cp=world)
         holder = DistributedDataParallel(MP, ddp_config(), frozen_expert, pg_collection=bare)
         out["broadcast_expert"] = _attempt(holder.broadcast_params)
+        out.update(_twice_errors(pgc))
+        out.update(_offload_errors(pgc))
+    out.update(_destroyed_errors())
     return out
+
+
+def _twice_errors(pgc: mg.ProcessGroupCollection) -> dict[str, tuple[str, int]]:
+    """Misuse that would count this iteration's gradients twice."""
+    out: dict[str, tuple[str, int]] = {}
+    ddp = DistributedDataParallel(MP, ddp_config(), mlp(), pg_collection=pgc)
+    ddp.zero_grad_buffer()
+    out["mark_unfinished"] = _attempt(ddp.mark_grads_finalized)
+    _iteration(ddp, 0)
+    ddp.scale_gradients(0.5)
+    out["scale_twice"] = _attempt(lambda: ddp.scale_gradients(0.5))
+    ddp.mark_grads_finalized()
+    out["mark_twice"] = _attempt(ddp.mark_grads_finalized)
+    sharded = DistributedDataParallel(
+        MP, ddp_config(use_distributed_optimizer=True), mlp(), pg_collection=pgc
+    )
+    _iteration(sharded, 0)
+    out["force_after_shards"] = _attempt(lambda: sharded.finish_grad_sync(force_all_reduce=True))
+    return out
+
+
+def _offload_errors(pgc: mg.ProcessGroupCollection) -> dict[str, tuple[str, int]]:
+    """Offloaded grad buffers: every write is refused before it reaches the freed memory."""
+    out: dict[str, tuple[str, int]] = {}
+    ddp = DistributedDataParallel(
+        MP, ddp_config(overlap_grad_reduce=True, bucket_size=16), mlp(), pg_collection=pgc
+    )
+    x, y = global_batch(0, dist.get_world_size(), torch.float32)
+    ddp.offload_grad_buffers()
+    out["offload_forward"] = _attempt(lambda: ddp(x))
+    with torch.no_grad():
+        ddp(x)  # inference while offloaded is fine
+    out["offload_backward"] = _attempt(lambda: ddp.module(x).sum().backward())
+    out["offload_main_grad"] = _attempt(lambda: ddp.params_with_grad[0].main_grad.add_(1.0))  # type: ignore[attr-defined]
+    out["offload_finish"] = _attempt(ddp.finish_grad_sync)
+    out["offload_zero"] = _attempt(ddp.zero_grad_buffer)
+    out["offload_scale"] = _attempt(lambda: ddp.scale_gradients(0.5))
+    ddp.restore_grad_buffers()
+    ddp.zero_grad_buffer()
+    _iteration(ddp, 1)
+    ddp.offload_grad_buffers()
+    ddp.restore_grad_buffers()
+    out["discarded_finish"] = _attempt(ddp.finish_grad_sync)
+    out["discarded_backward"] = _attempt(lambda: _iteration(ddp, 2, finish=False))
+    del y
+    return out
+
+
+def _destroyed_errors() -> dict[str, tuple[str, int]]:
+    pgc = mg.initialize_model_parallel()
+    ddp = DistributedDataParallel(
+        MP, ddp_config(use_distributed_optimizer=True), mlp(), pg_collection=pgc
+    )
+    mg.destroy_model_parallel(pgc)
+    ddp.zero_grad_buffer()
+    return {
+        "destroyed_finish": _attempt(lambda: _iteration(ddp, 0)),
+        "destroyed_broadcast": _attempt(ddp.broadcast_params),
+        "destroyed_param_sync": _attempt(ddp.start_param_sync),
+    }
 
 
 ORDER = {
@@ -361,6 +429,113 @@ ORDER = {
 }
 
 
+_OFFLOADED = "`ddp.offload_grad_buffers()`, then "
+
+
+ORDER.update(
+    {
+        "mark_unfinished": Expect(
+            "RuntimeError: mark_grads_finalized(): ['dense bucket group 0'] have not finished "
+            "their grad sync",
+            doc_call="`ddp.mark_grads_finalized()`",
+            doc_input="before `finish_grad_sync()` (call order)",
+        ),
+        "scale_twice": Expect(
+            "RuntimeError: scale_gradients(): this iteration's gradients were already scaled "
+            "by 0.5; a second call would scale them twice",
+            doc_call="`ddp.scale_gradients(f)`",
+            doc_input="twice in one iteration (grads scaled twice before)",
+            also=("zero_grad_buffer()",),
+        ),
+        "mark_twice": Expect(
+            "RuntimeError: mark_grads_finalized(): this iteration's gradients were already "
+            "finalized",
+            doc_call="`ddp.mark_grads_finalized()` (finalize)",
+            doc_input="twice in one iteration (finalize twice scaled twice before)",
+            also=("zero_grad_buffer()",),
+        ),
+        "force_after_shards": Expect(
+            "RuntimeError: finish_grad_sync(force_all_reduce=True) after this iteration's "
+            "gradients were already reduce-scattered",
+            doc_call="`ddp.finish_grad_sync(force_all_reduce=True)`",
+            doc_input="after `finish_grad_sync()` with the distributed optimizer (silently "
+            "shards only before)",
+            also=("pass force_all_reduce=True to the first call",),
+        ),
+        "offload_forward": Expect(
+            "RuntimeError: forward with autograd on while the grad buffers are offloaded",
+            doc_call="`ddp(x)`",
+            doc_input=_OFFLOADED + "a forward with autograd on",
+            also=("torch.no_grad()", "restore_grad_buffers()"),
+        ),
+        "offload_backward": Expect(
+            "RuntimeError: backward: the gradient of '4.bias' has no memory to go to: the "
+            "grad buffers are offloaded",
+            doc_call="`loss.backward()` (DDP's hook)",
+            doc_input=_OFFLOADED + "a backward (segfault before)",
+            also=("restore_grad_buffers()", "nothing was written"),
+        ),
+        "offload_main_grad": Expect(
+            "RuntimeError: aten.add_.Tensor: main_grad of '0.weight' (shape (16, 8), float32, "
+            "cpu) is offloaded",
+            doc_call="`param.main_grad.add_(g)` (a layer's fused wgrad)",
+            doc_input=_OFFLOADED + "a write to `main_grad` (segfault before)",
+            also=("ddp.restore_grad_buffers()",),
+        ),
+        "offload_finish": Expect(
+            "RuntimeError: finish_grad_sync(): the grad buffers are offloaded",
+            doc_call="`ddp.finish_grad_sync()`",
+            doc_input=_OFFLOADED + "the grad sync",
+            also=("restore_grad_buffers() first",),
+        ),
+        "offload_zero": Expect(
+            "RuntimeError: zero_grad_buffer(): the grad buffers are offloaded",
+            doc_call="`ddp.zero_grad_buffer()`",
+            doc_input=_OFFLOADED + "zeroing",
+            also=("restore_grad_buffers() first",),
+        ),
+        "offload_scale": Expect(
+            "RuntimeError: scale_gradients(): the grad buffers are offloaded",
+            doc_call="`ddp.scale_gradients(f)`",
+            doc_input=_OFFLOADED + "scaling",
+            also=("restore_grad_buffers() first",),
+        ),
+        "discarded_finish": Expect(
+            "RuntimeError: finish_grad_sync(): offload_grad_buffers() discarded this "
+            "iteration's gradients",
+            doc_call="`ddp.finish_grad_sync()`",
+            doc_input="after a backward, offload and restore (grads came back zeroed; "
+            "silently zero before)",
+            also=("zero_grad_buffer()",),
+        ),
+        "discarded_backward": Expect(
+            "RuntimeError: backward: a gradient of '4.bias' arrived after offload_grad_buffers() "
+            "discarded this iteration's gradients",
+            doc_call="`loss.backward()`",
+            doc_input="after offload and restore mid-iteration (earlier microbatches lost)",
+            also=("zero_grad_buffer()",),
+        ),
+        "destroyed_finish": Expect(
+            "RuntimeError: finish_grad_sync(): process group dp_cp was destroyed "
+            "(destroy_model_parallel()",
+            doc_call="backward + `ddp.finish_grad_sync()`",
+            doc_input="after `destroy_model_parallel(pgc)`",
+            also=("build a new one over live groups",),
+        ),
+        "destroyed_broadcast": Expect(
+            "RuntimeError: broadcast_params(): process group dp_cp was destroyed",
+            doc_call="`ddp.broadcast_params()`",
+            doc_input="after `destroy_model_parallel(pgc)`",
+        ),
+        "destroyed_param_sync": Expect(
+            "RuntimeError: start_param_sync(): process group dp_cp was destroyed",
+            doc_call="`ddp.start_param_sync()`",
+            doc_input="after `destroy_model_parallel(pgc)`",
+        ),
+    }
+)
+
+
 def test_calls_out_of_order(rank_pools: RankPools) -> None:
     for found in rank_pools.get(2).run(_order_errors):
         for name, expect in ORDER.items():
@@ -374,7 +549,17 @@ def _function_errors() -> dict[str, tuple[str, int]]:
     assert world is not None
     loose: Any = reduce_scatter_with_fp32_accumulation
     with model_parallel() as pgc:
-        ddp = DistributedDataParallel(MP, ddp_config(), mlp(), pg_collection=pgc)
+        cfg = ddp_config()
+        ddp = DistributedDataParallel(MP, cfg, mlp(), pg_collection=pgc)
+        sharded = DistributedDataParallel(
+            MP,
+            ddp_config(use_distributed_optimizer=True, overlap_param_gather=True),
+            mlp(),
+            pg_collection=pgc,
+        )
+        group = ddp.bucket_groups[0]
+        buckets = group.buckets
+        stranger = nn.Parameter(torch.zeros(3))
         calls: dict[str, Callable[[], object]] = {
             "fp32_rs_op": lambda: loose(torch.zeros(2), torch.zeros(4), world, op=mg.ReduceOp.MAX),
             "fp32_rs_numel": lambda: loose(torch.zeros(3), torch.zeros(4), world),
@@ -388,8 +573,33 @@ def _function_errors() -> dict[str, tuple[str, int]]:
             "scale_type": lambda: ddp.scale_gradients("2"),  # type: ignore[arg-type]
             "offload_flag": lambda: ddp.offload_grad_buffers(synchronize=1),  # type: ignore[arg-type]
             "restore_flag": lambda: ddp.restore_grad_buffers(synchronize="no"),  # type: ignore[arg-type]
+            "scale_nan": lambda: ddp.scale_gradients(float("nan")),
+            "scale_inf": lambda: ddp.scale_gradients(float("inf")),
+            "scale_tensor": lambda: ddp.scale_gradients(torch.ones(3)),
+            "finish_flag": lambda: ddp.finish_grad_sync(force_all_reduce="no"),  # type: ignore[arg-type]
+            "empty_cache_flag": lambda: ddp.offload_grad_buffers(empty_cache=0),  # type: ignore[arg-type]
+            "param_sync_flag": lambda: sharded.start_param_sync(force_sync=1),  # type: ignore[arg-type]
+            "pre_hook_flag": lambda: sharded.disable_forward_pre_hook(param_sync="no"),  # type: ignore[arg-type]
+            "load_state_dict": lambda: ddp.load_state_dict(None),  # type: ignore[arg-type]
+            "register_stranger": lambda: group.register_grad_ready(stranger),
+            "group_buckets": lambda: ParamAndGradBucketGroup([], cfg, world),
+            "group_collective": lambda: ParamAndGradBucketGroup(buckets, cfg, None),  # type: ignore[arg-type]
+            "partition_buffers": lambda: partition_buckets(None),  # type: ignore[arg-type]
+            "partition_flag": lambda: partition_buckets(ddp.buffers, "no"),  # type: ignore[arg-type]
+            "finite_buckets": lambda: check_finite_grads(None, {}, "w"),  # type: ignore[arg-type]
+            "finite_names": lambda: check_finite_grads(buckets, None, "w"),  # type: ignore[arg-type]
+            "finite_where": lambda: check_finite_grads(buckets, {}, 3),  # type: ignore[arg-type]
+            "finite_groups": lambda: check_finite_grads(buckets, {}, "w", groups="x"),  # type: ignore[arg-type]
+            "monitor_size": lambda: LargeGradMonitor(2.0),  # type: ignore[arg-type]
+            "monitor_check": lambda: LargeGradMonitor(1).check(None, "w"),  # type: ignore[arg-type]
+            "fp32_rs_output": lambda: loose(None, torch.zeros(4), world),
+            "fp32_rs_async": lambda: loose(torch.zeros(2), torch.zeros(4), world, async_op="no"),
+            "ready_params": lambda: ensure_params_ready(None),  # type: ignore[arg-type]
+            "ready_items": lambda: ensure_params_ready([None]),  # type: ignore[list-item]
         }
-        return {name: _attempt(call) for name, call in calls.items()}
+        found = {name: _attempt(call) for name, call in calls.items()}
+        found["offloaded_after_flag_error"] = ("no error", int(ddp._grads_offloaded()))
+        return found
 
 
 FUNCTIONS = {
@@ -434,8 +644,132 @@ FUNCTIONS = {
 }
 
 
+FUNCTIONS.update(
+    {
+        "scale_nan": Expect(
+            "ValueError: scaling_factor=nan must be finite",
+            doc_call="`ddp.scale_gradients(f)`",
+            doc_input="`nan` (accepted before)",
+        ),
+        "scale_inf": Expect(
+            "ValueError: scaling_factor=inf must be finite",
+            doc_call="`ddp.scale_gradients(f)`",
+            doc_input="`inf`",
+        ),
+        "scale_tensor": Expect(
+            "ValueError: scaling_factor must be a scalar; got a tensor of shape (3,)",
+            doc_call="`ddp.scale_gradients(f)`",
+            doc_input="a 3-element tensor",
+        ),
+        "finish_flag": Expect(
+            "TypeError: force_all_reduce='no' must be a bool",
+            doc_call="`ddp.finish_grad_sync(force_all_reduce=)`",
+            doc_input="`'no'` (truthy: all-reduced before)",
+        ),
+        "empty_cache_flag": Expect(
+            "TypeError: empty_cache=0 must be a bool",
+            doc_call="`ddp.offload_grad_buffers(empty_cache=)`",
+            doc_input="`0` (checked after offloading before)",
+        ),
+        "param_sync_flag": Expect(
+            "TypeError: force_sync=1 must be a bool",
+            doc_call="`ddp.start_param_sync(force_sync=)`",
+            doc_input="`1`",
+        ),
+        "pre_hook_flag": Expect(
+            "TypeError: param_sync='no' must be a bool",
+            doc_call="`ddp.disable_forward_pre_hook(param_sync=)`",
+            doc_input="`'no'`",
+        ),
+        "load_state_dict": Expect(
+            "TypeError: state_dict must be a mapping of names to tensors",
+            doc_call="`ddp.load_state_dict(sd)`",
+            doc_input="`None`",
+        ),
+        "register_stranger": Expect(
+            "ValueError: dense bucket group 0: register_grad_ready() got a param (shape (3,)) "
+            "that is not in this bucket group",
+            doc_call="`bucket_group.register_grad_ready(p)`",
+            doc_input="a param of another group (counted, never dispatched before)",
+        ),
+        "group_buckets": Expect(
+            "TypeError: buckets must be a non-empty sequence of ParamAndGradBucket",
+            doc_call="`ParamAndGradBucketGroup(buckets, ...)`",
+            doc_input="`[]`",
+        ),
+        "group_collective": Expect(
+            "TypeError: collective_group=None must be a torch.distributed.ProcessGroup",
+            doc_call="`ParamAndGradBucketGroup(..., collective_group)`",
+            doc_input="`None`",
+        ),
+        "partition_buffers": Expect(
+            "TypeError: buffers must be a sequence of ParamAndGradBuffer, got NoneType",
+            doc_call="`partition_buckets(buffers)`",
+            doc_input="`None`",
+        ),
+        "partition_flag": Expect(
+            "TypeError: force_single_bucket_group='no' must be a bool",
+            doc_call="`partition_buckets(..., force_single_bucket_group)`",
+            doc_input="`'no'`",
+        ),
+        "finite_buckets": Expect(
+            "TypeError: buckets must be a non-empty sequence of ParamAndGradBucket, got None",
+            doc_call="`check_finite_grads(buckets, ...)`",
+            doc_input="`None`",
+        ),
+        "finite_names": Expect(
+            "TypeError: names must map params to names, got NoneType",
+            doc_call="`check_finite_grads(..., names, ...)`",
+            doc_input="`None`",
+        ),
+        "finite_where": Expect(
+            "TypeError: where=3 must be a str",
+            doc_call="`check_finite_grads(..., where)`",
+            doc_input="`3`",
+        ),
+        "finite_groups": Expect(
+            "TypeError: groups='x' must be a sequence of process groups",
+            doc_call="`check_finite_grads(..., groups=)`",
+            doc_input="`'x'`",
+        ),
+        "monitor_size": Expect(
+            "TypeError: num_buckets=2.0 must be an int",
+            doc_call="`LargeGradMonitor(num_buckets)`",
+            doc_input="`2.0`",
+        ),
+        "monitor_check": Expect(
+            "ValueError: LargeGradMonitor.check: expected the 1 bucket(s) it was built for, "
+            "got None",
+            doc_call="`monitor.check(buckets, where)`",
+            doc_input="`None`",
+        ),
+        "fp32_rs_output": Expect(
+            "TypeError: output must be a torch.Tensor, got NoneType",
+            doc_call="`reduce_scatter_with_fp32_accumulation(output, ...)`",
+            doc_input="`None`",
+        ),
+        "fp32_rs_async": Expect(
+            "TypeError: async_op='no' must be a bool",
+            doc_call="`reduce_scatter_with_fp32_accumulation(..., async_op=)`",
+            doc_input="`'no'`",
+        ),
+        "ready_params": Expect(
+            "TypeError: params must be an iterable of tensors",
+            doc_call="`ensure_params_ready(params)`",
+            doc_input="`None`",
+        ),
+        "ready_items": Expect(
+            "TypeError: params holds a NoneType; every item must be a tensor",
+            doc_call="`ensure_params_ready(params)`",
+            doc_input="`[None]`",
+        ),
+    }
+)
+
+
 def test_function_arguments(rank_pools: RankPools) -> None:
     for found in rank_pools.get(2).run(_function_errors):
+        assert found["offloaded_after_flag_error"] == ("no error", 0)  # checked before offloading
         for name, expect in FUNCTIONS.items():
             message, issued = found[name]
             assert_fails_as(name, message, expect)

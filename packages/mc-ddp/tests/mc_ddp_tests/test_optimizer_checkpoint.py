@@ -158,6 +158,13 @@ def _errors() -> dict[str, str]:
                 fresh.load_sharded_state_dict({})
             except ValueError as err:
                 found["load_missing_key"] = f"ValueError: {err}"
+            loaded = fresh.sharded_state_dict(fresh_sd, is_loading=True)
+            lr_before = fresh.param_groups[0]["lr"]
+            try:
+                fresh.load_sharded_state_dict({**loaded, "optimizer.param_groups.0.lr": None})
+            except TypeError as err:
+                found["load_wrong_kind"] = f"TypeError: {err}"
+            found["lr_kept"] = str(fresh.param_groups[0]["lr"] == lr_before)
             master = fresh.owned_slices[0].master
             fresh.optimizer.state[master]["odd"] = torch.zeros(master.numel() + 1)
             try:
@@ -219,6 +226,13 @@ ERRORS = {
         doc_input="`{}` after `sharded_state_dict(..., is_loading=True)` (a key missing)",
         also=("the last sharded_state_dict() call returned",),
     ),
+    "load_wrong_kind": Expect(
+        "TypeError: state_dict['optimizer.param_groups.0.lr'] is None (NoneType) where the "
+        "optimizer holds a float",
+        doc_call=_LOAD,
+        doc_input="a hyperparameter of another kind (`lr=None`; set silently before)",
+        also=("does not fit this optimizer",),
+    ),
     "odd_state": Expect(
         "NotImplementedError: optimizer state 'odd' of ",
         doc_call=_SAVE,
@@ -232,5 +246,6 @@ def test_bad_input_is_rejected_before_any_collective(rank_pools: RankPools) -> N
     for found in rank_pools.get(2).run(_errors):
         assert found["collectives"] == "0"
         assert found["is_loading"] == "TypeError: is_loading='yes' must be a bool"
+        assert found["lr_kept"] == "True"  # checked before anything was written
         for name, expect in ERRORS.items():
             assert_fails_as(name, found[name], expect)

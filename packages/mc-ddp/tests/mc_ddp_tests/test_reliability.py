@@ -5,11 +5,12 @@ mid-step: a bucket reduction issued from a backward hook and waited in finish_gr
 and a param all-gather waited in a forward pre-hook; the survivor must raise mc_groups'
 CollectiveError naming the operation, the group's ranks and the bucket group within
 2 × the process-group timeout (each scenario owns a short-timeout pool: a dead rank ends
-its world); (2) the opt-in schedule check on DDP buckets: ranks whose models registered
-params in a different order have equal-sized buckets holding different params, which
-without the check are silently summed into each other; with it every rank raises before
-anything is reduced, and with matching models the check changes no number (bit-identical
-params after training, same collective records).
+its world); (2) ranks whose models registered params in a different order (equal-sized
+buckets holding different params): DDP's agreement at construction refuses them on every
+rank; with that agreement bypassed (to test the second line of defense) they are silently
+summed into each other without the opt-in schedule check, and with it every rank raises
+before anything is reduced; with matching models the schedule check changes no number
+(bit-identical params after training, same collective records).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import os
 import re
 import time
+from contextlib import nullcontext
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -25,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import mc_groups as mg
-from mc_ddp import DistributedDataParallel, ShardedOptimizer
+from mc_ddp import DataParallelAgreementError, DistributedDataParallel, ShardedOptimizer
 from mc_ddp_tests._harness import (
     Reference,
     ddp_backward,
@@ -162,13 +165,19 @@ class _Ordered(nn.Module):
         return out
 
 
-def _registration_order(check: bool) -> dict[str, Any]:
-    """One bucket (484 elements on both ranks), params registered in opposite orders."""
+def _registration_order(check: bool, agree: bool = False) -> dict[str, Any]:
+    """One bucket (484 elements on both ranks), params registered in opposite orders;
+    ``agree=False`` bypasses DDP's agreement at construction (which refuses the model)."""
     order = (0, 1, 2) if dist.get_rank() == 0 else (2, 1, 0)
+    bypass = nullcontext() if agree else mock.patch("mc_ddp._agreement.agree")
     with model_parallel() as pgc:
         model = _Ordered(order)
         ref = Reference(_Ordered((0, 1, 2)), 0.1)
-        ddp = DistributedDataParallel(MP, ddp_config(), model, pg_collection=pgc)
+        with bypass:
+            try:
+                ddp = DistributedDataParallel(MP, ddp_config(), model, pg_collection=pgc)
+            except DataParallelAgreementError as err:
+                return {"construction": str(err)}
         x, y = global_batch(0, dist.get_world_size(), torch.float32)
         rows = local_rows(x, dist.get_rank()), local_rows(y, dist.get_rank())
         torch.autograd.backward(loss_fn(ddp(rows[0]), rows[1]))
@@ -187,6 +196,19 @@ def _registration_order(check: bool) -> dict[str, Any]:
             "issued": [r.label for r in log],
             "error": max_grad_error(ddp, ordered),
         }
+
+
+def test_params_registered_in_another_order_are_refused_at_construction(
+    rank_pools: RankPools,
+) -> None:
+    for out in rank_pools.get(2).run(_registration_order, False, True):
+        assert out["construction"].startswith(
+            "DistributedDataParallel: the ranks [0, 1] of group dp_cp were built differently"
+        )
+        assert (
+            "dense params, entry #0: 'l0.weight' (16, 8) float32 on rank(s) [0]; "
+            "'l2.weight' (4, 16) float32 on rank(s) [1]"
+        ) in out["construction"]
 
 
 def test_params_registered_in_another_order_are_caught_by_the_schedule_check(

@@ -50,6 +50,11 @@ def _train_step(ddp: DistributedDataParallel, opt: ShardedOptimizer, step: int) 
     ensure_params_ready(list(ddp.parameters()))
 
 
+def _rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = global_batch(step, dist.get_world_size(), torch.float32)
+    return local_rows(x, dist.get_rank()), local_rows(y, dist.get_rank())
+
+
 def _flat(ddp: DistributedDataParallel) -> torch.Tensor:
     return torch.cat([p.detach().view(-1) for p in ddp.parameters()])
 
@@ -148,6 +153,34 @@ def _errors() -> dict[str, str]:
         opt = ShardedOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp)
         cases["step_before_finish"] = opt.step
         cases["bad_state"] = lambda: opt.load_state_dict({"master_params": [], "optimizer": {}})
+        good = opt.state_dict()
+        loose: Any = opt
+        cases["load_none"] = lambda: loose.load_state_dict(None)
+        cases["load_str"] = lambda: loose.load_state_dict("x")
+        cases["load_empty"] = lambda: opt.load_state_dict({})
+        cases["load_shapes"] = lambda: opt.load_state_dict(
+            {**good, "master_params": [m.view(1, -1) for m in good["master_params"]]}
+        )
+        cases["load_inner"] = lambda: opt.load_state_dict({**good, "optimizer": None})
+        cases["zero_grad_flag"] = lambda: loose.zero_grad(set_to_none="no")
+        twice_ddp, twice = _wrap(pgc, seed=3)
+        _train_step(twice_ddp, twice, 0)  # communicates: before the recorded window
+        cases["step_twice"] = twice.step
+        offloaded_ddp, offloaded = _wrap(pgc, seed=4)
+        _train_step(offloaded_ddp, offloaded, 0)
+        offloaded_ddp.zero_grad_buffer()
+        ddp_backward(offloaded_ddp, *_rows(1), 1)
+        offloaded_ddp.finish_grad_sync()
+        offloaded_ddp.offload_grad_buffers()
+        cases["step_offloaded"] = offloaded.step
+        restored_ddp, restored = _wrap(pgc, seed=5)
+        _train_step(restored_ddp, restored, 0)
+        restored_ddp.zero_grad_buffer()
+        ddp_backward(restored_ddp, *_rows(1), 1)
+        restored_ddp.finish_grad_sync()
+        restored_ddp.offload_grad_buffers()
+        restored_ddp.restore_grad_buffers()
+        cases["step_discarded"] = restored.step
         with mg.record_collectives() as log:
             for name, call in cases.items():
                 try:
@@ -195,6 +228,63 @@ ERRORS = {
         doc_input="`master_params` of the wrong length",
     ),
 }
+
+
+ERRORS.update(
+    {
+        "load_none": Expect(
+            "TypeError: state_dict must be the mapping ShardedOptimizer.state_dict() returned, "
+            "got NoneType",
+            doc_call="`opt.load_state_dict(sd)`",
+            doc_input="`None` (AttributeError before)",
+        ),
+        "load_str": Expect(
+            "TypeError: state_dict must be the mapping",
+            doc_call="`opt.load_state_dict(sd)`",
+            doc_input="`'x'`",
+        ),
+        "load_empty": Expect(
+            "ValueError: state_dict has no ['master_params', 'optimizer']",
+            doc_call="`opt.load_state_dict(sd)`",
+            doc_input="`{}`",
+        ),
+        "load_shapes": Expect(
+            "ValueError: state_dict['master_params'] does not match this rank's shard layout",
+            doc_call="`opt.load_state_dict(sd)`",
+            doc_input="masters of the right numel but the wrong shape",
+            also=("expected tensors of shapes",),
+        ),
+        "load_inner": Expect(
+            "TypeError: state_dict['optimizer'] must be the wrapped optimizer's state dict",
+            doc_call="`opt.load_state_dict(sd)`",
+            doc_input="`'optimizer': None`",
+        ),
+        "zero_grad_flag": Expect(
+            "TypeError: set_to_none='no' must be a bool",
+            doc_call="`opt.zero_grad(set_to_none=)`",
+            doc_input="`'no'`",
+        ),
+        "step_twice": Expect(
+            "RuntimeError: step(): this optimizer already stepped on this iteration's "
+            "gradients; a second step would apply them twice",
+            doc_call="`opt.step()`",
+            doc_input="twice without a new backward (double update before)",
+            also=("zero_grad_buffer()",),
+        ),
+        "step_offloaded": Expect(
+            "RuntimeError: step(): the grad buffers are offloaded (offload_grad_buffers())",
+            doc_call="`opt.step()`",
+            doc_input="after `ddp.offload_grad_buffers()` (torch's storage error before)",
+            also=("restore_grad_buffers() first",),
+        ),
+        "step_discarded": Expect(
+            "RuntimeError: step(): offload_grad_buffers() discarded this iteration's gradients",
+            doc_call="`opt.step()`",
+            doc_input="after offload and restore (a step on zeroed grads before)",
+            also=("zero_grad_buffer()",),
+        ),
+    }
+)
 
 
 def test_bad_input_is_rejected_before_any_collective(rank_pools: RankPools) -> None:

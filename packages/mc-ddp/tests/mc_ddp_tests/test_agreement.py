@@ -1,0 +1,255 @@
+"""DDP's agreement at construction (2 gloo ranks): ranks that will reduce gradients together
+compare how they built their DistributedDataParallel, once, before anything is allocated.
+
+Localizes the comparison, not the collectives: in each case exactly one rank (rank 1)
+builds with one setting changed (a config field, a param shape or dtype, the per-token loss,
+``disable_bucketing``, a caller's layout, an expert param); every rank must raise the same
+``DataParallelAgreementError`` naming the field, each value and the ranks holding it, within
+5 seconds (without the check these cases aborted inside gloo, hung until the group's timeout
+or gave silently wrong gradients: ``docs/bad_inputs_sweep.md``), and nothing may have been
+built (no ``main_grad`` on the params). Matching ranks exchange one 8-byte fingerprint per
+group at construction (dense over dp_cp, expert over expt_dp), recorded by nothing, and none
+per step. Exact string comparisons, no tolerance.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import mc_groups as mg
+from mc_buffers import compute_full_param_layout
+from mc_ddp import DataParallelAgreementError, DistributedDataParallel, ShardedOptimizer
+from mc_ddp_tests._harness import (
+    ddp_backward,
+    ddp_config,
+    global_batch,
+    local_rows,
+    mlp,
+    model_parallel,
+)
+from mc_groups.schedule_check import verify_schedule
+from mc_groups.testing import RankPools
+
+MP = mg.ModelParallelConfig()
+
+
+class _Experts(nn.Module):
+    """A dense Linear(8, 16) then an expert Linear(16, 4) (``allreduce=False``)."""
+
+    def __init__(self, expert_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dense = nn.Linear(8, 16)
+        self.expert = nn.Linear(16, 4).to(expert_dtype)
+        for p in self.expert.parameters():
+            p.allreduce = False  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.expert(torch.tanh(self.dense(x)).to(self.expert.weight.dtype))
+        return out
+
+
+def _wide_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh())
+
+
+def _build(case: str, pgc: mg.ProcessGroupCollection) -> tuple[nn.Module, Any]:
+    """(module, a zero-argument constructor) of ``case`` on this rank; rank 1 differs."""
+    other = dist.get_rank() == 1
+    config: Any = MP
+    fields: dict[str, Any] = {}
+    module: nn.Module = mlp()
+    kwargs: dict[str, Any] = {}
+    if case in ("bucket_size", "overlap_grad_reduce"):
+        fields = {"overlap_grad_reduce": other or case == "bucket_size", "bucket_size": 16}
+        if case == "bucket_size" and other:
+            fields["bucket_size"] = 32
+    elif case in ("use_distributed_optimizer", "check_for_nan_in_grad"):
+        fields = {case: other}
+    elif case == "grad_reduce_in_fp32":
+        fields, module = {case: other}, mlp(torch.bfloat16)
+    elif case == "hidden_size" and other:
+        module = _wide_mlp()
+    elif case == "param_dtype" and other:
+        module = mlp(torch.bfloat16)
+    elif case == "calculate_per_token_loss":
+        config = mg.ModelParallelConfig(calculate_per_token_loss=other)
+    elif case == "disable_bucketing":
+        kwargs["disable_bucketing"] = other
+    elif case == "layout_only":
+        size = 64 if other else 16
+        kwargs["full_param_layout"] = compute_full_param_layout(
+            list(module.parameters()),
+            size,
+            2,
+            use_distributed_optimizer=False,
+            grad_reduce_in_fp32=False,
+        )
+    elif case == "expert_dtype":
+        module = _Experts(torch.bfloat16 if other else torch.float32)
+    elif case == "expert_count" and other:
+        last: Any = module.get_submodule("4")
+        last.bias.allreduce = False
+
+    def construct() -> DistributedDataParallel:
+        cfg = ddp_config(**fields)
+        return DistributedDataParallel(config, cfg, module, pg_collection=pgc, **kwargs)
+
+    return module, construct
+
+
+CASES = (
+    "bucket_size",
+    "overlap_grad_reduce",
+    "grad_reduce_in_fp32",
+    "use_distributed_optimizer",
+    "check_for_nan_in_grad",
+    "hidden_size",
+    "param_dtype",
+    "calculate_per_token_loss",
+    "disable_bucketing",
+    "layout_only",
+    "expert_dtype",
+    "expert_count",
+)
+
+
+def _disagreements() -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    with model_parallel() as pgc:
+        for case in CASES:
+            module, construct = _build(case, pgc)
+            start = time.monotonic()
+            try:
+                construct()
+                message = "no error"
+            except DataParallelAgreementError as err:
+                message = str(err)
+            out[case] = {
+                "message": message,
+                "seconds": time.monotonic() - start,
+                "built": any(hasattr(p, "main_grad") for p in module.parameters()),
+            }
+    return out
+
+
+_HEAD = "DistributedDataParallel: the ranks [0, 1] of group {group} were built differently"
+
+EXPECTED: dict[str, tuple[str, ...]] = {
+    "bucket_size": (
+        "  ddp_config.bucket_size: 16 on rank(s) [0]; 32 on rank(s) [1]",
+        "  bucket size (resolved): 16 on rank(s) [0]; 32 on rank(s) [1]",
+        "  dense buffer layouts, entry #0: ",
+    ),
+    "overlap_grad_reduce": (
+        "  ddp_config.overlap_grad_reduce: False on rank(s) [0]; True on rank(s) [1]",
+        "  bucket size (resolved): None on rank(s) [0]; 16 on rank(s) [1]",
+    ),
+    "grad_reduce_in_fp32": (
+        "  ddp_config.grad_reduce_in_fp32: False on rank(s) [0]; True on rank(s) [1]",
+        "  dense buffers (param dtype -> grad dtype), entry #0: bfloat16 -> bfloat16 on "
+        "rank(s) [0]; bfloat16 -> float32 on rank(s) [1]",
+    ),
+    "use_distributed_optimizer": (
+        "  ddp_config.use_distributed_optimizer: False on rank(s) [0]; True on rank(s) [1]",
+        "  dense buffer layouts, entry #0: 1 bucket(s), 484 elements (484 unpadded), layout ",
+    ),
+    "check_for_nan_in_grad": (
+        "  ddp_config.check_for_nan_in_grad: False on rank(s) [0]; True on rank(s) [1]",
+    ),
+    "hidden_size": (
+        "  dense params: 6 entries on rank(s) [0]; 4 entries on rank(s) [1]",
+        "  dense buffer layouts, entry #0: 1 bucket(s), 484 elements (484 unpadded), layout ",
+    ),
+    "param_dtype": (
+        "  dense params, entry #0: '0.weight' (16, 8) float32 on rank(s) [0]; '0.weight' "
+        "(16, 8) bfloat16 on rank(s) [1]",
+        "  dense buffers (param dtype -> grad dtype), entry #0: float32 -> float32 on "
+        "rank(s) [0]; bfloat16 -> bfloat16 on rank(s) [1]",
+    ),
+    "calculate_per_token_loss": (
+        "  config.calculate_per_token_loss: False on rank(s) [0]; True on rank(s) [1]",
+    ),
+    "disable_bucketing": ("  disable_bucketing: False on rank(s) [0]; True on rank(s) [1]",),
+    "layout_only": ("  dense buffer layouts, entry #0: ",),
+    "expert_dtype": (
+        "  expert params, entry #0: 'expert.weight' (4, 16) float32 on rank(s) [0]; "
+        "'expert.weight' (4, 16) bfloat16 on rank(s) [1]",
+        "  expert buffers (param dtype -> grad dtype), entry #0: float32 -> float32 on "
+        "rank(s) [0]; bfloat16 -> bfloat16 on rank(s) [1]",
+    ),
+    "expert_count": ("  expert params (count): 0 on rank(s) [0]; 1 on rank(s) [1]",),
+}
+
+ONLY: dict[str, int] = {  # cases where exactly these many fields differ
+    "check_for_nan_in_grad": 1,
+    "calculate_per_token_loss": 1,
+    "disable_bucketing": 1,
+    "layout_only": 1,
+}
+
+
+def test_every_rank_names_the_field_that_differs(rank_pools: RankPools) -> None:
+    results = rank_pools.get(2).run(_disagreements)
+    for case in CASES:
+        messages = [out[case]["message"] for out in results]
+        assert messages[0] == messages[1], case  # the same error on every rank
+        message = messages[0]
+        group = "expt_dp" if case == "expert_dtype" else "dp_cp"
+        assert message.startswith(_HEAD.format(group=group)), (case, message)
+        lines = message.splitlines()
+        for line in EXPECTED[case]:
+            assert any(got.startswith(line) for got in lines), (case, line, message)
+        if case in ONLY:
+            differing = [got for got in lines if got.startswith("  ")]
+            assert len(differing) == ONLY[case], (case, message)
+        assert lines[-1].startswith("Build the DistributedDataParallel alike on every rank")
+        for out in results:
+            assert out[case]["seconds"] < 5.0, case
+            assert not out[case]["built"], case  # refused before any buffer was made
+
+
+def _agreeing() -> dict[str, Any]:
+    calls: list[str] = []
+
+    def counted(group: dist.ProcessGroup, planned: Any, device: torch.device) -> None:
+        calls.append(planned.label)
+        verify_schedule(group, planned, device)
+
+    out: dict[str, Any] = {}
+    with model_parallel() as pgc, mock.patch("mc_ddp._agreement.verify_schedule", counted):
+        with mg.record_collectives() as log:
+            cfg = ddp_config(overlap_grad_reduce=True, use_distributed_optimizer=True)
+            ddp = DistributedDataParallel(MP, cfg, mlp(), pg_collection=pgc)
+            experts = DistributedDataParallel(MP, ddp_config(), _Experts(), pg_collection=pgc)
+        out["construction"] = (list(calls), len(log))
+        calls.clear()
+        opt = ShardedOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp)
+        x, y = global_batch(0, dist.get_world_size(), torch.float32)
+        rows = local_rows(x, dist.get_rank()), local_rows(y, dist.get_rank())
+        for _ in range(2):
+            ddp.zero_grad_buffer()
+            ddp_backward(ddp, *rows, 2)
+            ddp.finish_grad_sync()
+            opt.step()
+            experts.zero_grad_buffer()
+            experts(rows[0]).sum().backward()
+            experts.finish_grad_sync()
+        out["steps"] = list(calls)
+    return out
+
+
+def test_matching_ranks_exchange_one_fingerprint_per_group_and_none_per_step(
+    rank_pools: RankPools,
+) -> None:
+    for out in rank_pools.get(2).run(_agreeing):
+        # dense DDP: dp_cp; the expert model: dp_cp, then expt_dp; nothing recorded
+        assert out["construction"] == (["dp_cp", "dp_cp", "expt_dp"], 0)
+        assert out["steps"] == []
