@@ -11,18 +11,32 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mc_groups import ProcessGroupCollection, get_default_collection
+from mc_groups import ProcessGroupCollection, get_default_collection, is_group_live
 
 __all__: list[str] = []
 
 
 def _check_group(group: object, arg: str) -> dist.ProcessGroup:
+    """A live process group: ``TypeError`` for another type, ``RuntimeError`` for a group
+    that was destroyed (``destroy_model_parallel``)."""
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"{arg}={group!r} must be a torch.distributed.ProcessGroup (for example "
             "pg_collection.tp from mc_groups.initialize_model_parallel)"
         )
+    check_live(group, arg)
     return group
+
+
+def check_live(group: dist.ProcessGroup, what: str) -> None:
+    """A ``RuntimeError`` once ``group`` was destroyed (a dictionary lookup in torch's group
+    registry, cheap enough for every forward)."""
+    if not is_group_live(group):
+        raise RuntimeError(
+            f"{what} (a process group of {group.size()} rank(s)) was destroyed "
+            "(destroy_model_parallel() or torch.distributed.destroy_process_group()); build "
+            "new groups (initialize_model_parallel()) and new layers on them"
+        )
 
 
 def _collection(pg_collection: object, what: str) -> ProcessGroupCollection:

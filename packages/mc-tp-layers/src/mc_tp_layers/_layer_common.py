@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor
+from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_str, check_tensor
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import default_device
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
@@ -133,9 +133,7 @@ def check_device(device: object) -> torch.device | None:
 
 def check_optional_str(name: str, value: object) -> str | None:
     """``value`` when it is a str or None, else a ``TypeError``."""
-    if value is not None and not isinstance(value, str):
-        raise TypeError(f"{name}={value!r} must be a str or None")
-    return value
+    return None if value is None else check_str(name, value)
 
 
 def check_buffer(name: str, value: object) -> list[torch.Tensor] | None:

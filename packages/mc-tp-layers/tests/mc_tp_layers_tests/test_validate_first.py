@@ -154,3 +154,59 @@ def test_the_same_call_is_judged_the_same_at_tp1_and_tp2(rank_pools: RankPools, 
         for error, message, logged in rank_pools.get(2).run(_judge, tp, case):
             assert (error, logged) == (kind, 0), (tp, message)
             assert fragment in message, (tp, message)
+
+
+def _after_destroy() -> list[str]:
+    pgc = world(1)
+    layers: list[Any] = [
+        tpl.ColumnParallelLinear(
+            4, 2, config=config(1), init_method=torch.nn.init.ones_, pg_collection=pgc
+        ),
+        tpl.VocabParallelEmbedding(
+            4, 2, init_method=torch.nn.init.ones_, config=config(1), pg_collection=pgc
+        ),
+    ]
+    inputs = [torch.ones(1, 4), torch.zeros(1, 2, dtype=torch.long)]
+    mg.destroy_model_parallel(pgc)
+    errors = []
+    for layer, x in zip(layers, inputs, strict=True):
+        try:
+            layer(x)
+            errors.append("no error")
+        except RuntimeError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_a_layer_used_after_destroy_model_parallel_says_so(rank_pools: RankPools) -> None:
+    """At TP=1 nothing is communicated, so the forward used to run on a destroyed group."""
+    for errors in rank_pools.get(2).run(_after_destroy):
+        for what, error in zip(
+            ("ColumnParallelLinear", "VocabParallelEmbedding"), errors, strict=True
+        ):
+            assert error.startswith(
+                f"{what}'s tp_group (a process group of 1 rank(s)) was destroyed"
+            )
+
+
+def _absurd() -> str:
+    pgc = world(1)
+    try:
+        tpl.ColumnParallelLinear(
+            4, 2**62, config=config(1), init_method=torch.nn.init.ones_, pg_collection=pgc
+        )
+        return "no error"
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def test_absurd_sizes_name_the_layer_and_the_bytes(rank_pools: RankPools) -> None:
+    """2**62 rows overflow torch's storage size at once: no memory is touched."""
+    for error in rank_pools.get(2).run(_absurd):
+        assert error.startswith(
+            "ColumnParallelLinear(input_size=4, output_size=4611686018427387904) cannot "
+            "allocate a [4611686018427387904, 4] torch.float32 tensor ("
+        )
+        assert "check the sizes" in error
