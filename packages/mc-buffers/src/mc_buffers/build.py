@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from mc_buffers._args import check_scaling_factor
 from mc_buffers._checks import Param, as_param_list
 from mc_buffers.buffer import ParamAndGradBuffer
 from mc_buffers.keys import BufferKey, group_params_for_buffers
@@ -57,6 +58,8 @@ def build_param_and_grad_buffers(
     appearance of a key in ``params``).
     """
     plist = as_param_list(params)
+    if expert_gradient_scaling_factor is not None:
+        check_scaling_factor(expert_gradient_scaling_factor, "expert_gradient_scaling_factor")
     use_dist_opt = check_flag("use_distributed_optimizer", use_distributed_optimizer)
     dp = check_int("data_parallel_size", data_parallel_size)
     groups = group_params_for_buffers(plist, grad_reduce_in_fp32)

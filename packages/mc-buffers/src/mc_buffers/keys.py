@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from mc_buffers._checks import Param, as_param_list, check_requires_grad, check_unique, param_flag
-from mc_groups.argcheck import check_flag
+from mc_groups.argcheck import check_flag, check_tensor
 
 __all__ = ["BufferKey", "group_params_for_buffers", "is_expert_parallel_param"]
 
@@ -32,6 +32,7 @@ class BufferKey:
 def is_expert_parallel_param(param: torch.Tensor) -> bool:
     """Megatron's rule: a param is expert-parallel when it carries ``allreduce=False``
     (a non-bool ``allreduce`` is a ``TypeError``)."""
+    check_tensor("param", param)
     return not param_flag(param, "allreduce", True)
 
 

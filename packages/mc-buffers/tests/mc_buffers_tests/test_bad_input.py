@@ -24,6 +24,7 @@ from mc_buffers import (
     compute_distributed_optimizer_param_layout,
     compute_full_param_layout,
     group_params_for_buffers,
+    is_expert_parallel_param,
     pad_to_divisor,
     shard_buffer,
 )
@@ -487,6 +488,22 @@ CASES: dict[str, Case] = {
         "gradient_scaling_factor=0.0 must be > 0",
         doc_call="`build_param_and_grad_buffers(..., gradient_scaling_factor=)`",
         doc_input="`0.0` (would zero every gradient)",
+    ),
+    "expert scaling factor": Case(
+        lambda: build_param_and_grad_buffers(
+            [param(3)], bucket_size=None, expert_gradient_scaling_factor=float("inf")
+        ),
+        ValueError,
+        "expert_gradient_scaling_factor=inf must be finite",
+        doc_call="`build_param_and_grad_buffers(..., expert_gradient_scaling_factor=)`",
+        doc_input="`inf` without expert params (ignored before)",
+    ),
+    "expert param type": Case(
+        lambda: is_expert_parallel_param(None),  # type: ignore[arg-type]
+        TypeError,
+        "param must be a torch.Tensor, got NoneType",
+        doc_call="`is_expert_parallel_param(param)`",
+        doc_input="`None` (read as dense before)",
     ),
     "param_indices float": Case(
         lambda: ParamAndGradBuffer([param(3)], param_indices=[1.5]),  # type: ignore[list-item]

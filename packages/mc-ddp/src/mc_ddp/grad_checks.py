@@ -180,10 +180,15 @@ class LargeGradMonitor:
 
     def check(self, buckets: Sequence[ParamAndGradBucket], where: str) -> None:
         """Compare each bucket's norm with its history, warn, then record it."""
-        if not isinstance(buckets, Sequence) or len(buckets) != len(self._largest):
+        given: object = buckets  # a caller may pass anything
+        if isinstance(given, str) or not isinstance(given, Sequence):
+            raise TypeError(f"buckets={given!r} must be a sequence of ParamAndGradBucket")
+        if len(given) != len(self._largest) or not all(
+            isinstance(b, ParamAndGradBucket) for b in given
+        ):
             raise ValueError(
-                f"LargeGradMonitor.check: expected the {len(self._largest)} bucket(s) it was "
-                f"built for, got {buckets!r}"
+                f"LargeGradMonitor.check: buckets must be the {len(self._largest)} "
+                f"ParamAndGradBucket(s) it was built for, got {buckets!r}"
             )
         for i, bucket in enumerate(buckets):
             norm = float(bucket.grad_data.float().norm())

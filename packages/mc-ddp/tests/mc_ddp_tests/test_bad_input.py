@@ -592,6 +592,7 @@ def _function_errors() -> dict[str, tuple[str, int]]:
             "finite_groups": lambda: check_finite_grads(buckets, {}, "w", groups="x"),  # type: ignore[arg-type]
             "monitor_size": lambda: LargeGradMonitor(2.0),  # type: ignore[arg-type]
             "monitor_check": lambda: LargeGradMonitor(1).check(None, "w"),  # type: ignore[arg-type]
+            "monitor_items": lambda: LargeGradMonitor(1).check([None], "w"),  # type: ignore[list-item]
             "fp32_rs_output": lambda: loose(None, torch.zeros(4), world),
             "fp32_rs_async": lambda: loose(torch.zeros(2), torch.zeros(4), world, async_op="no"),
             "ready_params": lambda: ensure_params_ready(None),  # type: ignore[arg-type]
@@ -738,10 +739,15 @@ FUNCTIONS.update(
             doc_input="`2.0`",
         ),
         "monitor_check": Expect(
-            "ValueError: LargeGradMonitor.check: expected the 1 bucket(s) it was built for, "
-            "got None",
+            "TypeError: buckets=None must be a sequence of ParamAndGradBucket",
             doc_call="`monitor.check(buckets, where)`",
             doc_input="`None`",
+        ),
+        "monitor_items": Expect(
+            "ValueError: LargeGradMonitor.check: buckets must be the 1 ParamAndGradBucket(s) it "
+            "was built for, got [None]",
+            doc_call="`monitor.check(buckets, where)`",
+            doc_input="`[None]`",
         ),
         "fp32_rs_output": Expect(
             "TypeError: output must be a torch.Tensor, got NoneType",
