@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize.grad_access import _GradView
+from mc_groups.argcheck import check_str
 
 
 def _allreduce_tensors(
@@ -19,9 +20,14 @@ def _allreduce_tensors(
     Tensors of one dtype are concatenated into one flat buffer, reduced, and copied back:
     gloo refuses to coalesce tensors of different dtypes, so each dtype gets its own
     all-reduce (in model order, the same on every rank). A lone contiguous tensor is reduced
-    in place. Nothing runs on a group of one rank.
+    in place. Nothing runs on a group of one rank (the arguments are checked all the same).
     """
-    if not tensors or mg.group_size(group) <= 1:
+    _check_tensors(tensors)
+    size = mg.group_size(group)  # a live process group, or a TypeError / RuntimeError
+    if not isinstance(op, mg.ReduceOp):
+        raise TypeError(f"op={op!r} must be a mc_groups.ReduceOp (SUM, AVG, MAX or MIN)")
+    check_str("label", label)
+    if not tensors or size <= 1:
         return
     for bucket in _by_dtype_and_device(tensors):
         if len(bucket) == 1 and bucket[0].is_contiguous():
@@ -33,6 +39,16 @@ def _allreduce_tensors(
             bucket, torch.split(flat, [t.numel() for t in bucket]), strict=True
         ):
             tensor.copy_(piece.view_as(tensor))
+
+
+def _check_tensors(tensors: object) -> None:
+    if not isinstance(tensors, list | tuple):
+        raise TypeError(
+            f"tensors must be a list of tensors (the grads to reduce), got {type(tensors).__name__}"
+        )
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensors[{index}] is a {type(tensor).__name__}, not a torch.Tensor")
 
 
 def _allreduce_views(

@@ -25,6 +25,11 @@ class _Groups:
 def _collection(pg_collection: object) -> mg.ProcessGroupCollection:
     if pg_collection is None:
         default = mg.get_default_collection()
+        if default is not None and default.destroyed:
+            raise RuntimeError(
+                "finalize_model_grads: the default collection was destroyed by "
+                "destroy_model_parallel()"
+            )
         if default is None:
             raise mg.MissingGroupError(
                 "finalize_model_grads got pg_collection=None and no default collection is "
@@ -35,6 +40,11 @@ def _collection(pg_collection: object) -> mg.ProcessGroupCollection:
     if not isinstance(pg_collection, mg.ProcessGroupCollection):
         raise TypeError(
             f"pg_collection={pg_collection!r} must be a mc_groups.ProcessGroupCollection"
+        )
+    if pg_collection.destroyed:
+        raise RuntimeError(
+            "finalize_model_grads: pg_collection was destroyed by destroy_model_parallel(); "
+            "its groups can no longer communicate: build a new collection and new model chunks"
         )
     return pg_collection
 
@@ -60,7 +70,7 @@ def _plan_groups(
         (settings.flextron, "router grads, config.flextron"),
         (_multi(embd), "shared word-embedding grads: first/last stage"),
         (_multi(pos_embd), "position-embedding grads: first/last stage"),
-        (has_tokens, "num_tokens: broadcast from the last pipeline stage"),
+        (has_tokens, "num_tokens (calculate_per_token_loss): broadcast from the last stage"),
     ]
     pp_why = "; ".join(why for when, why in pp_steps if when)
     tp = collection.require("tp", "finalize_model_grads (non-tensor-parallel grads over tp)")

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize.protocols import ModelChunk
+from mc_groups.argcheck import check_flag
 
 _CHUNK_METHODS = ("finish_grad_sync", "named_parameters", "parameters")
 # Half-precision counts are exact only up to 2048 (fp16) / 256 (bf16) tokens.
@@ -33,6 +34,13 @@ def _as_chunks(model: object, *, need_scale: bool = False) -> list[ModelChunk]:
                 "a DDP-wrapped module (e.g. mc_ddp.DistributedDataParallel) or any object "
                 "with finish_grad_sync, scale_gradients, named_parameters and parameters"
             )
+    for index, chunk in enumerate(model):
+        first = next(i for i, other in enumerate(model) if other is chunk)
+        if first != index:
+            raise ValueError(
+                f"model[{index}] is the same object as model[{first}]: each model chunk must "
+                "appear once (its grads would be reduced and scaled twice)"
+            )
     return list(model)
 
 
@@ -46,6 +54,23 @@ def _config_of(chunks: Sequence[ModelChunk]) -> object:
     return config
 
 
+def _check_group(group: object, arg: str, needed_for: str) -> dist.ProcessGroup | None:
+    """``group`` when it is None or a live process group; ``TypeError`` / ``RuntimeError``
+    naming ``arg`` otherwise (checked on every group size, before any collective)."""
+    if group is None:
+        return None
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{needed_for}: {arg}={group!r} must be a torch.distributed.ProcessGroup or None"
+        )
+    if not mg.is_group_live(group):
+        raise RuntimeError(
+            f"{needed_for}: {arg} was destroyed (destroy_model_parallel() or "
+            "torch.distributed.destroy_process_group()); pass a live group"
+        )
+    return group
+
+
 def _resolve_group(
     group: dist.ProcessGroup | None, field: str, needed_for: str
 ) -> dist.ProcessGroup | None:
@@ -53,7 +78,7 @@ def _resolve_group(
 
     The default's field may itself be None (e.g. ``embd`` on a middle pipeline stage).
     """
-    if group is not None:
+    if _check_group(group, f"{field} group", needed_for) is not None:
         return group
     collection = mg.get_default_collection()
     if collection is None:
@@ -102,14 +127,32 @@ def _model_module(chunk: ModelChunk) -> object:
 
 
 def _check_force(force_all_reduce: object) -> bool:
+    """None reads as False (Megatron's signature allows it); anything else is a bool."""
     if force_all_reduce is None:
         return False
-    if not isinstance(force_all_reduce, bool):
-        raise TypeError(f"force_all_reduce={force_all_reduce!r} must be a bool")
-    return force_all_reduce
+    return check_flag("force_all_reduce", force_all_reduce)
 
 
-def _check_num_tokens(num_tokens: object, chunks: Sequence[ModelChunk]) -> None:
+def _check_num_tokens(
+    num_tokens: object, chunks: Sequence[ModelChunk], per_token: bool
+) -> torch.Tensor | None:
+    """The types every rank can check alone (a tensor of one count, an exact dtype, the
+    model's device), and ``num_tokens`` iff ``config.calculate_per_token_loss``.
+
+    A missing count under per-token loss is not refused here: ranks can disagree on it (a
+    data-dependent count on one rank only), and a rank raising alone would leave its peers
+    waiting in the reduction. It takes part in the token reduction as an invalid count
+    instead, so every rank raises the same error (see ``finalize._reduce_num_tokens``).
+    """
+    if num_tokens is None:
+        return None
+    if not per_token:
+        raise ValueError(
+            "num_tokens was given but config.calculate_per_token_loss=False: DDP already "
+            "averaged the grads over the data-parallel ranks, so dividing by the token count "
+            "would shrink them again; pass num_tokens only with calculate_per_token_loss=True "
+            "(Megatron's schedules pass it exactly then)"
+        )
     if not isinstance(num_tokens, torch.Tensor):
         raise TypeError(
             f"num_tokens must be a torch.Tensor holding this rank's token count, got "
@@ -131,3 +174,4 @@ def _check_num_tokens(num_tokens: object, chunks: Sequence[ModelChunk]) -> None:
             f"num_tokens is on {num_tokens.device} but the model is on {param.device}; "
             "move it with num_tokens.to(device) (the collective needs both on one device)"
         )
+    return num_tokens

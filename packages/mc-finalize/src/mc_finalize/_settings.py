@@ -7,11 +7,11 @@ attribute of the wrong type is a ``TypeError`` naming it, raised before any coll
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mc_finalize.protocols import FinalizeConfig
+from mc_groups.argcheck import check_flag, check_int, check_real
 
 _REQUIRED_BOOLS = ("sequence_parallel", "calculate_per_token_loss")
 _OPTIONAL_BOOLS = (
@@ -74,30 +74,24 @@ def _optional_bool(config: object, name: str, default: bool) -> bool:
     value = getattr(config, name, None)
     if value is None:
         return default
-    if not isinstance(value, bool):
-        raise TypeError(f"config.{name}={value!r} must be a bool (True or False)")
-    return value
+    return check_flag(f"config.{name}", value)
 
 
 def _number(config: object, name: str, default: float, upper: float | None) -> float:
     value = getattr(config, name, None)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise TypeError(f"config.{name}={value!r} must be a finite number")
-    if value < 0 or (upper is not None and value > upper):
-        bound = "" if upper is None else f" and <= {upper}"
-        raise ValueError(f"config.{name}={value!r} must be >= 0{bound}")
-    return float(value)
+    number = check_real(f"config.{name}", value, positive=True)
+    if upper is not None and number > upper:
+        raise ValueError(f"config.{name}={value!r} must be >= 0 and <= {upper}")
+    return number
 
 
 def _size(config: object, name: str, default: int, *, minimum: int) -> int:
     value = getattr(config, name, None)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TypeError(f"config.{name}={value!r} must be an int >= {minimum} (or None)")
-    return value
+    return check_int(f"config.{name}", value, minimum=minimum)
 
 
 def _balancing_types(config: object) -> tuple[str, ...]:

@@ -26,10 +26,11 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize._flat import _allreduce_views
-from mc_finalize._inputs import _as_chunks, _model_module, _resolve_group
+from mc_finalize._inputs import _as_chunks, _check_group, _model_module, _resolve_group
 from mc_finalize._settings import _read_settings
 from mc_finalize.grad_access import _grad_view
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
+from mc_groups.argcheck import check_flag
 
 WeightGetter = Callable[[object], torch.nn.Parameter | None]
 
@@ -44,9 +45,17 @@ def _get_shared_word_embedding_weight(
     ``shared_embedding_or_output_weight()``. A model without that attribute marks the
     weight itself with ``shared_embedding=True``; the first such param is returned.
     """
+    settings = _read_settings(config)
+    if not hasattr(model_module, "share_embeddings_and_output_weights") and not callable(
+        getattr(model_module, "parameters", None)
+    ):
+        raise TypeError(
+            f"model_module={model_module!r} must be the wrapped model (an object with "
+            "parameters() or share_embeddings_and_output_weights)"
+        )
     if hasattr(model_module, "share_embeddings_and_output_weights"):
         shared = bool(model_module.share_embeddings_and_output_weights)
-        if not (shared or _read_settings(config).mtp_num_layers > 0):
+        if not (shared or settings.mtp_num_layers > 0):
             return None
         getter = getattr(model_module, "shared_embedding_or_output_weight", None)
         if not callable(getter):
@@ -85,6 +94,9 @@ def _allreduce_word_embedding_grads(
     means this rank is in no embedding group: nothing runs.
     """
     chunks = _as_chunks(model)
+    _read_settings(config)
+    _check_group(embd_group, "embd_group", "_allreduce_word_embedding_grads")
+    _check_group(pp_group, "pp_group", "_allreduce_word_embedding_grads")
     if embd_group is None and pp_group is None:
         embd_group = _resolve_group(None, "embd", "_allreduce_word_embedding_grads")
         pp_group = _resolve_group(None, "pp", "_allreduce_word_embedding_grads")
@@ -106,6 +118,7 @@ def _allreduce_position_embedding_grads(
     a member rank is a ValueError; a None group means this rank holds no copy.
     """
     chunks = _as_chunks(model)
+    _read_settings(config)
     _allreduce_embedding_grad(
         chunks,
         pos_emb_group,
@@ -129,8 +142,19 @@ def _allreduce_embedding_grad(
     ``model_module`` is the wrapped model of the chunk that holds the weight (see the module
     docstring; ``pp_group`` tells first from last stage). A getter returning None skips
     quietly with ``skip_if_none`` and is a ValueError without it; a frozen weight (grad None)
-    always skips. Nothing runs when ``embd_group`` is None or has one rank.
+    always skips. Nothing runs when ``embd_group`` is None or has one rank (the arguments
+    are checked all the same).
     """
+    _check_group(embd_group, "embd_group", "_allreduce_embedding_grad")
+    _check_group(pp_group, "pp_group", "_allreduce_embedding_grad")
+    if not callable(weight_getter):
+        raise TypeError(
+            f"weight_getter={weight_getter!r} must be a callable taking the model module and "
+            "returning the weight (or None)"
+        )
+    check_flag("skip_if_none", skip_if_none)
+    if config is not None:
+        _read_settings(config)
     weight = _embedding_weight(model, embd_group, pp_group, weight_getter, config)
     if weight is None:
         if not skip_if_none and _is_multi_rank(embd_group):

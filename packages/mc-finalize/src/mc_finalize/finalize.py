@@ -1,8 +1,8 @@
 """``finalize_model_grads``: after the last backward of a global batch, before the optimizer.
 
 Everything is validated first (model list, config, groups, ``num_tokens``, embedding
-weights), so bad input fails on every rank before the first collective and before any
-chunk's ``finish_grad_sync``. Then, in order:
+weights, chunks already finalized this iteration), so bad input fails on every rank before
+the first collective and before any chunk's ``finish_grad_sync``. Then, in order:
 
  1. ``finish_grad_sync(force_all_reduce)`` on every chunk       data-parallel reduction
  2. conditional-embedder grads      SUM over pp          (has_cond_embedder, pp > 1)
@@ -15,9 +15,24 @@ chunk's ``finish_grad_sync``. Then, in order:
  9. router qb_beta                  AVG over dp_cp (dp_cp_gtp_remat under gtp_remat)
                                                          (quantile_balancing)
 10. reset_model_temporary_tensors                        (no communication)
-11. with num_tokens: broadcast from the last pp rank, SUM over dp_cp (dp_cp_gtp_remat when
-    gtp_remat is active: those peers see different tokens), then every chunk's
-    ``scale_gradients(1 / max(num_tokens, 1))``
+11. with calculate_per_token_loss: num_tokens broadcast from the last pp rank, SUM over
+    dp_cp (dp_cp_gtp_remat when gtp_remat is active: those peers see different tokens), in
+    float64, then every chunk's ``scale_gradients(1 / max(num_tokens, 1))``
+12. every chunk that has it: ``mark_grads_finalized()``
+
+``num_tokens`` is given exactly when ``config.calculate_per_token_loss`` (as Megatron's
+schedules pass it); its type, shape, dtype and device are checked on each rank. Its value
+can differ between ranks (it counts this rank's tokens), so a value check on one rank alone
+would let that rank raise while its peers wait in the next collective. Instead a missing,
+NaN, ±inf or negative count enters the token reduction as NaN (device ops, no host sync),
+the sum read back for the scaling is NaN on every rank, and every rank raises the same
+``ValueError`` before scaling (the grads were reduced, not scaled: redo the iteration).
+
+Finalizing twice would reduce and scale the grads twice: a chunk that says its grads were
+already finalized (``grads_finalized``, as ``mc_ddp.DistributedDataParallel`` does until
+its next ``zero_grad_buffer()``) is refused before anything runs, and each chunk's
+``mark_grads_finalized()`` (when it has one) is called at the end. Hand-made chunks without
+the two attributes are not protected. The same chunk twice in ``model`` is refused.
 
 Groups come from ``pg_collection`` (or the registered default collection). Needed always:
 ``tp``. Needed when their step runs: ``pp`` (steps 2, 3, 6, 7 with a multi-rank group, 11),
@@ -29,6 +44,7 @@ embedding copy).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import partial
 from typing import cast
@@ -80,18 +96,22 @@ def finalize_model_grads(
 
     Args:
         model: this rank's model chunks (one per virtual pipeline stage), in order.
-        num_tokens: one-element int32/int64/float32/float64 tensor on the model's device.
+        num_tokens: one-element int32/int64/float32/float64 tensor on the model's device,
+            given exactly when ``config.calculate_per_token_loss`` (see the module notes).
         pg_collection: the groups; None uses ``mc_groups.get_default_collection()``.
-        force_all_reduce: passed to every chunk's ``finish_grad_sync``.
+        force_all_reduce: passed to every chunk's ``finish_grad_sync`` (None reads as False).
     """
-    chunks = _as_chunks(model, need_scale=num_tokens is not None)
+    chunks = _as_chunks(model)
     config = cast(FinalizeConfig, _config_of(chunks))
     settings = _read_settings(config)
+    per_token = settings.calculate_per_token_loss
+    if per_token:
+        _as_chunks(chunks, need_scale=True)
     force = _check_force(force_all_reduce)
-    groups = _plan_groups(_collection(pg_collection), settings, num_tokens is not None)
-    if num_tokens is not None:
-        _check_num_tokens(num_tokens, chunks)
+    groups = _plan_groups(_collection(pg_collection), settings, per_token)
+    _check_num_tokens(num_tokens, chunks, per_token)
     _check_embedding_weights(chunks, config, groups)
+    _check_not_finalized(chunks)
 
     for chunk in chunks:
         chunk.finish_grad_sync(force_all_reduce=force)
@@ -110,8 +130,23 @@ def finalize_model_grads(
     if settings.quantile_balancing:
         _update_router_qb_beta(chunks, config, groups.data)
     reset_model_temporary_tensors(config, chunks)
-    if num_tokens is not None:
+    if per_token:
         _scale_by_num_tokens(chunks, num_tokens, groups.pp, groups.data)
+    for chunk in chunks:
+        mark = getattr(chunk, "mark_grads_finalized", None)
+        if callable(mark):
+            mark()
+
+
+def _check_not_finalized(chunks: Sequence[ModelChunk]) -> None:
+    for index, chunk in enumerate(chunks):
+        if getattr(chunk, "grads_finalized", False) is True:
+            raise RuntimeError(
+                f"finalize_model_grads: model[{index}]'s gradients were already finalized this "
+                "iteration (finalize_model_grads ran on it); finalizing twice would reduce and "
+                "scale them twice. Call zero_grad_buffer() and run the next iteration's "
+                "backward first"
+            )
 
 
 def _word_embedding_getter(config: FinalizeConfig) -> partial[torch.nn.Parameter | None]:
@@ -128,15 +163,49 @@ def _check_embedding_weights(
 
 def _scale_by_num_tokens(
     chunks: Sequence[ModelChunk],
-    num_tokens: torch.Tensor,
+    num_tokens: torch.Tensor | None,
     pp: dist.ProcessGroup | None,
     data: dist.ProcessGroup | None,
 ) -> None:
     """``num_tokens ← Σ_data (last stage's count)``; grads ← grads / max(num_tokens, 1)."""
     if pp is None or data is None:
         raise mg.MissingGroupError("num_tokens needs the pp and dp_cp groups (checked earlier)")
-    mg.broadcast(num_tokens, pp, group_src=mg.group_size(pp) - 1, label="num_tokens")
-    mg.all_reduce(num_tokens, data, op=mg.ReduceOp.SUM, label="num_tokens")
-    scaling = 1.0 / max(float(num_tokens.item()), 1.0)
+    total = _reduce_num_tokens(chunks, num_tokens, pp, data)
+    if num_tokens is not None:
+        num_tokens.copy_(torch.tensor(total, dtype=torch.float64))  # the global count, in place
+    scaling = 1.0 / max(total, 1.0)
     for chunk in chunks:
         chunk.scale_gradients(scaling)
+
+
+def _reduce_num_tokens(
+    chunks: Sequence[ModelChunk],
+    num_tokens: torch.Tensor | None,
+    pp: dist.ProcessGroup,
+    data: dist.ProcessGroup,
+) -> float:
+    """The global token count, the same on every rank, or the same ``ValueError`` on every
+    rank when any count was missing, NaN, ±inf or negative (it travels as NaN: float64 holds
+    every int32/int64 count below 2**53 exactly; no host sync before the one ``item()``)."""
+    if num_tokens is None:
+        param = next(iter(chunks[0].parameters()), None)
+        device = torch.device("cpu") if param is None else param.device
+        count = torch.full((), math.nan, dtype=torch.float64, device=device)
+    else:
+        count = num_tokens.detach().reshape(()).to(torch.float64)
+        bad = ~torch.isfinite(count) | (count < 0)
+        count = torch.where(bad, torch.full_like(count, math.nan), count)
+    count = count.reshape(1).contiguous()
+    mg.broadcast(count, pp, group_src=mg.group_size(pp) - 1, label="num_tokens")
+    mg.all_reduce(count, data, op=mg.ReduceOp.SUM, label="num_tokens")
+    total = float(count.item())
+    if not math.isfinite(total):
+        given = "None" if num_tokens is None else f"{num_tokens.reshape(-1)[0].item()!r}"
+        raise ValueError(
+            f"finalize_model_grads: num_tokens summed over the data-parallel ranks "
+            f"{list(mg.group_ranks(data))} is not a count: it was missing (None), NaN, ±inf or "
+            f"negative on at least one rank (this rank passed {given}; with pipeline "
+            "parallelism the last stage's count is the one used). The grads were reduced but "
+            "not scaled: fix the count and redo the iteration from zero_grad_buffer()"
+        )
+    return total

@@ -38,7 +38,13 @@ _GATHER_LABEL = "unshard DTensor grad"
 
 def _get_main_grad_attr(param: torch.nn.Parameter) -> str:
     """``"main_grad"`` when ``param`` has that attribute, else ``"grad"``."""
+    _check_tensor("param", param)
     return "main_grad" if hasattr(param, "main_grad") else "grad"
+
+
+def _check_tensor(name: str, value: object) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
 def _is_dtensor(tensor: object) -> bool:
@@ -51,6 +57,7 @@ def _unshard_if_dtensor(tensor: torch.Tensor) -> torch.Tensor:
     Attributes set on the DTensor object (``vars(tensor)``) are copied to the result.
     Raises ``TypeError`` for a ``Partial`` placement, before any collective.
     """
+    _check_tensor("tensor", tensor)
     if not _is_dtensor(tensor):
         return tensor
     dtensor = cast(DTensor, tensor)
@@ -71,6 +78,8 @@ def _reshard_if_dtensor(
     new DTensor has the reference's mesh, placements, global shape and stride, and its
     attributes; this rank keeps its ``torch.chunk`` slice (no communication).
     """
+    _check_tensor("tensor_to_shard", tensor_to_shard)
+    _check_tensor("reference_tensor", reference_tensor)
     if not _is_dtensor(reference_tensor):
         return reference_tensor
     reference = cast(DTensor, reference_tensor)

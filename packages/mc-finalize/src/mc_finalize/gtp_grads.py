@@ -26,9 +26,10 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize._flat import _allreduce_views
-from mc_finalize._inputs import _as_chunks
+from mc_finalize._inputs import _as_chunks, _check_group
 from mc_finalize.grad_access import _grad_view
 from mc_finalize.protocols import ModelChunk
+from mc_groups.argcheck import check_flag
 
 _LABEL = "replicated grads over gtp_remat"
 
@@ -45,8 +46,10 @@ def _allreduce_replicated_grads_over_gtp_remat_group(
     ``egtp_remat_group``; no-op for a group that is None or of size <= 1.
     """
     chunks = _as_chunks(model)
-    if not isinstance(calculate_per_token_loss, bool):
-        raise TypeError(f"calculate_per_token_loss={calculate_per_token_loss!r} must be a bool")
+    what = "_allreduce_replicated_grads_over_gtp_remat_group"
+    _check_group(gtp_remat_group, "gtp_remat_group", what)
+    _check_group(egtp_remat_group, "egtp_remat_group", what)
+    check_flag("calculate_per_token_loss", calculate_per_token_loss)
     op = mg.ReduceOp.SUM if calculate_per_token_loss else mg.ReduceOp.AVG
     for group, expert in ((gtp_remat_group, False), (egtp_remat_group, True)):
         if group is None or mg.group_size(group) <= 1:

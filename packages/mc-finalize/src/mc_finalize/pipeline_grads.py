@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize._flat import _allreduce_views
-from mc_finalize._inputs import _as_chunks, _require_group
+from mc_finalize._inputs import _as_chunks, _check_group, _require_group
 from mc_finalize._settings import _read_settings
 from mc_finalize.grad_access import _grad_view, _GradView
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
@@ -38,6 +38,7 @@ def _allreduce_conditional_embedding_grads(
     default collection's ``pp``.
     """
     chunks = _as_chunks(model)
+    _check_group(pp_group, "pp_group", "_allreduce_conditional_embedding_grads")
     if not _read_settings(config).has_cond_embedder:
         return
     pp = _require_group(pp_group, "pp", "_allreduce_conditional_embedding_grads")
@@ -55,6 +56,7 @@ def _allreduce_router_grads(
     stage stay in sync. ``pp_group=None`` reads the default collection's ``pp``.
     """
     chunks = _as_chunks(model)
+    _check_group(pp_group, "pp_group", "_allreduce_router_grads")
     if not _read_settings(config).flextron:
         return
     pp = _require_group(pp_group, "pp", "_allreduce_router_grads")

@@ -62,6 +62,7 @@ def _update_router_expert_bias(
     ]
     if not routers:
         return  # hybrid models: dense layers only on this stage
+    _check_state(routers, "local_tokens_per_expert", "expert_bias")
     with torch.no_grad():
         tokens = torch.stack([_tensor(m, "local_tokens_per_expert") for m in routers])
         mg.all_reduce(tokens, group, op=mg.ReduceOp.SUM, label="router expert bias")
@@ -92,6 +93,9 @@ def _update_router_qb_beta(
     routers = _training_modules(chunks, ("qb_beta", "qb_beta_accum", "qb_beta_count"))
     if not routers:
         return
+    _check_state(routers, "qb_beta_accum", "qb_beta")
+    for router in routers:
+        _tensor(router, "qb_beta_count")
     with torch.no_grad():
         quantiles = torch.stack([_mean_quantile(m) for m in routers])
         mg.all_reduce(quantiles, group, op=mg.ReduceOp.AVG, label="router qb_beta")
@@ -143,6 +147,31 @@ def _tensor(module: object, name: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{type(module).__name__}.{name} must be a torch.Tensor, got {value!r}")
     return value
+
+
+def _check_state(routers: Sequence[object], counts: str, bias: str) -> None:
+    """Before the collective: every router's ``counts`` has its ``bias``'s shape, all of the
+    same shape (they are stacked into one all-reduce), and the bias is floating-point (an
+    integer bias would round every update to nothing)."""
+    first: tuple[int, ...] | None = None
+    for router in routers:
+        name = type(router).__name__
+        count, value = _tensor(router, counts), _tensor(router, bias)
+        if count.shape != value.shape:
+            raise ValueError(
+                f"{name}.{counts} has shape {tuple(count.shape)} but {name}.{bias} has "
+                f"{tuple(value.shape)}: one entry per expert in both"
+            )
+        if not value.is_floating_point():
+            raise TypeError(f"{name}.{bias} has dtype {value.dtype}; it must be floating-point")
+        if first is None:
+            first = tuple(count.shape)
+        elif tuple(count.shape) != first:
+            raise ValueError(
+                f"{name}.{counts} has shape {tuple(count.shape)} but an earlier router's has "
+                f"{first}: the routers' counts are reduced together, so every router needs "
+                "the same number of experts"
+            )
 
 
 def _mean_quantile(module: object) -> torch.Tensor:

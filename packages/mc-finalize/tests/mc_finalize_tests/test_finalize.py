@@ -11,6 +11,7 @@ defaults for fp32.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,8 +19,27 @@ import pytest
 import torch
 
 import mc_groups as mg
-from mc_finalize import finalize_model_grads
-from mc_finalize_tests._helpers import Cfg, Chunk, add_param, first, layout, rank, records
+from mc_finalize import (
+    _allreduce_embedding_grad,
+    _allreduce_non_tensor_model_parallel_grads,
+    _allreduce_replicated_grads_over_gtp_remat_group,
+    _allreduce_tensors,
+    _get_main_grad_attr,
+    _get_shared_word_embedding_weight,
+    _unshard_if_dtensor,
+    _update_router_expert_bias,
+    finalize_model_grads,
+)
+from mc_finalize_tests._helpers import (
+    TIMEOUT,
+    Cfg,
+    Chunk,
+    add_param,
+    first,
+    layout,
+    rank,
+    records,
+)
 from mc_finalize_tests.test_router_state import BiasRouter, QuantileRouter
 from mc_groups.testing import RankPools
 
@@ -102,7 +122,7 @@ def test_every_step_in_order_tp2_pp2(rank_pools: RankPools) -> None:
             ("all_reduce", "sum", tp, "float32", 3, "non-tensor-parallel grads"),
             ("all_reduce", "sum", pp, "float32", 3, "embedding grads"),
             ("all_reduce", "sum", tp, "float32", 2, "router expert bias"),
-            ("broadcast", None, pp, "int64", 1, "num_tokens"),
+            ("broadcast", None, pp, "float64", 1, "num_tokens"),
         ]
         assert out["sync"] == [True]
         assert out["scale"] == [0.25]
@@ -149,7 +169,7 @@ def test_gtp_remat_per_token_loss_counts_every_data_rank(rank_pools: RankPools) 
         assert out["log"] == [
             ("all_reduce", "sum", gtp, "float32", 3, "replicated grads over gtp_remat"),
             ("all_reduce", "avg", (0, 1, 2, 3), "float32", 2, "router qb_beta"),
-            ("all_reduce", "sum", (0, 1, 2, 3), "int64", 1, "num_tokens"),
+            ("all_reduce", "sum", (0, 1, 2, 3), "float64", 1, "num_tokens"),
         ]
 
 
@@ -180,14 +200,15 @@ def test_num_tokens_broadcast_from_last_stage_and_summed_over_dp(rank_pools: Ran
         torch.testing.assert_close(torch.tensor(out["grads"]), torch.full((2,), 2**r / 11))
         assert out["tokens"] == 11
         assert out["log"] == [
-            ("broadcast", None, pp, "int32", 1, "num_tokens"),
-            ("all_reduce", "sum", dp, "int32", 1, "num_tokens"),
+            ("broadcast", None, pp, "float64", 1, "num_tokens"),
+            ("all_reduce", "sum", dp, "float64", 1, "num_tokens"),
         ]
 
 
 def _defaults_and_zero_tokens() -> dict[str, Any]:
     with layout() as pgc:
-        chunk = Chunk(mg.ModelParallelConfig())  # no MoE, qk or gtp attributes: defaults
+        # no MoE, qk or gtp attributes: defaults
+        chunk = Chunk(mg.ModelParallelConfig(calculate_per_token_loss=True))
         add_param(chunk, "w", 3.0, sequence_parallel=True, average_gradients_across_tp_domain=True)
         zero = torch.tensor(0.0)
         with mg.record_collectives() as log:
@@ -204,7 +225,8 @@ def test_model_parallel_config_and_zero_tokens(rank_pools: RankPools) -> None:
     for out in rank_pools.get(2).run(_defaults_and_zero_tokens):
         assert out["w"] == 3.0
         assert out["scale"] == [1.0]
-        assert out["log"] == [("all_reduce", "sum", (0, 1), "float32", 1, "num_tokens")]
+        # the count travels as float64 (exact for any int count below 2**53)
+        assert out["log"] == [("all_reduce", "sum", (0, 1), "float64", 1, "num_tokens")]
 
 
 class FirstStage(Chunk):
@@ -223,10 +245,31 @@ class NoSequenceParallel:
     calculate_per_token_loss = False
 
 
+def _pt(chunk: Chunk) -> Chunk:
+    """The chunk with a per-token-loss config (num_tokens is given exactly then)."""
+    return _set(chunk, Cfg(calculate_per_token_loss=True))
+
+
+def _finalized(chunk: Chunk) -> Chunk:
+    # what mc_ddp's DDP says until its next zero_grad_buffer()
+    setattr(chunk, "grads_finalized", True)  # noqa: B010
+    return chunk
+
+
+def _mismatched_router(chunk: Chunk) -> Chunk:
+    chunk.add_module("router", BiasRouter([1.0, 2.0, 3.0], [0.0, 0.0]))  # 3 counts, 2 biases
+    return chunk
+
+
 def _bad_calls(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[Chunk], object]]:
     pgc_ = mg.ProcessGroupCollection
     tokens = torch.tensor(4)
     no_config = torch.nn.Linear(1, 1)
+    dead = mg.initialize_model_parallel(timeout=TIMEOUT)
+    mg.destroy_model_parallel(dead)
+    world = pgc.world
+    assert world is not None
+    cfg = Cfg()
     return {
         "not_a_list": lambda c: finalize_model_grads(c, pg_collection=pgc),  # type: ignore[arg-type]
         "empty": lambda c: finalize_model_grads([], pg_collection=pgc),
@@ -234,21 +277,27 @@ def _bad_calls(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[Chunk], ob
         "no_config": lambda c: finalize_model_grads([_with(no_config)], pg_collection=pgc),
         "config_attr": lambda c: finalize_model_grads([_set(c, NoSequenceParallel())], None, pgc),
         "config_type": lambda c: finalize_model_grads([_set(c, _bad_qk())], None, pgc),
-        "tokens_int": lambda c: finalize_model_grads([c], 4, pgc),  # type: ignore[arg-type]
-        "tokens_shape": lambda c: finalize_model_grads([c], torch.tensor([2, 2]), pgc),
-        "tokens_2d": lambda c: finalize_model_grads([c], torch.tensor([[4]]), pgc),
-        "tokens_half": lambda c: finalize_model_grads([c], torch.tensor(4.0).half(), pgc),
-        "tokens_bool": lambda c: finalize_model_grads([c], torch.tensor(True), pgc),
-        "tokens_device": lambda c: finalize_model_grads([c], torch.tensor(4, device="meta"), pgc),
+        "tokens_int": lambda c: finalize_model_grads([_pt(c)], 4, pgc),  # type: ignore[arg-type]
+        "tokens_shape": lambda c: finalize_model_grads([_pt(c)], torch.tensor([2, 2]), pgc),
+        "tokens_2d": lambda c: finalize_model_grads([_pt(c)], torch.tensor([[4]]), pgc),
+        "tokens_half": lambda c: finalize_model_grads([_pt(c)], torch.tensor(4.0).half(), pgc),
+        "tokens_bool": lambda c: finalize_model_grads([_pt(c)], torch.tensor(True), pgc),
+        "tokens_device": lambda c: finalize_model_grads(
+            [_pt(c)], torch.tensor(4, device="meta"), pgc
+        ),
         "no_tp": lambda c: finalize_model_grads([c], None, pgc_(pp=pgc.pp, dp_cp=pgc.dp_cp)),
         "no_pp": lambda c: finalize_model_grads(
             [_set(c, Cfg(has_cond_embedder=True))], None, pgc_(tp=pgc.tp)
         ),
-        "no_pp_tokens": lambda c: finalize_model_grads([c], tokens, pgc_(tp=pgc.tp, dp_cp=pgc.dp)),
+        "no_pp_tokens": lambda c: finalize_model_grads(
+            [_pt(c)], tokens, pgc_(tp=pgc.tp, dp_cp=pgc.dp)
+        ),
         "no_tp_dp_cp": lambda c: finalize_model_grads(
             [_set(c, Cfg(moe_router_enable_expert_bias=True))], None, pgc_(tp=pgc.tp, pp=pgc.pp)
         ),
-        "no_dp_cp_tokens": lambda c: finalize_model_grads([c], tokens, pgc_(tp=pgc.tp, pp=pgc.pp)),
+        "no_dp_cp_tokens": lambda c: finalize_model_grads(
+            [_pt(c)], tokens, pgc_(tp=pgc.tp, pp=pgc.pp)
+        ),
         "no_dp_cp_qb": lambda c: finalize_model_grads(
             [_set(c, Cfg(moe_router_load_balancing_type="quantile_balancing"))],
             None,
@@ -265,6 +314,46 @@ def _bad_calls(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[Chunk], ob
         "collection_type": lambda c: finalize_model_grads([c], None, "tp"),  # type: ignore[arg-type]
         "force_type": lambda c: finalize_model_grads([c], None, pgc, "yes"),  # type: ignore[arg-type]
         "no_default": lambda c: finalize_model_grads([c]),
+        # issue 16: misuse sequences, flags, the steps' own arguments
+        "same_chunk": lambda c: finalize_model_grads([c, c], None, pgc),
+        "finalized": lambda c: finalize_model_grads([_finalized(c)], None, pgc),
+        "tokens_without_per_token": lambda c: finalize_model_grads([c], tokens, pgc),
+        "force_int": lambda c: finalize_model_grads([c], None, pgc, 1),  # type: ignore[arg-type]
+        "destroyed": lambda c: finalize_model_grads([c], None, dead),
+        "step_group": lambda c: _allreduce_non_tensor_model_parallel_grads(
+            [c],
+            cfg,
+            "tp",  # type: ignore[arg-type]
+        ),
+        "gtp_group": lambda c: _allreduce_replicated_grads_over_gtp_remat_group(
+            [c],
+            0,  # type: ignore[arg-type]
+            None,
+        ),
+        "flat_tensors": lambda c: _allreduce_tensors(
+            torch.zeros(2),  # type: ignore[arg-type]
+            world,
+            mg.ReduceOp.SUM,
+            "x",
+        ),
+        "flat_op": lambda c: _allreduce_tensors(
+            [torch.zeros(2)],
+            world,
+            "sum",  # type: ignore[arg-type]
+            "x",
+        ),
+        "weight_getter": lambda c: _allreduce_embedding_grad(
+            [c],
+            world,
+            world,
+            "weight",  # type: ignore[arg-type]
+        ),
+        "main_grad_attr": lambda c: _get_main_grad_attr(None),  # type: ignore[arg-type]
+        "unshard": lambda c: _unshard_if_dtensor("grad"),  # type: ignore[arg-type]
+        "router_shape": lambda c: _update_router_expert_bias(
+            [_mismatched_router(c)], Cfg(moe_router_enable_expert_bias=True), world
+        ),
+        "module": lambda c: _get_shared_word_embedding_weight(None, cfg),
     }
 
 
@@ -294,7 +383,7 @@ def _bad_inputs() -> dict[str, tuple[str, str, int, int, float]]:
                 try:
                     call(chunk)
                     error = ("none", "")
-                except (TypeError, ValueError) as err:
+                except (TypeError, ValueError, RuntimeError) as err:
                     error = (type(err).__name__, str(err))
             out[name] = (*error, len(log), len(chunk.sync_calls), first(chunk.get_parameter("w")))
     return out
@@ -462,6 +551,90 @@ EXPECTED_ERRORS = {
         doc_call="`finalize_model_grads([c])`",
         doc_input="no collection, none registered",
     ),
+    "same_chunk": Expected(
+        "ValueError",
+        ("model[1] is the same object as model[0]", "reduced and scaled twice"),
+        doc_call="`finalize_model_grads(model)`",
+        doc_input="`[ddp, ddp]` (the same chunk twice)",
+    ),
+    "finalized": Expected(
+        "RuntimeError",
+        ("model[0]'s gradients were already finalized this iteration", "zero_grad_buffer()"),
+        doc_call="`finalize_model_grads(model)`",
+        doc_input="a second call in one iteration (the chunk's `grads_finalized` is True)",
+    ),
+    "tokens_without_per_token": Expected(
+        "ValueError",
+        ("num_tokens was given but config.calculate_per_token_loss=False",),
+        doc_call="`finalize_model_grads(..., num_tokens=)`",
+        doc_input="a count without per-token loss (grads already averaged)",
+    ),
+    "force_int": Expected(
+        "TypeError",
+        ("force_all_reduce=1 must be a bool",),
+        doc_call="`finalize_model_grads(..., force_all_reduce=)`",
+        doc_input="`1`",
+    ),
+    "destroyed": Expected(
+        "RuntimeError",
+        ("pg_collection was destroyed by destroy_model_parallel()",),
+        doc_call="`finalize_model_grads(..., pg_collection=)`",
+        doc_input="a destroyed collection",
+    ),
+    "step_group": Expected(
+        "TypeError",
+        ("tp group='tp' must be a torch.distributed.ProcessGroup or None",),
+        doc_call="`_allreduce_non_tensor_model_parallel_grads(model, config, tp_group)`",
+        doc_input="`'tp'`",
+    ),
+    "gtp_group": Expected(
+        "TypeError",
+        ("gtp_remat_group=0 must be a torch.distributed.ProcessGroup or None",),
+        doc_call="`_allreduce_replicated_grads_over_gtp_remat_group(...)`",
+        doc_input="`gtp_remat_group=0`",
+    ),
+    "flat_tensors": Expected(
+        "TypeError",
+        ("tensors must be a list of tensors", "got Tensor"),
+        doc_call="`_allreduce_tensors(tensors, group, op, label)`",
+        doc_input="a tensor, not a list (its rows would be iterated)",
+    ),
+    "flat_op": Expected(
+        "TypeError",
+        ("op='sum' must be a mc_groups.ReduceOp",),
+        doc_call="`_allreduce_tensors(..., op, ...)`",
+        doc_input="`'sum'`",
+    ),
+    "weight_getter": Expected(
+        "TypeError",
+        ("weight_getter='weight' must be a callable",),
+        doc_call="`_allreduce_embedding_grad(..., weight_getter)`",
+        doc_input="`'weight'`",
+    ),
+    "main_grad_attr": Expected(
+        "TypeError",
+        ("param must be a torch.Tensor, got NoneType",),
+        doc_call="`_get_main_grad_attr(param)`",
+        doc_input="`None`",
+    ),
+    "unshard": Expected(
+        "TypeError",
+        ("tensor must be a torch.Tensor, got str",),
+        doc_call="`_unshard_if_dtensor(tensor)`",
+        doc_input="`'grad'`",
+    ),
+    "router_shape": Expected(
+        "ValueError",
+        ("BiasRouter.local_tokens_per_expert has shape (3,)", "BiasRouter.expert_bias has (2,)"),
+        doc_call="`_update_router_expert_bias(model, config, group)`",
+        doc_input="a router with 3 token counts for 2 biases",
+    ),
+    "module": Expected(
+        "TypeError",
+        ("model_module=None must be the wrapped model",),
+        doc_call="`_get_shared_word_embedding_weight(model_module, config)`",
+        doc_input="`None`",
+    ),
 }
 
 
@@ -481,3 +654,91 @@ def test_bad_input_fails_before_any_collective(
         for word in expected.words:
             assert word in message, (word, message)
         assert (collectives, syncs, grad) == (0, 0, 2.0)  # nothing ran, nothing changed
+
+
+class MarkingChunk(Chunk):
+    """A chunk with the finalize protocol of ``mc_ddp.DistributedDataParallel``: it says
+    whether this iteration's grads were finalized and records the mark."""
+
+    def __init__(self, config: object) -> None:
+        super().__init__(config)
+        self.grads_finalized = False
+
+    def mark_grads_finalized(self) -> None:
+        self.grads_finalized = True
+
+
+def _counts_that_are_not_counts(per_rank: list[Any]) -> dict[str, Any]:
+    with layout() as pgc:  # dp = 2
+        chunk = MarkingChunk(Cfg(calculate_per_token_loss=True))
+        add_param(chunk, "w", 2.0 + rank())
+        value = per_rank[rank()]
+        tokens = None if value is None else torch.tensor(value)
+        with mg.record_collectives() as log:
+            try:
+                finalize_model_grads([chunk], tokens, pgc)
+                error = "none"
+            except ValueError as err:
+                error = str(err)
+        return {
+            "error": error,
+            "ops": [r[0] for r in records(log)],
+            "w": first(chunk.get_parameter("w")),
+            "scale": chunk.scale_calls,
+            "marked": chunk.grads_finalized,
+        }
+
+
+@pytest.mark.parametrize(
+    ("per_rank", "shown"),
+    [
+        ([math.nan, 3.0], ["nan", "3.0"]),
+        ([5, None], ["5", "None"]),  # num_tokens given on one rank only
+        ([-1, 4], ["-1", "4"]),  # a negative count would cancel against the other rank's
+        ([math.inf, 1.0], ["inf", "1.0"]),
+    ],
+)
+def test_a_count_that_is_not_a_count_fails_on_every_rank(
+    rank_pools: RankPools, per_rank: list[Any], shown: list[str]
+) -> None:
+    # Every rank takes the same path: the bad count travels as NaN through the token
+    # all-reduce and each rank raises after reading the sum, before scaling; a rank that
+    # raised alone would have left its peer waiting in that all-reduce.
+    outs = rank_pools.get(2).run(_counts_that_are_not_counts, per_rank)
+    for r, out in enumerate(outs):
+        assert (
+            "num_tokens summed over the data-parallel ranks [0, 1] is not a count" in (out["error"])
+        )
+        assert f"this rank passed {shown[r]}" in out["error"]
+        assert out["ops"] == ["all_reduce"]  # the token sum (dp = 2; pp has one rank)
+        assert out["w"] == 2.0 + r  # finish_grad_sync is the chunk's; nothing was scaled
+        assert out["scale"] == []
+        assert out["marked"] is False
+
+
+def _finalize_twice() -> dict[str, Any]:
+    with layout() as pgc:
+        chunk = MarkingChunk(Cfg(calculate_per_token_loss=True))
+        add_param(chunk, "w", 6.0)
+        finalize_model_grads([chunk], torch.tensor(3), pgc)
+        with mg.record_collectives() as log:
+            try:
+                finalize_model_grads([chunk], torch.tensor(3), pgc)
+                error = "none"
+            except RuntimeError as err:
+                error = str(err)
+        return {
+            "error": error,
+            "log": len(log),
+            "w": first(chunk.get_parameter("w")),
+            "syncs": len(chunk.sync_calls),
+        }
+
+
+def test_a_second_finalize_in_one_iteration_is_refused_before_anything_runs(
+    rank_pools: RankPools,
+) -> None:
+    # 6 / (3 + 3 tokens) = 1 after the first call; the second would have made it 1/6
+    for out in rank_pools.get(2).run(_finalize_twice):
+        assert "model[0]'s gradients were already finalized this iteration" in out["error"]
+        assert (out["log"], out["w"], out["syncs"]) == (0, 1.0, 1)

@@ -146,9 +146,13 @@ class _Bare:
         (_Bare(sequence_parallel=1), TypeError, "config.sequence_parallel=1 must be a bool"),
         (Cfg(moe_router_bias_update_rate=-1.0), ValueError, "must be >= 0"),
         (Cfg(moe_router_quantile_balancing_ema=1.5), ValueError, "<= 1.0"),
-        (Cfg(moe_router_bias_update_rate=float("nan")), TypeError, "finite number"),
+        (
+            Cfg(moe_router_bias_update_rate=float("nan")),
+            ValueError,
+            "config.moe_router_bias_update_rate=nan must be finite",
+        ),
         (Cfg(moe_router_load_balancing_type=3), TypeError, "str or a list of str"),  # type: ignore[arg-type]
-        (Cfg(gtp_remat_size=0), TypeError, "config.gtp_remat_size=0 must be an int >= 1"),
+        (Cfg(gtp_remat_size=0), ValueError, "config.gtp_remat_size=0 must be >= 1"),
         (object(), TypeError, "has no attribute 'sequence_parallel'"),
     ],
 )
