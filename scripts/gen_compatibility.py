@@ -54,6 +54,15 @@ _RNG = (
     "`model_parallel_cuda_manual_seed` registers, as Megatron reads its global one) and "
     "`device`"
 )
+_FLAGS = (
+    "flags must be bools and `params_dtype` / `output_dtype` floating point (Megatron reads "
+    "any truthy value: `bias='no'` made a bias)"
+)
+_FIRST_FORWARD = (
+    "The first forward compares how the TP peers built their layers (one 8-byte exchange per "
+    "group for every layer built since; `mc_tp_layers.check_tp_agreement`): a mismatch is "
+    "`TensorParallelAgreementError` on every rank"
+)
 _DEFAULT_GROUPS = (
     "`pg_collection=None` reads the registered default collection (Megatron: parallel_state "
     "globals); without one it is an error naming the fix"
@@ -112,7 +121,8 @@ NOTES: dict[str, tuple[str | None, str]] = {
     "set_tensor_model_parallel_attributes": (
         "differs",
         "setting the same values again is allowed and different values raise ValueError; "
-        "Megatron asserts that none of its six attributes is set",
+        "Megatron asserts that none of its six attributes is set; `is_parallel` must be a "
+        "bool and `dim` a dimension of the tensor",
     ),
     "_initialize_affine_weight_gpu": ("extended", _RNG.replace(" and `device`", "")),
     "_initialize_affine_weight_cpu": (
@@ -120,7 +130,13 @@ NOTES: dict[str, tuple[str | None, str]] = {
         "the full master weight is built with the CPU generator and sliced, so TP=N equals "
         "TP=1 sliced (stride honoured)",
     ),
-    "VocabParallelEmbedding": ("extended", _RNG),
+    "VocabParallelEmbedding": ("extended", _RNG + "; " + _FLAGS),
+    "VocabParallelEmbedding.forward": (
+        "differs",
+        "ids outside [0, num_embeddings) are an error at every TP size (CPU: ValueError "
+        "before any collective; CUDA: an asynchronous device assert); Megatron embeds them "
+        "to zeros at TP > 1 and raises torch's IndexError at TP = 1. " + _FIRST_FORWARD,
+    ),
     "VocabParallelEmbedding.sharded_state_dict": ("differs", _DCP),
     "LinearWithFrozenWeight": (
         None,
@@ -131,10 +147,13 @@ NOTES: dict[str, tuple[str | None, str]] = {
         "gtp_remat wgrads are pre-scaled by 1/gtp_remat (1 under calculate_per_token_loss) "
         "before their SUM reduce-scatter, as Megatron's `_prescale_wgrads_for_mean_rs`",
     ),
-    "ColumnParallelLinear": ("extended", _RNG),
+    "ColumnParallelLinear": ("extended", _RNG + "; " + _FLAGS),
+    "ColumnParallelLinear.forward": (None, _FIRST_FORWARD),
+    "RowParallelLinear.forward": (None, _FIRST_FORWARD),
     "RowParallelLinear": (
         "differs",
-        _RNG + "; an expert layer's bias is not tagged `sequence_parallel`: Megatron tags it, and "
+        _RNG + "; " + _FLAGS + "; an expert layer's bias is not tagged `sequence_parallel`: "
+        "Megatron tags it, and "
         "finalize then sums over the dense TP group an expert-bias grad that DDP already "
         "reduced (2.0× at TP = 2, ETP = 1; integration_tests/test_parity_experts.py)",
     ),
@@ -196,6 +215,16 @@ DELIBERATE = """\
   issues two all-reduces (MAX, then one stacked SUM) where Megatron issues three; on gloo,
   reduce-scatters run as an all-to-all plus a local sum and all-gathers as point-to-point
   exchanges (recorded as reduce_scatter / all_gather).
+- **Targets and ids out of range.** `vocab_parallel_cross_entropy` refuses a target outside
+  [0, V) at every TP size (Megatron scores it as log Z, torch's -100 included) and takes a
+  keyword-only `ignore_index` (loss 0 and no gradient there, as `F.cross_entropy`);
+  `VocabParallelEmbedding` refuses ids outside [0, num_embeddings) (Megatron: zeros at
+  TP > 1, torch's IndexError at TP = 1). CPU: ValueError; CUDA: asynchronous device assert.
+- **Agreement across the TP group.** The first forward (or `check_tp_agreement`) compares
+  how the TP peers built their layers, one 8-byte exchange per group; the cross-entropy's
+  MAX all-reduce also compares the vocabulary slice, target, `label_smoothing` and
+  `ignore_index`. Megatron compares nothing: disagreeing ranks hang, abort or train on
+  wrong numbers.
 - **No Megatron-FSDP, NCCL user buffers, Transformer Engine fp8/fp4 gathers, TE or
   CUDA-graph RNG trackers**: their switches exist at Megatron's defaults and any other value
   raises `NotImplementedError` naming the field.
