@@ -53,22 +53,12 @@ class DDPGroups:
         ]
 
 
-def is_live(group: dist.ProcessGroup) -> bool:
-    """False once ``group`` was destroyed (``destroy_model_parallel``,
-    ``torch.distributed.destroy_process_group``): a dictionary lookup, no communication."""
-    try:
-        dist.get_backend(group)
-    except (ValueError, RuntimeError):
-        return False
-    return True
-
-
 def require_live(groups: Iterable[tuple[str, dist.ProcessGroup | None]], what: str) -> None:
     """``RuntimeError`` naming the first destroyed group (``(description, group)`` pairs),
     before anything is issued (a collective on a destroyed group fails inside the backend,
     far from the cause)."""
     for name, group in groups:
-        if group is not None and not is_live(group):
+        if group is not None and not mg.is_group_live(group):
             raise RuntimeError(
                 f"{what}: {name} was destroyed (destroy_model_parallel() or "
                 "torch.distributed.destroy_process_group()), so this DistributedDataParallel "

@@ -36,7 +36,7 @@ from mc_ddp._pending import PendingCollective
 from mc_ddp._scratch import ScratchBuffers
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_finite_grads
-from mc_groups.argcheck import check_flag
+from mc_groups.argcheck import check_flag, check_str
 
 __all__ = ["ParamAndGradBucketGroup", "partition_buckets"]
 
@@ -438,8 +438,7 @@ def _check_arguments(
             value is not None or arg == "collective_group"
         ):
             raise TypeError(f"{arg}={value!r} must be a torch.distributed.ProcessGroup")
-    if not isinstance(name, str):
-        raise TypeError(f"name={name!r} must be a str (how errors and labels call the group)")
+    check_str("name", name)
 
 
 def _check_buffers(buffers: object) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_buffers import ParamAndGradBucket
-from mc_groups.argcheck import check_int
+from mc_groups.argcheck import check_int, check_str
 
 __all__ = ["LargeGradMonitor", "NonFiniteGradError", "check_finite_grads"]
 
@@ -142,8 +142,7 @@ def _check_arguments(buckets: object, names: object, where: object, groups: obje
             raise TypeError(f"buckets[{i}] is a {type(bucket).__name__}, not a ParamAndGradBucket")
     if not isinstance(names, Mapping):
         raise TypeError(f"names must map params to names, got {type(names).__name__}")
-    if not isinstance(where, str):
-        raise TypeError(f"where={where!r} must be a str (how the error names the buckets)")
+    check_str("where", where)
     if isinstance(groups, (str, dist.ProcessGroup)) or not isinstance(groups, Sequence):
         raise TypeError(f"groups={groups!r} must be a sequence of process groups")
     for i, group in enumerate(groups):
