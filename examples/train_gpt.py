@@ -33,7 +33,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -58,7 +58,17 @@ from examples.gpt import (
 )
 from examples.gpt import resume as ckpt
 
-__all__ = ["BACKENDS", "DemoResult", "DemoRun", "device_for", "main", "parse_args", "plan", "run"]
+__all__ = [
+    "BACKENDS",
+    "DemoResult",
+    "DemoRun",
+    "device_for",
+    "main",
+    "parse_args",
+    "plan",
+    "restart_warning",
+    "run",
+]
 
 _SEED = 1234
 BACKENDS = ("gloo", "nccl")
@@ -353,7 +363,7 @@ def _save(demo: DemoRun, save_dir: Path, trainer: Trainer, losses: list[float]) 
         world_size=dist.get_world_size(),
     )
     hook = _sigkill_hook("save", state.step)
-    return str(ckpt.save_run(trainer, save_dir, state, before_publish=hook))
+    return str(ckpt.save_run(trainer, save_dir, state, after_write=hook))
 
 
 _SIGKILL_ENV = "MC_DEMO_SIGKILL_AT"
@@ -547,6 +557,26 @@ def _local_cuda_device(rank: int) -> torch.device | None:
     return None
 
 
+def restart_warning(env: Mapping[str, str]) -> str | None:
+    """Why torchrun's restart would not come up, or None: with ``--max-restarts`` > 0 and
+    the rendezvous TCP store shared with the workers (torch's default since 2.5), the
+    restarted group finds the previous attempt's process-group keys in that store and hangs
+    or fails to connect (pytorch/pytorch#135712, #167288; seen here with torch 2.13: a
+    5-minute hang, or gloo's connectFullMesh refused). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    gives every attempt a fresh store."""
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if not restarts.isdigit() or int(restarts) == 0:
+        return None
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return (
+        f"torchrun --max-restarts {restarts} shares its rendezvous store with the workers, so "
+        "a restarted group would read the keys of the failed one and hang or fail to "
+        "connect (pytorch/pytorch#135712); start torchrun with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point under torchrun: validate, join the world (gloo, or NCCL on
     ``cuda:LOCAL_RANK``), train, report (or, with ``--preflight N``, only validate for N
@@ -564,6 +594,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = _local_cuda_device(rank) if demo.backend == "nccl" else None
     if demo.backend == "nccl" and device is None:
         return 2
+    warning = restart_warning(os.environ)
+    if warning and rank == 0:
+        print(f"train_gpt: warning: {warning}", file=sys.stderr)
     torch.set_num_threads(1)
     dist.init_process_group(demo.backend, timeout=timedelta(seconds=120), device_id=device)
     try:

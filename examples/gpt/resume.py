@@ -154,20 +154,22 @@ def save_run(
     save_dir: Path,
     state: RunState,
     *,
-    before_publish: Callable[[], None] | None = None,
+    after_write: Callable[[], None] | None = None,
 ) -> Path:
     """Write the checkpoint of ``state.step`` and publish it as ``step-N`` (collective over
-    the world; see the module notes for the order). ``before_publish`` runs on every rank
-    after its own part is written and before the ranks agree (the elastic tests kill a rank
-    there). Returns the published folder; ``CheckpointWriteError`` on every rank when some
-    rank failed, with nothing published."""
+    the world; see the module notes for the order). ``after_write`` runs on every rank once
+    its own part is on disk, before the ranks agree that every part is (the elastic tests
+    kill a rank there; the others then fail in that agreement and publish nothing).
+    Returns the published folder; ``CheckpointWriteError`` on every rank when some rank
+    failed, with nothing published."""
     world = trainer.pgc.require("world", "save_run")
     rank = mg.group_rank(world)
     tmp, final = partial_dir(save_dir, state.step), checkpoint_dir(save_dir, state.step)
     _agree_or_raise(_attempt(lambda: _empty(tmp)) if rank == 0 else None, world, f"preparing {tmp}")
-    _agree_or_raise(_attempt(lambda: _write_part(trainer, tmp, rank)), world, f"writing {tmp}")
-    if before_publish is not None:
-        before_publish()
+    written = _attempt(lambda: _write_part(trainer, tmp, rank))
+    if after_write is not None:
+        after_write()
+    _agree_or_raise(written, world, f"writing {tmp}")
     published = _attempt(lambda: _publish(tmp, final, state)) if rank == 0 else None
     _agree_or_raise(published, world, f"publishing {final}")
     return final
