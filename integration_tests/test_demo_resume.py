@@ -30,6 +30,7 @@ import hashlib
 import io
 import json
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -322,3 +323,24 @@ def test_checkpoint_flags_are_checked_before_torchrun(
     assert train_gpt.main(["--preflight", "4", *flags]) == 2
     assert fragment in capsys.readouterr().err
     assert train_gpt.main(["--preflight", "4", "--save-dir", "d", "--resume", "auto"]) == 0
+
+
+def test_bad_resume_under_main_is_one_message_and_status_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``main`` as torchrun runs it, on a world of one joined by this process: the verdict
+    comes before the header, the error is printed once and the status is 2."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    argv = [*SMALL, "--tp", "1", "--dp", "1", "--no-sequence-parallel"]
+    missing = tmp_path / "nope"
+    assert train_gpt.main([*argv, "--resume", str(missing), "--output", str(tmp_path)]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert printed.err == f"train_gpt: error: --resume {missing}: no such checkpoint folder\n"
+    assert not dist.is_initialized()
