@@ -16,12 +16,13 @@ from mc_tp_layers.initialization import (
     InitMethod,
     _initialize_affine_weight_cpu,
     _initialize_affine_weight_gpu,
+    check_init,
 )
 from mc_tp_layers.linear import (
     linear_with_frozen_weight,
     linear_with_grad_accumulation_and_async_allreduce,
 )
-from mc_tp_layers.random import RNGStatesTracker, _default_tracker
+from mc_tp_layers.random import RNGStatesTracker, _default_tracker, check_device_name
 
 __all__: list[str] = []
 
@@ -121,14 +122,7 @@ def sequence_parallel(config: TensorParallelConfig, world: int, what: str) -> bo
 def check_device(device: object) -> torch.device | None:
     """``device`` as a ``torch.device`` (None stays None); a wrong type is a ``TypeError``,
     a string torch cannot parse a ``ValueError``."""
-    if device is None or isinstance(device, torch.device):
-        return device
-    if not isinstance(device, str):
-        raise TypeError(f"device={device!r} must be a torch.device, a str such as 'cpu', or None")
-    try:
-        return torch.device(device)
-    except RuntimeError as err:
-        raise ValueError(f"device={device!r} is not a device torch knows ({err})") from None
+    return None if device is None else check_device_name(device)
 
 
 def check_optional_str(name: str, value: object) -> str | None:
@@ -164,9 +158,7 @@ def layer_device(
 
 def check_init_method(init_method: object) -> InitMethod:
     """``init_method`` when callable, else a ``TypeError``."""
-    if not callable(init_method):
-        raise TypeError(f"init_method={init_method!r} must be callable (tensor -> None)")
-    return init_method
+    return check_init(init_method)
 
 
 def new_parameter(

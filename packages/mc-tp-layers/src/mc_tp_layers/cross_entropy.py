@@ -69,8 +69,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ignore_index: int | None,
     ) -> torch.Tensor:
         x = logits.to(_compute_dtype(logits.dtype))
-        probe = _probe(x, target, label_smoothing, ignore_index)
-        z = x - _global_max(x, group, probe, (target, label_smoothing, ignore_index)).unsqueeze(-1)
+        z = x - _global_max(x, group, (target, label_smoothing, ignore_index)).unsqueeze(-1)
         local_target, outside = _local_target(target, group, z.shape[-1])
         picked = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = z.exp()
@@ -125,13 +124,13 @@ def _probe(
 def _global_max(
     x: torch.Tensor,
     group: dist.ProcessGroup,
-    probe: torch.Tensor,
     args: tuple[torch.Tensor, float, int | None],
 ) -> torch.Tensor:
     """The max over the whole vocabulary; the agreement probe rides along (see notes)."""
     local = x.max(dim=-1).values
     if group.size() == 1:
         return local
+    probe = _probe(x, *args)
     payload = torch.cat([local.reshape(-1), probe, -probe])
     mg.all_reduce(payload, group, op=mg.ReduceOp.MAX, label="tp cross-entropy max")
     count, width = local.numel(), probe.numel()

@@ -57,7 +57,7 @@ def _initialize_affine_weight_gpu(
     Every argument is checked before the weight is tagged or drawn.
     """
     w = check_tensor("weight", weight)
-    _check_init(init_method)
+    check_init(init_method)
     _validate.partition_dim(partition_dim, w.dim())
     check_int("stride", stride)
     check_flag("is_expert", is_expert)
@@ -101,9 +101,11 @@ def _allocate_master(output_size: int, input_size: int) -> torch.Tensor:
         ) from None
 
 
-def _check_init(init_method: object) -> None:
+def check_init(init_method: object) -> InitMethod:
+    """``init_method`` when callable, else a ``TypeError``."""
     if not callable(init_method):
         raise TypeError(f"init_method={init_method!r} must be callable (tensor -> None)")
+    return init_method
 
 
 def _check_cpu_init(
@@ -121,7 +123,7 @@ def _check_cpu_init(
     full = (check_int("output_size", sizes[0]), check_int("input_size", sizes[1]))
     per_partition = check_int("per_partition_size", sizes[2])
     dim = _validate.partition_dim(partition_dim, 2)
-    _check_init(init_method)
+    check_init(init_method)
     if per_partition % check_int("stride", stride):
         raise ValueError(
             f"per_partition_size={per_partition} is not divisible by stride={stride}; "

@@ -100,7 +100,7 @@ class RNGStatesTracker:
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
-        resolved = _check_device(device)
+        resolved = check_device_name(device)
         if str(resolved) == "cuda":  # no index: the current device
             resolved = torch.device("cuda", torch.cuda.current_device())
         if resolved.type not in ("cpu", "cuda"):
@@ -241,7 +241,8 @@ def _default_tracker() -> RNGStatesTracker | None:
     return _DefaultTracker.tracker
 
 
-def _check_device(device: object) -> torch.device:
+def check_device_name(device: object) -> torch.device:
+    """``device`` (a ``torch.device`` or a str torch parses) as a ``torch.device``."""
     if not isinstance(device, (torch.device, str)):
         raise TypeError(f"device={device!r} must be a torch.device or a str such as 'cpu'")
     try:
