@@ -161,6 +161,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         checks.check_config(config)
         checks.check_ddp_config(ddp_config)
         named = checks.trainable_params(module)
+        checks.check_param_flags(named)
         single = check_flag("disable_bucketing", disable_bucketing)
         experts = sum(is_expert_parallel_param(p) for _, p in named)
         groups = resolve_groups(collection_or_default(pg_collection), ddp_config, experts > 0)
@@ -253,10 +254,11 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         handles: list[RemovableHandle | None] = []
         for param in self.params_with_grad:
             hook = self._make_backward_post_hook(param)
-            if self.ddp_config.delay_wgrad_compute and getattr(
-                param, "skip_backward_post_hook", False
+            name = self.param_to_name[param]
+            if self.ddp_config.delay_wgrad_compute and checks.param_flag(
+                param, "skip_backward_post_hook", name
             ):
-                owner = checks.find_wgrad_hook_owner(self.module, param, self.param_to_name[param])
+                owner = checks.find_wgrad_hook_owner(self.module, param, name)
                 owner.register_wgrad_accumulation_and_reduce_hooks(hook)  # type: ignore[operator]
                 handles.append(None)
             else:
@@ -287,11 +289,11 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             raise RuntimeError(self._no_grad_memory_message(param))
         self._iteration.accumulated = True
         grad = param.grad
-        if grad is not None and (
-            not getattr(param, "grad_added_to_main_grad", False)
-            or getattr(param, "zero_out_wgrad", False)
-        ):
-            param.main_grad.add_(grad)  # type: ignore[attr-defined]
+        if grad is not None:
+            name = self.param_to_name[param]
+            added = checks.param_flag(param, "grad_added_to_main_grad", name)
+            if not added or checks.param_flag(param, "zero_out_wgrad", name):
+                param.main_grad.add_(grad)  # type: ignore[attr-defined]
         param.grad = None
         group.register_grad_ready(param, self.force_all_reduce)
 

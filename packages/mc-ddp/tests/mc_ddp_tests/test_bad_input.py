@@ -96,6 +96,8 @@ def _construction_errors() -> dict[str, tuple[str, int]]:
         mutated.num_distributed_optimizer_instances = 2
         skip = mlp()
         skip[0].weight.skip_backward_post_hook = True  # type: ignore[union-attr]
+        truthy = mlp()
+        truthy[2].bias.skip_backward_post_hook = 1  # type: ignore[union-attr]
         bare = mg.ProcessGroupCollection(dp=world, dp_cp=world)
         gtp = mg.ProcessGroupCollection(dp=pgc.dp, dp_cp=pgc.dp_cp, gtp_remat=world)
         two = ddp_config(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
@@ -125,6 +127,9 @@ def _construction_errors() -> dict[str, tuple[str, int]]:
             ),
             "gtp_avg": lambda: loose(
                 MP, ddp_config(average_in_collective=True), mlp(), pg_collection=gtp
+            ),
+            "param_flag": lambda: loose(
+                MP, ddp_config(delay_wgrad_compute=True), truthy, pg_collection=pgc
             ),
         }
         return {name: _attempt(call) for name, call in calls.items()}
@@ -211,6 +216,11 @@ CONSTRUCTION = {
         doc_call="`DistributedDataParallel(...)`",
         doc_input="`average_in_collective` with gtp_remat (Megatron-Core refuses it too)",
         also=("set average_in_collective=False",),
+    ),
+    "param_flag": Expect(
+        "TypeError: param '2.bias' has skip_backward_post_hook=1; the attribute must be a bool",
+        doc_call="`DistributedDataParallel(...)`",
+        doc_input="`param.skip_backward_post_hook = 1` (read by truthiness before)",
     ),
     "wgrad_owner": Expect(
         "ValueError: param '0.weight' has skip_backward_post_hook=True",
