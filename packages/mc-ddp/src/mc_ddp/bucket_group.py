@@ -287,6 +287,8 @@ class ParamAndGradBucketGroup:
 
     def _require_live(self, what: str) -> None:
         inter = self.inter_distributed_optimizer_instance_group
+        if mg.is_group_live(self.collective_group) and (inter is None or mg.is_group_live(inter)):
+            return  # the common case: no message built
         groups = [(f"the reduction group of {self.name}", self.collective_group)]
         require_live([*groups, (f"the inter-instance group of {self.name}", inter)], what)
 
@@ -295,7 +297,7 @@ class ParamAndGradBucketGroup:
         into an offloaded bucket corrupts freed memory)."""
         self._require_live(what)
         offloaded = [b.bucket_id for b in self.buckets if b.is_grad_data_offloaded]
-        if offloaded:
+        if offloaded:  # a write into the freed storage would corrupt memory
             raise RuntimeError(
                 f"{self.name}: {what}: the grad buffer of bucket(s) {offloaded} is offloaded "
                 "(its storage is freed); call ddp.restore_grad_buffers() (or the buffer's "
