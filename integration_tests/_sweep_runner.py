@@ -9,8 +9,10 @@ Outcomes, per case (the worst over the ranks of a two-rank case, in this order):
 ``crash``   a process died (segfault, abort, killed for memory);
 ``hang``    no answer within the bound (10 s for one process, 5 s for two ranks);
 ``raw``     an AttributeError / KeyError / IndexError or any other type than the four
-            below, an error raised inside torch (or anywhere outside the mc packages), or
-            a message that names none of the case's words (the argument or the misuse);
+            below, an error raised inside torch (or anywhere outside the mc packages, or
+            by an operation inside mc code rather than by its own ``raise`` statement,
+            e.g. torch's shape error from a matmul), or a message that names none of the
+            case's words (the argument or the misuse);
 ``silent``  the call was accepted: no error;
 ``clear``   a TypeError / ValueError / NotImplementedError / RuntimeError (or an mc error
             type deriving from them) raised by mc code whose message names the argument or
@@ -26,6 +28,7 @@ case that allocates without bound dies with MemoryError instead of taking the ma
 from __future__ import annotations
 
 import contextlib
+import dis
 import multiprocessing as mp
 import os
 import resource
@@ -67,24 +70,37 @@ def classify(error: BaseException | None, names: Sequence[str]) -> tuple[str, st
     """``(outcome, detail)`` for what a call raised (``None``: it returned)."""
     if error is None:
         return "silent", "accepted: no error"
-    where = _raised_in(error)
+    where, by_raise = _raised_in(error)
     text = f"{type(error).__name__}: {error}"[:600]
     if isinstance(error, _RAW_TYPES) or not isinstance(error, _CLEAR_TYPES):
         return "raw", f"{text} [at {where}]"
     if not any(part in where for part in _MC_DIRS):
         return "raw", f"{text} [raised outside mc, at {where}]"
+    if not by_raise:
+        return "raw", f"{text} [raised by an operation inside mc, not by a raise, at {where}]"
     message = str(error).lower()
     if not any(name.lower() in message for name in names):
         return "raw", f"{text} [names none of {list(names)}]"
     return "clear", text
 
 
-def _raised_in(error: BaseException) -> str:
-    frames = traceback.extract_tb(error.__traceback__)
-    if not frames:
-        return "?"
-    last = frames[-1]
-    return f"{_short(last.filename)}:{last.lineno}"
+_RAISE_OPS = frozenset(
+    dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE") if name in dis.opmap
+)
+
+
+def _raised_in(error: BaseException) -> tuple[str, bool]:
+    """Where ``error`` was raised (``package/module.py:line``), and whether by a ``raise``
+    statement there (the instruction the innermost frame stopped at) rather than by an
+    operation that failed inside it (a torch call, ``a < b`` on a str, ...)."""
+    tb = error.__traceback__
+    if tb is None:
+        return "?", False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    by_raise = code.co_code[tb.tb_lasti] in _RAISE_OPS
+    return f"{_short(code.co_filename)}:{tb.tb_lineno}", by_raise
 
 
 def _short(path: str) -> str:

@@ -119,6 +119,8 @@ def _allreduce_position_embedding_grads(
     """
     chunks = _as_chunks(model)
     _read_settings(config)
+    _check_group(pos_emb_group, "pos_emb_group", "_allreduce_position_embedding_grads")
+    _check_group(pp_group, "pp_group", "_allreduce_position_embedding_grads")
     _allreduce_embedding_grad(
         chunks,
         pos_emb_group,
