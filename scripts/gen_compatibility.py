@@ -75,11 +75,28 @@ NOTES: dict[str, tuple[str | None, str]] = {
         None,
         "`config` is any object with a bool `calculate_per_token_loss`; "
         + _DEFAULT_GROUPS
-        + "; refuses `average_in_collective` with gtp_remat and with per-token loss",
+        + "; refuses `average_in_collective` with gtp_remat and with per-token loss; the "
+        "ranks of `dp_cp` (and `expt_dp`) compare how they built it, one 8-byte exchange per "
+        "group before anything is allocated: a mismatch is `DataParallelAgreementError` on "
+        "every rank naming the fields",
     ),
     "DistributedDataParallel.offload_grad_buffers": (
+        "differs",
+        "`synchronize` / `empty_cache` are no-ops on CPU; until `restore_grad_buffers()`, "
+        "`main_grad` is an `mc_buffers.OffloadedView` (every op raises) and a backward, a "
+        "forward with autograd on, `zero_grad_buffer`, `scale_gradients` and the grad sync "
+        "are errors (Megatron writes into the freed storage); grads the iteration had "
+        "accumulated are refused until `zero_grad_buffer()`",
+    ),
+    "DistributedDataParallel.scale_gradients": (
+        "differs",
+        "a second call in one iteration is an error (the grads would be scaled twice, e.g. "
+        "after `finalize_model_grads(num_tokens=...)`); NaN/±inf factors are refused",
+    ),
+    "DistributedDataParallel.finish_grad_sync": (
         None,
-        "`synchronize` / `empty_cache` are no-ops on CPU",
+        "`force_all_reduce=True` after a call without it in the same iteration is an error "
+        "under the distributed optimizer (the shards are already final)",
     ),
     "DistributedDataParallel.free_overlap_buffers": (
         None,
