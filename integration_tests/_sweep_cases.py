@@ -1088,6 +1088,34 @@ def _harness_slots() -> None:
         only=True,
     )
     arg(G, "gpu_skip_reason(count=)", "size", lambda c, v: testing.gpu_skip_reason(v), ("count",))
+    arg(
+        G,
+        "RankPool.run_with_deadline(deadline_s=)",
+        "real",
+        lambda c, v: pool(1).run_with_deadline(v, rank_of_pool),
+        ("deadline_s",),
+        values=(-1.0, 0.0),
+        control=False,  # a good deadline starts a rank process
+    )
+    misuse(
+        G,
+        "RankPool.run with an argument that cannot travel",
+        lambda c: pool(1).run(rank_of_pool, lambda: 1),
+        ("picklable",),
+    )
+    misuse(G, "CoalescedBatch used after its with block", _batch_after_block, ("closed",))
+
+
+def rank_of_pool(*args: object) -> int:
+    """A function a RankPool could send to its ranks (the cases never get that far)."""
+    del args
+    return int(dist.get_rank())
+
+
+def _batch_after_block(ctx: Ctx) -> None:
+    with mg.coalesced(ctx.world_group) as batch:
+        batch.all_reduce(z())
+    batch.all_reduce(z())
 
 
 def _argcheck_slots() -> None:

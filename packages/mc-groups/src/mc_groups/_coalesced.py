@@ -71,8 +71,14 @@ class CoalescedBatch:
         self._works: list[Any] = []
         self._finishers: list[Callable[[], None]] = []
         self.handle: CollectiveHandle = DONE
+        self._closed = False
 
     def _claim(self, op: str, reduce_op: ReduceOp | None) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"{self.describe()} was closed when its with block ended; add collectives "
+                "inside the block, or open a new batch with coalesced()"
+            )
         kind = (op, reduce_op)
         if self._kind is not None and self._kind != kind:
             raise ValueError(
@@ -257,10 +263,10 @@ def coalesced(
     check_options(async_op, label, detail)
     _check_device(device)
     batch = CoalescedBatch(group, async_op, label, detail)
-    if group.size() == 1:
-        yield batch
-        return
     try:
+        if group.size() == 1:
+            yield batch
+            return
         if batch._deferred:
             yield batch
             batch._flush(device)
@@ -276,3 +282,5 @@ def coalesced(
         raise
     except RuntimeError as err:
         raise CollectiveError(f"{batch.describe()} failed: {err}") from err
+    finally:
+        batch._closed = True  # a collective added later would run outside the batch

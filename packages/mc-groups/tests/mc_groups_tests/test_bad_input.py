@@ -88,6 +88,12 @@ def _one_rank_switch(g: dist.ProcessGroup) -> None:
         del os.environ[mg.SCHEDULE_CHECK_ENV]
 
 
+def _batch_after_block(g: dist.ProcessGroup) -> None:
+    with mg.coalesced(g) as batch:
+        batch.all_reduce(torch.zeros(2))
+    batch.all_reduce(torch.zeros(2))
+
+
 def _destroyed() -> mg.ProcessGroupCollection:
     pgc = mg.initialize_model_parallel()
     mg.destroy_model_parallel(pgc)
@@ -547,6 +553,14 @@ CASES: dict[str, Case] = {
         doc_call="`handle.wait(timeout=)`",
         doc_input="`nan`",
     ),
+    "batch closed": Case(
+        lambda g, r: _batch_after_block(g),
+        "RuntimeError",
+        ("was closed when its with block ended", "open a new batch"),
+        issued=1,
+        doc_call="`coalesced(group)` batch",
+        doc_input="a collective added after the `with` block (the block's own one was issued)",
+    ),
     # -- issue 16: layouts, destroy, the generator ------------------------------------------
     "world size zero": Case(
         lambda g, r: mg.validate_sizes(0),
@@ -737,6 +751,20 @@ CASES: dict[str, Case] = {
         ("pg_timeout_s=0 must be > 0",),
         doc_call="`RankPool(..., pg_timeout_s=)`",
         doc_input="`pg_timeout_s=0`",
+    ),
+    "pool deadline": Case(
+        lambda g, r: RankPool(2).run_with_deadline(-1.0, Loose(_batch_after_block)),
+        "ValueError",
+        ("deadline_s=-1.0 must be > 0",),
+        doc_call="`pool.run_with_deadline(deadline_s, fn)`",
+        doc_input="`-1.0` (refused before any rank starts)",
+    ),
+    "pool argument": Case(
+        lambda g, r: RankPool(2).run(_batch_after_block, Loose(lambda: 1)),
+        "TypeError",
+        ("must be picklable",),
+        doc_call="`pool.run(fn, *args)`",
+        doc_input="a lambda as an argument (refused before any rank starts)",
     ),
     "pool grace": Case(
         lambda g, r: RankPool(2, failure_grace_s=math.nan),

@@ -239,8 +239,18 @@ class RankPool:
     def run_with_deadline(
         self, deadline_s: float, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
     ) -> list[R]:
-        """:meth:`run` with an explicit deadline in seconds."""
+        """:meth:`run` with an explicit deadline in seconds (checked, with ``fn`` and the
+        arguments' picklability, before any rank is started)."""
+        check_real("deadline_s", deadline_s, positive=True, allow_zero=False)
         ref = _function_ref(fn)
+        try:
+            payload = pickle.dumps((list(sys.path), ref, args, kwargs))
+        except (pickle.PicklingError, AttributeError, TypeError) as err:
+            raise TypeError(
+                f"the arguments of {ref[0]}.{ref[1]} must be picklable (they travel to the "
+                f"ranks by value): {err}"
+            ) from None
+        del payload
         self.start()
         self._calls += 1
         call_id = self._calls
