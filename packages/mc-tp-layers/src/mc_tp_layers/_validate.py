@@ -96,3 +96,11 @@ def main_grad(weight: torch.Tensor) -> None:
             f"weight.main_grad has shape {tuple(grad.shape)} but the weight has "
             f"{tuple(weight.shape)}; main_grad must have the weight's shape"
         )
+    # A fused kernel (apex, addmm_) would write through the view's data pointer: a grad
+    # buffer offloaded with offload_grad_buffers() has freed its storage.
+    if grad.numel() and grad.untyped_storage().nbytes() == 0:
+        raise RuntimeError(
+            f"weight.main_grad (shape {tuple(grad.shape)}) has no storage: its grad buffer is "
+            "offloaded; call restore_grad_buffers() before the next forward with "
+            "gradient_accumulation_fusion"
+        )

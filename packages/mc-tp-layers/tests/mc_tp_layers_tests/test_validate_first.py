@@ -210,3 +210,31 @@ def test_absurd_sizes_name_the_layer_and_the_bytes(rank_pools: RankPools) -> Non
             "allocate a [4611686018427387904, 4] torch.float32 tensor ("
         )
         assert "check the sizes" in error
+
+
+def _offloaded_main_grad() -> str:
+    pgc = world(2)
+    try:
+        weight = torch.nn.Parameter(torch.ones(3, 4))
+        weight.main_grad = torch.zeros(3, 4)  # type: ignore[attr-defined]
+        weight.main_grad.untyped_storage().resize_(0)  # type: ignore[attr-defined]
+        with mg.record_collectives() as log:
+            try:
+                tpl.linear_with_grad_accumulation_and_async_allreduce(
+                    torch.ones(2, 4), weight, None, True, False, False, tp_group=pgc.tp
+                )
+            except RuntimeError as err:
+                return f"{err} | collectives: {len(log)}"
+        return "no error"
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def test_fused_wgrad_into_an_offloaded_main_grad_is_refused(rank_pools: RankPools) -> None:
+    """A weight whose ``main_grad`` lost its storage (the grad buffer offloaded with
+    ``offload_grad_buffers()``: ``untyped_storage().resize_(0)``) is refused before the
+    forward, not written through a freed pointer by the fused wgrad kernel in backward."""
+    for message in rank_pools.get(2).run(_offloaded_main_grad):
+        assert "has no storage" in message
+        assert "restore_grad_buffers()" in message
+        assert message.endswith("collectives: 0")
