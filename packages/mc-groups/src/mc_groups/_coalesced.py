@@ -260,7 +260,7 @@ def coalesced(
     in errors and compared by the schedule check.
     """
     check_group(group)
-    check_options(async_op, label, detail)
+    check_options(async_op, label, detail, group=group)
     _check_device(device)
     batch = CoalescedBatch(group, async_op, label, detail)
     try:

@@ -102,11 +102,23 @@ def is_group_live(group: dist.ProcessGroup) -> bool:
     """False once ``group`` was destroyed (:func:`~mc_groups.destroy_model_parallel`,
     ``torch.distributed.destroy_process_group``) or when ``torch.distributed`` is not
     initialised: a dictionary lookup in torch's group registry, no communication."""
-    try:
+    registry = _group_registry()
+    if registry is not None:
+        return group in registry
+    try:  # torch without the registry attribute: its public lookup (a few µs)
         dist.get_backend(group)
     except (ValueError, RuntimeError):
         return False
     return True
+
+
+def _group_registry() -> dict[Any, Any] | None:
+    """torch's map of live process groups (``_world.pg_map``: every group leaves it when
+    destroyed), or None on a torch without it. Read per call: it is replaced when
+    ``torch.distributed`` is re-initialised."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    registry = getattr(world, "pg_map", None)
+    return registry if isinstance(registry, dict) else None
 
 
 def group_size(group: dist.ProcessGroup) -> int:
@@ -207,14 +219,19 @@ def check_group(group: object, arg: str = "group") -> dist.ProcessGroup:
     return group
 
 
-def check_options(async_op: object, label: object, detail: object = "") -> None:
-    """A collective's common options, and the schedule-check switch, checked at every group
-    size (a one-rank group short-circuits after this: the same call is judged the same on
-    any group)."""
+def check_options(
+    async_op: object, label: object, detail: object = "", *, group: dist.ProcessGroup
+) -> None:
+    """A collective's common options, and on a one-rank group the schedule-check switch
+    (larger groups read it before issuing): a one-rank group short-circuits after this, and
+    the same call is judged the same on any group."""
     check_flag("async_op", async_op)
-    check_str("label", label)
-    check_str("detail", detail)
-    schedule_check_enabled()  # a switch that is neither on nor off is an error everywhere
+    if not isinstance(label, str):
+        check_str("label", label)
+    if not isinstance(detail, str):
+        check_str("detail", detail)
+    if group.size() == 1:
+        schedule_check_enabled()  # a switch that is neither on nor off is an error everywhere
 
 
 def check_tensor(t: object, arg: str) -> torch.Tensor:

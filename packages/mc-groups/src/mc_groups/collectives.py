@@ -104,7 +104,7 @@ def all_reduce(
     check_group(group)
     check_tensor(tensor, "tensor")
     check_op(op)
-    check_options(async_op, label, detail)
+    check_options(async_op, label, detail, group=group)
     if group.size() == 1:
         return DONE
     check_schedule("all_reduce", group, tensor, reduce_op=op, label=label, detail=detail)
@@ -137,7 +137,7 @@ def reduce_scatter(
     """
     check_group(group)
     check_op(op)
-    check_options(async_op, label, detail)
+    check_options(async_op, label, detail, group=group)
     size = group.size()
     check_reduce_scatter(output, input, size)
     gloo.check_staging(input, staging)
@@ -187,7 +187,7 @@ def all_gather(
     repeated input below that; recorded as one ``all_gather`` either way.
     """
     check_group(group)
-    check_options(async_op, label, detail)
+    check_options(async_op, label, detail, group=group)
     size = group.size()
     check_all_gather(output, input, size)
     if size == 1:
@@ -227,7 +227,7 @@ def broadcast(
     """Copy ``tensor`` from the rank whose *group* rank is ``group_src`` to every rank."""
     check_group(group)
     check_tensor(tensor, "tensor")
-    check_options(async_op, label, detail)
+    check_options(async_op, label, detail, group=group)
     size = group.size()
     _check_group_rank(group_src, "group_src", size)
     if size == 1:
@@ -309,7 +309,7 @@ def all_to_all(
     check_tensor(output, "output")
     check_tensor(input, "input")
     check_pair(output, input, "all_to_all")
-    check_options(async_op, label, detail)
+    check_options(async_op, label, detail, group=group)
     size = group.size()
     _check_splits(output, input, output_split_sizes, input_split_sizes, size)
     if size == 1:
@@ -337,7 +337,7 @@ def send(
     schedule-checked: the group's other ranks take no part)."""
     check_group(group)
     check_tensor(tensor, "tensor")
-    check_options(False, label)
+    check_options(False, label, group=group)
     _check_peer(group, group_dst, "group_dst")
     record("send", group, tensor, reduce_op=None, async_op=False, label=label)
     issue(
@@ -354,7 +354,7 @@ def recv(
     schedule-checked)."""
     check_group(group)
     check_tensor(tensor, "tensor")
-    check_options(False, label)
+    check_options(False, label, group=group)
     _check_peer(group, group_src, "group_src")
     record("recv", group, tensor, reduce_op=None, async_op=False, label=label)
     issue(
@@ -375,7 +375,7 @@ def _check_peer(group: dist.ProcessGroup, peer: object, arg: str) -> None:
 def barrier(group: dist.ProcessGroup, *, label: str = "") -> None:
     """Block until every rank of ``group`` reached this call (bounded by the group timeout)."""
     check_group(group)
-    check_options(False, label)
+    check_options(False, label, group=group)
     if group.size() == 1:
         return
     check_schedule("barrier", group, None, label=label)
@@ -388,7 +388,7 @@ def barrier(group: dist.ProcessGroup, *, label: str = "") -> None:
 def all_gather_objects(obj: object, group: dist.ProcessGroup, *, label: str = "") -> list[object]:
     """Every rank's picklable ``obj``, in group-rank order."""
     check_group(group)
-    check_options(False, label)
+    check_options(False, label, group=group)
     size = group.size()
     if size == 1:
         return [obj]
