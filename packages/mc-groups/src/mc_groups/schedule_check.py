@@ -59,6 +59,7 @@ import torch.distributed as dist
 from mc_groups._errors import CollectiveError, CollectiveScheduleError
 from mc_groups._p2p import exchange_rows
 from mc_groups._shims import all_gather_flat
+from mc_groups.argcheck import check_flag
 
 __all__ = [
     "SCHEDULE_CHECK_ENV",
@@ -104,8 +105,7 @@ def check_collective_schedule(enabled: bool = True) -> Iterator[None]:
     exit: the switch lives in the process environment, not in module state. Every rank of
     a group must be in the same mode (a checking rank waits for its peers' fingerprints).
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled={enabled!r} must be a bool")
+    check_flag("enabled", enabled)
     previous = os.environ.get(SCHEDULE_CHECK_ENV)
     os.environ[SCHEDULE_CHECK_ENV] = "1" if enabled else "0"
     try:

@@ -252,7 +252,7 @@ def test_the_switch_is_read_at_call_time(rank_pools: RankPools) -> None:
         assert out["restored"] == "on"
         assert out["inside"] is True
         assert out["end"] is None
-        assert out["bad_flag"] == "enabled='yes' must be a bool"
+        assert out["bad_flag"] == "enabled='yes' must be a bool (True or False)"
 
 
 def test_fingerprints_are_stable_and_distinguish_fields() -> None:
