@@ -138,10 +138,15 @@ def test_resume_at_same_layout_is_bit_identical(
     last = ckpt.RunState.from_json((save_dir / "step-00000008" / "trainer.json").read_text())
     assert last.losses == ref
 
-    # A checkpoint at the last step: nothing left to train, the history is the result.
+    # A checkpoint at the last step: nothing left to train, the history is the result. A
+    # newer step-N without its COMPLETE (copied by hand, say) is passed over, and kept.
+    shutil.copytree(save_dir / "step-00000008", save_dir / "step-00000009")
+    (save_dir / "step-00000009" / "COMPLETE").unlink()
     done = _run(rank_pools, *save, "--resume", "auto", "--output", str(tmp_path / "done"))
     assert done[0]["losses"] == ref
     assert f"resumed from {save_dir / 'step-00000008'} at step 8" in done[0]["printed"]
+    assert "ignored step-00000009: incomplete, never loaded\n" in done[0]["printed"]
+    assert (save_dir / "step-00000009").is_dir()
 
 
 def test_resume_at_other_layouts(
