@@ -11,6 +11,8 @@ the plain-PyTorch 1-process reference it is compared with.
 - :mod:`examples.gpt.data`: the embedded text and its deterministic batches.
 - :mod:`examples.gpt.checkpoint`: save / resume (model and optimizer) through
   ``torch.distributed.checkpoint``, at the same or another layout.
+- :mod:`examples.gpt.resume`: a training run's checkpoint folders (published only when
+  every rank wrote its part, verified on load, the ranks agreeing on what to resume).
 """
 
 from __future__ import annotations
