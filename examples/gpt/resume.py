@@ -124,13 +124,16 @@ class RunState:
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"not a format-{FORMAT} {TRAINER_STATE}")
-        state = cls(
-            step=data["step"],
-            losses=data["losses"],
-            run=data["run"],
-            layout=data["layout"],
-            world_size=data["world_size"],
-        )
+        try:
+            state = cls(
+                step=data["step"],
+                losses=data["losses"],
+                run=data["run"],
+                layout=data["layout"],
+                world_size=data["world_size"],
+            )
+        except KeyError as err:
+            raise ValueError(f"{TRAINER_STATE} has no {err}") from err
         if not (isinstance(state.step, int) and len(state.losses) == state.step):
             raise ValueError(f"step {state.step!r} with {len(state.losses)} losses")
         return state
@@ -292,6 +295,8 @@ def inspect(resume: str, save_dir: Path | None, run: Mapping[str, Any], steps: i
         return Verdict(str(path), state.step, ignored, None)
     except ResumeError as err:
         return Verdict(None, 0, (), str(err))
+    except OSError as err:  # unreadable: still a verdict, so no rank is left waiting
+        return Verdict(None, 0, (), f"--resume {resume}: cannot read the checkpoint ({err})")
 
 
 def _newest(save_dir: Path) -> tuple[Path | None, tuple[str, ...]]:
@@ -324,10 +329,12 @@ def _verify(path: Path) -> RunState:
         )
     try:
         manifest = json.loads((path / COMPLETE).read_text(encoding="utf-8"))
-        files = cast(dict[str, dict[str, Any]], manifest["files"])
         if manifest["format"] != FORMAT:
             raise ValueError(f"format {manifest['format']!r}, this trainer reads {FORMAT}")
-    except (ValueError, KeyError, TypeError) as err:
+        files = cast(dict[str, dict[str, Any]], manifest["files"])
+        if not all({"bytes", "sha256"} <= set(entry) for entry in files.values()):
+            raise ValueError("a file entry without bytes and sha256")
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ResumeError(f"--resume {path} is corrupted: unreadable {COMPLETE} ({err})") from err
     for rel, expected in files.items():
         found = _describe(path / rel) if (path / rel).is_file() else None
@@ -340,7 +347,7 @@ def _verify(path: Path) -> RunState:
             )
     try:
         return RunState.from_json((path / TRAINER_STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (ValueError, TypeError) as err:
         raise ResumeError(f"--resume {path} is corrupted: bad {TRAINER_STATE} ({err})") from err
 
 
