@@ -562,8 +562,8 @@ def restart_warning(env: Mapping[str, str]) -> str | None:
     the rendezvous TCP store shared with the workers (torch's default since 2.5), the
     restarted group finds the previous attempt's process-group keys in that store and hangs
     or fails to connect (pytorch/pytorch#135712, #167288; seen here with torch 2.13: a
-    5-minute hang, or gloo's connectFullMesh refused). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
-    gives every attempt a fresh store."""
+    hang, or gloo's connectFullMesh refused). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives
+    every attempt a fresh store."""
     restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
     if not restarts.isdigit() or int(restarts) == 0:
         return None
