@@ -2517,10 +2517,10 @@ def _function_slots() -> None:
                 torch.ones(2, 4), group=c.world_group, **{n: v}
             ),
         )
-    arg(T, "all_to_all(group=)", "group", lambda c, v: tpl.all_to_all(v, torch.ones(4)))
+    arg(T, "mappings.all_to_all(group=)", "group", lambda c, v: tpl.all_to_all(v, torch.ones(4)))
     arg(
         T,
-        "all_to_all(input_=)",
+        "mappings.all_to_all(input_=)",
         "tensor",
         lambda c, v: tpl.all_to_all(c.world_group, v),
         ("input",),
@@ -3175,6 +3175,8 @@ for _register in (
     _register()
 
 SLOT_BY_KEY: dict[str, Slot] = {s.key: s for s in SLOTS}
+if len(SLOT_BY_KEY) != len(SLOTS):  # a key names one slot (the fuzz test sends keys)
+    raise RuntimeError(f"duplicate slot keys: {len(SLOTS) - len(SLOT_BY_KEY)}")
 
 
 def all_cases() -> list[Case]:
@@ -3197,7 +3199,10 @@ _BY_ID: dict[str, Case] = {}
 def case_by_id(case_id: str) -> Case:
     """The case named ``case_id`` (ids are unique)."""
     if not _BY_ID:
-        _BY_ID.update({c.id: c for c in [*all_cases(), *control_cases()]})
+        every = [*all_cases(), *control_cases()]
+        _BY_ID.update({c.id: c for c in every})
+        if len(_BY_ID) != len(every):
+            raise RuntimeError(f"duplicate case ids: {len(every) - len(_BY_ID)}")
     return _BY_ID[case_id]
 
 

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from integration_tests import _sweep_cases as cases
 from integration_tests import _sweep_runner as runner
 
-MAX_EXAMPLES = 2000
+MAX_EXAMPLES = 4000
 
 
 def _not_a_device(text: str) -> bool:
