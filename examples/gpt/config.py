@@ -43,6 +43,11 @@ class GPTConfig:
         init_std: std of the normal initialisation of matrices and embeddings; the two
             projections that write into the residual stream use ``init_std / √(2·layers)``
             (GPT-2's scaling).
+        num_query_groups: grouped-query attention: the heads share this many key/value
+            heads (``num_heads`` must be a multiple); None is one per head (multi-head
+            attention). The fused QKV weight holds ``(num_heads + 2·groups)·head_dim`` rows,
+            laid out group by group as Megatron-Core does: each group's query heads, then
+            its key head, then its value head.
     """
 
     vocab_size: int = 64
@@ -52,6 +57,7 @@ class GPTConfig:
     seq_length: int = 16
     ffn_hidden_size: int | None = None
     init_std: float = 0.02
+    num_query_groups: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_heads", "num_layers", "seq_length"):
@@ -65,6 +71,14 @@ class GPTConfig:
             )
         if not self.init_std > 0:
             raise ValueError(f"init_std={self.init_std} must be > 0")
+        if self.num_query_groups is not None:
+            _positive("num_query_groups", self.num_query_groups)
+            if self.num_heads % self.num_query_groups:
+                raise ValueError(
+                    f"num_heads={self.num_heads} is not divisible by num_query_groups="
+                    f"{self.num_query_groups}; every key/value head serves the same number "
+                    "of query heads"
+                )
 
     @property
     def ffn_size(self) -> int:
@@ -75,6 +89,16 @@ class GPTConfig:
     def head_dim(self) -> int:
         """Channels per attention head."""
         return self.hidden_size // self.num_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads (``num_query_groups``, or ``num_heads`` without grouping)."""
+        return self.num_query_groups or self.num_heads
+
+    @property
+    def qkv_size(self) -> int:
+        """Rows of the fused QKV weight: ``(num_heads + 2·query_groups)·head_dim``."""
+        return (self.num_heads + 2 * self.query_groups) * self.head_dim
 
 
 @dataclass(frozen=True)
@@ -148,7 +172,16 @@ class ParallelLayout:
             the grads are divided by the global token count in ``finalize_model_grads``
             (``num_tokens``); DDP then sums over DP instead of averaging.
         microbatches: forward/backward passes per step and DP rank.
-        bucket_size: elements per DDP bucket (small, so the small model has several).
+        bucket_size: elements per DDP bucket (small, so the small model has several; None:
+            mc DDP's default, ``max(40M, 1M·dp)``).
+        cp: context-parallel size: each CP rank holds ``s / cp`` consecutive positions of
+            every sequence; attention all-gathers keys and values over the ``cp`` group
+            (reduce-scatters their grads) and DDP reduces grads over ``dp × cp``.
+        gtp_remat: ``gtp_remat_size`` of the layers (Column/Row weights sharded over this
+            axis and all-gathered before each GEMM); a data axis for everything else.
+        ep, etp: expert-parallel and expert-tensor-parallel sizes (``etp`` None: ``tp``).
+            They shape the expert groups only: the GPT is dense, so no param is
+            expert-parallel and nothing moves on those groups.
     """
 
     tp: int = 1
@@ -166,24 +199,30 @@ class ParallelLayout:
     calculate_per_token_loss: bool = False
     microbatches: int = 2
     bucket_size: int | None = 8192
+    cp: int = 1
+    gtp_remat: int = 1
+    ep: int = 1
+    etp: int | None = None
 
     @property
     def world_size(self) -> int:
-        """``tp · dp · pp``: the ranks this layout needs."""
-        return self.tp * self.dp * self.pp
+        """``tp · gtp_remat · cp · dp · pp``: the ranks this layout needs."""
+        return self.tp * self.gtp_remat * self.cp * self.dp * self.pp
 
     def check(self, model: GPTConfig, world_size: int, global_batch: int) -> None:
         """Raise ``ValueError`` when this layout cannot split ``model`` over ``world_size``
         ranks with ``global_batch`` sequences per step (checked before any collective)."""
-        for name in ("tp", "dp", "pp", "microbatches"):
+        for name in ("tp", "dp", "pp", "microbatches", "cp", "gtp_remat", "ep"):
             _positive(name, getattr(self, name))
         _positive("global_batch", global_batch)
         if self.world_size != world_size:
             raise ValueError(
-                f"tp × dp × pp = {self.tp} × {self.dp} × {self.pp} = {self.world_size}, but the "
-                f"world has {world_size} ranks; choose sizes whose product is {world_size}"
+                f"{self._product()} = {self.world_size}, but the world has {world_size} "
+                f"ranks; choose sizes whose product is {world_size}"
             )
         self._check_tp_split(model)
+        self._check_context_split(model)
+        self._check_expert_split()
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(
                 "sequence_parallel=True needs tp > 1: sequence parallelism splits activations "
@@ -230,14 +269,46 @@ class ParallelLayout:
                 "instance shards the optimizer over dp / k ranks"
             )
 
+    def _product(self) -> str:
+        """``tp × dp × pp = 2 × 2 × 1`` (with cp and gtp_remat when they are not 1)."""
+        names = ["tp", "gtp_remat", "cp", "dp", "pp"]
+        shown = [n for n in names if n in ("tp", "dp", "pp") or getattr(self, n) != 1]
+        values = " × ".join(str(getattr(self, n)) for n in shown)
+        return f"{' × '.join(shown)} = {values}"
+
+    def _check_context_split(self, model: GPTConfig) -> None:
+        if model.seq_length % self.cp:
+            raise ValueError(
+                f"seq_length={model.seq_length} is not divisible by cp={self.cp}; context "
+                "parallelism gives every CP rank the same number of positions"
+            )
+        local = model.seq_length // self.cp
+        if self.sequence_parallel and local % self.tp:
+            raise ValueError(
+                f"seq_length / cp = {model.seq_length} / {self.cp} = {local} is not divisible "
+                f"by tp={self.tp}; sequence parallelism splits each CP rank's positions over "
+                "the TP ranks"
+            )
+
+    def _check_expert_split(self) -> None:
+        etp = self.tp if self.etp is None else _positive("etp", self.etp)
+        experts = etp * self.ep * self.pp
+        if self.world_size % experts:
+            raise ValueError(
+                f"the world of {self.world_size} ranks is not divisible by etp × ep × pp = "
+                f"{etp} × {self.ep} × {self.pp} = {experts}; the expert layout must tile the "
+                "world like the dense one"
+            )
+
     def _check_tp_split(self, model: GPTConfig) -> None:
         splits = {
             "hidden_size": model.hidden_size,
             "num_heads": model.num_heads,
+            "num_query_groups": model.query_groups,
             "vocab_size": model.vocab_size,
             "ffn_hidden_size": model.ffn_size,
         }
-        if self.sequence_parallel:
+        if self.sequence_parallel and self.cp == 1:
             splits["seq_length"] = model.seq_length
         for name, value in splits.items():
             if value % self.tp:
@@ -255,6 +326,10 @@ class ParallelLayout:
             self.tp,
             self.pp,
             virtual_pipeline_model_parallel_size=self.vpp,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+            gtp_remat_size=self.gtp_remat,
             num_distributed_optimizer_instances=self.num_distributed_optimizer_instances,
         )
 
@@ -265,6 +340,10 @@ class ParallelLayout:
             pipeline_model_parallel_size=self.pp,
             virtual_pipeline_model_parallel_size=self.vpp,
             sequence_parallel=self.sequence_parallel,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+            gtp_remat_size=self.gtp_remat,
             params_dtype=self.params_dtype,
             use_cpu_initialization=True,
             perform_initialization=False,
@@ -287,7 +366,12 @@ class ParallelLayout:
 
     def describe(self) -> str:
         """One line, e.g. ``TP=2 × DP=2, sequence parallel, distributed optimizer, ...``."""
-        parts = [f"TP={self.tp} × DP={self.dp}" + (f" × PP={self.pp}" if self.pp > 1 else "")]
+        sizes = [("TP", self.tp), ("GTP", self.gtp_remat), ("CP", self.cp), ("DP", self.dp)]
+        sizes.append(("PP", self.pp))
+        shown = [f"{n}={v}" for n, v in sizes if n in ("TP", "DP") or v > 1]
+        parts = [" × ".join(shown)]
+        if self.ep > 1 or self.etp is not None:
+            parts.append(f"expert groups EP={self.ep} × ETP={self.etp or self.tp}")
         if self.vpp is not None:
             parts.append(f"{self.vpp} virtual chunks per stage")
         if self.sequence_parallel:

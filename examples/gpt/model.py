@@ -14,8 +14,11 @@ r"""A small GPT built only from mc parts, with Megatron-Core's parameter names.
       ▼ mean over tokens
 
 Tensor parallelism (tp ranks) splits the heads (the fused QKV weight is laid out head by
-head, ``[heads, 3, head_dim]`` rows, so rank r's contiguous rows are whole heads), the MLP
-columns and the vocabulary. Under sequence parallelism the word embedding is
+head, ``[heads, 3, head_dim]`` rows, so rank r's contiguous rows are whole heads; with
+grouped-query attention group by group, ``[groups, heads/groups + 2, head_dim]``), the MLP
+columns and the vocabulary. Context parallelism (``cp`` ranks, used by the dry run) gives
+each CP rank ``s/cp`` consecutive positions; attention all-gathers keys and values over
+``cp``. Under sequence parallelism the word embedding is
 reduce-scattered along the sequence and each rank adds the position rows of its own slice;
 layer norms and the position table then see only ``s/tp`` rows, so their params are marked
 ``sequence_parallel`` and ``finalize_model_grads`` sums their grads over TP (as it does for
@@ -140,24 +143,62 @@ class _Build(NamedTuple):
 
 
 class _SelfAttention(nn.Module):
-    """Causal self-attention over this rank's heads (Column QKV, Row output projection)."""
+    """Causal self-attention over this rank's heads (Column QKV, Row output projection).
+
+    The QKV rows are laid out query group by query group (``[groups, heads/groups + 2,
+    head_dim]``: the group's query heads, its key head, its value head; ``[heads, 3,
+    head_dim]`` without grouping), so TP rank r's contiguous rows are whole groups. Under
+    context parallelism (``cp`` > 1) this rank's queries are positions ``[c·s/cp,
+    (c+1)·s/cp)`` of CP rank c; the keys and values of every position are all-gathered over
+    ``cp`` (their grads reduce-scattered back), and the causal mask is shifted by ``c·s/cp``.
+    """
 
     def __init__(self, build: _Build) -> None:
         super().__init__()
-        h = build.cfg.hidden_size
-        self.head_dim = build.cfg.head_dim
+        cfg = build.cfg
+        h = cfg.hidden_size
+        self.head_dim = cfg.head_dim
         tp = build.pgc.require("tp", "GPT attention")
-        self.local_heads = build.cfg.num_heads // mg.group_size(tp)
-        self.linear_qkv = build.column(h, 3 * h, bias=False)
+        self.local_heads = cfg.num_heads // mg.group_size(tp)
+        self.local_groups = cfg.query_groups // mg.group_size(tp)
+        self.cp_group = build.pgc.cp
+        self.linear_qkv = build.column(h, cfg.qkv_size, bias=False)
         self.linear_proj = build.row(h, h)
+
+    def _cp(self) -> tuple[int, int]:
+        """(this rank's CP rank, CP size); (0, 1) without a cp group."""
+        if self.cp_group is None:
+            return 0, 1
+        return mg.group_rank(self.cp_group), mg.group_size(self.cp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[s(/tp), b, h] → [s(/tp), b, h]``: QKV gathers the sequence, proj scatters it."""
         qkv = _output(self.linear_qkv, x)
         s, b = qkv.shape[0], qkv.shape[1]
-        q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind()
-        context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.local_groups == self.local_heads and self._cp()[1] == 1:
+            shape = (s, b, self.local_heads, 3, self.head_dim)
+            q, k, v = qkv.view(shape).permute(3, 1, 2, 0, 4).unbind()
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            context = self._grouped(qkv.view(s, b, self.local_groups, -1, self.head_dim))
         return _output(self.linear_proj, context.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+    def _grouped(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Grouped-query and/or context-parallel attention of ``[s, b, groups, per + 2,
+        d]``; returns ``[b, heads, s, d]``."""
+        s, b, per = qkv.shape[0], qkv.shape[1], qkv.shape[3] - 2
+        q = qkv[:, :, :, :per].reshape(s, b, self.local_heads, self.head_dim)
+        k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]  # [s, b, groups, d]
+        cp_rank, cp_size = self._cp()
+        if cp_size > 1:
+            k = tpl.gather_from_sequence_parallel_region(k.contiguous(), group=self.cp_group)
+            v = tpl.gather_from_sequence_parallel_region(v.contiguous(), group=self.cp_group)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or groups, s, d]
+        if cp_size == 1:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=per > 1)
+        rows = torch.arange(s, device=q.device) + cp_rank * s
+        visible = torch.arange(s * cp_size, device=q.device) <= rows.unsqueeze(1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=per > 1)
 
 
 class _MLP(nn.Module):
@@ -223,6 +264,7 @@ class _Embedding(nn.Module):
         tp = pgc.require("tp", "GPT embedding")
         self.sequence_parallel = mp.sequence_parallel
         self.tp_rank, self.tp_size = mg.group_rank(tp), mg.group_size(tp)
+        self.cp_rank = 0 if pgc.cp is None else mg.group_rank(pgc.cp)
         self.word_embeddings = tpl.VocabParallelEmbedding(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -239,15 +281,18 @@ class _Embedding(nn.Module):
         self.position_embeddings.weight.sequence_parallel = mp.sequence_parallel  # type: ignore[attr-defined]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``[b, s]`` ids → ``[s, b, h]`` (``[s/tp, b, h]``, rank r's rows, under SP)."""
+        """``[b, s]`` ids → ``[s, b, h]`` (``[s/tp, b, h]``, rank r's rows, under SP).
+
+        Under context parallelism ``tokens`` are CP rank c's ``s`` positions, which start at
+        ``c·s`` of the full sequence."""
         s = tokens.shape[1]
         if self.sequence_parallel:
             words: torch.Tensor = self.word_embeddings(tokens)  # reduce-scattered: [s/tp, b, h]
             rows = s // self.tp_size
-            start = self.tp_rank * rows
+            start = self.cp_rank * s + self.tp_rank * rows
         else:
             words = self.word_embeddings(tokens).transpose(0, 1)  # all-reduced: [s, b, h]
-            rows, start = s, 0
+            rows, start = s, self.cp_rank * s
         positions: torch.Tensor = self.position_embeddings(
             torch.arange(start, start + rows, device=tokens.device)
         )
@@ -310,8 +355,13 @@ class GPT(nn.Module):
             self.embedding = _Embedding(build)
         self.decoder = _Decoder(build, indices, final_norm=self.post_process)
         if self.post_process:
-            # logits stay split over the vocabulary; a stage with the embedding passes E
-            self.output_layer = build.column(
+            # logits stay split over the vocabulary; a stage with the embedding passes E.
+            # The table is not gtp_remat-sharded (VocabParallelEmbedding never is), so the
+            # LM head that reads it (or its copy on the last stage) runs without gtp_remat.
+            head = (
+                build._replace(mp=mp.replace(gtp_remat_size=1)) if mp.gtp_remat_size > 1 else build
+            )
+            self.output_layer = head.column(
                 cfg.hidden_size, cfg.vocab_size, bias=False, own_weight=not self.pre_process
             )
         self._mark_shared_embedding(pipeline_stages=mp.pipeline_model_parallel_size)

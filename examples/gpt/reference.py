@@ -39,10 +39,23 @@ def _layer_norm(x: torch.Tensor, w: Weights, prefix: str) -> torch.Tensor:
     return (x - mean) / torch.sqrt(var + 1e-5) * w[prefix + ".weight"] + w[prefix + ".bias"]
 
 
+def _qkv(x: torch.Tensor, w: Weights, p: str, cfg: GPTConfig) -> list[torch.Tensor]:
+    """Queries, keys and values, each ``[B, heads, s, d]`` (grouped keys and values repeated
+    for each query head of their group)."""
+    batch, s, _ = x.shape
+    if cfg.query_groups == cfg.num_heads:
+        qkv = (x @ w[p + "linear_qkv.weight"].T).view(batch, s, cfg.num_heads, 3, cfg.head_dim)
+        return list(qkv.permute(3, 0, 2, 1, 4).unbind(0))
+    per = cfg.num_heads // cfg.query_groups  # query heads per key/value head
+    rows = (x @ w[p + "linear_qkv.weight"].T).view(batch, s, cfg.query_groups, per + 2, -1)
+    q = rows[:, :, :, :per].reshape(batch, s, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+    k, v = (rows[:, :, :, i].repeat_interleave(per, dim=2).transpose(1, 2) for i in (per, per + 1))
+    return [q, k, v]
+
+
 def _attention(x: torch.Tensor, w: Weights, p: str, cfg: GPTConfig) -> torch.Tensor:
     batch, s, _ = x.shape
-    qkv = (x @ w[p + "linear_qkv.weight"].T).view(batch, s, cfg.num_heads, 3, cfg.head_dim)
-    q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, heads, s, d]
+    q, k, v = _qkv(x, w, p, cfg)
     scores = q @ k.transpose(-1, -2) / math.sqrt(cfg.head_dim)
     future = torch.ones(s, s, dtype=torch.bool).triu(1)
     probs = scores.masked_fill(future, float("-inf")).softmax(-1)

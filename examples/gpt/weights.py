@@ -6,7 +6,8 @@ from the same numbers whatever the layout::
 
     full [n, k]  ──load_full_weights──▶  rank r's part: chunk r of tp equal chunks along
                                          param.partition_dim (params mc marks
-                                         tensor_model_parallel), the whole tensor otherwise
+                                         tensor_model_parallel), the whole tensor otherwise;
+                                         of a gtp_remat shard, its rows of that (padded)
     rank parts   ──gather_full_weights─▶ full [n, k]: one all-gather over TP per split param
 
 ``output_layer.weight`` (the last stage's copy of the tied table in a pipeline) is loaded
@@ -20,6 +21,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import mc_groups as mg
@@ -49,7 +51,7 @@ def full_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "input_layernorm.bias": (h,),
-            p + "self_attention.linear_qkv.weight": (3 * h, h),
+            p + "self_attention.linear_qkv.weight": (cfg.qkv_size, h),
             p + "self_attention.linear_proj.weight": (h, h),
             p + "self_attention.linear_proj.bias": (h,),
             p + "pre_mlp_layernorm.weight": (h,),
@@ -102,6 +104,17 @@ def _split(param: nn.Parameter) -> int | None:
     return int(param.partition_dim)  # type: ignore[attr-defined]
 
 
+def _gtp_rows(param: nn.Parameter, part: torch.Tensor) -> torch.Tensor:
+    """For a gtp_remat-sharded weight (``is_gtp_weight_remat``, mc-tp-layers'
+    ``shard_weight_for_gtp``): this rank's rows of the TP part, zero-padded to the shard
+    size; ``part`` itself for any other param."""
+    if not getattr(param, "is_gtp_weight_remat", False):
+        return part
+    rows, pad = param.shape[0], int(param.pad_length)  # type: ignore[attr-defined]
+    rank = mg.group_rank(param.group)  # type: ignore[attr-defined]
+    return F.pad(part, (0, 0, 0, pad))[rank * rows : (rank + 1) * rows]
+
+
 def _named(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     yield from model.named_parameters()
 
@@ -124,6 +137,7 @@ def load_full_weights(
         source = full[key]
         dim = _split(param)
         part = source if dim is None else source.chunk(size, dim)[rank]
+        part = _gtp_rows(param, part)
         if tuple(part.shape) != tuple(param.shape):
             raise ValueError(
                 f"{name}: rank {rank}'s part of the full {tuple(source.shape)} weight has shape "

@@ -1,0 +1,53 @@
+"""The dry run of one rank: join a fake world, build the rank's stage on the meta device,
+run a warm-up step and a recorded step, report.
+
+Why two steps: mc DDP learns in its first iteration how often each param's grad becomes
+ready (later iterations dispatch a bucket's reduction as soon as its last grad arrives), and
+the distributed optimizer's param all-gathers of a step run in the next step's forward. The
+recorded second step is what every later step of a run does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import mc_groups as mg
+from examples.dry_run.report import RankReport, describe_rank
+from examples.dry_run.spec import DryRunSpec
+from examples.dry_run.step import Batch, build_stage, record_step, run_step
+from examples.dry_run.world import fake_world
+
+__all__ = ["META", "dry_run", "meta_batches", "stage_ranks"]
+
+META = torch.device("meta")
+
+
+def meta_batches(spec: DryRunSpec) -> list[Batch]:
+    """One ``(tokens, labels)`` pair of shape ``[b, s/cp]`` per micro-batch, on meta."""
+    shape = (spec.micro_batch_size, spec.local_seq_length)
+    tokens = torch.zeros(shape, dtype=torch.long, device=META)
+    return [(tokens, tokens) for _ in range(spec.layout.microbatches)]
+
+
+def stage_ranks(spec: DryRunSpec) -> list[int]:
+    """One rank per pipeline stage: the ranks of rank 0's pipeline group (TP, CP and DP
+    rank 0 of every stage), in stage order."""
+    lay = spec.layout
+    generator = mg.RankGenerator(lay.tp, 1, lay.dp, lay.pp, lay.cp, gtp_remat=lay.gtp_remat)
+    return next(ranks for ranks in generator.get_ranks("pp") if 0 in ranks)
+
+
+def dry_run(spec: DryRunSpec, rank: int) -> RankReport:
+    """What ``rank`` of ``spec.world_size`` holds and moves per step (see the module notes).
+
+    Runs in this process on torch's fake backend; the process must not have a default
+    process group of its own (see :func:`~examples.dry_run.world.fake_world`).
+    """
+    spec.check()
+    with fake_world(rank, spec.world_size):
+        pgc = spec.layout.initialize_groups()
+        stage = build_stage(spec, pgc, META)
+        batches = meta_batches(spec)
+        run_step(stage, batches)
+        records = record_step(stage, batches)
+        return describe_rank(stage, records)
