@@ -67,24 +67,6 @@ def require_live(groups: Iterable[tuple[str, dist.ProcessGroup | None]], what: s
             )
 
 
-def collection_or_default(pg_collection: object) -> mg.ProcessGroupCollection:
-    """``pg_collection``, or the registered default when it is None."""
-    if pg_collection is None:
-        default = mg.get_default_collection()
-        if default is None:
-            raise ValueError(
-                "pg_collection=None and no default ProcessGroupCollection is registered: pass "
-                "pg_collection=initialize_model_parallel(...) or register one with "
-                "mc_groups.set_default_collection()"
-            )
-        return default
-    if not isinstance(pg_collection, mg.ProcessGroupCollection):
-        raise TypeError(
-            f"pg_collection={pg_collection!r} must be a mc_groups.ProcessGroupCollection or None"
-        )
-    return pg_collection
-
-
 def resolve_groups(
     pgc: mg.ProcessGroupCollection, ddp_config: DistributedDataParallelConfig, has_expert: bool
 ) -> DDPGroups:

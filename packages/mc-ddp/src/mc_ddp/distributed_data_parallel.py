@@ -44,7 +44,7 @@ from mc_buffers import (
 from mc_ddp import _agreement as agreement
 from mc_ddp import _ddp_build as build
 from mc_ddp import _ddp_checks as checks
-from mc_ddp._groups import DDPGroups, collection_or_default, require_live, resolve_groups
+from mc_ddp._groups import DDPGroups, require_live, resolve_groups
 from mc_ddp._hooks import BackwardPostHook, ForwardPreHook
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.config import DistributedDataParallelConfig
@@ -164,7 +164,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         checks.check_param_flags(named)
         single = check_flag("disable_bucketing", disable_bucketing)
         experts = sum(is_expert_parallel_param(p) for _, p in named)
-        groups = resolve_groups(collection_or_default(pg_collection), ddp_config, experts > 0)
+        pgc = mg.collection_or_default(pg_collection, "DistributedDataParallel")
+        groups = resolve_groups(pgc, ddp_config, experts > 0)
         scaling = build.gradient_scaling(config, ddp_config, groups)  # may refuse: before state
         plan = build.plan_layout(
             [p for _, p in named], ddp_config, groups, single, full_param_layout

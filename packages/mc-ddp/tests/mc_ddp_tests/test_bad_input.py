@@ -158,12 +158,14 @@ CONSTRUCTION = {
         doc_input="a collection without `dp`",
     ),
     "no_default": Expect(
-        "ValueError: pg_collection=None and no default ProcessGroupCollection",
+        "NoDefaultCollectionError: DistributedDataParallel got no process group and no default "
+        "ProcessGroupCollection is registered",
         doc_call="`DistributedDataParallel(...)`",
         doc_input="`pg_collection=None`, none registered",
+        also=("pass pg_collection=initialize_model_parallel(...)",),
     ),
     "collection_type": Expect(
-        "TypeError: pg_collection=",
+        "TypeError: DistributedDataParallel: pg_collection=",
         doc_call="`DistributedDataParallel(..., pg_collection=)`",
         doc_input="a process group",
     ),

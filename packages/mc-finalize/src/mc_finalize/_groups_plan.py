@@ -22,33 +22,6 @@ class _Groups:
     expt_gtp_remat: dist.ProcessGroup | None
 
 
-def _collection(pg_collection: object) -> mg.ProcessGroupCollection:
-    if pg_collection is None:
-        default = mg.get_default_collection()
-        if default is not None and default.destroyed:
-            raise RuntimeError(
-                "finalize_model_grads: the default collection was destroyed by "
-                "destroy_model_parallel()"
-            )
-        if default is None:
-            raise mg.MissingGroupError(
-                "finalize_model_grads got pg_collection=None and no default collection is "
-                "registered: pass pg_collection=initialize_model_parallel(...) or call "
-                "mc_groups.set_default_collection(...) first"
-            )
-        return default
-    if not isinstance(pg_collection, mg.ProcessGroupCollection):
-        raise TypeError(
-            f"pg_collection={pg_collection!r} must be a mc_groups.ProcessGroupCollection"
-        )
-    if pg_collection.destroyed:
-        raise RuntimeError(
-            "finalize_model_grads: pg_collection was destroyed by destroy_model_parallel(); "
-            "its groups can no longer communicate: build a new collection and new model chunks"
-        )
-    return pg_collection
-
-
 def _multi(group: dist.ProcessGroup | None) -> bool:
     return group is not None and mg.group_size(group) > 1
 

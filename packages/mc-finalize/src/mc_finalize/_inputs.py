@@ -16,7 +16,7 @@ _CHUNK_METHODS = ("finish_grad_sync", "named_parameters", "parameters")
 _TOKEN_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
 
 
-def _as_chunks(model: object, *, need_scale: bool = False) -> list[ModelChunk]:
+def _as_chunks(model: object) -> list[ModelChunk]:
     """``model`` as a non-empty list of chunks, or a TypeError/ValueError saying what is wrong."""
     if isinstance(model, torch.nn.Module) or not isinstance(model, list | tuple):
         raise TypeError(
@@ -25,15 +25,7 @@ def _as_chunks(model: object, *, need_scale: bool = False) -> list[ModelChunk]:
         )
     if not model:
         raise ValueError("model=[] holds no model chunk; pass the chunks this rank owns")
-    methods = (*_CHUNK_METHODS, "scale_gradients") if need_scale else _CHUNK_METHODS
-    for index, chunk in enumerate(model):
-        missing = [m for m in methods if not callable(getattr(chunk, m, None))]
-        if missing:
-            raise TypeError(
-                f"model[{index}] ({type(chunk).__name__}) lacks {missing}; a model chunk is "
-                "a DDP-wrapped module (e.g. mc_ddp.DistributedDataParallel) or any object "
-                "with finish_grad_sync, scale_gradients, named_parameters and parameters"
-            )
+    _check_methods(model, _CHUNK_METHODS)
     for index, chunk in enumerate(model):
         first = next(i for i, other in enumerate(model) if other is chunk)
         if first != index:
@@ -42,6 +34,19 @@ def _as_chunks(model: object, *, need_scale: bool = False) -> list[ModelChunk]:
                 "appear once (its grads would be reduced and scaled twice)"
             )
     return list(model)
+
+
+def _check_methods(chunks: Sequence[object], methods: Sequence[str]) -> None:
+    """Every chunk has every method of ``methods`` (``scale_gradients`` is needed only with
+    per-token loss)."""
+    for index, chunk in enumerate(chunks):
+        missing = [m for m in methods if not callable(getattr(chunk, m, None))]
+        if missing:
+            raise TypeError(
+                f"model[{index}] ({type(chunk).__name__}) lacks {missing}; a model chunk is "
+                "a DDP-wrapped module (e.g. mc_ddp.DistributedDataParallel) or any object "
+                "with finish_grad_sync, scale_gradients, named_parameters and parameters"
+            )
 
 
 def _config_of(chunks: Sequence[ModelChunk]) -> object:
@@ -72,30 +77,25 @@ def _check_group(group: object, arg: str, needed_for: str) -> dist.ProcessGroup 
 
 
 def _resolve_group(
-    group: dist.ProcessGroup | None, field: str, needed_for: str
+    group: dist.ProcessGroup | None, arg: str, field: str, needed_for: str
 ) -> dist.ProcessGroup | None:
-    """``group``, or field ``field`` of the registered default collection when ``group`` is None.
+    """``group`` (argument ``arg``), or field ``field`` of the registered default collection
+    when ``group`` is None (:func:`mc_groups.collection_or_default`).
 
     The default's field may itself be None (e.g. ``embd`` on a middle pipeline stage).
     """
-    if _check_group(group, f"{field} group", needed_for) is not None:
+    if _check_group(group, arg, needed_for) is not None:
         return group
-    collection = mg.get_default_collection()
-    if collection is None:
-        raise mg.MissingGroupError(
-            f"{needed_for} got no group and no default ProcessGroupCollection is registered: "
-            f"pass the group (pg_collection.{field}) or call "
-            "mc_groups.set_default_collection(...) first"
-        )
+    collection = mg.collection_or_default(None, needed_for, explicit=f"{arg}=pg_collection.{field}")
     found: dist.ProcessGroup | None = getattr(collection, field)
     return found
 
 
 def _require_group(
-    group: dist.ProcessGroup | None, field: str, needed_for: str
+    group: dist.ProcessGroup | None, arg: str, field: str, needed_for: str
 ) -> dist.ProcessGroup:
     """Like :func:`_resolve_group`, but a missing group is a ``MissingGroupError``."""
-    found = _resolve_group(group, field, needed_for)
+    found = _resolve_group(group, arg, field, needed_for)
     if found is None:
         raise mg.MissingGroupError(
             f"{needed_for} needs the {field} group, but none was passed and the default "

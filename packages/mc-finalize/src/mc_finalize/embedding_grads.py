@@ -27,7 +27,7 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_finalize._flat import _allreduce_views
 from mc_finalize._inputs import _as_chunks, _check_group, _model_module, _resolve_group
-from mc_finalize._settings import _read_settings
+from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.grad_access import _grad_view
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
 from mc_groups.argcheck import check_flag
@@ -45,7 +45,13 @@ def _get_shared_word_embedding_weight(
     ``shared_embedding_or_output_weight()``. A model without that attribute marks the
     weight itself with ``shared_embedding=True``; the first such param is returned.
     """
-    settings = _read_settings(config)
+    return _shared_word_embedding_weight(model_module, _read_settings(config))
+
+
+def _shared_word_embedding_weight(
+    model_module: object, settings: _Settings
+) -> torch.nn.Parameter | None:
+    """The core of :func:`_get_shared_word_embedding_weight` on read settings."""
     if not hasattr(model_module, "share_embeddings_and_output_weights") and not callable(
         getattr(model_module, "parameters", None)
     ):
@@ -93,17 +99,16 @@ def _allreduce_word_embedding_grads(
     is None on ranks that hold no embedding copy). With ``pp_group`` given, ``embd_group=None``
     means this rank is in no embedding group: nothing runs.
     """
+    what = "_allreduce_word_embedding_grads"
     chunks = _as_chunks(model)
-    _read_settings(config)
-    _check_group(embd_group, "embd_group", "_allreduce_word_embedding_grads")
-    _check_group(pp_group, "pp_group", "_allreduce_word_embedding_grads")
+    settings = _read_settings(config)
+    _check_group(embd_group, "embd_group", what)
+    _check_group(pp_group, "pp_group", what)
     if embd_group is None and pp_group is None:
-        embd_group = _resolve_group(None, "embd", "_allreduce_word_embedding_grads")
-        pp_group = _resolve_group(None, "pp", "_allreduce_word_embedding_grads")
-    if not _is_multi_rank(embd_group):
-        return
-    getter = partial(_get_shared_word_embedding_weight, config=config)
-    _allreduce_embedding_grad(chunks, embd_group, pp_group, getter, config=config)
+        embd_group = _resolve_group(None, "embd_group", "embd", what)
+        pp_group = _resolve_group(None, "pp_group", "pp", what)
+    weight = _word_embedding_weight(chunks, settings, embd_group, pp_group)
+    _reduce_embedding_grad(weight, embd_group)
 
 
 def _allreduce_position_embedding_grads(
@@ -117,18 +122,13 @@ def _allreduce_position_embedding_grads(
     Keeps the position embeddings of encoder and decoder stages in sync. A missing weight on
     a member rank is a ValueError; a None group means this rank holds no copy.
     """
+    what = "_allreduce_position_embedding_grads"
     chunks = _as_chunks(model)
-    _read_settings(config)
-    _check_group(pos_emb_group, "pos_emb_group", "_allreduce_position_embedding_grads")
-    _check_group(pp_group, "pp_group", "_allreduce_position_embedding_grads")
-    _allreduce_embedding_grad(
-        chunks,
-        pos_emb_group,
-        pp_group,
-        _get_position_embedding_weight,
-        skip_if_none=False,
-        config=config,
-    )
+    settings = _read_settings(config)
+    _check_group(pos_emb_group, "pos_emb_group", what)
+    _check_group(pp_group, "pp_group", what)
+    weight = _position_embedding_weight(chunks, settings, pos_emb_group, pp_group)
+    _reduce_embedding_grad(weight, pos_emb_group)
 
 
 def _allreduce_embedding_grad(
@@ -155,20 +155,48 @@ def _allreduce_embedding_grad(
             "returning the weight (or None)"
         )
     check_flag("skip_if_none", skip_if_none)
-    if config is not None:
-        _read_settings(config)
-    weight = _embedding_weight(model, embd_group, pp_group, weight_getter, config)
-    if weight is None:
-        if not skip_if_none and _is_multi_rank(embd_group):
-            raise ValueError(
-                "weight_getter returned None on a rank of an embedding group of more than one "
-                "rank; every member must hold the weight (or pass skip_if_none=True)"
-            )
+    has_mtp = config is not None and _read_settings(config).mtp_num_layers > 0
+    chunks = _as_chunks(model)
+    weight = _embedding_weight(chunks, embd_group, pp_group, weight_getter, has_mtp, skip_if_none)
+    _reduce_embedding_grad(weight, embd_group)
+
+
+def _word_embedding_weight(
+    chunks: Sequence[ModelChunk],
+    settings: _Settings,
+    embd_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None,
+) -> torch.nn.Parameter | None:
+    """The shared word-embedding weight this rank reduces, or None (checked before I/O)."""
+    getter = partial(_shared_word_embedding_weight, settings=settings)
+    has_mtp = settings.mtp_num_layers > 0
+    return _embedding_weight(chunks, embd_group, pp_group, getter, has_mtp, skip_if_none=True)
+
+
+def _position_embedding_weight(
+    chunks: Sequence[ModelChunk],
+    settings: _Settings,
+    pos_embd_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None,
+) -> torch.nn.Parameter | None:
+    """The position-embedding weight this rank reduces, or None (checked before I/O)."""
+    has_mtp = settings.mtp_num_layers > 0
+    return _embedding_weight(
+        chunks, pos_embd_group, pp_group, _get_position_embedding_weight, has_mtp, False
+    )
+
+
+def _reduce_embedding_grad(
+    weight: torch.nn.Parameter | None, embd_group: dist.ProcessGroup | None
+) -> None:
+    """The core of the embedding steps: ``g ← Σ_{embd_group} g`` for the weight found by
+    :func:`_embedding_weight` (None: this rank has nothing to do; a frozen weight, whose
+    grad is None, neither)."""
+    if weight is None or embd_group is None:
         return
     view = _grad_view(weight)
-    if view is None or embd_group is None:  # a frozen weight has no grad to share
-        return
-    _allreduce_views([view], embd_group, mg.ReduceOp.SUM, "embedding grads")
+    if view is not None:
+        _allreduce_views([view], embd_group, mg.ReduceOp.SUM, "embedding grads")
 
 
 def _is_multi_rank(group: dist.ProcessGroup | None) -> bool:
@@ -176,11 +204,12 @@ def _is_multi_rank(group: dist.ProcessGroup | None) -> bool:
 
 
 def _embedding_weight(
-    model: Sequence[ModelChunk],
+    chunks: Sequence[ModelChunk],
     embd_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None,
     weight_getter: WeightGetter,
-    config: FinalizeConfig | None,
+    has_mtp: bool,
+    skip_if_none: bool,
 ) -> torch.nn.Parameter | None:
     """The weight to reduce, or None when this rank has nothing to do (checked before I/O)."""
     if not _is_multi_rank(embd_group):
@@ -190,19 +219,23 @@ def _embedding_weight(
             "an embedding group of more than one rank needs pp_group to tell the first "
             "pipeline stage from the last; pass pg_collection.pp"
         )
-    chunk = _embedding_chunk(_as_chunks(model), pp_group, config)
-    return weight_getter(_model_module(chunk))
+    weight = weight_getter(_model_module(_embedding_chunk(chunks, pp_group, has_mtp)))
+    if weight is None and not skip_if_none:
+        raise ValueError(
+            "weight_getter returned None on a rank of an embedding group of more than one "
+            "rank; every member must hold the weight (or pass skip_if_none=True)"
+        )
+    return weight
 
 
 def _embedding_chunk(
-    chunks: Sequence[ModelChunk], pp: dist.ProcessGroup, config: FinalizeConfig | None
+    chunks: Sequence[ModelChunk], pp: dist.ProcessGroup, has_mtp: bool
 ) -> ModelChunk:
     stage, stages = mg.group_rank(pp), mg.group_size(pp)
     if stage == 0:
         return chunks[0]
     if stage == stages - 1:
         return chunks[-1]
-    has_mtp = config is not None and _read_settings(config).mtp_num_layers > 0
     return chunks[-1] if has_mtp else chunks[0]
 
 

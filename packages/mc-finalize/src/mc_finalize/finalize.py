@@ -1,8 +1,10 @@
 """``finalize_model_grads``: after the last backward of a global batch, before the optimizer.
 
-Everything is validated first (model list, config, groups, ``num_tokens``, embedding
+Everything is validated first, once (model list, config, groups, ``num_tokens``, embedding
 weights, chunks already finalized this iteration), so bad input fails on every rank before
-the first collective and before any chunk's ``finish_grad_sync``. Then, in order:
+the first collective and before any chunk's ``finish_grad_sync``. Then the steps run on
+the checked inputs: each Megatron-named step is a wrapper that checks its own arguments
+over a core, and this function calls the cores. In order:
 
  1. ``finish_grad_sync(force_all_reduce)`` on every chunk       data-parallel reduction
  2. conditional-embedder grads      SUM over pp          (has_cond_embedder, pp > 1)
@@ -46,35 +48,38 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from functools import partial
 from typing import cast
 
 import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_finalize._groups_plan import _collection, _Groups, _plan_groups
-from mc_finalize._inputs import _as_chunks, _check_force, _check_num_tokens, _config_of
-from mc_finalize._settings import _read_settings
-from mc_finalize.embedding_grads import (
-    _allreduce_embedding_grad,
-    _allreduce_position_embedding_grads,
-    _embedding_weight,
-    _get_position_embedding_weight,
-    _get_shared_word_embedding_weight,
+from mc_finalize._groups_plan import _Groups, _plan_groups
+from mc_finalize._inputs import (
+    _as_chunks,
+    _check_force,
+    _check_methods,
+    _check_num_tokens,
+    _config_of,
 )
-from mc_finalize.gtp_grads import _allreduce_replicated_grads_over_gtp_remat_group
+from mc_finalize._settings import _read_settings, _Settings
+from mc_finalize.embedding_grads import (
+    _position_embedding_weight,
+    _reduce_embedding_grad,
+    _word_embedding_weight,
+)
+from mc_finalize.gtp_grads import _reduce_replicated_grads
 from mc_finalize.pipeline_grads import (
-    _allreduce_conditional_embedding_grads,
-    _allreduce_router_grads,
+    _reduce_conditional_embedding_grads,
+    _reduce_router_grads,
 )
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
 from mc_finalize.router_state import (
-    _update_router_expert_bias,
-    _update_router_qb_beta,
-    reset_model_temporary_tensors,
+    _reset_temporary_tensors,
+    _update_expert_bias,
+    _update_qb_beta,
 )
-from mc_finalize.tp_grads import _allreduce_non_tensor_model_parallel_grads
+from mc_finalize.tp_grads import _reduce_non_tensor_parallel_grads
 
 __all__ = ["finalize_model_grads"]
 
@@ -106,36 +111,49 @@ def finalize_model_grads(
     settings = _read_settings(config)
     per_token = settings.calculate_per_token_loss
     if per_token:
-        _as_chunks(chunks, need_scale=True)
+        _check_methods(chunks, ("scale_gradients",))
     force = _check_force(force_all_reduce)
-    groups = _plan_groups(_collection(pg_collection), settings, per_token)
+    collection = mg.collection_or_default(pg_collection, "finalize_model_grads")
+    groups = _plan_groups(collection, settings, per_token)
     _check_num_tokens(num_tokens, chunks, per_token)
-    _check_embedding_weights(chunks, config, groups)
+    word = _word_embedding_weight(chunks, settings, groups.embd, groups.pp)
+    position = _position_embedding_weight(chunks, settings, groups.pos_embd, groups.pp)
     _check_not_finalized(chunks)
-
-    for chunk in chunks:
-        chunk.finish_grad_sync(force_all_reduce=force)
-    _allreduce_conditional_embedding_grads(chunks, config, groups.pp)
-    _allreduce_router_grads(chunks, config, groups.pp)
-    _allreduce_non_tensor_model_parallel_grads(chunks, config, groups.tp)
-    _allreduce_replicated_grads_over_gtp_remat_group(
-        chunks, groups.gtp_remat, groups.expt_gtp_remat, settings.calculate_per_token_loss
-    )
-    _allreduce_embedding_grad(
-        chunks, groups.embd, groups.pp, _word_embedding_getter(config), config=config
-    )
-    _allreduce_position_embedding_grads(chunks, config, groups.pos_embd, groups.pp)
-    if settings.moe_router_enable_expert_bias:
-        _update_router_expert_bias(chunks, config, groups.tp_dp_cp)
-    if settings.quantile_balancing:
-        _update_router_qb_beta(chunks, config, groups.data)
-    reset_model_temporary_tensors(config, chunks)
+    _run_steps(chunks, settings, groups, force, word, position)
     if per_token:
         _scale_by_num_tokens(chunks, num_tokens, groups.pp, groups.data)
     for chunk in chunks:
         mark = getattr(chunk, "mark_grads_finalized", None)
         if callable(mark):
             mark()
+
+
+def _run_steps(
+    chunks: Sequence[ModelChunk],
+    settings: _Settings,
+    groups: _Groups,
+    force: bool,
+    word: torch.nn.Parameter | None,
+    position: torch.nn.Parameter | None,
+) -> None:
+    """Steps 1 to 10 of the module docstring, on inputs checked once by the caller: the
+    cores of the Megatron-named steps (each step's public function checks its own
+    arguments, then calls the same core)."""
+    for chunk in chunks:
+        chunk.finish_grad_sync(force_all_reduce=force)
+    _reduce_conditional_embedding_grads(chunks, settings, groups.pp)
+    _reduce_router_grads(chunks, settings, groups.pp)
+    _reduce_non_tensor_parallel_grads(chunks, settings, groups.tp)
+    _reduce_replicated_grads(
+        chunks, groups.gtp_remat, groups.expt_gtp_remat, settings.calculate_per_token_loss
+    )
+    _reduce_embedding_grad(word, groups.embd)
+    _reduce_embedding_grad(position, groups.pos_embd)
+    if settings.moe_router_enable_expert_bias and groups.tp_dp_cp is not None:
+        _update_expert_bias(chunks, settings.moe_router_bias_update_rate, groups.tp_dp_cp)
+    if settings.quantile_balancing and groups.data is not None:
+        _update_qb_beta(chunks, settings.quantile_balancing_ema, groups.data)
+    _reset_temporary_tensors(chunks, settings)
 
 
 def _check_not_finalized(chunks: Sequence[ModelChunk]) -> None:
@@ -147,18 +165,6 @@ def _check_not_finalized(chunks: Sequence[ModelChunk]) -> None:
                 "scale them twice. Call zero_grad_buffer() and run the next iteration's "
                 "backward first"
             )
-
-
-def _word_embedding_getter(config: FinalizeConfig) -> partial[torch.nn.Parameter | None]:
-    return partial(_get_shared_word_embedding_weight, config=config)
-
-
-def _check_embedding_weights(
-    chunks: Sequence[ModelChunk], config: FinalizeConfig, groups: _Groups
-) -> None:
-    # Looking the weights up now turns a missing weight into an error before any collective.
-    _embedding_weight(chunks, groups.embd, groups.pp, _word_embedding_getter(config), config)
-    _embedding_weight(chunks, groups.pos_embd, groups.pp, _get_position_embedding_weight, config)
 
 
 def _scale_by_num_tokens(

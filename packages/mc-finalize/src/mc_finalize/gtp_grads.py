@@ -50,6 +50,17 @@ def _allreduce_replicated_grads_over_gtp_remat_group(
     _check_group(gtp_remat_group, "gtp_remat_group", what)
     _check_group(egtp_remat_group, "egtp_remat_group", what)
     check_flag("calculate_per_token_loss", calculate_per_token_loss)
+    _reduce_replicated_grads(chunks, gtp_remat_group, egtp_remat_group, calculate_per_token_loss)
+
+
+def _reduce_replicated_grads(
+    chunks: Sequence[ModelChunk],
+    gtp_remat_group: dist.ProcessGroup | None,
+    egtp_remat_group: dist.ProcessGroup | None,
+    calculate_per_token_loss: bool,
+) -> None:
+    """The core of :func:`_allreduce_replicated_grads_over_gtp_remat_group` on checked
+    inputs."""
     op = mg.ReduceOp.SUM if calculate_per_token_loss else mg.ReduceOp.AVG
     for group, expert in ((gtp_remat_group, False), (egtp_remat_group, True)):
         if group is None or mg.group_size(group) <= 1:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_finalize._flat import _allreduce_views
 from mc_finalize._inputs import _as_chunks, _check_group, _require_group
-from mc_finalize._settings import _read_settings
+from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.grad_access import _grad_view, _GradView
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
 
@@ -37,12 +37,13 @@ def _allreduce_conditional_embedding_grads(
     models) on every pipeline and virtual-pipeline stage. ``pp_group=None`` reads the
     default collection's ``pp``.
     """
+    what = "_allreduce_conditional_embedding_grads"
     chunks = _as_chunks(model)
-    _check_group(pp_group, "pp_group", "_allreduce_conditional_embedding_grads")
-    if not _read_settings(config).has_cond_embedder:
-        return
-    pp = _require_group(pp_group, "pp", "_allreduce_conditional_embedding_grads")
-    _allreduce_marked_over_pp(chunks, pp, "pipeline_parallel", "conditional embedding grads")
+    _check_group(pp_group, "pp_group", what)
+    settings = _read_settings(config)
+    if settings.has_cond_embedder:
+        pp = _require_group(pp_group, "pp_group", "pp", what)
+        _reduce_conditional_embedding_grads(chunks, settings, pp)
 
 
 def _allreduce_router_grads(
@@ -55,12 +56,30 @@ def _allreduce_router_grads(
     Runs when ``config.flextron`` (default False) and pp > 1, so routers replicated on every
     stage stay in sync. ``pp_group=None`` reads the default collection's ``pp``.
     """
+    what = "_allreduce_router_grads"
     chunks = _as_chunks(model)
-    _check_group(pp_group, "pp_group", "_allreduce_router_grads")
-    if not _read_settings(config).flextron:
-        return
-    pp = _require_group(pp_group, "pp", "_allreduce_router_grads")
-    _allreduce_marked_over_pp(chunks, pp, "flextron_router_pp_sync", "router grads")
+    _check_group(pp_group, "pp_group", what)
+    settings = _read_settings(config)
+    if settings.flextron:
+        pp = _require_group(pp_group, "pp_group", "pp", what)
+        _reduce_router_grads(chunks, settings, pp)
+
+
+def _reduce_conditional_embedding_grads(
+    chunks: Sequence[ModelChunk], settings: _Settings, pp: dist.ProcessGroup | None
+) -> None:
+    """The core of :func:`_allreduce_conditional_embedding_grads` on checked inputs (``pp``
+    is resolved whenever ``settings.has_cond_embedder``)."""
+    if settings.has_cond_embedder and pp is not None:
+        _allreduce_marked_over_pp(chunks, pp, "pipeline_parallel", "conditional embedding grads")
+
+
+def _reduce_router_grads(
+    chunks: Sequence[ModelChunk], settings: _Settings, pp: dist.ProcessGroup | None
+) -> None:
+    """The core of :func:`_allreduce_router_grads` on checked inputs."""
+    if settings.flextron and pp is not None:
+        _allreduce_marked_over_pp(chunks, pp, "flextron_router_pp_sync", "router grads")
 
 
 def _allreduce_marked_over_pp(

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize._inputs import _as_chunks, _modules, _require_group
-from mc_finalize._settings import _read_settings
+from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
 
 
@@ -54,7 +54,16 @@ def _update_router_expert_bias(
     """
     chunks = _as_chunks(model)
     rate = _read_settings(config).moe_router_bias_update_rate
-    group = _require_group(tp_dp_cp_group, "tp_dp_cp", "_update_router_expert_bias")
+    group = _require_group(
+        tp_dp_cp_group, "tp_dp_cp_group", "tp_dp_cp", "_update_router_expert_bias"
+    )
+    _update_expert_bias(chunks, rate, group)
+
+
+def _update_expert_bias(
+    chunks: Sequence[ModelChunk], rate: float, group: dist.ProcessGroup
+) -> None:
+    """The core of :func:`_update_router_expert_bias` on checked inputs."""
     routers = [
         m
         for m in _training_modules(chunks, ("expert_bias", "local_tokens_per_expert"))
@@ -89,7 +98,12 @@ def _update_router_qb_beta(
     """
     chunks = _as_chunks(model)
     ema = _read_settings(config).quantile_balancing_ema
-    group = _require_group(dp_cp_group, "dp_cp", "_update_router_qb_beta")
+    group = _require_group(dp_cp_group, "dp_cp_group", "dp_cp", "_update_router_qb_beta")
+    _update_qb_beta(chunks, ema, group)
+
+
+def _update_qb_beta(chunks: Sequence[ModelChunk], ema: float, group: dist.ProcessGroup) -> None:
+    """The core of :func:`_update_router_qb_beta` on checked inputs."""
     routers = _training_modules(chunks, ("qb_beta", "qb_beta_accum", "qb_beta_count"))
     if not routers:
         return
@@ -114,8 +128,11 @@ def reset_model_temporary_tensors(config: FinalizeConfig, model: Sequence[ModelC
     has them (whatever the load-balancing type, as Megatron-Core). Modules in eval mode are
     reset too.
     """
-    chunks = _as_chunks(model)
-    settings = _read_settings(config)
+    _reset_temporary_tensors(_as_chunks(model), _read_settings(config))
+
+
+def _reset_temporary_tensors(chunks: Sequence[ModelChunk], settings: _Settings) -> None:
+    """The core of :func:`reset_model_temporary_tensors` on checked inputs."""
     for chunk in chunks:
         for module in _modules(chunk):
             if settings.moe_router_enable_expert_bias and _has(module, "local_tokens_per_expert"):

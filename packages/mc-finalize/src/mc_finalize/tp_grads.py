@@ -43,7 +43,14 @@ def _allreduce_non_tensor_model_parallel_grads(
     """
     chunks = _as_chunks(model)
     settings = _read_settings(config)
-    tp = _require_group(tp_group, "tp", "_allreduce_non_tensor_model_parallel_grads")
+    tp = _require_group(tp_group, "tp_group", "tp", "_allreduce_non_tensor_model_parallel_grads")
+    _reduce_non_tensor_parallel_grads(chunks, settings, tp)
+
+
+def _reduce_non_tensor_parallel_grads(
+    chunks: Sequence[ModelChunk], settings: _Settings, tp: dist.ProcessGroup
+) -> None:
+    """The core of :func:`_allreduce_non_tensor_model_parallel_grads` on checked inputs."""
     if mg.group_size(tp) <= 1:
         return
     sums, avgs = _split_by_reduction(chunks, settings)

@@ -546,8 +546,8 @@ EXPECTED_ERRORS = {
         doc_input="`'yes'`",
     ),
     "no_default": Expected(
-        "MissingGroupError",
-        ("no default collection is registered",),
+        "NoDefaultCollectionError",
+        ("finalize_model_grads got no process group and no default ProcessGroupCollection",),
         doc_call="`finalize_model_grads([c])`",
         doc_input="no collection, none registered",
     ),
@@ -583,7 +583,7 @@ EXPECTED_ERRORS = {
     ),
     "step_group": Expected(
         "TypeError",
-        ("tp group='tp' must be a torch.distributed.ProcessGroup or None",),
+        ("tp_group='tp' must be a torch.distributed.ProcessGroup or None",),
         doc_call="`_allreduce_non_tensor_model_parallel_grads(model, config, tp_group)`",
         doc_input="`'tp'`",
     ),

@@ -2,7 +2,8 @@
 
 - :class:`RankGenerator`: pure rank arithmetic for a parallel layout.
 - :class:`ProcessGroupCollection` and :func:`initialize_model_parallel`: the groups of a
-  layout, built once and passed explicitly.
+  layout, built once and passed explicitly; :func:`collection_or_default`: the one fallback
+  to the optional default collection (:func:`set_default_collection`).
 - :mod:`mc_groups.collectives`: typed, validated, recorded collectives
   (:func:`record_collectives` lists what ran); failures name op, group ranks and label.
 - :mod:`mc_groups.schedule_check`: the opt-in check that every rank of a group is about to
@@ -44,14 +45,18 @@ from mc_groups.collectives import (
     send,
 )
 from mc_groups.config import ModelParallelConfig
+from mc_groups.default_collection import (
+    NoDefaultCollectionError,
+    clear_default_collection,
+    collection_or_default,
+    get_default_collection,
+    set_default_collection,
+)
 from mc_groups.initialize import (
     DistributedNotInitializedError,
     ParallelSizes,
-    clear_default_collection,
     destroy_model_parallel,
-    get_default_collection,
     initialize_model_parallel,
-    set_default_collection,
     validate_sizes,
 )
 from mc_groups.pipeline import (
@@ -85,6 +90,7 @@ __all__ = [
     "DistributedNotInitializedError",
     "MissingGroupError",
     "ModelParallelConfig",
+    "NoDefaultCollectionError",
     "ParallelSizes",
     "ProcessGroupCollection",
     "RankGenerator",
@@ -98,6 +104,7 @@ __all__ = [
     "check_collective_schedule",
     "clear_default_collection",
     "coalesced",
+    "collection_or_default",
     "destroy_model_parallel",
     "get_default_collection",
     "get_pipeline_next_rank",

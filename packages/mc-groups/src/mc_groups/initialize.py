@@ -31,16 +31,18 @@ from mc_groups._core import is_group_live, key_device
 from mc_groups.argcheck import check_flag, check_int, check_optional_int
 from mc_groups.collection import ProcessGroupCollection
 from mc_groups.collectives import all_gather, all_gather_objects, barrier
+from mc_groups.default_collection import (
+    clear_default_collection,
+    get_default_collection,
+    set_default_collection,
+)
 from mc_groups.rank_generator import MAX_WORLD_SIZE, RankGenerator
 
 __all__ = [
     "DistributedNotInitializedError",
     "ParallelSizes",
-    "clear_default_collection",
     "destroy_model_parallel",
-    "get_default_collection",
     "initialize_model_parallel",
-    "set_default_collection",
     "validate_sizes",
 ]
 
@@ -477,30 +479,3 @@ def destroy_model_parallel(collection: ProcessGroupCollection) -> None:
     collection._mark_destroyed()
     if get_default_collection() is collection:
         clear_default_collection()
-
-
-class _DefaultSlot:
-    """Holds the optional process default collection (the one permitted global)."""
-
-    collection: ProcessGroupCollection | None = None
-
-
-def set_default_collection(collection: ProcessGroupCollection) -> None:
-    """Register ``collection`` for callers that pass ``pg_collection=None``."""
-    if not isinstance(collection, ProcessGroupCollection):
-        raise TypeError(f"collection={collection!r} must be a ProcessGroupCollection")
-    if collection.destroyed:
-        raise RuntimeError(
-            "set_default_collection(): the collection was destroyed by destroy_model_parallel()"
-        )
-    _DefaultSlot.collection = collection
-
-
-def get_default_collection() -> ProcessGroupCollection | None:
-    """The registered default collection, or ``None`` when none was registered."""
-    return _DefaultSlot.collection
-
-
-def clear_default_collection() -> None:
-    """Forget the registered default collection."""
-    _DefaultSlot.collection = None

@@ -2,8 +2,8 @@
 
 Groups are passed explicitly. A ``group=None`` / ``tp_group=None`` argument falls back to
 ``pg_collection`` and then to the collection registered with
-:func:`mc_groups.set_default_collection`; when none is registered the error says how to
-pass one. Nothing here communicates.
+:func:`mc_groups.set_default_collection` (:func:`mc_groups.collection_or_default`); when
+none is registered the error says how to pass one. Nothing here communicates.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mc_groups import ProcessGroupCollection, get_default_collection, is_group_live
+from mc_groups import collection_or_default, is_group_live
 
 __all__: list[str] = []
+
+_EXPLICIT = "tp_group=<ProcessGroup> or pg_collection=<ProcessGroupCollection>"
 
 
 def _check_group(group: object, arg: str) -> dist.ProcessGroup:
@@ -39,23 +41,6 @@ def check_live(group: dist.ProcessGroup, what: str) -> None:
         )
 
 
-def _collection(pg_collection: object, what: str) -> ProcessGroupCollection:
-    if pg_collection is not None:
-        if not isinstance(pg_collection, ProcessGroupCollection):
-            raise TypeError(
-                f"pg_collection={pg_collection!r} must be a mc_groups.ProcessGroupCollection"
-            )
-        return pg_collection
-    default = get_default_collection()
-    if default is None:
-        raise ValueError(
-            f"{what} got no process group: pass tp_group=<ProcessGroup> or "
-            "pg_collection=<ProcessGroupCollection>, or register a default with "
-            "mc_groups.initialize_model_parallel(..., set_default=True)"
-        )
-    return default
-
-
 def resolve_tp_group(
     tp_group: object,
     pg_collection: object = None,
@@ -67,7 +52,7 @@ def resolve_tp_group(
     if tp_group is not None:
         return _check_group(tp_group, "tp_group")
     field = "expt_tp" if is_expert else "tp"
-    return _collection(pg_collection, what).require(field, what)
+    return collection_or_default(pg_collection, what, explicit=_EXPLICIT).require(field, what)
 
 
 def resolve_gtp_group(
@@ -81,7 +66,7 @@ def resolve_gtp_group(
     if gtp_remat_size == 1:
         return None
     field = "expt_gtp_remat" if is_expert else "gtp_remat"
-    group = _collection(pg_collection, what).require(field, what)
+    group = collection_or_default(pg_collection, what, explicit=_EXPLICIT).require(field, what)
     if group.size() != gtp_remat_size:
         raise ValueError(
             f"config.gtp_remat_size={gtp_remat_size} but pg_collection.{field} has "

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from mc_groups import ProcessGroupCollection, get_default_collection
+from mc_groups import ProcessGroupCollection, collection_or_default
 from mc_groups.argcheck import check_flag, check_int
 
 __all__ = [
@@ -350,11 +350,9 @@ def model_parallel_cuda_manual_seed(
         },
         unsupported=("te_rng_tracker", "inference_rng_tracker", "use_cudagraphable_rng"),
     )
-    if pg_collection is not None and not isinstance(pg_collection, ProcessGroupCollection):
-        raise TypeError(
-            f"pg_collection={pg_collection!r} must be a mc_groups.ProcessGroupCollection or None"
-        )
-    collection = pg_collection if pg_collection is not None else get_default_collection()
+    collection = collection_or_default(
+        pg_collection, "model_parallel_cuda_manual_seed", required=False
+    )
     tp = _rank_of(tp_rank, collection, "tp", "tp_rank")
     ep = _rank_of(ep_rank, collection, "ep", "ep_rank")
     etp = _rank_of(etp_rank, collection, "expt_tp", "etp_rank")
