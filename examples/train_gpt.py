@@ -271,26 +271,41 @@ class DemoResult:
 
 
 class _Progress:
-    """A one-line progress bar on a terminal; a line every tenth of the run elsewhere."""
+    """Progress of rank 0: on a terminal, one line that updates in place (tqdm's bar with
+    the loss and tokens/s); piped, or where tqdm is not installed (a bare GPU machine), a
+    plain line every tenth of the run, so logs stay short."""
 
     def __init__(self, total: int, out: TextIO, width: int = 30) -> None:
         self.total, self.out, self.width = total, out, width
-        self.tty = out.isatty()
         self.every = max(1, total // 10)
+        self.bar = _terminal_bar(total, out) if out.isatty() else None
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         """Show step ``step`` (0-based) of ``total``."""
         done = step + 1
-        filled = self.width * done // self.total
-        bar = "#" * filled + "." * (self.width - filled)
-        line = (
-            f"step {done:>5}/{self.total} [{bar}] loss {loss:6.3f}  {tokens_per_s:8,.0f} tokens/s"
-        )
-        if self.tty:
-            self.out.write("\r" + line + ("\n" if done == self.total else ""))
-            self.out.flush()
-        elif done % self.every == 0 or done in (1, self.total):
-            self.out.write(line + "\n")
+        if self.bar is not None:
+            postfix = f"loss {loss:6.3f}  {tokens_per_s:8,.0f} tokens/s"
+            self.bar.set_postfix_str(postfix, refresh=False)
+            self.bar.update(done - self.bar.n)
+            if done == self.total:
+                self.bar.close()
+            return
+        if done % self.every == 0 or done in (1, self.total):
+            filled = self.width * done // self.total
+            bar = "#" * filled + "." * (self.width - filled)
+            self.out.write(
+                f"step {done:>5}/{self.total} [{bar}] loss {loss:6.3f}  "
+                f"{tokens_per_s:8,.0f} tokens/s\n"
+            )
+
+
+def _terminal_bar(total: int, out: TextIO) -> Any:
+    """tqdm's bar on ``out``, or None without tqdm (then the plain lines are used)."""
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped]  # noqa: PLC0415 (optional)
+    except ImportError:
+        return None
+    return tqdm(total=total, file=out, unit="step", dynamic_ncols=True, leave=True)
 
 
 def _header(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO) -> None:

@@ -66,3 +66,34 @@ def test_demo_trains_reports_and_writes_outputs(rank_pools: RankPools, tmp_path:
     png = (tmp_path / "demo" / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     assert len(png) > 10_000  # a drawn figure, not an empty canvas
+
+
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_one_updating_line_on_a_terminal_and_sparse_lines_when_piped() -> None:
+    """On a terminal the bar (tqdm) rewrites one line (carriage returns, one newline at the
+    end) and ends at 20/20; piped, a line at step 1 and every tenth of the run (2, 4, …)."""
+    from examples.train_gpt import _Progress
+
+    terminal = _Terminal()
+    progress = _Progress(20, terminal)
+    for step in range(20):
+        progress.update(step, 2.0 - 0.01 * step, 1000.0)
+    shown = terminal.getvalue()
+    assert shown.count("\n") == 1
+    assert shown.endswith("\n")
+    assert "\r" in shown
+    assert "20/20" in shown.splitlines()[-1].split("\r")[-1]
+    piped = io.StringIO()
+    progress = _Progress(20, piped)
+    for step in range(20):
+        progress.update(step, 2.0, 1000.0)
+    lines = piped.getvalue().splitlines()
+    assert [line.split("/")[0].split()[-1] for line in lines] == [
+        str(n) for n in (1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20)
+    ]
