@@ -1,16 +1,18 @@
 """The dry run (``python -m examples.dry_run``) against independent references.
 
 1. **A real run.** For each of four 4-rank layouts of a small GPT with grouped-query
-   attention (TP=2 × DP=2 with sequence parallelism and bf16 params; PP=2 × DP=2 with 2
-   virtual chunks; CP=2 × TP=2; gtp_remat=2 × DP=2; all with the distributed optimizer and
-   overlapped grad reduce / param gather), a real gloo run on the session's 4-rank pool
-   runs the same step on CPU tensors with loaded weights, and the dry run simulates each
-   rank r of 4 alone (fake backend, meta device). Per rank, the recorded step's collective
-   list (phase, op, reduce op, group, dtype, elements, bytes, async, coalesced, label, in
-   issue order), the params, the buckets and every memory figure must be *equal*. The
-   real run's loss, averaged over the data ranks, must also equal the plain-PyTorch
-   reference's loss on the same global batch (1e-6 relative in fp32, 2e-2 in bf16): the
-   grouped-query and context-parallel attention the dry run counts are the right ones.
+   attention and a SwiGLU MLP (TP=2 × DP=2 with sequence parallelism and bf16 params;
+   PP=2 × DP=2 with 2 virtual chunks; CP=2 × TP=2; gtp_remat=2 × DP=2; all with the
+   distributed optimizer and overlapped grad reduce / param gather), a real gloo run on the
+   session's 4-rank pool runs the same step on CPU tensors with loaded weights, and the dry
+   run simulates two of its ranks (at other coordinates in each layout) alone, on the fake
+   backend and the meta device. Per rank, the recorded step's collective list (phase, op,
+   reduce op, group, dtype, elements, bytes, async, coalesced, label, in issue order), the
+   params, the buckets and every memory figure must be *equal*. The real run's loss,
+   averaged over the data ranks, must also equal the plain-PyTorch reference's loss on the
+   same global batch (1e-6 relative in fp32, 2e-2 in bf16): the grouped-query and
+   context-parallel attention and the strided SwiGLU fc1 the dry run counts are the right
+   ones.
 2. **The closed-form memory formula** of ``docs/dry_run.md``, computed here from the GPT's
    sizes alone (param shapes written out from the model's definition, the layout walk of
    the distributed optimizer: param starts padded to 64 elements, bucket ends to
@@ -55,6 +57,7 @@ TINY = GPTConfig(
     seq_length=16,
     ffn_hidden_size=64,
     num_query_groups=2,
+    gated_mlp=True,
 )
 COMMON: dict[str, Any] = {"distributed_optimizer": True, "bucket_size": 1000}
 LAYOUTS: list[tuple[GPTConfig, dict[str, Any]]] = [
@@ -176,7 +179,8 @@ def _stage_params(spec: DryRunSpec, stage: int, v: int) -> list[tuple[str, int]]
     for _ in range(c * per, (c + 1) * per):
         params += [("ln1.w", h), ("ln1.b", h), ("qkv.w", cfg.qkv_size // tp * h)]
         params += [("proj.w", h * h // tp), ("proj.b", h), ("ln2.w", h), ("ln2.b", h)]
-        params += [("fc1.w", f // tp * h), ("fc1.b", f // tp), ("fc2.w", h * f // tp)]
+        fc1 = cfg.fc1_size // tp  # 2F/tp with the gated MLP
+        params += [("fc1.w", fc1 * h), ("fc1.b", fc1), ("fc2.w", h * f // tp)]
         params += [("fc2.b", h)]
     if c == chunks - 1:
         params += [("final.w", h), ("final.b", h)]
@@ -258,7 +262,11 @@ FORMULA_CASES = [
         12,
         {"tp": 2, "pp": 2, "params_dtype": torch.bfloat16, "grad_reduce_in_fp32": True},
     ),
-    (TINY, 12, {"cp": 2, "params_dtype": torch.bfloat16, "grad_reduce_in_fp32": False}),
+    (
+        replace(TINY, gated_mlp=False),
+        12,
+        {"cp": 2, "params_dtype": torch.bfloat16, "grad_reduce_in_fp32": False},
+    ),
     (replace(TINY, num_layers=4), 12, {"pp": 2, "vpp": 2, "bucket_size": 3000}),
 ]
 

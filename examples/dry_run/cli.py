@@ -68,6 +68,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     default = llama70b()
     for name in _MODEL_FLAGS:
         model.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(default, name))
+    model.add_argument(
+        "--swiglu",
+        action=argparse.BooleanOptionalAction,
+        default=default.gated_mlp,
+        help="gated MLP: fc1 makes 2·FFN channels, fc2(silu(gate)·up) (default on)",
+    )
     batch = p.add_argument_group("batch and buffers")
     batch.add_argument("--micro-batch-size", type=int, default=1, help="sequences (default 1)")
     batch.add_argument(
@@ -105,7 +111,7 @@ def spec_from_args(args: argparse.Namespace) -> DryRunSpec:
     """The validated spec; ``ValueError``/``TypeError`` naming the flag otherwise."""
     sizes = {name: getattr(args, flag) for flag, name in _MODEL_FLAGS.items()}
     try:
-        model = GPTConfig(**sizes)
+        model = GPTConfig(**sizes, gated_mlp=args.swiglu)
     except (ValueError, TypeError) as err:
         raise ValueError(_as_flags(str(err))) from None
     sp = args.tp > 1 if args.sequence_parallel is None else args.sequence_parallel
@@ -149,10 +155,10 @@ def _headline(spec: DryRunSpec) -> list[str]:
     groups = f"{cfg.num_heads} heads" + (
         f" in {cfg.query_groups} query groups" if cfg.query_groups != cfg.num_heads else ""
     )
+    ffn = f"{cfg.ffn_size:,}" + (" (SwiGLU)" if cfg.gated_mlp else "")
     return [
-        f"model:   GPT, {cfg.num_layers} layers, hidden {cfg.hidden_size:,}, FFN "
-        f"{cfg.ffn_size:,}, {groups}, vocab {cfg.vocab_size:,}, sequence "
-        f"{cfg.seq_length:,} ({params:,} params)",
+        f"model:   GPT, {cfg.num_layers} layers, hidden {cfg.hidden_size:,}, FFN {ffn}, "
+        f"{groups}, vocab {cfg.vocab_size:,}, sequence {cfg.seq_length:,} ({params:,} params)",
         f"layout:  {spec.world_size:,} ranks = {lay.describe()}",
         f"batch:   {lay.microbatches} micro-batch(es) of {spec.micro_batch_size} × "
         f"{spec.local_seq_length:,} tokens per rank and step",
@@ -161,7 +167,7 @@ def _headline(spec: DryRunSpec) -> list[str]:
 
 def _full_param_count(cfg: GPTConfig) -> dict[str, int]:
     h, f = cfg.hidden_size, cfg.ffn_size
-    per_layer = 4 * h + cfg.qkv_size * h + h * h + h + 2 * h * f + f + h
+    per_layer = 4 * h + cfg.qkv_size * h + h * h + h + (h + 1) * cfg.fc1_size + f * h + h
     return {
         "embeddings": cfg.vocab_size * h + cfg.seq_length * h,
         "layers": cfg.num_layers * per_layer,
@@ -287,7 +293,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         print(f"dry_run: error: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    reports = [dry_run(spec, rank) for rank in ranks]
+    timings: list[dict[str, float]] = [{} for _ in ranks]
+    reports = [dry_run(spec, rank, t) for rank, t in zip(ranks, timings, strict=True)]
     seconds = time.perf_counter() - start
     print(format_report(spec, reports, seconds), file=out)
     if args.json:
@@ -296,7 +303,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         data = {
             "settings": _settings(spec),
             "seconds": seconds,
-            "ranks": [r.to_json() for r in reports],
+            "ranks": [{**r.to_json(), "timings": t} for r, t in zip(reports, timings, strict=True)],
         }
         path.write_text(json.dumps(data, indent=1) + "\n")
         print(f"wrote {path}", file=out)

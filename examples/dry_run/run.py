@@ -9,6 +9,8 @@ recorded second step is what every later step of a run does.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 import mc_groups as mg
@@ -37,17 +39,42 @@ def stage_ranks(spec: DryRunSpec) -> list[int]:
     return next(ranks for ranks in generator.get_ranks("pp") if 0 in ranks)
 
 
-def dry_run(spec: DryRunSpec, rank: int) -> RankReport:
+def dry_run(spec: DryRunSpec, rank: int, timings: dict[str, float] | None = None) -> RankReport:
     """What ``rank`` of ``spec.world_size`` holds and moves per step (see the module notes).
 
     Runs in this process on torch's fake backend; the process must not have a default
-    process group of its own (see :func:`~examples.dry_run.world.fake_world`).
+    process group of its own (see :func:`~examples.dry_run.world.fake_world`). ``timings``,
+    when given, receives the seconds of each part: ``groups`` (joining the world and
+    ``initialize_model_parallel``), ``build`` (model, DDP, optimizer), ``warm-up step``,
+    ``recorded step``, ``report`` and ``teardown`` (destroying the world and its groups).
     """
     spec.check()
+    clock = _Clock(timings)
     with fake_world(rank, spec.world_size):
         pgc = spec.layout.initialize_groups()
+        clock.lap("groups")
         stage = build_stage(spec, pgc, META)
         batches = meta_batches(spec)
+        clock.lap("build")
         run_step(stage, batches)
+        clock.lap("warm-up step")
         records = record_step(stage, batches)
-        return describe_rank(stage, records)
+        clock.lap("recorded step")
+        report = describe_rank(stage, records)
+        clock.lap("report")
+    clock.lap("teardown")
+    return report
+
+
+class _Clock:
+    """Lap times into an optional dict."""
+
+    def __init__(self, into: dict[str, float] | None) -> None:
+        self._into = into
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        if self._into is not None:
+            self._into[name] = now - self._last
+        self._last = now

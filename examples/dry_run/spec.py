@@ -29,7 +29,8 @@ DTYPES: dict[str, torch.dtype] = {
 
 def llama70b() -> GPTConfig:
     """The 70B-shaped GPT of the issue (Llama-3-70B's sizes): 80 layers, hidden 8192, FFN
-    28672, 64 heads in 8 query groups, vocabulary 128256, sequence 8192."""
+    28672 (SwiGLU), 64 heads in 8 query groups, vocabulary 128256, sequence 8192; with
+    its tied table, 69.6 billion params."""
     return GPTConfig(
         vocab_size=128256,
         hidden_size=8192,
@@ -38,6 +39,7 @@ def llama70b() -> GPTConfig:
         seq_length=8192,
         ffn_hidden_size=28672,
         num_query_groups=8,
+        gated_mlp=True,
     )
 
 

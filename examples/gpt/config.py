@@ -48,6 +48,8 @@ class GPTConfig:
             attention). The fused QKV weight holds ``(num_heads + 2·groups)·head_dim`` rows,
             laid out group by group as Megatron-Core does: each group's query heads, then
             its key head, then its value head.
+        gated_mlp: SwiGLU MLP (Megatron's ``--swiglu``): fc1 makes ``2·F`` channels, a gate
+            and an up projection, and the block computes ``fc2(silu(gate) · up)``.
     """
 
     vocab_size: int = 64
@@ -58,6 +60,7 @@ class GPTConfig:
     ffn_hidden_size: int | None = None
     init_std: float = 0.02
     num_query_groups: int | None = None
+    gated_mlp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_heads", "num_layers", "seq_length"):
@@ -94,6 +97,11 @@ class GPTConfig:
     def query_groups(self) -> int:
         """Key/value heads (``num_query_groups``, or ``num_heads`` without grouping)."""
         return self.num_query_groups or self.num_heads
+
+    @property
+    def fc1_size(self) -> int:
+        """Rows of fc1's weight: ``2·F`` with the gated MLP, else ``F``."""
+        return (2 if self.gated_mlp else 1) * self.ffn_size
 
     @property
     def qkv_size(self) -> int:

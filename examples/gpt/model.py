@@ -106,9 +106,10 @@ class _Build(NamedTuple):
     device: torch.device
 
     def column(
-        self, n_in: int, n_out: int, *, bias: bool, own_weight: bool = True
+        self, n_in: int, n_out: int, *, bias: bool, own_weight: bool = True, stride: int = 1
     ) -> tpl.ColumnParallelLinear:
-        """``[.., n_in] → [.., n_out / tp]``: the weight's output rows split over TP.
+        """``[.., n_in] → [.., n_out / tp]``: the weight's output rows split over TP (with
+        ``stride`` s, rank r holds row block r of each of the s equal parts).
 
         Without ``own_weight`` the layer allocates no weight: forward gets ``weight=``.
         """
@@ -118,6 +119,7 @@ class _Build(NamedTuple):
             config=self.mp,
             init_method=_no_init,
             bias=bias,
+            stride=stride,
             skip_weight_param_allocation=not own_weight,
             pg_collection=self.pgc,
             device=self.device,
@@ -202,17 +204,26 @@ class _SelfAttention(nn.Module):
 
 
 class _MLP(nn.Module):
-    """``fc2(gelu(fc1(x)))`` with fc1 split by columns and fc2 by rows."""
+    """``fc2(gelu(fc1(x)))`` with fc1 split by columns and fc2 by rows; with
+    ``gated_mlp`` (SwiGLU) ``fc2(silu(gate) · up)``, where fc1 holds ``[gate; up]`` (2·F
+    rows, partition stride 2: TP rank r holds ``[gate_r; up_r]``, as Megatron-Core's
+    ``linear_fc1`` under ``--swiglu``)."""
 
     def __init__(self, build: _Build) -> None:
         super().__init__()
-        h, ffn = build.cfg.hidden_size, build.cfg.ffn_size
-        self.linear_fc1 = build.column(h, ffn, bias=True)
+        cfg = build.cfg
+        h, ffn, self.gated = cfg.hidden_size, cfg.ffn_size, cfg.gated_mlp
+        stride = 2 if self.gated else 1
+        self.linear_fc1 = build.column(h, stride * ffn, bias=True, stride=stride)
         self.linear_fc2 = build.row(ffn, h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[s(/tp), b, h] → [s(/tp), b, h]``."""
-        return _output(self.linear_fc2, F.gelu(_output(self.linear_fc1, x)))
+        hidden = _output(self.linear_fc1, x)
+        if self.gated:
+            gate, up = hidden.chunk(2, dim=-1)
+            return _output(self.linear_fc2, F.silu(gate) * up)
+        return _output(self.linear_fc2, F.gelu(hidden))
 
 
 class TransformerLayer(nn.Module):

@@ -63,8 +63,13 @@ def _attention(x: torch.Tensor, w: Weights, p: str, cfg: GPTConfig) -> torch.Ten
     return context @ w[p + "linear_proj.weight"].T + w[p + "linear_proj.bias"]
 
 
-def _mlp(x: torch.Tensor, w: Weights, p: str) -> torch.Tensor:
-    hidden = F.gelu(x @ w[p + "linear_fc1.weight"].T + w[p + "linear_fc1.bias"])
+def _mlp(x: torch.Tensor, w: Weights, p: str, cfg: GPTConfig) -> torch.Tensor:
+    hidden = x @ w[p + "linear_fc1.weight"].T + w[p + "linear_fc1.bias"]
+    if cfg.gated_mlp:  # fc1's rows: the gate's F, then the up projection's F
+        gate, up = hidden.chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+    else:
+        hidden = F.gelu(hidden)
     return hidden @ w[p + "linear_fc2.weight"].T + w[p + "linear_fc2.bias"]
 
 
@@ -80,7 +85,7 @@ def reference_loss(
     for i in range(cfg.num_layers):
         p = f"decoder.layers.{i}."
         x = x + _attention(_layer_norm(x, w, p + "input_layernorm"), w, p + "self_attention.", cfg)
-        x = x + _mlp(_layer_norm(x, w, p + "pre_mlp_layernorm"), w, p + "mlp.")
+        x = x + _mlp(_layer_norm(x, w, p + "pre_mlp_layernorm"), w, p + "mlp.", cfg)
     x = _layer_norm(x, w, "decoder.final_layernorm")
     logits = x @ w[WORD_EMBEDDING].T
     if loss_mask is None:

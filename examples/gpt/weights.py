@@ -6,7 +6,9 @@ from the same numbers whatever the layout::
 
     full [n, k]  ──load_full_weights──▶  rank r's part: chunk r of tp equal chunks along
                                          param.partition_dim (params mc marks
-                                         tensor_model_parallel), the whole tensor otherwise;
+                                         tensor_model_parallel; with partition_stride s,
+                                         chunk r of each of s equal parts), the whole
+                                         tensor otherwise;
                                          of a gtp_remat shard, its rows of that (padded)
     rank parts   ──gather_full_weights─▶ full [n, k]: one all-gather over TP per split param
 
@@ -56,8 +58,8 @@ def full_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attention.linear_proj.bias": (h,),
             p + "pre_mlp_layernorm.weight": (h,),
             p + "pre_mlp_layernorm.bias": (h,),
-            p + "mlp.linear_fc1.weight": (f, h),
-            p + "mlp.linear_fc1.bias": (f,),
+            p + "mlp.linear_fc1.weight": (cfg.fc1_size, h),
+            p + "mlp.linear_fc1.bias": (cfg.fc1_size,),
             p + "mlp.linear_fc2.weight": (h, f),
             p + "mlp.linear_fc2.bias": (h,),
         }
@@ -91,17 +93,29 @@ def _full_name(name: str) -> str:
     return WORD_EMBEDDING if name == _OUTPUT_WEIGHT else name
 
 
-def _split(param: nn.Parameter) -> int | None:
-    """The dim ``param`` is split along over TP, or None when it is whole on every rank."""
+def _split(param: nn.Parameter) -> tuple[int, int] | None:
+    """``(dim, stride)`` of ``param``'s split over TP, or None when it is whole on every
+    rank. With stride s the full tensor is s equal parts along ``dim`` (a fused weight,
+    e.g. the gated MLP's ``[gate; up]``) and rank r holds block r of each part, in order
+    (Megatron's ``partition_stride``)."""
     if not getattr(param, "tensor_model_parallel", False):
         return None
-    stride = getattr(param, "partition_stride", 1)
-    if stride != 1:
-        raise ValueError(
-            f"a parameter of shape {tuple(param.shape)} has partition_stride={stride}; only "
-            "contiguous splits (stride 1) are supported here"
-        )
-    return int(param.partition_dim)  # type: ignore[attr-defined]
+    stride = int(getattr(param, "partition_stride", 1))
+    return int(param.partition_dim), stride  # type: ignore[attr-defined]
+
+
+def _tp_part(source: torch.Tensor, split: tuple[int, int], rank: int, size: int) -> torch.Tensor:
+    """TP rank ``rank``'s part of ``source`` (see :func:`_split`)."""
+    dim, stride = split
+    blocks = source.chunk(stride * size, dim)  # part j's block r is blocks[j·size + r]
+    return torch.cat(blocks[rank::size], dim) if stride > 1 else blocks[rank]
+
+
+def _tp_full(parts: list[torch.Tensor], split: tuple[int, int]) -> torch.Tensor:
+    """The inverse of :func:`_tp_part`: the full tensor from every rank's part."""
+    dim, stride = split
+    pieces = [p.chunk(stride, dim) for p in parts]
+    return torch.cat([piece[j] for j in range(stride) for piece in pieces], dim)
 
 
 def _gtp_rows(param: nn.Parameter, part: torch.Tensor) -> torch.Tensor:
@@ -135,8 +149,8 @@ def load_full_weights(
         if key not in full:
             raise ValueError(f"full weights have no {key!r} (for parameter {name!r})")
         source = full[key]
-        dim = _split(param)
-        part = source if dim is None else source.chunk(size, dim)[rank]
+        split = _split(param)
+        part = source if split is None else _tp_part(source, split, rank, size)
         part = _gtp_rows(param, part)
         if tuple(part.shape) != tuple(param.shape):
             raise ValueError(
@@ -155,11 +169,11 @@ def gather_full_weights(model: nn.Module, tp_group: dist.ProcessGroup) -> dict[s
     size = mg.group_size(tp_group)
     out: dict[str, torch.Tensor] = {}
     for name, param in _named(model):
-        dim = _split(param)
+        split = _split(param)
         value = param.detach()
-        if dim is not None and size > 1:
+        if split is not None and size > 1:
             gathered = torch.empty(size * value.numel(), dtype=value.dtype, device=value.device)
             mg.all_gather(gathered, value.contiguous().view(-1), tp_group, label="gather weights")
-            value = torch.cat(gathered.view(size, *value.shape).unbind(0), dim=dim)
+            value = _tp_full(list(gathered.view(size, *value.shape).unbind(0)), split)
         out[_full_name(name)] = value.to(device="cpu", dtype=torch.float32).clone()
     return out
