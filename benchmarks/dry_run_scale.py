@@ -97,9 +97,10 @@ def main() -> int:
         "fresh processes per size; median (min – max)\n"
     )
     print(
-        "| ranks | DP | wall (s) | sim (s) | groups (s) | build (s) | steps (s) | peak RSS (MiB) |"
+        "| ranks | DP | wall (s) | cpu (s) | sim (s) | groups (s) | build (s) | steps (s) "
+        "| peak RSS (MiB) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     results: dict[int, list[dict[str, Any]]] = {}
     for world in worlds:
         runs = [run_once(world, args.tp, args.pp, args.timeout) for _ in range(args.runs)]
