@@ -25,8 +25,9 @@ barrier) so load from other processes on the machine hits them alike:
 Reported: median step time over ``--iters`` rounds after ``--warmup``, its ratio to torch
 DDP with bucket views (the slower rank's median counts), gradient memory per rank (torch:
 its reducer buckets plus ``param.grad`` storages that are not bucket views; mc: the grad
-buffers, any fp32 local-accumulation tensors and any ``param.grad`` left) and the all-to-all
-scratch mc keeps on gloo for reduce-scatters / all-gathers (see mc_ddp). Targets:
+buffers, any fp32 local-accumulation tensors and any ``param.grad`` left) and the
+reduce-scatter buffers the bucket groups' ``mc_groups.Communicator`` s keep on gloo (see
+mc_ddp). Targets:
 mc DDP (overlap) ≤ 0.95 × and the distributed optimizer ≤ 1.0 × torch DDP (bucket view).
 Prints a Markdown table; exits 1 when a target is missed. From the repository root::
 
@@ -136,7 +137,7 @@ def _mc_variant(
         buffers = ddp.buffers + ddp.expert_parallel_buffers
         owned = sum(b.grad_data.nbytes + sum(g.nbytes for g in b.extra_main_grads) for b in buffers)
         left = sum(p.grad.nbytes for p in ddp.parameters() if p.grad is not None)
-        scratch = sum(g.scratch.nbytes for g in ddp.bucket_groups)
+        scratch = sum(g.communicator.nbytes for g in ddp.bucket_groups)
         return owned + left, scratch
 
     return step, memory

@@ -512,16 +512,44 @@ def _collective_slots() -> None:
     )
     arg(
         G,
-        "reduce_scatter(staging=)",
+        "reduce_scatter(received=)",
         "misuse",
-        lambda c, v: mg.reduce_scatter(z(), z(), w(c), staging=v),
-        ("staging",),
+        lambda c, v: mg.reduce_scatter(z(), z(), w(c), received=v),
+        ("received",),
         values=("x", [0.0], z(3), z(4, torch.float64)),
         only=True,
         good=None,
     )
     arg(
         G, "reduce_scatter(label=)", "text", lambda c, v: mg.reduce_scatter(z(), z(), w(c), label=v)
+    )
+    arg(
+        G,
+        "reduce_scatter(accumulate_dtype=)",
+        "opt_dtype",
+        lambda c, v: mg.reduce_scatter(z(), z(), w(c), accumulate_dtype=v),
+    )
+    # the communicator
+    arg(G, "Communicator(group=)", "group", lambda c, v: mg.Communicator(v))
+    arg(
+        G,
+        "Communicator.reduce_scatter(pairs=)",
+        "misuse",
+        lambda c, v: mg.Communicator(w(c)).reduce_scatter(v),
+        ("pairs",),
+        values=(None, "x", [z()], [(z(3), z())], [(z(), z(), z())]),
+        only=True,
+        good=[(z(), z())],
+    )
+    arg(
+        G,
+        "Communicator.all_reduce(tensors=)",
+        "misuse",
+        lambda c, v: mg.Communicator(w(c)).all_reduce(v),
+        ("tensors",),
+        values=(None, z(), [None]),
+        only=True,
+        good=[z()],
     )
     # all_gather
     arg(
@@ -693,7 +721,7 @@ def _other_collective_slots() -> None:
         good=z(),
     )
     # group queries and handles
-    for name in ("group_size", "group_rank", "group_ranks", "needs_staging"):
+    for name in ("group_size", "group_rank", "group_ranks"):
         arg(G, f"{name}(group=)", "group", lambda c, v, n=name: getattr(mg, n)(v))
     arg(
         G,

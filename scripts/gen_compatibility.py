@@ -100,7 +100,8 @@ NOTES: dict[str, tuple[str | None, str]] = {
     ),
     "DistributedDataParallel.free_overlap_buffers": (
         None,
-        "also frees mc's gloo staging buffers (kept between steps on CPU)",
+        "also frees the gloo reduce-scatter buffers the bucket groups' communicators keep "
+        "between steps (CPU)",
     ),
     "_allreduce_router_grads": (
         None,

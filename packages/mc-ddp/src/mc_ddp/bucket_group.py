@@ -31,9 +31,6 @@ import mc_groups as mg
 from mc_buffers import ParamAndGradBucket, ParamAndGradBuffer
 from mc_ddp import _bucket_collectives as comm
 from mc_ddp._groups import require_live
-from mc_ddp._layout_detail import bucket_layout_detail
-from mc_ddp._pending import PendingCollective
-from mc_ddp._scratch import ScratchBuffers
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_finite_grads
 from mc_groups.argcheck import check_flag, check_str
@@ -62,8 +59,9 @@ class ParamAndGradBucketGroup:
     group, rank, shard count), ``name``, ``layout_detail`` (the buckets' params and layout
     digest, passed as ``detail=`` to every collective: shown in collective errors, compared
     by mc_groups' schedule check), ``collective_group``,
-    ``inter_distributed_optimizer_instance_group`` and ``scratch`` (the all-to-all
-    temporaries kept between iterations on gloo).
+    ``inter_distributed_optimizer_instance_group`` and ``communicator`` (the
+    :class:`mc_groups.Communicator` of ``collective_group`` that issues the group's
+    collectives and keeps their temporaries between iterations).
     """
 
     def __init__(
@@ -97,14 +95,17 @@ class ParamAndGradBucketGroup:
         self.per_param_grad_ready_counts: dict[Param, int] = {}
         self.is_first_batch = True
         self.is_last_microbatch = True
-        self.grad_reduce_handle: PendingCollective | None = None
+        self.grad_reduce_handle: mg.CollectiveHandle | None = None
         self.grad_reduce_finished = False
-        self.param_gather_handle: PendingCollective | None = None
+        self.param_gather_handle: mg.CollectiveHandle | None = None
         self.param_gather_dispatched = False
         self._scattered = False
         self._large_grads = LargeGradMonitor(len(self.buckets))
-        self.scratch = ScratchBuffers()
-        self.layout_detail = bucket_layout_detail(self.buckets, self._names)
+        self.communicator = mg.Communicator(collective_group)
+        self._inter_communicator = (
+            None if inter_instance_group is None else mg.Communicator(inter_instance_group)
+        )
+        self.layout_detail = comm.bucket_layout_detail(self.buckets, self._names)
 
     # -- bookkeeping ------------------------------------------------------------------
 
@@ -224,16 +225,16 @@ class ParamAndGradBucketGroup:
                 "call finish_grad_sync() first"
             )
         self._require_communicable("start_grad_sync()")
-        self.free_overlap_buffers(keep_scratch=True)  # its all-to-all scratch is shared
+        self._wait_param_gather()
         self._prepare_grads()
         how = self._reduction(force_all_reduce)
         self.grad_reduce_handle = comm.reduce_bucket_grads(
             self.buckets,
             self.shard,
             how,
+            self.communicator,
             async_op=self.ddp_config.overlap_grad_reduce,
             label=f"grad reduce {self.name}",
-            scratch=self.scratch,
             detail=self.layout_detail,
         )
         self._scattered = how.scatter
@@ -262,12 +263,11 @@ class ParamAndGradBucketGroup:
         assert self.grad_reduce_handle is not None  # set by start_grad_sync
         self.grad_reduce_handle.wait()
         self.grad_reduce_handle = None
-        inter = self.inter_distributed_optimizer_instance_group
-        if inter is not None:
+        if self._inter_communicator is not None:
             comm.all_reduce_across_instances(
                 self.buckets,
                 self.shard,
-                inter,
+                self._inter_communicator,
                 op=self._reduction(force_all_reduce).op,
                 whole_bucket=not self._scattered,
                 label=f"grad reduce across instances {self.name}",
@@ -277,6 +277,7 @@ class ParamAndGradBucketGroup:
             comm.gather_grad_shards(
                 self.buckets,
                 self.shard,
+                self.communicator,
                 label=f"grad gather {self.name}",
                 detail=self.layout_detail,
             )
@@ -360,6 +361,7 @@ class ParamAndGradBucketGroup:
         pending = comm.gather_bucket_params(
             self.buckets,
             self.shard,
+            self.communicator,
             async_op=async_op,
             label=f"param gather {self.name}",
             detail=self.layout_detail,
@@ -400,15 +402,20 @@ class ParamAndGradBucketGroup:
             return
         nxt.start_param_sync()
 
-    def free_overlap_buffers(self, keep_scratch: bool = False) -> None:
-        """Drain an in-flight param all-gather, then release the group's all-to-all
-        temporaries (gloo) unless ``keep_scratch``; the next collective allocates again."""
-        check_flag("keep_scratch", keep_scratch)
+    def free_overlap_buffers(self) -> None:
+        """Drain an in-flight param all-gather, then release the temporaries the group's
+        :attr:`communicator` keeps (unless a gradient reduction using them is in flight);
+        the next collective that needs them allocates again."""
+        self._wait_param_gather()
+        if self.grad_reduce_handle is None:
+            self.communicator.free()
+
+    def _wait_param_gather(self) -> None:
+        """Complete an in-flight param all-gather (before the grad reduction is issued, and
+        before an optimizer step writes the shards it reads)."""
         if self.param_gather_handle is not None:
             self.param_gather_handle.wait()
             self.param_gather_handle = None
-        if not keep_scratch and self.grad_reduce_handle is None:
-            self.scratch.free()
 
     def __repr__(self) -> str:
         return (

@@ -644,8 +644,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             group.param_gather_dispatched = False
 
     def free_overlap_buffers(self) -> None:
-        """Drain every in-flight param all-gather and release the groups' all-to-all
-        temporaries (kept between iterations on gloo; e.g. before a checkpoint save)."""
+        """Drain every in-flight param all-gather and release the temporaries the groups'
+        communicators keep (the gloo reduce-scatter buffers, kept between iterations; e.g.
+        before a checkpoint save)."""
         for group in self._all_groups():
             group.free_overlap_buffers()
 

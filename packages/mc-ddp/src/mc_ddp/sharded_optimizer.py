@@ -259,7 +259,7 @@ class ShardedOptimizer:
         # A gather still in flight would overwrite the shards this step writes.
         for chunk in self.model_chunks:
             for group in chunk._all_groups():
-                group.free_overlap_buffers(keep_scratch=True)
+                group._wait_param_gather()
 
     def _write_masters_to_params(self) -> None:
         for slot in self._slots:

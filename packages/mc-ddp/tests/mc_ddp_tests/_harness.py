@@ -18,7 +18,7 @@ from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig
 IN, HIDDEN, OUT = 8, 16, 4
 
 # The recorder names the collective mc_groups was asked for (on gloo it runs as an all-to-all
-# inside mc_groups, see mc_groups.needs_staging); an all-gather's record counts this rank's
+# inside mc_groups, see mc_groups.reduce_scatter); an all-gather's record counts this rank's
 # shard. Labels ("grad reduce …", "param gather …") name the bucket group.
 SCATTER_OP, GATHER_OP = "reduce_scatter", "all_gather"
 LOCAL_BATCH = 6  # per rank; divisible by 1 and 3 microbatches

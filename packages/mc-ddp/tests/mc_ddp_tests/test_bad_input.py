@@ -622,17 +622,18 @@ FUNCTIONS = {
         doc_input="`ReduceOp.MAX`",
     ),
     "fp32_rs_numel": Expect(
-        "ValueError: input.numel()=4 must equal output.numel()=3 × group size 2",
+        "ValueError: reduce_scatter: input.numel()=4 must equal output.numel()=3 × group size 2",
         doc_call="`reduce_scatter_with_fp32_accumulation`",
         doc_input="input 4, output 3 on 2 ranks",
     ),
     "fp32_rs_dtype": Expect(
-        "ValueError: output dtype torch.bfloat16 differs from input dtype torch.float32",
+        "ValueError: reduce_scatter: output dtype torch.bfloat16 differs from input dtype "
+        "torch.float32",
         doc_call="`reduce_scatter_with_fp32_accumulation`",
         doc_input="bf16 output, fp32 input",
     ),
     "fp32_rs_scratch": Expect(
-        "ValueError: received must be a contiguous torch.float32 tensor of 4 elements, got 3",
+        "ValueError: received=3 × float32 on cpu must be a contiguous tensor of 4 × float32",
         doc_call="`reduce_scatter_with_fp32_accumulation(..., received=)`",
         doc_input="3 elements for 4",
     ),

@@ -249,17 +249,19 @@ def _free_overlap(pgc: mg.ProcessGroupCollection) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     ddp = make()
-    out["idle"] = [(g.param_gather_handle is None, g.scratch.nbytes) for g in _groups(ddp)]
+    out["idle"] = [(g.param_gather_handle is None, g.communicator.nbytes) for g in _groups(ddp)]
     for group in _groups(ddp):
         group.free_overlap_buffers()  # nothing allocated, nothing in flight: a no-op
-    out["idle_after"] = [(g.param_gather_handle is None, g.scratch.nbytes) for g in _groups(ddp)]
+    out["idle_after"] = [
+        (g.param_gather_handle is None, g.communicator.nbytes) for g in _groups(ddp)
+    ]
 
     ddp = make()
-    ddp.finish_grad_sync()  # the gloo reduce-scatter keeps its staging buffer in the group
-    out["held"] = [g.scratch.nbytes for g in _groups(ddp)]
+    ddp.finish_grad_sync()  # the gloo reduce-scatter's receive buffer stays in the communicator
+    out["held"] = [g.communicator.nbytes for g in _groups(ddp)]
     for group in _groups(ddp):
         group.free_overlap_buffers()
-    out["freed"] = [g.scratch.nbytes for g in _groups(ddp)]
+    out["freed"] = [g.communicator.nbytes for g in _groups(ddp)]
 
     ddp = make()
     handles = []
@@ -276,8 +278,7 @@ def _free_overlap(pgc: mg.ProcessGroupCollection) -> dict[str, Any]:
     calls: list[str] = []
     for group in _groups(ddp):
 
-        def record(keep_scratch: bool = False, name: str = group.name) -> None:
-            del keep_scratch
+        def record(name: str = group.name) -> None:
             calls.append(name)
 
         setattr(group, "free_overlap_buffers", record)  # noqa: B010
@@ -440,8 +441,9 @@ def test_free_overlap_buffers(two_ranks: list[dict[str, Any]]) -> None:
     Same facts: a group with nothing allocated and nothing in flight is left as it is; a
     pending param all-gather handle is waited on exactly once and dropped; the group's
     temporaries are released (upstream's are the layer-wise optimizer's gather lists, which
-    mc does not have; mc's are the gloo reduce-scatter staging buffers a group keeps between
-    iterations); DDP's ``free_overlap_buffers`` calls it on every dense and expert group.
+    mc does not have; mc's are the gloo reduce-scatter buffers a group's
+    ``mc_groups.Communicator`` keeps between iterations); DDP's ``free_overlap_buffers``
+    calls it on every dense and expert group.
     Upstream's model has ``use_distributed_optimizer=False`` with ``overlap_param_gather``
     (the layer-wise path), which mc refuses; the distributed optimizer is on here.
     """

@@ -34,8 +34,7 @@ class _FakeBucketGroup:
         self.param_gather_dispatched = True
         self.param_gather_handle = None
 
-    def free_overlap_buffers(self, keep_scratch: bool = False) -> None:
-        del keep_scratch
+    def free_overlap_buffers(self) -> None:
         self.drained += 1
 
 

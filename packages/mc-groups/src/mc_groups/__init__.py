@@ -5,7 +5,11 @@
   layout, built once and passed explicitly; :func:`collection_or_default`: the one fallback
   to the optional default collection (:func:`set_default_collection`).
 - :mod:`mc_groups.collectives`: typed, validated, recorded collectives
-  (:func:`record_collectives` lists what ran); failures name op, group ranks and label.
+  (:func:`record_collectives` lists what ran); failures name op, group ranks and label;
+  :class:`CollectiveHandle` is the one handle for work in flight (works, child handles,
+  finishers).
+- :class:`Communicator`: one caller's batched collectives on one group, keeping their
+  temporaries between calls (a DDP bucket group holds one).
 - :mod:`mc_groups.schedule_check`: the opt-in check that every rank of a group is about to
   run the same collective (:func:`check_collective_schedule`,
   ``MC_CHECK_COLLECTIVE_SCHEDULE=1``).
@@ -39,11 +43,11 @@ from mc_groups.collectives import (
     group_ranks,
     group_size,
     is_group_live,
-    needs_staging,
     recv,
     reduce_scatter,
     send,
 )
+from mc_groups.communicator import Communicator
 from mc_groups.config import ModelParallelConfig
 from mc_groups.default_collection import (
     NoDefaultCollectionError,
@@ -87,6 +91,7 @@ __all__ = [
     "CollectiveHandle",
     "CollectiveRecord",
     "CollectiveScheduleError",
+    "Communicator",
     "DistributedNotInitializedError",
     "MissingGroupError",
     "ModelParallelConfig",
@@ -116,7 +121,6 @@ __all__ = [
     "is_group_live",
     "is_pipeline_first_stage",
     "is_pipeline_last_stage",
-    "needs_staging",
     "pipeline_rank",
     "pipeline_size",
     "record_collectives",

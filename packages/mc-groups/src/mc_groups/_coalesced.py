@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import _gloo as gloo
+from mc_groups import _reduce_scatter as rs
 from mc_groups._core import (
     DONE,
     TORCH_OPS,
@@ -56,9 +57,15 @@ class CoalescedBatch:
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, async_op: bool, label: str, detail: str = ""
+        self,
+        group: dist.ProcessGroup,
+        async_op: bool,
+        label: str,
+        detail: str = "",
+        allocate: rs.Allocate = rs.fresh,
     ) -> None:
         self._group = group
+        self._allocate = allocate
         self._async = async_op
         self._label = label
         self._detail = detail
@@ -117,29 +124,28 @@ class CoalescedBatch:
         self._submit(tensor, issue)
 
     def reduce_scatter(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *,
-        op: ReduceOp = ReduceOp.SUM,
-        staging: torch.Tensor | None = None,
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = ReduceOp.SUM
     ) -> None:
         """Queue a reduce-scatter of ``input`` into ``output`` (see
         :func:`~mc_groups.reduce_scatter`)."""
         check_op(op)
         check_reduce_scatter(output, input, self._size)
-        gloo.check_staging(input, staging)
         self._claim("reduce_scatter", op)
         if self._size == 1:
             copy_unless_alias(output, input)
             return
-        received = gloo.staging_for(input, staging) if self._per_op else None
 
         def issue() -> None:
             self._note("reduce_scatter", input, op)
-            if received is not None:
-                work, finish = gloo.reduce_scatter_by_all_to_all(
-                    output, input, self._group, op, True, received
+            if self._per_op:
+                work, finish = rs.by_all_to_all(
+                    output,
+                    input,
+                    self._group,
+                    op,
+                    True,
+                    rs.accumulation_dtype(output, None),
+                    self._allocate,
                 )
                 self._add(work, finish)
                 return
@@ -262,7 +268,22 @@ def coalesced(
     check_group(group)
     check_options(async_op, label, detail, group=group)
     _check_device(device)
-    batch = CoalescedBatch(group, async_op, label, detail)
+    with open_batch(group, device, async_op, label, detail, rs.fresh) as batch:
+        yield batch
+
+
+@contextmanager
+def open_batch(
+    group: dist.ProcessGroup,
+    device: torch.device | None,
+    async_op: bool,
+    label: str,
+    detail: str,
+    allocate: rs.Allocate,
+) -> Iterator[CoalescedBatch]:
+    """:func:`coalesced` with checked arguments; ``allocate`` gives the batch's
+    reduce-scatter temporaries (a :class:`~mc_groups.Communicator` passes its kept ones)."""
+    batch = CoalescedBatch(group, async_op, label, detail, allocate)
     try:
         if group.size() == 1:
             yield batch

@@ -45,20 +45,33 @@ TORCH_OPS = {
 
 
 class CollectiveHandle:
-    """An issued collective. ``wait()`` blocks until it is done, bounded by a timeout.
+    """Work in flight: issued collectives, the handles they depend on, and the local steps
+    that complete them. ``wait()`` blocks until all of it is done, bounded by a timeout.
 
-    Synchronous calls and single-rank groups return an already-completed handle.
-    ``finishers`` run once, in order, after every work finished (the local step of a
-    collective composed from others, e.g. the sum after a gloo all-to-all).
+    A handle holds, all optional:
+
+    - ``works``: torch.distributed work objects (one per issued collective or exchange);
+    - ``children``: other handles (e.g. one per batch of a :class:`~mc_groups.Communicator`
+      call, or one per bucket of a caller's step);
+    - ``finishers``: functions run once, in order, after every child and work finished
+      (the local step of a collective composed from others, e.g. the sum after an
+      all-to-all).
+
+    ``wait()`` waits the children in order, then the works, then runs the finishers; a
+    second ``wait()`` does nothing. A handle built from nothing is complete: synchronous
+    calls and single-rank groups return one (``CollectiveHandle()``).
     """
 
     def __init__(
         self,
-        works: Sequence[Any],
-        description: str,
+        works: Sequence[Any] = (),
+        description: str = "completed",
         finishers: Sequence[Callable[[], None]] = (),
+        *,
+        children: Sequence[CollectiveHandle] = (),
     ) -> None:
         self._works = list(works)
+        self._children = list(children)
         self._finishers = list(finishers)
         self._description = description
 
@@ -69,18 +82,25 @@ class CollectiveHandle:
         return self._description
 
     def is_completed(self) -> bool:
-        """True once every underlying work object has finished (never blocks)."""
-        return all(w.is_completed() for w in self._works)
+        """True once every child and every underlying work object has finished (never
+        blocks; the finishers run at :meth:`wait`)."""
+        return all(c.is_completed() for c in self._children) and all(
+            w.is_completed() for w in self._works
+        )
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for completion; raise :class:`CollectiveError` on failure or timeout.
 
         Args:
-            timeout: seconds to wait at most (a finite number > 0); ``None`` relies on the
-                process group's timeout, which torch enforces on every operation.
+            timeout: seconds to wait at most for each child and work (a finite number
+                > 0); ``None`` relies on the process group's timeout, which torch
+                enforces on every operation.
         """
         if timeout is not None:
             check_real("timeout", timeout, positive=True, allow_zero=False)
+        children, self._children = self._children, []
+        for child in children:
+            child.wait(timeout)
         works, self._works = self._works, []
         for work in works:
             try:
@@ -95,7 +115,7 @@ class CollectiveHandle:
             finish()
 
 
-DONE = CollectiveHandle((), "completed")
+DONE = CollectiveHandle()
 
 
 def is_group_live(group: dist.ProcessGroup) -> bool:

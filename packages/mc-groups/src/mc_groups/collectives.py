@@ -1,6 +1,6 @@
 """The collective layer: the only mc module (with its private helpers ``_core``, ``_gloo``,
-``_coalesced``, ``_shims`` and :mod:`mc_groups.schedule_check`) that calls
-``torch.distributed`` collectives.
+``_reduce_scatter``, ``_coalesced``, ``_shims``, :mod:`mc_groups.communicator` and
+:mod:`mc_groups.schedule_check`) that calls ``torch.distributed`` collectives.
 
 Why one layer:
 - every collective is recorded (:func:`mc_groups.record_collectives`) so tests can count
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import _gloo as gloo
+from mc_groups import _reduce_scatter as rs
 from mc_groups._coalesced import CoalescedBatch, coalesced
 from mc_groups._core import (
     DONE,
@@ -64,8 +65,7 @@ from mc_groups._core import (
     record,
 )
 from mc_groups._errors import CollectiveError, CollectiveScheduleError
-from mc_groups._gloo import needs_staging
-from mc_groups._shims import all_gather_flat, reduce_scatter_flat
+from mc_groups._shims import all_gather_flat
 
 __all__ = [
     "CoalescedBatch",
@@ -84,7 +84,6 @@ __all__ = [
     "group_ranks",
     "group_size",
     "is_group_live",
-    "needs_staging",
     "recv",
     "reduce_scatter",
     "send",
@@ -124,50 +123,48 @@ def reduce_scatter(
     op: ReduceOp = ReduceOp.SUM,
     async_op: bool = False,
     label: str = "",
-    staging: torch.Tensor | None = None,
     detail: str = "",
+    accumulate_dtype: torch.dtype | None = None,
+    received: torch.Tensor | None = None,
 ) -> CollectiveHandle:
     """Reduce the flat ``input`` over ranks; group rank r keeps slice r in ``output``.
 
     ``input`` is split along dim 0 into ``group size`` equal parts. ``output`` may be a view
-    of ``input`` (this rank's shard of a flat buffer). On gloo it runs as an all-to-all plus
-    a local reduction in group-rank order, in fp32 for narrower dtypes (see
-    :func:`needs_staging`; ``staging`` is an optional reused receive buffer of
-    ``input``'s numel and dtype).
+    of ``input`` (this rank's shard of a flat buffer).
+
+    - On gloo it runs as an all-to-all plus a local reduction in group-rank order, in fp32
+      for narrower dtypes; recorded as a ``reduce_scatter``.
+    - ``accumulate_dtype`` (e.g. ``torch.float32``): on every backend, an all-to-all in the
+      input's dtype, then ``output = dtype(op_s acc(x_s^r))``, rounded once from the sum
+      taken in ``accumulate_dtype`` (Megatron's fp32-accumulating reduce-scatter: a bf16
+      ring rounds after every addition). Recorded, checked and named in errors as the
+      ``all_to_all`` it communicates with.
+    - ``received``: the all-to-all's receive buffer (``input``'s numel, dtype and device),
+      used when the reduce-scatter runs as an all-to-all; None: a fresh one per call.
+      Callers repeating the collective use a :class:`~mc_groups.Communicator`, which keeps
+      its buffers. See :mod:`mc_groups._reduce_scatter` for the algorithms.
     """
     check_group(group)
     check_op(op)
     check_options(async_op, label, detail, group=group)
     size = group.size()
     check_reduce_scatter(output, input, size)
-    gloo.check_staging(input, staging)
+    accumulate = rs.check_accumulate_dtype(accumulate_dtype)
+    rs.check_received(input, received)
     if size == 1:
         copy_unless_alias(output, input)
         return DONE
-    description = describe("reduce_scatter", group, input, label, detail)
-    if not gloo.is_gloo(group):
-        check_schedule("reduce_scatter", group, input, reduce_op=op, label=label, detail=detail)
-        record("reduce_scatter", group, input, reduce_op=op, async_op=async_op, label=label)
-        return issue(
-            description,
-            lambda: reduce_scatter_flat(
-                output, input, op=TORCH_OPS[op], group=group, async_op=async_op
-            ),
-            async_op=async_op,
-        )
-    received = gloo.staging_for(input, staging)
-    check_schedule("reduce_scatter", group, input, reduce_op=op, label=label, detail=detail)
-    record("reduce_scatter", group, input, reduce_op=op, async_op=async_op, label=label)
-    try:
-        work, finish = gloo.reduce_scatter_by_all_to_all(
-            output, input, group, op, async_op, received
-        )
-    except RuntimeError as err:
-        raise CollectiveError(f"{description} failed: {err}") from err
-    if not async_op:
-        finish()
-        return DONE
-    return CollectiveHandle([work], description, [finish])
+    return rs.issue_reduce_scatter(
+        output,
+        input,
+        group,
+        op=op,
+        async_op=async_op,
+        label=label,
+        detail=detail,
+        accumulate_dtype=accumulate,
+        allocate=rs.given(received),
+    )
 
 
 def all_gather(

@@ -2,13 +2,14 @@
 its value, raised before any collective.
 
 One table (``CASES``) lists each bad call of the package's public surface: collectives
-(shapes, dtypes, devices, contiguity, groups, ranks, staging buffers, batch kinds), the
-schedule-check switch, layout sizes and ``initialize_model_parallel``, the
-``ProcessGroupCollection``, the rank generator, ``ModelParallelConfig`` and the test
-harness's ``RankPool``. Every case runs on each rank of a 2-rank gloo world inside
-``record_collectives()``; the test asserts the exception type, that each listed fragment
-(the argument with its value, and the fix where there is one) is in the message, and that
-the recorder stayed empty. ``docs/bad_inputs.md`` lists the same cases.
+(shapes, dtypes, devices, contiguity, groups, ranks, receive buffers, batch kinds, the
+communicator's lists), the schedule-check switch, layout sizes and
+``initialize_model_parallel``, the ``ProcessGroupCollection``, the rank generator,
+``ModelParallelConfig`` and the test harness's ``RankPool``. Every case runs on each rank
+of a 2-rank gloo world inside ``record_collectives()``; the test asserts the exception
+type, that each listed fragment (the argument with its value, and the fix where there is
+one) is in the message, and that the recorder stayed empty. ``docs/bad_inputs.md`` lists
+the same cases.
 """
 
 from __future__ import annotations
@@ -161,12 +162,37 @@ CASES: dict[str, Case] = {
         doc_call="`all_gather`",
         doc_input="output on `meta`, input on cpu",
     ),
-    "staging size": Case(
-        lambda g, r: mg.reduce_scatter(torch.zeros(2), torch.zeros(4), g, staging=torch.zeros(3)),
+    "received size": Case(
+        lambda g, r: mg.reduce_scatter(torch.zeros(2), torch.zeros(4), g, received=torch.zeros(3)),
         "ValueError",
-        ("staging=3 × float32 on cpu", "4 × float32 on cpu"),
-        doc_call="`reduce_scatter(..., staging=)`",
-        doc_input="staging buffer of the wrong size",
+        ("received=3 × float32 on cpu", "4 × float32 on cpu"),
+        doc_call="`reduce_scatter(..., received=)`",
+        doc_input="receive buffer of the wrong size",
+    ),
+    "accumulate dtype": Case(
+        lambda g, r: mg.reduce_scatter(
+            torch.zeros(2), torch.zeros(4), g, accumulate_dtype=Loose(torch.int64)
+        ),
+        "TypeError",
+        ("accumulate_dtype=torch.int64", "floating-point"),
+        doc_call="`reduce_scatter(..., accumulate_dtype=)`",
+        doc_input="`torch.int64`",
+    ),
+    "communicator pair size": Case(
+        lambda g, r: mg.Communicator(g).reduce_scatter(
+            [(torch.zeros(2), torch.zeros(4)), (torch.zeros(3), torch.zeros(4))]
+        ),
+        "ValueError",
+        ("pairs[1]: reduce_scatter: input.numel()=4", "output.numel()=3", "group size 2"),
+        doc_call="`Communicator(group).reduce_scatter(pairs)`",
+        doc_input="second pair's output of 3 for an input of 4 (nothing issued for the first)",
+    ),
+    "communicator pairs": Case(
+        lambda g, r: mg.Communicator(g).all_gather(Loose(torch.zeros(4))),
+        "TypeError",
+        ("pairs=tensor", "must be a list"),
+        doc_call="`Communicator(group).all_gather(pairs)`",
+        doc_input="a tensor instead of a list of (output, input) pairs",
     ),
     # -- collectives: ranks, splits, batches ---------------------------------------------
     "broadcast source": Case(
@@ -537,13 +563,13 @@ CASES: dict[str, Case] = {
         doc_call="any collective on a one-rank group",
         doc_input="`MC_CHECK_COLLECTIVE_SCHEDULE=maybe` (refused at every group size)",
     ),
-    "staging at one rank": Case(
-        lambda g, r: mg.reduce_scatter(torch.zeros(4), torch.zeros(4), g, staging=torch.zeros(3)),
+    "received at one rank": Case(
+        lambda g, r: mg.reduce_scatter(torch.zeros(4), torch.zeros(4), g, received=torch.zeros(3)),
         "ValueError",
-        ("staging=3 × float32 on cpu", "4 × float32 on cpu"),
+        ("received=3 × float32 on cpu", "4 × float32 on cpu"),
         setup=_one_rank_group,
-        doc_call="`reduce_scatter(..., staging=)` on a one-rank group",
-        doc_input="staging buffer of the wrong size (refused at every group size)",
+        doc_call="`reduce_scatter(..., received=)` on a one-rank group",
+        doc_input="receive buffer of the wrong size (refused at every group size)",
     ),
     "handle timeout": Case(
         lambda g, r: mg.all_reduce(torch.zeros(2), g, async_op=True).wait(timeout=math.nan),

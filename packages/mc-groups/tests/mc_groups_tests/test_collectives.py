@@ -120,26 +120,32 @@ def test_reduce_scatter_every_op(rank_pools: RankPools) -> None:
                 assert got[i_local] == want[key.split("-")[0]], (r, key)
 
 
-def _with_staging() -> dict[str, Any]:
-    """A reused reduce-scatter staging buffer gives the same values as a fresh one, in and
-    out of batches; a wrong-sized one is refused before anything is issued."""
+def _with_kept_buffers() -> dict[str, Any]:
+    """A caller's receive buffer (``received=``) and a communicator's kept buffers give the
+    same values as fresh ones, in and out of batches, call after call; the communicator
+    keeps its buffers until ``free()``; a wrong-sized ``received`` is refused before
+    anything is issued."""
     g, r, w = _world(), dist.get_rank(), dist.get_world_size()
     n = 4 * w
-    staging = torch.full((n,), float("nan"))  # garbage in the buffer must not leak out
-    results: dict[str, Any] = {"needs": mg.needs_staging(g)}
+    received = torch.full((n,), float("nan"))  # garbage in the buffer must not leak out
+    comm = mg.Communicator(g)
+    results: dict[str, Any] = {}
     for round_ in range(2):
         flat = torch.arange(n, dtype=torch.float32) * (r + 1)
         shard = flat.view(-1)[r * 4 : (r + 1) * 4]
-        mg.reduce_scatter(shard, flat, g, staging=staging)
+        mg.reduce_scatter(shard, flat, g, received=received)
         gathered = torch.zeros(n)
         mg.all_gather(gathered, shard, g, async_op=True).wait()
-        with mg.coalesced(g) as batch:
-            out = torch.zeros(n)
-            batch.reduce_scatter(out[:4], torch.full((n,), float(r + 1)), staging=staging)
-        results[f"round{round_}"] = (gathered.tolist(), out[:4].tolist())
+        outs = [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4)]
+        ins = [torch.full((n,), float(r + 1), dtype=o.dtype) for o in outs]
+        comm.reduce_scatter(list(zip(outs, ins, strict=True)), async_op=True).wait()
+        results[f"round{round_}"] = (gathered.tolist(), [o.float().tolist() for o in outs])
+        results[f"kept{round_}"] = comm.nbytes
+    comm.free()
+    results["freed"] = comm.nbytes
     with record_collectives() as log:
         try:
-            mg.reduce_scatter(torch.zeros(4), torch.zeros(n), g, staging=torch.zeros(3))
+            mg.reduce_scatter(torch.zeros(4), torch.zeros(n), g, received=torch.zeros(3))
             results["bad"] = "no error"
         except ValueError as err:
             results["bad"] = str(err)
@@ -147,19 +153,71 @@ def _with_staging() -> dict[str, Any]:
     return results
 
 
-def test_staging_buffers_are_reused_safely(rank_pools: RankPools) -> None:
+def test_receive_buffers_are_reused_safely(rank_pools: RankPools) -> None:
     w = 2
     total = w * (w + 1) / 2  # rank r contributes arange·(r + 1), or the constant r + 1
     full = [v * total for v in range(4 * w)]
-    for out in rank_pools.get(w).run(_with_staging):
-        assert out["needs"] is True  # gloo, 2 ranks
+    # gloo keeps one receive buffer per reduce-scatter (n elements of its dtype) and one
+    # fp32 sum buffer for the bf16 one (its 4-element output)
+    kept = 2 * (4 * w * 4) + 4 * w * 2 + 4 * 4
+    for out in rank_pools.get(w).run(_with_kept_buffers):
         for key in ("round0", "round1"):
-            gathered, batch = out[key]
+            gathered, shards = out[key]
             assert gathered == full
-            assert batch == [total] * 4
-        assert "staging=3 × float32" in out["bad"]
+            assert shards == [[total] * 4] * 3
+        assert out["kept0"] == out["kept1"] == kept
+        assert out["freed"] == 0
+        assert "received=3 × float32" in out["bad"]
         assert f"{4 * w} × float32" in out["bad"]
         assert out["logged"] == 0
+
+
+def _communicator_batches() -> dict[str, Any]:
+    """What a communicator issues for a list: on gloo one batch per dtype in first-appearance
+    order (a batch of one alone, not coalesced); with ``accumulate_dtype`` one all-to-all
+    per pair; values equal to one collective at a time."""
+    g, r, w = _world(), dist.get_rank(), dist.get_world_size()
+    comm = mg.Communicator(g)
+    dtypes = [torch.float32, torch.bfloat16, torch.float32]
+    tensors = [torch.full((2 * w,), float(r + 1), dtype=d) for d in dtypes]
+    out: dict[str, Any] = {}
+    with record_collectives() as log:
+        comm.all_reduce(tensors, op=ReduceOp.AVG, label="ar").wait()
+        pairs = [(t.new_zeros(2), t.clone()) for t in tensors]
+        comm.reduce_scatter(pairs, label="rs").wait()
+        acc = [(t.new_zeros(2), t.clone()) for t in tensors]
+        comm.reduce_scatter(acc, accumulate_dtype=torch.float32, async_op=True, label="acc").wait()
+        gathers = [(t.new_zeros(2 * w), torch.full((2,), float(r), dtype=t.dtype)) for t in tensors]
+        comm.all_gather(gathers, label="ag").wait()
+    out["log"] = [(x.op, x.dtype, x.numel, x.async_op, x.coalesced, x.label) for x in log]
+    out["all_reduce"] = [t.float().tolist() for t in tensors]
+    out["reduce_scatter"] = [o.float().tolist() for o, _ in pairs]
+    out["accumulated"] = [o.float().tolist() for o, _ in acc]
+    out["gathered"] = [o.float().tolist() for o, _ in gathers]
+    return out
+
+
+def test_communicator_batches_by_dtype_on_gloo(rank_pools: RankPools) -> None:
+    w = 2
+    f32, bf16 = torch.float32, torch.bfloat16
+    for out in rank_pools.get(w).run(_communicator_batches):
+        assert out["log"] == [
+            ("all_reduce", f32, 2 * w, False, True, "ar"),
+            ("all_reduce", f32, 2 * w, False, True, "ar"),
+            ("all_reduce", bf16, 2 * w, False, False, "ar"),
+            ("reduce_scatter", f32, 2 * w, False, True, "rs"),
+            ("reduce_scatter", f32, 2 * w, False, True, "rs"),
+            ("reduce_scatter", bf16, 2 * w, False, False, "rs"),
+            ("all_to_all", f32, 2 * w, True, False, "acc"),
+            ("all_to_all", bf16, 2 * w, True, False, "acc"),
+            ("all_to_all", f32, 2 * w, True, False, "acc"),
+            ("all_gather", f32, 2, False, True, "ag"),
+            ("all_gather", f32, 2, False, True, "ag"),
+            ("all_gather", bf16, 2, False, False, "ag"),
+        ]
+        assert out["all_reduce"] == [[1.5] * 2 * w] * 3
+        assert out["reduce_scatter"] == out["accumulated"] == [[3.0] * 2] * 3
+        assert out["gathered"] == [[0.0, 0.0, 1.0, 1.0]] * 3
 
 
 def _rows(out: torch.Tensor, w: int) -> list[tuple[float, float]]:

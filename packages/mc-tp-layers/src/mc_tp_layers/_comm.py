@@ -74,7 +74,7 @@ def gather_first_dim(
     """
     size, rank = group.size(), group.rank()
     if size == 1:
-        return x, mg.CollectiveHandle((), "single rank")
+        return x, mg.CollectiveHandle()
     sizes = _validate.split_sizes(output_split_sizes, size, "output_split_sizes")
     if sizes is None or len(set(sizes)) == 1:
         if sizes is not None and sizes[rank] != x.shape[0]:
@@ -86,7 +86,7 @@ def gather_first_dim(
         return out, handle
     if sizes[rank] != x.shape[0]:
         _mismatch(x, sizes, rank, "output_split_sizes")
-    return _gather_uneven(x, group, sizes), mg.CollectiveHandle((), "completed")
+    return _gather_uneven(x, group, sizes), mg.CollectiveHandle()
 
 
 def _gather_uneven(x: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]) -> torch.Tensor:
@@ -112,7 +112,7 @@ def reduce_scatter_first_dim(
     """
     size, rank = group.size(), group.rank()
     if size == 1:
-        return x, mg.CollectiveHandle((), "single rank")
+        return x, mg.CollectiveHandle()
     sizes = _validate.split_sizes(input_split_sizes, size, "input_split_sizes")
     if sizes is None or len(set(sizes)) == 1:
         _validate.dim_divisible(x, 0, size, "input", "first dimension")
@@ -128,7 +128,7 @@ def reduce_scatter_first_dim(
         padded[r, : sizes[r]] = part
     out = x.new_empty((widest, *x.shape[1:]))
     mg.reduce_scatter(_flat(out), _flat(padded), group, label="tp reduce-scatter dim 0 (uneven)")
-    return out[: sizes[rank]], mg.CollectiveHandle((), "completed")
+    return out[: sizes[rank]], mg.CollectiveHandle()
 
 
 def reduce_scatter_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -22,7 +22,7 @@ from mc_tp_layers._groups import resolve_tp_group
 
 __all__ = ["drain_embedding_wgrad_compute"]
 
-_Gather = tuple[torch.Tensor, mg.CollectiveHandle | None]
+_Gather = tuple[torch.Tensor, mg.CollectiveHandle]
 
 
 def _check(
@@ -121,8 +121,7 @@ def drain_embedding_wgrad_compute(
         total_input, handle = pending
         upcoming = activations.pop(0) if activations else None
         pending = None if upcoming is None else _start_gather(upcoming, group, gather)
-        if handle is not None:
-            handle.wait()
+        handle.wait()
         grad_output = grads.pop(0)
         accumulate_wgrad(
             main_grad,
@@ -133,5 +132,5 @@ def drain_embedding_wgrad_compute(
 
 def _start_gather(x: torch.Tensor, group: dist.ProcessGroup, gather: bool) -> _Gather:
     if not gather:
-        return x, None
+        return x, mg.CollectiveHandle()
     return _comm.gather_first_dim(x, group, async_op=True)

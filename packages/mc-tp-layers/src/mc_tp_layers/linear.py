@@ -72,18 +72,6 @@ class _Options(NamedTuple):
     output_dtype: torch.dtype | None
 
 
-class _Pending(NamedTuple):
-    """An issued collective (or none) and the tensor holding its result once waited on."""
-
-    handle: mg.CollectiveHandle | None
-    result: torch.Tensor
-
-    def finish(self) -> torch.Tensor:
-        if self.handle is not None:
-            self.handle.wait()
-        return self.result
-
-
 def _full_weight(weight: torch.Tensor, gtp_remat_size: int) -> torch.Tensor:
     return gather_gtp_weight(weight) if gtp_remat_size > 1 else weight
 
@@ -138,13 +126,18 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         opts: _Options = ctx.opts
         grad_output = grad_output.to(input.dtype).contiguous()
         wgrad_now = _claim_wgrad(opts, grad_output)
-        gather = _start_input_gather(input, opts) if wgrad_now and opts.sequence_parallel else None
+        total_input, gather = (
+            _comm.gather_first_dim(input, opts.tp_group, async_op=True)
+            if wgrad_now and opts.sequence_parallel
+            else (input, mg.CollectiveHandle())
+        )
         grad_input = grad_output.matmul(_full_weight(weight, opts.gtp_remat_size))
-        total_input = input if gather is None else gather.finish()
-        pending = _start_dgrad_reduction(grad_input, input, opts)
+        gather.wait()
+        grad_input, dgrad_reduction = _start_dgrad_reduction(grad_input, opts)
         grad_weight = _weight_grad(weight, ctx.main_grad, grad_output, total_input, opts, wgrad_now)
         grad_bias = _flat(grad_output).sum(dim=0) if ctx.use_bias else None
-        return (pending.finish(), grad_weight, grad_bias, *([None] * 8))
+        dgrad_reduction.wait()
+        return (grad_input, grad_weight, grad_bias, *([None] * 8))
 
 
 def _claim_wgrad(opts: _Options, grad_output: torch.Tensor) -> bool:
@@ -158,24 +151,20 @@ def _claim_wgrad(opts: _Options, grad_output: torch.Tensor) -> bool:
     return True
 
 
-def _start_input_gather(input: torch.Tensor, opts: _Options) -> _Pending:
-    gathered, handle = _comm.gather_first_dim(input, opts.tp_group, async_op=True)
-    return _Pending(handle, gathered)
-
-
 def _start_dgrad_reduction(
-    grad_input: torch.Tensor, input: torch.Tensor, opts: _Options
-) -> _Pending:
+    grad_input: torch.Tensor, opts: _Options
+) -> tuple[torch.Tensor, mg.CollectiveHandle]:
+    """Issue the dgrad's reduction; returns the tensor that holds the result once the
+    handle was waited on."""
     if opts.sequence_parallel:
-        shard, handle = _comm.reduce_scatter_first_dim(grad_input, opts.tp_group, async_op=True)
-        return _Pending(handle, shard)
+        return _comm.reduce_scatter_first_dim(grad_input, opts.tp_group, async_op=True)
     if opts.allreduce_dgrad and opts.tp_group.size() > 1:
         grad_input = grad_input.contiguous()
         handle = mg.all_reduce(
             grad_input, opts.tp_group, async_op=True, label="tp dgrad all-reduce"
         )
-        return _Pending(handle, grad_input)
-    return _Pending(None, grad_input)
+        return grad_input, handle
+    return grad_input, mg.CollectiveHandle()
 
 
 def _weight_grad(
