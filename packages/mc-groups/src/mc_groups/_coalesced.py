@@ -130,24 +130,18 @@ class CoalescedBatch:
         :func:`~mc_groups.reduce_scatter`)."""
         check_op(op)
         check_reduce_scatter(output, input, self._size)
-        self._claim("reduce_scatter", op)
-        if self._size == 1:
-            copy_unless_alias(output, input)
+        if self._copied_locally("reduce_scatter", op, output, input):
             return
+        accumulate = rs.accumulation_dtype(output, None)
 
         def issue() -> None:
             self._note("reduce_scatter", input, op)
             if self._per_op:
-                work, finish = rs.by_all_to_all(
-                    output,
-                    input,
-                    self._group,
-                    op,
-                    True,
-                    rs.accumulation_dtype(output, None),
-                    self._allocate,
+                self._add(
+                    *rs.by_all_to_all(
+                        output, input, self._group, op, True, accumulate, self._allocate
+                    )
                 )
-                self._add(work, finish)
                 return
             self._add(
                 reduce_scatter_flat(
@@ -160,9 +154,7 @@ class CoalescedBatch:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Queue an all-gather of ``input`` into ``output`` (see :func:`~mc_groups.all_gather`)."""
         check_all_gather(output, input, self._size)
-        self._claim("all_gather", None)
-        if self._size == 1:
-            copy_unless_alias(output, input)
+        if self._copied_locally("all_gather", None, output, input):
             return
 
         def issue() -> None:
@@ -174,6 +166,17 @@ class CoalescedBatch:
             self._add(all_gather_flat(output, input, group=self._group, async_op=self._async))
 
         self._submit(input, issue)
+
+    def _copied_locally(
+        self, op: str, reduce_op: ReduceOp | None, output: torch.Tensor, input: torch.Tensor
+    ) -> bool:
+        """Claim the batch for ``op``; on a one-rank group the result is ``input`` itself:
+        copy it into ``output`` and return True (nothing to issue)."""
+        self._claim(op, reduce_op)
+        if self._size > 1:
+            return False
+        copy_unless_alias(output, input)
+        return True
 
     def _add(self, work: Any, finish: Callable[[], None] | None = None) -> None:
         if self._per_op and work is not None:

@@ -159,7 +159,6 @@ def issue_reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
     group: dist.ProcessGroup,
-    *,
     op: ReduceOp,
     async_op: bool,
     label: str,
@@ -167,7 +166,8 @@ def issue_reduce_scatter(
     accumulate_dtype: torch.dtype | None,
     allocate: Allocate,
 ) -> CollectiveHandle:
-    """Issue a checked reduce-scatter on a group of more than one rank.
+    """Issue a checked reduce-scatter on a group of more than one rank (the arguments of
+    :func:`~mc_groups.reduce_scatter`, with ``allocate`` for the temporaries).
 
     With ``accumulate_dtype`` it is recorded (and schedule-checked, and named in errors) as
     the all-to-all it communicates with, on every backend; on gloo without it, as a

@@ -154,16 +154,9 @@ def reduce_scatter(
     if size == 1:
         copy_unless_alias(output, input)
         return DONE
+    allocate = rs.given(received)
     return rs.issue_reduce_scatter(
-        output,
-        input,
-        group,
-        op=op,
-        async_op=async_op,
-        label=label,
-        detail=detail,
-        accumulate_dtype=accumulate,
-        allocate=rs.given(received),
+        output, input, group, op, async_op, label, detail, accumulate, allocate
     )
 
 

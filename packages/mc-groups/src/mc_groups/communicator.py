@@ -20,23 +20,11 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from mc_groups import _core as core
 from mc_groups import _reduce_scatter as rs
 from mc_groups._coalesced import open_batch
-from mc_groups._core import (
-    DONE,
-    CollectiveHandle,
-    ReduceOp,
-    check_all_gather,
-    check_group,
-    check_op,
-    check_options,
-    check_reduce_scatter,
-    check_tensor,
-    copy_unless_alias,
-    ranks_of,
-)
 from mc_groups._gloo import is_gloo
-from mc_groups.collectives import all_gather, all_reduce
+from mc_groups.collectives import CollectiveHandle, ReduceOp, all_gather, all_reduce
 
 __all__ = ["Communicator"]
 
@@ -70,7 +58,7 @@ class Communicator:
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self._group = check_group(group)
+        self._group = core.check_group(group)
         self._by_dtype = is_gloo(group)
         self._buffers: dict[_Key, list[torch.Tensor]] = {}
 
@@ -100,12 +88,12 @@ class Communicator:
     ) -> CollectiveHandle:
         """``t ← op over ranks of t`` for each tensor, in place (see
         :func:`~mc_groups.all_reduce`)."""
-        check_group(self._group)
+        core.check_group(self._group)
         items = _checked_list(tensors, "tensors", torch.Tensor)
         for i, tensor in enumerate(items):
-            check_tensor(tensor, f"tensors[{i}]")
-        check_op(op)
-        check_options(async_op, label, detail, group=self._group)
+            core.check_tensor(tensor, f"tensors[{i}]")
+        core.check_op(op)
+        core.check_options(async_op, label, detail, group=self._group)
 
         def alone(tensor: torch.Tensor) -> CollectiveHandle:
             return all_reduce(
@@ -133,28 +121,20 @@ class Communicator:
         """For each ``(output, input)``: group rank r keeps slice r of ``op over ranks of
         input`` in ``output`` (see :func:`~mc_groups.reduce_scatter`; ``output`` may be a
         view of ``input``). Its temporaries are kept (see the class notes)."""
-        items = self._pairs(pairs, check_reduce_scatter)
-        check_op(op)
-        check_options(async_op, label, detail, group=self._group)
+        items = self._pairs(pairs, core.check_reduce_scatter)
+        core.check_op(op)
+        core.check_options(async_op, label, detail, group=self._group)
         accumulate = rs.check_accumulate_dtype(accumulate_dtype)
         if self._group.size() == 1:
             for output, input in items:
-                copy_unless_alias(output, input)
-            return DONE
+                core.copy_unless_alias(output, input)
+            return core.DONE
         allocate = self._session()
 
         def alone(pair: Pair) -> CollectiveHandle:
             output, input = pair
             return rs.issue_reduce_scatter(
-                output,
-                input,
-                self._group,
-                op=op,
-                async_op=async_op,
-                label=label,
-                detail=detail,
-                accumulate_dtype=accumulate,
-                allocate=allocate,
+                output, input, self._group, op, async_op, label, detail, accumulate, allocate
             )
 
         if accumulate is not None:
@@ -179,8 +159,8 @@ class Communicator:
         """For each ``(output, input)``: every rank's ``input`` concatenated into ``output``
         in group-rank order (see :func:`~mc_groups.all_gather`; ``input`` may be a view of
         ``output``). Needs no temporaries of its own."""
-        items = self._pairs(pairs, check_all_gather)
-        check_options(async_op, label, detail, group=self._group)
+        items = self._pairs(pairs, core.check_all_gather)
+        core.check_options(async_op, label, detail, group=self._group)
 
         def alone(pair: Pair) -> CollectiveHandle:
             output, input = pair
@@ -215,7 +195,7 @@ class Communicator:
         self, pairs: object, check: Callable[[torch.Tensor, torch.Tensor, int], None]
     ) -> list[Pair]:
         """Checked ``(output, input)`` pairs (the group first)."""
-        size = check_group(self._group).size()
+        size = core.check_group(self._group).size()
         items = _checked_list(pairs, "pairs", tuple)
         for i, pair in enumerate(items):
             if len(pair) != 2:
@@ -245,11 +225,11 @@ class Communicator:
         return allocate
 
     def _text(self, what: str, label: str) -> str:
-        text = f"{what} on group ranks {list(ranks_of(self._group))}"
+        text = f"{what} on group ranks {list(core.ranks_of(self._group))}"
         return f"{text} for '{label}'" if label else text
 
     def __repr__(self) -> str:
-        return f"Communicator(group ranks={list(ranks_of(self._group))}, kept={self.nbytes} B)"
+        return f"Communicator(group ranks={list(core.ranks_of(self._group))}, kept={self.nbytes} B)"
 
 
 def _checked_list(values: object, arg: str, kind: type[_T]) -> list[_T]:
@@ -273,7 +253,7 @@ def _split_by_dtype(items: list[_T], dtype_of: Callable[[_T], torch.dtype]) -> l
 def _joined(handles: list[CollectiveHandle], description: str) -> CollectiveHandle:
     """One handle for ``handles``: the only one itself, else a parent of them."""
     if not handles:
-        return DONE
+        return core.DONE
     if len(handles) == 1:
         return handles[0]
     return CollectiveHandle(description=description, children=handles)
