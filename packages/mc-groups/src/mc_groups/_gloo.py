@@ -36,12 +36,10 @@ def all_gather_works(
 
     Large outputs (≥ :data:`EXCHANGE_MIN_BYTES`): point-to-point exchanges straight into
     ``output`` (:func:`_exchange`), no staging. Smaller ones: one all-to-all of the repeated
-    shard through a fresh buffer (cheap at that size: no page faults from the heap).
-    Measured on 2 ranks (torch 2.13, 1 thread per rank), alone: 25 MiB output 8.3 ms by
-    exchange against 11.4 ms by all-to-all (gloo's ``all_gather_into_tensor`` 13.2 ms),
-    4 MiB 1.5 against 2.2 ms, 1 MiB and below equal within 0.1 ms; but inside a
-    sequence-parallel step of 256 KiB gathers, with both cores computing, the exchange
-    (two works, each needing the peer's progress) cost ~1 ms more per gather.
+    shard through a fresh buffer (cheap at that size: no page faults from the heap). Why
+    the threshold: alone, the exchange is faster from a few MiB on and equal below; inside
+    a busy sequence-parallel step of small gathers, its two works per peer (each needing
+    the peer's progress) cost more (the measurements are in mc-groups' README).
     """
     if output.numel() * output.element_size() >= EXCHANGE_MIN_BYTES:
         return _exchange(output, input, group)
