@@ -22,19 +22,6 @@ def check_bucket_size(bucket_size: object) -> int | None:
     return check_optional_int("bucket_size", bucket_size)
 
 
-def param_flag(param: torch.Tensor, attr: str, default: bool) -> bool:
-    """The bool attribute ``attr`` of ``param`` (``default`` when absent); any other value
-    is a ``TypeError`` (``allreduce=0`` must not be read by its truthiness)."""
-    value = getattr(param, attr, default)
-    if not isinstance(value, bool):
-        dtype = str(param.dtype).removeprefix("torch.")
-        raise TypeError(
-            f"param (shape {tuple(param.shape)}, {dtype}) has {attr}={value!r}; the attribute "
-            "must be a bool (True or False)"
-        )
-    return value
-
-
 def describe(param: Param, names: Mapping[Param, str] | None = None) -> str:
     """``'name' (shape, dtype, device)``: how errors name a param."""
     name = names.get(param) if names is not None else None

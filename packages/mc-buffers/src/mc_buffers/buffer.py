@@ -21,13 +21,19 @@ from mc_buffers.layout import (
 )
 from mc_buffers.offloaded import OffloadedView
 from mc_groups.argcheck import check_flag
+from mc_groups.param_attrs import (
+    MAIN_GRAD,
+    MAIN_GRAD_COPY,
+    drop_main_grad_copy,
+    has_main_grad_copy,
+    set_main_grad,
+    set_main_grad_copy,
+)
 
 __all__ = ["ParamAndGradBuffer"]
 
 # Attribute names set on each param (Megatron's); kept in constants because the param
 # object is the user's and these are its documented extension points.
-_MAIN_GRAD = "main_grad"
-_MAIN_GRAD_COPY = "main_grad_copy_in_grad_buffer"
 _WIDE_DTYPES = (torch.float32, torch.float64)
 
 
@@ -161,14 +167,14 @@ class ParamAndGradBuffer:
             main_grad = self._view(self._grad_data, param)
             views = {}
             if self._promotes(param, patterns):
-                setattr(param, _MAIN_GRAD_COPY, main_grad)
-                views[_MAIN_GRAD_COPY] = main_grad
+                set_main_grad_copy(param, main_grad)
+                views[MAIN_GRAD_COPY] = main_grad
                 main_grad = torch.zeros_like(main_grad, dtype=torch.float32)
                 self.extra_main_grads.append(main_grad)
-            elif hasattr(param, _MAIN_GRAD_COPY):
-                delattr(param, _MAIN_GRAD_COPY)  # left by an earlier buffer
-            setattr(param, _MAIN_GRAD, main_grad)
-            views[_MAIN_GRAD] = main_grad
+            else:
+                drop_main_grad_copy(param)  # left by an earlier buffer
+            set_main_grad(param, main_grad)
+            views[MAIN_GRAD] = main_grad
             self._main_grad_views[param] = views
 
     def _promotes(self, param: Param, patterns: tuple[str, ...]) -> bool:
@@ -196,7 +202,7 @@ class ParamAndGradBuffer:
                 gradient_scaling_factor=self.gradient_scaling_factor,
                 bucket_id=bucket_id,
                 param_index_map=self.param_index_map,
-                params_with_extra_main_grads=[p for p in members if hasattr(p, _MAIN_GRAD_COPY)],
+                params_with_extra_main_grads=[p for p in members if has_main_grad_copy(p)],
             )
             self.buckets.append(bucket)
             self.param_to_bucket.update(dict.fromkeys(members, bucket))

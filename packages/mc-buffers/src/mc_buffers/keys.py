@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mc_buffers._checks import Param, as_param_list, check_requires_grad, check_unique, param_flag
+from mc_buffers._checks import Param, as_param_list, check_requires_grad, check_unique
 from mc_groups.argcheck import check_flag, check_tensor
+from mc_groups.param_attrs import ALLREDUCE, bool_attr
 
 __all__ = ["BufferKey", "group_params_for_buffers", "is_expert_parallel_param"]
 
@@ -33,7 +34,7 @@ def is_expert_parallel_param(param: torch.Tensor) -> bool:
     """Megatron's rule: a param is expert-parallel when it carries ``allreduce=False``
     (a non-bool ``allreduce`` is a ``TypeError``)."""
     check_tensor("param", param)
-    return not param_flag(param, "allreduce", True)
+    return not bool_attr(param, ALLREDUCE, True)
 
 
 def group_params_for_buffers(

@@ -24,11 +24,11 @@ from mc_buffers._checks import (
     check_bucket_size,
     check_non_empty_numel,
     check_unique,
-    param_flag,
 )
 from mc_buffers.keys import BufferKey, group_params_for_buffers
 from mc_buffers.padding import pad_bucket_end, pad_param_start
 from mc_groups.argcheck import check_flag, check_int
+from mc_groups.param_attrs import SHARED_EMBEDDING, bool_attr
 
 __all__ = [
     "FullParamLayout",
@@ -109,8 +109,8 @@ class _LayoutWalk:
         self._open = 0  # params in the open bucket
 
     def add(self, param: Param) -> None:
-        isolate = self._padding.isolate_shared_embedding and param_flag(
-            param, "shared_embedding", False
+        isolate = self._padding.isolate_shared_embedding and bool_attr(
+            param, SHARED_EMBEDDING, False
         )
         if isolate and self._open:
             self._close()

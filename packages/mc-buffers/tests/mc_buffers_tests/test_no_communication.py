@@ -1,6 +1,6 @@
 """mc-buffers must not communicate: no module imports torch.distributed or mc_groups'
-collective layer (only ``mc_groups.device`` and the argument checks ``mc_groups.argcheck``
-are allowed), and a full buffer
+collective layer (only ``mc_groups.device``, the argument checks ``mc_groups.argcheck`` and
+the parameter-attribute contract ``mc_groups.param_attrs`` are allowed), and a full buffer
 lifecycle records no collective. Static and exact: no tolerance involved."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from mc_buffers import build_param_and_grad_buffers
 from mc_buffers_tests._params import linears
 from mc_groups import record_collectives
 
-_ALLOWED = {"mc_groups.device", "mc_groups.argcheck"}
+_ALLOWED = {"mc_groups.device", "mc_groups.argcheck", "mc_groups.param_attrs"}
 
 
 def _imported_modules(path: Path) -> set[str]:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_buffers import FullParamLayout, PerBufferParamLayout
 from mc_ddp.config import DistributedDataParallelConfig
+from mc_groups import param_attrs
 from mc_groups.schedule_check import PlannedCollective, verify_schedule
 
 __all__ = ["DataParallelAgreementError"]
@@ -111,7 +112,7 @@ def build_record(
     record["bucket size (resolved)"] = repr(bucket_size)
     kind = "expert" if expert else "dense"
     names = {p: n for n, p in named}
-    members = [(n, p) for n, p in named if (not getattr(p, "allreduce", True)) == expert]
+    members = [(n, p) for n, p in named if param_attrs.is_expert_param(p) == expert]
     record[f"{kind} params"] = _params(members)
     if not expert:
         record["expert params (count)"] = str(expert_count)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from mc_ddp.config import DistributedDataParallelConfig
+from mc_groups import param_attrs
 
 Param = torch.nn.Parameter
 
@@ -53,26 +54,19 @@ def trainable_params(module: object) -> list[tuple[str, Param]]:
     return named
 
 
-PARAM_FLAGS = ("skip_backward_post_hook", "grad_added_to_main_grad", "zero_out_wgrad")
+PARAM_FLAGS = (
+    param_attrs.SKIP_BACKWARD_POST_HOOK,
+    param_attrs.GRAD_ADDED_TO_MAIN_GRAD,
+    param_attrs.ZERO_OUT_WGRAD,
+)
 """Bool attributes of a param that DDP reads (set by layers or by the user)."""
-
-
-def param_flag(param: Param, attr: str, name: str) -> bool:
-    """The bool attribute ``attr`` of ``param`` (False when absent); anything else is a
-    ``TypeError`` (``skip_backward_post_hook=1`` must not be read by its truthiness)."""
-    value = getattr(param, attr, False)
-    if value is not True and value is not False:
-        raise TypeError(
-            f"param '{name}' has {attr}={value!r}; the attribute must be a bool (True or False)"
-        )
-    return value
 
 
 def check_param_flags(named: list[tuple[str, Param]]) -> None:
     """Every :data:`PARAM_FLAGS` attribute a param carries is a bool."""
     for name, param in named:
         for attr in PARAM_FLAGS:
-            param_flag(param, attr, name)
+            param_attrs.bool_attr(param, attr, False, name)
 
 
 def find_wgrad_hook_owner(module: torch.nn.Module, param: Param, name: str) -> torch.nn.Module:

@@ -195,7 +195,7 @@ class ParamAndGradBucketGroup:
     def _prepare_grads(self) -> None:
         for bucket in self.buckets:
             for param in bucket.params_with_extra_main_grads:
-                param.main_grad_copy_in_grad_buffer.copy_(param.main_grad)  # type: ignore[attr-defined]
+                mg.param_attrs.main_grad_copy_of(param).copy_(mg.param_attrs.main_grad_of(param))
         if self.ddp_config.check_for_nan_in_grad:
             check_finite_grads(self.buckets, self._names, self.name, groups=self._check_groups())
         if self.ddp_config.check_for_large_grads:
@@ -283,7 +283,7 @@ class ParamAndGradBucketGroup:
             )
         for bucket in self.buckets:
             for param in bucket.params_with_extra_main_grads:
-                param.main_grad.copy_(param.main_grad_copy_in_grad_buffer)  # type: ignore[attr-defined]
+                mg.param_attrs.main_grad_of(param).copy_(mg.param_attrs.main_grad_copy_of(param))
         self.grad_reduce_finished = True
 
     def _require_live(self, what: str) -> None:

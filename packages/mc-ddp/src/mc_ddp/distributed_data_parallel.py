@@ -51,6 +51,7 @@ from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.param_ready import PARAM_READY_CALLBACK_ATTR, _BucketParamReadyCallback
 from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag
 
 __all__ = ["DistributedDataParallel", "_BucketParamReadyCallback", "logger"]
@@ -220,7 +221,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         cfg = self.ddp_config
         self.bucket_size = plan.bucket_size
         for param in self.params_with_grad:
-            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+            param_attrs.clear_grad_added_to_main_grad(param)
         buffers = build.build_buffers(
             self.params_with_grad, self.param_to_name, cfg, groups, plan, scaling
         )
@@ -256,8 +257,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         for param in self.params_with_grad:
             hook = self._make_backward_post_hook(param)
             name = self.param_to_name[param]
-            if self.ddp_config.delay_wgrad_compute and checks.param_flag(
-                param, "skip_backward_post_hook", name
+            if self.ddp_config.delay_wgrad_compute and param_attrs.bool_attr(
+                param, param_attrs.SKIP_BACKWARD_POST_HOOK, False, name
             ):
                 owner = checks.find_wgrad_hook_owner(self.module, param, name)
                 owner.register_wgrad_accumulation_and_reduce_hooks(hook)  # type: ignore[operator]
@@ -285,16 +286,17 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         group = self.param_to_bucket_group.get(param)
         if group is None:
             return
-        if self._iteration.discarded or isinstance(param.main_grad, OffloadedView):  # type: ignore[attr-defined]
+        main_grad = param_attrs.main_grad_of(param)
+        if self._iteration.discarded or isinstance(main_grad, OffloadedView):
             param.grad = None  # a retry must not add it twice
             raise RuntimeError(self._no_grad_memory_message(param))
         self._iteration.accumulated = True
         grad = param.grad
         if grad is not None:
             name = self.param_to_name[param]
-            added = checks.param_flag(param, "grad_added_to_main_grad", name)
-            if not added or checks.param_flag(param, "zero_out_wgrad", name):
-                param.main_grad.add_(grad)  # type: ignore[attr-defined]
+            added = param_attrs.bool_attr(param, param_attrs.GRAD_ADDED_TO_MAIN_GRAD, False, name)
+            if not added or param_attrs.bool_attr(param, param_attrs.ZERO_OUT_WGRAD, False, name):
+                main_grad.add_(grad)
         param.grad = None
         group.register_grad_ready(param, self.force_all_reduce)
 
@@ -535,7 +537,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             group.check_reset()
         if getattr(self.config, "cuda_graph_impl", "none") != "transformer_engine":
             for param in self.params_with_grad:
-                param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+                param_attrs.clear_grad_added_to_main_grad(param)
         for buffer in self._all_buffers():
             buffer.reset()
         for group in self._all_groups():

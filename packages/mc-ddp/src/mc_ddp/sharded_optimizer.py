@@ -37,6 +37,7 @@ from mc_ddp import _optimizer_state as sharded_state
 from mc_ddp._optimizer_state import OwnedSlice
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag
 
 __all__ = ["OwnedSlice", "ShardedOptimizer"]
@@ -235,7 +236,7 @@ class ShardedOptimizer:
         self._require_new_grads()
         self._drain_param_gathers()
         for slot in self._slots:
-            grad = slot.param.main_grad.view(-1)[slot.start : slot.end]  # type: ignore[attr-defined]
+            grad = param_attrs.main_grad_of(slot.param).view(-1)[slot.start : slot.end]
             slot.master.grad = grad.to(torch.float32)
         self.optimizer.step()
         self._stepped_on = self._generations()

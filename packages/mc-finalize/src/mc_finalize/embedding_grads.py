@@ -30,6 +30,7 @@ from mc_finalize._inputs import _as_chunks, _check_group, _model_module, _resolv
 from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.grad_access import _grad_view
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag
 
 WeightGetter = Callable[[object], torch.nn.Parameter | None]
@@ -71,7 +72,7 @@ def _shared_word_embedding_weight(
             )
         weight: torch.nn.Parameter | None = getter()
         return weight
-    return _first_param_marked(model_module, "shared_embedding")
+    return _first_shared_embedding(model_module)
 
 
 def _get_position_embedding_weight(model_module: object) -> torch.nn.Parameter:
@@ -239,12 +240,12 @@ def _embedding_chunk(
     return chunks[-1] if has_mtp else chunks[0]
 
 
-def _first_param_marked(module: object, marker: str) -> torch.nn.Parameter | None:
+def _first_shared_embedding(module: object) -> torch.nn.Parameter | None:
     parameters = getattr(module, "parameters", None)
     if not callable(parameters):
         return None
     for param in parameters():
-        if getattr(param, marker, False):
+        if param_attrs.is_shared_embedding(param):
             found: torch.nn.Parameter = param
             return found
     return None

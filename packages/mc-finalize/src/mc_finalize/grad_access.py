@@ -24,6 +24,7 @@ from typing import cast
 import torch
 
 import mc_groups as mg
+from mc_groups import param_attrs
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
@@ -39,7 +40,7 @@ _GATHER_LABEL = "unshard DTensor grad"
 def _get_main_grad_attr(param: torch.nn.Parameter) -> str:
     """``"main_grad"`` when ``param`` has that attribute, else ``"grad"``."""
     _check_tensor("param", param)
-    return "main_grad" if hasattr(param, "main_grad") else "grad"
+    return param_attrs.MAIN_GRAD if param_attrs.has_main_grad(param) else "grad"
 
 
 def _check_tensor(name: str, value: object) -> None:

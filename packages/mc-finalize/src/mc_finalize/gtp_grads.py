@@ -29,6 +29,7 @@ from mc_finalize._flat import _allreduce_views
 from mc_finalize._inputs import _as_chunks, _check_group
 from mc_finalize.grad_access import _grad_view
 from mc_finalize.protocols import ModelChunk
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag
 
 _LABEL = "replicated grads over gtp_remat"
@@ -76,6 +77,6 @@ def _replicated_params(chunks: Sequence[ModelChunk], *, expert: bool) -> list[to
         for chunk in chunks
         for param in chunk.parameters()
         if param.requires_grad
-        and not getattr(param, "is_gtp_weight_remat", False)
-        and (not getattr(param, "allreduce", True)) == expert
+        and not param_attrs.is_gtp_weight_remat(param)
+        and param_attrs.is_expert_param(param) == expert
     ]

@@ -23,6 +23,7 @@ from mc_finalize._inputs import _as_chunks, _check_group, _require_group
 from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.grad_access import _grad_view, _GradView
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
+from mc_groups import param_attrs
 
 
 def _allreduce_conditional_embedding_grads(
@@ -71,7 +72,9 @@ def _reduce_conditional_embedding_grads(
     """The core of :func:`_allreduce_conditional_embedding_grads` on checked inputs (``pp``
     is resolved whenever ``settings.has_cond_embedder``)."""
     if settings.has_cond_embedder and pp is not None:
-        _allreduce_marked_over_pp(chunks, pp, "pipeline_parallel", "conditional embedding grads")
+        _allreduce_marked_over_pp(
+            chunks, pp, param_attrs.PIPELINE_PARALLEL, "conditional embedding grads"
+        )
 
 
 def _reduce_router_grads(
@@ -79,7 +82,7 @@ def _reduce_router_grads(
 ) -> None:
     """The core of :func:`_allreduce_router_grads` on checked inputs."""
     if settings.flextron and pp is not None:
-        _allreduce_marked_over_pp(chunks, pp, "flextron_router_pp_sync", "router grads")
+        _allreduce_marked_over_pp(chunks, pp, param_attrs.FLEXTRON_ROUTER_PP_SYNC, "router grads")
 
 
 def _allreduce_marked_over_pp(

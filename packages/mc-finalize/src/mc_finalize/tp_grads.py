@@ -27,6 +27,7 @@ from mc_finalize._inputs import _as_chunks, _require_group
 from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.grad_access import _grad_view, _GradView
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
+from mc_groups import param_attrs
 
 _LABEL = "non-tensor-parallel grads"
 
@@ -71,7 +72,7 @@ def _split_by_reduction(
         for name, param in chunk.named_parameters():
             if not param.requires_grad:
                 continue
-            if getattr(param, "average_gradients_across_tp_domain", False):
+            if param_attrs.averages_grad_across_tp(param):
                 target = avgs
             elif _summed_over_tp(name, param, settings):
                 target = sums
@@ -84,6 +85,6 @@ def _split_by_reduction(
 
 
 def _summed_over_tp(name: str, param: torch.nn.Parameter, settings: _Settings) -> bool:
-    if settings.sequence_parallel and getattr(param, "sequence_parallel", False):
+    if settings.sequence_parallel and param_attrs.is_sequence_parallel_param(param):
         return True
     return settings.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)

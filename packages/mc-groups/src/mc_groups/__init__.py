@@ -17,6 +17,9 @@
 - :class:`ModelParallelConfig`: the validated parallel config (Megatron field names).
 - :mod:`mc_groups.argcheck`: the argument checks every mc package shares (bools are bools,
   ints >= a minimum, finite reals, float dtypes, strs), one message shape.
+- :mod:`mc_groups.param_attrs`: the attributes mc's packages (and Megatron-Core) hang on
+  parameters (``allreduce``, ``main_grad``, ``sequence_parallel``, ...): names, who sets and
+  who reads each, typed accessors.
 - :func:`is_group_live`: False once a group was destroyed; every collective refuses a
   destroyed group, and :func:`destroy_model_parallel` marks its collection destroyed.
 - :mod:`mc_groups.testing`: a reusable multi-process CPU harness for tests.
@@ -25,6 +28,7 @@
 from __future__ import annotations
 
 from mc_groups import argcheck as argcheck
+from mc_groups import param_attrs as param_attrs
 from mc_groups.collection import GROUP_FIELDS, MissingGroupError, ProcessGroupCollection
 from mc_groups.collectives import (
     CoalescedBatch,

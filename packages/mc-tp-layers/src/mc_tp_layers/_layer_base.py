@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_int
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers import agreement
@@ -148,7 +149,7 @@ class ParallelLinear(TensorParallelModule):
             is_expert=self.is_expert,
             keep_master=keep_master,
         )
-        weight.allreduce = self._allreduce()  # type: ignore[attr-defined]
+        param_attrs.mark_allreduce(weight, self._allreduce())
         if self.gtp_group is not None:
             weight = shard_weight_for_gtp(
                 weight,
@@ -166,7 +167,7 @@ class ParallelLinear(TensorParallelModule):
         bias = common.new_parameter((size,), self.config, device, self._sizes())
         set_tensor_model_parallel_attributes(bias, is_parallel, dim, stride)
         common.zero_bias(bias, self.config)
-        bias.allreduce = self._allreduce()  # type: ignore[attr-defined]
+        param_attrs.mark_allreduce(bias, self._allreduce())
         common.tag_gtp_replica(bias, self.gtp_group)
         return bias
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_str, check_tensor
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import default_device
@@ -314,8 +315,7 @@ def default_extra_state(module: torch.nn.Module) -> None:
 def tag_gtp_replica(param: torch.Tensor, gtp_group: dist.ProcessGroup | None) -> None:
     """Mark a parameter replicated over gtp_remat (dedup and checkpoint tags)."""
     if gtp_group is not None:
-        param.gtp_remat_rank = int(gtp_group.rank())  # type: ignore[attr-defined]
-        param.gtp_replica_group = gtp_group  # type: ignore[attr-defined]
+        param_attrs.mark_gtp_replica(param, gtp_group)
 
 
 def forward_impl(

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_int
 
 __all__: list[str] = []
@@ -83,7 +84,7 @@ def partition_dim(value: object, ndim: int, arg: str = "partition_dim") -> int:
 
 def main_grad(weight: torch.Tensor) -> None:
     """A ``ValueError`` unless ``weight.main_grad`` is a tensor of the weight's shape."""
-    grad = getattr(weight, "main_grad", None)
+    grad = param_attrs.main_grad_or_none(weight)
     if not isinstance(grad, torch.Tensor):
         raise ValueError(
             f"gradient_accumulation_fusion=True but the weight (shape {tuple(weight.shape)}) "

@@ -18,6 +18,9 @@ dim 0 before sharding) and ``gtp_unsharded_shape``. Parameters replicated over t
 gtp_remat axis carry ``gtp_remat_rank`` (this rank's position on that axis) and
 ``gtp_replica_group`` (the group holding the identical copies, e.g. for checkpoint
 deduplication).
+
+The names, and who else sets and reads each, are :mod:`mc_groups.param_attrs`; this
+module holds Megatron's public functions over them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_int, check_tensor
 from mc_tp_layers import _validate
 from mc_tp_layers._groups import _check_group, resolve_tp_group
@@ -42,12 +46,12 @@ __all__ = [
 ]
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, object] = {
-    "expert_tp": False,
-    "is_qkv": False,
-    "qkv_split_shapes": None,
-    "tensor_model_parallel": False,
-    "partition_dim": -1,
-    "partition_stride": 1,
+    param_attrs.EXPERT_TP: False,
+    param_attrs.IS_QKV: False,
+    param_attrs.QKV_SPLIT_SHAPES: None,
+    param_attrs.TENSOR_MODEL_PARALLEL: False,
+    param_attrs.PARTITION_DIM: -1,
+    param_attrs.PARTITION_STRIDE: 1,
 }
 """The TP attributes and the values an unsharded parameter has (Megatron-Core's six keys:
 ``expert_tp`` marks an expert-TP shard, ``is_qkv`` / ``qkv_split_shapes`` a fused QKV
@@ -55,14 +59,14 @@ weight and the sizes of its Q, K and V blocks, which optimizers that orthogonali
 block need on every copy of the weight)."""
 
 GTP_ATTRIBUTES: tuple[str, ...] = (
-    "is_gtp_weight_remat",
-    "allreduce",
-    "gtp_remat_rank",
-    "gtp_replica_group",
-    "gtp_remat_size",
-    "gtp_unsharded_shape",
-    "pad_length",
-    "group",
+    param_attrs.IS_GTP_WEIGHT_REMAT,
+    param_attrs.ALLREDUCE,
+    param_attrs.GTP_REMAT_RANK,
+    param_attrs.GTP_REPLICA_GROUP,
+    param_attrs.GTP_REMAT_SIZE,
+    param_attrs.GTP_UNSHARDED_SHAPE,
+    param_attrs.PAD_LENGTH,
+    param_attrs.GTP_GROUP,
 )
 """Attributes :func:`copy_gtp_attributes` carries from a parameter to its copies
 (``allreduce`` too: the dense/expert tag decides which gtp_remat axis the dedup uses)."""
@@ -84,9 +88,9 @@ def set_tensor_model_parallel_attributes(
     _validate.partition_dim(dim, tensor.dim() if is_parallel else max(tensor.dim(), 1), "dim")
     check_int("stride", stride)
     wanted = {
-        "tensor_model_parallel": is_parallel,
-        "partition_dim": dim,
-        "partition_stride": stride,
+        param_attrs.TENSOR_MODEL_PARALLEL: is_parallel,
+        param_attrs.PARTITION_DIM: dim,
+        param_attrs.PARTITION_STRIDE: stride,
     }
     clashes = {
         name: getattr(tensor, name)
@@ -143,9 +147,9 @@ def param_is_not_tensor_parallel_duplicate(
     for arg, given in (("tp_group", tp_group), ("expert_tp_group", expert_tp_group)):
         if given is not None:
             _check_group(given, arg)
-    if getattr(param, "tensor_model_parallel", False):
+    if param_attrs.is_tensor_model_parallel(param):
         return True
-    is_expert = not getattr(param, "allreduce", True)
+    is_expert = param_attrs.is_expert_param(param)
     group = expert_tp_group if is_expert and expert_tp_group is not None else tp_group
     resolved = resolve_tp_group(
         group, None, is_expert=is_expert, what="param_is_not_tensor_parallel_duplicate"
@@ -175,9 +179,9 @@ def param_is_not_gtp_duplicate(param: torch.Tensor) -> bool:
     reads as 0, so every parameter is kept.
     """
     check_tensor("param", param)
-    if getattr(param, "is_gtp_weight_remat", False):
+    if param_attrs.is_gtp_weight_remat(param):
         return True
-    return int(getattr(param, "gtp_remat_rank", 0)) == 0
+    return param_attrs.gtp_remat_rank_of(param) == 0
 
 
 def gtp_local_pad_zero_count(gtp_shard: torch.Tensor, range_start: int, range_end: int) -> int:
@@ -203,8 +207,8 @@ def gtp_local_pad_zero_count(gtp_shard: torch.Tensor, range_start: int, range_en
             f"range_end={range_end} < range_start={range_start}; the range is "
             "[range_start, range_end)"
         )
-    pad_length = int(getattr(gtp_shard, "pad_length", 0) or 0)
-    group = getattr(gtp_shard, "group", None)
+    pad_length = param_attrs.pad_length_of(gtp_shard)
+    group = param_attrs.gtp_group_of(gtp_shard)
     if pad_length == 0 or group is None or gtp_shard.dim() == 0:
         return 0
     rows = gtp_shard.shape[0]

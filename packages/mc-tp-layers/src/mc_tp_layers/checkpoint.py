@@ -45,10 +45,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 import mc_groups as mg
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_int, check_tensor
 from mc_tp_layers import _validate
 from mc_tp_layers._groups import _check_group
-from mc_tp_layers.gtp import unsharded_shape
+from mc_tp_layers.gtp import _gtp_group, unsharded_shape
 
 __all__ = ["gtp_sharded_tensor", "sharded_state_dict_of", "tp_sharded_tensor"]
 
@@ -110,7 +111,7 @@ def _checked(module: torch.nn.Module, prefix: object, sharded_offsets: Any, meta
             "its name only; prepend no offsets (give stacked layers distinct prefixes)"
         )
     for name, param in module.named_parameters(recurse=False):
-        if getattr(param, "is_gtp_weight_remat", False) and _stride(param) > 1:
+        if param_attrs.is_gtp_weight_remat(param) and _stride(param) > 1:
             raise NotImplementedError(
                 f"{type(module).__name__}.{name} is a gtp_remat shard with partition_stride="
                 f"{_stride(param)}; sharded_state_dict supports strided weights without "
@@ -119,7 +120,7 @@ def _checked(module: torch.nn.Module, prefix: object, sharded_offsets: Any, meta
 
 
 def _stride(param: torch.Tensor) -> int:
-    return int(getattr(param, "partition_stride", 1))
+    return param_attrs.partition_stride_of(param)
 
 
 def gtp_sharded_tensor(
@@ -131,7 +132,7 @@ def gtp_sharded_tensor(
     tp_local_shape = unsharded_shape(shard)  # ValueError unless shard_weight_for_gtp made it
     _check_group(tp_group, "tp_group")
     dim = _validate.partition_dim(partition_dim, len(tp_local_shape))
-    gtp_group: dist.ProcessGroup = shard.group  # type: ignore[attr-defined]
+    gtp_group = _gtp_group(shard)
     rows, g = int(shard.shape[0]), int(gtp_group.rank())
     local = shard.detach()[: max(0, min(rows, tp_local_shape[0] - g * rows))]
     shape = list(tp_local_shape)
@@ -186,18 +187,16 @@ def sharded_state_dict_of(
     _checked(module, prefix, sharded_offsets, metadata)
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters(recurse=False):
-        if getattr(param, "is_gtp_weight_remat", False):
+        if param_attrs.is_gtp_weight_remat(param):
             out[prefix + name] = gtp_sharded_tensor(
-                param,
-                tp_group,
-                int(getattr(param, "partition_dim", 0)),
+                param, tp_group, param_attrs.partition_dim_of(param, 0)
             )
-        elif getattr(param, "tensor_model_parallel", False):
+        elif param_attrs.is_tensor_model_parallel(param):
             out[prefix + name] = tp_sharded_tensor(
                 param,
                 tp_group,
-                int(param.partition_dim),  # type: ignore[attr-defined]
-                int(param.partition_stride),  # type: ignore[attr-defined]
+                param_attrs.partition_dim_of(param),
+                param_attrs.partition_stride_of(param),
             )
         else:
             out[prefix + name] = param.detach()

@@ -46,7 +46,7 @@ def _check(
             f"grad_output_buffer holds {len(dys)}; both must hold one per deferred "
             "micro-batch (drain after every deferred backward ran)"
         )
-    main_grad = getattr(w, "main_grad", None)
+    main_grad = mg.param_attrs.main_grad_or_none(w)
     if not isinstance(main_grad, torch.Tensor):
         raise ValueError(
             "drain_embedding_wgrad_compute adds into weight.main_grad, which this weight "

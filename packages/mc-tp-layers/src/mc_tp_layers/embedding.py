@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mc_groups import ProcessGroupCollection
+from mc_groups import ProcessGroupCollection, param_attrs
 from mc_groups.argcheck import check_flag, check_int
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers._config import TensorParallelConfig
@@ -101,7 +101,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         )
         self.weight = common.new_parameter(shape, self.config, target, what)
         init.run(self.weight, (num_embeddings, embedding_dim), 0, 1)
-        self.weight.allreduce = True  # type: ignore[attr-defined]
+        param_attrs.mark_allreduce(self.weight, True)
         self._record_construction(
             {
                 "num_embeddings": num_embeddings,

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_int, check_tensor
 from mc_tp_layers._groups import _check_group
 from mc_tp_layers.attributes import copy_tensor_model_parallel_attributes
@@ -70,7 +71,7 @@ def shard_weight_for_gtp(
     check_tensor("weight", weight)
     if weight.dim() < 1:
         raise ValueError(f"weight has shape {tuple(weight.shape)}; gtp_remat shards dim 0")
-    if getattr(weight, "is_gtp_weight_remat", False):
+    if param_attrs.is_gtp_weight_remat(weight):
         raise ValueError(
             "weight is already a gtp_remat shard (is_gtp_weight_remat); shard the "
             "TP-local weight once"
@@ -83,34 +84,35 @@ def shard_weight_for_gtp(
         padded[rank * rows : (rank + 1) * rows].clone(), requires_grad=weight.requires_grad
     )
     copy_tensor_model_parallel_attributes(shard, weight)
-    for name in ("allreduce", "sequence_parallel"):
+    for name in (param_attrs.ALLREDUCE, param_attrs.SEQUENCE_PARALLEL):
         if hasattr(weight, name):
             setattr(shard, name, getattr(weight, name))
-    shard.is_gtp_weight_remat = True  # type: ignore[attr-defined]
-    shard.group = group  # type: ignore[attr-defined]
-    shard.gtp_remat_size = size  # type: ignore[attr-defined]
-    shard.pad_length = pad  # type: ignore[attr-defined]
-    shard.gtp_unsharded_shape = tuple(weight.shape)  # type: ignore[attr-defined]
-    shard.gtp_wgrad_scale = 1.0 if calculate_per_token_loss else 1.0 / size  # type: ignore[attr-defined]
+    scale = 1.0 if calculate_per_token_loss else 1.0 / size
+    param_attrs.mark_gtp_weight_remat(shard, group, pad, tuple(weight.shape), scale)
     return shard
 
 
-def _gtp_group(shard: torch.Tensor) -> dist.ProcessGroup:
+def _gtp_shard(shard: torch.Tensor) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
+    """The shard's gtp_remat group and the TP-local shape it was cut from."""
     check_tensor("shard", shard)
-    group = getattr(shard, "group", None)
-    if not isinstance(group, dist.ProcessGroup) or not hasattr(shard, "gtp_unsharded_shape"):
+    group = param_attrs.gtp_group_of(shard)
+    shape = param_attrs.gtp_unsharded_shape_of(shard)
+    if not isinstance(group, dist.ProcessGroup) or shape is None:
         raise ValueError(
             "gtp_remat_size > 1 needs a weight sharded by shard_weight_for_gtp (it carries "
             "`group` and `gtp_unsharded_shape`); this weight has shape "
             f"{tuple(shard.shape)} and no GTP attributes"
         )
-    return group
+    return group, shape
+
+
+def _gtp_group(shard: torch.Tensor) -> dist.ProcessGroup:
+    return _gtp_shard(shard)[0]
 
 
 def unsharded_shape(shard: torch.Tensor) -> tuple[int, ...]:
     """The TP-local shape the GTP shard was cut from."""
-    _gtp_group(shard)
-    return tuple(shard.gtp_unsharded_shape)  # type: ignore[attr-defined]
+    return _gtp_shard(shard)[1]
 
 
 def gather_gtp_weight(shard: torch.Tensor) -> torch.Tensor:
@@ -133,7 +135,7 @@ def reduce_scatter_gtp_grad(full_grad: torch.Tensor, shard: torch.Tensor) -> tor
             f"full_grad has shape {tuple(full_grad.shape)} but the shard was cut from "
             f"{list(unsharded_shape(shard))}; pass the gradient of the whole TP-local weight"
         )
-    scale = float(getattr(shard, "gtp_wgrad_scale", 1.0 / int(group.size())))
+    scale = param_attrs.gtp_wgrad_scale_of(shard, 1.0 / int(group.size()))
     pad = shard.shape[0] * int(group.size()) - full_grad.shape[0]
     if pad:
         padded = torch.nn.functional.pad(full_grad, (0, 0, 0, pad)).mul_(scale)

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor
 from mc_tp_layers import _validate
 from mc_tp_layers._groups import resolve_tp_group
@@ -167,9 +167,9 @@ def _my_blocks(
 
 def _gtp_rows(part: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``part`` cut down to this rank's gtp_remat rows when ``weight`` is a GTP shard."""
-    if not getattr(weight, "is_gtp_weight_remat", False):
+    group = param_attrs.gtp_group_of(weight)
+    if not param_attrs.is_gtp_weight_remat(weight) or group is None:
         return part
-    group: dist.ProcessGroup = weight.group  # type: ignore[attr-defined]
     rows, pad = gtp_remat_shard_dim0(part.shape[0], int(group.size()))
     padded = torch.nn.functional.pad(part, (0, 0, 0, pad)) if pad else part
     start = int(group.rank()) * rows

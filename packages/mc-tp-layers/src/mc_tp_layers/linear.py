@@ -112,7 +112,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.save_for_backward(input, weight)
         # main_grad is kept on ctx, not saved: a weight shared by several layers (an MTP
         # head) would otherwise trip autograd's in-place version check.
-        ctx.main_grad = weight.main_grad if gradient_accumulation_fusion else None  # type: ignore[attr-defined]
+        ctx.main_grad = (
+            mg.param_attrs.main_grad_of(weight) if gradient_accumulation_fusion else None
+        )
         ctx.use_bias = bias is not None
         total_input = _comm.gather_first_dim(input, tp_group)[0] if sequence_parallel else input
         return _linear_forward(
@@ -222,11 +224,11 @@ def _dummy_grad(weight: torch.Tensor, main_grad: torch.Tensor | None) -> torch.T
     gradient (so DDP's hook runs on the backward thread, as in Megatron) and the flag is
     set so the hook does not add it again. Any other weight gets None.
     """
-    if not hasattr(weight, "grad_added_to_main_grad"):
+    if not mg.param_attrs.has_grad_added_flag(weight):
         return None
-    weight.grad_added_to_main_grad = True
+    mg.param_attrs.mark_grad_added_to_main_grad(weight)
     shape = weight.shape if main_grad is None else main_grad.shape
-    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    make = torch.zeros if mg.param_attrs.zeroes_wgrad(weight) else torch.empty
     return make(shape, dtype=weight.dtype, device=weight.device)
 
 
@@ -306,7 +308,7 @@ def _check_common(
 def _weight_shape(w: torch.Tensor, gtp_remat_size: int) -> tuple[int, ...]:
     """The (unsharded) weight shape; a gtp_remat shard needs its own ``gtp_remat_size``."""
     shard_size = (
-        getattr(w, "gtp_remat_size", None) if getattr(w, "is_gtp_weight_remat", False) else None
+        mg.param_attrs.gtp_remat_size_of(w) if mg.param_attrs.is_gtp_weight_remat(w) else None
     )
     if gtp_remat_size == 1 and shard_size is None:
         return tuple(w.shape)

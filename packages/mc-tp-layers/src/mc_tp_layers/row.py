@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mc_groups import ProcessGroupCollection
+from mc_groups import ProcessGroupCollection, param_attrs
 from mc_groups.argcheck import check_flag
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers._config import TensorParallelConfig
@@ -152,7 +152,7 @@ class RowParallelLinear(ParallelLinear):
         # grad is reduced by DDP (over expt_dp when ETP != TP), so the TP sum would double
         # count it (measured 2.0x at TP = 2, ETP = 1 in integration_tests/test_parity_experts).
         tagged = self.sequence_parallel and not self.is_expert
-        bias.sequence_parallel = tagged  # type: ignore[attr-defined]
+        param_attrs.mark_sequence_parallel(bias, tagged)
         return bias
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
