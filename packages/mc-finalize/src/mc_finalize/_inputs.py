@@ -76,6 +76,12 @@ def _check_group(group: object, arg: str, needed_for: str) -> dist.ProcessGroup 
     return group
 
 
+def _check_groups(needed_for: str, **groups: object) -> None:
+    """:func:`_check_group` on each ``arg=group`` (a step's group arguments, in order)."""
+    for arg, group in groups.items():
+        _check_group(group, arg, needed_for)
+
+
 def _resolve_group(
     group: dist.ProcessGroup | None, arg: str, field: str, needed_for: str
 ) -> dist.ProcessGroup | None:

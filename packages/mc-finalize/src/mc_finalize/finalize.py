@@ -70,8 +70,9 @@ from mc_finalize.embedding_grads import (
 )
 from mc_finalize.gtp_grads import _reduce_replicated_grads
 from mc_finalize.pipeline_grads import (
-    _reduce_conditional_embedding_grads,
-    _reduce_router_grads,
+    _CONDITIONAL_EMBEDDERS,
+    _FLEXTRON_ROUTERS,
+    _reduce_replicated_over_pp,
 )
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
 from mc_finalize.router_state import (
@@ -141,8 +142,8 @@ def _run_steps(
     arguments, then calls the same core)."""
     for chunk in chunks:
         chunk.finish_grad_sync(force_all_reduce=force)
-    _reduce_conditional_embedding_grads(chunks, settings, groups.pp)
-    _reduce_router_grads(chunks, settings, groups.pp)
+    _reduce_replicated_over_pp(_CONDITIONAL_EMBEDDERS, chunks, settings, groups.pp)
+    _reduce_replicated_over_pp(_FLEXTRON_ROUTERS, chunks, settings, groups.pp)
     _reduce_non_tensor_parallel_grads(chunks, settings, groups.tp)
     _reduce_replicated_grads(
         chunks, groups.gtp_remat, groups.expt_gtp_remat, settings.calculate_per_token_loss

@@ -13,7 +13,8 @@ pp group has one rank, when the config switch is off, or when no param is marked
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -24,6 +25,31 @@ from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.grad_access import _grad_view, _GradView
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
 from mc_groups import param_attrs
+
+
+@dataclass(frozen=True)
+class _ReplicatedOverPP:
+    """One kind of param replicated on every stage: the step's name, the config switch that
+    turns it on, the param mark and the collective's label."""
+
+    what: str
+    enabled: Callable[[_Settings], bool]
+    marker: str
+    label: str
+
+
+_CONDITIONAL_EMBEDDERS = _ReplicatedOverPP(
+    "_allreduce_conditional_embedding_grads",
+    lambda settings: settings.has_cond_embedder,
+    param_attrs.PIPELINE_PARALLEL,
+    "conditional embedding grads",
+)
+_FLEXTRON_ROUTERS = _ReplicatedOverPP(
+    "_allreduce_router_grads",
+    lambda settings: settings.flextron,
+    param_attrs.FLEXTRON_ROUTER_PP_SYNC,
+    "router grads",
+)
 
 
 def _allreduce_conditional_embedding_grads(
@@ -38,13 +64,7 @@ def _allreduce_conditional_embedding_grads(
     models) on every pipeline and virtual-pipeline stage. ``pp_group=None`` reads the
     default collection's ``pp``.
     """
-    what = "_allreduce_conditional_embedding_grads"
-    chunks = _as_chunks(model)
-    _check_group(pp_group, "pp_group", what)
-    settings = _read_settings(config)
-    if settings.has_cond_embedder:
-        pp = _require_group(pp_group, "pp_group", "pp", what)
-        _reduce_conditional_embedding_grads(chunks, settings, pp)
+    _check_and_reduce(_CONDITIONAL_EMBEDDERS, model, config, pp_group)
 
 
 def _allreduce_router_grads(
@@ -57,32 +77,34 @@ def _allreduce_router_grads(
     Runs when ``config.flextron`` (default False) and pp > 1, so routers replicated on every
     stage stay in sync. ``pp_group=None`` reads the default collection's ``pp``.
     """
-    what = "_allreduce_router_grads"
+    _check_and_reduce(_FLEXTRON_ROUTERS, model, config, pp_group)
+
+
+def _check_and_reduce(
+    kind: _ReplicatedOverPP,
+    model: Sequence[ModelChunk],
+    config: FinalizeConfig,
+    pp_group: dist.ProcessGroup | None,
+) -> None:
+    """The public steps: check their arguments, resolve pp only when the step is on."""
     chunks = _as_chunks(model)
-    _check_group(pp_group, "pp_group", what)
+    _check_group(pp_group, "pp_group", kind.what)
     settings = _read_settings(config)
-    if settings.flextron:
-        pp = _require_group(pp_group, "pp_group", "pp", what)
-        _reduce_router_grads(chunks, settings, pp)
+    if kind.enabled(settings):
+        pp = _require_group(pp_group, "pp_group", "pp", kind.what)
+        _reduce_replicated_over_pp(kind, chunks, settings, pp)
 
 
-def _reduce_conditional_embedding_grads(
-    chunks: Sequence[ModelChunk], settings: _Settings, pp: dist.ProcessGroup | None
+def _reduce_replicated_over_pp(
+    kind: _ReplicatedOverPP,
+    chunks: Sequence[ModelChunk],
+    settings: _Settings,
+    pp: dist.ProcessGroup | None,
 ) -> None:
-    """The core of :func:`_allreduce_conditional_embedding_grads` on checked inputs (``pp``
-    is resolved whenever ``settings.has_cond_embedder``)."""
-    if settings.has_cond_embedder and pp is not None:
-        _allreduce_marked_over_pp(
-            chunks, pp, param_attrs.PIPELINE_PARALLEL, "conditional embedding grads"
-        )
-
-
-def _reduce_router_grads(
-    chunks: Sequence[ModelChunk], settings: _Settings, pp: dist.ProcessGroup | None
-) -> None:
-    """The core of :func:`_allreduce_router_grads` on checked inputs."""
-    if settings.flextron and pp is not None:
-        _allreduce_marked_over_pp(chunks, pp, param_attrs.FLEXTRON_ROUTER_PP_SYNC, "router grads")
+    """The core of both steps on checked inputs (``pp`` is resolved whenever the step is
+    on)."""
+    if kind.enabled(settings) and pp is not None:
+        _allreduce_marked_over_pp(chunks, pp, kind.marker, kind.label)
 
 
 def _allreduce_marked_over_pp(
