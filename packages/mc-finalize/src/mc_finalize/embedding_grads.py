@@ -107,7 +107,7 @@ def _allreduce_word_embedding_grads(
     if embd_group is None and pp_group is None:
         embd_group = _resolve_group(None, "embd_group", "embd", what)
         pp_group = _resolve_group(None, "pp_group", "pp", what)
-    weight = _word_embedding_weight(chunks, settings, embd_group, pp_group)
+    weight = _stage_embedding_weight(chunks, settings, embd_group, pp_group, word=True)
     _reduce_embedding_grad(weight, embd_group)
 
 
@@ -126,7 +126,7 @@ def _allreduce_position_embedding_grads(
     chunks = _as_chunks(model)
     settings = _read_settings(config)
     _check_groups(what, pos_emb_group=pos_emb_group, pp_group=pp_group)
-    weight = _position_embedding_weight(chunks, settings, pos_emb_group, pp_group)
+    weight = _stage_embedding_weight(chunks, settings, pos_emb_group, pp_group, word=False)
     _reduce_embedding_grad(weight, pos_emb_group)
 
 
@@ -159,29 +159,24 @@ def _allreduce_embedding_grad(
     _reduce_embedding_grad(weight, embd_group)
 
 
-def _word_embedding_weight(
+def _stage_embedding_weight(
     chunks: Sequence[ModelChunk],
     settings: _Settings,
-    embd_group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None,
+    *,
+    word: bool,
 ) -> torch.nn.Parameter | None:
-    """The shared word-embedding weight this rank reduces, or None (checked before I/O)."""
-    getter = partial(_shared_word_embedding_weight, settings=settings)
-    has_mtp = settings.mtp_num_layers > 0
-    return _embedding_weight(chunks, embd_group, pp_group, getter, has_mtp, skip_if_none=True)
-
-
-def _position_embedding_weight(
-    chunks: Sequence[ModelChunk],
-    settings: _Settings,
-    pos_embd_group: dist.ProcessGroup | None,
-    pp_group: dist.ProcessGroup | None,
-) -> torch.nn.Parameter | None:
-    """The position-embedding weight this rank reduces, or None (checked before I/O)."""
-    has_mtp = settings.mtp_num_layers > 0
-    return _embedding_weight(
-        chunks, pos_embd_group, pp_group, _get_position_embedding_weight, has_mtp, False
+    """The weight this rank reduces over ``group``, or None (checked before I/O): the shared
+    word embedding (``word``; a stage without one skips) or the position embedding (a
+    member without one is a ValueError)."""
+    getter: WeightGetter = (
+        partial(_shared_word_embedding_weight, settings=settings)
+        if word
+        else _get_position_embedding_weight
     )
+    has_mtp = settings.mtp_num_layers > 0
+    return _embedding_weight(chunks, group, pp_group, getter, has_mtp, skip_if_none=word)
 
 
 def _reduce_embedding_grad(

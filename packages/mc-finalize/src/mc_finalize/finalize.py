@@ -63,11 +63,7 @@ from mc_finalize._inputs import (
     _config_of,
 )
 from mc_finalize._settings import _read_settings, _Settings
-from mc_finalize.embedding_grads import (
-    _position_embedding_weight,
-    _reduce_embedding_grad,
-    _word_embedding_weight,
-)
+from mc_finalize.embedding_grads import _reduce_embedding_grad, _stage_embedding_weight
 from mc_finalize.gtp_grads import _reduce_replicated_grads
 from mc_finalize.pipeline_grads import (
     _CONDITIONAL_EMBEDDERS,
@@ -117,8 +113,8 @@ def finalize_model_grads(
     collection = mg.collection_or_default(pg_collection, "finalize_model_grads")
     groups = _plan_groups(collection, settings, per_token)
     _check_num_tokens(num_tokens, chunks, per_token)
-    word = _word_embedding_weight(chunks, settings, groups.embd, groups.pp)
-    position = _position_embedding_weight(chunks, settings, groups.pos_embd, groups.pp)
+    word = _stage_embedding_weight(chunks, settings, groups.embd, groups.pp, word=True)
+    position = _stage_embedding_weight(chunks, settings, groups.pos_embd, groups.pp, word=False)
     _check_not_finalized(chunks)
     _run_steps(chunks, settings, groups, force, word, position)
     if per_token:
