@@ -176,7 +176,7 @@ def _full_param_count(cfg: GPTConfig) -> dict[str, int]:
 
 
 def _rank_lines(spec: DryRunSpec, r: RankReport) -> list[str]:
-    coords = ", ".join(f"{k} {v}" for k, v in r.coordinates.items() if spec_size(spec, k) > 1)
+    coords = ", ".join(f"{k} {v}" for k, v in r.coordinates.items() if _axis_size(spec, k) > 1)
     held = "; ".join(c.describe() for c in r.chunks)
     shown = ("tp", "cp", "dp", "pp", "embd", "gtp_remat")
     groups = [_group(n, ranks) for n, ranks in r.groups.items() if n in shown and len(ranks) > 1]
@@ -244,7 +244,7 @@ def _collective_lines(r: RankReport) -> list[str]:
     return lines
 
 
-def spec_size(spec: DryRunSpec, axis: str) -> int:
+def _axis_size(spec: DryRunSpec, axis: str) -> int:
     """The size of ``axis`` (``tp``, ``cp``, ``dp``, ``pp``, ``gtp_remat``, ``ep``)."""
     value: int = getattr(spec.layout, axis)
     return value

@@ -271,7 +271,7 @@ def _buckets(stage: StageModel) -> list[BucketInfo]:
                 out.append(
                     BucketInfo(
                         chunk=i,
-                        buffer=f"{_dtype(param_dtype(bucket))} params / "
+                        buffer=f"{_dtype(_param_dtype(bucket))} params / "
                         f"{_dtype(bucket.grad_data.dtype)} grads",
                         index=bucket.bucket_id,
                         params=len(bucket.params_list),
@@ -286,7 +286,7 @@ def _buckets(stage: StageModel) -> list[BucketInfo]:
     return out
 
 
-def param_dtype(bucket: Any) -> torch.dtype:
+def _param_dtype(bucket: Any) -> torch.dtype:
     """The dtype of a bucket's params."""
     return bucket.params_list[0].dtype  # type: ignore[no-any-return]
 
