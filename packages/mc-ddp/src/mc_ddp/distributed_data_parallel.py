@@ -53,6 +53,7 @@ from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag
+from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr, main_grad_of
 
 __all__ = ["DistributedDataParallel", "_BucketParamReadyCallback", "logger"]
 
@@ -286,7 +287,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         group = self.param_to_bucket_group.get(param)
         if group is None:
             return
-        main_grad = param_attrs.main_grad_of(param)
+        main_grad = main_grad_of(param)
         if self._iteration.discarded or isinstance(main_grad, OffloadedView):
             param.grad = None  # a retry must not add it twice
             raise RuntimeError(self._no_grad_memory_message(param))
@@ -294,8 +295,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         grad = param.grad
         if grad is not None:
             name = self.param_to_name[param]
-            added = param_attrs.bool_attr(param, param_attrs.GRAD_ADDED_TO_MAIN_GRAD, False, name)
-            if not added or param_attrs.bool_attr(param, param_attrs.ZERO_OUT_WGRAD, False, name):
+            added = bool_attr(param, GRAD_ADDED_TO_MAIN_GRAD, False, name)
+            if not added or bool_attr(param, ZERO_OUT_WGRAD, False, name):
                 main_grad.add_(grad)
         param.grad = None
         group.register_grad_ready(param, self.force_all_reduce)

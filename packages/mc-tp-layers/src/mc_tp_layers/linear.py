@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor
 from mc_tp_layers import _comm, _validate
 from mc_tp_layers._autograd import apply
@@ -112,9 +113,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.save_for_backward(input, weight)
         # main_grad is kept on ctx, not saved: a weight shared by several layers (an MTP
         # head) would otherwise trip autograd's in-place version check.
-        ctx.main_grad = (
-            mg.param_attrs.main_grad_of(weight) if gradient_accumulation_fusion else None
-        )
+        ctx.main_grad = param_attrs.main_grad_of(weight) if gradient_accumulation_fusion else None
         ctx.use_bias = bias is not None
         total_input = _comm.gather_first_dim(input, tp_group)[0] if sequence_parallel else input
         return _linear_forward(
@@ -224,11 +223,11 @@ def _dummy_grad(weight: torch.Tensor, main_grad: torch.Tensor | None) -> torch.T
     gradient (so DDP's hook runs on the backward thread, as in Megatron) and the flag is
     set so the hook does not add it again. Any other weight gets None.
     """
-    if not mg.param_attrs.has_grad_added_flag(weight):
+    if not param_attrs.has_grad_added_flag(weight):
         return None
-    mg.param_attrs.mark_grad_added_to_main_grad(weight)
+    param_attrs.mark_grad_added_to_main_grad(weight)
     shape = weight.shape if main_grad is None else main_grad.shape
-    make = torch.zeros if mg.param_attrs.zeroes_wgrad(weight) else torch.empty
+    make = torch.zeros if param_attrs.zeroes_wgrad(weight) else torch.empty
     return make(shape, dtype=weight.dtype, device=weight.device)
 
 
@@ -307,9 +306,7 @@ def _check_common(
 
 def _weight_shape(w: torch.Tensor, gtp_remat_size: int) -> tuple[int, ...]:
     """The (unsharded) weight shape; a gtp_remat shard needs its own ``gtp_remat_size``."""
-    shard_size = (
-        mg.param_attrs.gtp_remat_size_of(w) if mg.param_attrs.is_gtp_weight_remat(w) else None
-    )
+    shard_size = param_attrs.gtp_remat_size_of(w) if param_attrs.is_gtp_weight_remat(w) else None
     if gtp_remat_size == 1 and shard_size is None:
         return tuple(w.shape)
     if shard_size != gtp_remat_size:
