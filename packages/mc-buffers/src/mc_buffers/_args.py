@@ -10,7 +10,6 @@ import torch
 from mc_buffers._checks import (
     Param,
     as_param_list,
-    check_bucket_size,
     check_non_empty_numel,
     check_not_views,
     check_requires_grad,
@@ -19,7 +18,14 @@ from mc_buffers._checks import (
     check_unique,
     describe,
 )
-from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_patterns, check_real
+from mc_groups.argcheck import (
+    check_flag,
+    check_float_dtype,
+    check_int,
+    check_optional_int,
+    check_patterns,
+    check_real,
+)
 
 Scale = float | torch.Tensor
 
@@ -149,7 +155,7 @@ def check_buffer_args(
         names=names,
         param_dtype=p_dtype,
         grad_dtype=_dtype(grad_dtype, "grad_dtype", p_dtype),
-        bucket_size=check_bucket_size(bucket_size),
+        bucket_size=check_optional_int("bucket_size", bucket_size),
         use_distributed_optimizer=check_flag(
             "use_distributed_optimizer", use_distributed_optimizer
         ),

@@ -7,19 +7,12 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from mc_groups.argcheck import check_optional_int
-
 Param = torch.nn.Parameter
 
 # A param re-pointed into a ParamAndGradBuffer's param_data records where it was put, so a
 # later buffer (DDP re-wrapping the same module) may re-point it again although it is,
 # strictly, a view into a larger storage. A param moved since then no longer matches.
 BUFFER_VIEW_ATTR = "_mc_buffers_param_data_slot"
-
-
-def check_bucket_size(bucket_size: object) -> int | None:
-    """``bucket_size`` as an int >= 1 (elements), or None (one bucket)."""
-    return check_optional_int("bucket_size", bucket_size)
 
 
 def describe(param: Param, names: Mapping[Param, str] | None = None) -> str:

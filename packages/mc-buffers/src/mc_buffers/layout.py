@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 from mc_buffers._checks import (
     Param,
     as_param_list,
-    check_bucket_size,
     check_non_empty_numel,
     check_unique,
 )
 from mc_buffers.keys import BufferKey, group_params_for_buffers
 from mc_buffers.padding import pad_bucket_end, pad_param_start
-from mc_groups.argcheck import check_flag, check_int
+from mc_groups.argcheck import check_flag, check_int, check_optional_int
 from mc_groups.param_attrs import SHARED_EMBEDDING, bool_attr
 
 __all__ = [
@@ -160,7 +159,7 @@ def compute_default_per_buffer_param_layout(
     ``>= bucket_size`` elements (``None``: one bucket). ``numel == numel_unpadded``.
     """
     plist = _checked_params(params)
-    size = check_bucket_size(bucket_size)
+    size = check_optional_int("bucket_size", bucket_size)
     layout = _walk(plist, size, _NO_PADDING)
     layout.param_indices = list(range(len(plist)))
     return layout
@@ -183,7 +182,7 @@ def compute_distributed_optimizer_param_layout(
     − bucket start.
     """
     plist = _checked_params(params)
-    size = check_bucket_size(bucket_size)
+    size = check_optional_int("bucket_size", bucket_size)
     dp = check_int("data_parallel_size", data_parallel_size)
     busbw = check_flag("pad_buckets_for_high_nccl_busbw", pad_buckets_for_high_nccl_busbw)
     padding = _Padding(
@@ -228,7 +227,7 @@ def compute_full_param_layout(
         ValueError: expert params in distributed-optimizer mode without
             ``expert_data_parallel_size``; and every error of the functions above.
     """
-    check_bucket_size(bucket_size)
+    check_optional_int("bucket_size", bucket_size)
     dp = check_int("data_parallel_size", data_parallel_size)
     use_dist_opt = check_flag("use_distributed_optimizer", use_distributed_optimizer)
     busbw = check_flag("pad_buckets_for_high_nccl_busbw", pad_buckets_for_high_nccl_busbw)

@@ -33,7 +33,7 @@ from mc_ddp import _bucket_collectives as comm
 from mc_ddp._groups import require_live
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_finite_grads
-from mc_groups.argcheck import check_flag, check_str
+from mc_groups.argcheck import check_flag, check_group, check_optional_group, check_str
 
 __all__ = ["ParamAndGradBucketGroup", "partition_buckets"]
 
@@ -442,11 +442,8 @@ def _check_arguments(
         raise TypeError(
             f"ddp_config={type(ddp_config).__name__} must be a mc_ddp.DistributedDataParallelConfig"
         )
-    for arg, value in (("collective_group", group), ("inter_instance_group", inter_group)):
-        if not isinstance(value, dist.ProcessGroup) and (
-            value is not None or arg == "collective_group"
-        ):
-            raise TypeError(f"{arg}={value!r} must be a torch.distributed.ProcessGroup")
+    check_group("collective_group", group)
+    check_optional_group("inter_instance_group", inter_group)
     check_str("name", name)
 
 

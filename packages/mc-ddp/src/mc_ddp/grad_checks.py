@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_buffers import ParamAndGradBucket
-from mc_groups.argcheck import check_int, check_str
+from mc_groups.argcheck import check_group, check_int, check_str
 
 __all__ = ["LargeGradMonitor", "NonFiniteGradError", "check_finite_grads"]
 
@@ -146,8 +146,7 @@ def _check_arguments(buckets: object, names: object, where: object, groups: obje
     if isinstance(groups, (str, dist.ProcessGroup)) or not isinstance(groups, Sequence):
         raise TypeError(f"groups={groups!r} must be a sequence of process groups")
     for i, group in enumerate(groups):
-        if not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"groups[{i}]={group!r} must be a torch.distributed.ProcessGroup")
+        check_group(f"groups[{i}]", group)
     offloaded = [b.bucket_id for b in buckets if b.is_grad_data_offloaded]
     if offloaded:
         raise RuntimeError(

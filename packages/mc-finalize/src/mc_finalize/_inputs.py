@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize.protocols import ModelChunk
-from mc_groups.argcheck import check_flag
+from mc_groups.argcheck import check_flag, check_optional_group
 
 _CHUNK_METHODS = ("finish_grad_sync", "named_parameters", "parameters")
 # Half-precision counts are exact only up to 2048 (fp16) / 256 (bf16) tokens.
@@ -59,29 +59,6 @@ def _config_of(chunks: Sequence[ModelChunk]) -> object:
     return config
 
 
-def _check_group(group: object, arg: str, needed_for: str) -> dist.ProcessGroup | None:
-    """``group`` when it is None or a live process group; ``TypeError`` / ``RuntimeError``
-    naming ``arg`` otherwise (checked on every group size, before any collective)."""
-    if group is None:
-        return None
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"{needed_for}: {arg}={group!r} must be a torch.distributed.ProcessGroup or None"
-        )
-    if not mg.is_group_live(group):
-        raise RuntimeError(
-            f"{needed_for}: {arg} was destroyed (destroy_model_parallel() or "
-            "torch.distributed.destroy_process_group()); pass a live group"
-        )
-    return group
-
-
-def _check_groups(needed_for: str, **groups: object) -> None:
-    """:func:`_check_group` on each ``arg=group`` (a step's group arguments, in order)."""
-    for arg, group in groups.items():
-        _check_group(group, arg, needed_for)
-
-
 def _resolve_group(
     group: dist.ProcessGroup | None, arg: str, field: str, needed_for: str
 ) -> dist.ProcessGroup | None:
@@ -90,7 +67,7 @@ def _resolve_group(
 
     The default's field may itself be None (e.g. ``embd`` on a middle pipeline stage).
     """
-    if _check_group(group, arg, needed_for) is not None:
+    if check_optional_group(arg, group, what=needed_for) is not None:
         return group
     collection = mg.collection_or_default(None, needed_for, explicit=f"{arg}=pg_collection.{field}")
     found: dist.ProcessGroup | None = getattr(collection, field)

@@ -26,12 +26,12 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize._flat import _allreduce_views
-from mc_finalize._inputs import _as_chunks, _check_groups, _model_module, _resolve_group
+from mc_finalize._inputs import _as_chunks, _model_module, _resolve_group
 from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.grad_access import _grad_view
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_flag
+from mc_groups.argcheck import check_flag, check_optional_group
 
 WeightGetter = Callable[[object], torch.nn.Parameter | None]
 
@@ -103,7 +103,8 @@ def _allreduce_word_embedding_grads(
     what = "_allreduce_word_embedding_grads"
     chunks = _as_chunks(model)
     settings = _read_settings(config)
-    _check_groups(what, embd_group=embd_group, pp_group=pp_group)
+    check_optional_group("embd_group", embd_group, what=what)
+    check_optional_group("pp_group", pp_group, what=what)
     if embd_group is None and pp_group is None:
         embd_group = _resolve_group(None, "embd_group", "embd", what)
         pp_group = _resolve_group(None, "pp_group", "pp", what)
@@ -125,7 +126,8 @@ def _allreduce_position_embedding_grads(
     what = "_allreduce_position_embedding_grads"
     chunks = _as_chunks(model)
     settings = _read_settings(config)
-    _check_groups(what, pos_emb_group=pos_emb_group, pp_group=pp_group)
+    check_optional_group("pos_emb_group", pos_emb_group, what=what)
+    check_optional_group("pp_group", pp_group, what=what)
     weight = _stage_embedding_weight(chunks, settings, pos_emb_group, pp_group, word=False)
     _reduce_embedding_grad(weight, pos_emb_group)
 
@@ -146,7 +148,8 @@ def _allreduce_embedding_grad(
     always skips. Nothing runs when ``embd_group`` is None or has one rank (the arguments
     are checked all the same).
     """
-    _check_groups("_allreduce_embedding_grad", embd_group=embd_group, pp_group=pp_group)
+    check_optional_group("embd_group", embd_group, what="_allreduce_embedding_grad")
+    check_optional_group("pp_group", pp_group, what="_allreduce_embedding_grad")
     if not callable(weight_getter):
         raise TypeError(
             f"weight_getter={weight_getter!r} must be a callable taking the model module and "

@@ -26,11 +26,11 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize._flat import _allreduce_views
-from mc_finalize._inputs import _as_chunks, _check_groups
+from mc_finalize._inputs import _as_chunks
 from mc_finalize.grad_access import _grad_view
 from mc_finalize.protocols import ModelChunk
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_flag
+from mc_groups.argcheck import check_flag, check_optional_group
 
 _LABEL = "replicated grads over gtp_remat"
 
@@ -48,7 +48,8 @@ def _allreduce_replicated_grads_over_gtp_remat_group(
     """
     chunks = _as_chunks(model)
     what = "_allreduce_replicated_grads_over_gtp_remat_group"
-    _check_groups(what, gtp_remat_group=gtp_remat_group, egtp_remat_group=egtp_remat_group)
+    check_optional_group("gtp_remat_group", gtp_remat_group, what=what)
+    check_optional_group("egtp_remat_group", egtp_remat_group, what=what)
     check_flag("calculate_per_token_loss", calculate_per_token_loss)
     _reduce_replicated_grads(chunks, gtp_remat_group, egtp_remat_group, calculate_per_token_loss)
 

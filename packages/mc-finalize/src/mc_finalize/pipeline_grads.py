@@ -20,11 +20,12 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize._flat import _allreduce_views
-from mc_finalize._inputs import _as_chunks, _check_group, _require_group
+from mc_finalize._inputs import _as_chunks, _require_group
 from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.grad_access import _grad_view, _GradView
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
 from mc_groups import param_attrs
+from mc_groups.argcheck import check_optional_group
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def _check_and_reduce(
 ) -> None:
     """The public steps: check their arguments, resolve pp only when the step is on."""
     chunks = _as_chunks(model)
-    _check_group(pp_group, "pp_group", kind.what)
+    check_optional_group("pp_group", pp_group, what=kind.what)
     settings = _read_settings(config)
     if kind.enabled(settings):
         pp = _require_group(pp_group, "pp_group", "pp", kind.what)

@@ -16,7 +16,8 @@
 - :mod:`mc_groups.device`: stream/synchronise helpers that are no-ops on CPU.
 - :class:`ModelParallelConfig`: the validated parallel config (Megatron field names).
 - :mod:`mc_groups.argcheck`: the argument checks every mc package shares (bools are bools,
-  ints >= a minimum, finite reals, float dtypes, strs), one message shape.
+  ints >= a minimum, finite reals, float dtypes, strs, live process groups, collections
+  not destroyed), one message shape.
 - :mod:`mc_groups.param_attrs`: the attributes mc's packages (and Megatron-Core) hang on
   parameters (``allreduce``, ``main_grad``, ``sequence_parallel``, ...): names, who sets and
   who reads each, typed accessors.

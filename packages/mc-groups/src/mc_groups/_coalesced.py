@@ -17,11 +17,10 @@ from mc_groups._core import (
     CollectiveHandle,
     ReduceOp,
     check_all_gather,
-    check_group,
+    check_contiguous,
     check_op,
     check_options,
     check_reduce_scatter,
-    check_tensor,
     copy_unless_alias,
     dtype_name,
     key_device,
@@ -31,6 +30,7 @@ from mc_groups._core import (
 )
 from mc_groups._errors import CollectiveError
 from mc_groups._shims import all_gather_flat, coalescing_manager, reduce_scatter_flat
+from mc_groups.argcheck import check_group
 from mc_groups.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
 
 __all__ = ["CoalescedBatch", "coalesced"]
@@ -104,7 +104,7 @@ class CoalescedBatch:
 
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = ReduceOp.SUM) -> None:
         """Queue ``tensor ← op over ranks``."""
-        check_tensor(tensor, "tensor")
+        check_contiguous("tensor", tensor)
         check_op(op)
         self._claim("all_reduce", op)
         if self._size == 1:
@@ -268,7 +268,7 @@ def coalesced(
     batch's role in records and errors; ``detail`` (e.g. a bucket's param layout) is shown
     in errors and compared by the schedule check.
     """
-    check_group(group)
+    check_group("group", group)
     check_options(async_op, label, detail, group=group)
     _check_device(device)
     with open_batch(group, device, async_op, label, detail, rs.fresh) as batch:

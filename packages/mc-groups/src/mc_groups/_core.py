@@ -1,5 +1,5 @@
 """What every collective of the layer shares: the reduce ops, the handle, group queries,
-input checks, descriptions (for errors), recording, issuing, and the hook of the opt-in
+tensor checks, descriptions (for errors), recording, issuing, and the hook of the opt-in
 schedule check. No collective is defined here (see :mod:`mc_groups.collectives`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups._errors import CollectiveError
-from mc_groups.argcheck import check_flag, check_real, check_str
+from mc_groups.argcheck import check_flag, check_group, check_real, check_str, check_tensor
 from mc_groups.recorder import CollectiveRecord, _emit, _recording
 from mc_groups.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
 
@@ -23,7 +23,6 @@ __all__ = [
     "group_rank",
     "group_ranks",
     "group_size",
-    "is_group_live",
 ]
 
 
@@ -118,42 +117,19 @@ class CollectiveHandle:
 DONE = CollectiveHandle()
 
 
-def is_group_live(group: dist.ProcessGroup) -> bool:
-    """False once ``group`` was destroyed (:func:`~mc_groups.destroy_model_parallel`,
-    ``torch.distributed.destroy_process_group``) or when ``torch.distributed`` is not
-    initialised: a dictionary lookup in torch's group registry, no communication."""
-    registry = _group_registry()
-    if registry is not None:
-        return group in registry
-    try:  # torch without the registry attribute: its public lookup (a few µs)
-        dist.get_backend(group)
-    except (ValueError, RuntimeError):
-        return False
-    return True
-
-
-def _group_registry() -> dict[Any, Any] | None:
-    """torch's map of live process groups (``_world.pg_map``: every group leaves it when
-    destroyed), or None on a torch without it. Read per call: it is replaced when
-    ``torch.distributed`` is re-initialised."""
-    world = getattr(dist.distributed_c10d, "_world", None)
-    registry = getattr(world, "pg_map", None)
-    return registry if isinstance(registry, dict) else None
-
-
 def group_size(group: dist.ProcessGroup) -> int:
     """Number of ranks in ``group``."""
-    return int(check_group(group).size())
+    return int(check_group("group", group).size())
 
 
 def group_rank(group: dist.ProcessGroup) -> int:
     """This process's rank inside ``group``."""
-    return int(check_group(group).rank())
+    return int(check_group("group", group).rank())
 
 
 def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
     """Global ranks of ``group`` in group-rank order."""
-    return ranks_of(check_group(group))
+    return ranks_of(check_group("group", group))
 
 
 def ranks_of(group: dist.ProcessGroup) -> tuple[int, ...]:
@@ -225,20 +201,6 @@ def issue(description: str, call: Callable[[], Any], *, async_op: bool) -> Colle
     return CollectiveHandle([work], description)
 
 
-def check_group(group: object, arg: str = "group") -> dist.ProcessGroup:
-    """A process group that was not destroyed (``TypeError`` / ``RuntimeError``)."""
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{arg}={group!r} must be a torch.distributed.ProcessGroup")
-    if not is_group_live(group):
-        raise RuntimeError(
-            f"{arg} (a process group of {group.size()} rank(s)) was destroyed "
-            "(destroy_model_parallel() or torch.distributed.destroy_process_group()) or "
-            "torch.distributed is no longer initialised; build new groups, e.g. with "
-            "initialize_model_parallel()"
-        )
-    return group
-
-
 def check_options(
     async_op: object, label: object, detail: object = "", *, group: dist.ProcessGroup
 ) -> None:
@@ -254,13 +216,14 @@ def check_options(
         schedule_check_enabled()  # a switch that is neither on nor off is an error everywhere
 
 
-def check_tensor(t: object, arg: str) -> torch.Tensor:
+def check_contiguous(name: str, value: object) -> torch.Tensor:
     """A contiguous tensor."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_contiguous():
-        raise ValueError(f"{arg} (shape {tuple(t.shape)}) must be contiguous; call .contiguous()")
-    return t
+    tensor = check_tensor(name, value)
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} (shape {tuple(tensor.shape)}) must be contiguous; call .contiguous()"
+        )
+    return tensor
 
 
 def check_pair(out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
@@ -280,8 +243,8 @@ def check_op(op: object) -> ReduceOp:
 
 def check_reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
     """``input`` holds ``size`` outputs."""
-    check_tensor(output, "output")
-    check_tensor(input, "input")
+    check_contiguous("output", output)
+    check_contiguous("input", input)
     check_pair(output, input, "reduce_scatter")
     if input.numel() != output.numel() * size:
         raise ValueError(
@@ -292,8 +255,8 @@ def check_reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int) -
 
 def check_all_gather(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
     """``output`` holds ``size`` inputs."""
-    check_tensor(output, "output")
-    check_tensor(input, "input")
+    check_contiguous("output", output)
+    check_contiguous("input", input)
     check_pair(output, input, "all_gather")
     if output.numel() != input.numel() * size:
         raise ValueError(

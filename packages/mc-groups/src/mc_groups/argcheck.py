@@ -11,9 +11,15 @@ before anything changes or communicates:
 
 The checks' own keyword arguments (``minimum``, ``positive``, ...) are checked the same way.
 
+Process groups and collections are arguments too: :func:`check_group` (a live
+``ProcessGroup``; a destroyed one is a ``RuntimeError``), :func:`check_optional_group` and
+:func:`check_collection` (a ``ProcessGroupCollection`` not destroyed). Their ``what=``
+names the caller when the argument's name alone would not say where it failed.
+
 Domain checks (divisibility by a group size, shapes against a layout) stay with their
-package; they use these for the types. Cheap: ``isinstance`` and comparisons only, nothing
-that synchronises a device, so the checks may run on hot paths.
+package; they use these for the types. Cheap: ``isinstance``, comparisons and a dictionary
+lookup (a group's liveness) only, nothing that synchronises a device or communicates, so
+the checks may run on hot paths.
 """
 
 from __future__ import annotations
@@ -23,11 +29,17 @@ from collections.abc import Collection
 from numbers import Integral, Real
 
 import torch
+import torch.distributed as dist
+
+from mc_groups.collection import ProcessGroupCollection, is_group_live
 
 __all__ = [
+    "check_collection",
     "check_flag",
     "check_float_dtype",
+    "check_group",
     "check_int",
+    "check_optional_group",
     "check_optional_int",
     "check_patterns",
     "check_real",
@@ -139,3 +151,53 @@ def check_patterns(name: str, value: object) -> tuple[str, ...]:
         if not isinstance(pattern, str):
             raise TypeError(f"{name} holds {pattern!r}; every pattern must be a str")
     return tuple(value)
+
+
+def check_group(name: str, value: object, *, what: str = "") -> dist.ProcessGroup:
+    """``value`` when it is a live ``torch.distributed.ProcessGroup``: another type is a
+    ``TypeError``, a group destroyed since (``destroy_model_parallel()``,
+    ``torch.distributed.destroy_process_group()``) a ``RuntimeError``. ``what`` names the
+    caller (``"embedding grads: embd_group=..."``)."""
+    return _live_group(name, value, what, "")
+
+
+def check_optional_group(name: str, value: object, *, what: str = "") -> dist.ProcessGroup | None:
+    """``None``, or ``value`` checked by :func:`check_group`."""
+    if value is None:
+        return None
+    return _live_group(name, value, what, " or None")
+
+
+def _live_group(name: str, value: object, what: str, or_none: str) -> dist.ProcessGroup:
+    caller = f"{what}: " if what else ""
+    if not isinstance(value, dist.ProcessGroup):
+        raise TypeError(
+            f"{caller}{name}={value!r} must be a torch.distributed.ProcessGroup{or_none} (e.g. "
+            "a field of the ProcessGroupCollection that initialize_model_parallel() returns)"
+        )
+    if not is_group_live(value):
+        raise RuntimeError(
+            f"{caller}{name} (a process group of {value.size()} rank(s)) was destroyed "
+            "(destroy_model_parallel() or torch.distributed.destroy_process_group()) or "
+            "torch.distributed is no longer initialised; build new groups "
+            "(initialize_model_parallel()) and new objects on them"
+        )
+    return value
+
+
+def check_collection(name: str, value: object, *, what: str = "") -> ProcessGroupCollection:
+    """``value`` when it is a :class:`~mc_groups.ProcessGroupCollection` that
+    ``destroy_model_parallel()`` has not destroyed (``TypeError`` / ``RuntimeError``)."""
+    caller = f"{what}: " if what else ""
+    if not isinstance(value, ProcessGroupCollection):
+        raise TypeError(
+            f"{caller}{name}={value!r} must be a ProcessGroupCollection (e.g. from "
+            "initialize_model_parallel())"
+        )
+    if value.destroyed:
+        raise RuntimeError(
+            f"{caller}{name} was destroyed by destroy_model_parallel(); its groups can no "
+            "longer communicate: build a new collection with initialize_model_parallel() and "
+            "new objects on it"
+        )
+    return value

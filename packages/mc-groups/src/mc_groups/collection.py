@@ -1,4 +1,5 @@
-"""``ProcessGroupCollection``: the process groups one rank belongs to, passed explicitly.
+"""``ProcessGroupCollection``: the process groups one rank belongs to, passed explicitly;
+:func:`is_group_live`: whether one of them still exists.
 
 Every mc function that communicates takes its groups from a collection (or a single group
 argument) instead of reading global state. Field names follow Megatron-Core so code
@@ -8,10 +9,11 @@ written against ``megatron.core.process_groups_config`` ports by changing the im
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["GROUP_FIELDS", "MissingGroupError", "ProcessGroupCollection"]
+__all__ = ["GROUP_FIELDS", "MissingGroupError", "ProcessGroupCollection", "is_group_live"]
 
 GROUP_FIELDS: tuple[str, ...] = (
     "tp",  # tensor parallel
@@ -157,3 +159,26 @@ class ProcessGroupCollection:
         parts = [f"{name}({group.size()})" for name, group in self.items()]
         destroyed = ", destroyed" if self._destroyed else ""
         return f"ProcessGroupCollection({', '.join(parts) or 'empty'}{destroyed})"
+
+
+def is_group_live(group: dist.ProcessGroup) -> bool:
+    """False once ``group`` was destroyed (:func:`~mc_groups.destroy_model_parallel`,
+    ``torch.distributed.destroy_process_group``) or when ``torch.distributed`` is not
+    initialised: a dictionary lookup in torch's group registry, no communication."""
+    registry = _group_registry()
+    if registry is not None:
+        return group in registry
+    try:  # torch without the registry attribute: its public lookup, which is slower
+        dist.get_backend(group)
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+def _group_registry() -> dict[Any, Any] | None:
+    """torch's map of live process groups (``_world.pg_map``: every group leaves it when
+    destroyed), or None on a torch without it. Read per call: it is replaced when
+    ``torch.distributed`` is re-initialised."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    registry = getattr(world, "pg_map", None)
+    return registry if isinstance(registry, dict) else None

@@ -47,25 +47,25 @@ from mc_groups._core import (
     CollectiveHandle,
     ReduceOp,
     check_all_gather,
-    check_group,
+    check_contiguous,
     check_op,
     check_options,
     check_pair,
     check_reduce_scatter,
     check_schedule,
-    check_tensor,
     copy_unless_alias,
     describe,
     dtype_name,
     group_rank,
     group_ranks,
     group_size,
-    is_group_live,
     issue,
     record,
 )
 from mc_groups._errors import CollectiveError, CollectiveScheduleError
 from mc_groups._shims import all_gather_flat
+from mc_groups.argcheck import check_group
+from mc_groups.collection import is_group_live
 
 __all__ = [
     "CoalescedBatch",
@@ -100,8 +100,8 @@ def all_reduce(
     detail: str = "",
 ) -> CollectiveHandle:
     """``tensor ← op over ranks of tensor``, in place."""
-    check_group(group)
-    check_tensor(tensor, "tensor")
+    check_group("group", group)
+    check_contiguous("tensor", tensor)
     check_op(op)
     check_options(async_op, label, detail, group=group)
     if group.size() == 1:
@@ -144,7 +144,7 @@ def reduce_scatter(
       Callers repeating the collective use a :class:`~mc_groups.Communicator`, which keeps
       its buffers. See :mod:`mc_groups._reduce_scatter` for the algorithms.
     """
-    check_group(group)
+    check_group("group", group)
     check_op(op)
     check_options(async_op, label, detail, group=group)
     size = group.size()
@@ -176,7 +176,7 @@ def all_gather(
     every other rank; no staging buffer) from 4 MiB of output on, as an all-to-all of the
     repeated input below that; recorded as one ``all_gather`` either way.
     """
-    check_group(group)
+    check_group("group", group)
     check_options(async_op, label, detail, group=group)
     size = group.size()
     check_all_gather(output, input, size)
@@ -215,8 +215,8 @@ def broadcast(
     detail: str = "",
 ) -> CollectiveHandle:
     """Copy ``tensor`` from the rank whose *group* rank is ``group_src`` to every rank."""
-    check_group(group)
-    check_tensor(tensor, "tensor")
+    check_group("group", group)
+    check_contiguous("tensor", tensor)
     check_options(async_op, label, detail, group=group)
     size = group.size()
     _check_group_rank(group_src, "group_src", size)
@@ -295,9 +295,9 @@ def all_to_all(
     Without split sizes, dim 0 is split evenly. (With split sizes the ranks' input sizes
     may differ, so the schedule check compares only the op, dtype, label and detail.)
     """
-    check_group(group)
-    check_tensor(output, "output")
-    check_tensor(input, "input")
+    check_group("group", group)
+    check_contiguous("output", output)
+    check_contiguous("input", input)
     check_pair(output, input, "all_to_all")
     check_options(async_op, label, detail, group=group)
     size = group.size()
@@ -325,8 +325,8 @@ def send(
 ) -> None:
     """Point-to-point send of ``tensor`` to group rank ``group_dst`` (blocking; not
     schedule-checked: the group's other ranks take no part)."""
-    check_group(group)
-    check_tensor(tensor, "tensor")
+    check_group("group", group)
+    check_contiguous("tensor", tensor)
     check_options(False, label, group=group)
     _check_peer(group, group_dst, "group_dst")
     record("send", group, tensor, reduce_op=None, async_op=False, label=label)
@@ -342,8 +342,8 @@ def recv(
 ) -> None:
     """Point-to-point receive into ``tensor`` from group rank ``group_src`` (blocking; not
     schedule-checked)."""
-    check_group(group)
-    check_tensor(tensor, "tensor")
+    check_group("group", group)
+    check_contiguous("tensor", tensor)
     check_options(False, label, group=group)
     _check_peer(group, group_src, "group_src")
     record("recv", group, tensor, reduce_op=None, async_op=False, label=label)
@@ -364,7 +364,7 @@ def _check_peer(group: dist.ProcessGroup, peer: object, arg: str) -> None:
 
 def barrier(group: dist.ProcessGroup, *, label: str = "") -> None:
     """Block until every rank of ``group`` reached this call (bounded by the group timeout)."""
-    check_group(group)
+    check_group("group", group)
     check_options(False, label, group=group)
     if group.size() == 1:
         return
@@ -377,7 +377,7 @@ def barrier(group: dist.ProcessGroup, *, label: str = "") -> None:
 
 def all_gather_objects(obj: object, group: dist.ProcessGroup, *, label: str = "") -> list[object]:
     """Every rank's picklable ``obj``, in group-rank order."""
-    check_group(group)
+    check_group("group", group)
     check_options(False, label, group=group)
     size = group.size()
     if size == 1:

@@ -24,6 +24,7 @@ from mc_groups import _core as core
 from mc_groups import _reduce_scatter as rs
 from mc_groups._coalesced import open_batch
 from mc_groups._gloo import is_gloo
+from mc_groups.argcheck import check_group
 from mc_groups.collectives import CollectiveHandle, ReduceOp, all_gather, all_reduce
 
 __all__ = ["Communicator"]
@@ -58,7 +59,7 @@ class Communicator:
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self._group = core.check_group(group)
+        self._group = check_group("group", group)
         self._by_dtype = is_gloo(group)
         self._buffers: dict[_Key, list[torch.Tensor]] = {}
 
@@ -88,10 +89,10 @@ class Communicator:
     ) -> CollectiveHandle:
         """``t ← op over ranks of t`` for each tensor, in place (see
         :func:`~mc_groups.all_reduce`)."""
-        core.check_group(self._group)
+        check_group("group", self._group)
         items = _checked_list(tensors, "tensors", torch.Tensor)
         for i, tensor in enumerate(items):
-            core.check_tensor(tensor, f"tensors[{i}]")
+            core.check_contiguous(f"tensors[{i}]", tensor)
         core.check_op(op)
         core.check_options(async_op, label, detail, group=self._group)
 
@@ -195,7 +196,7 @@ class Communicator:
         self, pairs: object, check: Callable[[torch.Tensor, torch.Tensor, int], None]
     ) -> list[Pair]:
         """Checked ``(output, input)`` pairs (the group first)."""
-        size = core.check_group(self._group).size()
+        size = check_group("group", self._group).size()
         items = _checked_list(pairs, "pairs", tuple)
         for i, pair in enumerate(items):
             if len(pair) != 2:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Literal, overload
 
+from mc_groups.argcheck import check_collection
 from mc_groups.collection import MissingGroupError, ProcessGroupCollection
 
 __all__ = [
@@ -50,13 +51,9 @@ class _DefaultSlot:
 
 def set_default_collection(collection: ProcessGroupCollection) -> None:
     """Register ``collection`` for callers that pass ``pg_collection=None``."""
-    if not isinstance(collection, ProcessGroupCollection):
-        raise TypeError(f"collection={collection!r} must be a ProcessGroupCollection")
-    if collection.destroyed:
-        raise RuntimeError(
-            "set_default_collection(): the collection was destroyed by destroy_model_parallel()"
-        )
-    _DefaultSlot.collection = collection
+    _DefaultSlot.collection = check_collection(
+        "collection", collection, what="set_default_collection()"
+    )
 
 
 def get_default_collection() -> ProcessGroupCollection | None:
@@ -112,28 +109,19 @@ def collection_or_default(
         RuntimeError: the collection was destroyed by ``destroy_model_parallel()``.
         NoDefaultCollectionError: None, no default registered, and ``required``.
     """
-    if pg_collection is None:
-        collection = _DefaultSlot.collection
-        if collection is None:
-            if not required:
-                return None
-            raise NoDefaultCollectionError(
-                f"{what} got no process group and no default ProcessGroupCollection is "
-                f"registered: pass {explicit}, or register a default with "
-                "initialize_model_parallel(..., set_default=True) or "
-                "mc_groups.set_default_collection(collection)"
-            )
-    elif isinstance(pg_collection, ProcessGroupCollection):
-        collection = pg_collection
-    else:
+    if pg_collection is not None and not isinstance(pg_collection, ProcessGroupCollection):
         raise TypeError(
             f"{what}: pg_collection={pg_collection!r} must be a "
             "mc_groups.ProcessGroupCollection or None (e.g. initialize_model_parallel(...))"
         )
-    if collection.destroyed:
-        raise RuntimeError(
-            f"{what}: pg_collection was destroyed by destroy_model_parallel(); its groups can "
-            "no longer communicate: build a new collection with initialize_model_parallel() "
-            "and new objects on it"
+    collection = _DefaultSlot.collection if pg_collection is None else pg_collection
+    if collection is None:
+        if not required:
+            return None
+        raise NoDefaultCollectionError(
+            f"{what} got no process group and no default ProcessGroupCollection is "
+            f"registered: pass {explicit}, or register a default with "
+            "initialize_model_parallel(..., set_default=True) or "
+            "mc_groups.set_default_collection(collection)"
         )
-    return collection
+    return check_collection("pg_collection", collection, what=what)

@@ -27,9 +27,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mc_groups._core import is_group_live, key_device
+from mc_groups._core import key_device
 from mc_groups.argcheck import check_flag, check_int, check_optional_int
-from mc_groups.collection import ProcessGroupCollection
+from mc_groups.collection import ProcessGroupCollection, is_group_live
 from mc_groups.collectives import all_gather, all_gather_objects, barrier
 from mc_groups.default_collection import (
     clear_default_collection,

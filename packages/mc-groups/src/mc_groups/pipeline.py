@@ -9,9 +9,11 @@ first stage only when ``s = 0`` and ``vp_stage = 0``, the last only when ``s = P
 
 from __future__ import annotations
 
-from mc_groups.argcheck import check_optional_int
+import torch.distributed as dist
+
+from mc_groups.argcheck import check_collection, check_optional_int
 from mc_groups.collection import ProcessGroupCollection
-from mc_groups.collectives import group_ranks
+from mc_groups.collectives import group_rank, group_ranks
 
 __all__ = [
     "get_pipeline_next_rank",
@@ -23,25 +25,19 @@ __all__ = [
 ]
 
 
-def _collection(pg_collection: object, what: str) -> ProcessGroupCollection:
-    if not isinstance(pg_collection, ProcessGroupCollection):
-        raise TypeError(
-            f"{what}: pg_collection={pg_collection!r} must be a ProcessGroupCollection (e.g. "
-            "from initialize_model_parallel())"
-        )
-    return pg_collection
+def _pp(pg_collection: object, what: str) -> dist.ProcessGroup:
+    """The pp group of a checked collection (``what`` names the caller in errors)."""
+    return check_collection("pg_collection", pg_collection, what=what).require("pp", what)
 
 
 def pipeline_rank(pg_collection: ProcessGroupCollection) -> int:
     """This rank's pipeline stage."""
-    collection = _collection(pg_collection, "pipeline_rank")
-    return int(collection.require("pp", "pipeline_rank").rank())
+    return int(_pp(pg_collection, "pipeline_rank").rank())
 
 
 def pipeline_size(pg_collection: ProcessGroupCollection) -> int:
     """Number of pipeline stages."""
-    collection = _collection(pg_collection, "pipeline_size")
-    return int(collection.require("pp", "pipeline_size").size())
+    return int(_pp(pg_collection, "pipeline_size").size())
 
 
 def _check_vp(vp_stage: object, vp_size: object) -> None:
@@ -61,7 +57,7 @@ def is_pipeline_first_stage(
     vp_size: int | None = None,
 ) -> bool:
     """True on pipeline stage 0 (and, with virtual stages, for chunk 0 only)."""
-    _collection(pg_collection, "is_pipeline_first_stage")
+    check_collection("pg_collection", pg_collection, what="is_pipeline_first_stage")
     _check_vp(vp_stage, vp_size)
     return pipeline_rank(pg_collection) == 0 and (vp_stage is None or vp_stage == 0)
 
@@ -72,7 +68,7 @@ def is_pipeline_last_stage(
     vp_size: int | None = None,
 ) -> bool:
     """True on the last pipeline stage (and, with virtual stages, for the last chunk only)."""
-    _collection(pg_collection, "is_pipeline_last_stage")
+    check_collection("pg_collection", pg_collection, what="is_pipeline_last_stage")
     _check_vp(vp_stage, vp_size)
     last = pipeline_rank(pg_collection) == pipeline_size(pg_collection) - 1
     return last and (vp_stage is None or vp_size is None or vp_stage == vp_size - 1)
@@ -80,13 +76,14 @@ def is_pipeline_last_stage(
 
 def get_pipeline_next_rank(pg_collection: ProcessGroupCollection) -> int:
     """Global rank of the next pipeline stage (wrapping around)."""
-    collection = _collection(pg_collection, "get_pipeline_next_rank")
-    ranks = group_ranks(collection.require("pp", "get_pipeline_next_rank"))
-    return ranks[(pipeline_rank(pg_collection) + 1) % len(ranks)]
+    return _neighbour(_pp(pg_collection, "get_pipeline_next_rank"), +1)
 
 
 def get_pipeline_prev_rank(pg_collection: ProcessGroupCollection) -> int:
     """Global rank of the previous pipeline stage (wrapping around)."""
-    collection = _collection(pg_collection, "get_pipeline_prev_rank")
-    ranks = group_ranks(collection.require("pp", "get_pipeline_prev_rank"))
-    return ranks[(pipeline_rank(pg_collection) - 1) % len(ranks)]
+    return _neighbour(_pp(pg_collection, "get_pipeline_prev_rank"), -1)
+
+
+def _neighbour(pp: dist.ProcessGroup, step: int) -> int:
+    ranks = group_ranks(pp)
+    return ranks[(group_rank(pp) + step) % len(ranks)]

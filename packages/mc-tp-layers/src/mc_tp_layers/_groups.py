@@ -11,34 +11,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mc_groups import collection_or_default, is_group_live
+from mc_groups import collection_or_default
+from mc_groups.argcheck import check_group
 
 __all__: list[str] = []
 
 _EXPLICIT = "tp_group=<ProcessGroup> or pg_collection=<ProcessGroupCollection>"
-
-
-def _check_group(group: object, arg: str) -> dist.ProcessGroup:
-    """A live process group: ``TypeError`` for another type, ``RuntimeError`` for a group
-    that was destroyed (``destroy_model_parallel``)."""
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"{arg}={group!r} must be a torch.distributed.ProcessGroup (for example "
-            "pg_collection.tp from mc_groups.initialize_model_parallel)"
-        )
-    check_live(group, arg)
-    return group
-
-
-def check_live(group: dist.ProcessGroup, what: str) -> None:
-    """A ``RuntimeError`` once ``group`` was destroyed (a dictionary lookup in torch's group
-    registry, cheap enough for every forward)."""
-    if not is_group_live(group):
-        raise RuntimeError(
-            f"{what} (a process group of {group.size()} rank(s)) was destroyed "
-            "(destroy_model_parallel() or torch.distributed.destroy_process_group()); build "
-            "new groups (initialize_model_parallel()) and new layers on them"
-        )
 
 
 def resolve_tp_group(
@@ -50,7 +28,7 @@ def resolve_tp_group(
 ) -> dist.ProcessGroup:
     """``tp_group`` if given, else the collection's ``tp`` (``expt_tp`` for experts)."""
     if tp_group is not None:
-        return _check_group(tp_group, "tp_group")
+        return check_group("tp_group", tp_group)
     field = "expt_tp" if is_expert else "tp"
     return collection_or_default(pg_collection, what, explicit=_EXPLICIT).require(field, what)
 

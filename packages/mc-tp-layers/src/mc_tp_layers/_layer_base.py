@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_int
+from mc_groups.argcheck import check_group, check_int
 from mc_tp_layers import _layer_common as common
 from mc_tp_layers import agreement
-from mc_tp_layers._groups import check_live
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.checkpoint import sharded_state_dict_of
 from mc_tp_layers.gtp import shard_weight_for_gtp
@@ -48,7 +47,7 @@ class TensorParallelModule(torch.nn.Module):
         """Every forward: the TP group is still alive (a dictionary lookup). The first
         forward also compares the pending constructions of this TP group (one small
         exchange); afterwards an attribute read."""
-        check_live(self.tp_group, f"{type(self).__name__}'s tp_group")
+        check_group(f"{type(self).__name__}'s tp_group", self.tp_group)
         if not self._tp_agreement.checked:
             agreement.settle(self._tp_agreement)
 

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_flag, check_int, check_tensor
+from mc_groups.argcheck import check_flag, check_int, check_optional_group, check_tensor
 from mc_tp_layers import _validate
-from mc_tp_layers._groups import _check_group, resolve_tp_group
+from mc_tp_layers._groups import resolve_tp_group
 
 __all__ = [
     "GTP_ATTRIBUTES",
@@ -144,9 +144,8 @@ def param_is_not_tensor_parallel_duplicate(
     back to its global dense TP rank for both.
     """
     check_tensor("param", param)
-    for arg, given in (("tp_group", tp_group), ("expert_tp_group", expert_tp_group)):
-        if given is not None:
-            _check_group(given, arg)
+    check_optional_group("tp_group", tp_group)
+    check_optional_group("expert_tp_group", expert_tp_group)
     if param_attrs.is_tensor_model_parallel(param):
         return True
     is_expert = param_attrs.is_expert_param(param)

@@ -46,9 +46,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 import mc_groups as mg
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_int, check_tensor
+from mc_groups.argcheck import check_group, check_int, check_str, check_tensor
 from mc_tp_layers import _validate
-from mc_tp_layers._groups import _check_group
 from mc_tp_layers.gtp import _gtp_group, unsharded_shape
 
 __all__ = ["gtp_sharded_tensor", "sharded_state_dict_of", "tp_sharded_tensor"]
@@ -69,7 +68,7 @@ def tp_sharded_tensor(
     (in the same strided view).
     """
     local = check_tensor("tensor", tensor).detach()
-    _check_group(tp_group, "tp_group")
+    check_group("tp_group", tp_group)
     dim = _validate.partition_dim(partition_dim, local.dim())
     if local.shape[dim] % check_int("stride", stride):
         raise ValueError(
@@ -95,8 +94,7 @@ def tp_sharded_tensor(
 
 
 def _checked(module: torch.nn.Module, prefix: object, sharded_offsets: Any, metadata: Any) -> None:
-    if not isinstance(prefix, str):
-        raise TypeError(f"prefix={prefix!r} must be a str (e.g. 'decoder.fc1.')")
+    check_str("prefix", prefix)
     if isinstance(sharded_offsets, (str, bytes)) or not isinstance(sharded_offsets, Sequence):
         raise TypeError(
             f"sharded_offsets={sharded_offsets!r} must be a tuple of (axis, offset, count) "
@@ -130,7 +128,7 @@ def gtp_sharded_tensor(
     ``(tp, gtp_remat)`` mesh: Shard(``partition_dim``) by TP, then Shard(0) by gtp_remat
     (see the module notes). The local tensor is a view of the shard's unpadded rows."""
     tp_local_shape = unsharded_shape(shard)  # ValueError unless shard_weight_for_gtp made it
-    _check_group(tp_group, "tp_group")
+    check_group("tp_group", tp_group)
     dim = _validate.partition_dim(partition_dim, len(tp_local_shape))
     gtp_group = _gtp_group(shard)
     rows, g = int(shard.shape[0]), int(gtp_group.rank())

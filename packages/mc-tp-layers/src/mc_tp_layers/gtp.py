@@ -30,8 +30,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_int, check_tensor
-from mc_tp_layers._groups import _check_group
+from mc_groups.argcheck import check_flag, check_group, check_int, check_tensor
 from mc_tp_layers.attributes import copy_tensor_model_parallel_attributes
 
 __all__ = [
@@ -63,11 +62,7 @@ def shard_weight_for_gtp(
     ``calculate_per_token_loss``: see the module notes) and ``weight``'s TP attributes.
     The layers pass their ``config.calculate_per_token_loss``.
     """
-    if not isinstance(calculate_per_token_loss, bool):
-        raise TypeError(
-            f"calculate_per_token_loss={calculate_per_token_loss!r} must be a bool (the "
-            "config's calculate_per_token_loss)"
-        )
+    check_flag("calculate_per_token_loss", calculate_per_token_loss)
     check_tensor("weight", weight)
     if weight.dim() < 1:
         raise ValueError(f"weight has shape {tuple(weight.shape)}; gtp_remat shards dim 0")
@@ -76,7 +71,7 @@ def shard_weight_for_gtp(
             "weight is already a gtp_remat shard (is_gtp_weight_remat); shard the "
             "TP-local weight once"
         )
-    _check_group(group, "group")
+    check_group("group", group)
     size, rank = int(group.size()), int(group.rank())
     rows, pad = gtp_remat_shard_dim0(weight.shape[0], size)
     padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight.detach()
