@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mc_ddp._config_checks import need
 from mc_groups.argcheck import check_flag, check_int, check_optional_int, check_patterns
 
 __all__ = ["DistributedDataParallelConfig"]
@@ -180,27 +179,27 @@ class DistributedDataParallelConfig:
 
     def _check_combinations(self) -> None:
         dist_opt = self.use_distributed_optimizer
-        need(
+        _need(
             self.num_distributed_optimizer_instances == 1 or dist_opt,
             f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances} "
             "needs use_distributed_optimizer=True (the instances shard the optimizer)",
         )
-        need(
+        _need(
             self.bucket_size is None or self.num_buckets is None,
             f"bucket_size={self.bucket_size} and num_buckets={self.num_buckets} both set: "
             "give one of them",
         )
-        need(
+        _need(
             not self.overlap_param_gather or dist_opt,
             "overlap_param_gather=True needs use_distributed_optimizer=True (only the "
             "distributed optimizer all-gathers params)",
         )
-        need(
+        _need(
             not self.align_param_gather or self.overlap_param_gather,
             "align_param_gather=True needs overlap_param_gather=True (it aligns the "
             "overlapped param all-gathers)",
         )
-        need(
+        _need(
             not (self.param_name_patterns_for_fp32_local_accumulation and self.grad_reduce_in_fp32),
             "param_name_patterns_for_fp32_local_accumulation="
             f"{list(self.param_name_patterns_for_fp32_local_accumulation)} with "
@@ -211,12 +210,12 @@ class DistributedDataParallelConfig:
     def _check_fp32_reduce_scatter(self) -> None:
         if not self.reduce_scatter_with_fp32_accumulation:
             return
-        need(
+        _need(
             self.use_distributed_optimizer,
             "reduce_scatter_with_fp32_accumulation=True needs use_distributed_optimizer=True "
             "(without it gradients are all-reduced, not reduce-scattered)",
         )
-        need(
+        _need(
             self.num_distributed_optimizer_instances == 1,
             "reduce_scatter_with_fp32_accumulation=True with "
             f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances}: "
@@ -226,7 +225,7 @@ class DistributedDataParallelConfig:
     def _check_not_implemented(self) -> None:
         for name, (default, _) in _NOT_IMPLEMENTED.items():
             _check_like_default(name, getattr(self, name), default)
-        need(
+        _need(
             self.megatron_fsdp_version in (1, 2),
             f"megatron_fsdp_version={self.megatron_fsdp_version} must be 1 or 2",
         )
@@ -252,3 +251,10 @@ def _check_like_default(name: str, value: object, default: object) -> None:
             raise TypeError(f"{name}={value!r} must be a torch.dtype or None")
     elif default is None:
         check_optional_int(name, value)
+
+
+def _need(condition: bool, message: str) -> None:
+    """``ValueError(message)`` unless ``condition`` (each message names the fields, the
+    values and the fix)."""
+    if not condition:
+        raise ValueError(message)

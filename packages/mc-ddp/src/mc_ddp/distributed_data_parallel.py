@@ -45,10 +45,14 @@ from mc_ddp import _agreement as agreement
 from mc_ddp import _ddp_build as build
 from mc_ddp import _ddp_checks as checks
 from mc_ddp._groups import DDPGroups, require_live, resolve_groups
-from mc_ddp._hooks import BackwardPostHook, ForwardPreHook
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.config import DistributedDataParallelConfig
-from mc_ddp.param_ready import PARAM_READY_CALLBACK_ATTR, _BucketParamReadyCallback
+from mc_ddp.param_ready import (
+    PARAM_READY_CALLBACK_ATTR,
+    BackwardPostHook,
+    ForwardPreHook,
+    _BucketParamReadyCallback,
+)
 from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
 from mc_groups import param_attrs

@@ -1,9 +1,17 @@
-"""Parameter readiness for consumers that read ``param.data`` before its module's pre-hook.
+"""What DDP leaves on the wrapped module and its params, and parameter readiness.
 
-With ``overlap_param_gather`` a param's values arrive by an all-gather that the forward
+DDP registers a :class:`BackwardPostHook` per param (its grad goes into ``main_grad``), a
+:class:`ForwardPreHook` per submodule with ``overlap_param_gather`` (the forward waits for
+its params' all-gather) and, on every param of a bucket group, a
+:class:`_BucketParamReadyCallback`. Each holds its DDP (and bucket group) weakly: the
+module and its params must not keep a discarded wrapper (and its buffers) alive, and a
+collected wrapper's hooks do nothing, so a re-wrapped module is driven by its new wrapper
+only. None runs under CUDA-graph capture.
+
+Parameter readiness, for consumers that read ``param.data`` before its module's pre-hook:
+with ``overlap_param_gather`` a param's values arrive by an all-gather that the forward
 pre-hook of its module waits for. A consumer reading the param earlier (a fused kernel
 that reads the next layer's weight, a prefetcher) calls :func:`ensure_params_ready` first.
-
 The contract is backend-agnostic: a backend stores a zero-argument callable on each param
 under :data:`PARAM_READY_CALLBACK_ATTR`; DDP stores one :class:`_BucketParamReadyCallback`
 per bucket group on every param of that group. Unmarked params need nothing.
@@ -13,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -23,6 +31,8 @@ if TYPE_CHECKING:
     from mc_ddp.bucket_group import ParamAndGradBucketGroup
 
 __all__ = ["PARAM_READY_CALLBACK_ATTR", "ensure_params_ready"]
+
+Param = torch.nn.Parameter
 
 PARAM_READY_CALLBACK_ATTR = "_mc_param_ready_callback"
 """Attribute under which a backend stores a param's zero-argument publish callback."""
@@ -85,3 +95,41 @@ class _BucketParamReadyCallback:
             or ddp.overlap_param_gather_with_optimizer_step
         )
         group.finish_param_sync(skip_next_bucket_dispatch=skip_next)
+
+
+class _GradReadyOwner(Protocol):
+    def _on_grad_ready(self, param: Param) -> None: ...
+
+
+class _ParamSyncOwner(Protocol):
+    def _on_module_forward(self, module: torch.nn.Module) -> None: ...
+
+
+class BackwardPostHook:
+    """Runs after ``param``'s gradient accumulated (``param.grad`` is set): hands the param to
+    its DDP, which moves the grad into ``main_grad`` and marks it ready. No-op under CUDA-graph
+    capture and once the DDP is gone."""
+
+    def __init__(self, ddp: _GradReadyOwner, param: Param) -> None:
+        self._ddp: weakref.ref[_GradReadyOwner] = weakref.ref(ddp)
+        self._param = param
+
+    def __call__(self, *unused: Any) -> None:
+        ddp = self._ddp()
+        if ddp is None or is_graph_capturing():
+            return
+        ddp._on_grad_ready(self._param)
+
+
+class ForwardPreHook:
+    """Runs before a submodule's forward: its DDP waits for the all-gather of the module's
+    params (dispatching it and chaining the next one as configured)."""
+
+    def __init__(self, ddp: _ParamSyncOwner) -> None:
+        self._ddp: weakref.ref[_ParamSyncOwner] = weakref.ref(ddp)
+
+    def __call__(self, module: torch.nn.Module, *unused: Any) -> None:
+        ddp = self._ddp()
+        if ddp is None or is_graph_capturing():
+            return
+        ddp._on_module_forward(module)
