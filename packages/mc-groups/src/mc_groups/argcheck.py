@@ -41,6 +41,7 @@ __all__ = [
     "check_int",
     "check_optional_group",
     "check_optional_int",
+    "check_optional_str",
     "check_patterns",
     "check_real",
     "check_str",
@@ -130,6 +131,11 @@ def check_str(name: str, value: object, *, allow_empty: bool = True) -> str:
     if not value and not check_flag("allow_empty", allow_empty):
         raise ValueError(f"{name}='' must be a non-empty str")
     return value
+
+
+def check_optional_str(name: str, value: object) -> str | None:
+    """``None``, or ``value`` checked by :func:`check_str`."""
+    return None if value is None else check_str(name, value)
 
 
 def check_tensor(name: str, value: object) -> torch.Tensor:

@@ -8,7 +8,9 @@
 - :func:`vocab_parallel_cross_entropy`: the loss of a vocabulary-split LM head.
 - :mod:`mc_tp_layers.random`: the RNG tracker for device initialisation.
 - :mod:`mc_tp_layers.checkpoint`: DTensor views for ``torch.distributed.checkpoint``.
-- :mod:`mc_tp_layers.layers`: every name of Megatron's ``core.tensor_parallel.layers``.
+- :mod:`mc_tp_layers.layers`: every name of Megatron's ``core.tensor_parallel.layers`` (this
+  package takes its layers and attribute helpers from there, as Megatron's
+  ``core.tensor_parallel`` does).
 - :func:`backends`: which optional CUDA kernels (Transformer Engine, apex) are in use.
 - :func:`check_tp_agreement` / :class:`TensorParallelAgreementError`: TP peers compare how
   they built their layers, once (:mod:`mc_tp_layers.agreement`).
@@ -22,26 +24,25 @@ from __future__ import annotations
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._gemm import backends
 from mc_tp_layers.agreement import TensorParallelAgreementError, check_tp_agreement
-from mc_tp_layers.attributes import (
+from mc_tp_layers.checkpoint import gtp_sharded_tensor, tp_sharded_tensor
+from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
+from mc_tp_layers.deferral import drain_embedding_wgrad_compute
+from mc_tp_layers.gtp import shard_weight_for_gtp
+from mc_tp_layers.layers import (
+    ColumnParallelLinear,
+    LinearWithFrozenWeight,
+    LinearWithGradAccumulationAndAsyncCommunication,
+    RowParallelLinear,
+    VocabParallelEmbedding,
     copy_gtp_attributes,
     copy_tensor_model_parallel_attributes,
     gtp_local_pad_zero_count,
+    linear_with_frozen_weight,
+    linear_with_grad_accumulation_and_async_allreduce,
     param_is_not_gtp_duplicate,
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
-)
-from mc_tp_layers.checkpoint import gtp_sharded_tensor, tp_sharded_tensor
-from mc_tp_layers.column import ColumnParallelLinear
-from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
-from mc_tp_layers.deferral import drain_embedding_wgrad_compute
-from mc_tp_layers.embedding import VocabParallelEmbedding
-from mc_tp_layers.gtp import shard_weight_for_gtp
-from mc_tp_layers.linear import (
-    LinearWithFrozenWeight,
-    LinearWithGradAccumulationAndAsyncCommunication,
-    linear_with_frozen_weight,
-    linear_with_grad_accumulation_and_async_allreduce,
 )
 from mc_tp_layers.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
@@ -68,7 +69,6 @@ from mc_tp_layers.random import (
     model_parallel_cuda_manual_seed,
     set_cuda_rng_tracker,
 )
-from mc_tp_layers.row import RowParallelLinear
 from mc_tp_layers.utils import VocabUtility, divide, split_tensor_along_last_dim
 
 __version__ = "0.3.0"

@@ -1,4 +1,5 @@
-"""The config attributes the layers read, as a ``Protocol``.
+"""The config attributes the layers read, as a ``Protocol``; its check, and what the layers
+derive from it (sequence parallelism, expert groups, the gtp_remat size).
 
 Any object with these attributes works: :class:`mc_groups.ModelParallelConfig` (the
 validated default), Megatron-Core's ``ModelParallelConfig`` / ``TransformerConfig``, or a
@@ -7,9 +8,12 @@ plain ``types.SimpleNamespace`` in a test.
 
 from __future__ import annotations
 
-from typing import Protocol
+import warnings
+from typing import Any, Protocol
 
 import torch
+
+from mc_groups.argcheck import check_flag, check_float_dtype, check_int
 
 __all__ = ["TensorParallelConfig"]
 
@@ -53,3 +57,96 @@ class TensorParallelConfig(Protocol):
     wgrad_deferral_limit: int
     expert_model_parallel_size: int
     gtp_remat_size: int
+
+
+_CONFIG_FIELDS = (
+    "sequence_parallel",
+    "params_dtype",
+    "use_cpu_initialization",
+    "perform_initialization",
+    "gradient_accumulation_fusion",
+    "defer_embedding_wgrad_compute",
+    "wgrad_deferral_limit",
+)
+_CONFIG_FLAGS = (
+    "sequence_parallel",
+    "use_cpu_initialization",
+    "perform_initialization",
+    "gradient_accumulation_fusion",
+    "defer_embedding_wgrad_compute",
+)
+# Read with getattr and Megatron's defaults: (name, minimum, may be None).
+_OPTIONAL_SIZES = (
+    ("gtp_remat_size", 1, False),
+    ("expert_model_parallel_size", 1, False),
+    ("tensor_model_parallel_size", 1, False),
+    ("expert_tensor_parallel_size", 1, True),
+)
+
+
+def check_config(config: object) -> TensorParallelConfig:
+    """``config`` when it has every attribute the layers read, each of the right type.
+
+    A config without an attribute, with a flag that is not a bool (``'no'`` would read as
+    True), a size that is not an int, or a non-float ``params_dtype`` is a ``TypeError``
+    naming ``config.<field>``; a negative size a ``ValueError``. Megatron's configs, and
+    any object with these attributes, pass.
+    """
+    missing = [name for name in _CONFIG_FIELDS if not hasattr(config, name)]
+    if missing:
+        raise TypeError(
+            f"config={type(config).__name__} lacks {missing}; pass a "
+            "mc_groups.ModelParallelConfig (or any object with the attributes of "
+            "mc_tp_layers.TensorParallelConfig)"
+        )
+    read: Any = config  # every field checked present above
+    for name in _CONFIG_FLAGS:
+        check_flag(f"config.{name}", getattr(read, name))
+    if hasattr(read, "calculate_per_token_loss"):
+        check_flag("config.calculate_per_token_loss", read.calculate_per_token_loss)
+    check_float_dtype("config.params_dtype", read.params_dtype)
+    check_int("config.wgrad_deferral_limit", read.wgrad_deferral_limit, minimum=0)
+    for name, minimum, optional in _OPTIONAL_SIZES:
+        value = getattr(config, name, None if optional else 1)
+        if not (optional and value is None):
+            check_int(f"config.{name}", value, minimum=minimum)
+    return config  # type: ignore[return-value]
+
+
+def gtp_remat_size(config: TensorParallelConfig) -> int:
+    """``config.gtp_remat_size`` (1 when an older config lacks it)."""
+    return check_int("config.gtp_remat_size", getattr(config, "gtp_remat_size", 1))
+
+
+def expert_parallel(config: TensorParallelConfig) -> bool:
+    """True when experts are split over more than one expert-parallel rank."""
+    return int(getattr(config, "expert_model_parallel_size", 1)) > 1
+
+
+def uses_expert_groups(config: TensorParallelConfig, is_expert: bool) -> bool:
+    """Megatron-Core's ``use_expert_pgs``: an expert layer whose params are reduced over the
+    expert data-parallel group (tagged ``allreduce=False``, kept in the expert buffer).
+
+    True for ``is_expert`` when experts are split over EP ranks (``ep > 1``) or the expert
+    TP size differs from the dense one (``etp != tp``, ``etp=None`` reading as ``tp``): then
+    the expert-DP group differs from the dense dp_cp group, so the params cannot share the
+    dense buffer. An expert layer with ``ep = 1`` and ``etp = tp`` is reduced like a dense
+    one.
+    """
+    if not is_expert:
+        return False
+    tp = int(getattr(config, "tensor_model_parallel_size", 1))
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    return expert_parallel(config) or (etp is not None and int(etp) != tp)
+
+
+def sequence_parallel(config: TensorParallelConfig, world: int, what: str) -> bool:
+    """``config.sequence_parallel``, switched off (with a warning) for a one-rank TP group."""
+    if config.sequence_parallel and world == 1:
+        warnings.warn(
+            f"{what}: sequence_parallel=True with a tensor-parallel group of one rank; "
+            "sequence parallelism is disabled for this layer",
+            stacklevel=3,
+        )
+        return False
+    return bool(config.sequence_parallel)

@@ -1,8 +1,16 @@
-"""The methods the tensor-parallel layers share, as two base classes.
+"""What the three tensor-parallel layers share: their construction steps and two base
+classes.
 
-:class:`TensorParallelModule` (every layer): the DCP state dict over ``self.tp_group``.
-:class:`ParallelLinear` (Column and Row): the frozen-weight dispatch, Transformer-Engine
-compatibility stubs, and building the weight and bias once the subclass chose the split.
+Construction: the arguments every layer takes besides its sizes (``device``,
+``rng_tracker``, the deferral buffers), where its parameters live and how they are
+allocated (an allocation that fails names the layer and its sizes).
+:class:`TensorParallelModule` (every layer): the config check, the TP peers' agreement on
+the first forward, the DCP state dict over ``self.tp_group``. :class:`ParallelLinear`
+(Column and Row): the frozen-weight dispatch, Transformer-Engine compatibility stubs, and
+building the weight and bias once the subclass chose the split.
+
+The config's own checks and what the layers derive from it are in :mod:`._config`, the
+weight initialisation in :mod:`.initialization`, the shape checks in :mod:`._validate`.
 """
 
 from __future__ import annotations
@@ -14,13 +22,119 @@ import torch.distributed as dist
 
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_group, check_int
-from mc_tp_layers import _layer_common as common
 from mc_tp_layers import agreement
+from mc_tp_layers._config import TensorParallelConfig, check_config, uses_expert_groups
+from mc_tp_layers._groups import default_device
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.checkpoint import sharded_state_dict_of
 from mc_tp_layers.gtp import shard_weight_for_gtp
+from mc_tp_layers.initialization import WeightInit, check_init
+from mc_tp_layers.linear import (
+    linear_with_frozen_weight,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
+from mc_tp_layers.random import RNGStatesTracker, check_device_name
 
 __all__: list[str] = []
+
+
+def check_device(device: object) -> torch.device | None:
+    """``device`` as a ``torch.device`` (None stays None); a wrong type is a ``TypeError``,
+    a string torch cannot parse a ``ValueError``."""
+    return None if device is None else check_device_name(device)
+
+
+def check_buffer(name: str, value: object) -> list[torch.Tensor] | None:
+    """A list the layer appends to (embedding wgrad deferral), or None."""
+    if value is not None and not isinstance(value, list):
+        raise TypeError(f"{name} must be a list or None, got {type(value).__name__}")
+    return value
+
+
+def check_tracker(rng_tracker: object) -> RNGStatesTracker | None:
+    """``rng_tracker`` when it is an :class:`RNGStatesTracker` or None (checked whether or
+    not this layer initialises on the device)."""
+    if rng_tracker is not None and not isinstance(rng_tracker, RNGStatesTracker):
+        raise TypeError(
+            f"rng_tracker={rng_tracker!r} must be a mc_tp_layers.RNGStatesTracker or None"
+        )
+    return rng_tracker
+
+
+def layer_device(
+    device: torch.device | None, config: TensorParallelConfig, group: dist.ProcessGroup
+) -> torch.device:
+    """The explicit ``device``, else the default for the config and group."""
+    if device is not None:
+        return device
+    return default_device(config.use_cpu_initialization, group)
+
+
+def new_parameter(
+    shape: tuple[int, ...], config: TensorParallelConfig, device: torch.device, what: str
+) -> torch.nn.Parameter:
+    """An uninitialised ``config.params_dtype`` parameter on ``device``.
+
+    ``what`` names the layer and its sizes (``ColumnParallelLinear(input_size=..,
+    output_size=..)``) for the error when the allocation fails (absurd sizes, a device out
+    of memory): a ``RuntimeError`` naming them, the shape and the bytes asked for.
+    """
+    data = allocate(shape, config.params_dtype, device, what)
+    return torch.nn.Parameter(data)
+
+
+def allocate(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, what: str
+) -> torch.Tensor:
+    """``torch.empty(shape)``, or a ``RuntimeError`` naming ``what`` when it fails."""
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except RuntimeError as err:  # torch.OutOfMemoryError is one
+        numel = 1
+        for size in shape:
+            numel *= size
+        gib = numel * dtype.itemsize / 2**30
+        first_line = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+        raise RuntimeError(
+            f"{what} cannot allocate a {list(shape)} {dtype} tensor ({gib:,.1f} GiB) on "
+            f"{device}: {first_line}; check the sizes (or the TP size that splits them)"
+        ) from None
+
+
+def zero_bias(bias: torch.Tensor, config: TensorParallelConfig) -> None:
+    """Biases start at zero (when initialisation is performed)."""
+    if config.perform_initialization:
+        with torch.no_grad():
+            bias.zero_()
+
+
+def default_extra_state(module: torch.nn.Module) -> None:
+    """Let state dicts without ``_extra_state`` (saved before it existed) load strictly."""
+
+    def hook(
+        _module: torch.nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        *_args: Any,
+    ) -> None:
+        state_dict.setdefault(f"{prefix}_extra_state", None)
+
+    module.register_load_state_dict_pre_hook(hook)  # type: ignore[no-untyped-call]
+
+
+def tag_gtp_replica(param: torch.Tensor, gtp_group: dist.ProcessGroup | None) -> None:
+    """Mark a parameter replicated over gtp_remat (dedup and checkpoint tags)."""
+    if gtp_group is not None:
+        param_attrs.mark_gtp_replica(param, gtp_group)
+
+
+def forward_impl(
+    input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """Megatron's ``_forward_impl``: the frozen-weight path when the weight is not trained."""
+    if not weight.requires_grad:
+        return linear_with_frozen_weight(input, weight, *args, **kwargs)
+    return linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
 
 
 class TensorParallelModule(torch.nn.Module):
@@ -35,7 +149,7 @@ class TensorParallelModule(torch.nn.Module):
 
     def __init__(self, config: object) -> None:
         super().__init__()
-        self.config = common.check_config(config)
+        self.config = check_config(config)
 
     def _record_construction(self, fields: dict[str, object], name: str | None = None) -> None:
         """Record what this layer was built with, for its TP peers to compare (no
@@ -84,13 +198,13 @@ class ParallelLinear(TensorParallelModule):
         super().__init__(config)
         self.input_size, self.output_size = input_size, output_size
         self.master_weight = None
-        common.default_extra_state(self)
+        default_extra_state(self)
 
     def _forward_impl(
         self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         """The frozen-weight function when ``weight`` does not require grad, else the full one."""
-        return common.forward_impl(input, weight, *args, **kwargs)
+        return forward_impl(input, weight, *args, **kwargs)
 
     def backward_dw(self) -> None:
         """Delayed wgrad computation (``delay_wgrad_compute``): not supported, does nothing.
@@ -116,7 +230,7 @@ class ParallelLinear(TensorParallelModule):
         unsplit = "input" if side == "output" else "output"
         check_int(f"{unsplit}_size", unsplit_size)
         check_int("stride", stride)
-        common.check_init_method(init_method)
+        check_init(init_method)
         if per_partition % stride:
             total = self.output_size if side == "output" else self.input_size
             raise ValueError(
@@ -126,12 +240,12 @@ class ParallelLinear(TensorParallelModule):
 
     def _allreduce(self) -> bool:
         """The params' ``allreduce`` tag: ``not (is_expert and (ep > 1 or etp != tp))``
-        (see :func:`_layer_common.uses_expert_groups`)."""
-        return not common.uses_expert_groups(self.config, self.is_expert)
+        (see :func:`._config.uses_expert_groups`)."""
+        return not uses_expert_groups(self.config, self.is_expert)
 
     def _new_weight(
         self,
-        init: common.WeightInit,
+        init: WeightInit,
         device: torch.device,
         shape: tuple[int, int],
         partition_dim: int,
@@ -139,7 +253,7 @@ class ParallelLinear(TensorParallelModule):
         keep_master: bool,
     ) -> torch.nn.Parameter:
         """This rank's ``shape`` of the ``[output_size, input_size]`` weight, initialised."""
-        weight = common.new_parameter(shape, self.config, device, self._sizes())
+        weight = new_parameter(shape, self.config, device, self._sizes())
         self.master_weight = init.run(
             weight,
             (self.output_size, self.input_size),
@@ -163,11 +277,11 @@ class ParallelLinear(TensorParallelModule):
         self, device: torch.device, size: int, is_parallel: bool, dim: int, stride: int
     ) -> torch.nn.Parameter:
         """A bias of ``size`` (zeroed when initialising) with its TP attributes and tags."""
-        bias = common.new_parameter((size,), self.config, device, self._sizes())
+        bias = new_parameter((size,), self.config, device, self._sizes())
         set_tensor_model_parallel_attributes(bias, is_parallel, dim, stride)
-        common.zero_bias(bias, self.config)
+        zero_bias(bias, self.config)
         param_attrs.mark_allreduce(bias, self._allreduce())
-        common.tag_gtp_replica(bias, self.gtp_group)
+        tag_gtp_replica(bias, self.gtp_group)
         return bias
 
     def _set_bias(self, bias: torch.nn.Parameter | None) -> None:

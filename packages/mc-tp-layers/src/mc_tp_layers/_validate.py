@@ -1,6 +1,6 @@
 """Tensor-parallel domain checks (divisibility by the group size, split sizes, partition
-dims, ``main_grad``); each raises before any collective. Type and range checks of plain
-arguments live in :mod:`mc_groups.argcheck`."""
+dims, a layer's input, ``main_grad``); each raises before any collective. Type and range
+checks of plain arguments live in :mod:`mc_groups.argcheck`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_int
+from mc_groups.argcheck import check_int, check_tensor
 
 __all__: list[str] = []
 
@@ -104,4 +104,30 @@ def main_grad(weight: torch.Tensor) -> None:
             f"weight.main_grad (shape {tuple(grad.shape)}) has no storage: its grad buffer is "
             "offloaded; call restore_grad_buffers() before the next forward with "
             "gradient_accumulation_fusion"
+        )
+
+
+def check_input(input_: object, last: int, what: str) -> torch.Tensor:
+    """A 2-D or 3-D floating-point tensor whose last dimension is ``last``.
+
+    A non-tensor or integer tensor is a ``TypeError``, a wrong shape a ``ValueError``.
+    """
+    x = check_tensor("input_", input_)
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"input_ holds {x.dtype}; {what} needs a floating-point input")
+    if x.dim() not in (2, 3) or x.shape[-1] != last:
+        raise ValueError(
+            f"{what} expects input_ of shape [sequence, batch, {last}] (or [tokens, {last}]), "
+            f"got {tuple(x.shape)}"
+        )
+    return x
+
+
+def check_sequence(x: torch.Tensor, size: int) -> None:
+    """Under SP the sequence (dim 0) must split evenly over the TP ranks."""
+    if size > 1 and x.shape[0] % size:
+        raise ValueError(
+            f"input_ has shape {tuple(x.shape)}: under sequence_parallel its sequence length "
+            f"{x.shape[0]} must be divisible by the tensor-parallel size {size}; pad the "
+            "sequence"
         )

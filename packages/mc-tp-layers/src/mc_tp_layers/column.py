@@ -25,14 +25,19 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection
-from mc_groups.argcheck import check_flag, check_float_dtype
-from mc_tp_layers import _layer_common as common
-from mc_tp_layers._config import TensorParallelConfig
+from mc_groups.argcheck import check_flag, check_float_dtype, check_optional_str
+from mc_tp_layers import _layer_base as base
+from mc_tp_layers._config import (
+    TensorParallelConfig,
+    expert_parallel,
+    gtp_remat_size,
+    sequence_parallel,
+)
 from mc_tp_layers._groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._layer_base import ParallelLinear
-from mc_tp_layers._validate import check_divisible, main_grad
+from mc_tp_layers._validate import check_divisible, check_input, main_grad
 from mc_tp_layers.gtp import unsharded_shape
-from mc_tp_layers.initialization import InitMethod
+from mc_tp_layers.initialization import InitMethod, WeightInit
 from mc_tp_layers.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -109,17 +114,15 @@ class ColumnParallelLinear(ParallelLinear):
         with_bias = check_flag("bias", bias)
         keep_master = check_flag("keep_master_weight_for_test", keep_master_weight_for_test)
         skip_weight = check_flag("skip_weight_param_allocation", skip_weight_param_allocation)
-        self.embedding_activation_buffer = common.check_buffer(
+        self.embedding_activation_buffer = base.check_buffer(
             "embedding_activation_buffer", embedding_activation_buffer
         )
-        self.grad_output_buffer = common.check_buffer("grad_output_buffer", grad_output_buffer)
-        self.tp_comm_buffer_name = common.check_optional_str(
-            "tp_comm_buffer_name", tp_comm_buffer_name
-        )
-        self.name = common.check_optional_str("name", name)
+        self.grad_output_buffer = base.check_buffer("grad_output_buffer", grad_output_buffer)
+        self.tp_comm_buffer_name = check_optional_str("tp_comm_buffer_name", tp_comm_buffer_name)
+        self.name = check_optional_str("name", name)
         self.output_dtype = check_float_dtype("output_dtype", output_dtype, allow_none=True)
-        tracker = common.check_tracker(rng_tracker)
-        explicit_device = common.check_device(device)
+        tracker = base.check_tracker(rng_tracker)
+        explicit_device = base.check_device(device)
         self.tp_group = resolve_tp_group(
             tp_group, pg_collection, is_expert=self.is_expert, what="ColumnParallelLinear"
         )
@@ -131,8 +134,8 @@ class ColumnParallelLinear(ParallelLinear):
         )
         self._check_arguments(input_size, stride, init_method)
         self._set_communication(pg_collection)
-        init = common.WeightInit(self.config, init_method, tracker, self.tp_group)
-        target = common.layer_device(explicit_device, self.config, self.tp_group)
+        init = WeightInit(self.config, init_method, tracker, self.tp_group)
+        target = base.layer_device(explicit_device, self.config, self.tp_group)
         self.weight: torch.nn.Parameter | None = None
         if not skip_weight:
             init.check_tracker()
@@ -166,18 +169,16 @@ class ColumnParallelLinear(ParallelLinear):
     def _set_communication(self, pg_collection: ProcessGroupCollection | None) -> None:
         """Which collectives this layer issues (see the module notes)."""
         world = int(self.tp_group.size())
-        self.gtp_remat_size = common.gtp_remat_size(self.config)
+        self.gtp_remat_size = gtp_remat_size(self.config)
         self.gtp_group = resolve_gtp_group(
             self.gtp_remat_size,
             pg_collection,
             is_expert=self.is_expert,
             what="ColumnParallelLinear",
         )
-        self.expert_parallel = common.expert_parallel(self.config)
+        self.expert_parallel = expert_parallel(self.config)
         self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
-        self.sequence_parallel = common.sequence_parallel(
-            self.config, world, "ColumnParallelLinear"
-        )
+        self.sequence_parallel = sequence_parallel(self.config, world, "ColumnParallelLinear")
         self.allreduce_dgrad = (
             world > 1 and not self.sequence_parallel and not self.disable_grad_reduce
         )
@@ -238,7 +239,7 @@ class ColumnParallelLinear(ParallelLinear):
         """
         self._check_agreement()
         w = self._resolve_weight(weight)
-        x = common.check_input(input_, self.input_size, "ColumnParallelLinear")
+        x = check_input(input_, self.input_size, "ColumnParallelLinear")
         if runtime_gather_output is not None:
             check_flag("runtime_gather_output", runtime_gather_output)
         deferring = self.config.defer_embedding_wgrad_compute and w.requires_grad

@@ -26,13 +26,13 @@ import torch.nn.functional as F
 
 from mc_groups import ProcessGroupCollection, param_attrs
 from mc_groups.argcheck import check_flag, check_int
-from mc_tp_layers import _layer_common as common
+from mc_tp_layers import _layer_base as base
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import resolve_tp_group
 from mc_tp_layers._index_range import check_index_range
 from mc_tp_layers._layer_base import TensorParallelModule
-from mc_tp_layers._validate import check_divisible
-from mc_tp_layers.initialization import InitMethod
+from mc_tp_layers._validate import check_divisible, check_sequence
+from mc_tp_layers.initialization import InitMethod, WeightInit, check_init
 from mc_tp_layers.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -77,8 +77,8 @@ class VocabParallelEmbedding(TensorParallelModule):
         self.reduce_scatter_embeddings = check_flag(
             "reduce_scatter_embeddings", reduce_scatter_embeddings
         )
-        tracker = common.check_tracker(rng_tracker)
-        explicit_device = common.check_device(device)
+        tracker = base.check_tracker(rng_tracker)
+        explicit_device = base.check_device(device)
         self.tp_group = resolve_tp_group(tp_group, pg_collection, what="VocabParallelEmbedding")
         rank, world = int(self.tp_group.rank()), int(self.tp_group.size())
         self.num_embeddings_per_partition = check_divisible(
@@ -88,18 +88,18 @@ class VocabParallelEmbedding(TensorParallelModule):
             "pad the vocabulary to a multiple of it (Megatron's make-vocab-size-divisible-by)",
         )
         check_int("embedding_dim", embedding_dim)
-        common.check_init_method(init_method)
+        check_init(init_method)
         self.vocab_start_index = rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
-        target = common.layer_device(explicit_device, self.config, self.tp_group)
-        init = common.WeightInit(self.config, init_method, tracker, self.tp_group)
+        target = base.layer_device(explicit_device, self.config, self.tp_group)
+        init = WeightInit(self.config, init_method, tracker, self.tp_group)
         init.check_tracker()
         shape = (self.num_embeddings_per_partition, embedding_dim)
         what = (
             f"VocabParallelEmbedding(num_embeddings={num_embeddings}, "
             f"embedding_dim={embedding_dim})"
         )
-        self.weight = common.new_parameter(shape, self.config, target, what)
+        self.weight = base.new_parameter(shape, self.config, target, what)
         init.run(self.weight, (num_embeddings, embedding_dim), 0, 1)
         param_attrs.mark_allreduce(self.weight, True)
         self._record_construction(
@@ -155,7 +155,7 @@ class VocabParallelEmbedding(TensorParallelModule):
                     f"reduce_scatter_embeddings needs ids of shape [batch, sequence], got "
                     f"{tuple(input_.shape)}"
                 )
-            common.check_sequence(input_.transpose(0, 1), int(self.tp_group.size()))
+            check_sequence(input_.transpose(0, 1), int(self.tp_group.size()))
         check_index_range(
             input_,
             self.num_embeddings,

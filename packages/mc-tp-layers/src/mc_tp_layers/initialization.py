@@ -21,10 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor
 from mc_tp_layers import _validate
+from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import resolve_tp_group
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.gtp import gtp_remat_shard_dim0
@@ -229,3 +231,75 @@ def _initialize_affine_weight_cpu(
     with torch.no_grad():
         weight.data.copy_(part)
     return master if return_master_weight else None
+
+
+class WeightInit:
+    """How one layer initialises its weight (the arguments both init paths share)."""
+
+    def __init__(
+        self,
+        config: TensorParallelConfig,
+        init_method: InitMethod,
+        rng_tracker: RNGStatesTracker | None,
+        group: dist.ProcessGroup,
+    ) -> None:
+        # rng_tracker=None: the default registered by model_parallel_cuda_manual_seed, if any.
+        tracker = _default_tracker() if rng_tracker is None else rng_tracker
+        self.config, self.init_method, self.rng_tracker = config, init_method, tracker
+        self.rank, self.world = int(group.rank()), int(group.size())
+
+    def run(
+        self,
+        weight: torch.Tensor,
+        full_shape: tuple[int, int],
+        partition_dim: int,
+        stride: int,
+        *,
+        is_expert: bool = False,
+        keep_master: bool = False,
+    ) -> torch.Tensor | None:
+        """Set TP attributes; initialise when ``perform_initialization``; maybe the master."""
+        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+        if not self.config.perform_initialization:
+            return None
+        if self.config.use_cpu_initialization:
+            return _initialize_affine_weight_cpu(
+                weight,
+                full_shape[0],
+                full_shape[1],
+                weight.shape[partition_dim],
+                partition_dim,
+                self.init_method,
+                stride,
+                keep_master,
+                params_dtype=self.config.params_dtype,
+                rank=self.rank,
+                world_size=self.world,
+                skip_set_tensor_parallel_attributes=True,
+            )
+        _initialize_affine_weight_gpu(
+            weight,
+            self.init_method,
+            partition_dim,
+            stride,
+            is_expert,
+            rng_tracker=self.rng_tracker,
+        )
+        return None
+
+    def check_tracker(self) -> None:
+        """Fail at construction, not mid-init, when device init has no tracker."""
+        cfg = self.config
+        if cfg.perform_initialization and not cfg.use_cpu_initialization:
+            if self.rng_tracker is None:
+                raise ValueError(
+                    "config.use_cpu_initialization=False initialises on the device and needs "
+                    "an RNG tracker: call mc_tp_layers.model_parallel_cuda_manual_seed(seed, "
+                    "pg_collection=...) first (it registers the default) or pass its result "
+                    "as rng_tracker=; or set use_cpu_initialization=True or "
+                    "perform_initialization=False"
+                )
+            if not isinstance(self.rng_tracker, RNGStatesTracker):
+                raise TypeError(
+                    f"rng_tracker={self.rng_tracker!r} must be a mc_tp_layers.RNGStatesTracker"
+                )

@@ -2,7 +2,8 @@
 
 ``from megatron.core.tensor_parallel.layers import X`` becomes
 ``from mc_tp_layers.layers import X`` for every name of that module's documentation,
-including the underscore helpers it documents.
+including the underscore helpers it documents. :mod:`mc_tp_layers` re-exports the public
+ones from here (as Megatron's ``core.tensor_parallel`` does from its ``layers``).
 """
 
 from __future__ import annotations

@@ -32,8 +32,7 @@ so each part is padded to the largest and the padding dropped (see :mod:`._comm`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -90,39 +89,16 @@ def _identity(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x
 
 
-# name: (forward op, backward op, whether the forward splits the last dim)
-_LAST_DIM_MAPPINGS: Mapping[str, tuple[_GroupOp, _GroupOp, bool]] = MappingProxyType(
-    {
-        "copy_to_tensor_model_parallel_region": (_identity, _comm.all_reduce, False),
-        "reduce_from_tensor_model_parallel_region": (_comm.all_reduce, _identity, False),
-        "scatter_to_tensor_model_parallel_region": (
-            _comm.split_last_dim,
-            _comm.gather_last_dim,
-            True,
-        ),
-        "gather_from_tensor_model_parallel_region": (
-            _comm.gather_last_dim,
-            _comm.split_last_dim,
-            False,
-        ),
-        "all_gather_last_dim_from_tensor_parallel_region": (
-            _comm.gather_last_dim,
-            _comm.reduce_scatter_last_dim,
-            False,
-        ),
-        "reduce_scatter_last_dim_to_tensor_parallel_region": (
-            _comm.reduce_scatter_last_dim,
-            _comm.gather_last_dim,
-            True,
-        ),
-    }
-)
-
-
-def _last_dim_mapping(what: str, input_: object, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The tensor-parallel-region mapping ``what`` of :data:`_LAST_DIM_MAPPINGS`."""
-    forward_op, backward_op, splits = _LAST_DIM_MAPPINGS[what]
-    x, g = _prepare(input_, group, what)
+def _tp_region(
+    x: torch.Tensor,
+    g: dist.ProcessGroup,
+    forward_op: _GroupOp,
+    backward_op: _GroupOp,
+    *,
+    splits: bool = False,
+) -> torch.Tensor:
+    """A tensor-parallel-region mapping of ``x``: ``forward_op`` over ``g``, ``backward_op``
+    on the gradient (``splits``: the forward splits the last dim, which must divide)."""
     if g.size() == 1:
         return x
     if splits:
@@ -162,28 +138,32 @@ def copy_to_tensor_model_parallel_region(
     input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """``f``: identity forward; backward all-reduces (sums) the gradient over ``group``."""
-    return _last_dim_mapping("copy_to_tensor_model_parallel_region", input_, group)
+    x, g = _prepare(input_, group, "copy_to_tensor_model_parallel_region")
+    return _tp_region(x, g, _identity, _comm.all_reduce)
 
 
 def reduce_from_tensor_model_parallel_region(
     input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """``g``: forward all-reduces (sums) over ``group`` into a new tensor; backward identity."""
-    return _last_dim_mapping("reduce_from_tensor_model_parallel_region", input_, group)
+    x, g = _prepare(input_, group, "reduce_from_tensor_model_parallel_region")
+    return _tp_region(x, g, _comm.all_reduce, _identity)
 
 
 def scatter_to_tensor_model_parallel_region(
     input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Keep chunk ``rank`` of the last dim (no communication); backward all-gathers it."""
-    return _last_dim_mapping("scatter_to_tensor_model_parallel_region", input_, group)
+    x, g = _prepare(input_, group, "scatter_to_tensor_model_parallel_region")
+    return _tp_region(x, g, _comm.split_last_dim, _comm.gather_last_dim, splits=True)
 
 
 def gather_from_tensor_model_parallel_region(
     input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """All-gather along the last dim (rank order); backward keeps chunk ``rank``."""
-    return _last_dim_mapping("gather_from_tensor_model_parallel_region", input_, group)
+    x, g = _prepare(input_, group, "gather_from_tensor_model_parallel_region")
+    return _tp_region(x, g, _comm.gather_last_dim, _comm.split_last_dim)
 
 
 def scatter_to_sequence_parallel_region(
@@ -271,14 +251,16 @@ def all_gather_last_dim_from_tensor_parallel_region(
     input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """All-gather along the last dim; backward reduce-scatters (sums) the last dim."""
-    return _last_dim_mapping("all_gather_last_dim_from_tensor_parallel_region", input_, group)
+    x, g = _prepare(input_, group, "all_gather_last_dim_from_tensor_parallel_region")
+    return _tp_region(x, g, _comm.gather_last_dim, _comm.reduce_scatter_last_dim)
 
 
 def reduce_scatter_last_dim_to_tensor_parallel_region(
     input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Sum over ``group`` and keep chunk ``rank`` of the last dim; backward all-gathers."""
-    return _last_dim_mapping("reduce_scatter_last_dim_to_tensor_parallel_region", input_, group)
+    x, g = _prepare(input_, group, "reduce_scatter_last_dim_to_tensor_parallel_region")
+    return _tp_region(x, g, _comm.reduce_scatter_last_dim, _comm.gather_last_dim, splits=True)
 
 
 def all_to_all(

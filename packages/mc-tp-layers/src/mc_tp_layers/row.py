@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection, param_attrs
-from mc_groups.argcheck import check_flag
-from mc_tp_layers import _layer_common as common
-from mc_tp_layers._config import TensorParallelConfig
+from mc_groups.argcheck import check_flag, check_optional_str
+from mc_tp_layers import _layer_base as base
+from mc_tp_layers._config import TensorParallelConfig, expert_parallel, gtp_remat_size
 from mc_tp_layers._groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._layer_base import ParallelLinear
-from mc_tp_layers._validate import check_divisible, main_grad
-from mc_tp_layers.initialization import InitMethod
+from mc_tp_layers._validate import check_divisible, check_input, check_sequence, main_grad
+from mc_tp_layers.initialization import InitMethod, WeightInit
 from mc_tp_layers.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -94,12 +94,10 @@ class RowParallelLinear(ParallelLinear):
         self.is_expert = check_flag("is_expert", is_expert)
         with_bias = check_flag("bias", bias)
         keep_master = check_flag("keep_master_weight_for_test", keep_master_weight_for_test)
-        self.tp_comm_buffer_name = common.check_optional_str(
-            "tp_comm_buffer_name", tp_comm_buffer_name
-        )
-        self.name = common.check_optional_str("name", name)
-        tracker = common.check_tracker(rng_tracker)
-        explicit_device = common.check_device(device)
+        self.tp_comm_buffer_name = check_optional_str("tp_comm_buffer_name", tp_comm_buffer_name)
+        self.name = check_optional_str("name", name)
+        tracker = base.check_tracker(rng_tracker)
+        explicit_device = base.check_device(device)
         self.sequence_parallel = self.config.sequence_parallel
         if self.sequence_parallel and not self.input_is_parallel:
             raise ValueError(
@@ -114,15 +112,15 @@ class RowParallelLinear(ParallelLinear):
             input_size, world, "input_size", "choose an input_size that is a multiple of it"
         )
         self._check_split(output_size, "input", self.input_size_per_partition, stride, init_method)
-        self.gtp_remat_size = common.gtp_remat_size(self.config)
+        self.gtp_remat_size = gtp_remat_size(self.config)
         self.gtp_group = resolve_gtp_group(
             self.gtp_remat_size, pg_collection, is_expert=self.is_expert, what="RowParallelLinear"
         )
-        self.expert_parallel = common.expert_parallel(self.config)
+        self.expert_parallel = expert_parallel(self.config)
         self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
         self.gradient_accumulation_fusion = self.config.gradient_accumulation_fusion
-        target = common.layer_device(explicit_device, self.config, self.tp_group)
-        init = common.WeightInit(self.config, init_method, tracker, self.tp_group)
+        target = base.layer_device(explicit_device, self.config, self.tp_group)
+        init = WeightInit(self.config, init_method, tracker, self.tp_group)
         init.check_tracker()
         shape = (self.output_size, self.input_size_per_partition)
         self.weight = self._new_weight(init, target, shape, 1, stride, keep_master)
@@ -167,9 +165,9 @@ class RowParallelLinear(ParallelLinear):
         self._check_agreement()
         world = int(self.tp_group.size())
         last = self.input_size_per_partition if self.input_is_parallel else self.input_size
-        x = common.check_input(input_, last, "RowParallelLinear")
+        x = check_input(input_, last, "RowParallelLinear")
         if self.sequence_parallel and not self.explicit_expert_comm:
-            common.check_sequence(x, world)
+            check_sequence(x, world)
         if self.gradient_accumulation_fusion and self.weight.requires_grad:
             main_grad(self.weight)
         if self.input_is_parallel or self.explicit_expert_comm:
