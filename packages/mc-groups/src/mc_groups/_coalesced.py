@@ -43,7 +43,7 @@ class CoalescedBatch:
 
     Use through :func:`coalesced`. After the ``with`` block, :attr:`handle` waits for the
     whole batch. A batch holds one kind of collective with one reduce op: NCCL coalesces
-    only like with like, and (measured on torch 2.13 gloo) a coalesced reduce-scatter batch
+    only like with like, and (on torch 2.13 gloo) a coalesced reduce-scatter batch
     silently applies the first op's reduction to all of them. Mixing is a ``ValueError``
     raised before the odd one is issued.
 

@@ -23,7 +23,7 @@ Why one layer:
 Every wait is bounded: a handle's :meth:`CollectiveHandle.wait` takes a timeout and, when
 none is given, the process group's own timeout (set at group creation; groups built by
 :func:`mc_groups.initialize_model_parallel` inherit the default group's) bounds the
-operation. Measured on gloo: a peer that exits is reported at once ("Connection closed by
+operation. On gloo a peer that exits is reported at once ("Connection closed by
 peer"), a peer that hangs after the group's timeout.
 
 ``label`` (every call) names the collective's role in records and errors; ``detail`` (the

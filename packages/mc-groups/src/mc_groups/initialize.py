@@ -389,7 +389,7 @@ def _default_group_timeout() -> timedelta | None:
     """The default group's timeout, for groups created without one.
 
     torch's ``new_group(timeout=None)`` does not inherit it: it falls back to the backend's
-    default (30 minutes for gloo and NCCL, measured on torch 2.13), so a peer that hangs
+    default (30 minutes for gloo and NCCL on torch 2.13), so a peer that hangs
     inside a tensor-parallel or data-parallel collective would hold its survivors for
     30 minutes whatever ``init_process_group(timeout=...)`` said. ``None`` when torch does
     not expose it (then torch's default applies).
@@ -432,8 +432,8 @@ def _world_barrier(label: str) -> None:
 
     Gloo finishes ``connectFullMesh`` on one rank before its peers have read the last
     handshake; a fast rank that then destroys (or reuses sockets of) a fresh group made a
-    slow peer fail with "Connection closed by peer" (seen about once in 15 suite runs on 2
-    loaded cores). Synchronising after creation and before destruction removes the race.
+    slow peer fail with "Connection closed by peer" (intermittently, on loaded machines).
+    Synchronising after creation and before destruction removes the race.
     """
     world = dist.group.WORLD
     if world is not None:

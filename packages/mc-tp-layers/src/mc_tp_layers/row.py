@@ -148,7 +148,7 @@ class RowParallelLinear(ParallelLinear):
         # layer's bias is not tagged (mc differs from Megatron-Core here): its tokens come
         # from the MoE dispatcher, not from a reduce-scatter over the dense TP group, and its
         # grad is reduced by DDP (over expt_dp when ETP != TP), so the TP sum would double
-        # count it (measured 2.0x at TP = 2, ETP = 1 in integration_tests/test_parity_experts).
+        # count it (a doubled grad at TP = 2, ETP = 1: integration_tests/test_parity_experts).
         tagged = self.sequence_parallel and not self.is_expert
         param_attrs.mark_sequence_parallel(bias, tagged)
         return bias

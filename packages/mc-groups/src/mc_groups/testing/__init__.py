@@ -16,9 +16,10 @@
 In pytest, the ``rank_pools`` fixture (installed with mc-groups as a plugin) keeps one pool
 per world size for the whole session: ``rank_pools.get(4).run(fn, ...)``.
 
-The pool pays process start-up (~2 s) once; each rank runs with one torch thread, a short
-process-group timeout bounds every collective, every call has a deadline, and a failing or
-hung rank fails the call with its traceback or its name instead of hanging the suite.
+The pool pays process start-up (an interpreter importing torch per rank) once; each rank
+runs with one torch thread, a short process-group timeout bounds every collective, every
+call has a deadline, and a failing or hung rank fails the call with its traceback or its
+name instead of hanging the suite.
 """
 
 from __future__ import annotations
