@@ -1,6 +1,8 @@
 """mc-groups: who talks to whom, and the one layer through which they talk.
 
 - :class:`RankGenerator`: pure rank arithmetic for a parallel layout.
+- :func:`validate_sizes` / :class:`ParallelSizes` (:mod:`mc_groups.layout`): a layout's
+  sizes, checked by pure arithmetic.
 - :class:`ProcessGroupCollection` and :func:`initialize_model_parallel`: the groups of a
   layout, built once and passed explicitly; :func:`collection_or_default`: the one fallback
   to the optional default collection (:func:`set_default_collection`).
@@ -63,11 +65,10 @@ from mc_groups.default_collection import (
 )
 from mc_groups.initialize import (
     DistributedNotInitializedError,
-    ParallelSizes,
     destroy_model_parallel,
     initialize_model_parallel,
-    validate_sizes,
 )
+from mc_groups.layout import ParallelSizes, validate_sizes
 from mc_groups.pipeline import (
     get_pipeline_next_rank,
     get_pipeline_prev_rank,
