@@ -32,7 +32,7 @@ from mc_buffers import ParamAndGradBucket, ParamAndGradBuffer
 from mc_ddp import _bucket_collectives as comm
 from mc_ddp._groups import require_live
 from mc_ddp.config import DistributedDataParallelConfig
-from mc_ddp.grad_checks import LargeGradMonitor, check_finite_grads
+from mc_ddp.grad_checks import LargeGradMonitor, check_buckets, check_finite_grads
 from mc_groups.argcheck import check_flag, check_group, check_optional_group, check_str
 
 __all__ = ["ParamAndGradBucketGroup", "partition_buckets"]
@@ -431,13 +431,7 @@ def _check_arguments(
     inter_group: object,
     name: object,
 ) -> None:
-    if isinstance(buckets, str) or not isinstance(buckets, Sequence) or not buckets:
-        raise TypeError(
-            f"buckets must be a non-empty sequence of ParamAndGradBucket, got {buckets!r}"
-        )
-    for i, bucket in enumerate(buckets):
-        if not isinstance(bucket, ParamAndGradBucket):
-            raise TypeError(f"buckets[{i}] is a {type(bucket).__name__}, not a ParamAndGradBucket")
+    check_buckets(buckets)
     if not isinstance(ddp_config, DistributedDataParallelConfig):
         raise TypeError(
             f"ddp_config={type(ddp_config).__name__} must be a mc_ddp.DistributedDataParallelConfig"

@@ -132,7 +132,9 @@ def check_finite_grads(
     raise NonFiniteGradError(f"rank {finding[0]}: {where} was not reduced: {tail}")
 
 
-def _check_arguments(buckets: object, names: object, where: object, groups: object) -> None:
+def check_buckets(buckets: object) -> list[ParamAndGradBucket]:
+    """A non-empty sequence of :class:`~mc_buffers.ParamAndGradBucket` (a bucket group's, or
+    the checks'), as a list."""
     if isinstance(buckets, str) or not isinstance(buckets, Sequence) or not buckets:
         raise TypeError(
             f"buckets must be a non-empty sequence of ParamAndGradBucket, got {buckets!r}"
@@ -140,6 +142,11 @@ def _check_arguments(buckets: object, names: object, where: object, groups: obje
     for i, bucket in enumerate(buckets):
         if not isinstance(bucket, ParamAndGradBucket):
             raise TypeError(f"buckets[{i}] is a {type(bucket).__name__}, not a ParamAndGradBucket")
+    return list(buckets)
+
+
+def _check_arguments(buckets: object, names: object, where: object, groups: object) -> None:
+    checked = check_buckets(buckets)
     if not isinstance(names, Mapping):
         raise TypeError(f"names must map params to names, got {type(names).__name__}")
     check_str("where", where)
@@ -147,7 +154,7 @@ def _check_arguments(buckets: object, names: object, where: object, groups: obje
         raise TypeError(f"groups={groups!r} must be a sequence of process groups")
     for i, group in enumerate(groups):
         check_group(f"groups[{i}]", group)
-    offloaded = [b.bucket_id for b in buckets if b.is_grad_data_offloaded]
+    offloaded = [b.bucket_id for b in checked if b.is_grad_data_offloaded]
     if offloaded:
         raise RuntimeError(
             f"check_finite_grads: the grad buffer of bucket(s) {offloaded} is offloaded; "
