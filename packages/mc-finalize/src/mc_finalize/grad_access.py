@@ -25,6 +25,7 @@ import torch
 
 import mc_groups as mg
 from mc_groups import param_attrs
+from mc_groups.argcheck import check_tensor
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
@@ -39,13 +40,8 @@ _GATHER_LABEL = "unshard DTensor grad"
 
 def _get_main_grad_attr(param: torch.nn.Parameter) -> str:
     """``"main_grad"`` when ``param`` has that attribute, else ``"grad"``."""
-    _check_tensor("param", param)
+    check_tensor("param", param)
     return param_attrs.MAIN_GRAD if param_attrs.has_main_grad(param) else "grad"
-
-
-def _check_tensor(name: str, value: object) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
 def _is_dtensor(tensor: object) -> bool:
@@ -58,7 +54,7 @@ def _unshard_if_dtensor(tensor: torch.Tensor) -> torch.Tensor:
     Attributes set on the DTensor object (``vars(tensor)``) are copied to the result.
     Raises ``TypeError`` for a ``Partial`` placement, before any collective.
     """
-    _check_tensor("tensor", tensor)
+    check_tensor("tensor", tensor)
     if not _is_dtensor(tensor):
         return tensor
     dtensor = cast(DTensor, tensor)
@@ -79,8 +75,8 @@ def _reshard_if_dtensor(
     new DTensor has the reference's mesh, placements, global shape and stride, and its
     attributes; this rank keeps its ``torch.chunk`` slice (no communication).
     """
-    _check_tensor("tensor_to_shard", tensor_to_shard)
-    _check_tensor("reference_tensor", reference_tensor)
+    check_tensor("tensor_to_shard", tensor_to_shard)
+    check_tensor("reference_tensor", reference_tensor)
     if not _is_dtensor(reference_tensor):
         return reference_tensor
     reference = cast(DTensor, reference_tensor)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection
-from mc_groups.argcheck import check_flag, check_float_dtype, check_optional_str
+from mc_groups.argcheck import check_flag, check_float_dtype, check_optional_str, check_tensor
 from mc_tp_layers import _layer_base as base
 from mc_tp_layers._config import (
     TensorParallelConfig,
@@ -203,8 +203,7 @@ class ColumnParallelLinear(ParallelLinear):
                     f"[{self.output_size_per_partition}, {self.input_size}]>"
                 )
             return self.weight
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        check_tensor("weight", weight)
         expected = (self.output_size_per_partition, self.input_size)
         actual = unsharded_shape(weight) if self.gtp_remat_size > 1 else tuple(weight.shape)
         if tuple(actual) != expected:
