@@ -20,6 +20,8 @@ Memory and layout only; nothing here communicates (``mc_ddp`` does, over these b
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 from mc_buffers.bucket import ParamAndGradBucket, ShardParamSlice, shard_buffer
 from mc_buffers.buffer import ParamAndGradBuffer
 from mc_buffers.build import build_param_and_grad_buffers
@@ -40,7 +42,10 @@ from mc_buffers.padding import (
     pad_to_divisor,
 )
 
-__version__ = "0.1.0"
+try:  # one source of the version: the distribution's pyproject.toml
+    __version__ = version("mc-buffers")
+except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/gpu_check.py)
+    __version__ = "0+unknown"
 
 __all__ = [
     "PARAM_START_ALIGNMENT",

@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 from mc_ddp._agreement import DataParallelAgreementError
 from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
 from mc_ddp.checkpoint_pieces import CheckpointPieces
@@ -31,7 +33,10 @@ from mc_ddp.param_ready import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from mc_ddp.protocols import TransformerConfigLike
 from mc_ddp.sharded_optimizer import OwnedSlice, ShardedOptimizer
 
-__version__ = "0.3.0"
+try:  # one source of the version: the distribution's pyproject.toml
+    __version__ = version("mc-ddp")
+except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/gpu_check.py)
+    __version__ = "0+unknown"
 
 __all__ = [
     "PARAM_READY_CALLBACK_ATTR",

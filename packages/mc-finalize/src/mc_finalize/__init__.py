@@ -13,6 +13,8 @@ structural types (:class:`ModelChunk`, :class:`FinalizeConfig`).
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 from mc_finalize._flat import _allreduce_tensors as _allreduce_tensors
 from mc_finalize.embedding_grads import _allreduce_embedding_grad as _allreduce_embedding_grad
 from mc_finalize.embedding_grads import (
@@ -47,7 +49,10 @@ from mc_finalize.tp_grads import (
     _allreduce_non_tensor_model_parallel_grads as _allreduce_non_tensor_model_parallel_grads,
 )
 
-__version__ = "0.1.0"
+try:  # one source of the version: the distribution's pyproject.toml
+    __version__ = version("mc-finalize")
+except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/gpu_check.py)
+    __version__ = "0+unknown"
 
 __all__ = [
     "FinalizeConfig",

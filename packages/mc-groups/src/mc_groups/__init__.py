@@ -30,6 +30,8 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 from mc_groups import argcheck as argcheck
 from mc_groups import param_attrs as param_attrs
 from mc_groups.collection import GROUP_FIELDS, MissingGroupError, ProcessGroupCollection
@@ -85,7 +87,10 @@ from mc_groups.schedule_check import (
     schedule_check_enabled,
 )
 
-__version__ = "0.3.0"
+try:  # one source of the version: the distribution's pyproject.toml
+    __version__ = version("mc-groups")
+except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/gpu_check.py)
+    __version__ = "0+unknown"
 
 __all__ = [
     "AXES",

@@ -21,6 +21,8 @@ through :mod:`mc_groups`, so :func:`mc_groups.record_collectives` sees it.
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._gemm import backends
 from mc_tp_layers.agreement import TensorParallelAgreementError, check_tp_agreement
@@ -71,7 +73,10 @@ from mc_tp_layers.random import (
 )
 from mc_tp_layers.utils import VocabUtility, divide, split_tensor_along_last_dim
 
-__version__ = "0.3.0"
+try:  # one source of the version: the distribution's pyproject.toml
+    __version__ = version("mc-tp-layers")
+except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/gpu_check.py)
+    __version__ = "0+unknown"
 
 __all__ = [
     "ColumnParallelLinear",
