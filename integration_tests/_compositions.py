@@ -164,6 +164,54 @@ def local_part(
     return part
 
 
+def no_init(weight: torch.Tensor) -> None:
+    """An ``init_method`` that leaves the weight alone: :func:`load_weights` fills it."""
+
+
+def tp_mlp(
+    config: mg.ModelParallelConfig,
+    pgc: mg.ProcessGroupCollection,
+    hidden: int,
+    ffn: int,
+    *,
+    is_expert: bool = False,
+) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+    """``fc1`` (Column ``hidden → ffn``) and ``fc2`` (Row ``ffn → hidden``, its input already
+    split), both with a bias: the MLP of every composition model (weights loaded later)."""
+    fc1 = ColumnParallelLinear(
+        hidden,
+        ffn,
+        config=config,
+        init_method=no_init,
+        bias=True,
+        is_expert=is_expert,
+        pg_collection=pgc,
+    )
+    fc2 = RowParallelLinear(
+        ffn,
+        hidden,
+        config=config,
+        init_method=no_init,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        is_expert=is_expert,
+        pg_collection=pgc,
+    )
+    return fc1, fc2
+
+
+def random_batch(
+    seed: int, shape: tuple[int, int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs and targets of ``shape`` (``[units, s, b, h]``) and a per-token-loss mask
+    ``[units, s, b]``, drawn from one generator seeded with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    target = torch.randn(shape, generator=g)
+    return x, target, make_mask(g, shape[:3])
+
+
 def load_weights(module: torch.nn.Module, full: Mapping[str, torch.Tensor]) -> None:
     """Copy this rank's part of each ``full[name]`` into ``module``'s param ``name``."""
     groups = tp_group_of(module)

@@ -55,22 +55,18 @@ from integration_tests._compositions import (
     ddp_config,
     grad_reductions,
     load_weights,
-    make_mask,
     normalised,
+    random_batch,
     reference_loss,
     reference_run,
     token_loss,
+    tp_mlp,
     train,
 )
 from mc_ddp import DistributedDataParallel
 from mc_groups.testing import RankPools
-from mc_tp_layers import ColumnParallelLinear, RowParallelLinear
 
 S, B, H, FFN = 8, 2, 8, 12
-
-
-def _no_init(weight: torch.Tensor) -> None:
-    """The weights are loaded after construction."""
 
 
 class PerTokenModel(torch.nn.Module):
@@ -80,19 +76,7 @@ class PerTokenModel(torch.nn.Module):
         super().__init__()
         self.pos = torch.nn.Parameter(torch.zeros(S, H))
         self.ln = torch.nn.LayerNorm(H)
-        self.fc1 = ColumnParallelLinear(
-            H, FFN, config=config, init_method=_no_init, bias=True, pg_collection=pgc
-        )
-        self.fc2 = RowParallelLinear(
-            FFN,
-            H,
-            config=config,
-            init_method=_no_init,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            pg_collection=pgc,
-        )
+        self.fc1, self.fc2 = tp_mlp(config, pgc, H, FFN)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x`` ``[s, B, H]`` holding the tokens at ``positions`` ``[s]``."""
@@ -128,10 +112,7 @@ def initial() -> dict[str, torch.Tensor]:
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step ``step``'s global batch: inputs and targets ``[UNITS, S, B, H]``, the
     per-token-loss mask ``[UNITS, S, B]``."""
-    g = torch.Generator().manual_seed(300 + step)
-    x = torch.randn(UNITS, S, B, H, generator=g)
-    target = torch.randn(UNITS, S, B, H, generator=g)
-    return x, target, make_mask(g, (UNITS, S, B))
+    return random_batch(300 + step, (UNITS, S, B, H))
 
 
 def _reference_forward(w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

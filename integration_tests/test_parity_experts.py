@@ -101,13 +101,12 @@ from integration_tests._compositions import (
     reference_loss,
     reference_run,
     token_loss,
+    tp_mlp,
     train,
 )
 from mc_ddp import DistributedDataParallel
 from mc_groups.testing import RankPools
 from mc_tp_layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     all_to_all,
     gather_from_sequence_parallel_region,
 )
@@ -117,35 +116,12 @@ S, B = 8, 2  # a unit: 16 tokens, 4 per expert
 SP_PARAMS = ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "router.weight", "fc2.bias")
 
 
-def _no_init(weight: torch.Tensor) -> None:
-    """The weights are loaded after construction."""
-
-
 class Expert(torch.nn.Module):
     """``fc2(gelu(fc1(z)))`` on ``[tokens, H]`` with expert layers."""
 
     def __init__(self, config: mg.ModelParallelConfig, pgc: mg.ProcessGroupCollection) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(
-            H,
-            FFN,
-            config=config,
-            init_method=_no_init,
-            bias=True,
-            is_expert=True,
-            pg_collection=pgc,
-        )
-        self.fc2 = RowParallelLinear(
-            FFN,
-            H,
-            config=config,
-            init_method=_no_init,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            is_expert=True,
-            pg_collection=pgc,
-        )
+        self.fc1, self.fc2 = tp_mlp(config, pgc, H, FFN, is_expert=True)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         hidden, _ = self.fc1(z)
@@ -161,19 +137,7 @@ class MoEModel(torch.nn.Module):
         self.tp = pgc.require("tp", "MoEModel")
         self.ep = pgc.require("ep", "MoEModel")
         self.ln1 = torch.nn.LayerNorm(H)
-        self.fc1 = ColumnParallelLinear(
-            H, FFN, config=config, init_method=_no_init, bias=True, pg_collection=pgc
-        )
-        self.fc2 = RowParallelLinear(
-            FFN,
-            H,
-            config=config,
-            init_method=_no_init,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            pg_collection=pgc,
-        )
+        self.fc1, self.fc2 = tp_mlp(config, pgc, H, FFN)
         self.ln2 = torch.nn.LayerNorm(H)
         self.router = torch.nn.Linear(H, E, bias=False)
         for module in (self.ln1, self.ln2, self.router):

@@ -69,25 +69,21 @@ from integration_tests._compositions import (
     ddp_config,
     grad_reductions,
     load_weights,
-    make_mask,
     normalised,
     numel_by,
+    random_batch,
     reference_loss,
     reference_run,
     token_loss,
+    tp_mlp,
     train,
 )
 from mc_ddp import DistributedDataParallel
 from mc_groups.testing import RankPools
-from mc_tp_layers import ColumnParallelLinear, RowParallelLinear
 
 H, FFN = 7, 10  # padding: fc2.weight [7, 10] over gtp 2; fc1.weight [5, 7] at TP=2
 S, B = 4, 2
 GTP_WEIGHTS = ("fc1.weight", "fc2.weight")
-
-
-def _no_init(weight: torch.Tensor) -> None:
-    """The weights are loaded after construction."""
 
 
 class GtpMLP(torch.nn.Module):
@@ -96,19 +92,7 @@ class GtpMLP(torch.nn.Module):
     def __init__(self, config: mg.ModelParallelConfig, pgc: mg.ProcessGroupCollection) -> None:
         super().__init__()
         self.ln = torch.nn.LayerNorm(H)
-        self.fc1 = ColumnParallelLinear(
-            H, FFN, config=config, init_method=_no_init, bias=True, pg_collection=pgc
-        )
-        self.fc2 = RowParallelLinear(
-            FFN,
-            H,
-            config=config,
-            init_method=_no_init,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            pg_collection=pgc,
-        )
+        self.fc1, self.fc2 = tp_mlp(config, pgc, H, FFN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden, _ = self.fc1(self.ln(x))
@@ -134,10 +118,7 @@ def initial() -> dict[str, torch.Tensor]:
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step ``step``'s global batch: inputs and targets ``[UNITS, S, B, H]``, the
     per-token-loss mask ``[UNITS, S, B]``."""
-    g = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(UNITS, S, B, H, generator=g)
-    target = torch.randn(UNITS, S, B, H, generator=g)
-    return x, target, make_mask(g, (UNITS, S, B))
+    return random_batch(100 + step, (UNITS, S, B, H))
 
 
 def _reference_forward(w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
