@@ -7,25 +7,14 @@ packages pass the dependency and file checks (the version check runs in `hatch r
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
+
+from integration_tests._scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "check_packages", ROOT / "scripts" / "check_packages.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-check = _load()
+check = load_script("check_packages")
 
 
 def _package(root: Path, deps: list[str], source: str, readme: str) -> Path:

@@ -11,28 +11,16 @@ hand-made signatures. Exact comparisons.
 from __future__ import annotations
 
 import difflib
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from integration_tests._scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_generator() -> ModuleType:
-    # by path: scripts/ is a folder of scripts, not a package
-    spec = importlib.util.spec_from_file_location(
-        "gen_compatibility", ROOT / "scripts" / "gen_compatibility.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
+gen = load_script("gen_compatibility")
 
 
 def test_document_equals_what_the_code_and_spec_generate() -> None:

@@ -11,29 +11,17 @@ from __future__ import annotations
 
 import ast
 import difflib
-import importlib.util
 import re
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from integration_tests._scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_generator() -> ModuleType:
-    # by path: scripts/ is a folder of scripts, not a package
-    spec = importlib.util.spec_from_file_location(
-        "gen_bad_inputs", ROOT / "scripts" / "gen_bad_inputs.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
+gen = load_script("gen_bad_inputs")
 # `pkg_tests/test_x.py::test_y` [case], or a module alone, as the document cites them
 _CITED = re.compile(r"`(\w+_tests)/(test_\w+)\.py(?:::(\w+))?`(?: \[([^\]]+)\])?")
 

@@ -10,18 +10,17 @@ verdict, the "no pytest" path, and the benchmark's FLOP count and spread.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from benchmarks import gpu_step
+from integration_tests._scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
@@ -37,17 +36,7 @@ ONE_GPU_FILES = {
 }
 
 
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load_script()
+gpu_check = load_script("gpu_check")
 
 
 @pytest.fixture(scope="module")
