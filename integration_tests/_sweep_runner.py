@@ -176,6 +176,9 @@ def worker_main(
 
 
 def _context() -> Any:
+    # multiprocessing keeps one fork server per process: under pytest, mc_groups.testing's
+    # RankPool has usually started it already (with torch, DTensor and DCP preloaded), and
+    # then this list changes nothing; the sweep script starts it with this list.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
         [

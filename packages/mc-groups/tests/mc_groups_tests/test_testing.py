@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mc_groups.testing import RankFailure, RankPools, RankTimeout, gpu_skip_reason
+from mc_groups.testing import RankFailure, RankPool, RankPools, RankTimeout, gpu_skip_reason
 
 
 def _rank_pid_threads(x: int) -> tuple[int, int, int, int]:
@@ -88,6 +88,31 @@ def test_a_dying_rank_is_reported_with_its_exit_code(rank_pools: RankPools) -> N
     with pytest.raises(RankFailure) as info:
         rank_pools.get(2).run(_exit_on_rank_zero)
     assert "exit code 7" in info.value.outcomes[0].error
+
+
+def _env_probe() -> tuple[str | None, str | None, str | None]:
+    return (
+        os.environ.get("MC_TEST_SET_LATER"),
+        os.environ.get("MC_TEST_REMOVED"),
+        os.environ.get("MC_TEST_POOL_ONLY"),
+    )
+
+
+def test_ranks_take_the_environment_of_the_parent_when_the_pool_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ranks are forked from a fork server started once per process, with the environment
+    the parent had then; a spawned rank inherits the parent's environment of the moment,
+    and the harness keeps that meaning: a variable set since is seen, one removed since is
+    not (when this test is the one that started the server), the pool's ``env`` on top."""
+    monkeypatch.setenv("MC_TEST_REMOVED", "old")
+    with RankPool(2) as pool:  # the fork server is up from here on
+        assert pool.run(_env_probe) == [(None, "old", None)] * 2
+    monkeypatch.delenv("MC_TEST_REMOVED")
+    monkeypatch.setenv("MC_TEST_SET_LATER", "new")
+    with RankPool(2, env={"MC_TEST_POOL_ONLY": "pool"}) as pool:
+        assert pool.run(_env_probe) == [("new", None, "pool")] * 2
+    assert "MC_TEST_POOL_ONLY" not in os.environ
 
 
 def test_functions_must_be_importable(rank_pools: RankPools) -> None:

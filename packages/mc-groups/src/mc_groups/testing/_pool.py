@@ -1,9 +1,16 @@
 """``RankPool``: run a function on N ranks of a real torch.distributed world, repeatedly.
 
 Design, for test suites on small CPUs:
-- N worker processes are spawned once, each joins the world (gloo by default) through a
+- N worker processes are started once, each joins the world (gloo by default) through a
   ``FileStore`` in a private temporary folder: no port is fixed, so parallel sessions never
   collide.
+- Ranks are forked from multiprocessing's fork server, which imports torch and the worker
+  module once per session (where the platform has one; spawn elsewhere): a spawned rank
+  imports torch itself, so every pool start and every restart after a failure paid one
+  torch start-up per rank. Each rank then takes the parent's environment as it is when the
+  pool starts (plus the pool's ``env``), exactly as a spawned rank would; only what torch
+  reads while it is imported comes from the fork server's environment. CUDA is never
+  initialised before the fork (importing torch does not initialise it).
 - ``pool.run(fn, *args)`` sends ``fn`` (by module and name) to every rank and returns the
   per-rank results in rank order. Workers are reused across calls.
 - Every call has a deadline. A rank that raises fails the call with its traceback; the
@@ -25,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, ParamSpec, TypeVar
 
@@ -74,6 +82,30 @@ def _default_env() -> dict[str, str]:
     if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"
     return env
+
+
+# What the fork server imports once: the worker, and the torch modules that mc's packages
+# import (DTensor and DCP alone take over a second to import).
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    worker_main.__module__,
+)
+
+
+def _context() -> ForkServerContext | SpawnContext:
+    """The fork server (torch imported there once) where the platform has one, else spawn.
+
+    The preload list is the process's (multiprocessing keeps one fork server per process)
+    and only takes effect when the fork server starts; if the process already runs one,
+    the ranks import what that one did not (slower, same behaviour)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOAD))
+    return ctx
 
 
 def check_times(
@@ -168,7 +200,8 @@ class RankPool:
         """Spawn the ranks and wait until each joined the world (idempotent)."""
         if self._procs:
             return
-        ctx = mp.get_context("spawn")
+        ctx = _context()
+        env = {**os.environ, **self._env}
         self._tmpdir = tempfile.mkdtemp(prefix="mc-rank-pool-")
         store = os.path.join(self._tmpdir, "store")
         for rank in range(self.world_size):
@@ -182,7 +215,7 @@ class RankPool:
                     store,
                     child,
                     self.pg_timeout_s,
-                    self._env,
+                    env,
                 ),
                 daemon=True,
                 name=f"mc-rank-{rank}",

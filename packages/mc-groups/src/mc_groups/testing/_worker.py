@@ -100,7 +100,11 @@ def worker_main(
     pg_timeout_s: float,
     env: dict[str, str],
 ) -> None:
-    """Entry point of one rank process: join the world, then serve calls until "stop"."""
+    """Entry point of one rank process: join the world, then serve calls until "stop".
+
+    ``env`` is the whole environment the rank runs with (the parent's, plus the pool's):
+    a rank forked from the fork server would otherwise keep the server's."""
+    os.environ.clear()
     os.environ.update(env)
     try:
         _init_process_group(rank, world_size, backend, store_path, pg_timeout_s)
