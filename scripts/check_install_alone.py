@@ -13,6 +13,7 @@ non-zero on the first failure.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -108,8 +109,14 @@ def _closure(package: str) -> list[str]:
     return sorted(seen)
 
 
+# pip does not byte-compile what it installs (compiling all of torch takes longer than
+# installing it); the probes write the bytecode of what they import instead, once, even
+# where the shell sets PYTHONDONTWRITEBYTECODE.
+_ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": ""}
+
+
 def _run(*cmd: str, cwd: Path | None = None) -> str:
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, cwd=cwd, env=_ENV, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"FAILED: {' '.join(cmd)}\n{done.stdout}\n{done.stderr}")
     return done.stdout
@@ -128,6 +135,7 @@ def _check(python: str, package: str, workdir: Path) -> None:
         "pip",
         "install",
         "-q",
+        "--no-compile",
         "--no-build-isolation",
         *[str(PACKAGES / n) for n in closure],
     )
@@ -162,7 +170,18 @@ def main() -> None:
         venv = Path(tmp) / "venv"
         _run(sys.executable, "-m", "venv", str(venv))
         python = str(venv / "bin" / "python")
-        _run(python, "-m", "pip", "install", "-q", TORCH, "numpy", "hatchling>=1.27", MYPY)
+        _run(
+            python,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-compile",
+            TORCH,
+            "numpy",
+            "hatchling>=1.27",
+            MYPY,
+        )
         print(f"install check: fresh venv with {TORCH} in {time.monotonic() - started:.0f} s")
         for package in packages:
             _check(python, package, Path(tmp))
