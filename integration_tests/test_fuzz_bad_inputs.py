@@ -17,6 +17,7 @@ Bounded for CI: ``derandomize=True`` (the same examples on every run), ``databas
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -106,12 +107,15 @@ def _slot_and_value(draw: st.DrawFn) -> tuple[cases.Slot, object]:
 
 
 @pytest.fixture(scope="module")
+def case_numbers() -> Iterator[int]:
+    """Numbers for the worker's messages, one per example (unique within the module)."""
+    return itertools.count(1)
+
+
+@pytest.fixture(scope="module")
 def worker() -> Iterator[runner.OneProcessRunner]:
     with runner.OneProcessRunner() as one:
         yield one
-
-
-_SEEN = [0]
 
 
 @settings(
@@ -123,12 +127,13 @@ _SEEN = [0]
 )
 @given(case=_slot_and_value())
 def test_any_bad_value_in_any_slot_is_a_clear_error(
-    worker: runner.OneProcessRunner, case: tuple[cases.Slot, object]
+    worker: runner.OneProcessRunner, case_numbers: Iterator[int], case: tuple[cases.Slot, object]
 ) -> None:
     slot, value = case
-    _SEEN[0] += 1
     result = worker.run(
-        ("value", _SEEN[0], slot.key, value), f"{slot.key} <- {cases.show(value)}", slot.package
+        ("value", next(case_numbers), slot.key, value),
+        f"{slot.key} <- {cases.show(value)}",
+        slot.package,
     )
     assert result.outcome == "clear", f"[{result.outcome}] {result.case_id}: {result.detail}"
 
