@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from mc_groups.testing import RankFailure, RankPool, RankPools, RankTimeout, gpu_skip_reason
+from mc_groups.testing import (
+    RankFailure,
+    RankPool,
+    RankPools,
+    RankTimeout,
+    _pool,  # the package's own private helper
+    gpu_skip_reason,
+)
 
 
 def _rank_pid_threads(x: int) -> tuple[int, int, int, int]:
@@ -113,6 +121,16 @@ def test_ranks_take_the_environment_of_the_parent_when_the_pool_starts(
     with RankPool(2, env={"MC_TEST_POOL_ONLY": "pool"}) as pool:
         assert pool.run(_env_probe) == [("new", None, "pool")] * 2
     assert "MC_TEST_POOL_ONLY" not in os.environ
+
+
+@pytest.mark.parametrize(("platform", "method"), [("linux", "forkserver"), ("darwin", "spawn")])
+def test_ranks_fork_from_the_fork_server_on_linux_only(
+    platform: str, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forking is unsafe where system libraries that torch loads start threads (macOS: the
+    reason Python made spawn its default there); Linux forks from the fork server."""
+    monkeypatch.setattr(sys, "platform", platform)
+    assert _pool._context().get_start_method() == method
 
 
 def test_functions_must_be_importable(rank_pools: RankPools) -> None:

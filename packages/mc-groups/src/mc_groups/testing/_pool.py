@@ -5,7 +5,7 @@ Design, for test suites on small CPUs:
   ``FileStore`` in a private temporary folder: no port is fixed, so parallel sessions never
   collide.
 - Ranks are forked from multiprocessing's fork server, which imports torch and the worker
-  module once per session (where the platform has one; spawn elsewhere): a spawned rank
+  module once per session (on Linux; spawn elsewhere): a spawned rank
   imports torch itself, so every pool start and every restart after a failure paid one
   torch start-up per rank. Each rank then takes the parent's environment as it is when the
   pool starts (plus the pool's ``env``), exactly as a spawned rank would; only what torch
@@ -96,12 +96,13 @@ _PRELOAD = (
 
 
 def _context() -> ForkServerContext | SpawnContext:
-    """The fork server (torch imported there once) where the platform has one, else spawn.
+    """The fork server (torch imported there once) on Linux, spawn elsewhere (macOS system
+    libraries that torch loads may start threads, which makes forking unsafe there).
 
     The preload list is the process's (multiprocessing keeps one fork server per process)
     and only takes effect when the fork server starts; if the process already runs one,
     the ranks import what that one did not (slower, same behaviour)."""
-    if "forkserver" not in mp.get_all_start_methods():
+    if not sys.platform.startswith("linux"):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
