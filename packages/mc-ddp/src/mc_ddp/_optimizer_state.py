@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from numbers import Real
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-from torch.distributed.tensor import DTensor
 
 from mc_ddp.checkpoint_pieces import CheckpointPieces, pieces_of_flat_slice
+
+if TYPE_CHECKING:  # DCP and DTensor are imported where used: over a second to import
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 Param = torch.nn.Parameter
 MASTER_KEY = "fp32_param"
@@ -40,6 +41,8 @@ class Placement(NamedTuple):
 
 
 def _placement(key: str, value: object) -> tuple[torch.Tensor, Placement] | None:
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (see the imports)
+
     if isinstance(value, DTensor):
         # DCP's own view of where this rank's chunk sits (untyped in torch).
         chunks: list[ChunkStorageMetadata] = value.__create_chunk_list__()  # type: ignore[no-untyped-call]

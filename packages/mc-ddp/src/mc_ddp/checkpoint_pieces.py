@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+if TYPE_CHECKING:  # DCP is imported where it is used: importing it costs over a second
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = ["Box", "CheckpointPieces", "flat_range_boxes", "pieces_of_flat_slice"]
 
@@ -159,6 +157,17 @@ class CheckpointPieces(torch.Tensor):
 
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
         """DCP: one shard write per piece."""
+        from torch.distributed.checkpoint.metadata import (  # noqa: PLC0415 (see top)
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import (  # noqa: PLC0415
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
+
         del obj
         return [
             WriteItem(
@@ -175,6 +184,8 @@ class CheckpointPieces(torch.Tensor):
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         """DCP: the chunks this rank reads into (one per piece)."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata  # noqa: PLC0415
+
         return [ChunkStorageMetadata(offsets=o, sizes=p.shape) for o, p in self.pieces]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:

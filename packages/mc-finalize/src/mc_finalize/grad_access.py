@@ -18,8 +18,9 @@ pending reductions is not a finished grad).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 
@@ -27,13 +28,9 @@ import mc_groups as mg
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_tensor
 
-try:
+if TYPE_CHECKING:  # DTensor is imported where used: importing it costs over a second
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-
-    _HAVE_DTENSOR = True
-except ImportError:  # torch builds without distributed tensors: every grad is plain
-    _HAVE_DTENSOR = False
+    from torch.distributed.tensor import DTensor, Placement, Shard
 
 _GATHER_LABEL = "unshard DTensor grad"
 
@@ -45,7 +42,16 @@ def _get_main_grad_attr(param: torch.nn.Parameter) -> str:
 
 
 def _is_dtensor(tensor: object) -> bool:
-    return _HAVE_DTENSOR and isinstance(tensor, DTensor)
+    """No DTensor exists before ``torch.distributed.tensor`` is imported, so only then can
+    a grad be one (a dict lookup per grad; torch builds without DTensor never load it)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def _is_shard(placement: object) -> TypeGuard[Shard]:
+    from torch.distributed.tensor import Shard  # noqa: PLC0415 (loaded: a DTensor exists)
+
+    return isinstance(placement, Shard)
 
 
 def _unshard_if_dtensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -57,7 +63,7 @@ def _unshard_if_dtensor(tensor: torch.Tensor) -> torch.Tensor:
     check_tensor("tensor", tensor)
     if not _is_dtensor(tensor):
         return tensor
-    dtensor = cast(DTensor, tensor)
+    dtensor = cast("DTensor", tensor)
     placements = tuple(dtensor.placements)
     _check_placements(placements)
     with torch.no_grad():
@@ -79,9 +85,11 @@ def _reshard_if_dtensor(
     check_tensor("reference_tensor", reference_tensor)
     if not _is_dtensor(reference_tensor):
         return reference_tensor
-    reference = cast(DTensor, reference_tensor)
+    reference = cast("DTensor", reference_tensor)
     mesh, placements = reference.device_mesh, tuple(reference.placements)
     _check_placements(placements)
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (loaded: a DTensor exists)
+
     with torch.no_grad():
         local = _local_slice(tensor_to_shard, mesh, placements)
         sharded = DTensor.from_local(
@@ -97,6 +105,8 @@ def _reshard_if_dtensor(
 
 
 def _check_placements(placements: tuple[Placement, ...]) -> None:
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415 (loaded)
+
     for placement in placements:
         if not isinstance(placement, Shard | Replicate):
             raise TypeError(
@@ -129,7 +139,7 @@ def _sizes_before_split(
     """For each mesh dim, the length of its sharded tensor dim just before it splits."""
     current, coords, sizes = list(shape), _coordinates(mesh), []
     for mesh_dim, placement in enumerate(placements):
-        if not isinstance(placement, Shard):
+        if not _is_shard(placement):
             sizes.append(0)
             continue
         dim = placement.dim % len(current)
@@ -145,7 +155,7 @@ def _gather_full(tensor: DTensor, placements: tuple[Placement, ...]) -> torch.Te
     # Mesh dim 0 split first, so the innermost split is undone first.
     for mesh_dim in reversed(range(len(placements))):
         placement = placements[mesh_dim]
-        if isinstance(placement, Shard):
+        if _is_shard(placement):
             dim = placement.dim % tensor.ndim
             full = _gather_dim(full, dim, sizes[mesh_dim], mesh.get_group(mesh_dim))
     return full
@@ -170,7 +180,7 @@ def _local_slice(
 ) -> torch.Tensor:
     local, coords = full, _coordinates(mesh)
     for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
+        if _is_shard(placement):
             dim = placement.dim % full.ndim
             length, parts = local.shape[dim], mesh.size(mesh_dim)
             start = coords[mesh_dim] * -(-length // parts)

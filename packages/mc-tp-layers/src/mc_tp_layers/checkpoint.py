@@ -37,18 +37,19 @@ mc_groups' recorder. Megatron's ``sharded_offsets`` are not supported.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 import mc_groups as mg
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_group, check_int, check_str, check_tensor
 from mc_tp_layers import _validate
 from mc_tp_layers.gtp import _gtp_group, unsharded_shape
+
+if TYPE_CHECKING:  # DTensor is imported where used: importing it costs over a second
+    from torch.distributed.tensor import Shard
 
 __all__ = ["gtp_sharded_tensor", "sharded_state_dict_of", "tp_sharded_tensor"]
 
@@ -82,6 +83,9 @@ def tp_sharded_tensor(
     shape = list(local.shape)
     shape[dim] *= int(tp_group.size())
     global_shape = torch.Size(shape)
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (see the imports)
+    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
+
     mesh = DeviceMesh.from_group(tp_group, local.device.type)
     return DTensor.from_local(
         local,
@@ -137,6 +141,9 @@ def gtp_sharded_tensor(
     shape[dim] *= int(tp_group.size())
     global_shape = torch.Size(shape)
     groups, placements = _mesh_axes(tp_group, gtp_group, dim)
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (see the imports)
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
     if len(groups) == 2:
         mesh = DeviceMesh.from_group(
             groups,
@@ -160,6 +167,8 @@ def _mesh_axes(
     tp_group: dist.ProcessGroup, gtp_group: dist.ProcessGroup, tp_dim: int
 ) -> tuple[list[dist.ProcessGroup], list[Shard]]:
     """The mesh's groups and placements, outermost first; a one-rank TP group is dropped."""
+    from torch.distributed.tensor import Shard  # noqa: PLC0415 (see the imports)
+
     if tp_group.size() == 1:
         return [gtp_group], [Shard(0)]
     return [tp_group, gtp_group], [Shard(tp_dim), Shard(0)]

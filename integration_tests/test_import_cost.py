@@ -1,0 +1,30 @@
+"""Importing mc's packages leaves DCP and DTensor unimported (one fresh interpreter).
+
+``torch.distributed.checkpoint`` and ``torch.distributed.tensor`` take over a second to
+import; mc imports them where they are used (checkpoints, DTensor grads), so a user who
+imports mc_ddp, mc_tp_layers or mc_finalize does not pay for them up front. Localizes a
+module-level import that brings them back. Exact: the modules are in ``sys.modules`` or
+not.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor")
+PACKAGES = ("mc_groups", "mc_buffers", "mc_ddp", "mc_tp_layers", "mc_finalize")
+
+
+def test_importing_the_packages_leaves_dcp_and_dtensor_unimported() -> None:
+    probe = (
+        "import importlib, json, sys\n"
+        f"for name in {PACKAGES!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert json.loads(done.stdout.splitlines()[-1]) == []
