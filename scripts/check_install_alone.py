@@ -122,6 +122,10 @@ def _run(*cmd: str, cwd: Path | None = None) -> str:
     return done.stdout
 
 
+def _pip_install(python: str, *args: str) -> None:
+    _run(python, "-m", "pip", "install", "-q", "--no-compile", *args)
+
+
 def _installed_mc(python: str) -> list[str]:
     listed = json.loads(_run(python, "-m", "pip", "list", "--format", "json"))
     return sorted(p["name"] for p in listed if p["name"].startswith("mc-"))
@@ -129,16 +133,7 @@ def _installed_mc(python: str) -> list[str]:
 
 def _check(python: str, package: str, workdir: Path) -> None:
     closure = _closure(package)
-    _run(
-        python,
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--no-compile",
-        "--no-build-isolation",
-        *[str(PACKAGES / n) for n in closure],
-    )
+    _pip_install(python, "--no-build-isolation", *[str(PACKAGES / n) for n in closure])
     installed = _installed_mc(python)
     if installed != closure:
         raise SystemExit(f"{package}: installed {installed}, declared closure {closure}")
@@ -170,18 +165,7 @@ def main() -> None:
         venv = Path(tmp) / "venv"
         _run(sys.executable, "-m", "venv", str(venv))
         python = str(venv / "bin" / "python")
-        _run(
-            python,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-compile",
-            TORCH,
-            "numpy",
-            "hatchling>=1.27",
-            MYPY,
-        )
+        _pip_install(python, TORCH, "numpy", "hatchling>=1.27", MYPY)
         print(f"install check: fresh venv with {TORCH} in {time.monotonic() - started:.0f} s")
         for package in packages:
             _check(python, package, Path(tmp))

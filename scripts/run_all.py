@@ -30,7 +30,6 @@ FIRST = [
     ("lint: ruff format --check", [PY, "-m", "ruff", "format", "--check", "."]),
     ("check-packages", [PY, "scripts/check_packages.py"]),
 ]
-# GLOO_SOCKET_IFNAME=lo: the tests' ranks talk over loopback
 TESTS = [PY, "-m", "pytest", "packages", "integration_tests"]
 BACKGROUND = [
     ("types: mypy --strict", [PY, "-m", "mypy"]),
@@ -85,9 +84,9 @@ def main(pytest_args: list[str]) -> int:
             daemon=True,
         )
         worker.start()
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}  # the tests' ranks use loopback
         steps.append(_run("tests: pytest", [*TESTS, *pytest_args], env))
-        worker.join(BACKGROUND_BOUND_S + 30.0)  # each step is bounded; this is a backstop
+        worker.join(BACKGROUND_BOUND_S + 30.0)  # the steps share the bound; a backstop
         text = log.read_text(encoding="utf-8", errors="replace")
     print(f"--- background steps (ran during the tests) ---\n{text}", end="", flush=True)
     ran = {s.name for s in background}
