@@ -13,6 +13,7 @@ import torch
 from mc_buffers._args import BufferArgs, Scale, check_buffer_args, check_scale
 from mc_buffers._checks import BUFFER_VIEW_ATTR, Param, buffer_slot, describe
 from mc_buffers._layout_check import check_layout
+from mc_buffers.adopt import PerBufferParamLayoutLike
 from mc_buffers.bucket import ParamAndGradBucket
 from mc_buffers.layout import (
     PerBufferParamLayout,
@@ -83,7 +84,7 @@ class ParamAndGradBuffer:
         use_distributed_optimizer: bool = False,
         data_parallel_size: int = 1,
         pad_buckets_for_high_nccl_busbw: bool = False,
-        param_layout: PerBufferParamLayout | None = None,
+        param_layout: PerBufferParamLayout | PerBufferParamLayoutLike | None = None,
         param_to_name: Mapping[Param, str] | None = None,
         param_name_patterns_for_fp32_local_accumulation: Sequence[str] = (),
         param_indices: Sequence[int] | None = None,
@@ -337,7 +338,7 @@ class ParamAndGradBuffer:
         )
 
 
-def _resolve_layout(args: BufferArgs, given: PerBufferParamLayout | None) -> PerBufferParamLayout:
+def _resolve_layout(args: BufferArgs, given: object) -> PerBufferParamLayout:
     if given is not None:
         shards = args.data_parallel_size if args.use_distributed_optimizer else None
         return check_layout(given, args.params, args.names, shards)

@@ -34,6 +34,7 @@ from mc_ddp._groups import require_live
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_buckets, check_finite_grads
 from mc_groups.argcheck import check_flag, check_group, check_optional_group, check_str
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["ParamAndGradBucketGroup", "partition_buckets"]
 
@@ -76,7 +77,7 @@ class ParamAndGradBucketGroup:
     ) -> None:
         _check_arguments(buckets, ddp_config, collective_group, inter_instance_group, name)
         if param_to_name is not None and not isinstance(param_to_name, Mapping):
-            raise TypeError(
+            raise InputTypeError(
                 f"param_to_name must map params to names, got {type(param_to_name).__name__}"
             )
         self.buckets = list(buckets)
@@ -163,7 +164,7 @@ class ParamAndGradBucketGroup:
         """Count one ready gradient of ``param`` (last microbatch only); once every count
         equals the golden count (second iteration on, overlap on) start the reduction."""
         if param not in self.params:
-            raise ValueError(
+            raise InputValueError(
                 f"{self.name}: register_grad_ready() got a param (shape "
                 f"{tuple(getattr(param, 'shape', ()))}) that is not in this bucket group"
             )
@@ -433,7 +434,7 @@ def _check_arguments(
 ) -> None:
     check_buckets(buckets)
     if not isinstance(ddp_config, DistributedDataParallelConfig):
-        raise TypeError(
+        raise InputTypeError(
             f"ddp_config={type(ddp_config).__name__} must be a mc_ddp.DistributedDataParallelConfig"
         )
     check_group("collective_group", group)
@@ -443,12 +444,14 @@ def _check_arguments(
 
 def _check_buffers(buffers: object) -> None:
     if isinstance(buffers, str) or not isinstance(buffers, Sequence):
-        raise TypeError(
+        raise InputTypeError(
             f"buffers must be a sequence of ParamAndGradBuffer, got {type(buffers).__name__}"
         )
     for i, buf in enumerate(buffers):
         if not isinstance(buf, ParamAndGradBuffer):
-            raise TypeError(f"buffers[{i}] is a {type(buf).__name__}, not a ParamAndGradBuffer")
+            raise InputTypeError(
+                f"buffers[{i}] is a {type(buf).__name__}, not a ParamAndGradBuffer"
+            )
 
 
 def partition_buckets(

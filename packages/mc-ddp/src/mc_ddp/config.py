@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mc_groups.argcheck import check_flag, check_int, check_optional_int, check_patterns
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["DistributedDataParallelConfig"]
 
@@ -245,10 +246,10 @@ def _check_like_default(name: str, value: object, default: object) -> None:
     elif isinstance(default, int):
         check_int(name, value)
     elif isinstance(default, str) and not isinstance(value, str):
-        raise TypeError(f"{name}={value!r} must be a str (Megatron's default {default!r})")
+        raise InputTypeError(f"{name}={value!r} must be a str (Megatron's default {default!r})")
     elif isinstance(default, torch.dtype) or (default is None and "dtype" in name):
         if value is not None and not isinstance(value, torch.dtype):
-            raise TypeError(f"{name}={value!r} must be a torch.dtype or None")
+            raise InputTypeError(f"{name}={value!r} must be a torch.dtype or None")
     elif default is None:
         check_optional_int(name, value)
 
@@ -257,4 +258,4 @@ def _need(condition: bool, message: str) -> None:
     """``ValueError(message)`` unless ``condition`` (each message names the fields, the
     values and the fix)."""
     if not condition:
-        raise ValueError(message)
+        raise InputValueError(message)

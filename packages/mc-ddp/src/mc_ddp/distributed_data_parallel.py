@@ -37,6 +37,7 @@ from typing_extensions import TypeVar
 import mc_groups as mg
 from mc_buffers import (
     FullParamLayout,
+    FullParamLayoutLike,
     OffloadedView,
     ParamAndGradBuffer,
     is_expert_parallel_param,
@@ -57,6 +58,7 @@ from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag
+from mc_groups.errors import InputTypeError
 from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr, main_grad_of
 
 __all__ = ["DistributedDataParallel", "_BucketParamReadyCallback", "logger"]
@@ -145,7 +147,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             ``expt_dp`` (with expert params), ``intra_dp_cp`` / ``inter_dist_opt`` (with
             several optimizer instances; ``intra_expt_dp`` / ``inter_expt_dp`` too when
             there are expert params); None: the registered default collection.
-        full_param_layout: precomputed layouts per buffer key (mc_buffers).
+        full_param_layout: precomputed layouts per buffer key: mc_buffers' FullParamLayout or
+            Megatron-Core's (any object with the same fields; see mc_buffers.as_full_param_layout).
 
     Bucket size: ``ddp_config.bucket_size``, ``num_buckets`` → total // num_buckets, or
     ``max(40M, 1M · |dp_cp|)``; one bucket without overlap_grad_reduce, on pipeline stages
@@ -162,7 +165,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         module: torch.nn.Module,
         disable_bucketing: bool = False,
         pg_collection: mg.ProcessGroupCollection | None = None,
-        full_param_layout: FullParamLayout | None = None,
+        full_param_layout: FullParamLayout | FullParamLayoutLike | None = None,
     ) -> None:
         checks.check_config(config)
         checks.check_ddp_config(ddp_config)
@@ -394,7 +397,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
     ) -> Any:
         """Load into the wrapped module (values are copied into the buffer-backed params)."""
         if not isinstance(state_dict, Mapping):
-            raise TypeError(
+            raise InputTypeError(
                 f"state_dict must be a mapping of names to tensors (module.state_dict()), got "
                 f"{type(state_dict).__name__}"
             )

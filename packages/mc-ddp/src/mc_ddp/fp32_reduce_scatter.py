@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups.errors import InputValueError
 
 __all__ = ["reduce_scatter_with_fp32_accumulation"]
 
@@ -48,7 +49,7 @@ def reduce_scatter_with_fp32_accumulation(
     ``detail`` go to the all-to-all (records, errors and mc_groups' schedule check).
     """
     if isinstance(op, mg.ReduceOp) and op not in (mg.ReduceOp.SUM, mg.ReduceOp.AVG):
-        raise ValueError(f"op={op} is not supported: use ReduceOp.SUM or ReduceOp.AVG")
+        raise InputValueError(f"op={op} is not supported: use ReduceOp.SUM or ReduceOp.AVG")
     return mg.reduce_scatter(
         output,
         input,

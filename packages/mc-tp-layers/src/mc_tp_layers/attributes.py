@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_int, check_optional_group, check_tensor
+from mc_groups.errors import InputValueError
 from mc_tp_layers import _validate
 from mc_tp_layers._groups import resolve_tp_group
 
@@ -98,7 +99,7 @@ def set_tensor_model_parallel_attributes(
         if hasattr(tensor, name) and getattr(tensor, name) != value
     }
     if clashes:
-        raise ValueError(
+        raise InputValueError(
             f"tensor already carries TP attributes {clashes}, which differ from {wanted}; "
             "copy it (tensor.detach().clone()) before re-labelling"
         )
@@ -202,7 +203,7 @@ def gtp_local_pad_zero_count(gtp_shard: torch.Tensor, range_start: int, range_en
     check_tensor("gtp_shard", gtp_shard)
     start_at = check_int("range_start", range_start, minimum=0)
     if check_int("range_end", range_end, minimum=0) < start_at:
-        raise ValueError(
+        raise InputValueError(
             f"range_end={range_end} < range_start={range_start}; the range is "
             "[range_start, range_end)"
         )

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_flag, check_tensor
+from mc_groups.errors import InputValueError
 from mc_tp_layers import _comm, _validate
 from mc_tp_layers._autograd import apply
 from mc_tp_layers._groups import resolve_tp_group
@@ -181,7 +182,7 @@ def scatter_to_sequence_parallel_region(
     if sizes is None:
         _validate.dim_divisible(x, 0, g.size(), "input_", "sequence length")
     elif sum(sizes) != x.shape[0]:
-        raise ValueError(
+        raise InputValueError(
             f"split_sizes={sizes} sum to {sum(sizes)} but input_ has shape {tuple(x.shape)}; "
             "they must add up to dim 0"
         )
@@ -210,7 +211,7 @@ def gather_from_sequence_parallel_region(
     x, g = _prepare(input_, group, "gather_from_sequence_parallel_region")
     sizes = _sizes(output_split_sizes, g, "output_split_sizes")
     if sizes is not None and sizes[g.rank()] != x.shape[0]:
-        raise ValueError(
+        raise InputValueError(
             f"output_split_sizes={sizes} gives rank {g.rank()} {sizes[g.rank()]} rows but "
             f"input_ has shape {tuple(x.shape)}"
         )
@@ -238,7 +239,7 @@ def reduce_scatter_to_sequence_parallel_region(
     if sizes is None:
         _validate.dim_divisible(x, 0, g.size(), "input_", "sequence length")
     elif sum(sizes) != x.shape[0]:
-        raise ValueError(
+        raise InputValueError(
             f"input_split_sizes={sizes} sum to {sum(sizes)} but input_ has shape "
             f"{tuple(x.shape)}; they must add up to dim 0"
         )
@@ -280,12 +281,12 @@ def all_to_all(
     if ins is None:
         _validate.dim_divisible(x, 0, g.size(), "input_", "first dimension")
     elif sum(ins) != x.shape[0]:
-        raise ValueError(
+        raise InputValueError(
             f"input_split_sizes={ins} sum to {sum(ins)} but input_ has shape {tuple(x.shape)}"
         )
     if g.size() == 1:
         if outs is not None and outs != [x.shape[0]]:
-            raise ValueError(
+            raise InputValueError(
                 f"output_split_sizes_={outs} on a group of one rank must be [{x.shape[0]}] "
                 "(the rows this rank keeps)"
             )

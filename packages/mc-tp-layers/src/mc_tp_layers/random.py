@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection, collection_or_default
 from mc_groups.argcheck import check_flag, check_int
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
     "CudaRNGStatesTracker",
@@ -104,7 +105,7 @@ class RNGStatesTracker:
         if str(resolved) == "cuda":  # no index: the current device
             resolved = torch.device("cuda", torch.cuda.current_device())
         if resolved.type not in ("cpu", "cuda"):
-            raise ValueError(f"device={device!r} must be a CPU or CUDA device")
+            raise InputValueError(f"device={device!r} must be a CPU or CUDA device")
         self.device = resolved
         self._states: dict[str, torch.Tensor] = {}
         self._seeds: set[int] = set()
@@ -134,14 +135,14 @@ class RNGStatesTracker:
         if self._active:
             raise RuntimeError(f"set_states() inside fork({self._active[-1]!r})")
         if not isinstance(states, Mapping):
-            raise TypeError(
+            raise InputTypeError(
                 f"states must be a dict of stream name -> generator state (from "
                 f"get_states()), got {type(states).__name__}"
             )
         size = _seeded_state(self.device, 0).numel()
         for name, state in states.items():
             if not isinstance(name, str) or not name:
-                raise TypeError(
+                raise InputTypeError(
                     f"states holds the key {name!r}; stream names must be non-empty str"
                 )
             if (
@@ -155,7 +156,7 @@ class RNGStatesTracker:
                     if isinstance(state, torch.Tensor)
                     else type(state).__name__
                 )
-                raise ValueError(
+                raise InputValueError(
                     f"states[{name!r}] is {shown}; a {self.device.type} generator state is a "
                     f"torch.uint8 CPU tensor of shape ({size},) (as get_states() returns)"
                 )
@@ -167,11 +168,11 @@ class RNGStatesTracker:
         _check_name(name)
         check_int("seed", seed, minimum=0)
         if seed >= _SEED_LIMIT:
-            raise ValueError(f"seed={seed} must be < 2**64 (a generator seed is 64 bits)")
+            raise InputValueError(f"seed={seed} must be < 2**64 (a generator seed is 64 bits)")
         if seed in self._seeds:
-            raise ValueError(f"seed {seed} already seeds a stream; each stream needs its own")
+            raise InputValueError(f"seed {seed} already seeds a stream; each stream needs its own")
         if name in self._states:
-            raise ValueError(f"stream {name!r} already exists; call reset() first")
+            raise InputValueError(f"stream {name!r} already exists; call reset() first")
         self._seeds.add(seed)
         self._states[name] = _seeded_state(self.device, seed)
 
@@ -180,7 +181,7 @@ class RNGStatesTracker:
         """Draw from stream ``name`` inside the block (see the module docstring)."""
         _check_name(name)
         if name not in self._states:
-            raise ValueError(
+            raise InputValueError(
                 f"RNG stream {name!r} was never added (known: {sorted(self._states)}); "
                 "build the tracker with model_parallel_cuda_manual_seed(seed, ...) or add() it"
             )
@@ -214,7 +215,7 @@ class _DefaultTracker:
 def set_cuda_rng_tracker(tracker: RNGStatesTracker) -> None:
     """Register ``tracker`` as the default (``model_parallel_cuda_manual_seed`` does this)."""
     if not isinstance(tracker, RNGStatesTracker):
-        raise TypeError(f"tracker={tracker!r} must be a mc_tp_layers.RNGStatesTracker")
+        raise InputTypeError(f"tracker={tracker!r} must be a mc_tp_layers.RNGStatesTracker")
     _DefaultTracker.tracker = tracker
 
 
@@ -244,16 +245,16 @@ def _default_tracker() -> RNGStatesTracker | None:
 def check_device_name(device: object) -> torch.device:
     """``device`` (a ``torch.device`` or a str torch parses) as a ``torch.device``."""
     if not isinstance(device, (torch.device, str)):
-        raise TypeError(f"device={device!r} must be a torch.device or a str such as 'cpu'")
+        raise InputTypeError(f"device={device!r} must be a torch.device or a str such as 'cpu'")
     try:
         return torch.device(device)
     except RuntimeError as err:
-        raise ValueError(f"device={device!r} is not a device torch knows ({err})") from None
+        raise InputValueError(f"device={device!r} is not a device torch knows ({err})") from None
 
 
 def _check_name(name: object) -> str:
     if not isinstance(name, str) or not name:
-        raise TypeError(f"name={name!r} must be a non-empty str")
+        raise InputTypeError(f"name={name!r} must be a non-empty str")
     return name
 
 
@@ -266,7 +267,7 @@ def _rank_of(
     if group is not None:
         return int(group.rank())
     if collection is None and dist.is_available() and dist.is_initialized():
-        raise ValueError(
+        raise InputValueError(
             f"model_parallel_cuda_manual_seed cannot tell this rank's {field} rank: pass "
             f"pg_collection=<ProcessGroupCollection> or {arg}=<int>"
         )
@@ -290,7 +291,7 @@ def _axis_rank(
         return 0
     rank = _rank_of(explicit, collection, field, arg)
     if rank >= size:
-        raise ValueError(
+        raise InputValueError(
             f"{arg}={rank} is outside its axis of {size} rank(s); a rank must be in "
             f"[0, {size}) (pass the matching world size or pg_collection)"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mc_groups.argcheck import check_flag, check_int, check_tensor
+from mc_groups.errors import InputValueError
 
 __all__ = ["VocabUtility", "divide", "split_tensor_along_last_dim"]
 
@@ -18,7 +19,7 @@ def divide(numerator: int, denominator: int) -> int:
     check_int("numerator", numerator, minimum=0)
     check_int("denominator", denominator)
     if numerator % denominator:
-        raise ValueError(
+        raise InputValueError(
             f"{numerator} is not divisible by {denominator} (numerator={numerator}, "
             f"denominator={denominator})"
         )
@@ -31,12 +32,12 @@ def split_tensor_along_last_dim(
     """Split ``tensor`` into ``num_partitions`` equal chunks of its last dimension."""
     check_tensor("tensor", tensor)
     if tensor.dim() < 1:
-        raise ValueError("tensor is 0-D; it needs a last dimension to split")
+        raise InputValueError("tensor is 0-D; it needs a last dimension to split")
     check_int("num_partitions", num_partitions)
     check_flag("contiguous_split_chunks", contiguous_split_chunks)
     last = tensor.shape[-1]
     if last % num_partitions:
-        raise ValueError(
+        raise InputValueError(
             f"{last} is not divisible by {num_partitions}: the last dimension of the tensor "
             f"(shape {tuple(tensor.shape)}) does not split into num_partitions="
             f"{num_partitions} equal chunks"
@@ -51,7 +52,7 @@ def split_tensor_along_last_dim(
 def _check_rank(rank: object, world_size: object) -> None:
     size = check_int("world_size", world_size)
     if check_int("rank", rank, minimum=0) >= size:
-        raise ValueError(f"rank={rank} must be < world_size={size}")
+        raise InputValueError(f"rank={rank} must be < world_size={size}")
 
 
 class VocabUtility:
