@@ -131,6 +131,8 @@ class ParamAndGradBucket:
         params_with_extra_main_grads: params whose ``main_grad`` is a separate fp32 tensor;
             DDP copies ``main_grad`` into ``main_grad_copy_in_grad_buffer`` before the
             collective and back after it.
+        layerwise_gather_list: Megatron's slot for its layer-wise optimizer's param gather
+            (None; mc never fills it, a DDP's ``free_overlap_buffers`` clears it).
     """
 
     def __init__(
@@ -170,6 +172,7 @@ class ParamAndGradBucket:
             for p in self.params_list
         }
         self.params_with_extra_main_grads: list[Param] = list(params_with_extra_main_grads)
+        self.layerwise_gather_list: list[torch.Tensor] | None = None
 
     @property
     def grad_data(self) -> torch.Tensor:

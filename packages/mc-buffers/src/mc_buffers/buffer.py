@@ -111,6 +111,9 @@ class ParamAndGradBuffer:
         self.data_parallel_world_size = args.data_parallel_size
         self.gradient_scaling_factor = args.gradient_scaling_factor
         self.param_layout = layout
+        # The group a DDP reduces (and shards) this buffer over, set by the DDP that owns it;
+        # the buffer itself never communicates. Megatron's DistributedOptimizer reads it.
+        self.data_parallel_group: object | None = None
         self.param_index_map = layout.param_index_map
         self.bucket_indices = layout.bucket_indices
         self.param_indices = _param_indices(args, layout)
@@ -328,6 +331,12 @@ class ParamAndGradBuffer:
         on_cuda = self._param_data.device.type == "cuda"
         self._param_data.copy_(self.param_data_cpu, non_blocking=on_cuda)
         self._param_nbytes = 0
+
+    @property
+    def num_optimizer_shards(self) -> int | None:
+        """Shards every bucket splits into (the layout's; None without the distributed
+        optimizer): must equal the size of :attr:`data_parallel_group`."""
+        return self.param_layout.num_optimizer_shards
 
     def __repr__(self) -> str:
         return (

@@ -80,8 +80,10 @@ class DistributedDataParallelConfig:
         overlap_grad_reduce: dispatch each bucket group's reduction asynchronously from the
             backward hooks as soon as its grads are ready (else one synchronous reduction of
             one bucket in ``finish_grad_sync``).
-        overlap_param_gather: distributed optimizer only: all-gather params asynchronously,
-            bucket group by bucket group, from forward pre-hooks.
+        overlap_param_gather: with the distributed optimizer, all-gather params
+            asynchronously, bucket group by bucket group, from forward pre-hooks. Without it
+            (Megatron accepts that for its layer-wise optimizer) every rank holds every param:
+            ``start_param_sync`` gathers nothing and only marks the sync dispatched.
         align_param_gather: the caller dispatches every param all-gather itself (e.g. all
             pipeline stages at once through ``start_param_sync``); pre-hooks only wait.
         use_distributed_optimizer: reduce-scatter gradients into this rank's shard and keep
@@ -189,11 +191,6 @@ class DistributedDataParallelConfig:
             self.bucket_size is None or self.num_buckets is None,
             f"bucket_size={self.bucket_size} and num_buckets={self.num_buckets} both set: "
             "give one of them",
-        )
-        _need(
-            not self.overlap_param_gather or dist_opt,
-            "overlap_param_gather=True needs use_distributed_optimizer=True (only the "
-            "distributed optimizer all-gathers params)",
         )
         _need(
             not self.align_param_gather or self.overlap_param_gather,

@@ -58,7 +58,7 @@ from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag
-from mc_groups.errors import InputTypeError
+from mc_groups.errors import InputStateError, InputTypeError
 from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr, main_grad_of
 
 __all__ = ["DistributedDataParallel", "_BucketParamReadyCallback", "logger"]
@@ -306,7 +306,10 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             if not added or bool_attr(param, ZERO_OUT_WGRAD, False, name):
                 main_grad.add_(grad)
         param.grad = None
-        group.register_grad_ready(param, self.force_all_reduce)
+        if self.ddp_config.overlap_grad_reduce:
+            group.register_grad_ready(param, self.force_all_reduce)
+        elif group.is_last_microbatch:
+            group._refuse_late_grad(param)  # the check register_grad_ready makes
 
     def _no_grad_memory_message(self, param: Param) -> str:
         name = self.param_to_name.get(param, "<unnamed>")
@@ -636,10 +639,12 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         skipped when the optimizer step already dispatched (unless ``force_dispatch``)."""
         check_flag("force_sync", force_sync)
         check_flag("force_dispatch", force_dispatch)
-        if not self.ddp_config.use_distributed_optimizer:
-            raise RuntimeError(
-                "start_param_sync() needs use_distributed_optimizer=True: without it every "
-                "rank already holds all params"
+        cfg = self.ddp_config
+        if not (cfg.use_distributed_optimizer or cfg.overlap_param_gather):
+            raise InputStateError(
+                "start_param_sync() needs use_distributed_optimizer=True (or "
+                "overlap_param_gather=True, as Megatron asserts): without them every rank "
+                "already holds all params"
             )
         if not force_sync and self.overlap_param_gather_with_optimizer_step and not force_dispatch:
             return
