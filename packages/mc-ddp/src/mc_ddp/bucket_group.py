@@ -166,18 +166,18 @@ class ParamAndGradBucketGroup:
 
         Only with ``overlap_grad_reduce`` (as Megatron asserts): without it nothing is
         dispatched from the hooks and ``finish_grad_sync`` reduces synchronously."""
-        if not self.ddp_config.overlap_grad_reduce:
-            raise InputStateError(
-                f"{self.name}: register_grad_ready() should only be called when "
-                "overlap_grad_reduce is True (without it finish_grad_sync() reduces the "
-                "bucket group synchronously)"
-            )
         if param not in self.params:
             raise InputValueError(
                 f"{self.name}: register_grad_ready() got a param (shape "
                 f"{tuple(getattr(param, 'shape', ()))}) that is not in this bucket group"
             )
         check_flag("force_all_reduce", force_all_reduce)
+        if not self.ddp_config.overlap_grad_reduce:
+            raise InputStateError(
+                f"{self.name}: register_grad_ready() should only be called when "
+                "overlap_grad_reduce is True (without it finish_grad_sync() reduces the "
+                "bucket group synchronously)"
+            )
         if not self.is_last_microbatch:
             return
         self._refuse_late_grad(param)
