@@ -25,6 +25,7 @@ from mc_groups.argcheck import (
     check_optional_int,
     check_patterns,
     check_real,
+    type_name,
 )
 from mc_groups.errors import InputTypeError, InputValueError
 
@@ -76,7 +77,7 @@ def _names(param_to_name: object) -> dict[Param, str]:
         return {}
     if not isinstance(param_to_name, Mapping):
         raise InputTypeError(
-            f"param_to_name must map params to names (dict), got {type(param_to_name).__name__}"
+            f"param_to_name must map params to names (dict), got {type_name(param_to_name)}"
         )
     for name in param_to_name.values():
         if not isinstance(name, str):

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
 Param = torch.nn.Parameter
@@ -30,12 +31,12 @@ def as_param_list(params: object, name: str = "params") -> list[Param]:
     if isinstance(params, (set, frozenset, Mapping)) or not isinstance(params, Iterable):
         raise InputTypeError(
             f"{name} must be an ordered sequence of parameters (list, tuple, or "
-            f"module.parameters()), got {type(params).__name__}: the layout follows its order"
+            f"module.parameters()), got {type_name(params)}: the layout follows its order"
         )
     out = list(params)
     for i, p in enumerate(out):
         if not isinstance(p, torch.Tensor):
-            raise InputTypeError(f"{name}[{i}] has type {type(p).__name__}, not a torch parameter")
+            raise InputTypeError(f"{name}[{i}] has type {type_name(p)}, not a torch parameter")
     return out
 
 

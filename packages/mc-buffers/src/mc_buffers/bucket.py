@@ -11,7 +11,7 @@ import torch
 from mc_buffers._args import check_scaling_factor
 from mc_buffers._checks import Param
 from mc_buffers.offloaded import OffloadedView
-from mc_groups.argcheck import check_int, check_tensor
+from mc_groups.argcheck import check_int, check_tensor, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["ParamAndGradBucket", "ShardParamSlice", "shard_buffer"]
@@ -65,12 +65,12 @@ def _bucket_params(params: object, bucket_id: int) -> list[Param]:
     if isinstance(params, (str, set, frozenset)) or not isinstance(params, Sequence):
         raise InputTypeError(
             f"bucket {bucket_id}: params must be a sequence of parameters in buffer order, got "
-            f"{type(params).__name__}"
+            f"{type_name(params)}"
         )
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise InputTypeError(
-                f"bucket {bucket_id}: params[{i}] is a {type(p).__name__}, not a param"
+                f"bucket {bucket_id}: params[{i}] is a {type_name(p)}, not a param"
             )
     return list(params)
 
@@ -96,7 +96,7 @@ def _check_index_map(
     if not isinstance(index_map, Mapping):
         raise InputTypeError(
             f"bucket {bucket_id}: param_index_map must map each param to (start, end, "
-            f"bucket_id), got {type(index_map).__name__}"
+            f"bucket_id), got {type_name(index_map)}"
         )
     for i, p in enumerate(params):
         entry = index_map.get(p)

@@ -7,6 +7,7 @@ import torch
 
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_groups import param_attrs
+from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
 Param = torch.nn.Parameter
@@ -17,7 +18,7 @@ def check_config(config: object) -> None:
     value = getattr(config, "calculate_per_token_loss", None)
     if not isinstance(value, bool):
         raise InputTypeError(
-            f"config={type(config).__name__} must have a bool attribute "
+            f"config={type_name(config)} must have a bool attribute "
             f"calculate_per_token_loss (got {value!r}); pass a TransformerConfig or a "
             "mc_groups.ModelParallelConfig"
         )
@@ -28,7 +29,7 @@ def check_ddp_config(ddp_config: object) -> DistributedDataParallelConfig:
     after construction)."""
     if not isinstance(ddp_config, DistributedDataParallelConfig):
         raise InputTypeError(
-            f"ddp_config={type(ddp_config).__name__} must be a mc_ddp.DistributedDataParallelConfig"
+            f"ddp_config={type_name(ddp_config)} must be a mc_ddp.DistributedDataParallelConfig"
         )
     ddp_config.validate()  # also refuses the Megatron fields mc does not implement
     return ddp_config
@@ -37,11 +38,11 @@ def check_ddp_config(ddp_config: object) -> DistributedDataParallelConfig:
 def trainable_params(module: object) -> list[tuple[str, Param]]:
     """``(name, param)`` of the params that require grad, in registration order."""
     if not isinstance(module, torch.nn.Module):
-        raise InputTypeError(f"module={type(module).__name__} must be a torch.nn.Module")
+        raise InputTypeError(f"module={type_name(module)} must be a torch.nn.Module")
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise InputValueError(
-            f"module={type(module).__name__} has no parameter with requires_grad=True: DDP "
+            f"module={type_name(module)} has no parameter with requires_grad=True: DDP "
             "has no gradient to reduce; unfreeze some params or do not wrap the module"
         )
     first_name, first = named[0]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from mc_ddp.checkpoint_pieces import CheckpointPieces, pieces_of_flat_slice
+from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
 if TYPE_CHECKING:  # DCP and DTensor are imported where used: over a second to import
@@ -232,8 +233,8 @@ def check_loaded_values(
 def _check_kind(key: str, old: object, new: object) -> None:
     if not _same_kind(old, new):
         raise InputTypeError(
-            f"state_dict[{key!r}] is {new!r} ({type(new).__name__}) where the optimizer holds "
-            f"a {type(old).__name__}: the checkpoint does not fit this optimizer"
+            f"state_dict[{key!r}] is {new!r} ({type_name(new)}) where the optimizer holds "
+            f"a {type_name(old)}: the checkpoint does not fit this optimizer"
         )
 
 

@@ -33,7 +33,7 @@ from mc_ddp import _bucket_collectives as comm
 from mc_ddp._groups import require_live
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_buckets, check_finite_grads
-from mc_groups.argcheck import check_flag, check_group, check_optional_group, check_str
+from mc_groups.argcheck import check_flag, check_group, check_optional_group, check_str, type_name
 from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 
 __all__ = ["ParamAndGradBucketGroup", "partition_buckets"]
@@ -78,7 +78,7 @@ class ParamAndGradBucketGroup:
         _check_arguments(buckets, ddp_config, collective_group, inter_instance_group, name)
         if param_to_name is not None and not isinstance(param_to_name, Mapping):
             raise InputTypeError(
-                f"param_to_name must map params to names, got {type(param_to_name).__name__}"
+                f"param_to_name must map params to names, got {type_name(param_to_name)}"
             )
         self.buckets = list(buckets)
         self.ddp_config = ddp_config
@@ -489,7 +489,7 @@ def _check_arguments(
     check_buckets(buckets)
     if not isinstance(ddp_config, DistributedDataParallelConfig):
         raise InputTypeError(
-            f"ddp_config={type(ddp_config).__name__} must be a mc_ddp.DistributedDataParallelConfig"
+            f"ddp_config={type_name(ddp_config)} must be a mc_ddp.DistributedDataParallelConfig"
         )
     check_group("collective_group", group)
     check_optional_group("inter_instance_group", inter_group)
@@ -499,13 +499,11 @@ def _check_arguments(
 def _check_buffers(buffers: object) -> None:
     if isinstance(buffers, str) or not isinstance(buffers, Sequence):
         raise InputTypeError(
-            f"buffers must be a sequence of ParamAndGradBuffer, got {type(buffers).__name__}"
+            f"buffers must be a sequence of ParamAndGradBuffer, got {type_name(buffers)}"
         )
     for i, buf in enumerate(buffers):
         if not isinstance(buf, ParamAndGradBuffer):
-            raise InputTypeError(
-                f"buffers[{i}] is a {type(buf).__name__}, not a ParamAndGradBuffer"
-            )
+            raise InputTypeError(f"buffers[{i}] is a {type_name(buf)}, not a ParamAndGradBuffer")
 
 
 def partition_buckets(

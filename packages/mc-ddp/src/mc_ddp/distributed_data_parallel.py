@@ -57,7 +57,7 @@ from mc_ddp.param_ready import (
 from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_flag
+from mc_groups.argcheck import check_flag, type_name
 from mc_groups.errors import InputStateError, InputTypeError
 from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr, main_grad_of
 
@@ -402,7 +402,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         if not isinstance(state_dict, Mapping):
             raise InputTypeError(
                 f"state_dict must be a mapping of names to tensors (module.state_dict()), got "
-                f"{type(state_dict).__name__}"
+                f"{type_name(state_dict)}"
             )
         check_flag("strict", strict)
         check_flag("assign", assign)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_buffers import ParamAndGradBucket
-from mc_groups.argcheck import check_group, check_int, check_str
+from mc_groups.argcheck import check_group, check_int, check_str, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["LargeGradMonitor", "NonFiniteGradError", "check_finite_grads"]
@@ -142,16 +142,14 @@ def check_buckets(buckets: object) -> list[ParamAndGradBucket]:
         )
     for i, bucket in enumerate(buckets):
         if not isinstance(bucket, ParamAndGradBucket):
-            raise InputTypeError(
-                f"buckets[{i}] is a {type(bucket).__name__}, not a ParamAndGradBucket"
-            )
+            raise InputTypeError(f"buckets[{i}] is a {type_name(bucket)}, not a ParamAndGradBucket")
     return list(buckets)
 
 
 def _check_arguments(buckets: object, names: object, where: object, groups: object) -> None:
     checked = check_buckets(buckets)
     if not isinstance(names, Mapping):
-        raise InputTypeError(f"names must map params to names, got {type(names).__name__}")
+        raise InputTypeError(f"names must map params to names, got {type_name(names)}")
     check_str("where", where)
     if isinstance(groups, (str, dist.ProcessGroup)) or not isinstance(groups, Sequence):
         raise InputTypeError(f"groups={groups!r} must be a sequence of process groups")

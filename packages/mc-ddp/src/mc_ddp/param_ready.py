@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from mc_groups.argcheck import type_name
 from mc_groups.device import is_graph_capturing
 from mc_groups.errors import InputTypeError
 
@@ -45,14 +46,12 @@ def ensure_params_ready(params: Iterable[torch.Tensor]) -> None:
     if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
         raise InputTypeError(
             "params must be an iterable of tensors (e.g. module.parameters()), got "
-            f"{type(params).__name__}"
+            f"{type_name(params)}"
         )
     seen: set[int] = set()
     for param in params:
         if not isinstance(param, torch.Tensor):
-            raise InputTypeError(
-                f"params holds a {type(param).__name__}; every item must be a tensor"
-            )
+            raise InputTypeError(f"params holds a {type_name(param)}; every item must be a tensor")
         callback: Callable[[], None] | None = getattr(param, PARAM_READY_CALLBACK_ATTR, None)
         if callback is None or id(callback) in seen:
             continue

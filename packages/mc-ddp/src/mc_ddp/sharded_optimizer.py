@@ -38,7 +38,7 @@ from mc_ddp._optimizer_state import OwnedSlice
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_flag
+from mc_groups.argcheck import check_flag, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["OwnedSlice", "ShardedOptimizer"]
@@ -51,12 +51,12 @@ def _as_chunks(model_chunks: object) -> list[DistributedDataParallel]:
     if not isinstance(chunks, Sequence) or not chunks:
         raise InputTypeError(
             "model_chunks must be a DistributedDataParallel or a non-empty list of them, "
-            f"got {type(model_chunks).__name__}"
+            f"got {type_name(model_chunks)}"
         )
     for i, chunk in enumerate(chunks):
         if not isinstance(chunk, DistributedDataParallel):
             raise InputTypeError(
-                f"model_chunks[{i}] is a {type(chunk).__name__}; wrap each model chunk in "
+                f"model_chunks[{i}] is a {type_name(chunk)}; wrap each model chunk in "
                 "mc_ddp.DistributedDataParallel first"
             )
     return list(chunks)
@@ -65,7 +65,7 @@ def _as_chunks(model_chunks: object) -> list[DistributedDataParallel]:
 def _check_optimizer(optimizer: object) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InputTypeError(
-            f"optimizer={type(optimizer).__name__} must be a torch.optim.Optimizer built over "
+            f"optimizer={type_name(optimizer)} must be a torch.optim.Optimizer built over "
             "the model's params, e.g. torch.optim.AdamW(ddp.parameters(), lr=1e-3)"
         )
     if isinstance(optimizer, torch.optim.LBFGS):
@@ -319,7 +319,7 @@ class ShardedOptimizer:
         if not isinstance(state_dict, Mapping):
             raise InputTypeError(
                 "state_dict must be the mapping ShardedOptimizer.state_dict() returned, got "
-                f"{type(state_dict).__name__}"
+                f"{type_name(state_dict)}"
             )
         missing = [k for k in ("master_params", "optimizer") if k not in state_dict]
         if missing:
@@ -331,7 +331,7 @@ class ShardedOptimizer:
         if not isinstance(inner, Mapping) or not {"state", "param_groups"} <= set(inner):
             raise InputTypeError(
                 "state_dict['optimizer'] must be the wrapped optimizer's state dict (with "
-                f"'state' and 'param_groups'), got {type(inner).__name__}"
+                f"'state' and 'param_groups'), got {type_name(inner)}"
             )
         self._require_publishable("load_state_dict()")
         self.optimizer.load_state_dict(dict(inner))
@@ -377,7 +377,7 @@ class ShardedOptimizer:
         if not isinstance(model_sharded_state_dict, Mapping):
             raise InputTypeError(
                 "model_sharded_state_dict must be a mapping {key: DTensor or tensor} (the "
-                f"model's sharded_state_dict()), got {type(model_sharded_state_dict).__name__}"
+                f"model's sharded_state_dict()), got {type_name(model_sharded_state_dict)}"
             )
         if not isinstance(is_loading, bool):
             raise InputTypeError(f"is_loading={is_loading!r} must be a bool")
@@ -402,7 +402,7 @@ class ShardedOptimizer:
         if not isinstance(state_dict, Mapping):
             raise InputTypeError(
                 f"state_dict must be the mapping sharded_state_dict() returned, got "
-                f"{type(state_dict).__name__}"
+                f"{type_name(state_dict)}"
             )
         keys = self._checkpoint_keys
         if keys is None:

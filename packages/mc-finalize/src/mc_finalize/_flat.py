@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize.grad_access import _GradView
-from mc_groups.argcheck import check_str
+from mc_groups.argcheck import check_str, type_name
 from mc_groups.errors import InputTypeError
 
 
@@ -45,13 +45,11 @@ def _allreduce_tensors(
 def _check_tensors(tensors: object) -> None:
     if not isinstance(tensors, list | tuple):
         raise InputTypeError(
-            f"tensors must be a list of tensors (the grads to reduce), got {type(tensors).__name__}"
+            f"tensors must be a list of tensors (the grads to reduce), got {type_name(tensors)}"
         )
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
-            raise InputTypeError(
-                f"tensors[{index}] is a {type(tensor).__name__}, not a torch.Tensor"
-            )
+            raise InputTypeError(f"tensors[{index}] is a {type_name(tensor)}, not a torch.Tensor")
 
 
 def _allreduce_views(

@@ -145,7 +145,7 @@ def _check_num_tokens(
     if not isinstance(num_tokens, torch.Tensor):
         raise InputTypeError(
             f"num_tokens must be a torch.Tensor holding this rank's token count, got "
-            f"{type(num_tokens).__name__}; e.g. torch.tensor(n, dtype=torch.int64)"
+            f"{type_name(num_tokens)}; e.g. torch.tensor(n, dtype=torch.int64)"
         )
     if num_tokens.dim() > 1 or num_tokens.numel() != 1:
         raise InputValueError(

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mc_finalize.protocols import FinalizeConfig
-from mc_groups.argcheck import check_flag, check_int, check_real
+from mc_groups.argcheck import check_flag, check_int, check_real, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
 _REQUIRED_BOOLS = ("sequence_parallel", "calculate_per_token_loss")
@@ -65,7 +65,7 @@ def _read_settings(config: FinalizeConfig) -> _Settings:
 def _required_bool(config: object, name: str) -> bool:
     if not hasattr(config, name):
         raise InputTypeError(
-            f"config ({type(config).__name__}) has no attribute {name!r}; finalize_model_grads "
+            f"config ({type_name(config)}) has no attribute {name!r}; finalize_model_grads "
             f"reads model[0].config.{name}: give the config a bool {name}"
         )
     return _optional_bool(config, name, False)

@@ -31,7 +31,7 @@ from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.grad_access import _grad_view
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_flag, check_optional_group
+from mc_groups.argcheck import check_flag, check_optional_group, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
 WeightGetter = Callable[[object], torch.nn.Parameter | None]
@@ -68,7 +68,7 @@ def _shared_word_embedding_weight(
         getter = getattr(model_module, "shared_embedding_or_output_weight", None)
         if not callable(getter):
             raise InputTypeError(
-                f"{type(model_module).__name__} shares its embedding and output weights but "
+                f"{type_name(model_module)} shares its embedding and output weights but "
                 "has no shared_embedding_or_output_weight() to return that weight"
             )
         weight: torch.nn.Parameter | None = getter()
@@ -82,7 +82,7 @@ def _get_position_embedding_weight(model_module: object) -> torch.nn.Parameter:
     weight = getattr(embedding, "weight", None)
     if not isinstance(weight, torch.nn.Parameter):
         raise InputValueError(
-            f"{type(model_module).__name__} has no position_embeddings.weight, but this rank is "
+            f"{type_name(model_module)} has no position_embeddings.weight, but this rank is "
             "in a position-embedding group of more than one rank; give the stage its "
             "position_embeddings or leave pos_embd unset"
         )

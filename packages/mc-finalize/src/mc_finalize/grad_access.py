@@ -26,7 +26,7 @@ import torch
 
 import mc_groups as mg
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_tensor
+from mc_groups.argcheck import check_tensor, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
 if TYPE_CHECKING:  # DTensor is imported where used: importing it costs over a second
@@ -219,6 +219,6 @@ def _grad_view(param: torch.nn.Parameter) -> _GradView | None:
         return None
     if not isinstance(original, torch.Tensor):
         raise InputTypeError(
-            f"param.{attr} is {type(original).__name__}, expected a torch.Tensor or None"
+            f"param.{attr} is {type_name(original)}, expected a torch.Tensor or None"
         )
     return _GradView(param, attr, original, _unshard_if_dtensor(original))

@@ -37,6 +37,7 @@ import mc_groups as mg
 from mc_finalize._inputs import _as_chunks, _modules, _require_group
 from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
+from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
 
@@ -163,9 +164,7 @@ def _has(module: object, name: str) -> bool:
 def _tensor(module: object, name: str) -> torch.Tensor:
     value = getattr(module, name)
     if not isinstance(value, torch.Tensor):
-        raise InputTypeError(
-            f"{type(module).__name__}.{name} must be a torch.Tensor, got {value!r}"
-        )
+        raise InputTypeError(f"{type_name(module)}.{name} must be a torch.Tensor, got {value!r}")
     return value
 
 

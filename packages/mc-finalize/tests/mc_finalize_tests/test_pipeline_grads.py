@@ -78,7 +78,7 @@ def _plain_linear_chunks(pp_rank: int, pp_group: torch.distributed.ProcessGroup)
         for param in chunk.parameters():
             param.main_grad = torch.full_like(param, 10.0 * pp_rank + c)  # type: ignore[attr-defined]
     _allreduce_conditional_embedding_grads(chunks, cfg, pp_group)  # type: ignore[arg-type]
-    return [(first(c.weight), first(c.bias)) for c in chunks]
+    return [(first(c.weight), first(c.bias)) for c in chunks]  # type: ignore[arg-type]
 
 
 def test_pp4_two_virtual_chunks(rank_pools: RankPools) -> None:

@@ -106,7 +106,7 @@ class CoalescedBatch:
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = ReduceOp.SUM) -> None:
         """Queue ``tensor ← op over ranks``."""
         check_contiguous("tensor", tensor)
-        check_op(op)
+        op = check_op(op)
         self._claim("all_reduce", op)
         if self._size == 1:
             return
@@ -129,7 +129,7 @@ class CoalescedBatch:
     ) -> None:
         """Queue a reduce-scatter of ``input`` into ``output`` (see
         :func:`~mc_groups.reduce_scatter`)."""
-        check_op(op)
+        op = check_op(op)
         check_reduce_scatter(output, input, self._size)
         if self._copied_locally("reduce_scatter", op, output, input):
             return

@@ -238,10 +238,18 @@ def check_pair(out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
 
 
 def check_op(op: object) -> ReduceOp:
-    """A :class:`ReduceOp`."""
-    if not isinstance(op, ReduceOp):
-        raise InputTypeError(f"op={op!r} must be a mc_groups.ReduceOp (SUM, AVG, MAX or MIN)")
-    return op
+    """A :class:`ReduceOp`, or torch's ``torch.distributed.ReduceOp`` SUM/AVG/MAX/MIN (what
+    Megatron-Core's callers pass) as the mc member of the same meaning."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, dist.ReduceOp.RedOpType):
+        for mine, theirs in TORCH_OPS.items():
+            if op == theirs:
+                return mine
+    raise InputTypeError(
+        f"op={op!r} must be a mc_groups.ReduceOp or torch.distributed.ReduceOp (SUM, AVG, "
+        "MAX or MIN)"
+    )
 
 
 def check_reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int) -> None:

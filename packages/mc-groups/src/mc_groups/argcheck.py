@@ -152,7 +152,7 @@ def check_optional_str(name: str, value: object) -> str | None:
 def check_tensor(name: str, value: object) -> torch.Tensor:
     """``value`` when it is a ``torch.Tensor``, else a ``TypeError`` naming its type."""
     if not isinstance(value, torch.Tensor):
-        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type_name(value)}")
     return value
 
 
@@ -216,9 +216,9 @@ def check_collection(name: str, value: object, *, what: str = "") -> ProcessGrou
     collection = ProcessGroupCollection.adopt(value)
     if collection is None:
         raise InputTypeError(
-            f"{caller}{name}={value!r} ({type_name(value)}) must be a ProcessGroupCollection "
-            "(e.g. from initialize_model_parallel()) or an object with its group attributes "
-            "(tp, dp, dp_cp, ...), such as Megatron-Core's"
+            f"{caller}{name}={value!r} must be a ProcessGroupCollection (e.g. from "
+            "initialize_model_parallel()) or an object with its group attributes (tp, dp, "
+            f"dp_cp, ...), such as Megatron-Core's; got {type_name(value)}"
         )
     if collection.destroyed:
         raise RuntimeError(

@@ -103,7 +103,7 @@ def all_reduce(
     """``tensor ← op over ranks of tensor``, in place."""
     check_group("group", group)
     check_contiguous("tensor", tensor)
-    check_op(op)
+    op = check_op(op)
     check_options(async_op, label, detail, group=group)
     if group.size() == 1:
         return DONE
@@ -146,7 +146,7 @@ def reduce_scatter(
       its buffers. See :mod:`mc_groups._reduce_scatter` for the algorithms.
     """
     check_group("group", group)
-    check_op(op)
+    op = check_op(op)
     check_options(async_op, label, detail, group=group)
     size = group.size()
     check_reduce_scatter(output, input, size)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_group, check_int
+from mc_groups.argcheck import check_group, check_int, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import agreement
 from mc_tp_layers._config import TensorParallelConfig, check_config, uses_expert_groups
@@ -48,7 +48,7 @@ def check_device(device: object) -> torch.device | None:
 def check_buffer(name: str, value: object) -> list[torch.Tensor] | None:
     """A list the layer appends to (embedding wgrad deferral), or None."""
     if value is not None and not isinstance(value, list):
-        raise InputTypeError(f"{name} must be a list or None, got {type(value).__name__}")
+        raise InputTypeError(f"{name} must be a list or None, got {type_name(value)}")
     return value
 
 

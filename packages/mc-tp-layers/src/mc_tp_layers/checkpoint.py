@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_group, check_int, check_str, check_tensor
+from mc_groups.argcheck import check_group, check_int, check_str, check_tensor, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _validate
 from mc_tp_layers.gtp import _gtp_group, unsharded_shape
@@ -116,7 +116,7 @@ def _checked(module: torch.nn.Module, prefix: object, sharded_offsets: Any, meta
     for name, param in module.named_parameters(recurse=False):
         if param_attrs.is_gtp_weight_remat(param) and _stride(param) > 1:
             raise NotImplementedError(
-                f"{type(module).__name__}.{name} is a gtp_remat shard with partition_stride="
+                f"{type_name(module)}.{name} is a gtp_remat shard with partition_stride="
                 f"{_stride(param)}; sharded_state_dict supports strided weights without "
                 "gtp_remat only"
             )

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups.argcheck import check_flag, check_tensor
+from mc_groups.argcheck import check_flag, check_tensor, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _comm
 from mc_tp_layers._config import TensorParallelConfig
@@ -66,7 +66,7 @@ def _check(
 
 def _check_list(name: str, value: object) -> list[torch.Tensor]:
     if not isinstance(value, list):
-        raise InputTypeError(f"{name} must be a list, got {type(value).__name__}")
+        raise InputTypeError(f"{name} must be a list, got {type_name(value)}")
     return value
 
 

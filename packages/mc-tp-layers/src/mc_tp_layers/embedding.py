@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mc_groups import ProcessGroupCollection, param_attrs
-from mc_groups.argcheck import check_flag, check_int
+from mc_groups.argcheck import check_flag, check_int, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _layer_base as base
 from mc_tp_layers._config import TensorParallelConfig
@@ -138,7 +138,7 @@ class VocabParallelEmbedding(TensorParallelModule):
     def _check_ids(self, input_: object) -> torch.Tensor:
         if not isinstance(input_, torch.Tensor):
             raise InputTypeError(
-                f"input_ must be a torch.Tensor of token ids, got {type(input_).__name__}"
+                f"input_ must be a torch.Tensor of token ids, got {type_name(input_)}"
             )
         if input_.dtype not in (torch.int64, torch.int32):
             raise InputTypeError(

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor
+from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _comm, _validate
 from mc_tp_layers._autograd import apply
@@ -362,7 +362,7 @@ def _check_deferral(grad_output_buffer: object, wgrad_deferral_limit: object, fu
         return limit
     if not isinstance(grad_output_buffer, list):
         raise InputTypeError(
-            f"grad_output_buffer must be a list or None, got {type(grad_output_buffer).__name__}"
+            f"grad_output_buffer must be a list or None, got {type_name(grad_output_buffer)}"
         )
     if not fusion:
         raise InputValueError(

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection, collection_or_default
-from mc_groups.argcheck import check_flag, check_int
+from mc_groups.argcheck import check_flag, check_int, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
@@ -137,7 +137,7 @@ class RNGStatesTracker:
         if not isinstance(states, Mapping):
             raise InputTypeError(
                 f"states must be a dict of stream name -> generator state (from "
-                f"get_states()), got {type(states).__name__}"
+                f"get_states()), got {type_name(states)}"
             )
         size = _seeded_state(self.device, 0).numel()
         for name, state in states.items():
