@@ -288,7 +288,9 @@ class CheckpointWithoutOutput:
     function runs again with the recorded RNG states and its results are copied into the
     outputs' storage, so every consumer that saved an output (or a view of it) for its
     backward reads the recomputed values. Use it when the outputs are only consumed by
-    operations that save them, e.g. an activation feeding a linear layer.
+    operations that save them, e.g. an activation feeding a linear layer. As in Megatron,
+    nothing may read the outputs between the discard and the recompute (their memory is
+    gone): call it after the outputs' last use in forward.
 
     Args:
         fp8: Megatron's Transformer Engine FP8 recompute; anything but False or None raises
