@@ -200,8 +200,10 @@ def checkpoint(
             ``args[0]`` between forward and backward (its ``.data`` becomes that part, as in
             Megatron, and is all-gathered back before the recompute): the memory of the
             saved input divides by the TP size. ``args[0]`` must then be a tensor that is
-            not a view, with as many elements as a multiple of the TP size. None or False:
-            the inputs are kept whole.
+            not a view, with as many elements as a multiple of the TP size, and the same
+            on every rank of the TP group (as the hidden states entering a TP block are:
+            the gather rebuilds it from the mates' parts). None or False: the inputs are
+            kept whole.
         args: the inputs; tensors are saved, other values kept as they are.
         rng_tracker: mc's addition (keyword only): the tracker whose streams are replayed;
             None is the default tracker if one is registered.
