@@ -77,9 +77,6 @@ __all__ = [
 ]
 
 
-_Grad = torch.Tensor | None
-
-
 def _group(group: object, who: str) -> dist.ProcessGroup:
     """``group`` checked where a Function is applied directly (Megatron's callers do)."""
     return check_group("group", group, what=who)
