@@ -40,17 +40,9 @@ from mc_ddp_tests._harness import (
     mlp,
     model_parallel,
 )
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 
 MP = mg.ModelParallelConfig()
-
-
-def _kind(err: BaseException) -> str:
-    """The error's type as the catalogue names it: mc's bad-input types are reported as the
-    built-in they extend (``InputValueError`` → ``ValueError``; every one of them is also an
-    ``AssertionError``, integration_tests/test_error_types.py), named errors by their name."""
-    generic = (mg.InputValueError, mg.InputTypeError, mg.InputStateError)
-    return next(c.__name__ for c in type(err).__mro__ if c not in generic)
 
 
 def _attempt(call: Callable[[], object]) -> tuple[str, int]:
@@ -59,7 +51,7 @@ def _attempt(call: Callable[[], object]) -> tuple[str, int]:
         try:
             call()
         except (TypeError, ValueError, RuntimeError, NotImplementedError) as err:
-            return f"{_kind(err)}: {err}", len(log)
+            return f"{error_kind(err)}: {err}", len(log)
     return "no error", len(log)
 
 

@@ -26,15 +26,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import argcheck, device
-from mc_groups.testing import RankPool, RankPools
-
-
-def _kind(err: BaseException) -> str:
-    """The error's type as the catalogue names it: mc's bad-input types are reported as the
-    built-in they extend (``InputValueError`` → ``ValueError``; every one of them is also an
-    ``AssertionError``, integration_tests/test_error_types.py), named errors by their name."""
-    generic = (mg.InputValueError, mg.InputTypeError, mg.InputStateError)
-    return next(c.__name__ for c in type(err).__mro__ if c not in generic)
+from mc_groups.testing import RankPool, RankPools, error_kind
 
 
 def Loose(value: object) -> Any:  # noqa: N802 (reads as a cast)
@@ -828,7 +820,7 @@ def _run_cases() -> dict[str, tuple[str, str, int]]:
                 case.call(first, dist.get_rank())
                 out[name] = ("no error", "", len(log))
             except (TypeError, ValueError, RuntimeError) as err:
-                out[name] = (_kind(err), str(err), len(log))
+                out[name] = (error_kind(err), str(err), len(log))
     return out
 
 
