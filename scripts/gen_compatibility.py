@@ -236,8 +236,10 @@ DELIBERATE = """\
   Megatron pads dim 0 to a multiple of `pad_for_alignment` (16) × the size (its global
   `GTP_CONFIG`). Grads and outputs are equal; shard shapes differ, and checkpoints (DCP,
   without padding) load across both.
-- **Grad sync.** `finish_grad_sync` is idempotent within an iteration in every mode
-  (Megatron's non-overlapped path issues the collective again on every call). Calling it
+- **Grad sync.** `DistributedDataParallel.finish_grad_sync` reduces once per iteration
+  (a second call, e.g. `finalize_model_grads` after a manual one, returns: reducing again
+  would double-scale the shards under the distributed optimizer); a bucket group's own
+  `finish_grad_sync` is Megatron's (without overlap every call reduces again). Calling it
   with `overlap_grad_reduce` before a group's last grad is ready is an `InputStateError`
   (an `AssertionError`, as Megatron's) with one optimizer instance **and with several**:
   there Megatron returns and marks the sync finished although nothing was reduced, and the

@@ -256,14 +256,19 @@ class ParamAndGradBucketGroup:
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Complete this group's reduction; starts it first when no hook did (no overlap,
-        or the first iteration). Idempotent within an iteration.
+        or the first iteration).
+
+        As Megatron's: with ``overlap_grad_reduce`` a second call in the iteration is a
+        no-op; without it every call reduces the buffer as it is now (a synchronous
+        collective per call). ``DistributedDataParallel.finish_grad_sync`` calls this once
+        per iteration, so a wrapped model's grads are never reduced twice.
 
         ``force_all_reduce``: every rank ends with the full reduced gradients even in
         distributed-optimizer mode (an all-reduce; a reduce-scatter already issued by a
         hook is completed with an all-gather of the shards, which gives the same values).
         """
         check_flag("force_all_reduce", force_all_reduce)
-        if self.grad_reduce_finished:
+        if self.grad_reduce_finished and self.ddp_config.overlap_grad_reduce:
             self.param_gather_dispatched = False
             return
         self._require_communicable("finish_grad_sync()")

@@ -449,9 +449,11 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
                 "rank holds only its shard; pass force_all_reduce=True to the first call of "
                 "the iteration (e.g. to finalize_model_grads)"
             )
+        if done is not None:  # finished this iteration: a second reduction would be wrong
+            return
         for group in self._all_groups():
             group.finish_grad_sync(force_all_reduce=force)
-        self._iteration.force_all_reduce = force if done is None else done
+        self._iteration.force_all_reduce = force
 
     @property
     def grads_finalized(self) -> bool:

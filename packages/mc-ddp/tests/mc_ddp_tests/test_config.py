@@ -147,11 +147,6 @@ BAD_VALUES: dict[str, Bad] = {
         ("bucket_size=10", "num_buckets=2"),
         "`bucket_size=10, num_buckets=2`",
     ),
-    "param gather without dist-opt": _value(
-        {"overlap_param_gather": True},
-        ("overlap_param_gather", "use_distributed_optimizer"),
-        "`overlap_param_gather` without the distributed optimizer",
-    ),
     "align without overlap": _value(
         {"align_param_gather": True, "use_distributed_optimizer": True},
         ("align_param_gather", "overlap_param_gather"),

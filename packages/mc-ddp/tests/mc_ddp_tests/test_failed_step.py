@@ -35,7 +35,7 @@ from mc_ddp_tests._harness import (
     mlp,
     model_parallel,
 )
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 
 STEPS = 3
 
@@ -141,7 +141,7 @@ def _misuse(ddp: Any, opt: ShardedOptimizer, step: int) -> list[str]:
         try:
             attempt()
         except (RuntimeError, ValueError) as err:
-            errors.append(f"{type(err).__name__}: {err}")
+            errors.append(f"{error_kind(err)}: {err}")
     ddp.discard_grad_sync()  # drops the .grad the refused backward may have left
     return errors
 

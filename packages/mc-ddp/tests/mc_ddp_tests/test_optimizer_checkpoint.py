@@ -37,7 +37,7 @@ from mc_ddp_tests._harness import (
     mlp,
     model_parallel,
 )
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 
 SAVED: dict[str, Any] = {
     "use_distributed_optimizer": True,
@@ -151,7 +151,7 @@ def _errors() -> dict[str, str]:
                 try:
                     call()
                 except (TypeError, ValueError, RuntimeError) as err:
-                    found[name] = f"{type(err).__name__}: {err}"
+                    found[name] = f"{error_kind(err)}: {err}"
             fresh_sd = _model_sd(fresh_ddp)
             fresh.sharded_state_dict(fresh_sd, is_loading=True)
             try:

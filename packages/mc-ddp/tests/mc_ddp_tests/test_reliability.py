@@ -40,7 +40,7 @@ from mc_ddp_tests._harness import (
     mlp,
     model_parallel,
 )
-from mc_groups.testing import RankFailure, RankPool, RankPools
+from mc_groups.testing import RankFailure, RankPool, RankPools, error_kind
 
 MP = mg.ModelParallelConfig()
 TIMEOUT_S = 3.0
@@ -76,7 +76,7 @@ def _dies_in_backward() -> tuple[str, str, float]:
         ddp_backward(ddp, x, y, 1)
         ddp.finish_grad_sync()
     except mg.CollectiveError as err:
-        return type(err).__name__, str(err), time.monotonic() - started
+        return error_kind(err), str(err), time.monotonic() - started
     return "no error", "", time.monotonic() - started
 
 
@@ -104,7 +104,7 @@ def _dies_in_forward() -> tuple[str, str, float]:
     try:
         ddp(x)
     except mg.CollectiveError as err:
-        return type(err).__name__, str(err), time.monotonic() - started
+        return error_kind(err), str(err), time.monotonic() - started
     return "no error", "", time.monotonic() - started
 
 

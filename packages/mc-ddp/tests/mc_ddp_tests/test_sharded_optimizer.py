@@ -27,7 +27,7 @@ from mc_ddp_tests._harness import (
     mlp,
     model_parallel,
 )
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 
 
 def _wrap(pgc: Any, seed: int) -> tuple[DistributedDataParallel, ShardedOptimizer]:
@@ -186,7 +186,7 @@ def _errors() -> dict[str, str]:
                 try:
                     call()
                 except (TypeError, ValueError, RuntimeError) as err:
-                    found[name] = f"{type(err).__name__}: {err}"
+                    found[name] = f"{error_kind(err)}: {err}"
         found["collectives"] = str(len(log))
     return found
 

@@ -403,7 +403,10 @@ class Expected(NamedTuple):
 EXPECTED_ERRORS = {
     "not_a_list": Expected(
         "TypeError",
-        ("model must be a list of model chunks (one per virtual pipeline stage), got FirstStage",),
+        (
+            "model must be a list of model chunks (one per virtual pipeline stage), got "
+            "mc_finalize_tests.test_finalize.FirstStage",
+        ),
         doc_call="`finalize_model_grads(model)`",
         doc_input="a chunk, not a list",
     ),
@@ -421,7 +424,7 @@ EXPECTED_ERRORS = {
     ),
     "no_config": Expected(
         "TypeError",
-        ("model[0] (Linear) has no config",),
+        ("model[0] (torch.nn.modules.linear.Linear) has no config",),
         doc_call="`finalize_model_grads(model)`",
         doc_input="a chunk without `config`",
     ),
@@ -535,7 +538,7 @@ EXPECTED_ERRORS = {
     ),
     "collection_type": Expected(
         "TypeError",
-        ("pg_collection='tp' must be a mc_groups",),
+        ("pg_collection='tp' must be a ProcessGroupCollection",),
         doc_call="`finalize_model_grads(..., pg_collection=)`",
         doc_input="`'tp'`",
     ),
@@ -595,7 +598,7 @@ EXPECTED_ERRORS = {
     ),
     "flat_tensors": Expected(
         "TypeError",
-        ("tensors must be a list of tensors", "got Tensor"),
+        ("tensors must be a list of tensors", "got torch.Tensor"),
         doc_call="`_allreduce_tensors(tensors, group, op, label)`",
         doc_input="a tensor, not a list (its rows would be iterated)",
     ),
