@@ -267,6 +267,12 @@ DELIBERATE = """\
   MAX all-reduce also compares the vocabulary slice, target, `label_smoothing` and
   `ignore_index`. Megatron compares nothing: disagreeing ranks hang, abort or train on
   wrong numbers.
+- **Activation checkpointing and 1-D splits.** `checkpoint` is `mc_tp_layers.random.checkpoint`
+  only (`mc_tp_layers.checkpoint` is mc's DTensor checkpoint module);
+  `split_tensor_into_1d_equal_chunks` refuses a size not divisible by the TP size (Megatron
+  floors it and the gather loses the rest); `CheckpointWithoutOutput` copies the recomputed
+  outputs into their freed storage (Megatron shares storage through a C++ extension);
+  `CudaRNGStatesTracker(use_cudagraphable_rng=True)` is a `NotImplementedError`.
 - **No Megatron-FSDP, NCCL user buffers, Transformer Engine fp8/fp4 gathers, TE or
   CUDA-graph RNG trackers**: their switches exist at Megatron's defaults and any other value
   raises `NotImplementedError` naming the field.
@@ -281,7 +287,8 @@ UPSTREAM: tuple[tuple[str, tuple[str, ...], str], ...] = (
             "packages/mc-buffers/tests/mc_buffers_tests/test_conformance_test_param_and_grad_buffer.py",
             "packages/mc-ddp/tests/mc_ddp_tests/test_conformance_test_param_and_grad_buffer.py",
         ),
-        "TestNVFP4IndexMaps (mc has no NVFP4 params)",
+        "TestNVFP4IndexMaps (mc has no NVFP4 params; the upstream tests fake them by patching "
+        "Megatron's own module)",
     ),
     (
         "distributed/test_distributed_data_parallel.py",
@@ -350,17 +357,21 @@ UPSTREAM: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ),
     (
         "tensor_parallel/test_mappings.py",
-        ("packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_mappings.py",),
-        "the ONNX `symbolic` hooks (mc has none)",
+        (
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_mappings.py",
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_mapping_functions.py",
+        ),
+        "",
     ),
     (
         "tensor_parallel/test_random.py",
         (
             "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_random.py",
             "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_random.py",
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_activation_checkpoint.py",
         ),
-        "graph-safe trackers and `_convert_cuda_rng_state` (NotImplementedError in mc); "
-        "activation `checkpoint` (mc has no activation checkpointing)",
+        "graph-safe trackers (`use_cudagraphable_rng=True`) and `_convert_cuda_rng_state` "
+        "(NotImplementedError in mc)",
     ),
     (
         "tensor_parallel/test_initialization.py",
@@ -384,8 +395,9 @@ UPSTREAM: tuple[tuple[str, tuple[str, ...], str], ...] = (
         "tensor_parallel/test_tensor_parallel_utils.py",
         (
             "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_conformance_test_tensor_parallel_utils.py",
+            "packages/mc-tp-layers/tests/mc_tp_layers_tests/test_mapping_functions.py",
         ),
-        "`split_tensor_into_1d_equal_chunks` / `gather_split_1d_tensor` (not offered by mc)",
+        "",
     ),
     ("tensor_parallel/test_data.py", (), "`broadcast_data` (not offered by mc)"),
     (

@@ -47,8 +47,15 @@ class _Settings:
         return "global_aux_loss" in self.load_balancing_types
 
 
-def _read_settings(config: FinalizeConfig) -> _Settings:
-    flags = {name: _required_bool(config, name) for name in _REQUIRED_BOOLS}
+def _read_settings(config: FinalizeConfig, *, whole: bool = False) -> _Settings:
+    """The settings of one call. ``whole`` (``finalize_model_grads``): the two flags every
+    finalize config has must be present; a step helper alone reads them as False when
+    absent, as Megatron's helpers never read them (its ``ModelParallelConfig`` has no
+    ``calculate_per_token_loss``)."""
+    flags = {
+        name: _required_bool(config, name) if whole else _optional_bool(config, name, False)
+        for name in _REQUIRED_BOOLS
+    }
     for name, default in _OPTIONAL_BOOLS:
         flags[name] = _optional_bool(config, name, default)
     return _Settings(

@@ -107,7 +107,7 @@ def finalize_model_grads(
     """
     chunks = _as_chunks(model, FINALIZE_METHODS)
     config = cast(FinalizeConfig, _config_of(chunks))
-    settings = _read_settings(config)
+    settings = _read_settings(config, whole=True)
     per_token = settings.calculate_per_token_loss
     if per_token:
         _check_methods(chunks, ("scale_gradients",))

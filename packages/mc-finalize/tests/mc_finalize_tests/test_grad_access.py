@@ -158,5 +158,12 @@ class _Bare:
 )
 def test_bad_config_attributes(config: object, error: type[Exception], fragment: str) -> None:
     with pytest.raises(error) as info:
-        _read_settings(config)  # type: ignore[arg-type]
+        _read_settings(config, whole=True)  # type: ignore[arg-type]
     assert fragment in str(info.value)
+
+
+def test_a_step_helper_reads_absent_flags_as_false() -> None:
+    """Megatron's ``ModelParallelConfig`` has no ``calculate_per_token_loss`` and its step
+    helpers never read it; only ``finalize_model_grads`` (``whole=True``) requires both."""
+    settings = _read_settings(object())  # type: ignore[arg-type]
+    assert (settings.sequence_parallel, settings.calculate_per_token_loss) == (False, False)
