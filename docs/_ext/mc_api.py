@@ -1,0 +1,400 @@
+"""mc's API reference, generated from the packages at each build (a Sphinx extension).
+
+What it does, in build order:
+
+1. **Pages** (``builder-inited``): ``api/index.rst``, a page per package and a page per
+   public module (a module whose name has no leading underscore), written into
+   ``docs/api/`` (not committed). A package's ``__all__`` names are documented once, under
+   the name users import (``mc_ddp.DistributedDataParallel``), on the page of the public
+   module that defines them, or on the package's page when a private module does; a public
+   module's own ``__all__`` names that the package does not export are documented under the
+   module (``mc_groups.argcheck.check_int``); re-exports are listed as links.
+2. **Megatron names** (``autodoc-process-docstring``): every documented object that is a
+   row of ``docs/compatibility.md`` gets a line with the Megatron-Core name and its status,
+   linked to the row (the rows' HTML ids are the Megatron names, written by
+   ``scripts/gen_compatibility.py``).
+3. **Checks**: a documented public name without a docstring is a warning (an error under
+   ``-W``); a cross-reference to an mc object by another of its names (the defining
+   module's, ``mc_ddp.distributed_data_parallel.DistributedDataParallel``, or a short name
+   inside a docstring) resolves to where it is documented, and one to an mc name that is
+   documented nowhere stays a warning; after the build every link to a compatibility row
+   must find its id in ``compatibility.html``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import pkgutil
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from docutils import nodes
+from sphinx.application import Sphinx
+from sphinx.environment import BuildEnvironment
+from sphinx.errors import ExtensionError
+from sphinx.util import logging
+
+ROOT = Path(__file__).resolve().parents[2]
+API_DIR = ROOT / "docs" / "api"
+PACKAGES = ("mc_groups", "mc_buffers", "mc_ddp", "mc_tp_layers", "mc_finalize")
+DISTRIBUTIONS = {
+    "mc_groups": "mc-groups",
+    "mc_buffers": "mc-buffers",
+    "mc_ddp": "mc-ddp",
+    "mc_tp_layers": "mc-tp-layers",
+    "mc_finalize": "mc-finalize",
+}
+COMPATIBILITY_PAGE = "compatibility"
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass
+class _Entry:
+    """One documented public name."""
+
+    name: str  # the documented (canonical) dotted name
+    obj: Any
+    page: str  # the page that documents it
+
+
+@dataclass
+class _Reference:
+    """Everything the build needs to know about the public API."""
+
+    entries: dict[str, _Entry] = field(default_factory=dict)
+    by_id: dict[int, str] = field(default_factory=dict)  # id(obj) -> canonical name
+    megatron: dict[int, tuple[str, str]] = field(default_factory=dict)  # -> (name, status)
+    anchors_linked: set[str] = field(default_factory=set)
+
+
+def _is_package(module: ModuleType) -> bool:
+    return hasattr(module, "__path__")
+
+
+def _public_modules(package: ModuleType) -> list[ModuleType]:
+    found = pkgutil.iter_modules(package.__path__, package.__name__ + ".")
+    names = sorted(m.name for m in found if not m.name.rsplit(".", 1)[1].startswith("_"))
+    return [importlib.import_module(name) for name in names]
+
+
+def _defines(module: ModuleType, name: str, obj: Any) -> bool:
+    """Whether ``module`` is where ``name`` is defined (classes and functions by their
+    ``__module__``; data by an assignment in the module's source)."""
+    if inspect.isclass(obj) or inspect.isfunction(obj):
+        return getattr(obj, "__module__", None) == module.__name__
+    source = inspect.getsource(module)
+    return re.search(rf"^{re.escape(name)}\s*[:=]", source, re.MULTILINE) is not None
+
+
+def _directive(obj: Any) -> str:
+    if inspect.isclass(obj):
+        return "autoexception" if issubclass(obj, BaseException) else "autoclass"
+    if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+        return "autofunction"
+    return "autodata"
+
+
+def _autodoc(name: str, obj: Any) -> list[str]:
+    lines = [f".. {_directive(obj)}:: {name}"]
+    if inspect.isclass(obj):
+        lines.append("   :members:")
+    return [*lines, ""]
+
+
+def _title(text: str, mark: str = "=") -> list[str]:
+    return [text, mark * len(text), ""]
+
+
+def _all(module: ModuleType) -> list[str]:
+    return list(getattr(module, "__all__", []))
+
+
+class _Writer:
+    """Plans and writes the API pages, recording what is documented where."""
+
+    def __init__(self, reference: _Reference) -> None:
+        self.reference = reference
+        self.pages: dict[str, list[str]] = {}
+
+    def _document(self, name: str, obj: Any, page: str) -> list[str]:
+        self.reference.entries[name] = _Entry(name, obj, page)
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            self.reference.by_id.setdefault(id(obj), name)
+        return _autodoc(name, obj)
+
+    def package(self, package: ModuleType) -> str:
+        """Write the package's page and its modules' pages; the package page's name."""
+        name = package.__name__
+        modules = _public_modules(package)
+        exported = {n: getattr(package, n) for n in _all(package)}
+        homes: dict[str, list[str]] = {m.__name__: [] for m in modules}
+        orphans = []
+        for export, obj in exported.items():
+            home = next((m for m in modules if _defines(m, export, obj)), None)
+            if home is None or _is_package(home):
+                orphans.append(export)
+            else:
+                homes[home.__name__].append(export)
+        subpages = []
+        for module in modules:
+            if _is_package(module):
+                subpages.append(self.package(module))
+            else:
+                subpages.append(self.module(module, package, homes[module.__name__]))
+        lines = [*_title(f"``{name}``"), f".. automodule:: {name}", "   :no-members:", ""]
+        if name in DISTRIBUTIONS:
+            lines += [f"Install: ``pip install ./packages/{DISTRIBUTIONS[name]}``.", ""]
+        if exported:
+            lines += [*_title("Public names", "-"), ".. autosummary::", ""]
+            lines += [f"   {export}" for export in exported]
+            lines.append("")
+        lines += [*_title("Modules", "-"), ".. toctree::", "   :maxdepth: 1", ""]
+        lines += [f"   {page}" for page in subpages]
+        lines.append("")
+        if orphans:
+            lines += [*_title(f"Defined in ``{name}``'s private modules", "-")]
+            lines += [".. currentmodule:: " + name, ""]
+            for export in orphans:
+                lines += self._document(f"{name}.{export}", exported[export], name)
+        self.pages[name] = lines
+        return name
+
+    def module(self, module: ModuleType, package: ModuleType, exports: list[str]) -> str:
+        """Write a public module's page; its name."""
+        name = module.__name__
+        lines = [*_title(f"``{name}``"), f".. automodule:: {name}", "   :no-members:", ""]
+        package_all = set(_all(package))
+        reexports = []
+        documented = []
+        for export in _all(module):
+            obj = getattr(module, export)
+            if export in exports:
+                documented.append((f"{package.__name__}.{export}", obj))
+            elif export in package_all and getattr(package, export) is obj:
+                if not _defines(module, export, obj):
+                    reexports.append(f"{package.__name__}.{export}")
+            elif _defines(module, export, obj):
+                documented.append((f"{name}.{export}", obj))
+            else:
+                reexports.append(f"{name}.{export}")
+        for export in exports:  # exported by the package, absent from the module's __all__
+            if all(n != f"{package.__name__}.{export}" for n, _ in documented):
+                documented.append((f"{package.__name__}.{export}", getattr(package, export)))
+        for doc_name, obj in documented:
+            lines += self._document(doc_name, obj, name)
+        if reexports:
+            lines += [*_title("Also importable from here", "-")]
+            lines += [f"- :py:obj:`{target}`" for target in reexports]
+            lines.append("")
+        self.pages[name] = lines
+        return name
+
+    def write(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        index = [
+            *_title("API reference"),
+            "One page per package (its ``__all__``: what ``from mc_ddp import ...`` offers) "
+            "and per public module. Each name shows its signature, its docstring and, where "
+            "Megatron-Core has the same name, that name linked to its row of the "
+            ":doc:`compatibility table <../compatibility>`.",
+            "",
+            ".. toctree::",
+            "   :maxdepth: 2",
+            "",
+            *[f"   {package}" for package in PACKAGES],
+            "",
+        ]
+        wanted = {"index.rst": "\n".join(index)}
+        wanted |= {f"{page}.rst": "\n".join(lines) for page, lines in self.pages.items()}
+        for stale in folder.glob("*.rst"):
+            if stale.name not in wanted:
+                stale.unlink()
+        for filename, text in wanted.items():
+            path = folder / filename
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                path.write_text(text, encoding="utf-8")  # unchanged pages keep their mtime
+
+
+def _load_gen_compatibility() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "gen_compatibility", ROOT / "scripts" / "gen_compatibility.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gen_compatibility"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _megatron_rows() -> dict[int, tuple[str, str]]:
+    """``id(mc object) -> (Megatron name, status)`` for every row of the compatibility table
+    whose mc object is a class, function or method."""
+    gen = _load_gen_compatibility()
+    found: dict[int, tuple[str, str]] = {}
+    for spec_module, (_, mc_name) in gen.MODULES.items():
+        mc_module = importlib.import_module(mc_name)
+        for row in gen.module_rows(spec_module):
+            obj = gen._resolve(mc_module, row.name)
+            if callable(obj):
+                found.setdefault(id(obj), (gen.megatron_name(row), row.status))
+    config = importlib.import_module("mc_ddp").DistributedDataParallelConfig
+    name = f"megatron.{gen.CONFIG_MODULE}.DistributedDataParallelConfig"
+    found[id(config)] = (name, "see the fields")
+    return found
+
+
+def _generate(app: Sphinx) -> None:
+    reference = _Reference()
+    writer = _Writer(reference)
+    for package in PACKAGES:
+        writer.package(importlib.import_module(package))
+    writer.write(API_DIR)
+    reference.megatron = _megatron_rows()
+    app.mc_reference = reference  # type: ignore[attr-defined]
+
+
+def _reference(app: Sphinx) -> _Reference:
+    found: _Reference = app.mc_reference  # type: ignore[attr-defined]
+    return found
+
+
+def _process_docstring(
+    app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]
+) -> None:
+    reference = _reference(app)
+    if name in reference.entries and not any(line.strip() for line in lines):
+        _LOG.warning("public name %s has no docstring", name, location=name)
+    megatron = reference.megatron.get(id(obj)) if callable(obj) else None
+    if megatron is None:
+        return
+    megatron_name, status = megatron
+    reference.anchors_linked.add(megatron_name)
+    depth = "../" if app.env.docname.startswith("api/") else ""
+    link = f"{depth}{COMPATIBILITY_PAGE}.html#{megatron_name}"
+    lines += ["", f"**Megatron-Core:** `{megatron_name} <{link}>`__ ({status})", ""]
+
+
+def _process_signature(
+    app: Sphinx,
+    what: str,
+    name: str,
+    obj: Any,
+    options: Any,
+    signature: str | None,
+    return_annotation: str | None,
+) -> tuple[str | None, str | None] | None:
+    """A dataclass field with a ``default_factory`` shows its default as ``<factory>``, which
+    is no Python expression: Sphinx then cannot parse the signature and would link its
+    pieces as broken references. Show ``...`` instead (the field's docs say what it is)."""
+    if signature is None or "<factory>" not in signature:
+        return None
+    return re.sub(r"=\s*<factory>", "= ...", signature), return_annotation
+
+
+def _import(dotted: str) -> Any:
+    """The object a dotted name denotes, or None."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            value: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            value = getattr(value, part, None)
+            if value is None:
+                return None
+        return value
+    return None
+
+
+def _canonical(reference: _Reference, target: str) -> str | None:
+    """Where the object ``target`` names is documented (methods and attributes through their
+    class), or None."""
+    if target in reference.entries:
+        return target
+    obj = _import(target)
+    if obj is not None and id(obj) in reference.by_id:
+        return reference.by_id[id(obj)]
+    owner, _, member = target.rpartition(".")
+    if owner and member:
+        documented_owner = _canonical(reference, owner)
+        if documented_owner is not None and documented_owner != owner:
+            return f"{documented_owner}.{member}"
+    return None
+
+
+def _homes_of_short_name(reference: _Reference, name: str) -> list[str]:
+    """The one mc object called ``name`` in a loaded mc module or as a member of a
+    documented class, as a dotted name; nothing when there are none or several."""
+    found: dict[int, str] = {}
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("mc_") and module is not None and hasattr(module, name):
+            found.setdefault(id(getattr(module, name)), f"{module_name}.{name}")
+    for entry in reference.entries.values():
+        if inspect.isclass(entry.obj) and name in vars(entry.obj):
+            found.setdefault(id(vars(entry.obj)[name]), f"{entry.name}.{name}")
+    return list(found.values()) if len(found) == 1 else []
+
+
+def _missing_reference(
+    app: Sphinx, env: BuildEnvironment, node: Any, contnode: nodes.Element
+) -> nodes.Element | None:
+    if node.get("refdomain") != "py":
+        return None
+    target = str(node["reftarget"])
+    module = node.get("py:module")
+    klass = node.get("py:class")
+    candidates = [target]
+    for cut in range(len(module.split(".")) if module else 0, 0, -1):
+        scope = ".".join(module.split(".")[:cut])
+        if klass:
+            candidates.append(f"{scope}.{klass}.{target}")
+        candidates.append(f"{scope}.{target}")
+    if "." not in target:  # a short name out of its context (an autosummary line)
+        candidates += _homes_of_short_name(_reference(app), target)
+    domain: Any = env.get_domain("py")
+    for candidate in candidates:
+        canonical = _canonical(_reference(app), candidate)
+        if canonical is None or canonical == target:
+            continue
+        resolved: nodes.Element | None = domain.resolve_xref(
+            env, node["refdoc"], app.builder, "obj", canonical, node, contnode
+        )
+        if resolved is not None:
+            return resolved
+    # An mc object that exists but is in no __all__ (a private helper, a TypeVar, a base
+    # class from a private module) is not part of the API: its name stays text. A name
+    # that exists nowhere is left to Sphinx, which reports it.
+    exists = any(c.startswith("mc_") and _import(c) is not None for c in candidates)
+    return contnode if exists else None
+
+
+def _check_anchors(app: Sphinx, exception: BaseException | None) -> None:
+    if exception is not None or app.builder.format != "html":
+        return
+    page = Path(app.outdir) / f"{COMPATIBILITY_PAGE}.html"
+    html = page.read_text(encoding="utf-8")
+    ids = set(re.findall(r'id="([^"]+)"', html))
+    missing = sorted(_reference(app).anchors_linked - ids)
+    if missing:
+        raise ExtensionError(
+            f"the API reference links to compatibility rows that {page.name} lacks: {missing}"
+            " (regenerate docs/compatibility.md with scripts/gen_compatibility.py)"
+        )
+
+
+def setup(app: Sphinx) -> dict[str, Any]:
+    """Register the page generator, the docstring hook, the resolver and the checks."""
+    app.connect("builder-inited", _generate)
+    app.connect("autodoc-process-docstring", _process_docstring)
+    app.connect("autodoc-process-signature", _process_signature)
+    app.connect("missing-reference", _missing_reference)
+    app.connect("build-finished", _check_anchors)
+    return {"parallel_read_safe": False, "env_version": 1}
