@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE / "_ext"))
 
 project = "mc"
 author = "the mc authors"
-copyright = "the mc authors"  # noqa: A001 (Sphinx reads this name)
+copyright = "the mc authors"
 
 extensions = [
     "sphinx.ext.autodoc",

@@ -2,7 +2,7 @@
 
 What it does, in build order:
 
-1. **Pages** (``builder-inited``): ``api/index.rst``, a page per package and a page per
+1. **Pages** (``builder-inited``): a page per package and a page per
    public module (a module whose name has no leading underscore), written into
    ``docs/api/`` (not committed). A package's ``__all__`` names are documented once, under
    the name users import (``mc_ddp.DistributedDataParallel``), on the page of the public
@@ -34,7 +34,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from docutils import nodes
 from sphinx.application import Sphinx
 from sphinx.environment import BuildEnvironment
 from sphinx.errors import ExtensionError
@@ -196,29 +195,16 @@ class _Writer:
         return name
 
     def write(self, folder: Path) -> None:
+        """Write the pages into ``folder``; stale ones go, unchanged ones keep their mtime."""
         folder.mkdir(parents=True, exist_ok=True)
-        index = [
-            *_title("API reference"),
-            "One page per package (its ``__all__``: what ``from mc_ddp import ...`` offers) "
-            "and per public module. Each name shows its signature, its docstring and, where "
-            "Megatron-Core has the same name, that name linked to its row of the "
-            ":doc:`compatibility table <../compatibility>`.",
-            "",
-            ".. toctree::",
-            "   :maxdepth: 2",
-            "",
-            *[f"   {package}" for package in PACKAGES],
-            "",
-        ]
-        wanted = {"index.rst": "\n".join(index)}
-        wanted |= {f"{page}.rst": "\n".join(lines) for page, lines in self.pages.items()}
+        wanted = {f"{page}.rst": "\n".join(lines) for page, lines in self.pages.items()}
         for stale in folder.glob("*.rst"):
             if stale.name not in wanted:
                 stale.unlink()
         for filename, text in wanted.items():
             path = folder / filename
             if not path.exists() or path.read_text(encoding="utf-8") != text:
-                path.write_text(text, encoding="utf-8")  # unchanged pages keep their mtime
+                path.write_text(text, encoding="utf-8")
 
 
 def _load_gen_compatibility() -> ModuleType:
@@ -270,7 +256,7 @@ def _process_docstring(
 ) -> None:
     reference = _reference(app)
     if name in reference.entries and not any(line.strip() for line in lines):
-        _LOG.warning("public name %s has no docstring", name, location=name)
+        _LOG.warning("public name %s has no docstring", name, location=app.env.docname)
     megatron = reference.megatron.get(id(obj)) if callable(obj) else None
     if megatron is None:
         return
@@ -344,8 +330,8 @@ def _homes_of_short_name(reference: _Reference, name: str) -> list[str]:
 
 
 def _missing_reference(
-    app: Sphinx, env: BuildEnvironment, node: Any, contnode: nodes.Element
-) -> nodes.Element | None:
+    app: Sphinx, env: BuildEnvironment, node: Any, contnode: Any
+) -> Any:
     if node.get("refdomain") != "py":
         return None
     target = str(node["reftarget"])
@@ -364,7 +350,7 @@ def _missing_reference(
         canonical = _canonical(_reference(app), candidate)
         if canonical is None or canonical == target:
             continue
-        resolved: nodes.Element | None = domain.resolve_xref(
+        resolved = domain.resolve_xref(
             env, node["refdoc"], app.builder, "obj", canonical, node, contnode
         )
         if resolved is not None:
