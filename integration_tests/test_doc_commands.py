@@ -54,8 +54,8 @@ def _commands(path: Path) -> list[tuple[str, str]]:
     for match in _BLOCK.finditer(path.read_text(encoding="utf-8")):
         block = match[2]
         text = re.sub(r"\\\n\s*", " ", block)
-        for line in text.splitlines():
-            line = line.strip()
+        for raw in text.splitlines():
+            line = raw.strip()
             if not line or line.startswith("#"):
                 continue
             for part in line.split("&&"):
