@@ -64,6 +64,8 @@ napoleon_numpy_docstring = False
 napoleon_attr_annotations = False
 
 myst_heading_anchors = 3
+# Literal blocks in docstrings are tables and diagrams, not Python
+highlight_language = "none"
 myst_enable_extensions = ["colon_fence"]
 # bad_inputs_sweep.md (generated) steps from H2 to H4 in its per-case sections
 suppress_warnings = ["myst.header"]

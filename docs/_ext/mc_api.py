@@ -329,9 +329,7 @@ def _homes_of_short_name(reference: _Reference, name: str) -> list[str]:
     return list(found.values()) if len(found) == 1 else []
 
 
-def _missing_reference(
-    app: Sphinx, env: BuildEnvironment, node: Any, contnode: Any
-) -> Any:
+def _missing_reference(app: Sphinx, env: BuildEnvironment, node: Any, contnode: Any) -> Any:
     if node.get("refdomain") != "py":
         return None
     target = str(node["reftarget"])
