@@ -12,7 +12,8 @@ What it does, in build order:
 2. **Megatron names** (``autodoc-process-docstring``): every documented object that is a
    row of ``docs/compatibility.md`` gets a line with the Megatron-Core name and its status,
    linked to the row (the rows' HTML ids are the Megatron names, written by
-   ``scripts/gen_compatibility.py``).
+   ``scripts/gen_compatibility.py``); one of :data:`MEGATRON_ELSEWHERE` (outside the spec
+   modules) gets its Megatron-Core name without a link.
 3. **Checks**: a documented public name without a docstring is a warning (an error under
    ``-W``); a cross-reference to an mc object by another of its names (the defining
    module's, ``mc_ddp.distributed_data_parallel.DistributedDataParallel``, or a short name
@@ -50,6 +51,78 @@ DISTRIBUTIONS = {
     "mc_finalize": "mc-finalize",
 }
 COMPATIBILITY_PAGE = "compatibility"
+_PG = "megatron.core.distributed.param_and_grad_buffer"
+_LAYOUT = "megatron.core.optimizer.param_layout"
+_TP = "megatron.core.tensor_parallel"
+# Megatron-Core names outside the three spec modules of the compatibility table (so without
+# a row to link to), each found in Megatron-LM's megatron/core (main branch, 2026-08-22):
+# mc name -> Megatron-Core name. Every mc name must import (the build fails otherwise).
+MEGATRON_ELSEWHERE = {
+    "mc_groups.RankGenerator": "megatron.core.parallel_state.RankGenerator",
+    "mc_groups.initialize_model_parallel": "megatron.core.parallel_state.initialize_model_parallel",
+    "mc_groups.destroy_model_parallel": "megatron.core.parallel_state.destroy_model_parallel",
+    "mc_groups.ProcessGroupCollection": (
+        "megatron.core.process_groups_config.ProcessGroupCollection"
+    ),
+    "mc_groups.ModelParallelConfig": "megatron.core.model_parallel_config.ModelParallelConfig",
+    "mc_buffers.BufferKey": f"{_LAYOUT}.BufferKey",
+    "mc_buffers.PerBufferParamLayout": f"{_LAYOUT}.PerBufferParamLayout",
+    "mc_buffers.FullParamLayout": f"{_LAYOUT}.FullParamLayout",
+    "mc_buffers.pad_to_divisor": f"{_LAYOUT}.pad_to_divisor",
+    "mc_buffers.pad_param_start": f"{_LAYOUT}.pad_param_start",
+    "mc_buffers.pad_bucket_end": f"{_LAYOUT}.pad_bucket_end",
+    "mc_buffers.bucket_end_divisor": f"{_LAYOUT}.bucket_end_divisor",
+    "mc_buffers.compute_default_per_buffer_param_layout": (
+        f"{_PG}._compute_default_per_buffer_param_layout"
+    ),
+    "mc_buffers.group_params_for_buffers": f"{_PG}.group_params_for_buffers",
+    "mc_buffers.shard_buffer": f"{_PG}.shard_buffer",
+    "mc_buffers.ParamAndGradBuffer": f"{_PG}._ParamAndGradBuffer",
+    "mc_buffers.ParamAndGradBucket": f"{_PG}._ParamAndGradBucket",
+    "mc_ddp.ParamAndGradBucketGroup": f"{_PG}._ParamAndGradBucketGroup",
+    "mc_ddp.partition_buckets": f"{_PG}.partition_buckets",
+    "mc_ddp.reduce_scatter_with_fp32_accumulation": (
+        "megatron.core.distributed.reduce_scatter_with_fp32_accumulation."
+        "reduce_scatter_with_fp32_accumulation"
+    ),
+    "mc_ddp.ensure_params_ready": "megatron.core.utils.ensure_params_ready",
+    "mc_finalize.reset_model_temporary_tensors": (
+        "megatron.core.distributed.finalize_model_grads.reset_model_temporary_tensors"
+    ),
+    **{
+        f"mc_tp_layers.{name}": f"{_TP}.mappings.{name}"
+        for name in (
+            "all_gather_last_dim_from_tensor_parallel_region",
+            "all_to_all",
+            "all_to_all_hp2sp",
+            "all_to_all_sp2hp",
+            "copy_to_tensor_model_parallel_region",
+            "gather_from_sequence_parallel_region",
+            "gather_from_tensor_model_parallel_region",
+            "reduce_from_tensor_model_parallel_region",
+            "reduce_scatter_last_dim_to_tensor_parallel_region",
+            "reduce_scatter_to_sequence_parallel_region",
+            "scatter_to_sequence_parallel_region",
+            "scatter_to_tensor_model_parallel_region",
+        )
+    },
+    **{
+        f"mc_tp_layers.{name}": f"{_TP}.random.{name}"
+        for name in (
+            "CudaRNGStatesTracker",
+            "get_cuda_rng_tracker",
+            "get_data_parallel_rng_tracker_name",
+            "get_expert_parallel_rng_tracker_name",
+            "model_parallel_cuda_manual_seed",
+        )
+    },
+    "mc_tp_layers.VocabUtility": f"{_TP}.utils.VocabUtility",
+    "mc_tp_layers.split_tensor_along_last_dim": f"{_TP}.utils.split_tensor_along_last_dim",
+    "mc_tp_layers.divide": "megatron.core.utils.divide",
+    "mc_tp_layers.vocab_parallel_cross_entropy": (
+        f"{_TP}.cross_entropy.vocab_parallel_cross_entropy"
+    ),
+}
 _LOG = logging.getLogger(__name__)
 
 
@@ -69,6 +142,7 @@ class _Reference:
     entries: dict[str, _Entry] = field(default_factory=dict)
     by_id: dict[int, str] = field(default_factory=dict)  # id(obj) -> canonical name
     megatron: dict[int, tuple[str, str]] = field(default_factory=dict)  # -> (name, status)
+    elsewhere: dict[int, str] = field(default_factory=dict)  # -> Megatron name, no row
     anchors_linked: set[str] = field(default_factory=set)
 
 
@@ -243,6 +317,11 @@ def _generate(app: Sphinx) -> None:
         writer.package(importlib.import_module(package))
     writer.write(API_DIR)
     reference.megatron = _megatron_rows()
+    for mc_name, megatron_name in MEGATRON_ELSEWHERE.items():
+        obj = _import(mc_name)
+        if obj is None:
+            raise ExtensionError(f"MEGATRON_ELSEWHERE names {mc_name}, which does not import")
+        reference.elsewhere[id(obj)] = megatron_name
     app.mc_reference = reference  # type: ignore[attr-defined]
 
 
@@ -259,6 +338,9 @@ def _process_docstring(
         _LOG.warning("public name %s has no docstring", name, location=app.env.docname)
     megatron = reference.megatron.get(id(obj)) if callable(obj) else None
     if megatron is None:
+        if callable(obj) and id(obj) in reference.elsewhere:
+            elsewhere = reference.elsewhere[id(obj)]
+            lines += ["", f"**Megatron-Core:** ``{elsewhere}`` (no row in the table)", ""]
         return
     megatron_name, status = megatron
     reference.anchors_linked.add(megatron_name)
