@@ -70,8 +70,13 @@ def test_a_public_name_without_a_docstring_is_a_warning(caplog: pytest.LogCaptur
         mc_api._process_docstring(app, "function", "mc_x.documented", len, None, ["Doc."])
         assert not caplog.records
         mc_api._process_docstring(app, "function", "mc_x.undocumented", undocumented, None, [])
+        # a constant whose only text is its type's docstring (autodoc's fallback) has none
+        int_doc = (int.__doc__ or "").splitlines()
+        app.mc_reference.entries["mc_x.LIMIT"] = mc_api._Entry("mc_x.LIMIT", 5, "api/x")
+        mc_api._process_docstring(app, "data", "mc_x.LIMIT", 5, None, int_doc)
     assert [r.getMessage() for r in caplog.records] == [
-        "public name mc_x.undocumented has no docstring"
+        "public name mc_x.undocumented has no docstring",
+        "public name mc_x.LIMIT has no docstring",
     ]
 
 

@@ -141,6 +141,7 @@ class _Reference:
 
     entries: dict[str, _Entry] = field(default_factory=dict)
     by_id: dict[int, str] = field(default_factory=dict)  # id(obj) -> canonical name
+    aliases: dict[str, str] = field(default_factory=dict)  # package name -> module's (data)
     megatron: dict[int, tuple[str, str]] = field(default_factory=dict)  # -> (name, status)
     elsewhere: dict[int, str] = field(default_factory=dict)  # -> Megatron name, no row
     anchors_linked: set[str] = field(default_factory=set)
@@ -223,9 +224,17 @@ class _Writer:
         lines = [*_title(f"``{name}``"), f".. automodule:: {name}", "   :no-members:", ""]
         if name in DISTRIBUTIONS:
             lines += [f"Install: ``pip install ./packages/{DISTRIBUTIONS[name]}``.", ""]
-        if exported:
+        callables = [n for n, obj in exported.items() if _directive(obj) != "autodata"]
+        if callables:
             lines += [*_title("Public names", "-"), ".. autosummary::", ""]
-            lines += [f"   {export}" for export in exported]
+            lines += [f"   {export}" for export in callables]
+            lines.append("")
+        constants = {n: home for home, names in homes.items() for n in names if n not in callables}
+        if constants:
+            lines += [*_title("Constants", "-")]
+            lines += [
+                f"- :py:data:`{name}.{n}` (in :py:mod:`{home}`)" for n, home in constants.items()
+            ]
             lines.append("")
         lines += [*_title("Modules", "-"), ".. toctree::", "   :maxdepth: 1", ""]
         lines += [f"   {page}" for page in subpages]
@@ -247,7 +256,11 @@ class _Writer:
         documented = []
         for export in _all(module):
             obj = getattr(module, export)
-            if export in exports:
+            if export in exports and _directive(obj) == "autodata":
+                # autodoc finds a constant's docstring only under the module that assigns it
+                documented.append((f"{name}.{export}", obj))
+                self.reference.aliases[f"{package.__name__}.{export}"] = f"{name}.{export}"
+            elif export in exports:
                 documented.append((f"{package.__name__}.{export}", obj))
             elif export in package_all and getattr(package, export) is obj:
                 if not _defines(module, export, obj):
@@ -257,7 +270,8 @@ class _Writer:
             else:
                 reexports.append(f"{name}.{export}")
         for export in exports:  # exported by the package, absent from the module's __all__
-            if all(n != f"{package.__name__}.{export}" for n, _ in documented):
+            names = (f"{package.__name__}.{export}", f"{name}.{export}")
+            if all(n not in names for n, _ in documented):
                 documented.append((f"{package.__name__}.{export}", getattr(package, export)))
         for doc_name, obj in documented:
             lines += self._document(doc_name, obj, name)
@@ -330,11 +344,35 @@ def _reference(app: Sphinx) -> _Reference:
     return found
 
 
+def _first_line(doc: str | None) -> str:
+    return (doc or "").strip().split("\n", 1)[0].strip()
+
+
+def _described_by_module(name: str) -> bool:
+    """Whether the docstring of the module that defines the constant ``name`` describes it:
+    names it in a list in parentheses or, for a string constant, shows its value as a
+    literal (``mc_groups.param_attrs`` describes each parameter attribute so)."""
+    module_name, _, short = name.rpartition(".")
+    module = sys.modules.get(module_name)
+    doc = getattr(module, "__doc__", None) or ""
+    value = getattr(module, short, None)
+    if isinstance(value, str) and f"``{value}``" in doc:
+        return True
+    return re.search(rf"[(, ]{re.escape(short)}[,) ]", doc) is not None
+
+
 def _process_docstring(
     app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]
 ) -> None:
     reference = _reference(app)
-    if name in reference.entries and not any(line.strip() for line in lines):
+    own = [line for line in lines if line.strip()]
+    if own and what == "data" and own[0].strip() == _first_line(type(obj).__doc__):
+        own = []  # autodoc fell back to the docstring of the value's type (int, str, ...)
+    if not own and what == "data" and _described_by_module(name):
+        module = name.rpartition(".")[0]
+        lines[:] = [f"What it holds: its entry in the :py:mod:`{module}` description above."]
+        own = lines
+    if name in reference.entries and not own:
         _LOG.warning("public name %s has no docstring", name, location=app.env.docname)
     megatron = reference.megatron.get(id(obj)) if callable(obj) else None
     if megatron is None:
@@ -387,6 +425,8 @@ def _canonical(reference: _Reference, target: str) -> str | None:
     class), or None."""
     if target in reference.entries:
         return target
+    if target in reference.aliases:
+        return reference.aliases[target]
     obj = _import(target)
     if obj is not None and id(obj) in reference.by_id:
         return reference.by_id[id(obj)]

@@ -62,6 +62,7 @@ from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_
 __all__ = ["DistributedDataParallel", "_BucketParamReadyCallback", "logger"]
 
 logger = logging.getLogger(__name__)
+"""The module's logger (Megatron-Core's module exports one under this name)."""
 
 Param = torch.nn.Parameter
 
