@@ -2,7 +2,8 @@
 
 What it does, in build order:
 
-1. **Pages** (``builder-inited``): a page per package and a page per
+1. **Pages** (``builder-inited``): a page per package, its README as a page of its own (the
+   package's guide, as PyPI shows it), and a page per
    public module (a module whose name has no leading underscore), written into
    ``docs/api/`` (not committed). A package's ``__all__`` names are documented once, under
    the name users import (``mc_ddp.DistributedDataParallel``), on the page of the public
@@ -27,6 +28,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import pkgutil
 import re
 import sys
@@ -195,6 +197,7 @@ class _Writer:
     def __init__(self, reference: _Reference) -> None:
         self.reference = reference
         self.pages: dict[str, list[str]] = {}
+        self.readmes: dict[str, Path] = {}  # page -> the package README it shows
 
     def _document(self, name: str, obj: Any, page: str) -> list[str]:
         self.reference.entries[name] = _Entry(name, obj, page)
@@ -237,6 +240,10 @@ class _Writer:
             ]
             lines.append("")
         lines += [*_title("Modules", "-"), ".. toctree::", "   :maxdepth: 1", ""]
+        if name in DISTRIBUTIONS:  # the package's README: its guide, as PyPI shows it
+            readme = Path(str(package.__file__)).resolve().parents[2] / "README.md"
+            self.readmes[f"{name}.readme"] = readme
+            lines.append(f"   The package's README <{name}.readme>")
         lines += [f"   {page}" for page in subpages]
         lines.append("")
         if orphans:
@@ -286,7 +293,9 @@ class _Writer:
         """Write the pages into ``folder``; stale ones go, unchanged ones keep their mtime."""
         folder.mkdir(parents=True, exist_ok=True)
         wanted = {f"{page}.rst": "\n".join(lines) for page, lines in self.pages.items()}
-        for stale in folder.glob("*.rst"):
+        for page, readme in self.readmes.items():  # MyST's include reads relative paths
+            wanted[f"{page}.md"] = f"```{{include}} {os.path.relpath(readme, folder)}\n```\n"
+        for stale in [*folder.glob("*.rst"), *folder.glob("*.md")]:
             if stale.name not in wanted:
                 stale.unlink()
         for filename, text in wanted.items():
