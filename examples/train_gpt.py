@@ -15,7 +15,7 @@ On GPUs: ``torchrun --nproc-per-node N -m examples.train_gpt --backend nccl --tp
 (T × D = N): each rank trains on ``cuda:LOCAL_RANK`` over NCCL; the parity reference still
 runs on rank 0's CPU. gloo (CPU) stays the default. On several nodes: one ``torchrun
 --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT`` per node
-(README, "Multi-node"); the trainer only reads the world torchrun built.
+(docs/multi_node.md); the trainer only reads the world torchrun built.
 
 Checkpoints (:mod:`examples.gpt.resume`): ``--save-dir DIR --save-every N`` publishes
 ``DIR/step-…`` every N steps and after the last one (model, optimizer state, step, every

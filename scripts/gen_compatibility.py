@@ -680,9 +680,23 @@ def config_rows() -> list[Row]:
     return rows
 
 
+CONFIG_MODULE = "core.distributed.distributed_data_parallel_config"
+
+
+def megatron_name(row: Row) -> str:
+    """The row's full Megatron-Core name (``megatron.core.<module>.<name>``)."""
+    if row.module == "DistributedDataParallelConfig":
+        return f"megatron.{CONFIG_MODULE}.DistributedDataParallelConfig.{row.name}"
+    return f"megatron.{row.module}.{row.name}"
+
+
 def _table(rows: list[Row]) -> list[str]:
+    # Each row carries an HTML id, its Megatron name, in the status cell (the name cell stays
+    # `name` alone): the API reference links every mc name to its row (docs/_ext/mc_api.py).
     lines = ["| name | status | how |", "|---|---|---|"]
-    lines += [f"| `{r.name}` | {r.status} | {r.note} |" for r in rows]
+    lines += [
+        f'| `{r.name}` | <a id="{megatron_name(r)}"></a>{r.status} | {r.note} |' for r in rows
+    ]
     return lines
 
 
@@ -819,6 +833,7 @@ def render() -> str:
         parts.append("\n".join(_table(rows)) + "\n")
     rows = config_rows()
     parts.append(f"## `DistributedDataParallelConfig` → `mc_ddp` ({_counts(rows)})\n")
+    parts.append(f'<a id="megatron.{CONFIG_MODULE}.DistributedDataParallelConfig"></a>\n')
     parts.append("\n".join(_table(rows)) + "\n")
     parts.append(DELIBERATE)
     parts.append(measured_section())

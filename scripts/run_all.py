@@ -1,10 +1,11 @@
 """``hatch run all``: every check of the project, the slow independent ones side by side.
 
 Order: lint and the package checks first (a second each, and the cheapest failures to
-read), then the test suite in the foreground while ``mypy`` and the install-alone check run
-one after the other in the background. The suite leaves most of a 2-core machine idle (its
-rank processes mostly wait on each other and on timeouts), so the background checks cost
-little wall time; their output is printed whole, after the suite's, never interleaved.
+read), then the test suite in the foreground while ``mypy``, the install-alone check and the
+documentation build run one after the other in the background. The suite leaves most of a
+2-core machine idle (its rank processes mostly wait on each other and on timeouts), so the
+background checks cost little wall time; their output is printed whole, after the suite's,
+never interleaved.
 Exits non-zero if any step failed; every step runs even after a failure, so one run shows
 all of them. Extra arguments go to pytest. The background steps share one bound
 (``BACKGROUND_BOUND_S``): a step still running then is killed and reported as failed.
@@ -31,9 +32,12 @@ FIRST = [
     ("check-packages", [PY, "scripts/check_packages.py"]),
 ]
 TESTS = [PY, "-m", "pytest", "packages", "integration_tests"]
+# The documentation site, warnings as errors (as `hatch run docs`; about 15 s of CPU)
+DOCS = [PY, "-m", "sphinx", "-E", "-W", "--keep-going", "-n", "-q", "-b", "html"]
 BACKGROUND = [
     ("types: mypy --strict", [PY, "-m", "mypy"]),
     ("install-check", [PY, "scripts/check_install_alone.py"]),
+    ("docs: sphinx -W", [*DOCS, "docs", "docs/_build/html"]),
 ]
 
 

@@ -3,7 +3,7 @@
 Defaults describe the 70B-shaped GPT (:func:`~examples.dry_run.spec.llama70b`) with bf16
 params, fp32 grads, sequence parallelism when ``--tp`` > 1, the distributed optimizer and
 overlapped grad reduction and param gathers; only ``--world-size`` is required. E.g. the
-README's example::
+4096-rank layout of docs/dry_run.md::
 
     python -m examples.dry_run --world-size 4096 --tp 8 --pp 8 --json out/dry_run.json
 

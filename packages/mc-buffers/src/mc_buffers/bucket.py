@@ -115,13 +115,12 @@ def _check_index_map(
 class ParamAndGradBucket:
     """A subset of a buffer's params whose gradients are reduced together.
 
-    Attributes (Megatron's names; DDP drives the bucket through them):
+    DDP drives the bucket through its attributes (Megatron's names) and the
+    :attr:`param_data` / :attr:`grad_data` properties.
+
+    Attributes:
         params_list: the params in buffer order (backprop order).
         params: the same params as a set, for membership tests.
-        param_data: this bucket's view of the buffer's ``param_data`` (distributed
-            optimizer) or None.
-        grad_data: this bucket's view of the buffer's ``grad_data``: the tensor a DDP
-            all-reduces, or reduce-scatters into ``grad_shard(rank, dp)``.
         offset: element offset of the bucket in the buffer.
         numel_unpadded: elements up to the end of the last param (the rest is padding).
         gradient_scaling_factor: factor DDP applies before/within the reduction
@@ -176,15 +175,16 @@ class ParamAndGradBucket:
 
     @property
     def grad_data(self) -> torch.Tensor:
-        """This bucket's view of the buffer's ``grad_data``; an
-        :class:`~mc_buffers.OffloadedView` (every op refused) while offloaded."""
+        """This bucket's view of the buffer's ``grad_data``, the tensor a DDP all-reduces, or
+        reduce-scatters into ``grad_shard(rank, dp)``; an :class:`~mc_buffers.OffloadedView`
+        (every op refused) while offloaded."""
         if self.is_grad_data_offloaded:
             return OffloadedView(self._grad_data, f"grad_data of bucket {self.bucket_id}")
         return self._grad_data
 
     @property
     def param_data(self) -> torch.Tensor | None:
-        """This bucket's view of the buffer's ``param_data`` (or None); an
+        """This bucket's view of the buffer's ``param_data`` (distributed optimizer; or None); an
         :class:`~mc_buffers.OffloadedView` while offloaded."""
         if self._param_data is not None and self.is_param_data_offloaded:
             return OffloadedView(self._param_data, f"param_data of bucket {self.bucket_id}")

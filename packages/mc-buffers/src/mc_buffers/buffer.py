@@ -335,7 +335,7 @@ class ParamAndGradBuffer:
     @property
     def num_optimizer_shards(self) -> int | None:
         """Shards every bucket splits into (the layout's; None without the distributed
-        optimizer): must equal the size of :attr:`data_parallel_group`."""
+        optimizer): must equal the size of ``data_parallel_group``."""
         return self.param_layout.num_optimizer_shards
 
     def __repr__(self) -> str:

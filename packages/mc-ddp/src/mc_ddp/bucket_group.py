@@ -462,7 +462,7 @@ class ParamAndGradBucketGroup:
 
     def free_overlap_buffers(self) -> None:
         """Drain an in-flight param all-gather, then release the temporaries the group's
-        :attr:`communicator` keeps (unless a gradient reduction using them is in flight);
+        ``communicator`` keeps (unless a gradient reduction using them is in flight);
         the next collective that needs them allocates again."""
         self._wait_param_gather()
         for bucket in self.buckets:

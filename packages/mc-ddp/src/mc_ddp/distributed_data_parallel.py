@@ -64,6 +64,7 @@ from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_
 __all__ = ["DistributedDataParallel", "_BucketParamReadyCallback", "logger"]
 
 logger = logging.getLogger(__name__)
+"""The module's logger (Megatron-Core's module exports one under this name)."""
 
 Param = torch.nn.Parameter
 
@@ -152,8 +153,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
 
     Bucket size: ``ddp_config.bucket_size``, ``num_buckets`` → total // num_buckets, or
     ``max(40M, 1M · |dp_cp|)``; one bucket without overlap_grad_reduce, on pipeline stages
-    > 0 or with ``disable_bucketing``. Scaling before the collective: 1/|dp_cp| (SUM),
-    1 with ``average_in_collective`` (AVG; experts |expt_dp|/|dp_cp|), 1 with
+    > 0 or with ``disable_bucketing``. Scaling before the collective: ``1/|dp_cp|`` (SUM),
+    1 with ``average_in_collective`` (AVG; experts ``|expt_dp|/|dp_cp|``), 1 with
     ``calculate_per_token_loss``. ``average_in_collective`` is refused with per-token loss
     and with an active gtp_remat group (ValueError before anything is built).
     """

@@ -192,7 +192,7 @@ class ShardedOptimizer:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's param groups (holding the masters): for LR schedulers."""
+        """The wrapped optimizer's param groups, which hold the masters (for LR schedulers)."""
         return self.optimizer.param_groups
 
     @property

@@ -4,23 +4,23 @@ Everything is validated first, once (model list, config, groups, ``num_tokens``,
 weights, chunks already finalized this iteration), so bad input fails on every rank before
 the first collective and before any chunk's ``finish_grad_sync``. Then the steps run on
 the checked inputs: each Megatron-named step is a wrapper that checks its own arguments
-over a core, and this function calls the cores. In order:
+over a core, and this function calls the cores. In order::
 
- 1. ``finish_grad_sync(force_all_reduce)`` on every chunk       data-parallel reduction
- 2. conditional-embedder grads      SUM over pp          (has_cond_embedder, pp > 1)
- 3. Flextron router grads           SUM over pp          (flextron, pp > 1)
- 4. non-tensor-parallel grads       SUM / AVG over tp    (tp > 1)
- 5. replicated grads                AVG (SUM per-token) over gtp_remat / expt_gtp_remat (> 1)
- 6. shared word-embedding grad      SUM over embd        (first and last stage)
- 7. position-embedding grad         SUM over pos_embd    (member ranks, group > 1)
- 8. router expert bias              SUM of tokens over tp_dp_cp (moe_router_enable_expert_bias)
- 9. router qb_beta                  AVG over dp_cp (dp_cp_gtp_remat under gtp_remat)
-                                                         (quantile_balancing)
-10. reset_model_temporary_tensors                        (no communication)
-11. with calculate_per_token_loss: num_tokens broadcast from the last pp rank, SUM over
-    dp_cp (dp_cp_gtp_remat when gtp_remat is active: those peers see different tokens), in
-    float64, then every chunk's ``scale_gradients(1 / max(num_tokens, 1))``
-12. every chunk that has it: ``mark_grads_finalized()``
+     1. ``finish_grad_sync(force_all_reduce)`` on every chunk       data-parallel reduction
+     2. conditional-embedder grads      SUM over pp          (has_cond_embedder, pp > 1)
+     3. Flextron router grads           SUM over pp          (flextron, pp > 1)
+     4. non-tensor-parallel grads       SUM / AVG over tp    (tp > 1)
+     5. replicated grads                AVG (SUM per-token) over gtp_remat / expt_gtp_remat (> 1)
+     6. shared word-embedding grad      SUM over embd        (first and last stage)
+     7. position-embedding grad         SUM over pos_embd    (member ranks, group > 1)
+     8. router expert bias              SUM of tokens over tp_dp_cp (moe_router_enable_expert_bias)
+     9. router qb_beta                  AVG over dp_cp (dp_cp_gtp_remat under gtp_remat)
+                                                             (quantile_balancing)
+    10. reset_model_temporary_tensors                        (no communication)
+    11. with calculate_per_token_loss: num_tokens broadcast from the last pp rank, SUM over
+        dp_cp (dp_cp_gtp_remat when gtp_remat is active: those peers see different tokens), in
+        float64, then every chunk's ``scale_gradients(1 / max(num_tokens, 1))``
+    12. every chunk that has it: ``mark_grads_finalized()``
 
 ``num_tokens`` is given exactly when ``config.calculate_per_token_loss`` (as Megatron's
 schedules pass it); its type, shape, dtype and device are checked on each rank. Its value

@@ -2,7 +2,7 @@
 
 Expert bias (aux-loss-free balancing, arXiv:2408.15664), for every training-mode module
 with ``expert_bias`` and ``local_tokens_per_expert`` (E experts each) whose bias is not
-frozen (``frozen_expert_bias`` absent or False, as in Megatron-Core):
+frozen (``frozen_expert_bias`` absent or False, as in Megatron-Core)::
 
     t      ← Σ_{tp·dp·cp} local_tokens_per_expert      (one all-reduce of a stacked copy)
     bias   ← bias + rate · sign(mean_e(t) − t)          rate = moe_router_bias_update_rate
@@ -11,7 +11,7 @@ An expert that got fewer tokens than the average gets a higher bias, so more tok
 batch.
 
 Quantile balancing, for every training-mode module with ``qb_beta_accum`` (sum of per
-micro-batch quantile estimates), ``qb_beta_count`` (how many) and ``qb_beta``:
+micro-batch quantile estimates), ``qb_beta_count`` (how many) and ``qb_beta``::
 
     q      ← AVG_{dp·cp} (qb_beta_accum / max(qb_beta_count, 1))   (one all-reduce, stacked;
              finalize_model_grads passes dp_cp_gtp_remat under gtp_remat: its peers see

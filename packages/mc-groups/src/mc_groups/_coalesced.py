@@ -42,7 +42,7 @@ _Kind = tuple[str, ReduceOp | None]
 class CoalescedBatch:
     """Collectives issued together on one group.
 
-    Use through :func:`coalesced`. After the ``with`` block, :attr:`handle` waits for the
+    Use through :func:`coalesced`. After the ``with`` block, ``handle`` waits for the
     whole batch. A batch holds one kind of collective with one reduce op: NCCL coalesces
     only like with like, and (on torch 2.13 gloo) a coalesced reduce-scatter batch
     silently applies the first op's reduction to all of them. Mixing is a ``ValueError``

@@ -3,6 +3,7 @@
 :mod:`mc_groups.schedule_check`) that calls ``torch.distributed`` collectives.
 
 Why one layer:
+
 - every collective is recorded (:func:`mc_groups.record_collectives`) so tests can count
   what ran, on which group, with how many bytes;
 - inputs are validated (shapes, dtypes, devices) before anything is issued, so a bad call

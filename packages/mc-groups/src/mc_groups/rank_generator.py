@@ -33,7 +33,7 @@ AXES: tuple[str, ...] = ("tp", "gtp_remat", "cp", "ep", "dp", "pp")
 """Axis names an ``order`` string may contain."""
 
 MAX_WORLD_SIZE = 2**20
-"""The most ranks a layout may have (about ten times the largest clusters): a generator
+"""The most ranks a layout may have, about ten times the largest clusters. A generator
 enumerates every rank, so an absurd size (``tp = 2**40``) is refused before anything is
 allocated instead of filling memory."""
 

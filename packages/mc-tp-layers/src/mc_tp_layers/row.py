@@ -10,7 +10,7 @@ r"""``RowParallelLinear``: ``Y = X·A + b`` with A split along its input dimensi
 torch stores Aᵀ: the weight is ``[n, k/W]`` per rank; the bias ``[n]`` is replicated and
 added after the reduction.
 
-Collectives (W > 1):
+Collectives (W > 1)::
 
     sequence_parallel off: forward  one all-reduce of Y          backward —
     sequence_parallel on:  forward  one reduce-scatter of Y      backward one all-gather
