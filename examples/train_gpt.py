@@ -390,7 +390,6 @@ def _start(
             out.write(f"ignored {name}: incomplete, never loaded{gone}\n")
     if verdict.path is None:
         return []
-    assert isinstance(trainer, Trainer)  # plan() refuses checkpoints under --pp
     state = ckpt.load_run(trainer, verdict)
     if dist.get_rank() == 0:
         out.write(f"resumed from {verdict.path} at step {state.step}\n")
@@ -409,7 +408,6 @@ def _save(
         world_size=dist.get_world_size(),
     )
     hook = _sigkill_hook("save", state.step)
-    assert isinstance(trainer, Trainer)  # plan() refuses checkpoints under --pp
     return str(ckpt.save_run(trainer, save_dir, state, after_write=hook))
 
 

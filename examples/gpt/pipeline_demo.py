@@ -62,13 +62,6 @@ def check_pipeline_flags(args: argparse.Namespace, model: GPTConfig, layout: Par
     if vpp is not None and vpp < 2:
         raise ValueError(f"--vpp={vpp} must be >= 2 (virtual chunks per stage), or left out")
     chosen = schedule or ("interleaved" if vpp is not None else "1f1b")
-    for save_flag in ("save_dir", "resume"):
-        if getattr(args, save_flag, None) is not None:
-            raise ValueError(
-                f"--{save_flag.replace('_', '-')} with --pp {pp}: the demo's checkpoints "
-                "are not written by pipeline stages yet; run the pipeline without "
-                "checkpoints, or with --pp 1"
-            )
     try:
         check_schedule(chosen, layout, model)
     except ValueError as err:
