@@ -2910,7 +2910,7 @@ def _rng_slots() -> None:
         "misuse",
         lambda c, v: tracker().set_states(v),
         ("states",),
-        values=(None, "x", {"a": "x"}, {"a": z()}, {3: torch.get_rng_state()}),
+        values=(None, "x", {"a": z()}, {3: torch.get_rng_state()}),
         only=True,
         good={},
     )

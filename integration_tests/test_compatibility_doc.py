@@ -11,6 +11,7 @@ hand-made signatures. Exact comparisons.
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,14 @@ def test_a_name_marked_absent_that_exists_is_refused(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(gen, "NOTES", {**gen.NOTES, "finalize_model_grads": ("absent", "x")})
     with pytest.raises(ValueError, match="marked absent but mc_finalize has it"):
         gen.module_rows("core.distributed.finalize_model_grads")
+
+
+def test_readme_states_the_recorded_upstream_run() -> None:
+    """The README's conformance claim is the recorded run's number and date (issue 20)."""
+    run = json.loads(gen.RUN.read_text(encoding="utf-8"))
+    kinds = [t["kind"] for t in run["tests"].values()]
+    passed, failed = kinds.count("pass"), kinds.count("fail")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    claim = f"{passed}/{passed + failed}"
+    assert claim in readme, f"README.md must state the measured {claim} (docs/upstream_run.json)"
+    assert run["date"] in readme, f"README.md must give the run's date {run['date']}"

@@ -22,7 +22,7 @@ import mc_groups as mg
 from examples import train_gpt
 from examples.gpt import GPT, GPTConfig, ParallelLayout, init_full_weights, load_full_weights
 from integration_tests._common import CFG, full_weights
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 
 
 @pytest.mark.parametrize(
@@ -113,7 +113,7 @@ def _expect_error(call: Any, kind: type[Exception], needle: str) -> str:
     with mg.record_collectives() as log, pytest.raises(kind, match=re.escape(needle)) as err:
         call()
     assert not log, log  # raised before any collective
-    return type(err.value).__name__
+    return error_kind(err.value)
 
 
 def bad_inputs() -> list[str]:

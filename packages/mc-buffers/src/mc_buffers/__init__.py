@@ -13,6 +13,8 @@ Memory and layout only; nothing here communicates (``mc_ddp`` does, over these b
   ``buckets``, ``reset``, ``scale_gradients``, ``offload_to_cpu`` / ``reload_from_cpu``),
   :class:`ParamAndGradBucket` (with per-shard views), :func:`shard_buffer`,
   :func:`build_param_and_grad_buffers` (one buffer per key).
+- :func:`as_full_param_layout`, :func:`as_per_buffer_param_layout`: a layout Megatron-Core
+  computed (any object with the same fields) adopted as mc's.
 - :class:`OffloadedView`: what ``param.main_grad`` is while its buffer is offloaded
   (every operation on it raises, naming the param and ``reload_from_cpu`` /
   ``restore_grad_buffers``).
@@ -22,6 +24,13 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from mc_buffers.adopt import (
+    BufferKeyLike,
+    FullParamLayoutLike,
+    PerBufferParamLayoutLike,
+    as_full_param_layout,
+    as_per_buffer_param_layout,
+)
 from mc_buffers.bucket import ParamAndGradBucket, ShardParamSlice, shard_buffer
 from mc_buffers.buffer import ParamAndGradBuffer
 from mc_buffers.build import build_param_and_grad_buffers
@@ -50,12 +59,17 @@ except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/g
 __all__ = [
     "PARAM_START_ALIGNMENT",
     "BufferKey",
+    "BufferKeyLike",
     "FullParamLayout",
+    "FullParamLayoutLike",
     "OffloadedView",
     "ParamAndGradBucket",
     "ParamAndGradBuffer",
     "PerBufferParamLayout",
+    "PerBufferParamLayoutLike",
     "ShardParamSlice",
+    "as_full_param_layout",
+    "as_per_buffer_param_layout",
     "bucket_end_divisor",
     "build_param_and_grad_buffers",
     "compute_default_per_buffer_param_layout",

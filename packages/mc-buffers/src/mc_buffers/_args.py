@@ -25,7 +25,9 @@ from mc_groups.argcheck import (
     check_optional_int,
     check_patterns,
     check_real,
+    type_name,
 )
+from mc_groups.errors import InputTypeError, InputValueError
 
 Scale = float | torch.Tensor
 
@@ -52,12 +54,12 @@ def check_scale(value: object, name: str) -> Scale:
     kept on device: its value is not read, so a NaN there is not caught: no device sync)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(
+            raise InputValueError(
                 f"{name} must be a scalar; got a tensor of shape {tuple(value.shape)} (pass "
                 "a float or a one-element tensor)"
             )
         if not value.is_floating_point():
-            raise TypeError(f"{name} is a {value.dtype} tensor; it must be floating-point")
+            raise InputTypeError(f"{name} is a {value.dtype} tensor; it must be floating-point")
         return value
     return check_real(name, value)
 
@@ -66,7 +68,7 @@ def check_scaling_factor(value: object, name: str) -> float:
     """A buffer's or bucket's ``gradient_scaling_factor``: a finite float > 0 (0 would
     zero every gradient; NaN/inf would poison them)."""
     if isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a float when building a buffer, got a tensor")
+        raise InputTypeError(f"{name} must be a float when building a buffer, got a tensor")
     return check_real(name, value, positive=True, allow_zero=False)
 
 
@@ -74,12 +76,14 @@ def _names(param_to_name: object) -> dict[Param, str]:
     if param_to_name is None:
         return {}
     if not isinstance(param_to_name, Mapping):
-        raise TypeError(
-            f"param_to_name must map params to names (dict), got {type(param_to_name).__name__}"
+        raise InputTypeError(
+            f"param_to_name must map params to names (dict), got {type_name(param_to_name)}"
         )
     for name in param_to_name.values():
         if not isinstance(name, str):
-            raise TypeError(f"param_to_name maps a param to {name!r}; every name must be a str")
+            raise InputTypeError(
+                f"param_to_name maps a param to {name!r}; every name must be a str"
+            )
     return dict(param_to_name)
 
 
@@ -92,7 +96,7 @@ def _indices(value: object, count: int) -> list[int] | None:
     if value is None:
         return None
     if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != count:
-        raise ValueError(
+        raise InputValueError(
             f"param_indices must be a sequence with one index per param ({count}), got "
             f"{value!r}; take them from group_params_for_buffers"
         )
@@ -106,7 +110,7 @@ def _check_names_for_patterns(
         return
     for i, p in enumerate(params):
         if p not in names:
-            raise ValueError(
+            raise InputValueError(
                 f"param_name_patterns_for_fp32_local_accumulation={patterns!r} matches by "
                 f"name, but param_to_name has no name for params[{i}] {describe(p)}; pass "
                 "param_to_name={p: n for n, p in module.named_parameters()}"
@@ -116,7 +120,7 @@ def _check_names_for_patterns(
 def _checked_params(params: Iterable[Param], names: dict[Param, str]) -> list[Param]:
     plist = as_param_list(params)
     if not plist:
-        raise ValueError("params is empty: a ParamAndGradBuffer needs at least one param")
+        raise InputValueError("params is empty: a ParamAndGradBuffer needs at least one param")
     for check in (
         check_unique,
         check_requires_grad,

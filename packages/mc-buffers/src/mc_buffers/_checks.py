@@ -7,6 +7,9 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from mc_groups.argcheck import type_name
+from mc_groups.errors import InputTypeError, InputValueError
+
 Param = torch.nn.Parameter
 
 # A param re-pointed into a ParamAndGradBuffer's param_data records where it was put, so a
@@ -26,14 +29,14 @@ def describe(param: Param, names: Mapping[Param, str] | None = None) -> str:
 def as_param_list(params: object, name: str = "params") -> list[Param]:
     """``params`` as a list in the given order; rejects unordered and non-tensor input."""
     if isinstance(params, (set, frozenset, Mapping)) or not isinstance(params, Iterable):
-        raise TypeError(
+        raise InputTypeError(
             f"{name} must be an ordered sequence of parameters (list, tuple, or "
-            f"module.parameters()), got {type(params).__name__}: the layout follows its order"
+            f"module.parameters()), got {type_name(params)}: the layout follows its order"
         )
     out = list(params)
     for i, p in enumerate(out):
         if not isinstance(p, torch.Tensor):
-            raise TypeError(f"{name}[{i}] has type {type(p).__name__}, not a torch parameter")
+            raise InputTypeError(f"{name}[{i}] has type {type_name(p)}, not a torch parameter")
     return out
 
 
@@ -42,7 +45,7 @@ def check_unique(params: list[Param], names: Mapping[Param, str] | None = None) 
     seen: dict[int, int] = {}
     for i, p in enumerate(params):
         if id(p) in seen:
-            raise ValueError(
+            raise InputValueError(
                 f"params[{i}] {describe(p, names)} repeats params[{seen[id(p)]}]: each param "
                 "must appear once; deduplicate the list (e.g. tied weights are one param)"
             )
@@ -53,7 +56,7 @@ def check_non_empty_numel(params: list[Param], names: Mapping[Param, str] | None
     """No 0-element params: they would open empty buckets a collective cannot shard."""
     for i, p in enumerate(params):
         if p.numel() == 0:
-            raise ValueError(
+            raise InputValueError(
                 f"params[{i}] {describe(p, names)} has no elements; leave it out of the "
                 "buffer (or set requires_grad=False on it)"
             )
@@ -63,7 +66,7 @@ def check_requires_grad(params: list[Param], names: Mapping[Param, str] | None =
     """Only trainable params get a gradient slot."""
     for i, p in enumerate(params):
         if not p.requires_grad:
-            raise ValueError(
+            raise InputValueError(
                 f"params[{i}] {describe(p, names)} does not require grad; pass only params "
                 "with requires_grad=True (frozen params need no grad buffer)"
             )
@@ -74,7 +77,7 @@ def check_same_device(params: list[Param], names: Mapping[Param, str] | None = N
     first = params[0].device
     for i, p in enumerate(params):
         if p.device != first:
-            raise ValueError(
+            raise InputValueError(
                 f"params[{i}] {describe(p, names)} is on {p.device} but params[0] is on "
                 f"{first}: move the model to one device before building its buffers"
             )
@@ -86,7 +89,7 @@ def check_same_dtype(
     """A buffer holds one param dtype (group params with group_params_for_buffers first)."""
     for i, p in enumerate(params):
         if p.dtype != dtype:
-            raise TypeError(
+            raise InputTypeError(
                 f"params[{i}] {describe(p, names)} is not param_dtype={dtype}; group params "
                 "by dtype with group_params_for_buffers and build one buffer per key"
             )
@@ -128,7 +131,7 @@ def check_not_views(params: list[Param], names: Mapping[Param, str] | None = Non
     for i, p in enumerate(params):
         if is_view(p):
             own = p.numel() * p.element_size()
-            raise ValueError(
+            raise InputValueError(
                 f"params[{i}] {describe(p, names)} is a view of another tensor (storage offset "
                 f"{p.storage_offset()}, storage {p.untyped_storage().nbytes()} bytes for its "
                 f"{own}, contiguous={p.is_contiguous()}); the buffer must own each param's "

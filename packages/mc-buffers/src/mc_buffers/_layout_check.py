@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from mc_buffers._checks import Param, describe
+from mc_buffers.adopt import as_per_buffer_param_layout
 from mc_buffers.layout import PerBufferParamLayout
+from mc_groups.errors import InputValueError
 
 _FIX = "recompute it with mc_buffers.compute_full_param_layout over these params"
 
@@ -18,8 +20,7 @@ def check_layout(
 ) -> PerBufferParamLayout:
     """``layout`` if it places exactly ``params`` without overlap inside contiguous buckets
     (each divisible by ``shard_count`` when given); else a ValueError naming the culprit."""
-    if not isinstance(layout, PerBufferParamLayout):
-        raise TypeError(f"param_layout must be a PerBufferParamLayout, got {type(layout).__name__}")
+    layout = as_per_buffer_param_layout(layout)
     _check_membership(layout, params, names)
     _check_buckets(layout, shard_count)
     _check_param_ranges(layout, params, names)
@@ -31,10 +32,10 @@ def _check_membership(
 ) -> None:
     for p in params:
         if p not in layout.param_index_map:
-            raise ValueError(f"param_layout misses {describe(p, names)}; {_FIX}")
+            raise InputValueError(f"param_layout misses {describe(p, names)}; {_FIX}")
     if len(layout.param_index_map) != len(params):
         extra = next(p for p in layout.param_index_map if not any(p is q for q in params))
-        raise ValueError(
+        raise InputValueError(
             f"param_layout places {describe(extra)}, which is not among this buffer's params; "
             f"{_FIX}"
         )
@@ -43,26 +44,26 @@ def _check_membership(
 def _check_buckets(layout: PerBufferParamLayout, shard_count: int | None) -> None:
     buckets = layout.bucket_indices
     if not buckets:
-        raise ValueError(f"param_layout has no buckets; {_FIX}")
+        raise InputValueError(f"param_layout has no buckets; {_FIX}")
     if len(layout.per_bucket_numel_unpadded) != len(buckets):
-        raise ValueError(
+        raise InputValueError(
             f"param_layout has {len(buckets)} buckets but "
             f"{len(layout.per_bucket_numel_unpadded)} per_bucket_numel_unpadded entries; {_FIX}"
         )
     previous_end = 0
     for i, (start, end) in enumerate(buckets):
         if start != previous_end or end < start:
-            raise ValueError(
+            raise InputValueError(
                 f"param_layout bucket {i} spans [{start}, {end}) but must start at "
                 f"{previous_end} (buckets are contiguous from 0); {_FIX}"
             )
         if not 0 <= layout.per_bucket_numel_unpadded[i] <= end - start:
-            raise ValueError(
+            raise InputValueError(
                 f"param_layout bucket {i}: numel_unpadded "
                 f"{layout.per_bucket_numel_unpadded[i]} is outside [0, {end - start}]; {_FIX}"
             )
         if shard_count is not None and (start % shard_count or end % shard_count):
-            raise ValueError(
+            raise InputValueError(
                 f"param_layout bucket {i} spans [{start}, {end}), not divisible by the "
                 f"data-parallel size {shard_count}; use "
                 "compute_distributed_optimizer_param_layout at that size"
@@ -80,23 +81,23 @@ def _check_param_ranges(
     for (start, end, bucket_id), i in placed:
         p = params[i]
         if end - start != p.numel():
-            raise ValueError(
+            raise InputValueError(
                 f"param_layout gives {describe(p, names)} [{start}, {end}) = {end - start} "
                 f"elements but it has {p.numel()}; {_FIX}"
             )
         if not 0 <= bucket_id < len(buckets):
-            raise ValueError(
+            raise InputValueError(
                 f"param_layout puts {describe(p, names)} in bucket {bucket_id}, but there are "
                 f"{len(buckets)} buckets; {_FIX}"
             )
         b_start, b_end = buckets[bucket_id]
         if start < b_start or end > b_end:
-            raise ValueError(
+            raise InputValueError(
                 f"param_layout puts {describe(p, names)} at [{start}, {end}), outside its "
                 f"bucket {bucket_id} [{b_start}, {b_end}); {_FIX}"
             )
         if start < previous_end:
-            raise ValueError(
+            raise InputValueError(
                 f"param_layout puts {describe(p, names)} at [{start}, {end}), overlapping the "
                 f"param before it (which ends at {previous_end}); {_FIX}"
             )
@@ -104,4 +105,4 @@ def _check_param_ranges(
         used.add(bucket_id)
     empty = sorted(set(range(len(buckets))) - used)
     if empty:
-        raise ValueError(f"param_layout bucket {empty[0]} holds no param; {_FIX}")
+        raise InputValueError(f"param_layout bucket {empty[0]} holds no param; {_FIX}")

@@ -11,7 +11,8 @@ import torch
 from mc_buffers._args import check_scaling_factor
 from mc_buffers._checks import Param
 from mc_buffers.offloaded import OffloadedView
-from mc_groups.argcheck import check_int, check_tensor
+from mc_groups.argcheck import check_int, check_tensor, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["ParamAndGradBucket", "ShardParamSlice", "shard_buffer"]
 
@@ -20,9 +21,9 @@ def _check_shard(shard_index: object, num_shards: object, numel: int, what: str)
     n = check_int("num_shards", num_shards)
     shard_index = check_int("shard_index", shard_index, minimum=0)
     if shard_index >= n:
-        raise ValueError(f"shard_index={shard_index} must be in [0, num_shards={n})")
+        raise InputValueError(f"shard_index={shard_index} must be in [0, num_shards={n})")
     if numel % n:
-        raise ValueError(
+        raise InputValueError(
             f"{what} of {numel} elements does not split into num_shards={n} equal shards; "
             "build it with the distributed-optimizer layout at this data-parallel size"
         )
@@ -38,7 +39,7 @@ def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> list[to
     check_tensor("buffer", buffer)
     dp = check_int("data_parallel_world_size", data_parallel_world_size)
     if buffer.dim() != 1 or buffer.numel() % dp:
-        raise ValueError(
+        raise InputValueError(
             f"buffer of shape {tuple(buffer.shape)} must be 1-D with a numel divisible by "
             f"data_parallel_world_size={dp}"
         )
@@ -62,26 +63,28 @@ class ShardParamSlice(NamedTuple):
 
 def _bucket_params(params: object, bucket_id: int) -> list[Param]:
     if isinstance(params, (str, set, frozenset)) or not isinstance(params, Sequence):
-        raise TypeError(
+        raise InputTypeError(
             f"bucket {bucket_id}: params must be a sequence of parameters in buffer order, got "
-            f"{type(params).__name__}"
+            f"{type_name(params)}"
         )
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
-            raise TypeError(f"bucket {bucket_id}: params[{i}] is a {type(p).__name__}, not a param")
+            raise InputTypeError(
+                f"bucket {bucket_id}: params[{i}] is a {type_name(p)}, not a param"
+            )
     return list(params)
 
 
 def _check_views(grad_data: object, param_data: object, bucket_id: int) -> None:
     grad = check_tensor("grad_data", grad_data)
     if grad.dim() != 1:
-        raise ValueError(
+        raise InputValueError(
             f"bucket {bucket_id}: grad_data must be 1-D, got shape {tuple(grad.shape)}"
         )
     if param_data is not None:
         data = check_tensor("param_data", param_data)
         if data.shape != grad.shape:
-            raise ValueError(
+            raise InputValueError(
                 f"bucket {bucket_id}: param_data of shape {tuple(data.shape)} must match "
                 f"grad_data's {tuple(grad.shape)}"
             )
@@ -91,17 +94,19 @@ def _check_index_map(
     params: list[Param], index_map: object, offset: int, numel: int, bucket_id: int
 ) -> None:
     if not isinstance(index_map, Mapping):
-        raise TypeError(
+        raise InputTypeError(
             f"bucket {bucket_id}: param_index_map must map each param to (start, end, "
-            f"bucket_id), got {type(index_map).__name__}"
+            f"bucket_id), got {type_name(index_map)}"
         )
     for i, p in enumerate(params):
         entry = index_map.get(p)
         if entry is None:
-            raise ValueError(f"bucket {bucket_id}: param_index_map has no entry for params[{i}]")
+            raise InputValueError(
+                f"bucket {bucket_id}: param_index_map has no entry for params[{i}]"
+            )
         start, end = entry[0] - offset, entry[1] - offset
         if not 0 <= start <= end <= numel or end - start != p.numel():
-            raise ValueError(
+            raise InputValueError(
                 f"bucket {bucket_id}: params[{i}] (numel {p.numel()}) is mapped to [{entry[0]}, "
                 f"{entry[1]}), not inside the bucket [{offset}, {offset + numel})"
             )
@@ -126,6 +131,8 @@ class ParamAndGradBucket:
         params_with_extra_main_grads: params whose ``main_grad`` is a separate fp32 tensor;
             DDP copies ``main_grad`` into ``main_grad_copy_in_grad_buffer`` before the
             collective and back after it.
+        layerwise_gather_list: Megatron's slot for its layer-wise optimizer's param gather
+            (None; mc never fills it, a DDP's ``free_overlap_buffers`` clears it).
     """
 
     def __init__(
@@ -144,14 +151,14 @@ class ParamAndGradBucket:
         self.params_list: list[Param] = _bucket_params(params, bucket_id)
         self.params: set[Param] = set(self.params_list)
         if len(self.params) != len(self.params_list):
-            raise ValueError(f"bucket {bucket_id} lists a param twice")
+            raise InputValueError(f"bucket {bucket_id} lists a param twice")
         _check_views(grad_data, param_data, bucket_id)
         self._param_data = param_data
         self._grad_data = grad_data
         self.offset = check_int("offset", offset, minimum=0)
         self.numel_unpadded = check_int("numel_unpadded", numel_unpadded, minimum=0)
         if self.numel_unpadded > grad_data.numel():
-            raise ValueError(
+            raise InputValueError(
                 f"numel_unpadded={numel_unpadded} exceeds the bucket's {grad_data.numel()} "
                 "elements (grad_data)"
             )
@@ -165,6 +172,7 @@ class ParamAndGradBucket:
             for p in self.params_list
         }
         self.params_with_extra_main_grads: list[Param] = list(params_with_extra_main_grads)
+        self.layerwise_gather_list: list[torch.Tensor] | None = None
 
     @property
     def grad_data(self) -> torch.Tensor:
@@ -213,7 +221,7 @@ class ParamAndGradBucket:
     def param_shard(self, shard_index: int, num_shards: int) -> torch.Tensor:
         """View of ``param_data`` for shard ``shard_index`` (an all-gather's input)."""
         if self.param_data is None:
-            raise ValueError(
+            raise InputValueError(
                 f"bucket {self.bucket_id} has no param_data: only a buffer built with "
                 "use_distributed_optimizer=True holds params"
             )

@@ -13,6 +13,7 @@ import torch
 from mc_buffers._args import BufferArgs, Scale, check_buffer_args, check_scale
 from mc_buffers._checks import BUFFER_VIEW_ATTR, Param, buffer_slot, describe
 from mc_buffers._layout_check import check_layout
+from mc_buffers.adopt import PerBufferParamLayoutLike
 from mc_buffers.bucket import ParamAndGradBucket
 from mc_buffers.layout import (
     PerBufferParamLayout,
@@ -83,7 +84,7 @@ class ParamAndGradBuffer:
         use_distributed_optimizer: bool = False,
         data_parallel_size: int = 1,
         pad_buckets_for_high_nccl_busbw: bool = False,
-        param_layout: PerBufferParamLayout | None = None,
+        param_layout: PerBufferParamLayout | PerBufferParamLayoutLike | None = None,
         param_to_name: Mapping[Param, str] | None = None,
         param_name_patterns_for_fp32_local_accumulation: Sequence[str] = (),
         param_indices: Sequence[int] | None = None,
@@ -110,6 +111,9 @@ class ParamAndGradBuffer:
         self.data_parallel_world_size = args.data_parallel_size
         self.gradient_scaling_factor = args.gradient_scaling_factor
         self.param_layout = layout
+        # The group a DDP reduces (and shards) this buffer over, set by the DDP that owns it;
+        # the buffer itself never communicates. Megatron's DistributedOptimizer reads it.
+        self.data_parallel_group: object | None = None
         self.param_index_map = layout.param_index_map
         self.bucket_indices = layout.bucket_indices
         self.param_indices = _param_indices(args, layout)
@@ -328,6 +332,12 @@ class ParamAndGradBuffer:
         self._param_data.copy_(self.param_data_cpu, non_blocking=on_cuda)
         self._param_nbytes = 0
 
+    @property
+    def num_optimizer_shards(self) -> int | None:
+        """Shards every bucket splits into (the layout's; None without the distributed
+        optimizer): must equal the size of :attr:`data_parallel_group`."""
+        return self.param_layout.num_optimizer_shards
+
     def __repr__(self) -> str:
         return (
             f"ParamAndGradBuffer(params={len(self.params)}, param_dtype={self.param_dtype}, "
@@ -337,7 +347,7 @@ class ParamAndGradBuffer:
         )
 
 
-def _resolve_layout(args: BufferArgs, given: PerBufferParamLayout | None) -> PerBufferParamLayout:
+def _resolve_layout(args: BufferArgs, given: object) -> PerBufferParamLayout:
     if given is not None:
         shards = args.data_parallel_size if args.use_distributed_optimizer else None
         return check_layout(given, args.params, args.names, shards)

@@ -7,10 +7,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from mc_buffers._args import check_scaling_factor
 from mc_buffers._checks import Param, as_param_list
+from mc_buffers.adopt import as_full_param_layout
 from mc_buffers.buffer import ParamAndGradBuffer
 from mc_buffers.keys import BufferKey, group_params_for_buffers
 from mc_buffers.layout import FullParamLayout, compute_full_param_layout
 from mc_groups.argcheck import check_flag, check_int
+from mc_groups.errors import InputValueError
 
 __all__ = ["build_param_and_grad_buffers"]
 
@@ -20,17 +22,14 @@ def _layouts_for(
 ) -> FullParamLayout:
     if full_param_layout is None:
         return default
-    if not isinstance(full_param_layout, FullParamLayout):
-        raise TypeError(
-            f"full_param_layout must be a FullParamLayout, got {type(full_param_layout).__name__}"
-        )
+    adopted = as_full_param_layout(full_param_layout)
     for key in groups:
-        if key not in full_param_layout.layouts:
-            raise ValueError(
+        if key not in adopted.layouts:
+            raise InputValueError(
                 f"full_param_layout has no layout for {key}; recompute it with "
                 "compute_full_param_layout over the same params and grad_reduce_in_fp32"
             )
-    return full_param_layout
+    return adopted
 
 
 def build_param_and_grad_buffers(
@@ -105,7 +104,7 @@ def _expert_size(expert_dp: int | None, dp: int, use_dist_opt: bool) -> int:
     if expert_dp is not None:
         return check_int("expert_data_parallel_size", expert_dp)
     if use_dist_opt:
-        raise ValueError(
+        raise InputValueError(
             "expert_data_parallel_size=None but expert-parallel params (allreduce=False) "
             "need a distributed-optimizer buffer; pass the expert data-parallel group size"
         )

@@ -27,6 +27,7 @@ from mc_buffers._checks import (
 from mc_buffers.keys import BufferKey, group_params_for_buffers
 from mc_buffers.padding import pad_bucket_end, pad_param_start
 from mc_groups.argcheck import check_flag, check_int, check_optional_int
+from mc_groups.errors import InputValueError
 from mc_groups.param_attrs import SHARED_EMBEDDING, bool_attr
 
 __all__ = [
@@ -144,7 +145,7 @@ def _walk(params: list[Param], bucket_size: int | None, padding: _Padding) -> Pe
 def _checked_params(params: Iterable[Param]) -> list[Param]:
     plist = as_param_list(params)
     if not plist:
-        raise ValueError("params is empty: a buffer layout needs at least one param")
+        raise InputValueError("params is empty: a buffer layout needs at least one param")
     check_unique(plist)
     check_non_empty_numel(plist)
     return plist
@@ -198,7 +199,7 @@ def compute_distributed_optimizer_param_layout(
 
 def _expert_dp(members: list[Param], expert_dp: int | None) -> int:
     if expert_dp is None:
-        raise ValueError(
+        raise InputValueError(
             f"expert_data_parallel_size=None but {len(members)} expert-parallel param(s) "
             "(allreduce=False) need a distributed-optimizer layout; pass the size of the "
             "expert data-parallel group (pg_collection.expt_dp)"

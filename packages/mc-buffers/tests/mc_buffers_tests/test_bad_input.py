@@ -420,14 +420,14 @@ CASES: dict[str, Case] = {
             full_param_layout={},  # type: ignore[arg-type]
         ),
         TypeError,
-        "full_param_layout must be a FullParamLayout",
+        "full_param_layout must be a mc_buffers.FullParamLayout or an object with a `layouts`",
         doc_call="`build_param_and_grad_buffers(..., full_param_layout=)`",
         doc_input="a dict",
     ),
     "layout type": Case(
         lambda: ParamAndGradBuffer([param(3)], param_layout=FullParamLayout()),  # type: ignore[arg-type]
         TypeError,
-        "param_layout must be a PerBufferParamLayout",
+        "param_layout must be a mc_buffers.PerBufferParamLayout or an object with the fields",
         doc_call="`ParamAndGradBuffer(..., param_layout=)`",
         doc_input="a `FullParamLayout`",
     ),

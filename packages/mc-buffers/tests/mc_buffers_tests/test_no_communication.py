@@ -1,6 +1,7 @@
 """mc-buffers must not communicate: no module imports torch.distributed or mc_groups'
-collective layer (only ``mc_groups.device``, the argument checks ``mc_groups.argcheck`` and
-the parameter-attribute contract ``mc_groups.param_attrs`` are allowed), and a full buffer
+collective layer (only ``mc_groups.device``, the argument checks ``mc_groups.argcheck``,
+the parameter-attribute contract ``mc_groups.param_attrs`` and the error types
+``mc_groups.errors`` are allowed), and a full buffer
 lifecycle records no collective. Static and exact: no tolerance involved."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from mc_buffers import build_param_and_grad_buffers
 from mc_buffers_tests._params import linears
 from mc_groups import record_collectives
 
-_ALLOWED = {"mc_groups.device", "mc_groups.argcheck", "mc_groups.param_attrs"}
+_ALLOWED = {"mc_groups.device", "mc_groups.argcheck", "mc_groups.param_attrs", "mc_groups.errors"}
 
 
 def _imported_modules(path: Path) -> set[str]:

@@ -44,6 +44,7 @@ import mc_groups as mg
 from mc_buffers import FullParamLayout, PerBufferParamLayout
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_groups import param_attrs
+from mc_groups.errors import InputValueError
 from mc_groups.schedule_check import PlannedCollective, verify_schedule
 
 __all__ = ["DataParallelAgreementError"]
@@ -55,7 +56,7 @@ _KIND = "ddp agreement"
 _MAX_LINES = 12
 
 
-class DataParallelAgreementError(ValueError):
+class DataParallelAgreementError(InputValueError):
     """The ranks of a data-parallel group built their ``DistributedDataParallel``
     differently; raised by every rank of the group, before anything is allocated."""
 

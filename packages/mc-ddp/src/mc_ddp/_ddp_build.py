@@ -14,6 +14,7 @@ from mc_buffers import (
     BufferKey,
     FullParamLayout,
     ParamAndGradBuffer,
+    as_full_param_layout,
     build_param_and_grad_buffers,
     compute_full_param_layout,
 )
@@ -21,6 +22,7 @@ from mc_ddp._groups import DDPGroups
 from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.protocols import TransformerConfigLike
+from mc_groups.errors import InputValueError
 
 Param = torch.nn.Parameter
 
@@ -74,12 +76,7 @@ def plan_layout(
         ddp_config, total, dp_cp, groups.pipeline_rank, disable_bucketing
     )
     if full_param_layout is not None:
-        if not isinstance(full_param_layout, FullParamLayout):
-            raise TypeError(
-                "full_param_layout must be a FullParamLayout, got "
-                f"{type(full_param_layout).__name__}"
-            )
-        return LayoutPlan(bucket_size, full_param_layout)
+        return LayoutPlan(bucket_size, as_full_param_layout(full_param_layout))
     expert_dp = None if groups.intra_expt_dp is None else mg.group_size(groups.intra_expt_dp)
     layout = compute_full_param_layout(
         params,
@@ -119,7 +116,7 @@ def gradient_scaling(
     """
     dp_cp = mg.group_size(groups.dp_cp)
     if groups.gtp_remat_active and ddp_config.average_in_collective:
-        raise ValueError(
+        raise InputValueError(
             "ddp_config.average_in_collective=True with an active gtp_remat group "
             "(pg_collection.gtp_remat or expt_gtp_remat spans > 1 rank): gtp_remat needs "
             "SUM collectives after a 1/dp_cp pre-scale (Megatron-Core refuses this too); "
@@ -127,7 +124,7 @@ def gradient_scaling(
         )
     if config.calculate_per_token_loss:
         if ddp_config.average_in_collective:
-            raise ValueError(
+            raise InputValueError(
                 "config.calculate_per_token_loss=True with ddp_config.average_in_collective="
                 "True: per-token losses must be summed, not averaged; set "
                 "average_in_collective=False"
@@ -173,6 +170,10 @@ def build_buffers(
         gradient_scaling_factor=scaling.dense,
         expert_gradient_scaling_factor=scaling.expert,
     )
+    for key, buffer in built.items():  # the group each buffer is reduced over (Megatron's field)
+        buffer.data_parallel_group = (
+            groups.intra_expt_dp if key.is_expert_parallel else groups.intra_dp_cp
+        )
     return Buffers(
         [b for k, b in built.items() if not k.is_expert_parallel],
         [b for k, b in built.items() if k.is_expert_parallel],

@@ -7,6 +7,8 @@ import torch
 
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_groups import param_attrs
+from mc_groups.argcheck import type_name
+from mc_groups.errors import InputTypeError, InputValueError
 
 Param = torch.nn.Parameter
 
@@ -15,8 +17,8 @@ def check_config(config: object) -> None:
     """``config`` must carry a bool ``calculate_per_token_loss`` (the Protocol)."""
     value = getattr(config, "calculate_per_token_loss", None)
     if not isinstance(value, bool):
-        raise TypeError(
-            f"config={type(config).__name__} must have a bool attribute "
+        raise InputTypeError(
+            f"config={type_name(config)} must have a bool attribute "
             f"calculate_per_token_loss (got {value!r}); pass a TransformerConfig or a "
             "mc_groups.ModelParallelConfig"
         )
@@ -26,8 +28,8 @@ def check_ddp_config(ddp_config: object) -> DistributedDataParallelConfig:
     """A :class:`DistributedDataParallelConfig`, re-validated (fields may have been set
     after construction)."""
     if not isinstance(ddp_config, DistributedDataParallelConfig):
-        raise TypeError(
-            f"ddp_config={type(ddp_config).__name__} must be a mc_ddp.DistributedDataParallelConfig"
+        raise InputTypeError(
+            f"ddp_config={type_name(ddp_config)} must be a mc_ddp.DistributedDataParallelConfig"
         )
     ddp_config.validate()  # also refuses the Megatron fields mc does not implement
     return ddp_config
@@ -36,17 +38,17 @@ def check_ddp_config(ddp_config: object) -> DistributedDataParallelConfig:
 def trainable_params(module: object) -> list[tuple[str, Param]]:
     """``(name, param)`` of the params that require grad, in registration order."""
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module")
+        raise InputTypeError(f"module={type_name(module)} must be a torch.nn.Module")
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
-        raise ValueError(
-            f"module={type(module).__name__} has no parameter with requires_grad=True: DDP "
+        raise InputValueError(
+            f"module={type_name(module)} has no parameter with requires_grad=True: DDP "
             "has no gradient to reduce; unfreeze some params or do not wrap the module"
         )
     first_name, first = named[0]
     for name, param in named[1:]:
         if param.device != first.device:
-            raise ValueError(
+            raise InputValueError(
                 f"module params are on mixed devices: '{name}' is on {param.device} but "
                 f"'{first_name}' is on {first.device}; move the module to one device "
                 "(module.to(device)) before wrapping it"
@@ -77,7 +79,7 @@ def find_wgrad_hook_owner(module: torch.nn.Module, param: Param, name: str) -> t
             continue
         if any(p is param for p in sub.parameters(recurse=False)):
             return sub
-    raise ValueError(
+    raise InputValueError(
         f"param '{name}' has skip_backward_post_hook=True and delay_wgrad_compute=True, but "
         "no module owning it has register_wgrad_accumulation_and_reduce_hooks(); use a layer "
         "that computes its wgrad in backward_dw(), or clear skip_backward_post_hook"

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_ddp.config import DistributedDataParallelConfig
+from mc_groups.errors import InputValueError
 
 _WHAT = "DistributedDataParallel"
 
@@ -101,7 +102,7 @@ def _check_instance_sizes(
     instances: int,
 ) -> None:
     if inter.size() != instances:
-        raise ValueError(
+        raise InputValueError(
             f"num_distributed_optimizer_instances={instances} but pg_collection has "
             f"inter_dist_opt of {inter.size()} ranks: build the collection with "
             f"initialize_model_parallel(num_distributed_optimizer_instances={instances})"
@@ -121,7 +122,7 @@ def _check_split(
     ``inter``: |intra| · |inter| = |whole|."""
     if intra.size() * inter.size() != whole.size():
         intra_name = "intra_dp_cp" if whole_name == "dp_cp" else "intra_expt_dp"
-        raise ValueError(
+        raise InputValueError(
             f"num_distributed_optimizer_instances={instances} but pg_collection has "
             f"{intra_name} of {intra.size()} ranks and inter_{inter_suffix} of {inter.size()} "
             f"ranks for {whole_name} of {whole.size()}: build the collection with "

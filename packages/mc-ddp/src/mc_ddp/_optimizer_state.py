@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from mc_ddp.checkpoint_pieces import CheckpointPieces, pieces_of_flat_slice
+from mc_groups.argcheck import type_name
+from mc_groups.errors import InputTypeError, InputValueError
 
 if TYPE_CHECKING:  # DCP and DTensor are imported where used: over a second to import
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -76,7 +78,7 @@ def placements(
     for slot in slots:
         place = by_memory.get((slot.param.data_ptr(), slot.param.numel()))
         if place is None:
-            raise ValueError(
+            raise InputValueError(
                 f"model_sharded_state_dict has no entry for param "
                 f"'{names.get(slot.param, '<unnamed>')}' (shape {tuple(slot.param.shape)}): "
                 "pass the state dict of the model chunks this optimizer steps, built from "
@@ -216,7 +218,7 @@ def check_loaded_values(
         for name in [n for n in group if n != "params"]:
             key = group_key(prefix, index, name)
             if key not in state_dict:
-                raise ValueError(
+                raise InputValueError(
                     f"state_dict has no {key!r}: pass the dict the last sharded_state_dict() "
                     "call returned, after torch.distributed.checkpoint.load filled it"
                 )
@@ -230,9 +232,9 @@ def check_loaded_values(
 
 def _check_kind(key: str, old: object, new: object) -> None:
     if not _same_kind(old, new):
-        raise TypeError(
-            f"state_dict[{key!r}] is {new!r} ({type(new).__name__}) where the optimizer holds "
-            f"a {type(old).__name__}: the checkpoint does not fit this optimizer"
+        raise InputTypeError(
+            f"state_dict[{key!r}] is {new!r} ({type_name(new)}) where the optimizer holds "
+            f"a {type_name(old)}: the checkpoint does not fit this optimizer"
         )
 
 

@@ -33,7 +33,8 @@ from mc_ddp import _bucket_collectives as comm
 from mc_ddp._groups import require_live
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_buckets, check_finite_grads
-from mc_groups.argcheck import check_flag, check_group, check_optional_group, check_str
+from mc_groups.argcheck import check_flag, check_group, check_optional_group, check_str, type_name
+from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 
 __all__ = ["ParamAndGradBucketGroup", "partition_buckets"]
 
@@ -76,8 +77,8 @@ class ParamAndGradBucketGroup:
     ) -> None:
         _check_arguments(buckets, ddp_config, collective_group, inter_instance_group, name)
         if param_to_name is not None and not isinstance(param_to_name, Mapping):
-            raise TypeError(
-                f"param_to_name must map params to names, got {type(param_to_name).__name__}"
+            raise InputTypeError(
+                f"param_to_name must map params to names, got {type_name(param_to_name)}"
             )
         self.buckets = list(buckets)
         self.ddp_config = ddp_config
@@ -113,7 +114,7 @@ class ParamAndGradBucketGroup:
         """Raise what :meth:`reset` would refuse (a reduction in flight; under overlap, a
         param without a gradient in the first iteration), changing nothing."""
         if self.grad_reduce_handle is not None:
-            raise RuntimeError(
+            raise InputStateError(
                 f"{self.name}: a gradient reduction is still in flight; call "
                 "finish_grad_sync() before zero_grad_buffer()"
             )
@@ -147,7 +148,7 @@ class ParamAndGradBucketGroup:
     def _check_every_param_seen(self) -> None:
         missing = [p for p in self.params if p not in self.per_param_grad_ready_counts]
         if missing and self.ddp_config.overlap_grad_reduce:
-            raise RuntimeError(
+            raise InputStateError(
                 f"{self.name}: {self._name_list(missing)} got no gradient in the first "
                 "iteration; with overlap_grad_reduce=True every trainable param must get one "
                 "each iteration (set requires_grad=False on unused params; after a failed "
@@ -161,25 +162,39 @@ class ParamAndGradBucketGroup:
 
     def register_grad_ready(self, param: Param, force_all_reduce: bool = False) -> None:
         """Count one ready gradient of ``param`` (last microbatch only); once every count
-        equals the golden count (second iteration on, overlap on) start the reduction."""
+        equals the golden count (second iteration on) start the reduction.
+
+        Only with ``overlap_grad_reduce`` (as Megatron asserts): without it nothing is
+        dispatched from the hooks and ``finish_grad_sync`` reduces synchronously."""
         if param not in self.params:
-            raise ValueError(
+            raise InputValueError(
                 f"{self.name}: register_grad_ready() got a param (shape "
                 f"{tuple(getattr(param, 'shape', ()))}) that is not in this bucket group"
             )
         check_flag("force_all_reduce", force_all_reduce)
+        if not self.ddp_config.overlap_grad_reduce:
+            raise InputStateError(
+                f"{self.name}: register_grad_ready() should only be called when "
+                "overlap_grad_reduce is True (without it finish_grad_sync() reduces the "
+                "bucket group synchronously)"
+            )
         if not self.is_last_microbatch:
             return
-        if self.grad_reduce_finished:
-            raise RuntimeError(
-                f"{self.name}: a gradient of {self._name_list([param])} arrived after "
-                "finish_grad_sync() in the same iteration; call zero_grad_buffer() before the "
-                "next forward/backward"
-            )
+        self._refuse_late_grad(param)
         counts = self.per_param_grad_ready_counts
         counts[param] = counts.get(param, 0) + 1
         if self._dispatches_from_hooks() and counts == self.golden_per_param_grad_ready_counts:
             self.start_grad_sync(force_all_reduce=force_all_reduce)
+
+    def _refuse_late_grad(self, param: Param) -> None:
+        """A gradient after ``finish_grad_sync`` in the same iteration would be added to
+        grads already reduced (and, with the distributed optimizer, already sharded)."""
+        if self.grad_reduce_finished:
+            raise InputStateError(
+                f"{self.name}: a gradient of {self._name_list([param])} arrived after "
+                "finish_grad_sync() in the same iteration; call zero_grad_buffer() before the "
+                "next forward/backward"
+            )
 
     def _dispatches_from_hooks(self) -> bool:
         return self.ddp_config.overlap_grad_reduce and not self.is_first_batch
@@ -220,7 +235,7 @@ class ParamAndGradBucketGroup:
         if self.grad_reduce_handle is not None:
             if self.is_first_batch:
                 return
-            raise RuntimeError(
+            raise InputStateError(
                 f"{self.name}: start_grad_sync() called while its reduction is in flight; "
                 "call finish_grad_sync() first"
             )
@@ -255,7 +270,7 @@ class ParamAndGradBucketGroup:
         self.param_gather_dispatched = False
         if self.grad_reduce_handle is None:
             if self._dispatches_from_hooks():
-                raise RuntimeError(self._not_dispatched_message())
+                raise InputStateError(self._not_dispatched_message())
             self.start_grad_sync(force_all_reduce=force_all_reduce)
         self._complete_grad_sync(force_all_reduce)
 
@@ -299,7 +314,7 @@ class ParamAndGradBucketGroup:
         self._require_live(what)
         offloaded = [b.bucket_id for b in self.buckets if b.is_grad_data_offloaded]
         if offloaded:  # a write into the freed storage would corrupt memory
-            raise RuntimeError(
+            raise InputStateError(
                 f"{self.name}: {what}: the grad buffer of bucket(s) {offloaded} is offloaded "
                 "(its storage is freed); call ddp.restore_grad_buffers() (or the buffer's "
                 "reload_from_cpu()) first"
@@ -322,9 +337,45 @@ class ParamAndGradBucketGroup:
 
     # -- params (distributed optimizer) -----------------------------------------------
 
+    def _replicated_param_sync(self) -> bool:
+        """``overlap_param_gather`` without the distributed optimizer (Megatron accepts it
+        for its layer-wise optimizer): every rank updates and holds every param, so nothing
+        is gathered and the sync is complete as dispatched (True). A layer-wise optimizer
+        that shards the params over ranks (it sets ``layerwise_param_flat_sizes`` on the
+        buckets) would need the gather mc does not have: refused rather than skipped."""
+        if self.ddp_config.use_distributed_optimizer or not self.ddp_config.overlap_param_gather:
+            return False
+        sharded = [
+            b.bucket_id for b in self.buckets if any(getattr(b, "layerwise_param_flat_sizes", ()))
+        ]
+        if sharded:
+            raise NotImplementedError(
+                f"{self.name}: bucket(s) {sharded} carry layerwise_param_flat_sizes (Megatron's "
+                "LayerWiseDistributedOptimizer shards the params); mc gathers params only for "
+                "use_distributed_optimizer=True"
+            )
+        self.param_gather_dispatched = True
+        return True
+
+    @property
+    def intra_distributed_optimizer_instance_group(self) -> dist.ProcessGroup:
+        """The group this bucket group reduces (and, with the distributed optimizer,
+        shards) over: dp × cp within one optimizer instance (Megatron's name)."""
+        return self.shard.group
+
+    @property
+    def intra_distributed_optimizer_instance_size(self) -> int:
+        """Ranks of :attr:`intra_distributed_optimizer_instance_group`."""
+        return mg.group_size(self.shard.group)
+
+    @property
+    def intra_distributed_optimizer_instance_rank(self) -> int:
+        """This rank's position in :attr:`intra_distributed_optimizer_instance_group`."""
+        return mg.group_rank(self.shard.group)
+
     def _require_param_buffers(self, what: str) -> None:
         if not self.ddp_config.use_distributed_optimizer:
-            raise RuntimeError(
+            raise InputStateError(
                 f"{self.name}: {what} needs use_distributed_optimizer=True (params live in "
                 "the buffer only then)"
             )
@@ -334,15 +385,17 @@ class ParamAndGradBucketGroup:
         overlap_param_gather unless ``force_sync``; ``force_sync`` with a gather in flight
         only waits for it)."""
         check_flag("force_sync", force_sync)
+        if self._replicated_param_sync():
+            return
         self._require_param_buffers("start_param_sync()")
         if self.grad_reduce_handle is not None:
-            raise RuntimeError(
+            raise InputStateError(
                 f"{self.name}: start_param_sync() while its gradient reduction is in flight; "
                 "call finish_grad_sync() first"
             )
         if self.param_gather_handle is not None:
             if not force_sync:
-                raise RuntimeError(
+                raise InputStateError(
                     f"{self.name}: start_param_sync() while its all-gather is in flight; call "
                     "finish_param_sync() (or start_param_sync(force_sync=True)) first"
                 )
@@ -352,7 +405,7 @@ class ParamAndGradBucketGroup:
         self._require_live("start_param_sync()")
         offloaded = [b.bucket_id for b in self.buckets if b.is_param_data_offloaded]
         if offloaded:
-            raise RuntimeError(
+            raise InputStateError(
                 f"{self.name}: start_param_sync(): the params of bucket(s) {offloaded} are "
                 "offloaded (offload_to_cpu(move_params=True)); call the buffer's "
                 "reload_from_cpu(move_params=True) first"
@@ -374,7 +427,7 @@ class ParamAndGradBucketGroup:
         the next group's (model-start-first chain) unless ``skip_next_bucket_dispatch``."""
         check_flag("skip_next_bucket_dispatch", skip_next_bucket_dispatch)
         if not self.ddp_config.overlap_param_gather:
-            raise RuntimeError(
+            raise InputStateError(
                 f"{self.name}: finish_param_sync() needs overlap_param_gather=True; without "
                 "it start_param_sync() is synchronous and complete on return"
             )
@@ -407,6 +460,8 @@ class ParamAndGradBucketGroup:
         :attr:`communicator` keeps (unless a gradient reduction using them is in flight);
         the next collective that needs them allocates again."""
         self._wait_param_gather()
+        for bucket in self.buckets:
+            bucket.layerwise_gather_list = None
         if self.grad_reduce_handle is None:
             self.communicator.free()
 
@@ -433,8 +488,8 @@ def _check_arguments(
 ) -> None:
     check_buckets(buckets)
     if not isinstance(ddp_config, DistributedDataParallelConfig):
-        raise TypeError(
-            f"ddp_config={type(ddp_config).__name__} must be a mc_ddp.DistributedDataParallelConfig"
+        raise InputTypeError(
+            f"ddp_config={type_name(ddp_config)} must be a mc_ddp.DistributedDataParallelConfig"
         )
     check_group("collective_group", group)
     check_optional_group("inter_instance_group", inter_group)
@@ -443,12 +498,12 @@ def _check_arguments(
 
 def _check_buffers(buffers: object) -> None:
     if isinstance(buffers, str) or not isinstance(buffers, Sequence):
-        raise TypeError(
-            f"buffers must be a sequence of ParamAndGradBuffer, got {type(buffers).__name__}"
+        raise InputTypeError(
+            f"buffers must be a sequence of ParamAndGradBuffer, got {type_name(buffers)}"
         )
     for i, buf in enumerate(buffers):
         if not isinstance(buf, ParamAndGradBuffer):
-            raise TypeError(f"buffers[{i}] is a {type(buf).__name__}, not a ParamAndGradBuffer")
+            raise InputTypeError(f"buffers[{i}] is a {type_name(buf)}, not a ParamAndGradBuffer")
 
 
 def partition_buckets(

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from mc_groups.errors import InputTypeError, InputValueError
+
 if TYPE_CHECKING:  # DCP is imported where it is used: importing it costs over a second
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem
@@ -54,10 +56,10 @@ class Box(NamedTuple):
 def _check_range(shape: Sequence[int], start: int, end: int) -> tuple[int, ...]:
     dims = tuple(int(d) for d in shape)
     if not dims or any(d < 1 for d in dims):
-        raise ValueError(f"shape={dims} must have at least one dim, each >= 1")
+        raise InputValueError(f"shape={dims} must have at least one dim, each >= 1")
     numel = math.prod(dims)
     if not 0 <= start <= end <= numel:
-        raise ValueError(
+        raise InputValueError(
             f"flat range [start={start}, end={end}) must satisfy 0 <= start <= end <= "
             f"numel={numel} of shape {dims}"
         )
@@ -121,7 +123,7 @@ class CheckpointPieces(torch.Tensor):
         """``pieces[i]`` sits at ``offsets[i]`` of a tensor of ``global_shape``; every
         piece shares one dtype and device (``pieces`` may be empty: nothing held here)."""
         if len(pieces) != len(offsets):
-            raise ValueError(f"{len(pieces)} pieces but {len(offsets)} offsets")
+            raise InputValueError(f"{len(pieces)} pieces but {len(offsets)} offsets")
         dtype = pieces[0].dtype if pieces else torch.float32
         device = pieces[0].device if pieces else torch.device("cpu")
         made = torch.Tensor._make_wrapper_subclass(
@@ -141,7 +143,7 @@ class CheckpointPieces(torch.Tensor):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        raise TypeError(
+        raise InputTypeError(
             f"{func} on a CheckpointPieces: it only carries this rank's pieces to "
             "torch.distributed.checkpoint; read the optimizer state from the optimizer"
         )
@@ -193,7 +195,7 @@ class CheckpointPieces(torch.Tensor):
         for offsets, piece in self.pieces:
             if offsets == index.offset:
                 return piece
-        raise ValueError(f"{index.fqn}: this rank holds no piece at offsets {index.offset}")
+        raise InputValueError(f"{index.fqn}: this rank holds no piece at offsets {index.offset}")
 
 
 def pieces_of_flat_slice(

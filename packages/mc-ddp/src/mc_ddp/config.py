@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mc_groups.argcheck import check_flag, check_int, check_optional_int, check_patterns
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["DistributedDataParallelConfig"]
 
@@ -79,8 +80,10 @@ class DistributedDataParallelConfig:
         overlap_grad_reduce: dispatch each bucket group's reduction asynchronously from the
             backward hooks as soon as its grads are ready (else one synchronous reduction of
             one bucket in ``finish_grad_sync``).
-        overlap_param_gather: distributed optimizer only: all-gather params asynchronously,
-            bucket group by bucket group, from forward pre-hooks.
+        overlap_param_gather: with the distributed optimizer, all-gather params
+            asynchronously, bucket group by bucket group, from forward pre-hooks. Without it
+            (Megatron accepts that for its layer-wise optimizer) every rank holds every param:
+            ``start_param_sync`` gathers nothing and only marks the sync dispatched.
         align_param_gather: the caller dispatches every param all-gather itself (e.g. all
             pipeline stages at once through ``start_param_sync``); pre-hooks only wait.
         use_distributed_optimizer: reduce-scatter gradients into this rank's shard and keep
@@ -190,11 +193,6 @@ class DistributedDataParallelConfig:
             "give one of them",
         )
         _need(
-            not self.overlap_param_gather or dist_opt,
-            "overlap_param_gather=True needs use_distributed_optimizer=True (only the "
-            "distributed optimizer all-gathers params)",
-        )
-        _need(
             not self.align_param_gather or self.overlap_param_gather,
             "align_param_gather=True needs overlap_param_gather=True (it aligns the "
             "overlapped param all-gathers)",
@@ -245,10 +243,10 @@ def _check_like_default(name: str, value: object, default: object) -> None:
     elif isinstance(default, int):
         check_int(name, value)
     elif isinstance(default, str) and not isinstance(value, str):
-        raise TypeError(f"{name}={value!r} must be a str (Megatron's default {default!r})")
+        raise InputTypeError(f"{name}={value!r} must be a str (Megatron's default {default!r})")
     elif isinstance(default, torch.dtype) or (default is None and "dtype" in name):
         if value is not None and not isinstance(value, torch.dtype):
-            raise TypeError(f"{name}={value!r} must be a torch.dtype or None")
+            raise InputTypeError(f"{name}={value!r} must be a torch.dtype or None")
     elif default is None:
         check_optional_int(name, value)
 
@@ -257,4 +255,4 @@ def _need(condition: bool, message: str) -> None:
     """``ValueError(message)`` unless ``condition`` (each message names the fields, the
     values and the fix)."""
     if not condition:
-        raise ValueError(message)
+        raise InputValueError(message)

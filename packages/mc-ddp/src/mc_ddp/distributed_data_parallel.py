@@ -37,6 +37,7 @@ from typing_extensions import TypeVar
 import mc_groups as mg
 from mc_buffers import (
     FullParamLayout,
+    FullParamLayoutLike,
     OffloadedView,
     ParamAndGradBuffer,
     is_expert_parallel_param,
@@ -56,7 +57,8 @@ from mc_ddp.param_ready import (
 from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_flag
+from mc_groups.argcheck import check_flag, type_name
+from mc_groups.errors import InputStateError, InputTypeError
 from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr, main_grad_of
 
 __all__ = ["DistributedDataParallel", "_BucketParamReadyCallback", "logger"]
@@ -145,7 +147,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             ``expt_dp`` (with expert params), ``intra_dp_cp`` / ``inter_dist_opt`` (with
             several optimizer instances; ``intra_expt_dp`` / ``inter_expt_dp`` too when
             there are expert params); None: the registered default collection.
-        full_param_layout: precomputed layouts per buffer key (mc_buffers).
+        full_param_layout: precomputed layouts per buffer key: mc_buffers' FullParamLayout or
+            Megatron-Core's (any object with the same fields; see mc_buffers.as_full_param_layout).
 
     Bucket size: ``ddp_config.bucket_size``, ``num_buckets`` → total // num_buckets, or
     ``max(40M, 1M · |dp_cp|)``; one bucket without overlap_grad_reduce, on pipeline stages
@@ -162,7 +165,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         module: torch.nn.Module,
         disable_bucketing: bool = False,
         pg_collection: mg.ProcessGroupCollection | None = None,
-        full_param_layout: FullParamLayout | None = None,
+        full_param_layout: FullParamLayout | FullParamLayoutLike | None = None,
     ) -> None:
         checks.check_config(config)
         checks.check_ddp_config(ddp_config)
@@ -303,7 +306,10 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             if not added or bool_attr(param, ZERO_OUT_WGRAD, False, name):
                 main_grad.add_(grad)
         param.grad = None
-        group.register_grad_ready(param, self.force_all_reduce)
+        if self.ddp_config.overlap_grad_reduce:
+            group.register_grad_ready(param, self.force_all_reduce)
+        elif group.is_last_microbatch:
+            group._refuse_late_grad(param)  # the check register_grad_ready makes
 
     def _no_grad_memory_message(self, param: Param) -> str:
         name = self.param_to_name.get(param, "<unnamed>")
@@ -394,9 +400,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
     ) -> Any:
         """Load into the wrapped module (values are copied into the buffer-backed params)."""
         if not isinstance(state_dict, Mapping):
-            raise TypeError(
+            raise InputTypeError(
                 f"state_dict must be a mapping of names to tensors (module.state_dict()), got "
-                f"{type(state_dict).__name__}"
+                f"{type_name(state_dict)}"
             )
         check_flag("strict", strict)
         check_flag("assign", assign)
@@ -633,10 +639,12 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         skipped when the optimizer step already dispatched (unless ``force_dispatch``)."""
         check_flag("force_sync", force_sync)
         check_flag("force_dispatch", force_dispatch)
-        if not self.ddp_config.use_distributed_optimizer:
-            raise RuntimeError(
-                "start_param_sync() needs use_distributed_optimizer=True: without it every "
-                "rank already holds all params"
+        cfg = self.ddp_config
+        if not (cfg.use_distributed_optimizer or cfg.overlap_param_gather):
+            raise InputStateError(
+                "start_param_sync() needs use_distributed_optimizer=True (or "
+                "overlap_param_gather=True, as Megatron asserts): without them every rank "
+                "already holds all params"
             )
         if not force_sync and self.overlap_param_gather_with_optimizer_step and not force_dispatch:
             return

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups.errors import InputValueError
 
 __all__ = ["reduce_scatter_with_fp32_accumulation"]
 
@@ -28,7 +29,7 @@ __all__ = ["reduce_scatter_with_fp32_accumulation"]
 def reduce_scatter_with_fp32_accumulation(
     output: torch.Tensor,
     input: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     *,
     op: mg.ReduceOp = mg.ReduceOp.SUM,
     async_op: bool = False,
@@ -46,9 +47,17 @@ def reduce_scatter_with_fp32_accumulation(
     ``received`` (Megatron's ``all_to_all_output_tensor``): the all-to-all's receive buffer,
     ``input``'s numel and dtype; allocated per call when not given. ``label`` and
     ``detail`` go to the all-to-all (records, errors and mc_groups' schedule check).
+    ``group=None`` is torch's default (world) group, as in Megatron and torch.distributed.
     """
+    if group is None:
+        if not dist.is_initialized() or dist.group.WORLD is None:
+            raise InputValueError(
+                "group=None means torch's default group, but torch.distributed is not "
+                "initialised: call torch.distributed.init_process_group() or pass a group"
+            )
+        group = dist.group.WORLD
     if isinstance(op, mg.ReduceOp) and op not in (mg.ReduceOp.SUM, mg.ReduceOp.AVG):
-        raise ValueError(f"op={op} is not supported: use ReduceOp.SUM or ReduceOp.AVG")
+        raise InputValueError(f"op={op} is not supported: use ReduceOp.SUM or ReduceOp.AVG")
     return mg.reduce_scatter(
         output,
         input,

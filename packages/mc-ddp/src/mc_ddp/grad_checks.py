@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_buffers import ParamAndGradBucket
-from mc_groups.argcheck import check_group, check_int, check_str
+from mc_groups.argcheck import check_group, check_int, check_str, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["LargeGradMonitor", "NonFiniteGradError", "check_finite_grads"]
 
@@ -136,22 +137,22 @@ def check_buckets(buckets: object) -> list[ParamAndGradBucket]:
     """A non-empty sequence of :class:`~mc_buffers.ParamAndGradBucket` (a bucket group's, or
     the checks'), as a list."""
     if isinstance(buckets, str) or not isinstance(buckets, Sequence) or not buckets:
-        raise TypeError(
+        raise InputTypeError(
             f"buckets must be a non-empty sequence of ParamAndGradBucket, got {buckets!r}"
         )
     for i, bucket in enumerate(buckets):
         if not isinstance(bucket, ParamAndGradBucket):
-            raise TypeError(f"buckets[{i}] is a {type(bucket).__name__}, not a ParamAndGradBucket")
+            raise InputTypeError(f"buckets[{i}] is a {type_name(bucket)}, not a ParamAndGradBucket")
     return list(buckets)
 
 
 def _check_arguments(buckets: object, names: object, where: object, groups: object) -> None:
     checked = check_buckets(buckets)
     if not isinstance(names, Mapping):
-        raise TypeError(f"names must map params to names, got {type(names).__name__}")
+        raise InputTypeError(f"names must map params to names, got {type_name(names)}")
     check_str("where", where)
     if isinstance(groups, (str, dist.ProcessGroup)) or not isinstance(groups, Sequence):
-        raise TypeError(f"groups={groups!r} must be a sequence of process groups")
+        raise InputTypeError(f"groups={groups!r} must be a sequence of process groups")
     for i, group in enumerate(groups):
         check_group(f"groups[{i}]", group)
     offloaded = [b.bucket_id for b in checked if b.is_grad_data_offloaded]
@@ -187,11 +188,11 @@ class LargeGradMonitor:
         """Compare each bucket's norm with its history, warn, then record it."""
         given: object = buckets  # a caller may pass anything
         if isinstance(given, str) or not isinstance(given, Sequence):
-            raise TypeError(f"buckets={given!r} must be a sequence of ParamAndGradBucket")
+            raise InputTypeError(f"buckets={given!r} must be a sequence of ParamAndGradBucket")
         if len(given) != len(self._largest) or not all(
             isinstance(b, ParamAndGradBucket) for b in given
         ):
-            raise ValueError(
+            raise InputValueError(
                 f"LargeGradMonitor.check: buckets must be the {len(self._largest)} "
                 f"ParamAndGradBucket(s) it was built for, got {buckets!r}"
             )

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from mc_groups.argcheck import type_name
 from mc_groups.device import is_graph_capturing
+from mc_groups.errors import InputTypeError
 
 if TYPE_CHECKING:
     from mc_ddp.bucket_group import ParamAndGradBucketGroup
@@ -42,14 +44,14 @@ def ensure_params_ready(params: Iterable[torch.Tensor]) -> None:
     """Make ``params`` readable: call each distinct callback found on them once, in the
     order of first appearance (params of one bucket group share one callback)."""
     if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
-        raise TypeError(
+        raise InputTypeError(
             "params must be an iterable of tensors (e.g. module.parameters()), got "
-            f"{type(params).__name__}"
+            f"{type_name(params)}"
         )
     seen: set[int] = set()
     for param in params:
         if not isinstance(param, torch.Tensor):
-            raise TypeError(f"params holds a {type(param).__name__}; every item must be a tensor")
+            raise InputTypeError(f"params holds a {type_name(param)}; every item must be a tensor")
         callback: Callable[[], None] | None = getattr(param, PARAM_READY_CALLBACK_ATTR, None)
         if callback is None or id(callback) in seen:
             continue

@@ -38,7 +38,8 @@ from mc_ddp._optimizer_state import OwnedSlice
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_flag
+from mc_groups.argcheck import check_flag, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["OwnedSlice", "ShardedOptimizer"]
 
@@ -48,14 +49,14 @@ Param = torch.nn.Parameter
 def _as_chunks(model_chunks: object) -> list[DistributedDataParallel]:
     chunks = [model_chunks] if isinstance(model_chunks, DistributedDataParallel) else model_chunks
     if not isinstance(chunks, Sequence) or not chunks:
-        raise TypeError(
+        raise InputTypeError(
             "model_chunks must be a DistributedDataParallel or a non-empty list of them, "
-            f"got {type(model_chunks).__name__}"
+            f"got {type_name(model_chunks)}"
         )
     for i, chunk in enumerate(chunks):
         if not isinstance(chunk, DistributedDataParallel):
-            raise TypeError(
-                f"model_chunks[{i}] is a {type(chunk).__name__}; wrap each model chunk in "
+            raise InputTypeError(
+                f"model_chunks[{i}] is a {type_name(chunk)}; wrap each model chunk in "
                 "mc_ddp.DistributedDataParallel first"
             )
     return list(chunks)
@@ -63,14 +64,14 @@ def _as_chunks(model_chunks: object) -> list[DistributedDataParallel]:
 
 def _check_optimizer(optimizer: object) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer={type(optimizer).__name__} must be a torch.optim.Optimizer built over "
+        raise InputTypeError(
+            f"optimizer={type_name(optimizer)} must be a torch.optim.Optimizer built over "
             "the model's params, e.g. torch.optim.AdamW(ddp.parameters(), lr=1e-3)"
         )
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise TypeError("optimizer=LBFGS caches its params when built and cannot be sharded")
+        raise InputTypeError("optimizer=LBFGS caches its params when built and cannot be sharded")
     if optimizer.state:
-        raise ValueError(
+        raise InputValueError(
             "optimizer already holds state: build the ShardedOptimizer before the first step "
             "(its state lives on the fp32 shard masters)"
         )
@@ -91,7 +92,7 @@ def _owned_ranges(group: ParamAndGradBucketGroup) -> list[tuple[Param, int, int]
 def _check_step_dispatch(flag: object, chunks: list[DistributedDataParallel]) -> bool:
     check_flag("overlap_param_gather_with_optimizer_step", flag)
     if flag and not all(c.ddp_config.overlap_param_gather for c in chunks):
-        raise ValueError(
+        raise InputValueError(
             "overlap_param_gather_with_optimizer_step=True needs every model chunk built with "
             "ddp_config.overlap_param_gather=True (and use_distributed_optimizer=True)"
         )
@@ -105,7 +106,7 @@ def _check_saved_masters(masters: object, slots: Sequence[OwnedSlice]) -> list[t
         shapes = [tuple(m.shape) for m in masters]
     if shapes != expected:
         got = shapes if shapes is not None else type(masters).__name__
-        raise ValueError(
+        raise InputValueError(
             "state_dict['master_params'] does not match this rank's shard layout (same "
             "model, data-parallel size and bucket layout needed): expected tensors of shapes "
             f"{expected}, got {got}"
@@ -113,7 +114,7 @@ def _check_saved_masters(masters: object, slots: Sequence[OwnedSlice]) -> list[t
     assert isinstance(masters, list)  # checked above
     for i, master in enumerate(masters):
         if not master.is_floating_point():
-            raise TypeError(
+            raise InputTypeError(
                 f"state_dict['master_params'][{i}] is {master.dtype}, not floating-point"
             )
     return masters
@@ -159,7 +160,7 @@ class ShardedOptimizer:
             masters = []
             for param in group["params"]:
                 if param not in owned:
-                    raise ValueError(self._unknown_param_message(i, param))
+                    raise InputValueError(self._unknown_param_message(i, param))
                 for start, end in owned[param]:
                     masters.append(self._new_slot(param, start, end).master)
             group["params"] = masters
@@ -316,21 +317,21 @@ class ShardedOptimizer:
         checked before anything is loaded: a mapping with ``master_params`` (tensors shaped
         like this rank's masters) and ``optimizer`` (the wrapped optimizer's state dict)."""
         if not isinstance(state_dict, Mapping):
-            raise TypeError(
+            raise InputTypeError(
                 "state_dict must be the mapping ShardedOptimizer.state_dict() returned, got "
-                f"{type(state_dict).__name__}"
+                f"{type_name(state_dict)}"
             )
         missing = [k for k in ("master_params", "optimizer") if k not in state_dict]
         if missing:
-            raise ValueError(
+            raise InputValueError(
                 f"state_dict has no {missing}: pass what ShardedOptimizer.state_dict() returned"
             )
         masters = _check_saved_masters(state_dict["master_params"], self._slots)
         inner = state_dict["optimizer"]
         if not isinstance(inner, Mapping) or not {"state", "param_groups"} <= set(inner):
-            raise TypeError(
+            raise InputTypeError(
                 "state_dict['optimizer'] must be the wrapped optimizer's state dict (with "
-                f"'state' and 'param_groups'), got {type(inner).__name__}"
+                f"'state' and 'param_groups'), got {type_name(inner)}"
             )
         self._require_publishable("load_state_dict()")
         self.optimizer.load_state_dict(dict(inner))
@@ -374,14 +375,14 @@ class ShardedOptimizer:
         No communication.
         """
         if not isinstance(model_sharded_state_dict, Mapping):
-            raise TypeError(
+            raise InputTypeError(
                 "model_sharded_state_dict must be a mapping {key: DTensor or tensor} (the "
-                f"model's sharded_state_dict()), got {type(model_sharded_state_dict).__name__}"
+                f"model's sharded_state_dict()), got {type_name(model_sharded_state_dict)}"
             )
         if not isinstance(is_loading, bool):
-            raise TypeError(f"is_loading={is_loading!r} must be a bool")
+            raise InputTypeError(f"is_loading={is_loading!r} must be a bool")
         if not isinstance(prefix, str):
-            raise TypeError(f"prefix={prefix!r} must be a str, e.g. 'optimizer.'")
+            raise InputTypeError(f"prefix={prefix!r} must be a str, e.g. 'optimizer.'")
         names = self._names()
         places = sharded_state.placements(model_sharded_state_dict, self._slots, names)
         if is_loading:
@@ -399,9 +400,9 @@ class ShardedOptimizer:
         optimizer: every rank calls it).
         """
         if not isinstance(state_dict, Mapping):
-            raise TypeError(
+            raise InputTypeError(
                 f"state_dict must be the mapping sharded_state_dict() returned, got "
-                f"{type(state_dict).__name__}"
+                f"{type_name(state_dict)}"
             )
         keys = self._checkpoint_keys
         if keys is None:

@@ -40,7 +40,7 @@ from mc_ddp_tests._harness import (
     mlp,
     model_parallel,
 )
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 
 MP = mg.ModelParallelConfig()
 
@@ -51,7 +51,7 @@ def _attempt(call: Callable[[], object]) -> tuple[str, int]:
         try:
             call()
         except (TypeError, ValueError, RuntimeError, NotImplementedError) as err:
-            return f"{type(err).__name__}: {err}", len(log)
+            return f"{error_kind(err)}: {err}", len(log)
     return "no error", len(log)
 
 
@@ -137,7 +137,8 @@ def _construction_errors() -> dict[str, tuple[str, int]]:
 
 CONSTRUCTION = {
     "frozen": Expect(
-        "ValueError: module=Sequential has no parameter with requires_grad=True",
+        "ValueError: module=torch.nn.modules.container.Sequential has no parameter with "
+        "requires_grad=True",
         doc_call="`DistributedDataParallel(config, ddp_config, module)`",
         doc_input="every param frozen",
     ),
@@ -170,7 +171,8 @@ CONSTRUCTION = {
         doc_input="a process group",
     ),
     "config": Expect(
-        "TypeError: config=_NoConfig must have a bool attribute calculate_per_token_loss",
+        "TypeError: config=mc_ddp_tests.test_bad_input._NoConfig must have a bool attribute "
+        "calculate_per_token_loss",
         doc_call="`DistributedDataParallel(config, ...)`",
         doc_input="config without `calculate_per_token_loss`",
     ),
@@ -581,7 +583,7 @@ def _function_errors() -> dict[str, tuple[str, int]]:
             "fp32_rs_scratch": lambda: loose(
                 torch.zeros(2), torch.zeros(4), world, received=torch.zeros(3)
             ),
-            "fp32_rs_group": lambda: loose(torch.zeros(2), torch.zeros(4), None),
+            "fp32_rs_group": lambda: loose(torch.zeros(2), torch.zeros(4), "world"),
             "scale_type": lambda: ddp.scale_gradients("2"),  # type: ignore[arg-type]
             "offload_flag": lambda: ddp.offload_grad_buffers(synchronize=1),  # type: ignore[arg-type]
             "restore_flag": lambda: ddp.restore_grad_buffers(synchronize="no"),  # type: ignore[arg-type]
@@ -638,9 +640,9 @@ FUNCTIONS = {
         doc_input="3 elements for 4",
     ),
     "fp32_rs_group": Expect(
-        "TypeError: group=None must be a torch.distributed.ProcessGroup",
+        "TypeError: group='world' must be a torch.distributed.ProcessGroup",
         doc_call="`reduce_scatter_with_fp32_accumulation(..., group)`",
-        doc_input="`None`",
+        doc_input="`'world'` (None is torch's default group, as in Megatron)",
     ),
     "scale_type": Expect(
         "TypeError: scaling_factor='2'", doc_call="`ddp.scale_gradients(f)`", doc_input="`'2'`"

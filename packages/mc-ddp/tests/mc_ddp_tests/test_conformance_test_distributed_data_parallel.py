@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 from datetime import timedelta
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,41 @@ def _new_groups(world: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[
     return dp, dp_cp, singles
 
 
+class _OtherLibraryCollection:
+    """A collection of another class with Megatron-Core's behaviour: declared fields read
+    None until set, ``hcp`` is a list of groups. A user who keeps Megatron's
+    ``parallel_state`` passes such an object; mc adopts it by its attributes."""
+
+    _FIELDS = frozenset({"tp", "pp", "dp", "dp_cp", "ep", "hcp", "tp_ep_pp_with_egtp_remat"})
+
+    def __init__(self, **groups: Any) -> None:
+        self.__dict__.update(groups)
+
+    def __getattr__(self, name: str) -> None:
+        if name in self._FIELDS:
+            return
+        raise AttributeError(name)
+
+
+class _Key(NamedTuple):
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    is_expert_parallel: bool
+
+
+def _foreign_layout(ddp: DistributedDataParallel, model: nn.Module) -> Any:
+    """The layout ``ddp`` computed, moved onto ``model``'s params (a copy of the wrapped
+    model: same order) and re-expressed in objects of other classes, with the fields of
+    Megatron-Core's ``BufferKey`` / ``PerBufferParamLayout`` / ``FullParamLayout``."""
+    same = dict(zip(ddp.module.parameters(), model.parameters(), strict=True))
+    layouts = {}
+    for b in ddp.buffers:
+        fields = dict(vars(b.param_layout))
+        fields["param_index_map"] = {same[p]: v for p, v in fields["param_index_map"].items()}
+        layouts[_Key(b.param_dtype, b.grad_dtype, False)] = SimpleNamespace(**fields)
+    return SimpleNamespace(layouts=layouts)
+
+
 def _default_and_custom_groups() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     default = mg.initialize_model_parallel(set_default=True)
@@ -86,6 +122,23 @@ def _default_and_custom_groups() -> dict[str, Any]:
         with mg.record_collectives() as log2:
             ddp2.finish_grad_sync()
         reduced_equal = all(torch.equal(p.main_grad, q.main_grad) for p, q in pairs)  # type: ignore[attr-defined]
+        # the same wrap from another library's collection and layout objects
+        model3 = copy.deepcopy(model1)
+        foreign = _OtherLibraryCollection(
+            dp=dp, dp_cp=dp_cp, pp=singles[0][rank], tp=singles[1][rank], hcp=[dp]
+        )
+        ddp3 = DistributedDataParallel(
+            mg.ModelParallelConfig(),
+            cfg,
+            model3,
+            pg_collection=foreign,  # type: ignore[arg-type]
+            full_param_layout=_foreign_layout(ddp2, model3),
+        )
+        torch.autograd.backward(ddp3(x).sum())
+        with mg.record_collectives() as log3:
+            ddp3.finish_grad_sync()
+        pairs3 = zip(model2.parameters(), model3.parameters(), strict=True)
+        foreign_equal = all(torch.equal(p.main_grad, q.main_grad) for p, q in pairs3)  # type: ignore[attr-defined]
         # reference: the mean over ranks of each rank's grad of its own sum-loss
         grads = []
         for r in range(world):
@@ -101,6 +154,8 @@ def _default_and_custom_groups() -> dict[str, Any]:
             "outputs_equal": torch.equal(out1, out2),
             "local_equal": local_equal,
             "reduced_equal": reduced_equal,
+            "foreign_equal": foreign_equal,
+            "foreign_groups": [r.group_ranks for r in log3],
             "error": error,
             "groups": ([r.group_ranks for r in log1], [r.group_ranks for r in log2]),
         }
@@ -128,3 +183,7 @@ def test_ddp_with_dp_process_groups(rank_pools: RankPools) -> None:
         assert out["reduced_equal"]
         assert out["error"] <= 1e-6
         assert out["groups"] == ([(0, 1)], [(0, 1)])
+        # mc adopts another library's collection and layout by their attributes (issue 20):
+        # same reduced grads, same one all-reduce over the 2-rank dp_cp group
+        assert out["foreign_equal"]
+        assert out["foreign_groups"] == [(0, 1)]

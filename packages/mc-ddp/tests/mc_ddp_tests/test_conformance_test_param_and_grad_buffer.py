@@ -103,13 +103,15 @@ def grad_sync_trace(
         group = group_of[param]
         index = position.get(id(group), -1) + 1
         position[id(group)] = index
-        refused = False
+        refused = register_refused = False
         with mg.record_collectives() as log:
-            if overlap:
+            try:  # Megatron asserts overlap_grad_reduce here
                 group.register_grad_ready(param)
+            except AssertionError:
+                register_refused = True
             try:
                 group.finish_grad_sync()
-            except RuntimeError:
+            except AssertionError:  # mc's InputStateError, caught as upstream catches it
                 refused = True
         out.append(
             {
@@ -118,6 +120,7 @@ def grad_sync_trace(
                 "index": index,
                 "size": len(group.params),
                 "refused": refused,
+                "register_refused": register_refused,
                 "value": float(group.buckets[0].grad_data[0]),
                 "ops": [(r.op, r.group_ranks) for r in log],
                 "shard": (group.shard.rank, group.shard.size),
@@ -556,12 +559,15 @@ def test_grad_sync(four_ranks: list[dict[str, Any]], instances: int) -> None:
     pre-scaled 1/dp (the shard index counts inside the optimizer instance, the scaling uses the
     whole dp). Without overlap ``finish_grad_sync`` forces the collective through.
 
-    Readings: upstream expects ``register_grad_ready`` to raise without overlap and calls
-    ``finish_grad_sync`` once per param, each call re-issuing the collective (Megatron's
-    non-overlap path); mc's ``register_grad_ready`` only counts without overlap and its
-    ``finish_grad_sync`` is idempotent within an iteration, so the per-param loop is one
-    iteration per param here. With several instances upstream's early ``finish_grad_sync``
-    returns silently (CUDA-stream semantics); mc refuses it like the one-instance case.
+    Both refusals are ``AssertionError`` s, as upstream catches them: ``register_grad_ready``
+    without overlap, and an early ``finish_grad_sync`` with overlap. Readings: upstream calls
+    ``finish_grad_sync`` once per param without overlap, each call re-issuing the collective
+    (Megatron's non-overlap path); mc's ``finish_grad_sync`` is idempotent within an
+    iteration, so the per-param loop is one iteration per param here. With several instances
+    upstream's early ``finish_grad_sync`` returns silently and marks the sync finished though
+    nothing was reduced (CUDA-stream semantics); mc refuses it like the one-instance case
+    (docs/compatibility.md: a deliberate difference that keeps unreduced grads from reaching
+    the optimizer).
     """
     dp = 4
     for out in four_ranks:
@@ -574,6 +580,7 @@ def test_grad_sync(four_ranks: list[dict[str, Any]], instances: int) -> None:
                     assert len(trace) == 8
                     for step in trace:
                         assert step["owners"] == 1  # every param in exactly one group
+                        assert step["register_refused"] is not overlap
                         shard_rank, shard_size = step["shard"]
                         assert shard_size == (dp // instances if dist_opt else dp)
                         last = step["index"] == step["size"] - 1

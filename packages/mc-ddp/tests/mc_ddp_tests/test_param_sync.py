@@ -201,3 +201,57 @@ def test_gathers_dispatched_by_the_optimizer_step(rank_pools: RankPools) -> None
         assert out["step 1"] == dispatched
         assert out["last forward"] == []
         assert out["err"] <= 1e-6
+
+
+def _replicated_overlap_param_gather() -> dict[str, Any]:
+    """``overlap_param_gather`` without the distributed optimizer (Megatron's layer-wise
+    optimizer setting): two steps of plain SGD on the replicated params, then the syncs."""
+    with model_parallel() as pgc:
+        model = mlp()
+        ref = Reference(model, LR)
+        cfg = ddp_config(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=TINY)
+        ddp = DistributedDataParallel(mg.ModelParallelConfig(), cfg, model, pg_collection=pgc)
+        inner = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
+        rank = dist.get_rank()
+        gathers = []
+        for step in range(2):
+            x, y = global_batch(step, dist.get_world_size(), torch.float32)
+            ddp.zero_grad_buffer()
+            with mg.record_collectives() as log:
+                ddp_backward(ddp, local_rows(x, rank), local_rows(y, rank), 1)
+                ddp.finish_grad_sync()
+                for p in ddp.parameters():
+                    p.grad = p.main_grad  # type: ignore[attr-defined]
+                inner.step()
+                inner.zero_grad(set_to_none=True)  # autograd must not add into main_grad
+                ddp.start_param_sync()
+            gathers += _gathers(log)
+            ref.step(ref.grads(x, y))
+        dispatched = all(g.param_gather_dispatched for g in ddp.bucket_groups)
+        group = ddp.bucket_groups[0]
+        group.buckets[0].layerwise_param_flat_sizes = [3, 5]  # type: ignore[attr-defined]
+        group.param_gather_dispatched = False
+        try:
+            group.start_param_sync()
+            refused = ""
+        except NotImplementedError as err:
+            refused = str(err)
+        return {
+            "gathers": gathers,
+            "dispatched": dispatched,
+            "err": max_param_error(model, ref.model),
+            "refused": refused,
+        }
+
+
+def test_overlap_param_gather_without_distributed_optimizer(rank_pools: RankPools) -> None:
+    """Megatron accepts ``overlap_param_gather=True`` without the distributed optimizer (its
+    layer-wise optimizer's setting) and so does mc: every rank holds every param, so the
+    param syncs gather nothing and only mark themselves dispatched, and two SGD steps equal
+    the one-process reference (|Δ| ≤ 1e-6, fp32 summation order). Params sharded by
+    Megatron's layer-wise optimizer would need a gather mc does not have: refused by name."""
+    for out in rank_pools.get(2).run(_replicated_overlap_param_gather):
+        assert out["err"] <= 1e-6
+        assert out["gathers"] == []
+        assert out["dispatched"]
+        assert "LayerWiseDistributedOptimizer" in out["refused"]

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize.grad_access import _GradView
-from mc_groups.argcheck import check_str
+from mc_groups.argcheck import check_str, type_name
+from mc_groups.errors import InputTypeError
 
 
 def _allreduce_tensors(
@@ -25,7 +26,7 @@ def _allreduce_tensors(
     _check_tensors(tensors)
     size = mg.group_size(group)  # a live process group, or a TypeError / RuntimeError
     if not isinstance(op, mg.ReduceOp):
-        raise TypeError(f"op={op!r} must be a mc_groups.ReduceOp (SUM, AVG, MAX or MIN)")
+        raise InputTypeError(f"op={op!r} must be a mc_groups.ReduceOp (SUM, AVG, MAX or MIN)")
     check_str("label", label)
     if not tensors or size <= 1:
         return
@@ -43,12 +44,12 @@ def _allreduce_tensors(
 
 def _check_tensors(tensors: object) -> None:
     if not isinstance(tensors, list | tuple):
-        raise TypeError(
-            f"tensors must be a list of tensors (the grads to reduce), got {type(tensors).__name__}"
+        raise InputTypeError(
+            f"tensors must be a list of tensors (the grads to reduce), got {type_name(tensors)}"
         )
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"tensors[{index}] is a {type(tensor).__name__}, not a torch.Tensor")
+            raise InputTypeError(f"tensors[{index}] is a {type_name(tensor)}, not a torch.Tensor")
 
 
 def _allreduce_views(

@@ -9,27 +9,32 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize.protocols import ModelChunk
-from mc_groups.argcheck import check_flag, check_optional_group
+from mc_groups.argcheck import check_flag, check_optional_group, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 
-_CHUNK_METHODS = ("finish_grad_sync", "named_parameters", "parameters")
+# What the step helpers call (Megatron's read only named_parameters() / modules(), and its
+# tests pass plain torch.nn.Module chunks); finalize_model_grads also calls finish_grad_sync.
+STEP_METHODS = ("named_parameters", "parameters")
+FINALIZE_METHODS = ("finish_grad_sync", *STEP_METHODS)
 # Half-precision counts are exact only up to 2048 (fp16) / 256 (bf16) tokens.
 _TOKEN_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
 
 
-def _as_chunks(model: object) -> list[ModelChunk]:
-    """``model`` as a non-empty list of chunks, or a TypeError/ValueError saying what is wrong."""
+def _as_chunks(model: object, methods: Sequence[str] = STEP_METHODS) -> list[ModelChunk]:
+    """``model`` as a non-empty list of chunks that each have ``methods``, or a
+    TypeError/ValueError saying what is wrong."""
     if isinstance(model, torch.nn.Module) or not isinstance(model, list | tuple):
-        raise TypeError(
+        raise InputTypeError(
             f"model must be a list of model chunks (one per virtual pipeline stage), got "
-            f"{type(model).__name__}; pass [model] for a single chunk"
+            f"{type_name(model)}; pass [model] for a single chunk"
         )
     if not model:
-        raise ValueError("model=[] holds no model chunk; pass the chunks this rank owns")
-    _check_methods(model, _CHUNK_METHODS)
+        raise InputValueError("model=[] holds no model chunk; pass the chunks this rank owns")
+    _check_methods(model, methods)
     for index, chunk in enumerate(model):
         first = next(i for i, other in enumerate(model) if other is chunk)
         if first != index:
-            raise ValueError(
+            raise InputValueError(
                 f"model[{index}] is the same object as model[{first}]: each model chunk must "
                 "appear once (its grads would be reduced and scaled twice)"
             )
@@ -42,18 +47,19 @@ def _check_methods(chunks: Sequence[object], methods: Sequence[str]) -> None:
     for index, chunk in enumerate(chunks):
         missing = [m for m in methods if not callable(getattr(chunk, m, None))]
         if missing:
-            raise TypeError(
-                f"model[{index}] ({type(chunk).__name__}) lacks {missing}; a model chunk is "
-                "a DDP-wrapped module (e.g. mc_ddp.DistributedDataParallel) or any object "
-                "with finish_grad_sync, scale_gradients, named_parameters and parameters"
+            raise InputTypeError(
+                f"model[{index}] ({type_name(chunk)}) lacks {missing}; a model chunk is a "
+                "torch.nn.Module (finalize_model_grads: DDP-wrapped, e.g. "
+                "mc_ddp.DistributedDataParallel, or any object with finish_grad_sync, "
+                "named_parameters and parameters; scale_gradients with per-token loss)"
             )
 
 
 def _config_of(chunks: Sequence[ModelChunk]) -> object:
     config = getattr(chunks[0], "config", None)
     if config is None:
-        raise TypeError(
-            f"model[0] ({type(chunks[0]).__name__}) has no config; finalize_model_grads "
+        raise InputTypeError(
+            f"model[0] ({type_name(chunks[0])}) has no config; finalize_model_grads "
             "reads the config from model[0].config"
         )
     return config
@@ -130,30 +136,30 @@ def _check_num_tokens(
     if num_tokens is None:
         return None
     if not per_token:
-        raise ValueError(
+        raise InputValueError(
             "num_tokens was given but config.calculate_per_token_loss=False: DDP already "
             "averaged the grads over the data-parallel ranks, so dividing by the token count "
             "would shrink them again; pass num_tokens only with calculate_per_token_loss=True "
             "(Megatron's schedules pass it exactly then)"
         )
     if not isinstance(num_tokens, torch.Tensor):
-        raise TypeError(
+        raise InputTypeError(
             f"num_tokens must be a torch.Tensor holding this rank's token count, got "
-            f"{type(num_tokens).__name__}; e.g. torch.tensor(n, dtype=torch.int64)"
+            f"{type_name(num_tokens)}; e.g. torch.tensor(n, dtype=torch.int64)"
         )
     if num_tokens.dim() > 1 or num_tokens.numel() != 1:
-        raise ValueError(
+        raise InputValueError(
             f"num_tokens has shape {tuple(num_tokens.shape)}; it must hold one count "
             "(shape () or (1,)): sum the per-micro-batch counts first"
         )
     if num_tokens.dtype not in _TOKEN_DTYPES:
-        raise TypeError(
+        raise InputTypeError(
             f"num_tokens has dtype {num_tokens.dtype}; use torch.int64 (or int32, float32, "
             "float64): half-precision and bool cannot hold token counts exactly"
         )
     param = next(iter(chunks[0].parameters()), None)
     if param is not None and num_tokens.device != param.device:
-        raise ValueError(
+        raise InputValueError(
             f"num_tokens is on {num_tokens.device} but the model is on {param.device}; "
             "move it with num_tokens.to(device) (the collective needs both on one device)"
         )

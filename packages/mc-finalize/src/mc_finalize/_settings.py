@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mc_finalize.protocols import FinalizeConfig
-from mc_groups.argcheck import check_flag, check_int, check_real
+from mc_groups.argcheck import check_flag, check_int, check_real, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 
 _REQUIRED_BOOLS = ("sequence_parallel", "calculate_per_token_loss")
 _OPTIONAL_BOOLS = (
@@ -63,8 +64,8 @@ def _read_settings(config: FinalizeConfig) -> _Settings:
 
 def _required_bool(config: object, name: str) -> bool:
     if not hasattr(config, name):
-        raise TypeError(
-            f"config ({type(config).__name__}) has no attribute {name!r}; finalize_model_grads "
+        raise InputTypeError(
+            f"config ({type_name(config)}) has no attribute {name!r}; finalize_model_grads "
             f"reads model[0].config.{name}: give the config a bool {name}"
         )
     return _optional_bool(config, name, False)
@@ -83,7 +84,7 @@ def _number(config: object, name: str, default: float, upper: float | None) -> f
         return default
     number = check_real(f"config.{name}", value, positive=True)
     if upper is not None and number > upper:
-        raise ValueError(f"config.{name}={value!r} must be >= 0 and <= {upper}")
+        raise InputValueError(f"config.{name}={value!r} must be >= 0 and <= {upper}")
     return number
 
 
@@ -103,7 +104,7 @@ def _balancing_types(config: object) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise TypeError(
+    raise InputTypeError(
         f"config.moe_router_load_balancing_type={value!r} must be a str or a list of str "
         "(e.g. 'aux_loss', 'global_aux_loss', 'quantile_balancing')"
     )

@@ -31,7 +31,8 @@ from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.grad_access import _grad_view
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_flag, check_optional_group
+from mc_groups.argcheck import check_flag, check_optional_group, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 
 WeightGetter = Callable[[object], torch.nn.Parameter | None]
 
@@ -56,7 +57,7 @@ def _shared_word_embedding_weight(
     if not hasattr(model_module, "share_embeddings_and_output_weights") and not callable(
         getattr(model_module, "parameters", None)
     ):
-        raise TypeError(
+        raise InputTypeError(
             f"model_module={model_module!r} must be the wrapped model (an object with "
             "parameters() or share_embeddings_and_output_weights)"
         )
@@ -66,8 +67,8 @@ def _shared_word_embedding_weight(
             return None
         getter = getattr(model_module, "shared_embedding_or_output_weight", None)
         if not callable(getter):
-            raise TypeError(
-                f"{type(model_module).__name__} shares its embedding and output weights but "
+            raise InputTypeError(
+                f"{type_name(model_module)} shares its embedding and output weights but "
                 "has no shared_embedding_or_output_weight() to return that weight"
             )
         weight: torch.nn.Parameter | None = getter()
@@ -80,8 +81,8 @@ def _get_position_embedding_weight(model_module: object) -> torch.nn.Parameter:
     embedding = getattr(model_module, "position_embeddings", None)
     weight = getattr(embedding, "weight", None)
     if not isinstance(weight, torch.nn.Parameter):
-        raise ValueError(
-            f"{type(model_module).__name__} has no position_embeddings.weight, but this rank is "
+        raise InputValueError(
+            f"{type_name(model_module)} has no position_embeddings.weight, but this rank is "
             "in a position-embedding group of more than one rank; give the stage its "
             "position_embeddings or leave pos_embd unset"
         )
@@ -151,7 +152,7 @@ def _allreduce_embedding_grad(
     check_optional_group("embd_group", embd_group, what="_allreduce_embedding_grad")
     check_optional_group("pp_group", pp_group, what="_allreduce_embedding_grad")
     if not callable(weight_getter):
-        raise TypeError(
+        raise InputTypeError(
             f"weight_getter={weight_getter!r} must be a callable taking the model module and "
             "returning the weight (or None)"
         )
@@ -217,7 +218,7 @@ def _embedding_weight(
         )
     weight = weight_getter(_model_module(_embedding_chunk(chunks, pp_group, has_mtp)))
     if weight is None and not skip_if_none:
-        raise ValueError(
+        raise InputValueError(
             "weight_getter returned None on a rank of an embedding group of more than one "
             "rank; every member must hold the weight (or pass skip_if_none=True)"
         )

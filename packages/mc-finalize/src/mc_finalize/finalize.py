@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_finalize._inputs import (
+    FINALIZE_METHODS,
     _as_chunks,
     _check_force,
     _check_methods,
@@ -77,6 +78,7 @@ from mc_finalize.router_state import (
     _update_qb_beta,
 )
 from mc_finalize.tp_grads import _reduce_non_tensor_parallel_grads
+from mc_groups.errors import InputValueError
 
 __all__ = ["finalize_model_grads"]
 
@@ -103,7 +105,7 @@ def finalize_model_grads(
         pg_collection: the groups; None uses ``mc_groups.get_default_collection()``.
         force_all_reduce: passed to every chunk's ``finish_grad_sync`` (None reads as False).
     """
-    chunks = _as_chunks(model)
+    chunks = _as_chunks(model, FINALIZE_METHODS)
     config = cast(FinalizeConfig, _config_of(chunks))
     settings = _read_settings(config)
     per_token = settings.calculate_per_token_loss
@@ -212,7 +214,7 @@ def _check_gtp_sizes(groups: _Groups, settings: _Settings) -> None:
         ("expt_gtp_remat", groups.expt_gtp_remat, settings.expert_gtp_remat_size),
     ):
         if size > 1 and group is not None and mg.group_size(group) != size:
-            raise ValueError(
+            raise InputValueError(
                 f"pg_collection.{name} has {mg.group_size(group)} ranks but the config says "
                 f"{size}; build the collection with the config's sizes"
             )
@@ -297,7 +299,7 @@ def _reduce_num_tokens(
     total = float(count.item())
     if not math.isfinite(total):
         given = "None" if num_tokens is None else f"{num_tokens.reshape(-1)[0].item()!r}"
-        raise ValueError(
+        raise InputValueError(
             f"finalize_model_grads: num_tokens summed over the data-parallel ranks "
             f"{list(mg.group_ranks(data))} is not a count: it was missing (None), NaN, ±inf or "
             f"negative on at least one rank (this rank passed {given}; with pipeline "

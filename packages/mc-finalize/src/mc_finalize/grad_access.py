@@ -26,7 +26,8 @@ import torch
 
 import mc_groups as mg
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_tensor
+from mc_groups.argcheck import check_tensor, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 
 if TYPE_CHECKING:  # DTensor is imported where used: importing it costs over a second
     from torch.distributed.device_mesh import DeviceMesh
@@ -109,7 +110,7 @@ def _check_placements(placements: tuple[Placement, ...]) -> None:
 
     for placement in placements:
         if not isinstance(placement, Shard | Replicate):
-            raise TypeError(
+            raise InputTypeError(
                 f"DTensor grad placement {placement!r} is not supported: finalize reduces "
                 "finished grads; redistribute Partial grads to Shard or Replicate first"
             )
@@ -129,7 +130,7 @@ def _chunk_len(n: int, parts: int, index: int) -> int:
 def _coordinates(mesh: DeviceMesh) -> list[int]:
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        raise ValueError(f"this rank is not in the DTensor's device mesh {mesh!r}")
+        raise InputValueError(f"this rank is not in the DTensor's device mesh {mesh!r}")
     return list(coordinate)
 
 
@@ -217,7 +218,7 @@ def _grad_view(param: torch.nn.Parameter) -> _GradView | None:
     if original is None:
         return None
     if not isinstance(original, torch.Tensor):
-        raise TypeError(
-            f"param.{attr} is {type(original).__name__}, expected a torch.Tensor or None"
+        raise InputTypeError(
+            f"param.{attr} is {type_name(original)}, expected a torch.Tensor or None"
         )
     return _GradView(param, attr, original, _unshard_if_dtensor(original))

@@ -37,6 +37,8 @@ import mc_groups as mg
 from mc_finalize._inputs import _as_chunks, _modules, _require_group
 from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
+from mc_groups.argcheck import type_name
+from mc_groups.errors import InputTypeError, InputValueError
 
 
 def _update_router_expert_bias(
@@ -162,7 +164,7 @@ def _has(module: object, name: str) -> bool:
 def _tensor(module: object, name: str) -> torch.Tensor:
     value = getattr(module, name)
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{type(module).__name__}.{name} must be a torch.Tensor, got {value!r}")
+        raise InputTypeError(f"{type_name(module)}.{name} must be a torch.Tensor, got {value!r}")
     return value
 
 
@@ -175,16 +177,18 @@ def _check_state(routers: Sequence[object], counts: str, bias: str) -> None:
         name = type(router).__name__
         count, value = _tensor(router, counts), _tensor(router, bias)
         if count.shape != value.shape:
-            raise ValueError(
+            raise InputValueError(
                 f"{name}.{counts} has shape {tuple(count.shape)} but {name}.{bias} has "
                 f"{tuple(value.shape)}: one entry per expert in both"
             )
         if not value.is_floating_point():
-            raise TypeError(f"{name}.{bias} has dtype {value.dtype}; it must be floating-point")
+            raise InputTypeError(
+                f"{name}.{bias} has dtype {value.dtype}; it must be floating-point"
+            )
         if first is None:
             first = tuple(count.shape)
         elif tuple(count.shape) != first:
-            raise ValueError(
+            raise InputValueError(
                 f"{name}.{counts} has shape {tuple(count.shape)} but an earlier router's has "
                 f"{first}: the routers' counts are reduced together, so every router needs "
                 "the same number of experts"

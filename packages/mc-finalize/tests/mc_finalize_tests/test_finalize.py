@@ -41,7 +41,7 @@ from mc_finalize_tests._helpers import (
     records,
 )
 from mc_finalize_tests.test_router_state import BiasRouter, QuantileRouter
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 
 
 class StageChunk(Chunk):
@@ -384,7 +384,7 @@ def _bad_inputs() -> dict[str, tuple[str, str, int, int, float]]:
                     call(chunk)
                     error = ("none", "")
                 except (TypeError, ValueError, RuntimeError) as err:
-                    error = (type(err).__name__, str(err))
+                    error = (error_kind(err), str(err))
             out[name] = (*error, len(log), len(chunk.sync_calls), first(chunk.get_parameter("w")))
     return out
 

@@ -62,7 +62,23 @@ def _pp_steps() -> dict[str, Any]:
             _allreduce_conditional_embedding_grads(chunks, cfg)
             _allreduce_router_grads(chunks, cfg)
         out["default"] = {"values": _values(chunks), "log": len(log)}
+        out["plain"] = _plain_linear_chunks(p, pgc.pp)
     return out
+
+
+def _plain_linear_chunks(pp_rank: int, pp_group: torch.distributed.ProcessGroup) -> list[Any]:
+    """Megatron's step helpers read only ``named_parameters()``, so its users (and its own
+    test of this step) pass plain ``nn.Linear`` chunks with no DDP wrapper: chunk c on stage
+    p gets ``main_grad = 10·p + c`` everywhere, only the weight is marked
+    ``pipeline_parallel``."""
+    cfg = Cfg(has_cond_embedder=True)
+    chunks = [torch.nn.Linear(3, 3) for _ in range(VIRTUAL_CHUNKS)]
+    for c, chunk in enumerate(chunks):
+        chunk.weight.pipeline_parallel = True  # type: ignore[attr-defined]
+        for param in chunk.parameters():
+            param.main_grad = torch.full_like(param, 10.0 * pp_rank + c)  # type: ignore[attr-defined]
+    _allreduce_conditional_embedding_grads(chunks, cfg, pp_group)  # type: ignore[arg-type]
+    return [(first(c.weight), first(c.bias)) for c in chunks]  # type: ignore[arg-type]
 
 
 def test_pp4_two_virtual_chunks(rank_pools: RankPools) -> None:
@@ -87,6 +103,7 @@ def test_pp4_two_virtual_chunks(rank_pools: RankPools) -> None:
         assert [v["cond.weight"] for v in out["off"]["values"]] == [own[0][0], own[1][0]]
         assert out["default"]["log"] == 3  # the default collection's pp group was used
         assert all(v["router.weight"] == 1204.0 for v in out["default"]["values"])
+        assert out["plain"] == [(124.0, own[0][0]), (124.0, own[1][0])]
 
 
 def _single_stage_and_no_default() -> dict[str, Any]:

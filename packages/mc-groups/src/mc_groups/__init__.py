@@ -66,6 +66,7 @@ from mc_groups.default_collection import (
     get_default_collection,
     set_default_collection,
 )
+from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 from mc_groups.initialize import (
     DistributedNotInitializedError,
     destroy_model_parallel,
@@ -105,6 +106,9 @@ __all__ = [
     "CollectiveScheduleError",
     "Communicator",
     "DistributedNotInitializedError",
+    "InputStateError",
+    "InputTypeError",
+    "InputValueError",
     "MissingGroupError",
     "ModelParallelConfig",
     "NoDefaultCollectionError",

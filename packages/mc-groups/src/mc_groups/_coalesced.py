@@ -31,6 +31,7 @@ from mc_groups._core import (
 from mc_groups._errors import CollectiveError
 from mc_groups._shims import all_gather_flat, coalescing_manager, reduce_scatter_flat
 from mc_groups.argcheck import check_group
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_groups.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
 
 __all__ = ["CoalescedBatch", "coalesced"]
@@ -88,7 +89,7 @@ class CoalescedBatch:
             )
         kind = (op, reduce_op)
         if self._kind is not None and self._kind != kind:
-            raise ValueError(
+            raise InputValueError(
                 f"coalesced batch already holds {kind_text(*self._kind)}; cannot add "
                 f"{kind_text(*kind)} (one kind of collective and reduce op per batch: open "
                 "a second batch)"
@@ -105,7 +106,7 @@ class CoalescedBatch:
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = ReduceOp.SUM) -> None:
         """Queue ``tensor ← op over ranks``."""
         check_contiguous("tensor", tensor)
-        check_op(op)
+        op = check_op(op)
         self._claim("all_reduce", op)
         if self._size == 1:
             return
@@ -128,7 +129,7 @@ class CoalescedBatch:
     ) -> None:
         """Queue a reduce-scatter of ``input`` into ``output`` (see
         :func:`~mc_groups.reduce_scatter`)."""
-        check_op(op)
+        op = check_op(op)
         check_reduce_scatter(output, input, self._size)
         if self._copied_locally("reduce_scatter", op, output, input):
             return
@@ -245,11 +246,11 @@ def _check_device(device: object) -> None:
     if device is None or isinstance(device, torch.device):
         return
     if not isinstance(device, str | int) or isinstance(device, bool):
-        raise TypeError(f"device={device!r} must be None, a torch.device or a device string")
+        raise InputTypeError(f"device={device!r} must be None, a torch.device or a device string")
     try:
         torch.device(device)
     except RuntimeError as err:
-        raise ValueError(f"device={device!r} is not a device: {err}") from None
+        raise InputValueError(f"device={device!r} is not a device: {err}") from None
 
 
 @contextmanager

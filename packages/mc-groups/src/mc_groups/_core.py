@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from mc_groups._errors import CollectiveError
 from mc_groups.argcheck import check_flag, check_group, check_real, check_str, check_tensor
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_groups.recorder import CollectiveRecord, _emit, _recording
 from mc_groups.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
 
@@ -220,7 +221,7 @@ def check_contiguous(name: str, value: object) -> torch.Tensor:
     """A contiguous tensor."""
     tensor = check_tensor(name, value)
     if not tensor.is_contiguous():
-        raise ValueError(
+        raise InputValueError(
             f"{name} (shape {tuple(tensor.shape)}) must be contiguous; call .contiguous()"
         )
     return tensor
@@ -229,16 +230,26 @@ def check_contiguous(name: str, value: object) -> torch.Tensor:
 def check_pair(out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
     """Output and input of one dtype on one device."""
     if out.dtype != inp.dtype:
-        raise ValueError(f"{op}: output dtype {out.dtype} differs from input dtype {inp.dtype}")
+        raise InputValueError(
+            f"{op}: output dtype {out.dtype} differs from input dtype {inp.dtype}"
+        )
     if out.device != inp.device:
-        raise ValueError(f"{op}: output device {out.device} differs from input {inp.device}")
+        raise InputValueError(f"{op}: output device {out.device} differs from input {inp.device}")
 
 
 def check_op(op: object) -> ReduceOp:
-    """A :class:`ReduceOp`."""
-    if not isinstance(op, ReduceOp):
-        raise TypeError(f"op={op!r} must be a mc_groups.ReduceOp (SUM, AVG, MAX or MIN)")
-    return op
+    """A :class:`ReduceOp`, or torch's ``torch.distributed.ReduceOp`` SUM/AVG/MAX/MIN (what
+    Megatron-Core's callers pass) as the mc member of the same meaning."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, dist.ReduceOp.RedOpType):
+        for mine, theirs in TORCH_OPS.items():
+            if op == theirs:
+                return mine
+    raise InputTypeError(
+        f"op={op!r} must be a mc_groups.ReduceOp or torch.distributed.ReduceOp (SUM, AVG, "
+        "MAX or MIN)"
+    )
 
 
 def check_reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
@@ -247,7 +258,7 @@ def check_reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int) -
     check_contiguous("input", input)
     check_pair(output, input, "reduce_scatter")
     if input.numel() != output.numel() * size:
-        raise ValueError(
+        raise InputValueError(
             f"reduce_scatter: input.numel()={input.numel()} must equal "
             f"output.numel()={output.numel()} × group size {size}"
         )
@@ -259,7 +270,7 @@ def check_all_gather(output: torch.Tensor, input: torch.Tensor, size: int) -> No
     check_contiguous("input", input)
     check_pair(output, input, "all_gather")
     if output.numel() != input.numel() * size:
-        raise ValueError(
+        raise InputValueError(
             f"all_gather: output.numel()={output.numel()} must equal "
             f"input.numel()={input.numel()} × group size {size}"
         )

@@ -45,6 +45,7 @@ from mc_groups._errors import CollectiveError
 from mc_groups._gloo import is_gloo
 from mc_groups._shims import reduce_scatter_flat
 from mc_groups.argcheck import check_float_dtype
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__: list[str] = []
 
@@ -83,7 +84,7 @@ def check_received(input: torch.Tensor, received: object) -> None:
     if received is None:
         return
     if not isinstance(received, torch.Tensor):
-        raise TypeError(
+        raise InputTypeError(
             f"received={received!r} must be None or a torch.Tensor of {input.numel()} × "
             f"{dtype_name(input.dtype)} on {input.device} (the input's size)"
         )
@@ -94,7 +95,7 @@ def check_received(input: torch.Tensor, received: object) -> None:
         or not received.is_contiguous()
     ):
         shown = f"{received.numel()} × {dtype_name(received.dtype)} on {received.device}"
-        raise ValueError(
+        raise InputValueError(
             f"received={shown} must be a contiguous tensor of {input.numel()} × "
             f"{dtype_name(input.dtype)} on {input.device} (the input's size)"
         )

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups.collection import ProcessGroupCollection, is_group_live
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
     "check_collection",
@@ -46,13 +47,23 @@ __all__ = [
     "check_real",
     "check_str",
     "check_tensor",
+    "type_name",
 ]
+
+
+def type_name(value: object) -> str:
+    """The type of ``value`` as a message names it: ``module.QualName`` (builtins bare), so
+    two classes of one name from different libraries are told apart (mc's and Megatron's
+    ``FullParamLayout``)."""
+    cls = type(value)
+    module = cls.__module__
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
 def check_flag(name: str, value: object) -> bool:
     """``value`` when it is a bool (``True``/``False``), else a ``TypeError``."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be a bool (True or False)")
+        raise InputTypeError(f"{name}={value!r} must be a bool (True or False)")
     return value
 
 
@@ -64,19 +75,19 @@ def check_int(name: str, value: object, *, minimum: int = 1, maximum: int | None
         _check_bound("maximum", maximum)
     if isinstance(value, bool) or not isinstance(value, Integral):
         why = " (a bool is not a number)" if isinstance(value, bool) else ""
-        raise TypeError(f"{name}={value!r} must be an int{why}")
+        raise InputTypeError(f"{name}={value!r} must be an int{why}")
     number = int(value)
     if number < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
+        raise InputValueError(f"{name}={value} must be >= {minimum}")
     if maximum is not None and number > maximum:
-        raise ValueError(f"{name}={value} must be <= {maximum}")
+        raise InputValueError(f"{name}={value} must be <= {maximum}")
     return number
 
 
 def _check_bound(name: str, bound: object) -> None:
     # A check's own arguments: a wrong bound would compare an int with a str, or pass 1.5.
     if isinstance(bound, bool) or not isinstance(bound, int):
-        raise TypeError(f"{name}={bound!r} must be an int")
+        raise InputTypeError(f"{name}={bound!r} must be an int")
 
 
 def check_optional_int(
@@ -98,13 +109,13 @@ def check_real(
     check_flag("positive", positive)
     check_flag("allow_zero", allow_zero)
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name}={value!r} must be a real number")
+        raise InputTypeError(f"{name}={value!r} must be a real number")
     number = float(value)
     if not math.isfinite(number):
-        raise ValueError(f"{name}={value!r} must be finite (not NaN or ±inf)")
+        raise InputValueError(f"{name}={value!r} must be finite (not NaN or ±inf)")
     if positive and (number < 0 or (number == 0 and not allow_zero)):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name}={value!r} must be {bound}")
+        raise InputValueError(f"{name}={value!r} must be {bound}")
     return number
 
 
@@ -115,11 +126,11 @@ def check_float_dtype(name: str, value: object, *, allow_none: bool = False) -> 
         return None
     if not isinstance(value, torch.dtype):
         none = " or None" if allow_none else ""
-        raise TypeError(
+        raise InputTypeError(
             f"{name}={value!r} must be a floating-point torch.dtype (e.g. torch.bfloat16){none}"
         )
     if not value.is_floating_point:
-        raise TypeError(f"{name}={value} must be a floating-point dtype (e.g. torch.bfloat16)")
+        raise InputTypeError(f"{name}={value} must be a floating-point dtype (e.g. torch.bfloat16)")
     return value
 
 
@@ -127,9 +138,9 @@ def check_str(name: str, value: object, *, allow_empty: bool = True) -> str:
     """``value`` when it is a ``str`` (non-empty unless ``allow_empty``), else a
     ``TypeError`` (``ValueError`` for an empty one)."""
     if not isinstance(value, str):
-        raise TypeError(f"{name}={value!r} must be a str")
+        raise InputTypeError(f"{name}={value!r} must be a str")
     if not value and not check_flag("allow_empty", allow_empty):
-        raise ValueError(f"{name}='' must be a non-empty str")
+        raise InputValueError(f"{name}='' must be a non-empty str")
     return value
 
 
@@ -141,7 +152,7 @@ def check_optional_str(name: str, value: object) -> str | None:
 def check_tensor(name: str, value: object) -> torch.Tensor:
     """``value`` when it is a ``torch.Tensor``, else a ``TypeError`` naming its type."""
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type_name(value)}")
     return value
 
 
@@ -149,13 +160,13 @@ def check_patterns(name: str, value: object) -> tuple[str, ...]:
     """A collection of ``fnmatch`` pattern strings; a bare str would be iterated per
     character, so it is a ``TypeError`` suggesting the list."""
     if isinstance(value, str) or not isinstance(value, Collection):
-        raise TypeError(
+        raise InputTypeError(
             f"{name}={value!r} must be a list of fnmatch patterns, e.g. ['all'] or "
             "['*.layernorm.weight']"
         )
     for pattern in value:
         if not isinstance(pattern, str):
-            raise TypeError(f"{name} holds {pattern!r}; every pattern must be a str")
+            raise InputTypeError(f"{name} holds {pattern!r}; every pattern must be a str")
     return tuple(value)
 
 
@@ -177,7 +188,7 @@ def check_optional_group(name: str, value: object, *, what: str = "") -> dist.Pr
 def _live_group(name: str, value: object, what: str, or_none: str) -> dist.ProcessGroup:
     caller = f"{what}: " if what else ""
     if not isinstance(value, dist.ProcessGroup):
-        raise TypeError(
+        raise InputTypeError(
             f"{caller}{name}={value!r} must be a torch.distributed.ProcessGroup{or_none} (e.g. "
             "a field of the ProcessGroupCollection that initialize_model_parallel() returns)"
         )
@@ -192,18 +203,27 @@ def _live_group(name: str, value: object, what: str, or_none: str) -> dist.Proce
 
 
 def check_collection(name: str, value: object, *, what: str = "") -> ProcessGroupCollection:
-    """``value`` when it is a :class:`~mc_groups.ProcessGroupCollection` that
-    ``destroy_model_parallel()`` has not destroyed (``TypeError`` / ``RuntimeError``)."""
+    """``value`` as a :class:`~mc_groups.ProcessGroupCollection` that
+    ``destroy_model_parallel()`` has not destroyed (``TypeError`` / ``RuntimeError``).
+
+    Another library's collection (Megatron-Core's ``ProcessGroupCollection``, kept by a user
+    who keeps Megatron's ``parallel_state`` or model code) is accepted by what it has: its
+    attributes named in :data:`~mc_groups.GROUP_FIELDS` that hold a ``ProcessGroup`` are
+    copied into a new mc collection (:meth:`ProcessGroupCollection.adopt`; other values,
+    e.g. Megatron's list of ``hcp`` groups, are left out).
+    """
     caller = f"{what}: " if what else ""
-    if not isinstance(value, ProcessGroupCollection):
-        raise TypeError(
+    collection = ProcessGroupCollection.adopt(value)
+    if collection is None:
+        raise InputTypeError(
             f"{caller}{name}={value!r} must be a ProcessGroupCollection (e.g. from "
-            "initialize_model_parallel())"
+            "initialize_model_parallel()) or an object with its group attributes (tp, dp, "
+            f"dp_cp, ...), such as Megatron-Core's; got {type_name(value)}"
         )
-    if value.destroyed:
+    if collection.destroyed:
         raise RuntimeError(
             f"{caller}{name} was destroyed by destroy_model_parallel(); its groups can no "
             "longer communicate: build a new collection with initialize_model_parallel() and "
             "new objects on it"
         )
-    return value
+    return collection

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mc_groups.errors import InputTypeError, InputValueError
+
 __all__ = ["GROUP_FIELDS", "MissingGroupError", "ProcessGroupCollection", "is_group_live"]
 
 GROUP_FIELDS: tuple[str, ...] = (
@@ -46,7 +48,7 @@ GROUP_FIELDS: tuple[str, ...] = (
 """Names a collection may hold; every other name is rejected."""
 
 
-class MissingGroupError(ValueError):
+class MissingGroupError(InputValueError):
     """A function needs a group that its ``ProcessGroupCollection`` does not hold."""
 
 
@@ -90,7 +92,7 @@ class ProcessGroupCollection:
     def __init__(self, **groups: dist.ProcessGroup | None) -> None:
         unknown = sorted(set(groups) - set(GROUP_FIELDS))
         if unknown:
-            raise ValueError(
+            raise InputValueError(
                 f"ProcessGroupCollection got unknown group name(s) {unknown}; "
                 f"known names are {list(GROUP_FIELDS)}"
             )
@@ -99,16 +101,32 @@ class ProcessGroupCollection:
 
     def __setattr__(self, name: str, value: object) -> None:
         if name not in GROUP_FIELDS:
-            raise ValueError(
+            raise InputValueError(
                 f"ProcessGroupCollection has no group named {name!r}; "
                 f"known names are {list(GROUP_FIELDS)}"
             )
         if value is not None and not isinstance(value, dist.ProcessGroup):
-            raise TypeError(
+            raise InputTypeError(
                 f"ProcessGroupCollection.{name}={value!r} must be a "
                 "torch.distributed.ProcessGroup or None"
             )
         object.__setattr__(self, name, value)
+
+    @classmethod
+    def adopt(cls, value: object) -> ProcessGroupCollection | None:
+        """``value`` itself when it is an mc collection; for another object with group
+        attributes (Megatron-Core's ``ProcessGroupCollection``: every declared field reads
+        None when unset) a new mc collection holding those of :data:`GROUP_FIELDS` that are
+        ``ProcessGroup`` objects; None when ``value`` has none of the names (not a
+        collection). Reads attributes only: nothing is created or communicated."""
+        if isinstance(value, ProcessGroupCollection):
+            return value
+        if value is None or isinstance(value, dist.ProcessGroup):
+            return None
+        if not any(hasattr(value, name) for name in GROUP_FIELDS):
+            return None
+        found = {name: getattr(value, name, None) for name in GROUP_FIELDS}
+        return cls(**{k: v for k, v in found.items() if isinstance(v, dist.ProcessGroup)})
 
     @property
     def destroyed(self) -> bool:
@@ -125,11 +143,13 @@ class ProcessGroupCollection:
         A destroyed collection is a ``RuntimeError``.
         """
         if not isinstance(name, str):
-            raise TypeError(f"name={name!r} must be a str: a ProcessGroupCollection field")
+            raise InputTypeError(f"name={name!r} must be a str: a ProcessGroupCollection field")
         if not isinstance(needed_for, str):
-            raise TypeError(f"needed_for={needed_for!r} must be a str saying what needs the group")
+            raise InputTypeError(
+                f"needed_for={needed_for!r} must be a str saying what needs the group"
+            )
         if name not in GROUP_FIELDS:
-            raise ValueError(f"name={name!r} is not a ProcessGroupCollection field")
+            raise InputValueError(f"name={name!r} is not a ProcessGroupCollection field")
         if self._destroyed:
             raise RuntimeError(
                 f"{needed_for} needs pg_collection.{name}, but this ProcessGroupCollection was "

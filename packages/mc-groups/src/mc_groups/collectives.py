@@ -64,8 +64,9 @@ from mc_groups._core import (
 )
 from mc_groups._errors import CollectiveError, CollectiveScheduleError
 from mc_groups._shims import all_gather_flat
-from mc_groups.argcheck import check_group
+from mc_groups.argcheck import check_group, type_name
 from mc_groups.collection import is_group_live
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
     "CoalescedBatch",
@@ -103,7 +104,7 @@ def all_reduce(
     """``tensor ← op over ranks of tensor``, in place."""
     check_group("group", group)
     check_contiguous("tensor", tensor)
-    check_op(op)
+    op = check_op(op)
     check_options(async_op, label, detail, group=group)
     if group.size() == 1:
         return DONE
@@ -146,7 +147,7 @@ def reduce_scatter(
       its buffers. See :mod:`mc_groups._reduce_scatter` for the algorithms.
     """
     check_group("group", group)
-    check_op(op)
+    op = check_op(op)
     check_options(async_op, label, detail, group=group)
     size = group.size()
     check_reduce_scatter(output, input, size)
@@ -235,9 +236,9 @@ def broadcast(
 
 def _check_group_rank(value: object, arg: str, size: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{arg}={value!r} must be an int group rank in [0, {size})")
+        raise InputTypeError(f"{arg}={value!r} must be an int group rank in [0, {size})")
     if not 0 <= value < size:
-        raise ValueError(f"{arg}={value!r} must be a group rank in [0, {size})")
+        raise InputValueError(f"{arg}={value!r} must be a group rank in [0, {size})")
     return value
 
 
@@ -257,24 +258,24 @@ def _check_splits(
         rows = tensor.shape[0] if tensor.dim() else 1
         if splits is None:
             if rows % size:
-                raise ValueError(
+                raise InputValueError(
                     f"all_to_all: {name.split('_')[0]} has {rows} rows (dim 0), not divisible "
                     f"by the group size {size}; pass {name}"
                 )
             continue
         if isinstance(splits, str) or not isinstance(splits, Sequence):
-            raise TypeError(f"all_to_all: {name}={splits!r} must be a list of {size} ints")
+            raise InputTypeError(f"all_to_all: {name}={splits!r} must be a list of {size} ints")
         if len(splits) != size:
-            raise ValueError(f"all_to_all: {name}={list(splits)} must have {size} entries")
+            raise InputValueError(f"all_to_all: {name}={list(splits)} must have {size} entries")
         if any(isinstance(s, bool) or not isinstance(s, int) for s in splits):
-            raise TypeError(f"all_to_all: {name}={list(splits)} must hold ints")
+            raise InputTypeError(f"all_to_all: {name}={list(splits)} must hold ints")
         if any(s < 0 for s in splits) or sum(splits) != rows:
-            raise ValueError(
+            raise InputValueError(
                 f"all_to_all: {name}={list(splits)} must be ints >= 0 adding up to the "
                 f"{rows} rows (dim 0) of the {name.split('_')[0]}"
             )
     if output_split_sizes is None and input_split_sizes is None and output.numel() != input.numel():
-        raise ValueError(
+        raise InputValueError(
             f"all_to_all: output.numel()={output.numel()} must equal input.numel()="
             f"{input.numel()} without split sizes"
         )
@@ -366,14 +367,14 @@ def record_p2p_ops(ops: object, *, label: str = "") -> None:
     :func:`mc_groups.record_collectives` log. Nothing is issued or validated beyond the
     types: the engine owns the ops."""
     if isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence):  # a list of P2POp
-        raise TypeError(
-            f"ops must be a sequence of torch.distributed.P2POp, got {type(ops).__name__}"
+        raise InputTypeError(
+            f"ops must be a sequence of torch.distributed.P2POp, got {type_name(ops)}"
         )
     for i, op in enumerate(ops):
         if not isinstance(op, dist.P2POp):
-            raise TypeError(f"ops[{i}] must be a torch.distributed.P2POp, got {type(op).__name__}")
+            raise InputTypeError(f"ops[{i}] must be a torch.distributed.P2POp, got {type_name(op)}")
     if not isinstance(label, str):
-        raise TypeError(f"label must be a str, got {type(label).__name__}")
+        raise InputTypeError(f"label must be a str, got {type_name(label)}")
     for op in ops:
         name = "send" if op.op is dist.isend else "recv"
         group = op.group if op.group is not None else dist.group.WORLD
@@ -384,9 +385,9 @@ def record_p2p_ops(ops: object, *, label: str = "") -> None:
 def _check_peer(group: dist.ProcessGroup, peer: object, arg: str) -> None:
     size, me = group.size(), group.rank()
     if isinstance(peer, bool) or not isinstance(peer, int):
-        raise TypeError(f"{arg}={peer!r} must be an int: another group rank in [0, {size})")
+        raise InputTypeError(f"{arg}={peer!r} must be an int: another group rank in [0, {size})")
     if not 0 <= peer < size or peer == me:
-        raise ValueError(f"{arg}={peer!r} must be another group rank in [0, {size}), not {me}")
+        raise InputValueError(f"{arg}={peer!r} must be another group rank in [0, {size}), not {me}")
 
 
 def barrier(group: dist.ProcessGroup, *, label: str = "") -> None:

@@ -24,8 +24,9 @@ from mc_groups import _core as core
 from mc_groups import _reduce_scatter as rs
 from mc_groups._coalesced import open_batch
 from mc_groups._gloo import is_gloo
-from mc_groups.argcheck import check_group
+from mc_groups.argcheck import check_group, type_name
 from mc_groups.collectives import CollectiveHandle, ReduceOp, all_gather, all_reduce
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["Communicator"]
 
@@ -93,7 +94,7 @@ class Communicator:
         items = _checked_list(tensors, "tensors", torch.Tensor)
         for i, tensor in enumerate(items):
             core.check_contiguous(f"tensors[{i}]", tensor)
-        core.check_op(op)
+        op = core.check_op(op)
         core.check_options(async_op, label, detail, group=self._group)
 
         def alone(tensor: torch.Tensor) -> CollectiveHandle:
@@ -123,7 +124,7 @@ class Communicator:
         input`` in ``output`` (see :func:`~mc_groups.reduce_scatter`; ``output`` may be a
         view of ``input``). Its temporaries are kept (see the class notes)."""
         items = self._pairs(pairs, core.check_reduce_scatter)
-        core.check_op(op)
+        op = core.check_op(op)
         core.check_options(async_op, label, detail, group=self._group)
         accumulate = rs.check_accumulate_dtype(accumulate_dtype)
         if self._group.size() == 1:
@@ -200,7 +201,7 @@ class Communicator:
         items = _checked_list(pairs, "pairs", tuple)
         for i, pair in enumerate(items):
             if len(pair) != 2:
-                raise ValueError(f"pairs[{i}] must be an (output, input) pair of tensors")
+                raise InputValueError(f"pairs[{i}] must be an (output, input) pair of tensors")
             try:
                 check(pair[0], pair[1], size)
             except (TypeError, ValueError) as err:
@@ -236,11 +237,11 @@ class Communicator:
 def _checked_list(values: object, arg: str, kind: type[_T]) -> list[_T]:
     """``values`` as a list whose items are ``kind``s (``TypeError`` otherwise)."""
     if isinstance(values, str) or not isinstance(values, Sequence):
-        raise TypeError(f"{arg}={values!r} must be a list")
+        raise InputTypeError(f"{arg}={values!r} must be a list")
     items = list(values)
     for i, item in enumerate(items):
         if not isinstance(item, kind):
-            raise TypeError(f"{arg}[{i}] is a {type(item).__name__}, not a {kind.__name__}")
+            raise InputTypeError(f"{arg}[{i}] is a {type_name(item)}, not a {kind.__name__}")
     return items
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_optional_int
+from mc_groups.errors import InputValueError
 
 __all__ = ["ModelParallelConfig"]
 
@@ -101,21 +102,21 @@ class ModelParallelConfig:
 
     def _check_combinations(self) -> None:
         if self.sequence_parallel and self.tensor_model_parallel_size <= 1:
-            raise ValueError(
+            raise InputValueError(
                 "sequence_parallel=True needs tensor_model_parallel_size > 1 (got "
                 f"{self.tensor_model_parallel_size}); sequence parallelism shards activations "
                 "over the tensor-parallel group"
             )
         if self.fp16 and self.bf16:
-            raise ValueError("fp16=True and bf16=True: choose one mixed-precision mode")
+            raise InputValueError("fp16=True and bf16=True: choose one mixed-precision mode")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and self.pipeline_model_parallel_size <= 1:
-            raise ValueError(
+            raise InputValueError(
                 f"virtual_pipeline_model_parallel_size={vpp} needs "
                 f"pipeline_model_parallel_size > 1 (got {self.pipeline_model_parallel_size})"
             )
         if self.tp_comm_overlap:
-            raise ValueError(
+            raise InputValueError(
                 "tp_comm_overlap=True needs Transformer Engine userbuffers, which mc's "
                 "pure-torch layers do not use; set tp_comm_overlap=False"
             )
@@ -125,7 +126,7 @@ class ModelParallelConfig:
         known = {f.name for f in fields(self)}
         unknown = sorted(set(changes) - known)
         if unknown:
-            raise ValueError(f"ModelParallelConfig has no field(s) {unknown}")
+            raise InputValueError(f"ModelParallelConfig has no field(s) {unknown}")
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return ModelParallelConfig(**values)

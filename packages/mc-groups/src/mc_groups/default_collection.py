@@ -96,7 +96,8 @@ def collection_or_default(
     """``pg_collection``, or the registered default when it is None.
 
     Args:
-        pg_collection: the caller's argument: a ``ProcessGroupCollection`` or None.
+        pg_collection: the caller's argument: a ``ProcessGroupCollection`` (mc's, or another
+            library's such as Megatron-Core's, adopted by its group attributes) or None.
         what: the caller, as its errors name it (``"DistributedDataParallel"``).
         explicit: how the caller's user passes groups explicitly, for the error without a
             default (``"tp_group=<ProcessGroup> or pg_collection=<ProcessGroupCollection>"``,
@@ -105,15 +106,10 @@ def collection_or_default(
             fall back further, e.g. to rank 0 of a single process).
 
     Raises:
-        TypeError: ``pg_collection`` is neither None nor a ``ProcessGroupCollection``.
+        TypeError: ``pg_collection`` is neither None nor a collection.
         RuntimeError: the collection was destroyed by ``destroy_model_parallel()``.
         NoDefaultCollectionError: None, no default registered, and ``required``.
     """
-    if pg_collection is not None and not isinstance(pg_collection, ProcessGroupCollection):
-        raise TypeError(
-            f"{what}: pg_collection={pg_collection!r} must be a "
-            "mc_groups.ProcessGroupCollection or None (e.g. initialize_model_parallel(...))"
-        )
     collection = _DefaultSlot.collection if pg_collection is None else pg_collection
     if collection is None:
         if not required:

@@ -13,6 +13,8 @@ from typing import TypeAlias
 
 import torch
 
+from mc_groups.errors import InputTypeError, InputValueError
+
 __all__ = [
     "NullStream",
     "StreamLike",
@@ -45,11 +47,11 @@ def _cuda(device: object) -> torch.device | None:
     if device is None:
         return None
     if isinstance(device, bool) or not isinstance(device, torch.device | str | int):
-        raise TypeError(f"device={device!r} must be None, a torch.device or a device string")
+        raise InputTypeError(f"device={device!r} must be None, a torch.device or a device string")
     try:
         resolved = torch.device(device)
     except RuntimeError as err:
-        raise ValueError(f"device={device!r} is not a device: {err}") from None
+        raise InputValueError(f"device={device!r} is not a device: {err}") from None
     return resolved if resolved.type == "cuda" else None
 
 
@@ -73,7 +75,7 @@ def side_stream(device: torch.device | str | None) -> StreamLike:
 def stream_scope(stream: StreamLike) -> Iterator[None]:
     """Run the block on ``stream`` (nothing to switch on CPU)."""
     if not isinstance(stream, torch.cuda.Stream | NullStream):
-        raise TypeError(
+        raise InputTypeError(
             f"stream={stream!r} must be a torch.cuda.Stream or a NullStream (see "
             "current_stream / side_stream)"
         )

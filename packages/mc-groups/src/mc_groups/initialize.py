@@ -32,6 +32,7 @@ from mc_groups.default_collection import (
     get_default_collection,
     set_default_collection,
 )
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_groups.layout import ParallelSizes, _role_rank_lists, validate_sizes
 
 __all__ = [
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 
-class DistributedNotInitializedError(RuntimeError, ValueError):
+class DistributedNotInitializedError(RuntimeError, InputValueError):
     """``torch.distributed`` has no default process group yet."""
 
 
@@ -121,12 +122,12 @@ def _check_timeout(timeout: object) -> timedelta | None:
     if timeout is None:
         return None
     if not isinstance(timeout, timedelta):
-        raise TypeError(
+        raise InputTypeError(
             f"timeout={timeout!r} must be a datetime.timedelta (e.g. timedelta(minutes=5)) or "
             "None (the default group's timeout)"
         )
     if timeout <= timedelta(0):
-        raise ValueError(f"timeout={timeout!r} must be positive")
+        raise InputValueError(f"timeout={timeout!r} must be positive")
     return timeout
 
 
@@ -190,7 +191,7 @@ def _agree_on_layout(sizes: ParallelSizes, order: str) -> None:
             values.setdefault(shown, []).append(rank)
         listed = "; ".join(f"rank(s) {ranks}: {value!r}" for value, ranks in values.items())
         parts.append(f"{_LAYOUT_FIELDS[i]} ({listed})")
-    raise ValueError(
+    raise InputValueError(
         "initialize_model_parallel: the ranks passed different layouts: "
         + ", ".join(parts)
         + ". Every rank must pass the same sizes and order (group creation is collective); "
@@ -265,7 +266,7 @@ def destroy_model_parallel(collection: ProcessGroupCollection) -> None:
     on its groups raises a ``RuntimeError`` naming the destroyed group.
     """
     if not isinstance(collection, ProcessGroupCollection):
-        raise TypeError(
+        raise InputTypeError(
             f"collection={collection!r} must be the ProcessGroupCollection that "
             "initialize_model_parallel() returned"
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mc_groups.argcheck import check_int, check_optional_int
+from mc_groups.errors import InputValueError
 from mc_groups.rank_generator import MAX_WORLD_SIZE, RankGenerator
 
 __all__ = ["ParallelSizes", "validate_sizes"]
@@ -47,7 +48,7 @@ def _divide(world: int, parts: dict[str, int], what: str) -> int:
         product *= v
     if world % product:
         shown = " × ".join(f"{k}={v}" for k, v in parts.items())
-        raise ValueError(
+        raise InputValueError(
             f"world size {world} is not divisible by {shown} = {product}; {what} must be a "
             "whole number"
         )
@@ -97,7 +98,7 @@ def validate_sizes(
         num_distributed_optimizer_instances=inst,
     )
     if vpp is not None and pp <= 1:
-        raise ValueError(
+        raise InputValueError(
             f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size"
             f" > 1 (got {pp}); drop the virtual size or use more pipeline stages"
         )
@@ -108,12 +109,12 @@ def validate_sizes(
         "the expert data-parallel size",
     )
     if (dp * cp) % inst:
-        raise ValueError(
+        raise InputValueError(
             f"num_distributed_optimizer_instances={inst} must divide the data-parallel × "
             f"context-parallel size {dp} × {cp} = {dp * cp}"
         )
     if inst > 1 and (gtp > 1 or egtp > 1):
-        raise ValueError(
+        raise InputValueError(
             f"gtp_remat_size={gtp} / expert_gtp_remat_size={egtp} cannot be combined with "
             f"num_distributed_optimizer_instances={inst} > 1; use one instance with gtp_remat"
         )
@@ -123,7 +124,7 @@ def validate_sizes(
 def _within_world(world: int, **sizes: int) -> None:
     for name, size in sizes.items():
         if size > world:
-            raise ValueError(
+            raise InputValueError(
                 f"{name}={size} exceeds the world size {world}: a parallel axis cannot span "
                 "more ranks than the world has"
             )

@@ -66,6 +66,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mc_groups.errors import InputTypeError
+
 __all__ = [
     "ALLREDUCE",
     "AVERAGE_GRADIENTS_ACROSS_TP_DOMAIN",
@@ -163,7 +165,9 @@ def bool_attr(param: torch.Tensor, attr: str, default: bool, name: str | None = 
         where = f"param (shape {tuple(param.shape)}, {str(param.dtype).removeprefix('torch.')})"
     else:
         where = f"param '{name}'"
-    raise TypeError(f"{where} has {attr}={value!r}; the attribute must be a bool (True or False)")
+    raise InputTypeError(
+        f"{where} has {attr}={value!r}; the attribute must be a bool (True or False)"
+    )
 
 
 # -- data-parallel marks -------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from mc_groups.argcheck import check_collection, check_optional_int
 from mc_groups.collection import ProcessGroupCollection
 from mc_groups.collectives import group_rank, group_ranks
+from mc_groups.errors import InputValueError
 
 __all__ = [
     "get_pipeline_next_rank",
@@ -46,7 +47,7 @@ def _check_vp(vp_stage: object, vp_size: object) -> None:
     if vp_stage is None:
         return
     if vp_size is None or not 0 <= vp_stage < vp_size:
-        raise ValueError(
+        raise InputValueError(
             f"vp_stage={vp_stage} needs vp_size (got {vp_size}) with 0 <= vp_stage < vp_size"
         )
 

@@ -25,6 +25,7 @@ import math
 from collections.abc import Sequence
 
 from mc_groups.argcheck import check_flag, check_int
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["AXES", "MAX_WORLD_SIZE", "RankGenerator"]
 
@@ -74,12 +75,12 @@ class RankGenerator:
         world = math.prod(sizes.values())
         if world > MAX_WORLD_SIZE:
             shown = " × ".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
-            raise ValueError(
+            raise InputValueError(
                 f"{shown} = {world} ranks exceeds MAX_WORLD_SIZE={MAX_WORLD_SIZE}; the sizes "
                 "multiply to the world size: check for a misplaced or mistyped size"
             )
         if ep > 1 and cp > 1:
-            raise ValueError(
+            raise InputValueError(
                 f"ep={ep} and cp={cp}: one RankGenerator cannot have both expert and context "
                 "parallelism > 1; use cp in the dense generator and ep in the expert generator"
             )
@@ -116,13 +117,13 @@ class RankGenerator:
 def _complete_order(order: str, sizes: dict[str, int], anchor: str) -> str:
     """Validate ``order``, inject ``gtp_remat`` after ``anchor`` and append size-1 axes."""
     if not isinstance(order, str):
-        raise TypeError(f"order={order!r} must be a string such as 'tp-cp-ep-dp-pp'")
+        raise InputTypeError(f"order={order!r} must be a string such as 'tp-cp-ep-dp-pp'")
     axes = [a for a in order.lower().split("-") if a]
     if not axes:
-        raise ValueError(f"order={order!r} names no axis; use e.g. 'tp-cp-ep-dp-pp'")
+        raise InputValueError(f"order={order!r} names no axis; use e.g. 'tp-cp-ep-dp-pp'")
     unknown = [a for a in axes if a not in sizes]
     if unknown or len(set(axes)) != len(axes):
-        raise ValueError(
+        raise InputValueError(
             f"order={order!r}: axes must be distinct names from {list(AXES)} joined by '-'"
         )
     if "gtp_remat" not in axes and anchor in axes:
@@ -131,7 +132,7 @@ def _complete_order(order: str, sizes: dict[str, int], anchor: str) -> str:
         if name in axes:
             continue
         if sizes[name] != 1:
-            raise ValueError(
+            raise InputValueError(
                 f"order={order!r} does not name axis {name!r} of size {sizes[name]}; "
                 "every axis of size > 1 must appear in the order"
             )
@@ -141,13 +142,15 @@ def _complete_order(order: str, sizes: dict[str, int], anchor: str) -> str:
 
 def _parse_token(token: object, axes: Sequence[str]) -> set[str]:
     if not isinstance(token, str):
-        raise TypeError(
+        raise InputTypeError(
             f"token={token!r} must be a str of axis names from {list(axes)} joined by '-'"
         )
     names = token.lower().split("-")
     bad = [n for n in names if n not in axes]
     if bad or not token:
-        raise ValueError(f"token={token!r}: expected axis names from {list(axes)} joined by '-'")
+        raise InputValueError(
+            f"token={token!r}: expected axis names from {list(axes)} joined by '-'"
+        )
     return set(names)
 
 

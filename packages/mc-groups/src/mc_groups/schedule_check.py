@@ -60,6 +60,7 @@ from mc_groups._errors import CollectiveError, CollectiveScheduleError
 from mc_groups._p2p import exchange_rows
 from mc_groups._shims import all_gather_flat
 from mc_groups.argcheck import check_flag
+from mc_groups.errors import InputValueError
 
 __all__ = [
     "SCHEDULE_CHECK_ENV",
@@ -91,7 +92,7 @@ def schedule_check_enabled() -> bool:
         return True
     if word in _OFF:
         return False
-    raise ValueError(
+    raise InputValueError(
         f"{SCHEDULE_CHECK_ENV}={value!r} is not a switch: use 1/true/yes/on to check "
         "collective schedules, 0/false/no/off (or unset it) not to"
     )

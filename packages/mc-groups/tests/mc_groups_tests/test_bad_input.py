@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import argcheck, device
-from mc_groups.testing import RankPool, RankPools
+from mc_groups.testing import RankPool, RankPools, error_kind
 
 
 def Loose(value: object) -> Any:  # noqa: N802 (reads as a cast)
@@ -820,7 +820,7 @@ def _run_cases() -> dict[str, tuple[str, str, int]]:
                 case.call(first, dist.get_rank())
                 out[name] = ("no error", "", len(log))
             except (TypeError, ValueError, RuntimeError) as err:
-                out[name] = (type(err).__name__, str(err), len(log))
+                out[name] = (error_kind(err), str(err), len(log))
     return out
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups.testing import RankFailure, RankPool
+from mc_groups.testing import RankFailure, RankPool, error_kind
 
 TIMEOUT_S = 2.0
 
@@ -76,7 +76,7 @@ def _after_peer_exit() -> dict[str, tuple[str, str, float]]:
             call()
             out[name] = ("no error", "", 0.0)
         except mg.CollectiveError as err:
-            out[name] = (type(err).__name__, str(err), time.monotonic() - started)
+            out[name] = (error_kind(err), str(err), time.monotonic() - started)
     return out
 
 

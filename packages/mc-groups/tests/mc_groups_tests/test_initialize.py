@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import RankGenerator, validate_sizes
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 
 
 def _expected(world: int, kw: dict[str, Any]) -> dict[str, list[list[int]]]:
@@ -195,7 +195,7 @@ def _disagreeing_layout(kw_by_rank: list[dict[str, Any]]) -> tuple[str, str, int
         mg.destroy_model_parallel(mg.initialize_model_parallel(**kw_by_rank[me]))
         kind, text = "no error", ""
     except ValueError as err:
-        kind, text = type(err).__name__, str(err)
+        kind, text = error_kind(err), str(err)
     created = len(dist.distributed_c10d._world.pg_map) - before
     t = torch.ones(1)
     world = dist.group.WORLD

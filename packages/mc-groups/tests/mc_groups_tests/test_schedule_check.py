@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import ReduceOp, schedule_check
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 
 
 def _world() -> dist.ProcessGroup:
@@ -157,7 +157,7 @@ def _mismatches() -> dict[str, Any]:
                     make(g, r)()
                     out[name] = ("no error", "", 0)
                 except mg.CollectiveScheduleError as err:
-                    out[name] = (type(err).__name__, str(err), len(log))
+                    out[name] = (error_kind(err), str(err), len(log))
         after = torch.full((2,), float(r + 1))
         mg.all_reduce(after, g)  # the group is still usable
     out["after"] = after.tolist()

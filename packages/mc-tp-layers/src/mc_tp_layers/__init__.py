@@ -6,7 +6,9 @@
 - :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`: the layers.
 - :func:`vocab_parallel_cross_entropy`: the loss of a vocabulary-split LM head.
-- :mod:`mc_tp_layers.random`: the RNG tracker for device initialisation.
+- :mod:`mc_tp_layers.random`: the RNG tracker for device initialisation and dropout, and
+  activation checkpointing that replays it (``mc_tp_layers.random.checkpoint``: the
+  package's ``checkpoint`` attribute is the DTensor module below, so it is not re-exported).
 - :mod:`mc_tp_layers.checkpoint`: DTensor views for ``torch.distributed.checkpoint``.
 - :mod:`mc_tp_layers.layers`: every name of Megatron's ``core.tensor_parallel.layers`` (this
   package takes its layers and attribute helpers from there, as Megatron's
@@ -61,6 +63,7 @@ from mc_tp_layers.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from mc_tp_layers.random import (
+    CheckpointWithoutOutput,
     CudaRNGStatesTracker,
     RNGStatesTracker,
     clear_cuda_rng_tracker,
@@ -71,7 +74,13 @@ from mc_tp_layers.random import (
     model_parallel_cuda_manual_seed,
     set_cuda_rng_tracker,
 )
-from mc_tp_layers.utils import VocabUtility, divide, split_tensor_along_last_dim
+from mc_tp_layers.utils import (
+    VocabUtility,
+    divide,
+    gather_split_1d_tensor,
+    split_tensor_along_last_dim,
+    split_tensor_into_1d_equal_chunks,
+)
 
 try:  # one source of the version: the distribution's pyproject.toml
     __version__ = version("mc-tp-layers")
@@ -79,6 +88,7 @@ except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/g
     __version__ = "0+unknown"
 
 __all__ = [
+    "CheckpointWithoutOutput",
     "ColumnParallelLinear",
     "CudaRNGStatesTracker",
     "LinearWithFrozenWeight",
@@ -103,6 +113,7 @@ __all__ = [
     "drain_embedding_wgrad_compute",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
+    "gather_split_1d_tensor",
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
@@ -124,6 +135,7 @@ __all__ = [
     "set_tensor_model_parallel_attributes",
     "shard_weight_for_gtp",
     "split_tensor_along_last_dim",
+    "split_tensor_into_1d_equal_chunks",
     "tp_sharded_tensor",
     "vocab_parallel_cross_entropy",
 ]

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups.errors import InputValueError
 from mc_tp_layers import _validate
 
 __all__: list[str] = []
@@ -188,14 +189,14 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 def _check_total(x: torch.Tensor, sizes: list[int], arg: str) -> None:
     if sum(sizes) != x.shape[0]:
-        raise ValueError(
+        raise InputValueError(
             f"{arg}={sizes} sum to {sum(sizes)} but the input has {x.shape[0]} rows "
             f"(shape {tuple(x.shape)}); the sizes must add up to dim 0"
         )
 
 
 def _mismatch(x: torch.Tensor, sizes: list[int], rank: int, arg: str) -> None:
-    raise ValueError(
+    raise InputValueError(
         f"{arg}={sizes} gives rank {rank} {sizes[rank]} rows but its input has "
         f"{x.shape[0]} (shape {tuple(x.shape)})"
     )

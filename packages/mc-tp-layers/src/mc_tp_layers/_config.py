@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-from mc_groups.argcheck import check_flag, check_float_dtype, check_int
+from mc_groups.argcheck import check_flag, check_float_dtype, check_int, type_name
+from mc_groups.errors import InputTypeError
 
 __all__ = ["TensorParallelConfig"]
 
@@ -94,8 +95,8 @@ def check_config(config: object) -> TensorParallelConfig:
     """
     missing = [name for name in _CONFIG_FIELDS if not hasattr(config, name)]
     if missing:
-        raise TypeError(
-            f"config={type(config).__name__} lacks {missing}; pass a "
+        raise InputTypeError(
+            f"config={type_name(config)} lacks {missing}; pass a "
             "mc_groups.ModelParallelConfig (or any object with the attributes of "
             "mc_tp_layers.TensorParallelConfig)"
         )

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from mc_groups import collection_or_default
 from mc_groups.argcheck import check_group
+from mc_groups.errors import InputValueError
 
 __all__: list[str] = []
 
@@ -46,7 +47,7 @@ def resolve_gtp_group(
     field = "expt_gtp_remat" if is_expert else "gtp_remat"
     group = collection_or_default(pg_collection, what, explicit=_EXPLICIT).require(field, what)
     if group.size() != gtp_remat_size:
-        raise ValueError(
+        raise InputValueError(
             f"config.gtp_remat_size={gtp_remat_size} but pg_collection.{field} has "
             f"{group.size()} ranks; build the groups with the same gtp_remat_size"
         )

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from mc_groups.errors import InputValueError
+
 __all__: list[str] = []
 
 
@@ -46,7 +48,7 @@ def check_index_range(
         bad = values[outside]
         first = tuple(int(i) for i in outside.nonzero()[0].tolist())
         kept = "" if ignore is None else f" other than ignore_index={ignore}"
-        raise ValueError(
+        raise InputValueError(
             f"{arg} holds {bad.numel()} {what}{kept} outside [0, {size}): e.g. "
             f"{int(bad[0])} at index {first} (smallest {int(bad.min())}, largest "
             f"{int(bad.max())}); {fix}"

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_group, check_int
+from mc_groups.argcheck import check_group, check_int, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import agreement
 from mc_tp_layers._config import TensorParallelConfig, check_config, uses_expert_groups
 from mc_tp_layers._groups import default_device
@@ -47,7 +48,7 @@ def check_device(device: object) -> torch.device | None:
 def check_buffer(name: str, value: object) -> list[torch.Tensor] | None:
     """A list the layer appends to (embedding wgrad deferral), or None."""
     if value is not None and not isinstance(value, list):
-        raise TypeError(f"{name} must be a list or None, got {type(value).__name__}")
+        raise InputTypeError(f"{name} must be a list or None, got {type_name(value)}")
     return value
 
 
@@ -55,7 +56,7 @@ def check_tracker(rng_tracker: object) -> RNGStatesTracker | None:
     """``rng_tracker`` when it is an :class:`RNGStatesTracker` or None (checked whether or
     not this layer initialises on the device)."""
     if rng_tracker is not None and not isinstance(rng_tracker, RNGStatesTracker):
-        raise TypeError(
+        raise InputTypeError(
             f"rng_tracker={rng_tracker!r} must be a mc_tp_layers.RNGStatesTracker or None"
         )
     return rng_tracker
@@ -233,7 +234,7 @@ class ParallelLinear(TensorParallelModule):
         check_init(init_method)
         if per_partition % stride:
             total = self.output_size if side == "output" else self.input_size
-            raise ValueError(
+            raise InputValueError(
                 f"stride={stride} must divide the per-rank {side} size {per_partition} "
                 f"({side}_size={total} over {self.tp_group.size()} ranks)"
             )

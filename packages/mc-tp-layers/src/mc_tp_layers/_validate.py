@@ -11,6 +11,7 @@ import torch
 
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_int, check_tensor
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__: list[str] = []
 
@@ -23,7 +24,7 @@ def check_divisible(value: object, size: int, arg: str, fix: str) -> int:
     """
     number = check_int(arg, value)
     if number % size:
-        raise ValueError(
+        raise InputValueError(
             f"{arg}={number} is not divisible by the tensor-parallel size {size}; {fix}"
         )
     return number // size
@@ -32,7 +33,7 @@ def check_divisible(value: object, size: int, arg: str, fix: str) -> int:
 def min_dims(value: torch.Tensor, ndim: int, arg: str) -> None:
     """A ``ValueError`` unless ``value`` has at least ``ndim`` dimensions."""
     if value.dim() < ndim:
-        raise ValueError(
+        raise InputValueError(
             f"{arg} has shape {tuple(value.shape)}; it needs at least {ndim} dimension(s)"
         )
 
@@ -40,7 +41,7 @@ def min_dims(value: torch.Tensor, ndim: int, arg: str) -> None:
 def dim_divisible(value: torch.Tensor, dim: int, size: int, arg: str, what: str) -> None:
     """A ``ValueError`` unless ``value.shape[dim]`` is a multiple of ``size``."""
     if value.shape[dim] % size:
-        raise ValueError(
+        raise InputValueError(
             f"{arg} has shape {tuple(value.shape)}: its {what} (dim {dim}, "
             f"{value.shape[dim]}) is not divisible by the tensor-parallel size {size}; pad "
             "it to a multiple or pass split sizes"
@@ -56,11 +57,13 @@ def split_sizes(sizes: object, group_size: int, arg: str) -> list[int] | None:
     if sizes is None:
         return None
     if isinstance(sizes, (str, bytes, torch.Tensor)) or not isinstance(sizes, Sequence):
-        raise TypeError(f"{arg}={sizes!r} must be a list of ints (one row count per rank) or None")
+        raise InputTypeError(
+            f"{arg}={sizes!r} must be a list of ints (one row count per rank) or None"
+        )
     listed = list(sizes)
     bad = [s for s in listed if isinstance(s, bool) or not isinstance(s, int) or s < 0]
     if len(listed) != group_size or bad:
-        raise ValueError(
+        raise InputValueError(
             f"{arg}={listed} must hold one non-negative int per rank of the group "
             f"({group_size} ranks)"
         )
@@ -75,7 +78,7 @@ def partition_dim(value: object, ndim: int, arg: str = "partition_dim") -> int:
     """
     dim = check_int(arg, value, minimum=-sys.maxsize - 1)
     if not -ndim <= dim < ndim:
-        raise ValueError(
+        raise InputValueError(
             f"{arg}={dim} is not a dimension of a {ndim}-D tensor; use one of "
             f"{list(range(ndim))} (or {list(range(-ndim, 0))} from the end)"
         )
@@ -86,14 +89,14 @@ def main_grad(weight: torch.Tensor) -> None:
     """A ``ValueError`` unless ``weight.main_grad`` is a tensor of the weight's shape."""
     grad = param_attrs.main_grad_or_none(weight)
     if not isinstance(grad, torch.Tensor):
-        raise ValueError(
+        raise InputValueError(
             f"gradient_accumulation_fusion=True but the weight (shape {tuple(weight.shape)}) "
             "has no main_grad tensor to accumulate into; wrap the model in a DDP that "
             "allocates main_grad (mc_ddp.DistributedDataParallel) or set "
             "config.gradient_accumulation_fusion=False"
         )
     if grad.shape != weight.shape:
-        raise ValueError(
+        raise InputValueError(
             f"weight.main_grad has shape {tuple(grad.shape)} but the weight has "
             f"{tuple(weight.shape)}; main_grad must have the weight's shape"
         )
@@ -114,9 +117,9 @@ def check_input(input_: object, last: int, what: str) -> torch.Tensor:
     """
     x = check_tensor("input_", input_)
     if not x.dtype.is_floating_point:
-        raise TypeError(f"input_ holds {x.dtype}; {what} needs a floating-point input")
+        raise InputTypeError(f"input_ holds {x.dtype}; {what} needs a floating-point input")
     if x.dim() not in (2, 3) or x.shape[-1] != last:
-        raise ValueError(
+        raise InputValueError(
             f"{what} expects input_ of shape [sequence, batch, {last}] (or [tokens, {last}]), "
             f"got {tuple(x.shape)}"
         )
@@ -126,7 +129,7 @@ def check_input(input_: object, last: int, what: str) -> torch.Tensor:
 def check_sequence(x: torch.Tensor, size: int) -> None:
     """Under SP the sequence (dim 0) must split evenly over the TP ranks."""
     if size > 1 and x.shape[0] % size:
-        raise ValueError(
+        raise InputValueError(
             f"input_ has shape {tuple(x.shape)}: under sequence_parallel its sequence length "
             f"{x.shape[0]} must be divisible by the tensor-parallel size {size}; pad the "
             "sequence"

@@ -69,6 +69,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import schedule_check
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["LayerFingerprint", "TensorParallelAgreementError", "check_tp_agreement"]
 
@@ -76,7 +77,7 @@ _KIND = "tp layer agreement"
 _MAX_LINES = 20
 
 
-class TensorParallelAgreementError(ValueError):
+class TensorParallelAgreementError(InputValueError):
     """The ranks of a tensor-parallel group built their layers (or called the
     vocabulary-parallel cross-entropy) differently; every rank of the group raises it, with
     the same message."""
@@ -169,13 +170,13 @@ def check_tp_agreement(model: torch.nn.Module | Sequence[torch.nn.Module]) -> in
     compared before).
     """
     if not isinstance(model, (torch.nn.Module, list, tuple)):
-        raise TypeError(
+        raise InputTypeError(
             f"model={model!r} must be a torch.nn.Module or a list of model chunks (modules)"
         )
     chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     for index, chunk in enumerate(chunks):
         if not isinstance(chunk, torch.nn.Module):
-            raise TypeError(
+            raise InputTypeError(
                 f"model[{index}]={chunk!r} must be a torch.nn.Module (model is a module or "
                 "a list of model chunks)"
             )

@@ -25,17 +25,27 @@ module holds Megatron's public functions over them.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_flag, check_int, check_optional_group, check_tensor
+from mc_groups.argcheck import (
+    check_flag,
+    check_int,
+    check_optional_group,
+    check_tensor,
+    type_name,
+)
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _validate
 from mc_tp_layers._groups import resolve_tp_group
 
 __all__ = [
     "GTP_ATTRIBUTES",
     "_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS",
+    "RankedGroup",
     "copy_gtp_attributes",
     "copy_tensor_model_parallel_attributes",
     "gtp_local_pad_zero_count",
@@ -98,7 +108,7 @@ def set_tensor_model_parallel_attributes(
         if hasattr(tensor, name) and getattr(tensor, name) != value
     }
     if clashes:
-        raise ValueError(
+        raise InputValueError(
             f"tensor already carries TP attributes {clashes}, which differ from {wanted}; "
             "copy it (tensor.detach().clone()) before re-labelling"
         )
@@ -129,10 +139,33 @@ def copy_tensor_model_parallel_attributes(
             setattr(destination_tensor, name, getattr(source_tensor, name))
 
 
+class RankedGroup(Protocol):
+    """What :func:`param_is_not_tensor_parallel_duplicate` reads of a group: its ``rank()``
+    (a ``ProcessGroup`` has it; so does any stand-in a Megatron user passes)."""
+
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        ...
+
+
+def _ranked(name: str, group: object) -> RankedGroup | None:
+    """``group`` when it is None, a live ``ProcessGroup``, or another object with a callable
+    ``rank()`` (nothing is communicated, so no more is needed)."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        check_optional_group(name, group)
+        return group
+    if callable(getattr(group, "rank", None)):
+        return group  # type: ignore[return-value]  # has rank(): the protocol
+    raise InputTypeError(
+        f"{name}={group!r} ({type_name(group)}) must be a torch.distributed.ProcessGroup, an "
+        "object with a rank() method, or None"
+    )
+
+
 def param_is_not_tensor_parallel_duplicate(
     param: torch.Tensor,
-    tp_group: dist.ProcessGroup | None = None,
-    expert_tp_group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | RankedGroup | None = None,
+    expert_tp_group: dist.ProcessGroup | RankedGroup | None = None,
 ) -> bool:
     """True if ``param`` counts once when summing over the tensor-parallel ranks.
 
@@ -141,15 +174,18 @@ def param_is_not_tensor_parallel_duplicate(
     for a parameter reduced over the expert data-parallel group (``allreduce`` False) when
     it is given, else ``tp_group`` when given. With neither, the registered default
     collection's ``expt_tp`` (expert params) or ``tp`` (the others) — where Megatron falls
-    back to its global dense TP rank for both.
+    back to its global dense TP rank for both. Only the group's ``rank()`` is read, so any
+    object with one will do (:class:`RankedGroup`).
     """
     check_tensor("param", param)
-    check_optional_group("tp_group", tp_group)
-    check_optional_group("expert_tp_group", expert_tp_group)
+    tp = _ranked("tp_group", tp_group)
+    expert_tp = _ranked("expert_tp_group", expert_tp_group)
     if param_attrs.is_tensor_model_parallel(param):
         return True
     is_expert = param_attrs.is_expert_param(param)
-    group = expert_tp_group if is_expert and expert_tp_group is not None else tp_group
+    group = expert_tp if is_expert and expert_tp is not None else tp
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        return int(group.rank()) == 0
     resolved = resolve_tp_group(
         group, None, is_expert=is_expert, what="param_is_not_tensor_parallel_duplicate"
     )
@@ -202,7 +238,7 @@ def gtp_local_pad_zero_count(gtp_shard: torch.Tensor, range_start: int, range_en
     check_tensor("gtp_shard", gtp_shard)
     start_at = check_int("range_start", range_start, minimum=0)
     if check_int("range_end", range_end, minimum=0) < start_at:
-        raise ValueError(
+        raise InputValueError(
             f"range_end={range_end} < range_start={range_start}; the range is "
             "[range_start, range_end)"
         )

@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_group, check_int, check_str, check_tensor
+from mc_groups.argcheck import check_group, check_int, check_str, check_tensor, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _validate
 from mc_tp_layers.gtp import _gtp_group, unsharded_shape
 
@@ -72,7 +73,7 @@ def tp_sharded_tensor(
     check_group("tp_group", tp_group)
     dim = _validate.partition_dim(partition_dim, local.dim())
     if local.shape[dim] % check_int("stride", stride):
-        raise ValueError(
+        raise InputValueError(
             f"stride={stride} does not divide dim {dim} of the tensor's shape "
             f"{tuple(local.shape)}; a strided shard holds stride equal blocks"
         )
@@ -100,12 +101,12 @@ def tp_sharded_tensor(
 def _checked(module: torch.nn.Module, prefix: object, sharded_offsets: Any, metadata: Any) -> None:
     check_str("prefix", prefix)
     if isinstance(sharded_offsets, (str, bytes)) or not isinstance(sharded_offsets, Sequence):
-        raise TypeError(
+        raise InputTypeError(
             f"sharded_offsets={sharded_offsets!r} must be a tuple of (axis, offset, count) "
             "triples (mc supports only the empty tuple)"
         )
     if metadata is not None and not isinstance(metadata, dict):
-        raise TypeError(f"metadata={metadata!r} must be a dict or None")
+        raise InputTypeError(f"metadata={metadata!r} must be a dict or None")
     # Megatron's metadata only selects its own checkpoint formats: accepted, not read.
     if tuple(sharded_offsets):
         raise NotImplementedError(
@@ -115,7 +116,7 @@ def _checked(module: torch.nn.Module, prefix: object, sharded_offsets: Any, meta
     for name, param in module.named_parameters(recurse=False):
         if param_attrs.is_gtp_weight_remat(param) and _stride(param) > 1:
             raise NotImplementedError(
-                f"{type(module).__name__}.{name} is a gtp_remat shard with partition_stride="
+                f"{type_name(module)}.{name} is a gtp_remat shard with partition_stride="
                 f"{_stride(param)}; sharded_state_dict supports strided weights without "
                 "gtp_remat only"
             )

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection
 from mc_groups.argcheck import check_flag, check_float_dtype, check_optional_str, check_tensor
+from mc_groups.errors import InputValueError
 from mc_tp_layers import _layer_base as base
 from mc_tp_layers._config import (
     TensorParallelConfig,
@@ -189,7 +190,7 @@ class ColumnParallelLinear(ParallelLinear):
         if self.config.defer_embedding_wgrad_compute and (
             self.embedding_activation_buffer is None or self.grad_output_buffer is None
         ):
-            raise ValueError(
+            raise InputValueError(
                 "config.defer_embedding_wgrad_compute=True needs embedding_activation_buffer "
                 "and grad_output_buffer lists; pass both (e.g. [] and [])"
             )
@@ -197,7 +198,7 @@ class ColumnParallelLinear(ParallelLinear):
     def _resolve_weight(self, weight: torch.Tensor | None) -> torch.Tensor:
         if weight is None:
             if self.weight is None:
-                raise ValueError(
+                raise InputValueError(
                     "ColumnParallelLinear was built with skip_weight_param_allocation=True, so "
                     "forward needs weight=<tensor of shape "
                     f"[{self.output_size_per_partition}, {self.input_size}]>"
@@ -207,7 +208,7 @@ class ColumnParallelLinear(ParallelLinear):
         expected = (self.output_size_per_partition, self.input_size)
         actual = unsharded_shape(weight) if self.gtp_remat_size > 1 else tuple(weight.shape)
         if tuple(actual) != expected:
-            raise ValueError(
+            raise InputValueError(
                 f"weight has shape {tuple(weight.shape)} but this layer needs {list(expected)} "
                 f"([output_size / TP size, input_size])"
             )

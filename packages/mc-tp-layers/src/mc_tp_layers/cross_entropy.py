@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups.argcheck import check_int, check_tensor
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers._autograd import apply
 from mc_tp_layers._groups import resolve_tp_group
 from mc_tp_layers._index_range import check_index_range
@@ -198,26 +199,26 @@ def _check(
     x = check_tensor("vocab_parallel_logits", logits)
     t = check_tensor("target", target)
     if not x.dtype.is_floating_point or x.dim() < 1 or x.shape[-1] == 0:
-        raise TypeError(
+        raise InputTypeError(
             f"vocab_parallel_logits must be a floating tensor [..., vocab/TP] with at least "
             f"one class, got {x.dtype} of shape {tuple(x.shape)}"
         )
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise TypeError(f"target holds {t.dtype}; class indices must be an integer tensor")
+        raise InputTypeError(f"target holds {t.dtype}; class indices must be an integer tensor")
     if tuple(t.shape) != tuple(x.shape[:-1]):
-        raise ValueError(
+        raise InputValueError(
             f"target has shape {tuple(t.shape)} but vocab_parallel_logits has "
             f"{tuple(x.shape)}; target must be the logits' shape without the vocab dim"
         )
     if t.device != x.device:
-        raise ValueError(
+        raise InputValueError(
             f"target is on {t.device} but vocab_parallel_logits on {x.device}; move the "
             "target to the logits' device"
         )
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
-        raise TypeError(f"label_smoothing={label_smoothing!r} must be a float in [0, 1)")
+        raise InputTypeError(f"label_smoothing={label_smoothing!r} must be a float in [0, 1)")
     if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+        raise InputValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
     ignore = (
         None if ignore_index is None else check_int("ignore_index", ignore_index, minimum=-(2**63))
     )

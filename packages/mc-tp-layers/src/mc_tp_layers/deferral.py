@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups.argcheck import check_flag, check_tensor
+from mc_groups.argcheck import check_flag, check_tensor, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _comm
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._gemm import accumulate_wgrad
@@ -41,19 +42,19 @@ def _check(
     dys = _check_list("grad_output_buffer", grads)
     w = check_tensor("weight", weight)
     if len(xs) != len(dys):
-        raise ValueError(
+        raise InputValueError(
             f"embedding_activation_buffer holds {len(xs)} tensors but "
             f"grad_output_buffer holds {len(dys)}; both must hold one per deferred "
             "micro-batch (drain after every deferred backward ran)"
         )
     main_grad = mg.param_attrs.main_grad_or_none(w)
     if not isinstance(main_grad, torch.Tensor):
-        raise ValueError(
+        raise InputValueError(
             "drain_embedding_wgrad_compute adds into weight.main_grad, which this weight "
             f"(shape {tuple(w.shape)}) lacks; wrap the model in a DDP that allocates it"
         )
     if w.dim() != 2 or main_grad.shape != w.shape:
-        raise ValueError(
+        raise InputValueError(
             f"weight has shape {tuple(w.shape)} and weight.main_grad {tuple(main_grad.shape)}; "
             "drain needs a 2-D weight [n, k] and a main_grad of its shape"
         )
@@ -65,7 +66,7 @@ def _check(
 
 def _check_list(name: str, value: object) -> list[torch.Tensor]:
     if not isinstance(value, list):
-        raise TypeError(f"{name} must be a list, got {type(value).__name__}")
+        raise InputTypeError(f"{name} must be a list, got {type_name(value)}")
     return value
 
 
@@ -77,16 +78,16 @@ def _check_pair(index: int, x: object, dy: object, w: torch.Tensor, rows_factor:
     n, k = w.shape
     for name, t, last in (("embedding_activation_buffer", x, k), ("grad_output_buffer", dy, n)):
         if t.dim() < 1 or t.shape[-1] != last or not t.dtype.is_floating_point:
-            raise ValueError(
+            raise InputValueError(
                 f"{name}[{index}] is {t.dtype} of shape {tuple(t.shape)}; it must be a "
                 f"floating tensor [..., {last}] for a weight of shape {tuple(w.shape)}"
             )
         if t.device != w.device:
-            raise ValueError(f"{name}[{index}] is on {t.device} but the weight on {w.device}")
+            raise InputValueError(f"{name}[{index}] is on {t.device} but the weight on {w.device}")
     rows_x, rows_dy = x.numel() // k * rows_factor, dy.numel() // n
     if rows_x != rows_dy:
         gathered = f" (× {rows_factor} ranks under sequence parallelism)" if rows_factor > 1 else ""
-        raise ValueError(
+        raise InputValueError(
             f"pair {index}: the activation has {x.numel() // k} rows{gathered} but the output "
             f"gradient {rows_dy}; each pair must come from the same micro-batch"
         )

@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mc_groups import ProcessGroupCollection, param_attrs
-from mc_groups.argcheck import check_flag, check_int
+from mc_groups.argcheck import check_flag, check_int, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _layer_base as base
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import resolve_tp_group
@@ -136,22 +137,22 @@ class VocabParallelEmbedding(TensorParallelModule):
 
     def _check_ids(self, input_: object) -> torch.Tensor:
         if not isinstance(input_, torch.Tensor):
-            raise TypeError(
-                f"input_ must be a torch.Tensor of token ids, got {type(input_).__name__}"
+            raise InputTypeError(
+                f"input_ must be a torch.Tensor of token ids, got {type_name(input_)}"
             )
         if input_.dtype not in (torch.int64, torch.int32):
-            raise TypeError(
+            raise InputTypeError(
                 f"input_ holds {input_.dtype}; token ids must be an integer tensor "
                 "(torch.int64 or torch.int32)"
             )
         if input_.device != self.weight.device:
-            raise ValueError(
+            raise InputValueError(
                 f"input_ is on {input_.device} but the embedding table is on "
                 f"{self.weight.device}; move the ids there (ids.to(device))"
             )
         if self.reduce_scatter_embeddings:
             if input_.dim() != 2:
-                raise ValueError(
+                raise InputValueError(
                     f"reduce_scatter_embeddings needs ids of shape [batch, sequence], got "
                     f"{tuple(input_.shape)}"
                 )

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_group, check_int, check_tensor
+from mc_groups.errors import InputValueError
 from mc_tp_layers.attributes import copy_tensor_model_parallel_attributes
 
 __all__ = [
@@ -65,9 +66,9 @@ def shard_weight_for_gtp(
     check_flag("calculate_per_token_loss", calculate_per_token_loss)
     check_tensor("weight", weight)
     if weight.dim() < 1:
-        raise ValueError(f"weight has shape {tuple(weight.shape)}; gtp_remat shards dim 0")
+        raise InputValueError(f"weight has shape {tuple(weight.shape)}; gtp_remat shards dim 0")
     if param_attrs.is_gtp_weight_remat(weight):
-        raise ValueError(
+        raise InputValueError(
             "weight is already a gtp_remat shard (is_gtp_weight_remat); shard the "
             "TP-local weight once"
         )
@@ -93,7 +94,7 @@ def _gtp_shard(shard: torch.Tensor) -> tuple[dist.ProcessGroup, tuple[int, ...]]
     group = param_attrs.gtp_group_of(shard)
     shape = param_attrs.gtp_unsharded_shape_of(shard)
     if not isinstance(group, dist.ProcessGroup) or shape is None:
-        raise ValueError(
+        raise InputValueError(
             "gtp_remat_size > 1 needs a weight sharded by shard_weight_for_gtp (it carries "
             "`group` and `gtp_unsharded_shape`); this weight has shape "
             f"{tuple(shard.shape)} and no GTP attributes"
@@ -126,7 +127,7 @@ def reduce_scatter_gtp_grad(full_grad: torch.Tensor, shard: torch.Tensor) -> tor
     group = _gtp_group(shard)
     check_tensor("full_grad", full_grad)
     if tuple(full_grad.shape) != unsharded_shape(shard):
-        raise ValueError(
+        raise InputValueError(
             f"full_grad has shape {tuple(full_grad.shape)} but the shard was cut from "
             f"{list(unsharded_shape(shard))}; pass the gradient of the whole TP-local weight"
         )

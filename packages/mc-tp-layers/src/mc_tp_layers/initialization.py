@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _validate
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._groups import resolve_tp_group
@@ -64,20 +65,20 @@ def _initialize_affine_weight_gpu(
     check_int("stride", stride)
     check_flag("is_expert", is_expert)
     if rng_tracker is not None and not isinstance(rng_tracker, RNGStatesTracker):
-        raise TypeError(
+        raise InputTypeError(
             f"rng_tracker={rng_tracker!r} must be a mc_tp_layers.RNGStatesTracker or None"
         )
     if rng_tracker is None:
         rng_tracker = _default_tracker()
     if rng_tracker is None:
-        raise ValueError(
+        raise InputValueError(
             "device initialisation (config.use_cpu_initialization=False) needs an RNG "
             "tracker: call mc_tp_layers.model_parallel_cuda_manual_seed(seed, "
             "pg_collection=...) first (it registers the default) or pass rng_tracker=; "
             "or set config.use_cpu_initialization=True, or config.perform_initialization=False"
         )
     if rng_tracker.device.type != weight.device.type:
-        raise ValueError(
+        raise InputValueError(
             f"rng_tracker drives {rng_tracker.device} but the weight is on {weight.device}; "
             "build the tracker for the weight's device"
         )
@@ -106,7 +107,7 @@ def _allocate_master(output_size: int, input_size: int) -> torch.Tensor:
 def check_init(init_method: object) -> InitMethod:
     """``init_method`` when callable, else a ``TypeError``."""
     if not callable(init_method):
-        raise TypeError(f"init_method={init_method!r} must be callable (tensor -> None)")
+        raise InputTypeError(f"init_method={init_method!r} must be callable (tensor -> None)")
     return init_method
 
 
@@ -127,7 +128,7 @@ def _check_cpu_init(
     dim = _validate.partition_dim(partition_dim, 2)
     check_init(init_method)
     if per_partition % check_int("stride", stride):
-        raise ValueError(
+        raise InputValueError(
             f"per_partition_size={per_partition} is not divisible by stride={stride}; "
             "each rank's part must hold stride equal blocks"
         )
@@ -141,9 +142,9 @@ def _check_cpu_init(
     world = check_int("world_size", world)
     rank = check_int("rank", rank, minimum=0)
     if rank >= world:
-        raise ValueError(f"rank={rank} must be < world_size={world}")
+        raise InputValueError(f"rank={rank} must be < world_size={world}")
     if per_partition * world != full[dim]:
-        raise ValueError(
+        raise InputValueError(
             f"per_partition_size={per_partition} × world_size={world} must equal the master "
             f"weight's partition dim {dim} of [{full[0]}, {full[1]}] ({full[dim]})"
         )
@@ -159,7 +160,7 @@ def _my_blocks(
     world: int,
 ) -> torch.Tensor:
     if per_partition_size % stride:
-        raise ValueError(
+        raise InputValueError(
             f"per_partition_size={per_partition_size} is not divisible by stride={stride}; "
             "each rank's part must hold stride equal blocks"
         )
@@ -222,7 +223,7 @@ def _initialize_affine_weight_cpu(
         _my_blocks(master, per_partition_size, partition_dim, stride, rank, world_size), weight
     )
     if tuple(part.shape) != tuple(weight.shape):
-        raise ValueError(
+        raise InputValueError(
             f"weight has shape {tuple(weight.shape)} but rank {rank}'s part of the "
             f"[{output_size}, {input_size}] master weight has shape {tuple(part.shape)}"
         )
@@ -292,7 +293,7 @@ class WeightInit:
         cfg = self.config
         if cfg.perform_initialization and not cfg.use_cpu_initialization:
             if self.rng_tracker is None:
-                raise ValueError(
+                raise InputValueError(
                     "config.use_cpu_initialization=False initialises on the device and needs "
                     "an RNG tracker: call mc_tp_layers.model_parallel_cuda_manual_seed(seed, "
                     "pg_collection=...) first (it registers the default) or pass its result "
@@ -300,6 +301,6 @@ class WeightInit:
                     "perform_initialization=False"
                 )
             if not isinstance(self.rng_tracker, RNGStatesTracker):
-                raise TypeError(
+                raise InputTypeError(
                     f"rng_tracker={self.rng_tracker!r} must be a mc_tp_layers.RNGStatesTracker"
                 )

@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor
+from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _comm, _validate
 from mc_tp_layers._autograd import apply
 from mc_tp_layers._gemm import _linear_forward, _wgrad_gemm, accumulate_wgrad
@@ -287,14 +288,14 @@ def _check_common(
     out_dtype = check_float_dtype("output_dtype", output_dtype, allow_none=True)
     _validate.min_dims(x, 1, "input")
     if allreduce_dgrad and sequence_parallel:
-        raise ValueError(
+        raise InputValueError(
             "allreduce_dgrad=True and sequence_parallel=True: under sequence parallelism the "
             "dgrad is reduce-scattered, not all-reduced; pass allreduce_dgrad=False"
         )
     gtp = check_int("gtp_remat_size", gtp_remat_size)
     full = _weight_shape(w, gtp)
     if len(full) != 2 or full[1] != x.shape[-1]:
-        raise ValueError(
+        raise InputValueError(
             f"input has shape {tuple(x.shape)} but the weight is {list(full)}: the input's "
             "last dimension must equal the weight's second"
         )
@@ -310,7 +311,7 @@ def _weight_shape(w: torch.Tensor, gtp_remat_size: int) -> tuple[int, ...]:
     if gtp_remat_size == 1 and shard_size is None:
         return tuple(w.shape)
     if shard_size != gtp_remat_size:
-        raise ValueError(
+        raise InputValueError(
             f"gtp_remat_size={gtp_remat_size} but the weight (shape {tuple(w.shape)}) is "
             + ("not a gtp_remat shard" if shard_size is None else f"a shard over {shard_size}")
             + "; pass the gtp_remat_size the weight was sharded with "
@@ -322,13 +323,13 @@ def _weight_shape(w: torch.Tensor, gtp_remat_size: int) -> tuple[int, ...]:
 def _check_dtypes(x: torch.Tensor, w: torch.Tensor, output_dtype: torch.dtype | None) -> None:
     for name, t in (("input", x), ("weight", w)):
         if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} holds {t.dtype}; the linear layer needs floating point")
+            raise InputTypeError(f"{name} holds {t.dtype}; the linear layer needs floating point")
     if x.device != w.device:
-        raise ValueError(
+        raise InputValueError(
             f"input is on {x.device} but the weight on {w.device}; move the input there"
         )
     if (output_dtype is None or output_dtype == x.dtype) and x.dtype != w.dtype:
-        raise TypeError(
+        raise InputTypeError(
             f"input holds {x.dtype} but the weight {w.dtype}; cast the input to "
             f"{w.dtype}, or pass output_dtype=<dtype of the result> to compute in the wider "
             "of the two"
@@ -343,12 +344,12 @@ def _check_bias(
     output_dtype: torch.dtype | None,
 ) -> None:
     if tuple(b.shape) != (rows,) or b.device != w.device:
-        raise ValueError(
+        raise InputValueError(
             f"bias has shape {tuple(b.shape)} on {b.device} but the weight has {rows} output "
             f"rows on {w.device}; the bias must be [{rows}] on the weight's device"
         )
     if (output_dtype is None or output_dtype == x.dtype) and b.dtype != x.dtype:
-        raise TypeError(f"bias holds {b.dtype} but the input {x.dtype}; they must match")
+        raise InputTypeError(f"bias holds {b.dtype} but the input {x.dtype}; they must match")
 
 
 def _check_deferral(grad_output_buffer: object, wgrad_deferral_limit: object, fusion: bool) -> int:
@@ -360,11 +361,11 @@ def _check_deferral(grad_output_buffer: object, wgrad_deferral_limit: object, fu
     if grad_output_buffer is None:
         return limit
     if not isinstance(grad_output_buffer, list):
-        raise TypeError(
-            f"grad_output_buffer must be a list or None, got {type(grad_output_buffer).__name__}"
+        raise InputTypeError(
+            f"grad_output_buffer must be a list or None, got {type_name(grad_output_buffer)}"
         )
     if not fusion:
-        raise ValueError(
+        raise InputValueError(
             "grad_output_buffer (embedding wgrad deferral) needs "
             "gradient_accumulation_fusion=True: the deferred weight gradient is added into "
             "weight.main_grad by drain_embedding_wgrad_compute"
@@ -477,7 +478,7 @@ def linear_with_frozen_weight(
         input, weight, bias, allreduce_dgrad, sequence_parallel, gtp_remat_size, output_dtype
     )
     if grad_output_buffer is not None or wgrad_deferral_limit is not None:
-        raise ValueError(
+        raise InputValueError(
             "grad_output_buffer and wgrad_deferral_limit are only supported by "
             "linear_with_grad_accumulation_and_async_allreduce; pass None"
         )

@@ -28,17 +28,36 @@ All-to-all: :func:`all_to_all` exchanges dim-0 splits (backward: the reverse exc
 
 Dim-0 mappings accept uneven per-rank split sizes; gloo cannot all-gather uneven sizes,
 so each part is padded to the largest and the padding dropped (see :mod:`._comm`).
+
+Each mapping is one ``torch.autograd.Function`` with Megatron's name, signature and
+``ctx`` attributes, importable from here because Megatron's users and tests call them
+directly (``_X.apply(input_, group)``, ``_X.backward(ctx, grad)`` with a ``ctx`` that holds
+only ``group`` and the mapping's recorded arguments, ``_X.symbolic(graph, input_, group)``,
+which computes the forward without autograd)::
+
+    _CopyToModelParallelRegion        _ReduceFromModelParallelRegion
+    _ScatterToModelParallelRegion     _GatherFromModelParallelRegion
+    _ScatterToSequenceParallelRegion  _GatherFromSequenceParallelRegion
+    _ReduceScatterToSequenceParallelRegion
+    _AllGatherFromTensorParallelRegion  _ReduceScatterToTensorParallelRegion
+    _AllToAll (forward(ctx, group, input, output_split_sizes, input_split_sizes,
+               use_nccl_stream=False); no symbolic, as in Megatron)
+
+They take a live ``group`` (never None) and check nothing else; the functions below check
+their input first and are the entry points to prefer. Their names keep Megatron's leading
+underscore, so they stay out of ``__all__`` (and out of ``from ... import *``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mc_groups.argcheck import check_flag, check_tensor
+from mc_groups.argcheck import check_flag, check_group, check_tensor
+from mc_groups.errors import InputValueError
 from mc_tp_layers import _comm, _validate
 from mc_tp_layers._autograd import apply
 from mc_tp_layers._groups import resolve_tp_group
@@ -59,67 +78,293 @@ __all__ = [
 ]
 
 
-_Op = Callable[[torch.Tensor], torch.Tensor]
-_GroupOp = Callable[[torch.Tensor, dist.ProcessGroup], torch.Tensor]
+def _group(group: object, who: str) -> dist.ProcessGroup:
+    """``group`` checked where a Function is applied directly (Megatron's callers do)."""
+    return check_group("group", group, what=who)
 
 
-class _Mapping(torch.autograd.Function):
-    """``forward_op`` on the input; ``backward_op`` on the output's gradient.
+class _CopyToModelParallelRegion(torch.autograd.Function):
+    """``f``: identity forward; backward all-reduces (sums) the gradient over ``ctx.group``."""
 
-    Every mapping is such a pair of tensor-level operations of :mod:`._comm` (bound to
-    their group and split sizes), so one autograd function serves them all.
+    @staticmethod
+    def symbolic(graph: object, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """The forward without autograd (Megatron's tracing hook): ``input_`` itself."""
+        del graph
+        _group(group, "_CopyToModelParallelRegion")
+        return input_
+
+    @staticmethod
+    def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = _group(group, "_CopyToModelParallelRegion")
+        return input_
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _comm.all_reduce(grad_output, ctx.group), None
+
+
+class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    """``g``: forward all-reduces (sums) over ``group`` into a new tensor (``input_`` is never
+    changed, unlike Megatron's in-place reduce); backward is the identity."""
+
+    @staticmethod
+    def symbolic(graph: object, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """The forward without autograd: the sum over ``group``."""
+        del graph
+        return _comm.all_reduce(input_, _group(group, "_ReduceFromModelParallelRegion"))
+
+    @staticmethod
+    def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        del ctx
+        return _comm.all_reduce(input_, _group(group, "_ReduceFromModelParallelRegion"))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad_output, None
+
+
+class _ScatterToModelParallelRegion(torch.autograd.Function):
+    """Keep chunk ``rank`` of the last dim (no communication); backward all-gathers the
+    gradient along the last dim."""
+
+    @staticmethod
+    def symbolic(graph: object, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """The forward without autograd: this rank's chunk of the last dim."""
+        del graph
+        return _comm.split_last_dim(input_, _group(group, "_ScatterToModelParallelRegion"))
+
+    @staticmethod
+    def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = _group(group, "_ScatterToModelParallelRegion")
+        return _comm.split_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _comm.gather_last_dim(grad_output, ctx.group), None
+
+
+class _GatherFromModelParallelRegion(torch.autograd.Function):
+    """All-gather along the last dim in rank order; backward keeps chunk ``rank``."""
+
+    @staticmethod
+    def symbolic(graph: object, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """The forward without autograd: the last-dim concatenation over ``group``."""
+        del graph
+        return _comm.gather_last_dim(input_, _group(group, "_GatherFromModelParallelRegion"))
+
+    @staticmethod
+    def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = _group(group, "_GatherFromModelParallelRegion")
+        return _comm.gather_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _comm.split_last_dim(grad_output, ctx.group), None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Keep this rank's equal part of dim 0 (no communication); backward all-gathers dim 0."""
+
+    @staticmethod
+    def symbolic(graph: object, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """The forward without autograd: this rank's rows of dim 0."""
+        del graph
+        return _comm.split_first_dim(input_, _group(group, "_ScatterToSequenceParallelRegion"))
+
+    @staticmethod
+    def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = _group(group, "_ScatterToSequenceParallelRegion")
+        return _comm.split_first_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _comm.gather_first_dim(grad_output, ctx.group)[0], None
+
+
+class _ScatterUnevenToSequenceParallelRegion(torch.autograd.Function):
+    """mc's uneven :func:`scatter_to_sequence_parallel_region`: rank r keeps
+    ``split_sizes[r]`` rows; backward all-gathers those parts (padded for gloo)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup, split_sizes: list[int]
+    ) -> torch.Tensor:
+        ctx.group, ctx.split_sizes = group, split_sizes
+        return _comm.split_first_dim(input_, group, split_sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _comm.gather_first_dim(grad_output, ctx.group, ctx.split_sizes)[0], None, None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """All-gather along dim 0 (rank r gives ``output_split_sizes[r]`` rows when given).
+
+    Backward: reduce-scatter the gradient along dim 0 when ``tensor_parallel_output_grad``
+    (each rank holds a partial gradient), else keep this rank's rows without communicating.
+    ``use_global_buffer`` is recorded for Megatron's callers; mc allocates fresh outputs.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward_op: _Op, backward_op: _Op) -> torch.Tensor:
-        ctx.backward_op = backward_op
-        return forward_op(x)
+    def symbolic(
+        graph: object,
+        input_: torch.Tensor,
+        group: dist.ProcessGroup,
+        tensor_parallel_output_grad: bool = True,
+        output_split_sizes: Sequence[int] | None = None,
+        use_global_buffer: bool = False,
+    ) -> torch.Tensor:
+        """The forward without autograd: the dim-0 concatenation over ``group``."""
+        del graph, tensor_parallel_output_grad, use_global_buffer
+        g = _group(group, "_GatherFromSequenceParallelRegion")
+        return _comm.gather_first_dim(input_, g, output_split_sizes)[0]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return ctx.backward_op(grad), None, None
+    def forward(
+        ctx: Any,
+        input_: torch.Tensor,
+        group: dist.ProcessGroup,
+        tensor_parallel_output_grad: bool = True,
+        output_split_sizes: Sequence[int] | None = None,
+        use_global_buffer: bool = False,
+    ) -> torch.Tensor:
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        ctx.group = _group(group, "_GatherFromSequenceParallelRegion")
+        ctx.output_split_sizes = output_split_sizes
+        ctx.use_global_buffer = use_global_buffer
+        return _comm.gather_first_dim(input_, group, output_split_sizes)[0]
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None, None]:
+        sizes = ctx.output_split_sizes
+        if ctx.tensor_parallel_output_grad:
+            grad = _comm.reduce_scatter_first_dim(grad_output, ctx.group, sizes)[0]
+        else:
+            grad = _comm.split_first_dim(grad_output, ctx.group, sizes)
+        return grad, None, None, None, None
 
 
-def _mapped(x: torch.Tensor, forward_op: _Op, backward_op: _Op) -> torch.Tensor:
-    return apply(_Mapping, x, forward_op, backward_op)
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Sum over ``group`` and keep this rank's part of dim 0 (equal parts, or
+    ``input_split_sizes[r]`` rows); backward all-gathers dim 0."""
+
+    @staticmethod
+    def symbolic(
+        graph: object,
+        input_: torch.Tensor,
+        group: dist.ProcessGroup,
+        input_split_sizes: Sequence[int] | None = None,
+        use_global_buffer: bool = False,
+    ) -> torch.Tensor:
+        """The forward without autograd: this rank's rows of the sum over ``group``."""
+        del graph, use_global_buffer
+        g = _group(group, "_ReduceScatterToSequenceParallelRegion")
+        return _comm.reduce_scatter_first_dim(input_, g, input_split_sizes)[0]
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input_: torch.Tensor,
+        group: dist.ProcessGroup,
+        input_split_sizes: Sequence[int] | None = None,
+        use_global_buffer: bool = False,
+    ) -> torch.Tensor:
+        ctx.group = _group(group, "_ReduceScatterToSequenceParallelRegion")
+        ctx.input_split_sizes = input_split_sizes
+        ctx.use_global_buffer = use_global_buffer
+        return _comm.reduce_scatter_first_dim(input_, group, input_split_sizes)[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        grad = _comm.gather_first_dim(grad_output, ctx.group, ctx.input_split_sizes)[0]
+        return grad, None, None, None
 
 
-def _identity(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    del group
-    return x
+class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
+    """All-gather along the last dim; backward reduce-scatters (sums) the last dim."""
+
+    @staticmethod
+    def symbolic(graph: object, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """The forward without autograd: the last-dim concatenation over ``group``."""
+        del graph
+        return _comm.gather_last_dim(input_, _group(group, "_AllGatherFromTensorParallelRegion"))
+
+    @staticmethod
+    def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = _group(group, "_AllGatherFromTensorParallelRegion")
+        return _comm.gather_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _comm.reduce_scatter_last_dim(grad_output, ctx.group), None
+
+
+class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
+    """Sum over ``group`` and keep chunk ``rank`` of the last dim; backward all-gathers it."""
+
+    @staticmethod
+    def symbolic(graph: object, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """The forward without autograd: chunk ``rank`` of the last dim of the sum."""
+        del graph
+        g = _group(group, "_ReduceScatterToTensorParallelRegion")
+        return _comm.reduce_scatter_last_dim(input_, g)
+
+    @staticmethod
+    def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = _group(group, "_ReduceScatterToTensorParallelRegion")
+        return _comm.reduce_scatter_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _comm.gather_last_dim(grad_output, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rank r sends split j of dim 0 to rank j; backward runs the reverse exchange (the
+    split sizes swap roles) through this Function again, so it is differentiable twice.
+    ``use_nccl_stream`` is recorded for Megatron's callers: mc's collective layer decides
+    the stream."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        group: dist.ProcessGroup,
+        input: torch.Tensor,  # Megatron's parameter name
+        output_split_sizes: Sequence[int] | None,
+        input_split_sizes: Sequence[int] | None,
+        use_nccl_stream: bool = False,
+    ) -> torch.Tensor:
+        ctx.group = _group(group, "_AllToAll")
+        ctx.output_split_sizes = output_split_sizes
+        ctx.input_split_sizes = input_split_sizes
+        ctx.use_nccl_stream = use_nccl_stream
+        return _comm.all_to_all(input, group, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(
+        ctx: Any, *grad_output: torch.Tensor
+    ) -> tuple[None, torch.Tensor, None, None, None]:
+        grad = apply(
+            _AllToAll,
+            ctx.group,
+            *grad_output,
+            ctx.input_split_sizes,
+            ctx.output_split_sizes,
+            ctx.use_nccl_stream,
+        )
+        return None, grad, None, None, None
 
 
 def _tp_region(
-    x: torch.Tensor,
-    g: dist.ProcessGroup,
-    forward_op: _GroupOp,
-    backward_op: _GroupOp,
-    *,
-    splits: bool = False,
+    x: torch.Tensor, g: dist.ProcessGroup, function: type[torch.autograd.Function]
 ) -> torch.Tensor:
-    """A tensor-parallel-region mapping of ``x``: ``forward_op`` over ``g``, ``backward_op``
-    on the gradient (``splits``: the forward splits the last dim, which must divide)."""
+    """``function`` applied to ``x`` over ``g``; a group of one rank is the identity (no
+    autograd node, nothing communicated)."""
     if g.size() == 1:
         return x
-    if splits:
-        _validate.dim_divisible(x, -1, g.size(), "input_", "last dimension")
-    return _mapped(x, lambda t: forward_op(t, g), lambda t: backward_op(t, g))
-
-
-def _split_dim0(group: dist.ProcessGroup, sizes: list[int] | None) -> _Op:
-    return lambda t: _comm.split_first_dim(t, group, sizes)
-
-
-def _gather_dim0(group: dist.ProcessGroup, sizes: list[int] | None) -> _Op:
-    return lambda t: _comm.gather_first_dim(t, group, sizes)[0]
-
-
-def _reduce_scatter_dim0(group: dist.ProcessGroup, sizes: list[int] | None) -> _Op:
-    return lambda t: _comm.reduce_scatter_first_dim(t, group, sizes)[0]
-
-
-def _exchange(group: dist.ProcessGroup, outs: list[int] | None, ins: list[int] | None) -> _Op:
-    return lambda t: _comm.all_to_all(t, group, outs, ins)
+    return apply(function, x, g)
 
 
 def _prepare(
@@ -139,7 +384,7 @@ def copy_to_tensor_model_parallel_region(
 ) -> torch.Tensor:
     """``f``: identity forward; backward all-reduces (sums) the gradient over ``group``."""
     x, g = _prepare(input_, group, "copy_to_tensor_model_parallel_region")
-    return _tp_region(x, g, _identity, _comm.all_reduce)
+    return _tp_region(x, g, _CopyToModelParallelRegion)
 
 
 def reduce_from_tensor_model_parallel_region(
@@ -147,7 +392,7 @@ def reduce_from_tensor_model_parallel_region(
 ) -> torch.Tensor:
     """``g``: forward all-reduces (sums) over ``group`` into a new tensor; backward identity."""
     x, g = _prepare(input_, group, "reduce_from_tensor_model_parallel_region")
-    return _tp_region(x, g, _comm.all_reduce, _identity)
+    return _tp_region(x, g, _ReduceFromModelParallelRegion)
 
 
 def scatter_to_tensor_model_parallel_region(
@@ -155,7 +400,8 @@ def scatter_to_tensor_model_parallel_region(
 ) -> torch.Tensor:
     """Keep chunk ``rank`` of the last dim (no communication); backward all-gathers it."""
     x, g = _prepare(input_, group, "scatter_to_tensor_model_parallel_region")
-    return _tp_region(x, g, _comm.split_last_dim, _comm.gather_last_dim, splits=True)
+    _validate.dim_divisible(x, -1, g.size(), "input_", "last dimension")
+    return _tp_region(x, g, _ScatterToModelParallelRegion)
 
 
 def gather_from_tensor_model_parallel_region(
@@ -163,7 +409,7 @@ def gather_from_tensor_model_parallel_region(
 ) -> torch.Tensor:
     """All-gather along the last dim (rank order); backward keeps chunk ``rank``."""
     x, g = _prepare(input_, group, "gather_from_tensor_model_parallel_region")
-    return _tp_region(x, g, _comm.gather_last_dim, _comm.split_last_dim)
+    return _tp_region(x, g, _GatherFromModelParallelRegion)
 
 
 def scatter_to_sequence_parallel_region(
@@ -181,13 +427,15 @@ def scatter_to_sequence_parallel_region(
     if sizes is None:
         _validate.dim_divisible(x, 0, g.size(), "input_", "sequence length")
     elif sum(sizes) != x.shape[0]:
-        raise ValueError(
+        raise InputValueError(
             f"split_sizes={sizes} sum to {sum(sizes)} but input_ has shape {tuple(x.shape)}; "
             "they must add up to dim 0"
         )
     if g.size() == 1:
         return x
-    return _mapped(x, _split_dim0(g, sizes), _gather_dim0(g, sizes))
+    if sizes is None:
+        return apply(_ScatterToSequenceParallelRegion, x, g)
+    return apply(_ScatterUnevenToSequenceParallelRegion, x, g, sizes)
 
 
 def gather_from_sequence_parallel_region(
@@ -210,15 +458,20 @@ def gather_from_sequence_parallel_region(
     x, g = _prepare(input_, group, "gather_from_sequence_parallel_region")
     sizes = _sizes(output_split_sizes, g, "output_split_sizes")
     if sizes is not None and sizes[g.rank()] != x.shape[0]:
-        raise ValueError(
+        raise InputValueError(
             f"output_split_sizes={sizes} gives rank {g.rank()} {sizes[g.rank()]} rows but "
             f"input_ has shape {tuple(x.shape)}"
         )
     if g.size() == 1:
         return x
-    if tensor_parallel_output_grad:
-        return _mapped(x, _gather_dim0(g, sizes), _reduce_scatter_dim0(g, sizes))
-    return _mapped(x, _gather_dim0(g, sizes), _split_dim0(g, sizes))
+    return apply(
+        _GatherFromSequenceParallelRegion,
+        x,
+        g,
+        tensor_parallel_output_grad,
+        sizes,
+        use_global_buffer,
+    )
 
 
 def reduce_scatter_to_sequence_parallel_region(
@@ -238,13 +491,13 @@ def reduce_scatter_to_sequence_parallel_region(
     if sizes is None:
         _validate.dim_divisible(x, 0, g.size(), "input_", "sequence length")
     elif sum(sizes) != x.shape[0]:
-        raise ValueError(
+        raise InputValueError(
             f"input_split_sizes={sizes} sum to {sum(sizes)} but input_ has shape "
             f"{tuple(x.shape)}; they must add up to dim 0"
         )
     if g.size() == 1:
         return x
-    return _mapped(x, _reduce_scatter_dim0(g, sizes), _gather_dim0(g, sizes))
+    return apply(_ReduceScatterToSequenceParallelRegion, x, g, sizes, use_global_buffer)
 
 
 def all_gather_last_dim_from_tensor_parallel_region(
@@ -252,7 +505,7 @@ def all_gather_last_dim_from_tensor_parallel_region(
 ) -> torch.Tensor:
     """All-gather along the last dim; backward reduce-scatters (sums) the last dim."""
     x, g = _prepare(input_, group, "all_gather_last_dim_from_tensor_parallel_region")
-    return _tp_region(x, g, _comm.gather_last_dim, _comm.reduce_scatter_last_dim)
+    return _tp_region(x, g, _AllGatherFromTensorParallelRegion)
 
 
 def reduce_scatter_last_dim_to_tensor_parallel_region(
@@ -260,7 +513,8 @@ def reduce_scatter_last_dim_to_tensor_parallel_region(
 ) -> torch.Tensor:
     """Sum over ``group`` and keep chunk ``rank`` of the last dim; backward all-gathers."""
     x, g = _prepare(input_, group, "reduce_scatter_last_dim_to_tensor_parallel_region")
-    return _tp_region(x, g, _comm.reduce_scatter_last_dim, _comm.gather_last_dim, splits=True)
+    _validate.dim_divisible(x, -1, g.size(), "input_", "last dimension")
+    return _tp_region(x, g, _ReduceScatterToTensorParallelRegion)
 
 
 def all_to_all(
@@ -268,30 +522,32 @@ def all_to_all(
     input_: torch.Tensor,
     output_split_sizes_: Sequence[int] | None = None,
     input_split_sizes: Sequence[int] | None = None,
+    use_nccl_stream: bool = False,
 ) -> torch.Tensor:
     """Rank r sends split j of dim 0 to rank j and receives split r of every rank.
 
     Without split sizes dim 0 is split evenly. Backward runs the reverse exchange (the
-    split sizes swap roles).
+    split sizes swap roles). ``use_nccl_stream`` is accepted for Megatron compatibility
+    (mc's collective layer picks the stream).
     """
+    check_flag("use_nccl_stream", use_nccl_stream)
     x, g = _prepare(input_, group, "all_to_all")
     outs = _sizes(output_split_sizes_, g, "output_split_sizes_")
     ins = _sizes(input_split_sizes, g, "input_split_sizes")
     if ins is None:
         _validate.dim_divisible(x, 0, g.size(), "input_", "first dimension")
     elif sum(ins) != x.shape[0]:
-        raise ValueError(
+        raise InputValueError(
             f"input_split_sizes={ins} sum to {sum(ins)} but input_ has shape {tuple(x.shape)}"
         )
     if g.size() == 1:
         if outs is not None and outs != [x.shape[0]]:
-            raise ValueError(
+            raise InputValueError(
                 f"output_split_sizes_={outs} on a group of one rank must be [{x.shape[0]}] "
                 "(the rows this rank keeps)"
             )
         return x
-    # Backward is the reverse exchange: what this rank received from j goes back to j.
-    return _mapped(x, _exchange(g, outs, ins), _exchange(g, ins, outs))
+    return apply(_AllToAll, g, x, outs, ins, use_nccl_stream)
 
 
 def all_to_all_sp2hp(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -26,16 +26,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection, collection_or_default
-from mc_groups.argcheck import check_flag, check_int
+from mc_groups.argcheck import check_flag, check_int, type_name
+from mc_groups.errors import InputTypeError, InputValueError
+from mc_tp_layers._recompute import CheckpointWithoutOutput, checkpoint
+from mc_tp_layers._rng_default import default_tracker, set_default_tracker
 
 __all__ = [
+    "CheckpointWithoutOutput",
     "CudaRNGStatesTracker",
     "RNGStatesTracker",
+    "checkpoint",
     "clear_cuda_rng_tracker",
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
@@ -91,6 +97,10 @@ def _seeded_state(device: torch.device, seed: int) -> torch.Tensor:
     return torch.Generator(device=device).manual_seed(seed).get_state()
 
 
+def _copied(state: object) -> Any:
+    return state.clone() if isinstance(state, torch.Tensor) else state
+
+
 class RNGStatesTracker:
     """Named generator states for one device, switched in with :meth:`fork`.
 
@@ -104,62 +114,60 @@ class RNGStatesTracker:
         if str(resolved) == "cuda":  # no index: the current device
             resolved = torch.device("cuda", torch.cuda.current_device())
         if resolved.type not in ("cpu", "cuda"):
-            raise ValueError(f"device={device!r} must be a CPU or CUDA device")
+            raise InputValueError(f"device={device!r} must be a CPU or CUDA device")
         self.device = resolved
-        self._states: dict[str, torch.Tensor] = {}
+        self._state_size = _seeded_state(resolved, 0).numel()
+        self._states: dict[str, object] = {}
         self._seeds: set[int] = set()
         self._active: list[str] = []
+        self._initialized = False
 
     def reset(self) -> None:
         """Forget every stream."""
         if self._active:
             raise RuntimeError(f"reset() inside fork({self._active[-1]!r})")
-        self._states, self._seeds = {}, set()
+        self._states, self._seeds, self._initialized = {}, set(), False
 
     def is_initialized(self) -> bool:
-        """True once a stream was added."""
-        return bool(self._states)
+        """True once a stream was added or :meth:`set_states` was called (as Megatron's)."""
+        return self._initialized
 
-    def get_states(self) -> dict[str, torch.Tensor]:
-        """A copy of every stream's current state (for checkpoints)."""
-        return {name: state.clone() for name, state in self._states.items()}
+    def get_states(self) -> dict[str, Any]:
+        """Every stream's current state (for checkpoints): generator states as copies, and
+        any other value :meth:`set_states` was given as it was given."""
+        return {name: _copied(state) for name, state in self._states.items()}
 
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+    def set_states(self, states: Mapping[str, Any]) -> None:
         """Replace the streams with ``states`` (from :meth:`get_states`).
 
-        ``states`` must map stream names (non-empty str) to generator states of this
-        tracker's device (1-D ``torch.uint8`` CPU tensors of the size its generator uses);
-        everything is checked before any stream is replaced.
+        ``states`` maps stream names (non-empty str) to generator states of this tracker's
+        device: 1-D ``torch.uint8`` CPU tensors of the size :meth:`get_states` returns,
+        checked here before any stream is replaced (a tensor of another shape or dtype
+        is a ``ValueError``). A value that is not a tensor is stored as given, as
+        Megatron's tracker stores any value (its own test stores an int; its graph-safe
+        and Transformer Engine trackers hold ``torch.Generator`` objects): it comes back
+        from :meth:`get_states` and :meth:`fork` on its stream is a ``ValueError``.
         """
         if self._active:
             raise RuntimeError(f"set_states() inside fork({self._active[-1]!r})")
         if not isinstance(states, Mapping):
-            raise TypeError(
+            raise InputTypeError(
                 f"states must be a dict of stream name -> generator state (from "
-                f"get_states()), got {type(states).__name__}"
+                f"get_states()), got {type_name(states)}"
             )
-        size = _seeded_state(self.device, 0).numel()
         for name, state in states.items():
             if not isinstance(name, str) or not name:
-                raise TypeError(
+                raise InputTypeError(
                     f"states holds the key {name!r}; stream names must be non-empty str"
                 )
-            if (
-                not isinstance(state, torch.Tensor)
-                or state.dtype != torch.uint8
-                or state.device.type != "cpu"
-                or tuple(state.shape) != (size,)
-            ):
-                shown = (
-                    f"{state.dtype} of shape {tuple(state.shape)} on {state.device}"
-                    if isinstance(state, torch.Tensor)
-                    else type(state).__name__
+            if isinstance(state, torch.Tensor) and not self._is_generator_state(state):
+                raise InputValueError(
+                    f"states[{name!r}] is {state.dtype} of shape {tuple(state.shape)} on "
+                    f"{state.device}; a {self.device.type} generator state is a torch.uint8 "
+                    f"CPU tensor of shape ({self._state_size},) (as get_states() returns)"
                 )
-                raise ValueError(
-                    f"states[{name!r}] is {shown}; a {self.device.type} generator state is a "
-                    f"torch.uint8 CPU tensor of shape ({size},) (as get_states() returns)"
-                )
-        self._states = {name: state.clone() for name, state in states.items()}
+        self._states = {name: _copied(state) for name, state in states.items()}
+        self._initialized = True
 
     def add(self, name: str, seed: int) -> None:
         """Add stream ``name`` seeded with ``seed`` (an int in ``[0, 2**64)``); names and
@@ -167,30 +175,32 @@ class RNGStatesTracker:
         _check_name(name)
         check_int("seed", seed, minimum=0)
         if seed >= _SEED_LIMIT:
-            raise ValueError(f"seed={seed} must be < 2**64 (a generator seed is 64 bits)")
+            raise InputValueError(f"seed={seed} must be < 2**64 (a generator seed is 64 bits)")
         if seed in self._seeds:
-            raise ValueError(f"seed {seed} already seeds a stream; each stream needs its own")
+            raise InputValueError(f"seed {seed} already seeds a stream; each stream needs its own")
         if name in self._states:
-            raise ValueError(f"stream {name!r} already exists; call reset() first")
+            raise InputValueError(f"stream {name!r} already exists; call reset() first")
         self._seeds.add(seed)
         self._states[name] = _seeded_state(self.device, seed)
+        self._initialized = True
 
     @contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
         """Draw from stream ``name`` inside the block (see the module docstring)."""
         _check_name(name)
         if name not in self._states:
-            raise ValueError(
+            raise InputValueError(
                 f"RNG stream {name!r} was never added (known: {sorted(self._states)}); "
                 "build the tracker with model_parallel_cuda_manual_seed(seed, ...) or add() it"
             )
         if self._active and self._active[-1] == name:
             yield
             return
+        state = self._generator_state_of(name)
         outside = _generator_state(self.device)
         if self._active:
             self._states[self._active[-1]] = outside
-        _set_generator_state(self.device, self._states[name])
+        _set_generator_state(self.device, state)
         self._active.append(name)
         try:
             yield
@@ -198,31 +208,73 @@ class RNGStatesTracker:
             self._states[name] = _generator_state(self.device)
             self._active.pop()
             resume = self._states[self._active[-1]] if self._active else outside
-            _set_generator_state(self.device, resume)
+            _set_generator_state(self.device, cast(torch.Tensor, resume))
+
+    def _is_generator_state(self, state: torch.Tensor) -> bool:
+        return (
+            state.dtype == torch.uint8
+            and state.device.type == "cpu"
+            and tuple(state.shape) == (self._state_size,)
+        )
+
+    def _generator_state_of(self, name: str) -> torch.Tensor:
+        state = self._states[name]
+        if not isinstance(state, torch.Tensor):
+            raise InputValueError(
+                f"stream {name!r} holds {state!r} (a {type_name(state)} given to "
+                f"set_states()), not a {self.device.type} generator state; set_states() "
+                "needs what get_states() returns to fork it"
+            )
+        return state
 
 
-CudaRNGStatesTracker = RNGStatesTracker
-"""Megatron's name for :class:`RNGStatesTracker`."""
+class CudaRNGStatesTracker(RNGStatesTracker):
+    """Megatron's tracker class and constructor: a :class:`RNGStatesTracker` on the current
+    CUDA device (CPU when CUDA is not available, e.g. a gloo world).
 
+    Args:
+        use_cudagraphable_rng: Megatron's CUDA-graph-safe generator states; True raises
+            ``NotImplementedError`` (mc has no graph-safe tracker).
+        is_inference_rng_tracker: recorded as the attribute of that name, as Megatron's
+            tracker does (Megatron's inference tracker, a subclass whose ``fork`` draws
+            nothing, is built by its ``initialize_rng_tracker``, which mc does not have).
+        device: mc's addition (keyword only): the device whose generator the streams
+            drive; None means CUDA when available, else CPU.
+    """
 
-class _DefaultTracker:
-    """Holds the optional process default tracker (the one permitted global of this package)."""
-
-    tracker: RNGStatesTracker | None = None
+    def __init__(
+        self,
+        use_cudagraphable_rng: bool = False,
+        is_inference_rng_tracker: bool = False,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        check_flag("use_cudagraphable_rng", use_cudagraphable_rng)
+        check_flag("is_inference_rng_tracker", is_inference_rng_tracker)
+        if use_cudagraphable_rng:
+            raise NotImplementedError(
+                "CudaRNGStatesTracker(use_cudagraphable_rng=True): mc has no CUDA-graph-safe "
+                "generator states; leave use_cudagraphable_rng=False"
+            )
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        super().__init__(device)
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = is_inference_rng_tracker
 
 
 def set_cuda_rng_tracker(tracker: RNGStatesTracker) -> None:
     """Register ``tracker`` as the default (``model_parallel_cuda_manual_seed`` does this)."""
     if not isinstance(tracker, RNGStatesTracker):
-        raise TypeError(f"tracker={tracker!r} must be a mc_tp_layers.RNGStatesTracker")
-    _DefaultTracker.tracker = tracker
+        raise InputTypeError(f"tracker={tracker!r} must be a mc_tp_layers.RNGStatesTracker")
+    set_default_tracker(tracker)
 
 
 def get_cuda_rng_tracker() -> RNGStatesTracker:
     """The default tracker registered by :func:`model_parallel_cuda_manual_seed` (Megatron's
     name; the CPU tracker of a gloo world too). RuntimeError when none is registered:
     Megatron would hand out an empty tracker whose ``fork()`` then fails."""
-    tracker = _DefaultTracker.tracker
+    tracker = default_tracker()
     if tracker is None:
         raise RuntimeError(
             "no default RNG tracker is registered: call "
@@ -234,26 +286,26 @@ def get_cuda_rng_tracker() -> RNGStatesTracker:
 
 def clear_cuda_rng_tracker() -> None:
     """Forget the default tracker (explicit trackers are unaffected)."""
-    _DefaultTracker.tracker = None
+    set_default_tracker(None)
 
 
 def _default_tracker() -> RNGStatesTracker | None:
-    return _DefaultTracker.tracker
+    return default_tracker()
 
 
 def check_device_name(device: object) -> torch.device:
     """``device`` (a ``torch.device`` or a str torch parses) as a ``torch.device``."""
     if not isinstance(device, (torch.device, str)):
-        raise TypeError(f"device={device!r} must be a torch.device or a str such as 'cpu'")
+        raise InputTypeError(f"device={device!r} must be a torch.device or a str such as 'cpu'")
     try:
         return torch.device(device)
     except RuntimeError as err:
-        raise ValueError(f"device={device!r} is not a device torch knows ({err})") from None
+        raise InputValueError(f"device={device!r} is not a device torch knows ({err})") from None
 
 
 def _check_name(name: object) -> str:
     if not isinstance(name, str) or not name:
-        raise TypeError(f"name={name!r} must be a non-empty str")
+        raise InputTypeError(f"name={name!r} must be a non-empty str")
     return name
 
 
@@ -266,7 +318,7 @@ def _rank_of(
     if group is not None:
         return int(group.rank())
     if collection is None and dist.is_available() and dist.is_initialized():
-        raise ValueError(
+        raise InputValueError(
             f"model_parallel_cuda_manual_seed cannot tell this rank's {field} rank: pass "
             f"pg_collection=<ProcessGroupCollection> or {arg}=<int>"
         )
@@ -290,7 +342,7 @@ def _axis_rank(
         return 0
     rank = _rank_of(explicit, collection, field, arg)
     if rank >= size:
-        raise ValueError(
+        raise InputValueError(
             f"{arg}={rank} is outside its axis of {size} rank(s); a rank must be in "
             f"[0, {size}) (pass the matching world size or pg_collection)"
         )
@@ -366,7 +418,7 @@ def model_parallel_cuda_manual_seed(
     # device's generator or the default tracker changes.
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    tracker = RNGStatesTracker(device)
+    tracker = CudaRNGStatesTracker(device=device)
     tp_seed = seed + _TP_SEED_OFFSET + tp
     expert_seed = seed + _EXPERT_SEED_OFFSET + _EP_RANK_STRIDE * ep + etp
     tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection, param_attrs
 from mc_groups.argcheck import check_flag, check_optional_str
+from mc_groups.errors import InputValueError
 from mc_tp_layers import _layer_base as base
 from mc_tp_layers._config import TensorParallelConfig, expert_parallel, gtp_remat_size
 from mc_tp_layers._groups import resolve_gtp_group, resolve_tp_group
@@ -100,7 +101,7 @@ class RowParallelLinear(ParallelLinear):
         explicit_device = base.check_device(device)
         self.sequence_parallel = self.config.sequence_parallel
         if self.sequence_parallel and not self.input_is_parallel:
-            raise ValueError(
+            raise InputValueError(
                 "config.sequence_parallel=True needs input_is_parallel=True: under sequence "
                 "parallelism the input arrives split along its last dim"
             )

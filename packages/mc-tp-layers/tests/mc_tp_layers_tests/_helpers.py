@@ -64,6 +64,12 @@ def backward(y: torch.Tensor, grad: torch.Tensor) -> None:
     y.backward(grad)  # type: ignore[no-untyped-call]
 
 
+def grad(t: torch.Tensor) -> torch.Tensor:
+    """``t.grad``, which must exist (backward reached ``t``)."""
+    assert t.grad is not None
+    return t.grad
+
+
 def main_grad(param: torch.Tensor | None) -> torch.Tensor:
     """``param.main_grad`` (an attribute the DDP wrapper or a test attaches)."""
     assert param is not None

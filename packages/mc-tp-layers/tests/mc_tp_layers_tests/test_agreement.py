@@ -28,7 +28,7 @@ import torch
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups import schedule_check
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 from mc_tp_layers_tests._helpers import config, randn, world
 
 DEADLINE_S = 30.0
@@ -302,7 +302,7 @@ def _peer_busy_elsewhere() -> dict[str, str]:
                     mg.all_reduce(torch.ones(3), pgc.require("tp", "test"), label="elsewhere")
                 return {"kind": "no error", "message": ""}
             except mg.CollectiveScheduleError as err:
-                return {"kind": type(err).__name__, "message": str(err)}
+                return {"kind": error_kind(err), "message": str(err)}
     finally:
         mg.destroy_model_parallel(pgc)
 

@@ -9,7 +9,8 @@ ranks is 6 in the first group and 22 in the second). Here 4 ranks form two TP gr
 
 Upstream checks backward by calling each autograd Function's ``backward`` with a hand-made
 ``ctx``; here backward runs through autograd on the mapping's output (the same function).
-Upstream also checks each Function's ONNX ``symbolic``; mc has no ONNX hooks (not covered).
+The direct calls (``backward`` with a bare ``ctx``, and each Function's ``symbolic``) are
+held by ``test_mapping_functions.py::test_functions_called_directly``.
 
 Values are small integers: every result is exact in fp32 and compared with ``torch.equal``.
 Every collective is recorded with its group, which must be this rank's TP group.

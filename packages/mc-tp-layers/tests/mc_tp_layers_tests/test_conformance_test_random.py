@@ -9,10 +9,14 @@ states in and out). Expectations are fresh ``torch.Generator`` objects seeded by
 ``model-parallel-rng`` after seeding) is held by
 ``test_random.py::test_seeding_registers_the_default_tracker``.
 
+Activation checkpointing (``checkpoint``, ``CheckpointWithoutOutput``) is held by
+``test_activation_checkpoint.py`` (parity with the plain run, dropout included) and
+``test_mapping_functions.py`` (``distribute_saved_activations`` on two ranks); the
+tracker's constructor and ``set_states`` of a non-tensor value by ``test_random.py``.
+
 Not covered (mc offers no such API): the CUDA-graph-safe tracker
 (``use_cudagraphable_rng``, refused with ``NotImplementedError``) and
-``convert_cuda_rng_state``; activation checkpointing (``checkpoint``,
-``CheckpointWithoutOutput`` and its manager).
+``convert_cuda_rng_state``.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ def test_cuda_rng_states_tracker() -> None:
     (``get_states() == {}``); a stream added with seed s holds the state ``manual_seed(s)``
     gives (upstream compares with ``torch.cuda.manual_seed(s)``'s state); calling ``fork``
     without entering the context changes nothing. The refusals of a reused seed or name
-    are held by ``test_random.py::test_states_round_trip_and_errors``. mc's states are
-    tensors (upstream's test stores the int 1234, which Megatron does not check).
+    are held by ``test_random.py::test_states_round_trip_and_errors``. Upstream's test
+    stores the int 1234 (Megatron checks no value); mc carries such a value too
+    (``test_random.py::test_set_states_carries_values_that_are_not_tensors``).
     """
-    tracker = tpl.CudaRNGStatesTracker("cpu")
+    tracker = tpl.CudaRNGStatesTracker(device="cpu")
     state = _seeded_state(1234)
     tracker.set_states({"state1": state})
     assert torch.equal(tracker.get_states()["state1"], state)
@@ -52,7 +57,7 @@ def test_cuda_rng_states_tracker() -> None:
 
 
 def _fork_pattern(nested: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
-    tracker = tpl.CudaRNGStatesTracker("cpu")
+    tracker = tpl.CudaRNGStatesTracker(device="cpu")
     tracker.add("state1", 1234)
     tracker.add("state2", 5678)
     one: list[torch.Tensor] = []

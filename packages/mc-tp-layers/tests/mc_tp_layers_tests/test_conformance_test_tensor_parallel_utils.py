@@ -1,9 +1,9 @@
 """Conformance with Megatron-LM's ``tests/unit_tests/tensor_parallel/test_tensor_parallel_utils.py``.
 
-Not covered: ``split_tensor_into_1d_equal_chunks`` and ``gather_split_1d_tensor``
-(``test_split_tensor_into_1d_equal_chunks``, ``test_gather_split_1d_tensor``), which mc
-does not offer (they serve Megatron's activation checkpointing with distributed saved
-activations, which mc has no counterpart of).
+``split_tensor_into_1d_equal_chunks`` and ``gather_split_1d_tensor``
+(``test_split_tensor_into_1d_equal_chunks``, ``test_gather_split_1d_tensor``) are held by
+``test_mapping_functions.py::test_1d_split_and_gather`` (TP = 2 inside a world of 4, the
+default collection's group and an explicit one).
 """  # noqa: E501
 
 from __future__ import annotations

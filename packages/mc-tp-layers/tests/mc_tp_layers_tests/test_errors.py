@@ -16,7 +16,7 @@ import torch
 
 import mc_groups as mg
 import mc_tp_layers as tpl
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 from mc_tp_layers.layers import _initialize_affine_weight_cpu, _initialize_affine_weight_gpu
 from mc_tp_layers_tests._helpers import config, world
 
@@ -313,7 +313,7 @@ def _run_cases() -> dict[str, str]:
                     call()
                     messages[name] = "no error"
                 except (ValueError, TypeError) as err:
-                    messages[name] = f"{type(err).__name__}: {err}"
+                    messages[name] = f"{error_kind(err)}: {err}"
         messages["log"] = str([r.op for r in log])
         return messages
     finally:

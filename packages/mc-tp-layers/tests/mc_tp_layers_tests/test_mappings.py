@@ -15,7 +15,7 @@ import torch
 
 import mc_groups as mg
 import mc_tp_layers as tpl
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 from mc_tp_layers_tests._helpers import ops, world
 
 
@@ -322,7 +322,7 @@ def _bad_inputs() -> dict[str, str]:
                     call()
                     messages[name] = "no error"
                 except (ValueError, TypeError) as err:
-                    messages[name] = f"{type(err).__name__}: {err}"
+                    messages[name] = f"{error_kind(err)}: {err}"
         messages["log"] = str(len(log))
         return messages
     finally:

@@ -86,7 +86,54 @@ def test_model_parallel_seed_streams() -> None:
     for name, seed in expected.items():
         with tracker.fork(name):
             assert torch.equal(torch.rand(2), _draws(seed, 2)), name
-    assert tpl.CudaRNGStatesTracker is tpl.RNGStatesTracker
+    # Megatron's tracker class (isinstance checks on get_cuda_rng_tracker() hold)
+    assert isinstance(tracker, tpl.CudaRNGStatesTracker)
+
+
+def test_cuda_tracker_takes_megatrons_constructor() -> None:
+    """``CudaRNGStatesTracker(use_cudagraphable_rng=False, is_inference_rng_tracker=False)``
+    (megatron/core/tensor_parallel/random.py): the generator of the current CUDA device,
+    CPU's without CUDA; the graph-safe variant is refused by name."""
+    tracker = tpl.CudaRNGStatesTracker()
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert tracker.device.type == expected
+    assert isinstance(tracker, tpl.RNGStatesTracker)
+    assert (tracker.use_cudagraphable_rng, tracker.is_inference_rng_tracker) == (False, False)
+    assert tpl.CudaRNGStatesTracker(False, True).is_inference_rng_tracker
+    cpu = tpl.CudaRNGStatesTracker(device="cpu")
+    cpu.add("a", 11)
+    with cpu.fork("a"):
+        assert torch.equal(torch.rand(3), _draws(11, 3))
+    with pytest.raises(NotImplementedError, match="use_cudagraphable_rng=True"):
+        tpl.CudaRNGStatesTracker(use_cudagraphable_rng=True)
+    with pytest.raises(TypeError, match="is_inference_rng_tracker"):
+        tpl.CudaRNGStatesTracker(False, "yes")  # type: ignore[arg-type]
+
+
+def test_set_states_carries_values_that_are_not_tensors() -> None:
+    """Megatron's tracker stores any value (its test stores the int 1234; graph-safe and
+    TE trackers hold ``torch.Generator`` objects): mc stores it and gives it back, refuses
+    to fork it (a clear error naming the stream), and still checks tensors up front."""
+    tracker = tpl.RNGStatesTracker()
+    assert not tracker.is_initialized()
+    tracker.set_states({})
+    assert tracker.is_initialized()  # as Megatron's: set once set_states() ran
+    opaque = torch.Generator()
+    tracker.set_states({"state1": 1234, "graph": opaque, "a": _state(7)})
+    states = tracker.get_states()
+    assert states["state1"] == 1234
+    assert states["graph"] is opaque
+    with tracker.fork("a"):
+        assert torch.equal(torch.rand(2), _draws(7, 2))
+    with pytest.raises(ValueError, match="stream 'state1' holds 1234"), tracker.fork("state1"):
+        pass
+    with pytest.raises(ValueError, match=r"states\['b'\] is torch.float32"):
+        tracker.set_states({"b": torch.zeros(3)})
+    assert tracker.get_states()["state1"] == 1234  # the refused call replaced nothing
+
+
+def _state(seed: int) -> torch.Tensor:
+    return torch.Generator().manual_seed(seed).get_state()
 
 
 def test_seeding_registers_the_default_tracker() -> None:

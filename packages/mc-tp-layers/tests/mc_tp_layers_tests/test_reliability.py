@@ -25,7 +25,7 @@ import torch
 
 import mc_groups as mg
 import mc_tp_layers as tpl
-from mc_groups.testing import RankFailure, RankPool, RankPools
+from mc_groups.testing import RankFailure, RankPool, RankPools, error_kind
 from mc_tp_layers_tests._helpers import backward, config, randn, world
 
 S, B, H, F = 4, 2, 8, 16  # sequence, batch, hidden, ffn
@@ -76,7 +76,7 @@ def _dies_in_backward() -> tuple[str, str, float]:
     try:
         backward(out, torch.ones_like(out))
     except mg.CollectiveError as err:
-        return type(err).__name__, str(err), time.monotonic() - started
+        return error_kind(err), str(err), time.monotonic() - started
     return "no error", "", time.monotonic() - started
 
 

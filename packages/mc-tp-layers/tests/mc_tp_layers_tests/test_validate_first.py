@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 import mc_tp_layers as tpl
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 from mc_tp_layers.layers import _initialize_affine_weight_cpu
 from mc_tp_layers_tests._helpers import config, world
 
@@ -142,7 +142,7 @@ def _judge(tp: int, case: str) -> tuple[str, str, int]:
                 CALLS[case][0](pgc.require("tp", "test"))
                 return "no error", "", len(log)
             except (TypeError, ValueError) as err:
-                return type(err).__name__, str(err), len(log)
+                return error_kind(err), str(err), len(log)
     finally:
         mg.destroy_model_parallel(pgc)
 

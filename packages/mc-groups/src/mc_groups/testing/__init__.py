@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from mc_groups.argcheck import check_int
+from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 from mc_groups.testing._pool import (
     RankFailure,
     RankOutcome,
@@ -41,6 +42,7 @@ __all__ = [
     "RankPool",
     "RankPools",
     "RankTimeout",
+    "error_kind",
     "gpu_skip_reason",
 ]
 
@@ -92,3 +94,11 @@ class RankPools:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+def error_kind(err: BaseException) -> str:
+    """An error's type as tests and catalogues name it: mc's generic bad-input types are
+    reported as the built-in they extend (``InputValueError`` → ``ValueError``; each is also
+    an ``AssertionError``), every other error, named ones included, by its own name."""
+    generic = (InputValueError, InputTypeError, InputStateError)
+    return next(c.__name__ for c in type(err).__mro__ if c not in generic)
