@@ -27,6 +27,10 @@ last stage); with DP and ``overlap_grad_reduce``, step 1 onward issues each buck
 group's DP reduction exactly once, from the chunk's last backward, so on the last stage
 all of them precede the schedule's final activation-grad send (overlap with the pipeline).
 
+The most chunk-forwards alive at once on each rank (counted by the adapter) equal the dry
+run's ``in_flight_forwards`` for the schedule: 1F1B ``P − p``, GPipe ``M``, interleaved
+``2(P − p − 1) + (V − 1)P + 1`` (capped at ``M·V``).
+
 Tolerances (fp32, gloo): loss per step within 1e-5 relative, weights within 1e-6 absolute
 (measured with ``-s``: printed per layout); every tensor moves by at least 100× that.
 """
@@ -40,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from examples.dry_run.activations import in_flight_forwards
 from examples.gpt import WORD_EMBEDDING, GPTConfig, ParallelLayout, ReferenceRun
 from examples.gpt.pipeline import build_pipeline, pipeline_final_weights, pipeline_step
 from integration_tests._common import (
@@ -92,12 +97,13 @@ def _train(layout: ParallelLayout, schedule: str) -> dict[str, Any]:
             schedule=schedule,
             micro_batch_size=rows,
         )
-        losses, logs = [], []
+        losses, logs, peaks = [], [], []
         for step in range(STEPS):
             mask = loss_mask(step) if layout.calculate_per_token_loss else None
             with mg.record_collectives() as log:
                 losses.append(pipeline_step(trainer, batch(step), mask))
             logs.append(_summary(log))
+            peaks.append(trainer.in_flight.peak)
         buckets = sum(len(chunk.bucket_groups) for chunk in trainer.chunks)
         return {
             "stage": mg.pipeline_rank(pgc),
@@ -108,6 +114,7 @@ def _train(layout: ParallelLayout, schedule: str) -> dict[str, Any]:
             "buckets": buckets,
             "losses": losses,
             "logs": logs,
+            "in_flight": peaks,
             "weights": pipeline_final_weights(trainer),
         }
 
@@ -180,6 +187,11 @@ def _check_case(index: int, layout: ParallelLayout, schedule: str, per_rank: lis
     assert diff <= 1e-6, (schedule, layout.describe(), name, diff)
     for out in outs:
         _check_collectives(layout, out)
+        # torch's schedule keeps as many chunk-forwards alive as the dry run counts
+        flight = in_flight_forwards(
+            schedule, out["stage"], layout.pp, layout.microbatches, layout.vpp or 1
+        )
+        assert out["in_flight"] == [flight] * STEPS, (schedule, out["stage"], out["in_flight"])
     print(f"{schedule} {layout.describe()}: loss {rel:.1e}, weights {diff:.1e}")
 
 

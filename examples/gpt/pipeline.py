@@ -73,6 +73,7 @@ from mc_finalize import finalize_model_grads
 __all__ = [
     "IGNORE_INDEX",
     "SCHEDULES",
+    "InFlight",
     "PipelineTrainer",
     "build_pipeline",
     "check_schedule",
@@ -148,14 +149,51 @@ class _StageModule(nn.Module):
         return out
 
 
+@dataclass
+class InFlight:
+    """Chunk-forwards of this rank whose backward has not run yet: now, and the most at
+    once since :meth:`reset` (the activations a schedule keeps alive; the dry run's
+    ``in_flight_forwards`` predicts it)."""
+
+    now: int = 0
+    peak: int = 0
+
+    def reset(self) -> None:
+        """Start counting a new step."""
+        self.now = self.peak = 0
+
+    def forward(self) -> None:
+        """A chunk's forward of one micro-batch ran."""
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+
+    def backward(self) -> None:
+        """A chunk's backward of one micro-batch ran."""
+        self.now -= 1
+
+
 class _MCStage(PipelineStage):
     """A ``PipelineStage`` whose backwards accumulate without reduction until the chunk's
-    last one, and whose P2P ops are recorded (``mg.record_p2p_ops``, labels ``activation``
-    / ``activation grad``) for the tests' collective logs."""
+    last one, whose P2P ops are recorded (``mg.record_p2p_ops``, labels ``activation`` /
+    ``activation grad``) for the tests' collective logs, and whose forwards and backwards
+    are counted in the rank's :class:`InFlight`."""
 
-    def __init__(self, module: _StageModule, **kwargs: Any) -> None:
+    def __init__(self, module: _StageModule, in_flight: InFlight, **kwargs: Any) -> None:
         super().__init__(module, **kwargs)
         self._chunk = module.chunk
+        self._in_flight = in_flight
+
+    def forward_one_chunk(
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
+    ) -> Any:
+        """Pipelining's forward of one micro-batch, counted."""
+        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        self._in_flight.forward()
+        return out
 
     def backward_one_chunk(
         self,
@@ -170,6 +208,7 @@ class _MCStage(PipelineStage):
             super().backward_one_chunk(
                 bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
             )
+        self._in_flight.backward()
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         """Pipelining's ops, recorded."""
@@ -196,7 +235,8 @@ def _recorded(ops: list[dist.P2POp], label: str) -> list[dist.P2POp]:
 @dataclass
 class PipelineTrainer:
     """Everything a pipeline step needs on this rank: its chunks (in ``vp_stage`` order),
-    their optimizer and the schedule driving them."""
+    their optimizer, the schedule driving them and the count of its forwards in flight
+    (``in_flight.peak``: the most chunk-forwards alive at once in the last step)."""
 
     cfg: GPTConfig
     layout: ParallelLayout
@@ -205,6 +245,7 @@ class PipelineTrainer:
     optimizer: ShardedOptimizer
     schedule: PipelineScheduleSingle | PipelineScheduleMulti
     device: torch.device
+    in_flight: InFlight
 
     @property
     def is_last_stage(self) -> bool:
@@ -275,6 +316,7 @@ def build_pipeline(
     optimizer = ShardedOptimizer(opt.build(params), chunks)
     p, stages = mg.pipeline_rank(pgc), layout.pp * vpp
     pipeline_stages: list[_PipelineStageBase] = []
+    in_flight = InFlight()
     for v, chunk in enumerate(chunks):
         gpt = chunk.module
         assert isinstance(gpt, GPT)  # build_model returns a GPT
@@ -282,6 +324,7 @@ def build_pipeline(
         pipeline_stages.append(
             _MCStage(
                 _StageModule(chunk),
+                in_flight,
                 stage_index=v * layout.pp + p,
                 num_stages=stages,
                 device=device,
@@ -298,7 +341,7 @@ def build_pipeline(
     else:
         single = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         runner = single(pipeline_stages[0], m, loss_fn=loss, scale_grads=False)
-    return PipelineTrainer(cfg, layout, pgc, chunks, optimizer, runner, device)
+    return PipelineTrainer(cfg, layout, pgc, chunks, optimizer, runner, device, in_flight)
 
 
 def pipeline_step(
@@ -325,6 +368,7 @@ def pipeline_step(
     for chunk in trainer.chunks:
         chunk.zero_grad_buffer()
     losses: list[torch.Tensor] = []
+    trainer.in_flight.reset()
     trainer.schedule.step(rows[:, :-1].contiguous(), target=labels.contiguous(), losses=losses)
     count = (labels != IGNORE_INDEX).sum()
     finalize_model_grads(
