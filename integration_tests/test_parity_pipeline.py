@@ -33,6 +33,7 @@ run's ``in_flight_forwards`` for the schedule: 1F1B ``P − p``, GPipe ``M``, in
 
 Tolerances (fp32, gloo): loss per step within 1e-5 relative, weights within 1e-6 absolute
 (measured with ``-s``: printed per layout); every tensor moves by at least 100× that.
+NCCL (one GPU per rank; not run here, no GPUs): weights within 1e-5.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ from integration_tests._common import (
     GLOBAL_BATCH,
     SGD,
     STEPS,
+    backends,
     batch,
+    device_for,
     max_rel_loss_diff,
     max_weight_diff,
     model_parallel,
@@ -83,7 +86,7 @@ def _summary(log: list[mg.CollectiveRecord]) -> list[tuple[str, tuple[int, ...],
     return [(r.op, r.group_ranks, r.label) for r in log]
 
 
-def _train(layout: ParallelLayout, schedule: str) -> dict[str, Any]:
+def _train(layout: ParallelLayout, schedule: str, device: torch.device) -> dict[str, Any]:
     with model_parallel(layout) as pgc:
         layout.check(CFG4, dist.get_world_size(), GLOBAL_BATCH)
         rows = GLOBAL_BATCH // (layout.dp * layout.microbatches)
@@ -93,7 +96,7 @@ def _train(layout: ParallelLayout, schedule: str) -> dict[str, Any]:
             SGD,
             pgc,
             full_weights_for(CFG4),
-            torch.device("cpu"),
+            device,
             schedule=schedule,
             micro_batch_size=rows,
         )
@@ -119,10 +122,10 @@ def _train(layout: ParallelLayout, schedule: str) -> dict[str, Any]:
         }
 
 
-def train_cases(cases: list[tuple[ParallelLayout, str]]) -> list[dict[str, Any]]:
+def train_cases(cases: list[tuple[ParallelLayout, str]], backend: str) -> list[dict[str, Any]]:
     """Runs on every rank: each case trained for 5 steps."""
     torch.set_num_threads(1)
-    return [_train(layout, schedule) for layout, schedule in cases]
+    return [_train(layout, schedule, device_for(backend)) for layout, schedule in cases]
 
 
 def _reference(layout: ParallelLayout) -> ReferenceRun:
@@ -169,11 +172,13 @@ def _check_collectives(layout: ParallelLayout, out: dict[str, Any]) -> None:
         assert max(reductions) < last_send, log
 
 
-def _check_case(index: int, layout: ParallelLayout, schedule: str, per_rank: list[Any]) -> None:
+def _check_case(
+    index: int, layout: ParallelLayout, schedule: str, per_rank: list[Any], tol: float
+) -> None:
     outs = [rank[index] for rank in per_rank]
     ref = _reference(layout)
     start = full_weights_for(CFG4)
-    assert min(float((w - start[k]).abs().max()) for k, w in ref.weights.items()) >= 1e-4
+    assert min(float((w - start[k]).abs().max()) for k, w in ref.weights.items()) >= 100 * tol
     rel = max(max_rel_loss_diff(out["losses"], ref.losses) for out in outs)
     assert rel <= 1e-5, (schedule, layout.describe(), rel)
     firsts = [o for o in outs if o["tp_rank"] == o["dp_rank"] == 0]
@@ -184,7 +189,7 @@ def _check_case(index: int, layout: ParallelLayout, schedule: str, per_rank: lis
     assert torch.equal(table0, table1)
     merged = {k: v for weights in by_stage.values() for k, v in weights.items()}
     diff, name = max_weight_diff({**merged, WORD_EMBEDDING: table0}, ref.weights)
-    assert diff <= 1e-6, (schedule, layout.describe(), name, diff)
+    assert diff <= tol, (schedule, layout.describe(), name, diff)
     for out in outs:
         _check_collectives(layout, out)
         # torch's schedule keeps as many chunk-forwards alive as the dry run counts
@@ -195,9 +200,19 @@ def _check_case(index: int, layout: ParallelLayout, schedule: str, per_rank: lis
     print(f"{schedule} {layout.describe()}: loss {rel:.1e}, weights {diff:.1e}")
 
 
-@pytest.mark.parametrize("world", sorted(CASES))
-def test_pipeline_schedules_match_one_process(rank_pools: RankPools, world: int) -> None:
+WORLDS = [
+    pytest.param(world, *backend.values, marks=backend.marks, id=f"{world}-{backend.id}")
+    for world in sorted(CASES)
+    for backend in backends(world)
+]
+
+
+@pytest.mark.parametrize(("world", "backend"), WORLDS)
+def test_pipeline_schedules_match_one_process(
+    rank_pools: RankPools, world: int, backend: str
+) -> None:
     cases = CASES[world]
-    per_rank = rank_pools.get(world).run(train_cases, cases)
+    per_rank = rank_pools.get(world, backend).run(train_cases, cases, backend)
+    tol = 1e-6 if backend == "gloo" else 1e-5
     for i, (layout, schedule) in enumerate(cases):
-        _check_case(i, layout, schedule, per_rank)
+        _check_case(i, layout, schedule, per_rank, tol)
