@@ -100,7 +100,7 @@ def test_checkpoints_resume_across_pipeline_layouts(rank_pools: RankPools, tmp_p
         ),
         (
             ["--tp", "1", "--pp", "4", "--dp", "1", "--no-sequence-parallel", "--num-layers", "4"],
-            "microbatches=2 < pp=4: the 1f1b schedule keeps one micro-batch per stage in flight",
+            "microbatches=2 < pp=4: the 1f1b schedule fills every stage with a micro-batch",
         ),
         (
             [

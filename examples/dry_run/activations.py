@@ -24,7 +24,9 @@ the peak, as ``torch.distributed.pipelining`` (and Megatron) order them:
 
 - GPipe: every forward before any backward, ``M·V``;
 - 1F1B: ``min(M, P − p)`` (the warm-up forwards plus the first steady-state one);
-- interleaved 1F1B: ``min(M·V, 2·(P − p − 1) + (V − 1)·P + 1)``;
+- interleaved 1F1B: ``min(M·V, 2·(P − p − 1) + (V − 1)·R + 1)``, ``R = M / max(1, ⌊M/P⌋)``
+  micro-batches per round (``P`` when ``P`` divides ``M``; torch 2.13's
+  ``_get_warmup_ops``);
 - no pipeline (``P = 1``): 1 (each micro-batch's backward follows its forward).
 
 The peak is ``in_flight × (bytes of one micro-batch over the rank's chunks) / V``: exact
@@ -67,7 +69,8 @@ def in_flight_forwards(schedule: str, stage: int, stages: int, microbatches: int
     if schedule == "1f1b":
         return min(m, p - stage)
     if schedule == "interleaved":
-        return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+        per_round = m // max(1, m // p)  # torch's rounds of micro-batches (p when p | m)
+        return min(m * v, 2 * (p - stage - 1) + (v - 1) * per_round + 1)
     raise ValueError(f"schedule={schedule!r} must be one of 1f1b, gpipe, interleaved")
 
 

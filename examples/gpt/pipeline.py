@@ -94,10 +94,10 @@ Chunk = DistributedDataParallel[mg.ModelParallelConfig]
 def check_schedule(schedule: str, layout: ParallelLayout, cfg: GPTConfig) -> None:
     """ValueError naming the fix when ``schedule`` cannot run ``layout``: an unknown name,
     ``interleaved`` without ``vpp`` (or ``vpp`` with another schedule), 1F1B-style
-    schedules with fewer micro-batches than stages (the warm-up would never reach the
-    last stage), interleaved with micro-batches not a multiple of the stages (pipelining
-    runs them in rounds of ``pp``), context parallelism (not wired here), or layers that
-    do not split evenly (``layout.check`` says which)."""
+    schedules with fewer micro-batches than stages (``Schedule1F1B`` raises on it too),
+    interleaved with micro-batches not a multiple of the stages (the demo keeps
+    pipelining's rounds of ``pp`` micro-batches whole), context parallelism (not wired
+    here), or layers that do not split evenly over the stages and chunks."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
     if layout.pp < 2:
@@ -113,8 +113,9 @@ def check_schedule(schedule: str, layout: ParallelLayout, cfg: GPTConfig) -> Non
     m, p = layout.microbatches, layout.pp
     if schedule != "gpipe" and m < p:
         raise ValueError(
-            f"microbatches={m} < pp={p}: the {schedule} schedule keeps one micro-batch per "
-            f"stage in flight; use at least {p} micro-batches (or --schedule gpipe)"
+            f"microbatches={m} < pp={p}: the {schedule} schedule fills every stage with a "
+            f"micro-batch before its first backward (torch.distributed.pipelining refuses "
+            f"fewer micro-batches than stages); use at least {p} (or --schedule gpipe)"
         )
     if schedule == "interleaved" and m % p:
         raise ValueError(
