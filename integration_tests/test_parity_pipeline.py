@@ -108,6 +108,8 @@ def _train(layout: ParallelLayout, schedule: str, device: torch.device) -> dict[
             logs.append(_summary(log))
             peaks.append(trainer.in_flight.peak)
         buckets = sum(len(chunk.bucket_groups) for chunk in trainer.chunks)
+        with pytest.raises(ValueError, match="the pipeline's stages were built for") as bad:
+            pipeline_step(trainer, batch(0)[:4], loss_mask(0) if mask is not None else None)
         return {
             "stage": mg.pipeline_rank(pgc),
             "tp_rank": mg.group_rank(pgc.require("tp", "test")),
@@ -118,6 +120,7 @@ def _train(layout: ParallelLayout, schedule: str, device: torch.device) -> dict[
             "losses": losses,
             "logs": logs,
             "in_flight": peaks,
+            "bad_batch": str(bad.value),
             "weights": pipeline_final_weights(trainer),
         }
 
@@ -190,7 +193,14 @@ def _check_case(
     merged = {k: v for weights in by_stage.values() for k, v in weights.items()}
     diff, name = max_weight_diff({**merged, WORD_EMBEDDING: table0}, ref.weights)
     assert diff <= tol, (schedule, layout.describe(), name, diff)
+    rows = GLOBAL_BATCH // (layout.dp * layout.microbatches)
     for out in outs:
+        assert out["bad_batch"] == (
+            f"tokens of shape (4, 17): the pipeline's stages were built for (8, 17) (dp "
+            f"{layout.dp} × {layout.microbatches} micro-batches × micro_batch_size {rows} "
+            "rows of seq_length + 1 ids); rebuild it with build_pipeline(micro_batch_size=...) "
+            "for another batch"
+        )
         _check_collectives(layout, out)
         # torch's schedule keeps as many chunk-forwards alive as the dry run counts
         flight = in_flight_forwards(

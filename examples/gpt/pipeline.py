@@ -247,6 +247,7 @@ class PipelineTrainer:
     schedule: PipelineScheduleSingle | PipelineScheduleMulti
     device: torch.device
     in_flight: InFlight
+    micro_batch_size: int
 
     @property
     def is_last_stage(self) -> bool:
@@ -342,7 +343,9 @@ def build_pipeline(
     else:
         single = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         runner = single(pipeline_stages[0], m, loss_fn=loss, scale_grads=False)
-    return PipelineTrainer(cfg, layout, pgc, chunks, optimizer, runner, device, in_flight)
+    return PipelineTrainer(
+        cfg, layout, pgc, chunks, optimizer, runner, device, in_flight, micro_batch_size
+    )
 
 
 def pipeline_step(
@@ -359,6 +362,7 @@ def pipeline_step(
             f"(got mask={'a tensor' if mask is not None else None}, "
             f"calculate_per_token_loss={layout.calculate_per_token_loss})"
         )
+    _check_batch(trainer, tokens, mask)
     dp = pgc.require("dp", "pipeline_step")
     dp_rank, dp_size = mg.group_rank(dp), mg.group_size(dp)
     rows = dp_rows(tokens, dp_rank, dp_size).to(trainer.device)
@@ -377,6 +381,28 @@ def pipeline_step(
     )
     trainer.optimizer.step()
     return _step_loss(trainer, losses, count)
+
+
+def _check_batch(trainer: PipelineTrainer, tokens: object, mask: object) -> None:
+    """ValueError/TypeError before anything is communicated: the stages were built for
+    ``[dp · M · micro_batch_size, s + 1]`` token ids (and a ``[.., s]`` mask)."""
+    lay, cfg = trainer.layout, trainer.cfg
+    rows = lay.dp * lay.microbatches * trainer.micro_batch_size
+    want = (rows, cfg.seq_length + 1)
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64:
+        raise TypeError(f"tokens must be an int64 tensor of token ids, got {tokens!r:.60}")
+    if tuple(tokens.shape) != want:
+        raise ValueError(
+            f"tokens of shape {tuple(tokens.shape)}: the pipeline's stages were built for "
+            f"{want} (dp {lay.dp} × {lay.microbatches} micro-batches × micro_batch_size "
+            f"{trainer.micro_batch_size} rows of seq_length + 1 ids); rebuild it with "
+            "build_pipeline(micro_batch_size=...) for another batch"
+        )
+    if isinstance(mask, torch.Tensor) and tuple(mask.shape) != (rows, cfg.seq_length):
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} must be {(rows, cfg.seq_length)}: one flag "
+            "per target token"
+        )
 
 
 def _step_loss(trainer: PipelineTrainer, losses: list[torch.Tensor], count: torch.Tensor) -> float:
