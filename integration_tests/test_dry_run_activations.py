@@ -23,6 +23,7 @@ comparison, byte for byte, is part 1 of ``test_dry_run.py``).
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -109,3 +110,15 @@ def test_device_memory_verdict() -> None:
     assert main([*argv, "--device-memory", "0.0001"], out) == 0
     assert "  does NOT fit in 0.0001 GiB of device memory" in out.getvalue()
     assert main([*argv, "--device-memory", "0"], io.StringIO()) == 2
+
+
+def test_schedule_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    small = ["--world-size", "4", "--pp", "2", "--num-layers", "4", "--hidden-size", "64"]
+    small += ["--ffn-hidden-size", "224", "--num-heads", "8", "--num-query-groups", "8"]
+    small += ["--vocab-size", "128", "--seq-length", "32"]
+    assert main([*small, "--schedule", "interleaved"], io.StringIO()) == 2
+    assert "--schedule interleaved with --vpp None" in capsys.readouterr().err
+    out = io.StringIO()
+    assert main([*small, "--schedule", "gpipe", "--num-microbatches", "4"], out) == 0
+    line = r"^  chunk-forwards in flight \(gpipe, 1 chunk\(s\)/stage\) +4$"
+    assert re.search(line, out.getvalue(), re.MULTILINE), out.getvalue()
