@@ -7,9 +7,10 @@ Rank 0 shows a progress bar (step, loss, tokens/s), then the final loss, the thr
 parity line (the first steps against the same GPT trained by plain PyTorch on one process)
 and the folder holding ``loss.png`` and ``metrics.json``.
 
-Flags change the layout (``--tp``, ``--dp``, ``--[no-]sequence-parallel``,
-``--[no-]distributed-optimizer``), the run (``--steps``, ``--output``, ...) and the model
-(``--hidden-size``, ...); an impossible layout is reported before any rank communicates.
+Flags change the layout (``--tp``, ``--dp``, ``--pp`` with ``--schedule`` and ``--vpp``,
+``--[no-]sequence-parallel``, ``--[no-]distributed-optimizer``), the run (``--steps``,
+``--output``, ...) and the model (``--hidden-size``, ...); an impossible layout is reported
+before any rank communicates. Pipeline parallelism: docs/pipeline.md.
 
 On GPUs: ``torchrun --nproc-per-node N -m examples.train_gpt --backend nccl --tp T --dp D``
 (T × D = N): each rank trains on ``cuda:LOCAL_RANK`` over NCCL; the parity reference still
@@ -57,6 +58,8 @@ from examples.gpt import (
     train_step,
 )
 from examples.gpt import resume as ckpt
+from examples.gpt.pipeline import PipelineTrainer
+from examples.gpt.pipeline_demo import add_pipeline_flags, check_pipeline_flags, pipeline_trainer
 
 __all__ = [
     "BACKENDS",
@@ -88,6 +91,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel size (default 2)")
+    add_pipeline_flags(p)
     p.add_argument(
         "--sequence-parallel",
         action=argparse.BooleanOptionalAction,
@@ -155,6 +159,7 @@ class DemoRun:
     save_dir: Path | None = None
     save_every: int | None = None
     resume: str | None = None
+    schedule: str = "1f1b"
 
     def run_settings(self) -> dict[str, Any]:
         """What a checkpoint's run shares with every run that continues it (the layout is
@@ -183,9 +188,11 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
         raise ValueError(f"--parity-steps={args.parity_steps} must be >= 0")
     if args.tp < 1 or args.dp < 1:
         raise ValueError(f"--tp={args.tp} and --dp={args.dp} must both be >= 1")
-    if args.tp * args.dp != world_size:
+    pp = getattr(args, "pp", 1)
+    if args.tp * args.dp * pp != world_size:
+        product = f"--tp {args.tp} × --dp {args.dp}" + (f" × --pp {pp}" if pp != 1 else "")
         raise ValueError(
-            f"--tp {args.tp} × --dp {args.dp} = {args.tp * args.dp}, but the demo runs on "
+            f"{product} = {args.tp * args.dp * pp}, but the demo runs on "
             f"{world_size} ranks (torchrun's --nnodes × --nproc-per-node); choose --tp and "
             f"--dp whose product is {world_size}, e.g. --tp {world_size} --dp 1"
         )
@@ -204,10 +211,13 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
     layout = ParallelLayout(
         tp=args.tp,
         dp=args.dp,
+        pp=pp,
+        vpp=getattr(args, "vpp", None),
         sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.distributed_optimizer,
         microbatches=args.microbatches,
     )
+    schedule = check_pipeline_flags(args, model, layout)
     layout.check(model, world_size, args.global_batch)
     opt = OptimizerConfig(name="adamw", lr=args.lr)
     parity = min(args.parity_steps, args.steps)
@@ -227,6 +237,7 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
         save_dir,
         save_every,
         resume,
+        schedule,
     )
 
 
@@ -313,6 +324,7 @@ def _header(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO) -> None:
     mine = {
         "tp": mg.group_ranks(pgc.require("tp", "demo")),
         "dp": mg.group_ranks(pgc.require("dp", "demo")),
+        "pp": mg.group_ranks(pgc.require("pp", "demo")),
     }
     table = mg.all_gather_objects(mine, world, label="demo groups")
     if dist.get_rank() != 0:
@@ -323,14 +335,28 @@ def _header(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO) -> None:
         f"mc demo: GPT with {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
         f"vocab {m.vocab_size}, sequence {m.seq_length} ({params:,} params) on "
         f"{_ranks(demo, mg.group_size(world))}\n"
-        f"layout:  {demo.layout.describe()}\n"
+        f"layout:  {demo.layout.describe()}{_schedule_note(demo)}\n"
         f"groups:  "
-        + "  ".join(f"r{r}: tp{list(t['tp'])} dp{list(t['dp'])}" for r, t in enumerate(table))  # type: ignore[index]
+        + "  ".join(f"r{r}: {_groups_of(t, demo.layout.pp)}" for r, t in enumerate(table))
         + "\n"
         f"data:    {corpus().numel():,} characters of Alice's Adventures in Wonderland; "
         f"{demo.global_batch} sequences × {m.seq_length} tokens a step, "
         f"{demo.layout.microbatches} micro-batches per DP rank; AdamW lr {demo.optimizer.lr}\n"
     )
+
+
+def _schedule_note(demo: DemoRun) -> str:
+    """``; 1f1b schedule (torch.distributed.pipelining)`` under pipeline parallelism."""
+    if demo.layout.pp == 1:
+        return ""
+    return f"; {demo.schedule} schedule (torch.distributed.pipelining)"
+
+
+def _groups_of(groups: object, pp: int) -> str:
+    """``tp[0, 1] dp[0, 2]`` (``pp[...]`` too under pipeline parallelism)."""
+    assert isinstance(groups, dict)  # the rank's own ``mine`` above
+    shown = "tp dp pp" if pp > 1 else "tp dp"
+    return " ".join(f"{role}{list(groups[role])}" for role in shown.split())
 
 
 def _ranks(demo: DemoRun, world_size: int) -> str:
@@ -353,7 +379,9 @@ def _resume_verdict(demo: DemoRun, pgc: mg.ProcessGroupCollection) -> ckpt.Verdi
     return ckpt.agree(mine, pgc.require("world", "resume"))
 
 
-def _start(demo: DemoRun, trainer: Trainer, verdict: ckpt.Verdict, out: TextIO) -> list[float]:
+def _start(
+    demo: DemoRun, trainer: Trainer | PipelineTrainer, verdict: ckpt.Verdict, out: TextIO
+) -> list[float]:
     """The losses so far: none, or the checkpoint's after loading it into ``trainer``."""
     if dist.get_rank() == 0:
         removed = [] if demo.save_dir is None else ckpt.remove_partial(demo.save_dir)
@@ -368,7 +396,9 @@ def _start(demo: DemoRun, trainer: Trainer, verdict: ckpt.Verdict, out: TextIO) 
     return list(state.losses)
 
 
-def _save(demo: DemoRun, save_dir: Path, trainer: Trainer, losses: list[float]) -> str:
+def _save(
+    demo: DemoRun, save_dir: Path, trainer: Trainer | PipelineTrainer, losses: list[float]
+) -> str:
     """Publish the checkpoint after ``len(losses)`` steps (collective)."""
     state = ckpt.RunState(
         step=len(losses),
@@ -399,12 +429,26 @@ def _sigkill_hook(where: str, step: int) -> Callable[[], None] | None:
     return lambda: os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _trainer(
+    demo: DemoRun, pgc: mg.ProcessGroupCollection, full: dict[str, torch.Tensor], device: Any
+) -> tuple[Trainer | PipelineTrainer, Callable[[torch.Tensor], float]]:
+    """This rank's trainer and its step: :mod:`examples.gpt.pipeline_demo` under ``--pp``."""
+    if demo.layout.pp > 1:
+        return pipeline_trainer(
+            *(demo.model, demo.layout, demo.optimizer, pgc, full, device),
+            schedule=demo.schedule,
+            global_batch=demo.global_batch,
+        )
+    trainer = parallelize(demo.model, demo.layout, demo.optimizer, pgc, full, device)
+    return trainer, lambda tokens: train_step(trainer, tokens)
+
+
 def _train(
     demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO, verdict: ckpt.Verdict
 ) -> DemoResult:
     full = init_full_weights(demo.model, _SEED)
     device = device_for(demo.backend)
-    trainer = parallelize(demo.model, demo.layout, demo.optimizer, pgc, full, device)
+    trainer, train = _trainer(demo, pgc, full, device)
     losses = _start(demo, trainer, verdict, out)
     first = len(losses)
     progress = _Progress(demo.steps, out)
@@ -412,7 +456,7 @@ def _train(
     saved: list[str] = []
     start = time.perf_counter()
     for step in range(first, demo.steps):
-        losses.append(train_step(trainer, _batch(demo, step)))
+        losses.append(train(_batch(demo, step)))
         elapsed = time.perf_counter() - start
         if dist.get_rank() == 0:
             progress.update(step, losses[-1], tokens_per_step * (step + 1 - first) / elapsed)
@@ -530,7 +574,7 @@ def run(demo: DemoRun, out: TextIO = sys.stdout) -> DemoResult:
     rank, before anything is built or written, when it cannot be resumed); the losses of
     the result then start at step 1 (the checkpoint's history), and training at its step.
     """
-    pgc = mg.initialize_model_parallel(demo.layout.tp)
+    pgc = demo.layout.initialize_groups()
     try:
         verdict = _resume_verdict(demo, pgc)
         _header(demo, pgc, out)

@@ -42,6 +42,7 @@ import torch
 
 import mc_groups as mg
 from examples.dry_run import DryRunSpec, build_stage, describe_rank, dry_run, record_step, run_step
+from examples.dry_run.activations import measure_activations
 from examples.dry_run.cli import main
 from examples.gpt import GPTConfig, global_batch, init_full_weights, reference_loss
 from mc_groups.testing import RankPools
@@ -108,7 +109,8 @@ def _batches(
     c = mg.group_rank(pgc.require("cp", "test"))
     window = mine[:, c * s : (c + 1) * s + 1]
     micro = window.chunk(spec.layout.microbatches)
-    return [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in micro]
+    # Copies: a view of the global batch would keep (and be counted as) its whole storage.
+    return [(m[:, :-1].clone(), m[:, 1:].clone()) for m in micro]
 
 
 def real_reports(specs: list[DryRunSpec]) -> list[tuple[dict[str, Any], float | None]]:
@@ -121,8 +123,9 @@ def real_reports(specs: list[DryRunSpec]) -> list[tuple[dict[str, Any], float | 
             full = init_full_weights(spec.model, SEED)
             stage = build_stage(spec, pgc, torch.device("cpu"), full)
             batches = _batches(spec, pgc)
+            activations = measure_activations(stage, batches[0])
             loss = run_step(stage, batches)
-            report = describe_rank(stage, record_step(stage, batches)).to_json()
+            report = describe_rank(stage, record_step(stage, batches), activations).to_json()
             mean = None
             if loss is not None:
                 loss = loss.float()
@@ -155,10 +158,36 @@ def test_dry_run_equals_a_real_gloo_run(rank_pools: RankPools) -> None:
                 continue
             simulated = dry_run(spec, rank).to_json()
             assert real["collectives"], (spec.layout.describe(), rank)
+            _check_activations(spec, simulated, real)
             for key in real:
                 assert simulated[key] == real[key], (spec.layout.describe(), rank, key)
         losses = [per_rank[r][i][1] for r in range(4) if per_rank[r][i][1] is not None]
         assert losses, spec.layout.describe()
+
+
+def _check_activations(spec: DryRunSpec, simulated: dict[str, Any], real: dict[str, Any]) -> None:
+    """The saved bytes of the real CPU forward equal the dry run's but for two kernel
+    differences, derived here by hand and then removed from the real report: CPU layer
+    norms keep bf16 inputs' mean and 1/std (2 per row) in bf16 where the meta kernel (and
+    CUDA's) keeps them in fp32; the CPU attention kernel given an explicit mask (context
+    parallelism's shifted causal mask, ``[s/cp, s]``) saves it as fp32, which the dry run's
+    fused-attention stand-in (a GPU kernel with a causal offset) does not."""
+    lay = spec.layout
+    rows = spec.micro_batch_size * spec.local_seq_length // (lay.tp if lay.sequence_parallel else 1)
+    ln = -2 * rows * 2 if lay.params_dtype == torch.bfloat16 else 0  # per layer norm
+    mask = 4 * spec.local_seq_length * spec.model.seq_length if lay.cp > 1 else 0
+    act_real, act_sim = real["activations"], simulated["activations"]
+    fixed = {i: b - (2 * ln + mask) for i, b in act_real["per_layer"].items()}
+    other = act_real["other"] - (ln if any(c["output_layer"] for c in real["chunks"]) else 0)
+    assert (fixed, other) == (act_sim["per_layer"], act_sim["other"]), (lay.describe(), act_real)
+    assert act_sim["per_layer"], lay.describe()
+    for key in ("schedule", "in_flight", "chunks"):
+        assert act_real[key] == act_sim[key], (lay.describe(), key)
+    total = sum(fixed.values()) + other
+    assert act_sim["per_microbatch"] == total
+    assert act_sim["peak"] == act_sim["in_flight"] * total // act_sim["chunks"]
+    real["activations"] = act_sim
+    real["memory"]["total_with_activations"] = real["memory"]["total"] + act_sim["peak"]
 
 
 # -- 2. the closed-form formula ---------------------------------------------------------

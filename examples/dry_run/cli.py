@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
+from examples.dry_run.activations import korthikanti_layer_bytes
 from examples.dry_run.report import PHASES, RankReport, collective_totals
 from examples.dry_run.run import dry_run, stage_ranks
 from examples.dry_run.spec import DTYPES, DryRunSpec, llama70b
@@ -63,6 +64,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ):
         layout.add_argument(flag, type=int, default=1, help=f"{what} (default 1)")
     layout.add_argument("--vpp", type=int, help="virtual pipeline chunks per stage")
+    layout.add_argument(
+        "--schedule",
+        choices=("1f1b", "gpipe", "interleaved"),
+        help="pipeline schedule whose micro-batches in flight the activations count "
+        "(default: interleaved with --vpp, else 1f1b)",
+    )
     layout.add_argument("--etp", type=int, help="expert tensor-parallel size (default --tp)")
     model = p.add_argument_group("model (defaults: the 70B-shaped GPT)")
     default = llama70b()
@@ -103,6 +110,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="split activations over TP along the sequence (default: on when --tp > 1)",
     )
+    p.add_argument(
+        "--device-memory",
+        type=float,
+        metavar="GiB",
+        help="say whether each rank's params, grads, optimizer state and peak activations "
+        "fit in this much device memory",
+    )
     p.add_argument("--json", metavar="PATH", help="write the full report here")
     return p.parse_args(argv)
 
@@ -133,6 +147,7 @@ def spec_from_args(args: argparse.Namespace) -> DryRunSpec:
         microbatches=args.num_microbatches,
         bucket_size=args.bucket_size,
         micro_batch_size=args.micro_batch_size,
+        schedule=args.schedule,
     )
 
 
@@ -175,7 +190,7 @@ def _full_param_count(cfg: GPTConfig) -> dict[str, int]:
     }
 
 
-def _rank_lines(spec: DryRunSpec, r: RankReport) -> list[str]:
+def _rank_lines(spec: DryRunSpec, r: RankReport, device_gib: float | None = None) -> list[str]:
     coords = ", ".join(f"{k} {v}" for k, v in r.coordinates.items() if _axis_size(spec, k) > 1)
     held = "; ".join(c.describe() for c in r.chunks)
     shown = ("tp", "cp", "dp", "pp", "embd", "gtp_remat")
@@ -186,6 +201,7 @@ def _rank_lines(spec: DryRunSpec, r: RankReport) -> list[str]:
         head + (f"; {coords}" if coords else ""),
         "  groups:  " + (", ".join(groups) or "none (every group has one rank)"),
         *_memory_lines(r),
+        *_activation_lines(spec, r, device_gib),
         *_bucket_lines(r),
         *_collective_lines(r),
     ]
@@ -209,6 +225,41 @@ def _memory_lines(r: RankReport) -> list[str]:
         f"  (the optimizer steps {mem.stepped_elements:,} elements here: this rank's shard)"
     )
     return lines
+
+
+def _activation_lines(spec: DryRunSpec, r: RankReport, device_gib: float | None) -> list[str]:
+    act = r.activations
+    if act is None:
+        return []
+    layers = sorted(act.per_layer)
+    per_layer = {act.per_layer[i] for i in layers}
+    each = f"{_size(per_layer.pop())} each" if len(per_layer) == 1 else "(see the JSON)"
+    lay, cfg = spec.layout, spec.model
+    formula = korthikanti_layer_bytes(
+        spec.local_seq_length, spec.micro_batch_size, cfg.hidden_size, cfg.num_heads, lay.tp
+    )
+    rows = [
+        (f"activations of one micro-batch, {len(layers)} block(s)", each),
+        ("  Korthikanti et al. per block (SP, 16-bit)", _size(formula)),
+        ("  embedding, final norm, LM head and loss", _size(act.other)),
+        ("  one micro-batch on this rank", _size(act.per_microbatch)),
+        (
+            f"chunk-forwards in flight ({act.schedule}, {act.chunks} chunk(s)/stage)",
+            str(act.in_flight),
+        ),
+        ("activations at the peak", _size(act.peak)),
+        ("total with activations", _size(r.total_with_activations)),
+    ]
+    lines = [f"  {name:<54}{value:>16}" for name, value in rows]
+    if device_gib is not None:
+        need, have = r.total_with_activations, int(device_gib * 2**30)
+        verdict = "fits" if need <= have else "does NOT fit"
+        lines.append(
+            f"  {verdict} in {device_gib:g} GiB of device memory ({_size(abs(have - need))} "
+            f"{'to spare' if need <= have else 'short'}; before the allocator's "
+            "fragmentation and workspaces)"
+        )
+    return ["", *lines]
 
 
 def _bucket_lines(r: RankReport) -> list[str]:
@@ -259,11 +310,17 @@ def _group(name: str, ranks: list[int]) -> str:
     return f"{name} ({len(ranks)} ranks)"
 
 
-def format_report(spec: DryRunSpec, reports: list[RankReport], seconds: float) -> str:
-    """The readable table of ``reports``."""
+def format_report(
+    spec: DryRunSpec,
+    reports: list[RankReport],
+    seconds: float,
+    device_memory_gib: float | None = None,
+) -> str:
+    """The readable table of ``reports`` (with ``device_memory_gib``: whether each rank
+    fits)."""
     lines = ["mc dry run (fake process group, meta device)", *_headline(spec)]
     for r in reports:
-        lines += _rank_lines(spec, r)
+        lines += _rank_lines(spec, r, device_memory_gib)
     lines += ["", f"simulated in {seconds:.1f} s"]
     return "\n".join(lines)
 
@@ -287,6 +344,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     try:
         spec = spec_from_args(args)
         ranks = stage_ranks(spec) if args.all_stages else [args.rank]
+        if args.device_memory is not None and not args.device_memory > 0:
+            raise ValueError(f"--device-memory {args.device_memory} must be > 0 (GiB)")
         if not 0 <= ranks[0] < spec.world_size:
             raise ValueError(f"--rank {args.rank} must be in [0, {spec.world_size})")
     except (ValueError, TypeError) as err:
@@ -296,7 +355,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     timings: list[dict[str, float]] = [{} for _ in ranks]
     reports = [dry_run(spec, rank, t) for rank, t in zip(ranks, timings, strict=True)]
     seconds = time.perf_counter() - start
-    print(format_report(spec, reports, seconds), file=out)
+    print(format_report(spec, reports, seconds, args.device_memory), file=out)
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 import mc_groups as mg
+from examples.dry_run.activations import ActivationInfo
 from examples.dry_run.step import PhaseRecord, StageModel
 from mc_buffers import ParamAndGradBuffer
 
@@ -183,11 +184,23 @@ class RankReport:
     params: list[ParamInfo] = field(default_factory=list)
     buckets: list[BucketInfo] = field(default_factory=list)
     collectives: list[CollectiveInfo] = field(default_factory=list)
+    activations: ActivationInfo | None = None
+
+    @property
+    def total_with_activations(self) -> int:
+        """Params, grads, optimizer state and the activations' peak (bytes)."""
+        peak = 0 if self.activations is None else self.activations.peak
+        return self.memory.total + peak
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (memory with its total; every list in full)."""
+        """A JSON-ready dict (memory with its total; activations with the per-micro-batch
+        sum and the peak; every list in full)."""
         out = asdict(self)
         out["memory"]["total"] = self.memory.total
+        if self.activations is not None:
+            out["activations"]["per_microbatch"] = self.activations.per_microbatch
+            out["activations"]["peak"] = self.activations.peak
+            out["memory"]["total_with_activations"] = self.total_with_activations
         out["collective_totals"] = [asdict(t) for t in collective_totals(self.collectives)]
         return out
 
@@ -313,8 +326,11 @@ def _collectives(
     ]
 
 
-def describe_rank(stage: StageModel, records: list[PhaseRecord]) -> RankReport:
-    """The report of this rank after ``records`` (one recorded step) ran on ``stage``."""
+def describe_rank(
+    stage: StageModel, records: list[PhaseRecord], activations: ActivationInfo | None = None
+) -> RankReport:
+    """The report of this rank after ``records`` (one recorded step) ran on ``stage``
+    (``activations``: what :mod:`examples.dry_run.activations` measured)."""
     pgc = stage.pgc
     names = group_names(pgc)
     coordinates = {
@@ -342,4 +358,5 @@ def describe_rank(stage: StageModel, records: list[PhaseRecord]) -> RankReport:
         params=params,
         buckets=_buckets(stage),
         collectives=_collectives(records, names),
+        activations=activations,
     )

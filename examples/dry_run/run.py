@@ -14,6 +14,7 @@ import time
 import torch
 
 import mc_groups as mg
+from examples.dry_run.activations import measure_activations
 from examples.dry_run.report import RankReport, describe_rank
 from examples.dry_run.spec import DryRunSpec
 from examples.dry_run.step import Batch, build_stage, record_step, run_step
@@ -45,7 +46,8 @@ def dry_run(spec: DryRunSpec, rank: int, timings: dict[str, float] | None = None
     Runs in this process on torch's fake backend; the process must not have a default
     process group of its own (see :func:`~examples.dry_run.world.fake_world`). ``timings``,
     when given, receives the seconds of each part: ``groups`` (joining the world and
-    ``initialize_model_parallel``), ``build`` (model, DDP, optimizer), ``warm-up step``,
+    ``initialize_model_parallel``), ``build`` (model, DDP, optimizer), ``activations`` (a
+    measured forward, :mod:`examples.dry_run.activations`), ``warm-up step``,
     ``recorded step``, ``report`` and ``teardown`` (destroying the world and its groups).
     """
     spec.check()
@@ -56,11 +58,13 @@ def dry_run(spec: DryRunSpec, rank: int, timings: dict[str, float] | None = None
         stage = build_stage(spec, pgc, META)
         batches = meta_batches(spec)
         clock.lap("build")
+        activations = measure_activations(stage, batches[0])
+        clock.lap("activations")
         run_step(stage, batches)
         clock.lap("warm-up step")
         records = record_step(stage, batches)
         clock.lap("recorded step")
-        report = describe_rank(stage, records)
+        report = describe_rank(stage, records, activations)
         clock.lap("report")
     clock.lap("teardown")
     return report

@@ -54,12 +54,16 @@ class DryRunSpec:
             the number of micro-batches a step runs.
         world_size: ranks of the simulated world.
         micro_batch_size: sequences per micro-batch and data-parallel rank.
+        schedule: the pipeline schedule whose micro-batches in flight the activation
+            memory counts (``1f1b``, ``gpipe``, ``interleaved``; None: interleaved with
+            ``vpp``, else 1f1b). The dry run's own step runs no schedule.
     """
 
     model: GPTConfig
     layout: ParallelLayout
     world_size: int
     micro_batch_size: int = 1
+    schedule: str | None = None
 
     @classmethod
     def create(cls, model: GPTConfig, world_size: int, **layout: object) -> DryRunSpec:
@@ -67,10 +71,11 @@ class DryRunSpec:
         other :class:`ParallelLayout` fields; ``micro_batch_size`` is taken out of it).
         Raises ``ValueError`` when the sizes do not divide the world (see :meth:`check`)."""
         micro = layout.pop("micro_batch_size", 1)
+        schedule = layout.pop("schedule", None)
         base = replace(ParallelLayout(), **layout)  # type: ignore[arg-type]
         _check_world(world_size, base)
         dp = world_size // (base.tp * base.gtp_remat * base.cp * base.pp)
-        spec = cls(model, replace(base, dp=dp), world_size, micro)  # type: ignore[arg-type]
+        spec = cls(model, replace(base, dp=dp), world_size, micro, schedule)  # type: ignore[arg-type]
         spec.check()
         return spec
 
@@ -78,6 +83,13 @@ class DryRunSpec:
     def dp(self) -> int:
         """Data-parallel size (ranks with the same model shard and different data)."""
         return self.layout.dp
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """``schedule``, or its default: interleaved with ``vpp``, else 1f1b."""
+        if self.schedule is not None:
+            return self.schedule
+        return "interleaved" if self.layout.vpp is not None else "1f1b"
 
     @property
     def local_seq_length(self) -> int:
@@ -109,6 +121,7 @@ class DryRunSpec:
                 "tile the world too: choose --ep/--etp whose product with --pp divides it"
             )
         _check_pipeline(cfg, lay)
+        _check_schedule(self.schedule, lay)
         _check_tensor_split(cfg, lay)
         if self.micro_batch_size < 1 or lay.microbatches < 1:
             raise ValueError(
@@ -168,6 +181,18 @@ def _check_pipeline(cfg: GPTConfig, lay: ParallelLayout) -> None:
         raise ValueError(
             f"--num-layers {cfg.num_layers} is not divisible by {shown} = {chunks}; every "
             "pipeline chunk holds the same number of layers"
+        )
+
+
+def _check_schedule(schedule: str | None, lay: ParallelLayout) -> None:
+    if schedule is None:
+        return
+    if schedule not in ("1f1b", "gpipe", "interleaved"):
+        raise ValueError(f"--schedule {schedule!r} must be one of 1f1b, gpipe, interleaved")
+    if (schedule == "interleaved") != (lay.vpp is not None):
+        raise ValueError(
+            f"--schedule {schedule} with --vpp {lay.vpp}: the interleaved schedule runs "
+            "--vpp chunks per stage, the others one; pass both or neither"
         )
 
 

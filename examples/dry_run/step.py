@@ -39,6 +39,7 @@ __all__ = [
     "PhaseRecord",
     "StageModel",
     "build_stage",
+    "forward_only",
     "record_step",
     "run_step",
 ]
@@ -169,6 +170,13 @@ class _Pipeline:
                 dst = (self.me - 1) % self.stages
                 label = f"grad of chunk {c - 1}'s output"
                 mg.send(hidden.grad, self.pp, group_dst=dst, label=label)
+
+
+def forward_only(stage: StageModel, batch: Batch) -> None:
+    """The forwards of one micro-batch over the rank's chunks, activations sent on as in a
+    step (every rank of the world must call it), the graph then dropped: what the
+    activation measurement runs (:mod:`examples.dry_run.activations`)."""
+    _Pipeline(stage).forward(batch)
 
 
 def run_step(

@@ -13,6 +13,9 @@ the plain-PyTorch 1-process reference it is compared with.
   ``torch.distributed.checkpoint``, at the same or another layout.
 - :mod:`examples.gpt.resume`: a training run's checkpoint folders (published only when
   every rank wrote its part, verified on load, the ranks agreeing on what to resume).
+- :mod:`examples.gpt.pipeline`: the GPT's chunks in mc DDP driven by
+  ``torch.distributed.pipelining``'s 1F1B, GPipe and interleaved 1F1B schedules;
+  :mod:`examples.gpt.pipeline_demo`: the demo's ``--pp``/``--vpp``/``--schedule`` flags.
 """
 
 from __future__ import annotations

@@ -399,21 +399,32 @@ class GPT(nn.Module):
 
     def forward(
         self,
-        tokens: torch.Tensor,
-        labels: torch.Tensor,
+        tokens: torch.Tensor | None,
+        labels: torch.Tensor | None,
         hidden_states: torch.Tensor | None = None,
         per_token_loss: bool = False,
     ) -> torch.Tensor:
         """The stage's output: the mean loss or (``per_token_loss``) the ``[b, s]`` per-token
-        losses on the last stage, hidden states elsewhere (see class)."""
+        losses on the last stage, hidden states elsewhere (see class). With ``labels=None``
+        the last stage returns its logits, ``[s, b, V/tp]`` (split over the vocabulary),
+        for a loss computed outside the model (a pipeline schedule's ``loss_fn``)."""
         x: torch.Tensor = self.decoder(self._stage_input(tokens, hidden_states))
         if not self.post_process:
             return x
+        if labels is None:
+            return self._logits(x)
         losses = self._token_losses(x, labels)  # [s, b]
         return losses.transpose(0, 1) if per_token_loss else losses.mean()
 
-    def _stage_input(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+    def _stage_input(
+        self, tokens: torch.Tensor | None, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
         if self.pre_process:
+            if tokens is None:
+                raise ValueError(
+                    "tokens=None on the pipeline stage with the embedding: pass the [b, s] "
+                    "token ids"
+                )
             embedded: torch.Tensor = self.embedding(tokens)
             return embedded
         if hidden is None:
@@ -423,10 +434,15 @@ class GPT(nn.Module):
             )
         return hidden
 
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s, b, V/tp]``: the LM head (the SP input is gathered first)."""
+        weight = self.embedding.word_embeddings.weight if self.pre_process else None
+        logits: torch.Tensor = self.output_layer(x, weight=weight)[0]
+        return logits
+
     def _token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``[s, b]`` cross-entropy of each token (the same on every TP rank)."""
-        weight = self.embedding.word_embeddings.weight if self.pre_process else None
-        logits, _ = self.output_layer(x, weight=weight)  # [s, b, V/tp]: SP input gathered
+        logits = self._logits(x)
         losses: torch.Tensor = tpl.vocab_parallel_cross_entropy(
             logits, labels.transpose(0, 1), tp_group=self.tp_group
         )

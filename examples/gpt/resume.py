@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import mc_groups as mg
 from examples.gpt.checkpoint import load_checkpoint, save_checkpoint
+from examples.gpt.pipeline import PipelineTrainer
 from examples.gpt.train import Trainer
 
 __all__ = [
@@ -153,7 +154,7 @@ def partial_dir(save_dir: Path, step: int) -> Path:
 
 
 def save_run(
-    trainer: Trainer,
+    trainer: Trainer | PipelineTrainer,
     save_dir: Path,
     state: RunState,
     *,
@@ -203,7 +204,7 @@ def _empty(folder: Path) -> None:
     folder.mkdir(parents=True)
 
 
-def _write_part(trainer: Trainer, tmp: Path, rank: int) -> None:
+def _write_part(trainer: Trainer | PipelineTrainer, tmp: Path, rank: int) -> None:
     save_checkpoint(trainer, str(tmp))
     rng = {"cpu": torch.get_rng_state()}
     if trainer.device.type == "cuda":
@@ -394,7 +395,7 @@ def agree(verdict: Verdict, world: Any) -> Verdict:
     return verdicts[0]
 
 
-def load_run(trainer: Trainer, verdict: Verdict) -> RunState:
+def load_run(trainer: Trainer | PipelineTrainer, verdict: Verdict) -> RunState:
     """Load the checkpoint ``verdict`` names into ``trainer`` (collective): model and
     optimizer through DCP at this run's layout, then this rank's RNG states when the world
     size is the saved one. Returns the run state to continue from."""

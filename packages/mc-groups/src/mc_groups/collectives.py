@@ -65,7 +65,7 @@ from mc_groups._core import (
 )
 from mc_groups._errors import CollectiveError, CollectiveScheduleError
 from mc_groups._shims import all_gather_flat
-from mc_groups.argcheck import check_group
+from mc_groups.argcheck import check_group, type_name
 from mc_groups.collection import is_group_live
 from mc_groups.errors import InputTypeError, InputValueError
 
@@ -86,6 +86,7 @@ __all__ = [
     "group_ranks",
     "group_size",
     "is_group_live",
+    "record_p2p_ops",
     "recv",
     "reduce_scatter",
     "send",
@@ -354,6 +355,32 @@ def recv(
         lambda: dist.recv(tensor, group=group, group_src=group_src),
         async_op=False,
     )
+
+
+def record_p2p_ops(ops: object, *, label: str = "") -> None:
+    """Record point-to-point ops that another engine issues itself (a ``send``/``recv``
+    record per op, ``async_op=True``, on the op's group), before it issues them.
+
+    ``torch.distributed.pipelining`` builds ``P2POp`` lists per micro-batch and sends them
+    through ``torch.distributed`` directly (``P2POp`` accepts only ``dist.isend`` and
+    ``dist.irecv``, so they cannot be routed through this layer); recording them here lets
+    a test hold a pipeline's traffic next to mc's own collectives in one
+    :func:`mc_groups.record_collectives` log. Nothing is issued or validated beyond the
+    types: the engine owns the ops."""
+    if isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence):  # a list of P2POp
+        raise InputTypeError(
+            f"ops must be a sequence of torch.distributed.P2POp, got {type_name(ops)}"
+        )
+    for i, op in enumerate(ops):
+        if not isinstance(op, dist.P2POp):
+            raise InputTypeError(f"ops[{i}] must be a torch.distributed.P2POp, got {type_name(op)}")
+    if not isinstance(label, str):
+        raise InputTypeError(f"label must be a str, got {type_name(label)}")
+    for op in ops:
+        name = "send" if op.op is dist.isend else "recv"
+        group = op.group if op.group is not None else dist.group.WORLD
+        assert group is not None  # P2POp resolves None to the default group
+        record(name, group, op.tensor, reduce_op=None, async_op=True, label=label)
 
 
 def _check_peer(group: dist.ProcessGroup, peer: object, arg: str) -> None:

@@ -337,6 +337,45 @@ def test_broadcast_all_to_all_send_recv_objects(rank_pools: RankPools) -> None:
         assert out["ops"] == ["broadcast", "all_to_all", *sends, "all_gather_object", "barrier"]
 
 
+def _recorded_p2p_ops() -> dict[str, Any]:
+    g, r = _world(), dist.get_rank()
+    got = torch.zeros(3)
+    ops = [
+        dist.P2POp(dist.isend, torch.full((2,), float(r)), group=g, group_peer=1 - r),
+        dist.P2POp(dist.irecv, got[:2], group=g, group_peer=1 - r),
+    ]
+    with record_collectives() as log:
+        mg.record_p2p_ops(ops, label="activation")
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    errors = []
+    for bad in ("ops", [ops[0], "op"]):
+        try:
+            mg.record_p2p_ops(bad)
+        except TypeError as err:
+            errors.append(str(err))
+    return {
+        "got": got.tolist(),
+        "log": _ops(log),
+        "labels": [x.label for x in log],
+        "errors": errors,
+    }
+
+
+def test_record_p2p_ops_logs_an_outside_engines_sends_and_receives(rank_pools: RankPools) -> None:
+    for r, out in enumerate(rank_pools.get(2).run(_recorded_p2p_ops)):
+        assert out["got"] == [float(1 - r)] * 2 + [0.0]
+        assert out["log"] == [
+            ("send", None, (0, 1), 2, 8, True, False),
+            ("recv", None, (0, 1), 2, 8, True, False),
+        ]
+        assert out["labels"] == ["activation"] * 2
+        assert out["errors"] == [
+            "ops must be a sequence of torch.distributed.P2POp, got str",
+            "ops[1] must be a torch.distributed.P2POp, got str",
+        ]
+
+
 def _coalesced_batch(async_op: bool) -> dict[str, Any]:
     g, r, w = _world(), dist.get_rank(), dist.get_world_size()
     x = torch.arange(4, dtype=torch.float32) * (r + 1)
