@@ -455,7 +455,8 @@ def w(ctx: Ctx) -> Any:
     return ctx.world_group
 
 
-_OPS = ("sum", 0, None, dist.ReduceOp.SUM)
+# torch.distributed.ReduceOp members are accepted as the mc op of the same meaning (issue 20)
+_OPS = ("sum", 0, None, dist.ReduceOp.BAND)
 
 
 def _collective_slots() -> None:
@@ -2177,7 +2178,15 @@ def _optimizer_slots() -> None:
         values=(z(3),),
         good=z(),
     )
-    arg(D, "reduce_scatter_with_fp32_accumulation(group=)", "group", lambda c, v: rs(z(), z(), v))
+    arg(  # None is torch's default group there, as in Megatron (issue 20)
+        D,
+        "reduce_scatter_with_fp32_accumulation(group=)",
+        "misuse",
+        lambda c, v: rs(z(), z(), v),
+        ("group",),
+        values=("tp", 0, Ref("pgc")),
+        only=True,
+    )
     arg(
         D,
         "reduce_scatter_with_fp32_accumulation(op=)",

@@ -205,7 +205,7 @@ ERRORS = {
         doc_input="a param DDP does not own",
     ),
     "not_ddp": Expect(
-        "TypeError: model_chunks[0] is a Sequential",
+        "TypeError: model_chunks[0] is a torch.nn.modules.container.Sequential",
         doc_call="`ShardedOptimizer(optimizer, model_chunks)`",
         doc_input="a plain module",
     ),

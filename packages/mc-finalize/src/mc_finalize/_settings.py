@@ -48,12 +48,15 @@ class _Settings:
 
 
 def _read_settings(config: FinalizeConfig, *, whole: bool = False) -> _Settings:
-    """The settings of one call. ``whole`` (``finalize_model_grads``): the two flags every
-    finalize config has must be present; a step helper alone reads them as False when
-    absent, as Megatron's helpers never read them (its ``ModelParallelConfig`` has no
-    ``calculate_per_token_loss``)."""
+    """The settings of one call. ``sequence_parallel`` must be present (every Megatron
+    config has it: a config without it is not a config). ``calculate_per_token_loss`` must
+    be present for ``finalize_model_grads`` (``whole``); a step helper alone reads it as
+    False when absent, as Megatron's helpers never read it (its ``ModelParallelConfig`` has
+    none)."""
     flags = {
-        name: _required_bool(config, name) if whole else _optional_bool(config, name, False)
+        name: _required_bool(config, name)
+        if whole or name == "sequence_parallel"
+        else _optional_bool(config, name, False)
         for name in _REQUIRED_BOOLS
     }
     for name, default in _OPTIONAL_BOOLS:

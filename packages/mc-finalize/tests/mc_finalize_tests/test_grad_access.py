@@ -162,8 +162,17 @@ def test_bad_config_attributes(config: object, error: type[Exception], fragment:
     assert fragment in str(info.value)
 
 
-def test_a_step_helper_reads_absent_flags_as_false() -> None:
+def test_a_step_helper_reads_an_absent_per_token_flag_as_false() -> None:
     """Megatron's ``ModelParallelConfig`` has no ``calculate_per_token_loss`` and its step
-    helpers never read it; only ``finalize_model_grads`` (``whole=True``) requires both."""
-    settings = _read_settings(object())  # type: ignore[arg-type]
-    assert (settings.sequence_parallel, settings.calculate_per_token_loss) == (False, False)
+    helpers never read it; only ``finalize_model_grads`` (``whole=True``) requires it. A
+    config without ``sequence_parallel`` is still refused (every Megatron config has it)."""
+
+    class ModelParallelOnly:
+        sequence_parallel = True
+
+    settings = _read_settings(ModelParallelOnly())  # type: ignore[arg-type]
+    assert (settings.sequence_parallel, settings.calculate_per_token_loss) == (True, False)
+    with pytest.raises(TypeError, match="has no attribute 'calculate_per_token_loss'"):
+        _read_settings(ModelParallelOnly(), whole=True)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="has no attribute 'sequence_parallel'"):
+        _read_settings(object())  # type: ignore[arg-type]
