@@ -13,19 +13,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig, ShardedOptimizer
+from mc_ddp import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    ShardedOptimizer,
+    ensure_params_ready,
+)
 from mc_finalize import finalize_model_grads
-from mc_tp_layers.parallelize import (
+from mc_tp_layers import (
     full_state_dict,
     parallelize,
     vocab_parallel_causal_lm_loss,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "Run",
@@ -36,12 +44,18 @@ __all__ = [
     "train",
 ]
 
-SEQ, BATCH, LR = 16, 4, 0.5
+SEQ, BATCH, LR = 16, 4, 1.0
 
 
-def build_model(kind: str = "llama", seed: int = 0, *, tie: bool = False) -> torch.nn.Module:
+def build_model(kind: str = "llama", seed: int = 0, *, tie: bool = False) -> PreTrainedModel:
     """A tiny ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (q/k/v biases) from a config."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    # imported here: collecting the tests that import this module stays cheap (seconds)
+    from transformers import (  # noqa: PLC0415
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     sizes: dict[str, Any] = {
         "vocab_size": 64,
@@ -137,9 +151,12 @@ def train(
     pgc = mg.initialize_model_parallel(tensor_model_parallel_size=tp)
     cfg = mg.ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
     model = build_model(kind, tie=tie)  # the same weights on every rank (same seed)
-    plan = sequence_parallel_plan(model.tp_plan) if sequence_parallel else dict(model.tp_plan)
+    plan: dict[str, Any] = dict(model.tp_plan)  # transformers' own plan, names as they are
+    if sequence_parallel:
+        plan = sequence_parallel_plan(plan)
     if vocab_parallel_loss:
-        plan["lm_head"] = "colwise"  # keep the logits split; the loss sums over the vocab
+        # keep the logits split along the vocabulary; the loss sums over it
+        plan["lm_head"] = ("sequence_gather", "colwise") if sequence_parallel else "colwise"
     parallelize(model, plan, config=cfg, pg_collection=pgc)
     ddp_cfg = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
@@ -153,12 +170,13 @@ def train(
         ids = global_batch(step)[dp.rank() * rows : (dp.rank() + 1) * rows]  # this DP rank's
         ddp.zero_grad_buffer()
         loss = _loss(ddp, ids, vocab_parallel_loss, pgc.require("tp", "loss"))
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         finalize_model_grads([ddp], pg_collection=pgc)  # DP sum; SP norms' grads over TP
         opt.step()
         mean = loss.detach().clone()
         mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
         losses.append(float(mean))
+    ensure_params_ready(ddp.parameters())  # the last step's param all-gather (overlapped)
     weights = full_state_dict(model)  # gathered, original names: loads into the HF model
     mg.destroy_model_parallel(pgc)
     return Run(losses, weights)

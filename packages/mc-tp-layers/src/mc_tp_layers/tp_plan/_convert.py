@@ -12,9 +12,9 @@ from mc_groups import ProcessGroupCollection, param_attrs
 from mc_groups.argcheck import check_int
 from mc_tp_layers._config import check_config
 from mc_tp_layers._groups import resolve_tp_group
-from mc_tp_layers.parallelize import _sequence
-from mc_tp_layers.parallelize._layers import ColwiseLinear, RowwiseLinear, Setup, VocabEmbedding
-from mc_tp_layers.parallelize._styles import (
+from mc_tp_layers.tp_plan import _sequence
+from mc_tp_layers.tp_plan._layers import ColwiseLinear, RowwiseLinear, Setup, VocabEmbedding
+from mc_tp_layers.tp_plan._styles import (
     Colwise,
     Plan,
     Rowwise,
@@ -25,7 +25,7 @@ from mc_tp_layers.parallelize._styles import (
     describe,
     resolve,
 )
-from mc_tp_layers.parallelize._styles import VocabEmbedding as VocabEmbeddingStyle
+from mc_tp_layers.tp_plan._styles import VocabEmbedding as VocabEmbeddingStyle
 
 __all__ = ["parallelize"]
 

@@ -154,7 +154,7 @@ def resolve(pattern: str, value: object) -> tuple[Style, ...]:
         else:
             raise TypeError(
                 f"plan[{pattern!r}] holds {item!r} ({type(item).__name__}); a plan value is a "
-                "style name, a mc_tp_layers.parallelize style, or a tuple of them"
+                "style name, a mc_tp_layers.tp_plan style, or a tuple of them"
             )
     replacing = [s for s in styles if isinstance(s, REPLACING)]
     if len(replacing) > 1:

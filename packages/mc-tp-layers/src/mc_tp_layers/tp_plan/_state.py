@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from mc_tp_layers.parallelize._layers import ConvertedModule
+from mc_tp_layers.tp_plan._layers import ConvertedModule
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
 
@@ -28,7 +28,9 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     The keys and shapes are those of the unconverted model, so the result loads into it
     (``load_state_dict``, then ``save_pretrained``). Collectives: one all-gather over the TP
     group per split tensor (column weights and biases, row weights, embedding tables), in
-    module order, on every rank (call it on all TP ranks).
+    module order, on every rank (call it on all TP ranks). Under mc DDP with
+    ``overlap_param_gather`` the last step's parameters arrive with the next forward: call
+    ``mc_ddp.ensure_params_ready(model.parameters())`` first.
     """
     converted = _converted(module)
     state = module.state_dict()

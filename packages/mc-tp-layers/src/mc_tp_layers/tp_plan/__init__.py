@@ -2,7 +2,7 @@ r"""Give any model Megatron's tensor-parallel layers with one call.
 
 ::
 
-    from mc_tp_layers.parallelize import parallelize
+    from mc_tp_layers import parallelize
     model = LlamaForCausalLM(config)                       # nn.Linear / nn.Embedding inside
     parallelize(model, model.tp_plan, config=cfg, pg_collection=pgc)
 
@@ -30,10 +30,10 @@ parallelism.
 
 from __future__ import annotations
 
-from mc_tp_layers.parallelize._convert import parallelize
-from mc_tp_layers.parallelize._loss import vocab_parallel_causal_lm_loss
-from mc_tp_layers.parallelize._state import full_state_dict, load_full_state_dict
-from mc_tp_layers.parallelize._styles import (
+from mc_tp_layers.tp_plan._convert import parallelize
+from mc_tp_layers.tp_plan._loss import vocab_parallel_causal_lm_loss
+from mc_tp_layers.tp_plan._state import full_state_dict, load_full_state_dict
+from mc_tp_layers.tp_plan._styles import (
     Colwise,
     Plan,
     Rowwise,

@@ -12,7 +12,7 @@ Shards (W ranks, rank r; torch stores a linear's weight as ``[out, in]``)::
 
 On the meta device nothing is copied: each rank allocates only its shard, on meta
 (materialise with ``module.to_empty(device=...)``, then
-:func:`~mc_tp_layers.parallelize.load_full_state_dict`).
+:func:`~mc_tp_layers.tp_plan.load_full_state_dict`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from mc_tp_layers.mappings import (
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
 )
-from mc_tp_layers.parallelize import _sequence
-from mc_tp_layers.parallelize._styles import Colwise, Rowwise
 from mc_tp_layers.row import RowParallelLinear
+from mc_tp_layers.tp_plan import _sequence
+from mc_tp_layers.tp_plan._styles import Colwise, Rowwise
 
 __all__: list[str] = []
 
@@ -99,9 +99,23 @@ def _fill(target: torch.Tensor, source: torch.Tensor, requires_grad: bool) -> No
 
 
 class ConvertedModule(torch.nn.Module):
-    """What :mod:`._state` reads from a converted layer (mixed into each of them)."""
+    """What :mod:`._state` reads from a converted layer (mixed into each of them).
+
+    The linear layers' base class adds ``_extra_state`` to the state dicts it loads (for
+    Transformer-Engine checkpoints); a converted layer keeps ``nn.Linear``'s keys, so that
+    key is dropped before loading.
+    """
 
     tp_group: dist.ProcessGroup
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        unexpected: list[str] = args[-2]  # (local_metadata, strict, missing, unexpected, errors)
+        if (
+            prefix + "_extra_state" in unexpected
+            and state_dict.get(prefix + "_extra_state") is None
+        ):
+            unexpected.remove(prefix + "_extra_state")
 
     def shard(self, param: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full (unconverted) tensor ``param``."""
@@ -162,11 +176,13 @@ class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``nn.Linear``'s contract: ``[..., out/W]`` (``[..., out]`` when gathering)."""
         if self.needs_gathered_input and not _sequence.is_gathered(input_):
-            parent = self.qualified_name.rpartition(".")[0] or "<the calling block>"
+            name = self.qualified_name
+            parent = name.rpartition(".")[0]
+            where = f"{parent!r}: 'sequence_gather' (the block that calls it) or " if parent else ""
             raise ValueError(
-                f"{self.qualified_name} (colwise) runs under sequence parallelism but its input "
-                f"was not gathered along the sequence; add {parent!r}: 'sequence_gather' to the "
-                "plan (the block that calls it)"
+                f"{name} (colwise) runs under sequence parallelism but its input was not "
+                f"gathered along the sequence; add {where}{name!r}: ('sequence_gather', "
+                "<its colwise style>) to the plan"
             )
         output, _ = super().forward(input_)
         return output
