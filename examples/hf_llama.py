@@ -123,7 +123,7 @@ def reference(kind: str = "llama", steps: int = 3, *, tie: bool = False) -> Run:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
 
 

@@ -287,3 +287,13 @@ def test_sp_schedule_bad_plans_packed_and_meta(rank_pools: RankPools) -> None:
     assert result["shapes"]["model.layers.0.self_attn.o_proj.weight"] == (32, 16)
     assert result["shapes"]["model.embed_tokens.weight"] == (32, 32)
     assert result["logits"] <= 1e-5
+
+
+def test_docs_show_the_example_verbatim() -> None:
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "examples" / "hf_llama.py").read_text(encoding="utf-8")
+    page = (root / "docs" / "parallelize.md").read_text(encoding="utf-8")
+    for name in ("sp-plan", "train"):
+        start = source.index(f"# --8<-- [start:{name}]\n") + len(f"# --8<-- [start:{name}]\n")
+        block = source[start : source.index(f"# --8<-- [end:{name}]")].rstrip()
+        assert block in page, f"docs/parallelize.md lost the example's {name!r} block"
