@@ -258,7 +258,7 @@ def _check_ties(root: torch.nn.Module, targets: list[_Target]) -> None:
     by_name = {t.name: t for t in targets}
     holders: dict[int, list[str]] = {}
     for name, mod in root.named_modules(remove_duplicate=False):
-        weight = mod._parameters.get("weight")
+        weight = dict(mod.named_parameters(recurse=False)).get("weight")
         if weight is not None:
             holders.setdefault(id(weight), []).append(name)
     for names in holders.values():
@@ -283,7 +283,7 @@ def _apply(
     mod = target.module
     style = target.replacing()
     if style is not None:
-        source_weight = mod._parameters.get("weight")
+        source_weight = dict(mod.named_parameters(recurse=False)).get("weight")
         new = _build(mod, style, setup, target.name)
         if source_weight is not None:
             if id(source_weight) in converted:
