@@ -228,6 +228,7 @@ def _packed_and_meta() -> dict[str, Any]:
         ),
         "shard": tuple(mlp.gate_up.weight.shape),
     }
+    packed["sp_dim0"] = _sequence_first_sp(pgc)
     with torch.device("meta"):
         meta = build_model("llama")
     parallelize(meta, meta.tp_plan, config=cfg, pg_collection=pgc)
@@ -242,6 +243,49 @@ def _packed_and_meta() -> dict[str, Any]:
     logits = float((meta(input_ids=ids).logits - full(input_ids=ids).logits).abs().max())
     mg.destroy_model_parallel(pgc)
     return {"packed": packed, "on_meta": on_meta, "shapes": shapes, "logits": logits}
+
+
+def _sequence_first_sp(pgc: Any) -> float:
+    """A residual block around the packed MLP on ``[s, b, h]`` with SP (``sequence_dim=0``):
+    this rank's output rows and the gathered weight grads (the row bias's summed over TP, as
+    finalize_model_grads does for params tagged ``sequence_parallel``) against one process."""
+    import mc_groups as mg
+    from mc_tp_layers import full_state_dict, parallelize
+
+    torch.manual_seed(1)
+    block, x = _Block(), torch.randn(4, 3, 8)
+    ref = _Block()
+    ref.load_state_dict(block.state_dict())
+    ref_out = ref(x)
+    ref_out.square().sum().backward()
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    plan = {"mlp": "sequence_gather", "mlp.gate_up": "packed_colwise", "mlp.down": "rowwise"}
+    parallelize(block, plan, config=cfg, pg_collection=pgc, sequence_dim=0)
+    tp = pgc.require("tp", "test")
+    out = block(x.chunk(2, dim=0)[tp.rank()])
+    out.square().sum().backward()
+    bias = block.get_parameter("mlp.down.bias")
+    assert bias.grad is not None
+    assert getattr(bias, "sequence_parallel", False)
+    mg.all_reduce(bias.grad, tp, label="test: SP bias grad")
+    for param in block.parameters():
+        assert param.grad is not None
+        param.data = param.grad  # gather the grads as if they were the weights
+    grads = full_state_dict(block)
+    worst = float((out - ref_out.chunk(2, dim=0)[tp.rank()]).detach().abs().max())
+    for name, param in ref.named_parameters():
+        assert param.grad is not None
+        worst = max(worst, float((grads[name] - param.grad).abs().max()))
+    return worst
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _PackedMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)  # type: ignore[no-any-return]
 
 
 class _PackedMLP(torch.nn.Module):
@@ -282,6 +326,7 @@ def test_sp_schedule_bad_plans_packed_and_meta(rank_pools: RankPools) -> None:
     assert packed["shard"] == (12, 8)  # [gate_r; up_r]: 6 + 6 rows of 24
     assert packed["out"] <= 1e-6, packed
     assert packed["weights"] <= 1e-6, packed
+    assert packed["sp_dim0"] <= 1e-5, packed
     assert result["on_meta"]
     assert result["shapes"]["model.layers.0.self_attn.q_proj.weight"] == (16, 32)
     assert result["shapes"]["model.layers.0.self_attn.o_proj.weight"] == (32, 16)
