@@ -15,8 +15,12 @@ SGD for 3 steps on the same global batch as the 1-process reference. Localizes:
 - back to one piece: ``full_state_dict`` keys and shapes load strictly into the unconverted
   model, and a ``save_pretrained`` / ``from_pretrained`` round trip keeps every tensor;
 - the meta device (each rank allocates only its shards, then loads the full state dict),
-  a packed ``[gate; up]`` projection (``packed_colwise``), and the bad plans, each refused
-  before any weight changes.
+  a packed ``[gate; up]`` projection (``packed_colwise``), sequence parallelism on
+  ``[s, b, h]`` (``sequence_dim=0``) around it, and the bad plans, each refused before any
+  weight changes;
+- the collectives of one SP step (recorded, counted by hand in the test).
+
+Most of the time is ``import transformers`` in each rank (about 5 s of CPU each here).
 
 Tolerances (fp32, gloo): loss per step ≤ 1e-5 relative, final weights ≤ 1e-6 absolute,
 while every reference tensor moves ≥ 1e-4 (checked), so a lost or mis-scaled update fails.
