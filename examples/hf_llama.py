@@ -146,17 +146,20 @@ def train(
     vocab_parallel_loss: bool = False,
     steps: int = 3,
     tie: bool = False,
+    block_entries: bool | None = None,
 ) -> Run:
-    """Train the tiny model on every rank of the world (TP = ``tp``, DP = world / tp)."""
+    """Train the tiny model on every rank of the world (TP = ``tp``, DP = world / tp);
+    ``block_entries`` (default: ``sequence_parallel``) adds ``sequence_parallel_plan``'s
+    entries to the model's ``tp_plan``."""
     pgc = mg.initialize_model_parallel(tensor_model_parallel_size=tp)
     cfg = mg.ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
     model = build_model(kind, tie=tie)  # the same weights on every rank (same seed)
     plan: dict[str, Any] = dict(model.tp_plan)  # transformers' own plan, names as they are
-    if sequence_parallel:
+    if sequence_parallel if block_entries is None else block_entries:
         plan = sequence_parallel_plan(plan)
-    if vocab_parallel_loss:
-        # keep the logits split along the vocabulary; the loss sums over it
-        plan["lm_head"] = ("sequence_gather", "colwise") if sequence_parallel else "colwise"
+    if vocab_parallel_loss:  # keep the logits split along the vocabulary: plain colwise
+        entry = "sequence_gather" in plan["lm_head"]
+        plan["lm_head"] = ("sequence_gather", "colwise") if entry else "colwise"
     parallelize(model, plan, config=cfg, pg_collection=pgc)
     ddp_cfg = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True

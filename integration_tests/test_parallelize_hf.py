@@ -43,7 +43,8 @@ pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml
 
 STEPS = 3
 # (kind, sequence_parallel, vocab-parallel loss, tied embeddings); TP=2 on 2 ranks, TP=2 ×
-# DP=2 on 4.
+# DP=2 on 4. SP off on 4 ranks: with sequence_parallel_plan's block entries (one input-grad
+# all-reduce per block).
 CASES_2 = [
     ("llama", False, False, False),  # the model's own tp_plan, as transformers gives it
     ("qwen2", True, True, True),
@@ -60,8 +61,17 @@ def _train_cases(cases: list[tuple[str, bool, bool, bool]]) -> list[Run] | None:
     from examples.hf_llama import train
 
     torch.set_num_threads(1)
+    blocks = dist.get_world_size() == 4
     runs = [
-        train(2, kind=k, sequence_parallel=sp, vocab_parallel_loss=vp, steps=STEPS, tie=tie)
+        train(
+            2,
+            kind=k,
+            sequence_parallel=sp,
+            vocab_parallel_loss=vp,
+            steps=STEPS,
+            tie=tie,
+            block_entries=sp or blocks,
+        )
         for k, sp, vp, tie in cases
     ]
     return runs if dist.get_rank() == 0 else None
@@ -102,16 +112,26 @@ def test_hf_models_match_one_process(rank_pools: RankPools, tmp_path: Path) -> N
             _check(run, case, tmp_path if world == 2 else None)
 
 
-def _sp_schedule() -> dict[str, Any]:
-    """One forward/backward of the SP Llama at TP=2 (no DDP), its collectives recorded."""
+def _schedules() -> dict[str, dict[str, Any]]:
+    """One forward/backward of the Llama at TP=2 (no DDP), its collectives recorded: SP on
+    and off with the SP plan, and SP off with the model's own tp_plan."""
+    return {
+        "sp": _schedule(sequence_parallel=True, block_entries=True),
+        "blocks": _schedule(sequence_parallel=False, block_entries=True),
+        "tp_plan": _schedule(sequence_parallel=False, block_entries=False),
+    }
+
+
+def _schedule(*, sequence_parallel: bool, block_entries: bool) -> dict[str, Any]:
     import mc_groups as mg
     from mc_tp_layers import parallelize
 
     torch.set_num_threads(1)
     pgc = mg.initialize_model_parallel(tensor_model_parallel_size=2)
-    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
     model = build_model("llama")
-    parallelize(model, sequence_parallel_plan(model.tp_plan), config=cfg, pg_collection=pgc)
+    plan = sequence_parallel_plan(model.tp_plan) if block_entries else model.tp_plan
+    parallelize(model, plan, config=cfg, pg_collection=pgc)
     ids = global_batch(0)
     model(input_ids=ids, labels=ids).loss.backward()  # the agreement exchange happens here
     with mg.record_collectives() as log:
@@ -151,13 +171,16 @@ def _bad_plans() -> list[tuple[str, str, bool]]:
         ({"model.embed_tokens": "embedding_rowwise"}, {"vocab_size": 63}),
         ({**base, "model.embed_tokens": "embedding_rowwise", "lm_head": "rowwise"}, {"tie": 1}),
         ({**base, "model.embed_tokens": "embedding_rowwise"}, {"tie": 1}),
+        (base, {"sp": 1}),  # colwise under SP with nothing gathering its input
     ]
     out = []
+    sp_cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
     for plan, change in plans:
+        config = sp_cfg if change.pop("sp", False) else cfg
         model = _model(change)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         try:
-            parallelize(model, plan, config=cfg, pg_collection=pgc)
+            parallelize(model, plan, config=config, pg_collection=pgc)
             message, kind = "no error", ""
         except (ValueError, TypeError) as err:
             message, kind = str(err), type(err).__name__
@@ -199,6 +222,10 @@ BAD_PLAN_MESSAGES = [
     ("ValueError", ["embed_tokens", "num_embeddings=63", "pad_to_multiple_of=2"]),
     ("ValueError", ["tied", "lm_head", "embed_tokens", "split by columns", "split by rows"]),
     ("ValueError", ["tied", "lm_head", "replicated", "untie"]),
+    (
+        "ValueError",
+        ["q_proj", "sequence parallelism", "'model.layers.0.self_attn': 'sequence_gather'"],
+    ),
 ]
 
 
@@ -307,17 +334,28 @@ class _PackedMLP(torch.nn.Module):
 @pytest.mark.timeout(120)
 def test_sp_schedule_bad_plans_packed_and_meta(rank_pools: RankPools) -> None:
     pool = rank_pools.get(2)
-    schedule = pool.run(_sp_schedule)[0]
-    # Forward, per decoder layer (2): all-gather before attention and MLP, reduce-scatter
-    # after o_proj and down_proj; the embedding's all-reduce; the LM head's sequence
-    # all-gather and its colwise_gather_output all-gather. Backward: each gather's
+    schedules = pool.run(_schedules)[0]
+    # SP on, forward, per decoder layer (2): all-gather before attention and MLP,
+    # reduce-scatter after o_proj and down_proj; the embedding's all-reduce; the LM head's
+    # sequence all-gather and its colwise_gather_output all-gather. Backward: each gather's
     # reduce-scatter (5), each reduce-scatter's all-gather (4), the scatter at layer 0's
     # all-gather (1); no dX all-reduce in the colwise layers (the gathers' reduce-scatters
     # sum them).
-    assert schedule["forward"] == {"all_gather": 6, "reduce_scatter": 4, "all_reduce": 1}
-    assert schedule["backward"] == {"all_gather": 5, "reduce_scatter": 5}
-    assert schedule["groups"] == {schedule["tp"]}
-    assert schedule["norm_tagged"]
+    sp = schedules["sp"]
+    assert sp["forward"] == {"all_gather": 6, "reduce_scatter": 4, "all_reduce": 1}
+    assert sp["backward"] == {"all_gather": 5, "reduce_scatter": 5}
+    assert sp["norm_tagged"]
+    # SP off, same plan: forward all-reduces after o_proj, down_proj (2 × 2) and the
+    # embedding, the LM head's output all-gather; backward one all-reduce of each block's
+    # input grad (2 × 2 + the LM head). The model's own tp_plan: one dX all-reduce per
+    # colwise layer instead (2 × 5 + the LM head).
+    blocks, own = schedules["blocks"], schedules["tp_plan"]
+    assert blocks["forward"] == own["forward"] == {"all_reduce": 5, "all_gather": 1}
+    assert blocks["backward"] == {"all_reduce": 5}
+    assert own["backward"] == {"all_reduce": 11}
+    assert not blocks["norm_tagged"]
+    for schedule in schedules.values():
+        assert schedule["groups"] == {schedule["tp"]}
     for (kind, message, untouched), (want, words) in zip(
         pool.run(_bad_plans)[0], BAD_PLAN_MESSAGES, strict=True
     ):

@@ -17,9 +17,11 @@ fnmatch patterns over qualified module names → a style. The style names are th
    :class:`~mc_tp_layers.ColumnParallelLinear` / :class:`~mc_tp_layers.RowParallelLinear` /
    :class:`~mc_tp_layers.VocabParallelEmbedding` from the module's current weights.
 2. Sequence styles (:class:`SequenceParallelNorm`, :class:`SequenceGather`,
-   :class:`SequenceScatter`) act only when ``config.sequence_parallel``: the residual
-   stream between blocks is split along ``sequence_dim``, gathered before a block of
-   ``colwise`` layers and reduce-scattered by its ``rowwise`` output layer.
+   :class:`SequenceScatter`): with ``config.sequence_parallel`` the residual stream between
+   blocks is split along ``sequence_dim``, gathered where a block of ``colwise`` layers
+   starts and reduce-scattered by its ``rowwise`` output layer. Without it, only
+   ``SequenceGather`` acts: the block's input grad is all-reduced once for all its
+   ``colwise`` layers.
 3. :func:`full_state_dict` / :func:`load_full_state_dict` go back to one piece and back.
 4. :func:`vocab_parallel_causal_lm_loss`: the loss of a ``colwise`` LM head without
    gathering the logits.

@@ -85,11 +85,12 @@ def parallelize(
     ====================  =================================  =================================
     style                 forward                            backward
     ====================  =================================  =================================
-    colwise               —                                  all-reduce dX (none under SP)
+    colwise               —                                  all-reduce dX (none in a block)
     colwise_gather_output all-gather of the last dim         (as colwise)
     rowwise               all-reduce Y (SP: reduce-scatter)  — (SP: all-gather dY)
     embedding_rowwise     all-reduce of the embeddings       —
-    sequence_gather       all-gather of the input (seq dim)  reduce-scatter of its grad
+    sequence_gather       SP: all-gather of the input (seq)  SP: reduce-scatter of its grad,
+                          (a block's entry)                  else all-reduce of it
     sequence_scatter      —                                  all-gather of its grad
     ====================  =================================  =================================
 
@@ -103,7 +104,7 @@ def parallelize(
     setup, targets = _check(module, plan, config, pg_collection, sequence_dim)
     converted: dict[int, torch.nn.Parameter] = {}
     for target in targets:
-        _apply(module, target, setup, converted)
+        _apply(module, target, setup, converted, _in_block(target, targets))
     return module
 
 
@@ -142,8 +143,30 @@ def _check(
     targets = _match(module, plan)
     for target in targets:
         _check_target(module, target, world, setup.sequence_parallel)
+        if setup.sequence_parallel and not _in_block(target, targets):
+            _check_not_colwise(target)
     _check_ties(module, targets)
     return setup, targets
+
+
+def _in_block(target: _Target, targets: list[_Target]) -> bool:
+    """A ``sequence_gather`` entry on ``target`` or on a module that contains it."""
+    for other in targets:
+        inside = other.name == target.name or target.name.startswith(other.name + ".")
+        if inside and any(isinstance(s, SequenceGather) for s in other.styles):
+            return True
+    return False
+
+
+def _check_not_colwise(target: _Target) -> None:
+    if isinstance(target.replacing(), Colwise):
+        parent = target.name.rpartition(".")[0]
+        where = f"{parent!r}: 'sequence_gather' (the block that calls it) or " if parent else ""
+        raise ValueError(
+            f"{target.label()}: under sequence parallelism a colwise layer needs its input "
+            f"gathered along the sequence; add {where}{target.name!r}: ('sequence_gather', "
+            f"{describe(target.replacing())!r}) to the plan"  # type: ignore[arg-type]
+        )
 
 
 def _match(module: torch.nn.Module, plan: Mapping[object, object]) -> list[_Target]:
@@ -279,12 +302,13 @@ def _apply(
     target: _Target,
     setup: Setup,
     converted: dict[int, torch.nn.Parameter],
+    in_block: bool,
 ) -> None:
     mod = target.module
     style = target.replacing()
     if style is not None:
         source_weight = dict(mod.named_parameters(recurse=False)).get("weight")
-        new = _build(mod, style, setup, target.name)
+        new = _build(mod, style, setup, target.name, in_block)
         if source_weight is not None:
             if id(source_weight) in converted:
                 new.weight = converted[id(source_weight)]  # a tied weight stays tied
@@ -299,10 +323,12 @@ def _apply(
         _attach(mod, extra, setup, target.name)
 
 
-def _build(mod: torch.nn.Module, style: Style, setup: Setup, name: str) -> torch.nn.Module:
+def _build(
+    mod: torch.nn.Module, style: Style, setup: Setup, name: str, in_block: bool
+) -> torch.nn.Module:
     if isinstance(style, Colwise):
         assert isinstance(mod, torch.nn.Linear)  # checked before any change
-        return ColwiseLinear(mod, style, setup, name)
+        return ColwiseLinear(mod, style, setup, name, in_block)
     if isinstance(style, Rowwise):
         assert isinstance(mod, torch.nn.Linear)
         return RowwiseLinear(mod, style, setup, name)
@@ -311,15 +337,15 @@ def _build(mod: torch.nn.Module, style: Style, setup: Setup, name: str) -> torch
 
 
 def _attach(mod: torch.nn.Module, style: Style, setup: Setup, name: str) -> None:
-    if not setup.sequence_parallel:
+    group, dim, sp = setup.tp_group, setup.sequence_dim, setup.sequence_parallel
+    if isinstance(style, SequenceGather):
+        hook = _sequence.input_hook(name, style.kwarg, lambda x: _sequence.enter(x, group, dim, sp))
+        mod.register_forward_pre_hook(hook, with_kwargs=True)
+    elif not sp:
         return
-    group, dim = setup.tp_group, setup.sequence_dim
-    if isinstance(style, SequenceParallelNorm):
+    elif isinstance(style, SequenceParallelNorm):
         for param in mod.parameters():
             param_attrs.mark_sequence_parallel(param, True)
-    elif isinstance(style, SequenceGather):
-        hook = _sequence.input_hook(name, style.kwarg, lambda x: _sequence.gather(x, group, dim))
-        mod.register_forward_pre_hook(hook, with_kwargs=True)
     elif isinstance(style, SequenceScatter):
         hook = _sequence.input_hook(name, style.kwarg, lambda x: _sequence.scatter(x, group, dim))
         mod.register_forward_pre_hook(hook, with_kwargs=True)

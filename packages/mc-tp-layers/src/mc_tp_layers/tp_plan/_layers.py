@@ -129,15 +129,18 @@ class ConvertedModule(torch.nn.Module):
 class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
     """A :class:`ColumnParallelLinear` holding rank r's rows of an ``nn.Linear``.
 
-    Under sequence parallelism its input must come gathered (a ``sequence_gather`` entry on
-    the block that calls it): the gather's backward reduce-scatter sums the TP ranks'
-    partial input grads, so the layer itself runs without ``dX`` all-reduce.
+    ``in_block``: a ``sequence_gather`` entry on this module or a parent makes its input
+    enter the TP region there, whose backward (reduce-scatter under SP, else all-reduce)
+    sums the TP ranks' partial input grads once for every layer of the block; the layer
+    then runs without its own ``dX`` all-reduce, and its input must be that tensor.
     """
 
     get_extra_state = torch.nn.Module.get_extra_state
     set_extra_state = torch.nn.Module.set_extra_state
 
-    def __init__(self, source: torch.nn.Linear, style: Colwise, setup: Setup, name: str) -> None:
+    def __init__(
+        self, source: torch.nn.Linear, style: Colwise, setup: Setup, name: str, in_block: bool
+    ) -> None:
         weight = source.weight
         super().__init__(
             source.in_features,
@@ -147,14 +150,14 @@ class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
             bias=source.bias is not None,
             gather_output=style.gather_output,
             stride=style.parts,
-            disable_grad_reduce=setup.sequence_parallel,
+            disable_grad_reduce=in_block,
             pg_collection=setup.pg_collection,
             name=name,
             device=weight.device,
         )
         self.parts = style.parts
         self.qualified_name = name
-        self.needs_gathered_input = setup.sequence_parallel
+        self.needs_gathered_input = in_block
         self.copy_from(source)
 
     def copy_from(self, source: torch.nn.Linear) -> None:
@@ -176,13 +179,11 @@ class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``nn.Linear``'s contract: ``[..., out/W]`` (``[..., out]`` when gathering)."""
         if self.needs_gathered_input and not _sequence.is_gathered(input_):
-            name = self.qualified_name
-            parent = name.rpartition(".")[0]
-            where = f"{parent!r}: 'sequence_gather' (the block that calls it) or " if parent else ""
             raise ValueError(
-                f"{name} (colwise) runs under sequence parallelism but its input was not "
-                f"gathered along the sequence; add {where}{name!r}: ('sequence_gather', "
-                "<its colwise style>) to the plan"
+                f"{self.qualified_name} (colwise) sits in a block with 'sequence_gather' but "
+                "its input is not the tensor that entered the block (the block computes "
+                "something before calling it); move the 'sequence_gather' entry onto this "
+                "module: ('sequence_gather', <its colwise style>)"
             )
         output, _ = super().forward(input_)
         return output

@@ -8,8 +8,11 @@ and back, so one mechanism serves both layouts::
                                                            the TP ranks' partial grads)
     scatter [b, s, h]   --keep rank r's part--> [b, s/W, h]   backward: all-gather
 
-A gathered tensor is marked, so a column-parallel layer under sequence parallelism can
-refuse an input nobody gathered (its grads would silently miss the TP sum).
+Without sequence parallelism the same plan entry is Megatron's ``f`` for the whole block
+(identity forward; backward one all-reduce of the block's input grad, where each
+column-parallel layer would otherwise all-reduce its own). The tensor that enters a block
+is marked, so a column-parallel layer that relies on it refuses an input that did not
+enter that way (its grads would silently miss the TP sum).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mc_tp_layers.mappings import (
+    copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
@@ -37,9 +41,15 @@ def along(dim: int, op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor)
     return op(x.transpose(0, dim).contiguous()).transpose(0, dim).contiguous()
 
 
-def gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """All-gather ``x`` along the sequence ``dim`` (backward: reduce-scatter), marked."""
-    out = along(dim, lambda t: gather_from_sequence_parallel_region(t, True, group), x)
+def enter(
+    x: torch.Tensor, group: dist.ProcessGroup, dim: int, sequence_parallel: bool
+) -> torch.Tensor:
+    """``x`` entering a block of column-parallel layers, marked: under sequence parallelism
+    all-gathered along ``dim`` (backward: reduce-scatter), else copied (backward: all-reduce)."""
+    if sequence_parallel:
+        out = along(dim, lambda t: gather_from_sequence_parallel_region(t, True, group), x)
+    else:
+        out = copy_to_tensor_model_parallel_region(x, group)
     setattr(out, _GATHERED, True)
     return out
 
@@ -50,7 +60,7 @@ def scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor
 
 
 def is_gathered(x: torch.Tensor) -> bool:
-    """Whether ``x`` came out of :func:`gather`."""
+    """Whether ``x`` came out of :func:`enter`."""
     return bool(getattr(x, _GATHERED, False))
 
 

@@ -74,11 +74,12 @@ class SequenceParallelNorm:
 
 @dataclass(frozen=True)
 class SequenceGather:
-    """Under sequence parallelism, all-gather the module's input along the sequence dim
-    before it runs (backward: reduce-scatter, which also sums the TP ranks' partial input
-    grads). Put it on a block whose linears are ``colwise`` (attention, MLP, the LM head).
-    The input is the first positional argument, else the keyword ``kwarg``. No-op with
-    sequence parallelism off."""
+    """Where a block of ``colwise`` layers (attention, MLP, the LM head) enters the
+    tensor-parallel region: under sequence parallelism its input is all-gathered along the
+    sequence dim (backward: reduce-scatter); without, it is Megatron's ``f`` for the whole
+    block (identity; backward: one all-reduce). Either way the block's ``colwise`` layers
+    skip their own ``dX`` all-reduce (one collective per block instead of one per layer).
+    The input is the first positional argument, else the keyword ``kwarg``."""
 
     kwarg: str = "hidden_states"
 
