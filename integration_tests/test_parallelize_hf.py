@@ -172,6 +172,10 @@ def _bad_plans() -> list[tuple[str, str, bool]]:
         ({**base, "model.embed_tokens": "embedding_rowwise", "lm_head": "rowwise"}, {"tie": 1}),
         ({**base, "model.embed_tokens": "embedding_rowwise"}, {"tie": 1}),
         (base, {"sp": 1}),  # colwise under SP with nothing gathering its input
+        (
+            {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise"},
+            {"tie": 1, "pad_token_id": 3},
+        ),
     ]
     out = []
     sp_cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
@@ -226,6 +230,7 @@ BAD_PLAN_MESSAGES = [
         "ValueError",
         ["q_proj", "sequence parallelism", "'model.layers.0.self_attn': 'sequence_gather'"],
     ),
+    ("ValueError", ["embed_tokens", "padding_idx=3", "tied", "untie"]),
 ]
 
 
@@ -260,6 +265,7 @@ def _packed_and_meta() -> dict[str, Any]:
         "shard": tuple(mlp.gate_up.weight.shape),
     }
     packed["sp_dim0"] = _sequence_first_sp(pgc)
+    packed["padding"] = _padding_row(pgc)
     with torch.device("meta"):
         meta = build_model("llama")
     parallelize(meta, meta.tp_plan, config=cfg, pg_collection=pgc)
@@ -308,6 +314,30 @@ def _sequence_first_sp(pgc: Any) -> float:
         assert param.grad is not None
         worst = max(worst, float((grads[name] - param.grad).abs().max()))
     return worst
+
+
+def _padding_row(pgc: Any) -> float:
+    """An embedding with ``padding_idx`` (on rank 1's half of the vocabulary) at TP=2: the
+    gathered grad against one process's, whose padding row is zero."""
+    import mc_groups as mg
+    from mc_tp_layers import full_state_dict, parallelize
+
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2)
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4, padding_idx=5), torch.nn.Linear(4, 3))
+    ref = torch.nn.Sequential(torch.nn.Embedding(8, 4, padding_idx=5), torch.nn.Linear(4, 3))
+    ref.load_state_dict(model.state_dict())
+    ids = torch.tensor([[5, 1, 6, 5], [2, 5, 7, 0]])
+    ref(ids).square().sum().backward()
+    parallelize(model, {"0": "embedding_rowwise"}, config=cfg, pg_collection=pgc)
+    model(ids).square().sum().backward()
+    weight = model.get_parameter("0.weight")
+    assert weight.grad is not None
+    weight.data = weight.grad
+    ref_grad = ref.get_parameter("0.weight").grad
+    assert ref_grad is not None
+    assert float(ref_grad[5].abs().max()) == 0.0
+    return float((full_state_dict(model)["0.weight"] - ref_grad).abs().max())
 
 
 class _Block(torch.nn.Module):
@@ -369,6 +399,7 @@ def test_sp_schedule_bad_plans_packed_and_meta(rank_pools: RankPools) -> None:
     assert packed["out"] <= 1e-6, packed
     assert packed["weights"] <= 1e-6, packed
     assert packed["sp_dim0"] <= 1e-5, packed
+    assert packed["padding"] <= 1e-6, packed
     assert result["on_meta"]
     assert result["shapes"]["model.layers.0.self_attn.q_proj.weight"] == (16, 32)
     assert result["shapes"]["model.layers.0.self_attn.o_proj.weight"] == (32, 16)

@@ -277,6 +277,11 @@ def _layout(target: _Target | None) -> tuple[str, int] | None:
     return None
 
 
+def _has_padding_row(target: _Target) -> bool:
+    mod = target.module
+    return isinstance(mod, torch.nn.Embedding) and mod.padding_idx is not None
+
+
 def _check_ties(root: torch.nn.Module, targets: list[_Target]) -> None:
     by_name = {t.name: t for t in targets}
     holders: dict[int, list[str]] = {}
@@ -285,6 +290,15 @@ def _check_ties(root: torch.nn.Module, targets: list[_Target]) -> None:
         if weight is not None:
             holders.setdefault(id(weight), []).append(name)
     for names in holders.values():
+        embedding = [by_name[n] for n in names if n in by_name and _has_padding_row(by_name[n])]
+        if len(names) > 1 and embedding:
+            raise ValueError(
+                f"{embedding[0].label()}: its weight is tied to {names} and it has padding_idx="
+                f"{getattr(embedding[0].module, 'padding_idx', None)}: nn.Embedding gives that "
+                "row no gradient from the embedding but the tied layers do, which mc does not "
+                "split yet; set the embedding's padding_idx = None (the row then trains like "
+                "the others) or untie the weights"
+            )
         layouts = {name: _layout(by_name.get(name)) for name in names}
         if len(set(layouts.values())) > 1:
             shown = {
@@ -310,8 +324,11 @@ def _apply(
         source_weight = dict(mod.named_parameters(recurse=False)).get("weight")
         new = _build(mod, style, setup, target.name, in_block)
         if source_weight is not None:
-            if id(source_weight) in converted:
-                new.weight = converted[id(source_weight)]  # a tied weight stays tied
+            if id(source_weight) in converted:  # a tied weight stays tied
+                if isinstance(new, VocabEmbedding):
+                    new.share_weight(converted[id(source_weight)])
+                else:
+                    new.weight = converted[id(source_weight)]
             else:
                 assert isinstance(new.weight, torch.nn.Parameter)
                 converted[id(source_weight)] = new.weight

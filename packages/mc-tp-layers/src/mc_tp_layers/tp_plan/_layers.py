@@ -260,9 +260,15 @@ class VocabEmbedding(VocabParallelEmbedding, ConvertedModule):
         )
         self.padding_idx = source.padding_idx
         _fill(self.weight, self.shard("weight", weight), weight.requires_grad)
+        self.share_weight(self.weight)
+
+    def share_weight(self, weight: torch.nn.Parameter) -> None:
+        """Use ``weight`` (a tied layer's shard of the same table; ``parallelize`` refuses a
+        tied table with ``padding_idx``), keeping ``padding_idx``'s row without gradient."""
+        self.weight = weight
         local_pad = None if self.padding_idx is None else self.padding_idx - self.vocab_start_index
         if local_pad is not None and 0 <= local_pad < self.num_embeddings_per_partition:
-            self.weight.register_hook(_zero_row(local_pad))  # type: ignore[no-untyped-call]
+            weight.register_hook(_zero_row(local_pad))  # type: ignore[no-untyped-call]
 
     def shard(self, param: str, full: torch.Tensor) -> torch.Tensor:
         """The table's rows of this rank's vocabulary range."""
