@@ -267,6 +267,7 @@ def _packed_and_meta() -> dict[str, Any]:
     }
     packed["sp_dim0"] = _sequence_first_sp(pgc)
     packed["padding"] = _padding_row(pgc)
+    packed["split_input"] = _split_input(pgc)
     with torch.device("meta"):
         meta = build_model("llama")
     parallelize(meta, meta.tp_plan, config=cfg, pg_collection=pgc)
@@ -311,6 +312,34 @@ def _sequence_first_sp(pgc: Any) -> float:
         param.data = param.grad  # gather the grads as if they were the weights
     grads = full_state_dict(block)
     worst = float((out - ref_out.chunk(2, dim=0)[tp.rank()]).detach().abs().max())
+    for name, param in ref.named_parameters():
+        assert param.grad is not None
+        worst = max(worst, float((grads[name] - param.grad).abs().max()))
+    return worst
+
+
+def _split_input(pgc: Any) -> float:
+    """``rowwise_split_input`` after a replicated layer at TP=2: output and gathered grads
+    (the first layer's grad complete through the split's backward all-gather)."""
+    import mc_groups as mg
+    from mc_tp_layers import full_state_dict, parallelize
+
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 8))
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 8))
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(2, 5, 8)
+    ref_out = ref(x)
+    ref_out.square().sum().backward()
+    parallelize(model, {"2": "rowwise_split_input"}, config=cfg, pg_collection=pgc)
+    out = model(x)
+    out.square().sum().backward()
+    worst = float((out - ref_out).detach().abs().max())
+    for param in model.parameters():
+        assert param.grad is not None
+        param.data = param.grad
+    grads = full_state_dict(model)
     for name, param in ref.named_parameters():
         assert param.grad is not None
         worst = max(worst, float((grads[name] - param.grad).abs().max()))
@@ -401,6 +430,7 @@ def test_sp_schedule_bad_plans_packed_and_meta(rank_pools: RankPools) -> None:
     assert packed["weights"] <= 1e-6, packed
     assert packed["sp_dim0"] <= 1e-5, packed
     assert packed["padding"] <= 1e-6, packed
+    assert packed["split_input"] <= 1e-6, packed
     assert result["on_meta"]
     assert result["shapes"]["model.layers.0.self_attn.q_proj.weight"] == (16, 32)
     assert result["shapes"]["model.layers.0.self_attn.o_proj.weight"] == (32, 16)
