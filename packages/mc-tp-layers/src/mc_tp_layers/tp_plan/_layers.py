@@ -157,7 +157,7 @@ class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
         )
         self.parts = style.parts
         self.qualified_name = name
-        self.needs_gathered_input = in_block
+        self.needs_block_input = in_block
         self.copy_from(source)
 
     def copy_from(self, source: torch.nn.Linear) -> None:
@@ -178,7 +178,7 @@ class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``nn.Linear``'s contract: ``[..., out/W]`` (``[..., out]`` when gathering)."""
-        if self.needs_gathered_input and not _sequence.is_gathered(input_):
+        if self.needs_block_input and not _sequence.is_block_input(input_):
             raise ValueError(
                 f"{self.qualified_name} (colwise) sits in a block with 'sequence_gather' but "
                 "its input is not the tensor that entered the block (the block computes "

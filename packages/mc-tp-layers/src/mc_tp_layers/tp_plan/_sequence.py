@@ -31,7 +31,7 @@ from mc_tp_layers.mappings import (
 
 __all__: list[str] = []
 
-_GATHERED = "_mc_sequence_gathered"
+_ENTERED = "_mc_entered_tp_block"
 
 
 def along(dim: int, op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +50,7 @@ def enter(
         out = along(dim, lambda t: gather_from_sequence_parallel_region(t, True, group), x)
     else:
         out = copy_to_tensor_model_parallel_region(x, group)
-    setattr(out, _GATHERED, True)
+    setattr(out, _ENTERED, True)
     return out
 
 
@@ -59,9 +59,9 @@ def scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor
     return along(dim, lambda t: scatter_to_sequence_parallel_region(t, group), x)
 
 
-def is_gathered(x: torch.Tensor) -> bool:
+def is_block_input(x: torch.Tensor) -> bool:
     """Whether ``x`` came out of :func:`enter`."""
-    return bool(getattr(x, _GATHERED, False))
+    return bool(getattr(x, _ENTERED, False))
 
 
 def input_hook(
