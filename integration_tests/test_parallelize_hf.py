@@ -153,6 +153,29 @@ def _schedule(*, sequence_parallel: bool, block_entries: bool) -> dict[str, Any]
     }
 
 
+def _generate() -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy generation (KV cache, one token per step) at TP=2 without SP, and in one
+    process."""
+    import mc_groups as mg
+    from mc_tp_layers import parallelize
+
+    torch.set_num_threads(1)
+    pgc = mg.initialize_model_parallel(tensor_model_parallel_size=2)
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2)
+    ref, model = build_model("llama"), build_model("llama")
+    parallelize(model, model.tp_plan, config=cfg, pg_collection=pgc)
+    prompt = global_batch(0)[:1, :5]
+    tokens = _greedy(model, prompt)
+    mg.destroy_model_parallel(pgc)
+    return tokens, _greedy(ref, prompt)
+
+
+def _greedy(model: Any, prompt: torch.Tensor) -> list[list[int]]:
+    """6 greedy tokens after ``prompt`` (``model``: a causal LM with ``generate``)."""
+    tokens: list[list[int]] = model.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
+    return tokens
+
+
 def _bad_plans() -> list[tuple[str, str, bool]]:
     """Each bad plan's error, and whether the model's weights were left untouched."""
     import mc_groups as mg
@@ -416,6 +439,9 @@ def test_sp_schedule_bad_plans_packed_and_meta(rank_pools: RankPools) -> None:
     assert not blocks["norm_tagged"]
     for schedule in schedules.values():
         assert schedule["groups"] == {schedule["tp"]}
+    tokens, ref_tokens = pool.run(_generate)[0]
+    assert tokens == ref_tokens
+    assert len(tokens[0]) == 11
     for (kind, message, untouched), (want, words) in zip(
         pool.run(_bad_plans)[0], BAD_PLAN_MESSAGES, strict=True
     ):
