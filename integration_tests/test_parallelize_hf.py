@@ -18,7 +18,9 @@ SGD for 3 steps on the same global batch as the 1-process reference. Localizes:
   a packed ``[gate; up]`` projection (``packed_colwise``), sequence parallelism on
   ``[s, b, h]`` (``sequence_dim=0``) around it, and the bad plans, each refused before any
   weight changes;
-- the collectives of one SP step (recorded, counted by hand in the test).
+- the collectives of one step (recorded, counted by hand in the test): SP on, SP off with
+  the block entries (one input-grad all-reduce per block), the model's own ``tp_plan``;
+- ``rowwise_split_input``, ``padding_idx``, and greedy generation (KV cache) at TP=2.
 
 Most of the time is ``import transformers`` in each rank (about 5 s of CPU each here).
 
