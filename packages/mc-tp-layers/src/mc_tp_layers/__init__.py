@@ -16,6 +16,10 @@
 - :func:`backends`: which optional CUDA kernels (Transformer Engine, apex) are in use.
 - :func:`check_tp_agreement` / :class:`TensorParallelAgreementError`: TP peers compare how
   they built their layers, once (:mod:`mc_tp_layers.agreement`).
+- :func:`parallelize`: any model (``transformers``, torchtitan, your own ``nn.Linear`` /
+  ``nn.Embedding``) gets these layers from a plan with ``transformers``' ``tp_plan`` names,
+  built from its existing weights; :func:`full_state_dict` / :func:`load_full_state_dict`
+  go back to one piece and back; styles in :mod:`mc_tp_layers.tp_plan`.
 
 Groups are passed explicitly (``tp_group=`` / ``pg_collection=``); every collective goes
 through :mod:`mc_groups`, so :func:`mc_groups.record_collectives` sees it.
@@ -74,6 +78,12 @@ from mc_tp_layers.random import (
     model_parallel_cuda_manual_seed,
     set_cuda_rng_tracker,
 )
+from mc_tp_layers.tp_plan import (
+    full_state_dict,
+    load_full_state_dict,
+    parallelize,
+    vocab_parallel_causal_lm_loss,
+)
 from mc_tp_layers.utils import (
     VocabUtility,
     divide,
@@ -111,6 +121,7 @@ __all__ = [
     "copy_to_tensor_model_parallel_region",
     "divide",
     "drain_embedding_wgrad_compute",
+    "full_state_dict",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "gather_split_1d_tensor",
@@ -122,7 +133,9 @@ __all__ = [
     "gtp_sharded_tensor",
     "linear_with_frozen_weight",
     "linear_with_grad_accumulation_and_async_allreduce",
+    "load_full_state_dict",
     "model_parallel_cuda_manual_seed",
+    "parallelize",
     "param_is_not_gtp_duplicate",
     "param_is_not_tensor_parallel_duplicate",
     "reduce_from_tensor_model_parallel_region",
@@ -137,5 +150,6 @@ __all__ = [
     "split_tensor_along_last_dim",
     "split_tensor_into_1d_equal_chunks",
     "tp_sharded_tensor",
+    "vocab_parallel_causal_lm_loss",
     "vocab_parallel_cross_entropy",
 ]

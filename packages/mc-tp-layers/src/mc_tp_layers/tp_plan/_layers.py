@@ -1,0 +1,288 @@
+r"""mc's layers built from an existing ``nn.Linear`` / ``nn.Embedding``: each rank keeps its
+shard of the current weight (no initialisation, no RNG tracker), the module keeps the
+original's state-dict names (``weight``, ``bias``; no ``_extra_state``) and returns a plain
+tensor as the original did.
+
+Shards (W ranks, rank r; torch stores a linear's weight as ``[out, in]``)::
+
+    colwise   weight rows   [out/W, in]   bias split [out/W]
+              packed in p equal blocks: rank r keeps [block_1,r; …; block_p,r]
+    rowwise   weight cols   [out, in/W]   bias whole [out] (added once, after the sum)
+    embedding table rows    [V/W, h]
+
+On the meta device nothing is copied: each rank allocates only its shard, on meta
+(materialise with ``module.to_empty(device=...)``, then
+:func:`~mc_tp_layers.tp_plan.load_full_state_dict`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mc_groups import ProcessGroupCollection
+from mc_tp_layers._config import TensorParallelConfig, check_config
+from mc_tp_layers.column import ColumnParallelLinear
+from mc_tp_layers.embedding import VocabParallelEmbedding
+from mc_tp_layers.mappings import (
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+from mc_tp_layers.row import RowParallelLinear
+from mc_tp_layers.tp_plan import _sequence
+from mc_tp_layers.tp_plan._styles import Colwise, Rowwise
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every converted layer of one ``parallelize`` call shares."""
+
+    config: TensorParallelConfig
+    pg_collection: ProcessGroupCollection
+    tp_group: dist.ProcessGroup
+    sequence_parallel: bool
+    sequence_dim: int
+
+    def layer_config(self, dtype: torch.dtype, sequence_parallel: bool) -> TensorParallelConfig:
+        """The user's config with the source's dtype, no init and ``sequence_parallel``."""
+        changes: dict[str, Any] = {
+            "params_dtype": dtype,
+            "perform_initialization": False,
+            "sequence_parallel": sequence_parallel,
+        }
+        config: Any = self.config  # any object with the attributes (see TensorParallelConfig)
+        if dataclasses.is_dataclass(config) and not isinstance(config, type):
+            return check_config(dataclasses.replace(config, **changes))
+        derived = copy.copy(config)
+        for field, value in changes.items():
+            setattr(derived, field, value)
+        return check_config(derived)
+
+
+def _untouched(_weight: torch.Tensor) -> None:
+    """The init method of a layer built from existing weights (never called)."""
+
+
+def shard_rows(full: torch.Tensor, rank: int, world: int, parts: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``full``: of each of its ``parts`` equal blocks, part ``rank``."""
+    blocks = full.chunk(parts, dim=0)
+    return torch.cat([block.chunk(world, dim=0)[rank] for block in blocks], dim=0)
+
+
+def unshard_rows(gathered: torch.Tensor, world: int, parts: int = 1) -> torch.Tensor:
+    """The inverse of :func:`shard_rows` on the rank-ordered concatenation of every shard."""
+    if parts == 1:
+        return gathered
+    rest = gathered.shape[1:]
+    per_block = gathered.shape[0] // (world * parts)
+    grid = gathered.reshape(world, parts, per_block, *rest).transpose(0, 1)
+    return grid.reshape(gathered.shape[0], *rest)
+
+
+def shard_cols(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``full``'s last dim."""
+    return full.chunk(world, dim=-1)[rank]
+
+
+def _fill(target: torch.Tensor, source: torch.Tensor, requires_grad: bool) -> None:
+    if target.device.type != "meta" and source.device.type != "meta":
+        with torch.no_grad():
+            target.copy_(source)
+    target.requires_grad_(requires_grad)
+
+
+class ConvertedModule(torch.nn.Module):
+    """What :mod:`._state` reads from a converted layer (mixed into each of them).
+
+    The linear layers' base class adds ``_extra_state`` to the state dicts it loads (for
+    Transformer-Engine checkpoints); a converted layer keeps ``nn.Linear``'s keys, so that
+    key is dropped before loading.
+    """
+
+    tp_group: dist.ProcessGroup
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        unexpected: list[str] = args[-2]  # (local_metadata, strict, missing, unexpected, errors)
+        if (
+            prefix + "_extra_state" in unexpected
+            and state_dict.get(prefix + "_extra_state") is None
+        ):
+            unexpected.remove(prefix + "_extra_state")
+
+    def shard(self, param: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full (unconverted) tensor ``param``."""
+        raise NotImplementedError
+
+    def unshard(self, param: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor ``param`` from every rank's ``local`` (a collective)."""
+        raise NotImplementedError
+
+
+class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
+    """A :class:`ColumnParallelLinear` holding rank r's rows of an ``nn.Linear``.
+
+    ``in_block``: a ``sequence_gather`` entry on this module or a parent makes its input
+    enter the TP region there, whose backward (reduce-scatter under SP, else all-reduce)
+    sums the TP ranks' partial input grads once for every layer of the block; the layer
+    then runs without its own ``dX`` all-reduce, and its input must be that tensor.
+    """
+
+    get_extra_state = torch.nn.Module.get_extra_state
+    set_extra_state = torch.nn.Module.set_extra_state
+
+    def __init__(
+        self, source: torch.nn.Linear, style: Colwise, setup: Setup, name: str, in_block: bool
+    ) -> None:
+        weight = source.weight
+        super().__init__(
+            source.in_features,
+            source.out_features,
+            config=setup.layer_config(weight.dtype, False),
+            init_method=_untouched,
+            bias=source.bias is not None,
+            gather_output=style.gather_output,
+            stride=style.parts,
+            disable_grad_reduce=in_block,
+            pg_collection=setup.pg_collection,
+            name=name,
+            device=weight.device,
+        )
+        self.parts = style.parts
+        self.qualified_name = name
+        self.needs_block_input = in_block
+        self.copy_from(source)
+
+    def copy_from(self, source: torch.nn.Linear) -> None:
+        """This rank's rows of ``source``'s weight and bias."""
+        assert self.weight is not None  # built with its weight
+        _fill(self.weight, self.shard("weight", source.weight), source.weight.requires_grad)
+        if source.bias is not None and self.bias is not None:
+            _fill(self.bias, self.shard("bias", source.bias), source.bias.requires_grad)
+
+    def shard(self, param: str, full: torch.Tensor) -> torch.Tensor:
+        """Rows of each packed block (weight and bias alike)."""
+        return shard_rows(full, int(self.tp_group.rank()), int(self.tp_group.size()), self.parts)
+
+    def unshard(self, param: str, local: torch.Tensor) -> torch.Tensor:
+        """All-gather along dim 0, then undo the packing."""
+        gathered = gather_from_sequence_parallel_region(local, False, self.tp_group)
+        return unshard_rows(gathered, int(self.tp_group.size()), self.parts)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """``nn.Linear``'s contract: ``[..., out/W]`` (``[..., out]`` when gathering)."""
+        if self.needs_block_input and not _sequence.is_block_input(input_):
+            raise ValueError(
+                f"{self.qualified_name} (colwise) sits in a block with 'sequence_gather' but "
+                "its input is not the tensor that entered the block (the block computes "
+                "something before calling it); move the 'sequence_gather' entry onto this "
+                "module: ('sequence_gather', <its colwise style>)"
+            )
+        output, _ = super().forward(input_)
+        return output
+
+
+class RowwiseLinear(RowParallelLinear, ConvertedModule):
+    """A :class:`RowParallelLinear` holding rank r's columns of an ``nn.Linear`` (bias whole).
+
+    Under sequence parallelism its output is reduce-scattered along the sequence dim (the
+    layer's own dim-0 reduce-scatter, with a batch-first input transposed around it).
+    """
+
+    get_extra_state = torch.nn.Module.get_extra_state
+    set_extra_state = torch.nn.Module.set_extra_state
+
+    def __init__(self, source: torch.nn.Linear, style: Rowwise, setup: Setup, name: str) -> None:
+        weight = source.weight
+        super().__init__(
+            source.in_features,
+            source.out_features,
+            config=setup.layer_config(weight.dtype, setup.sequence_parallel),
+            init_method=_untouched,
+            bias=source.bias is not None,
+            input_is_parallel=not style.split_input,
+            skip_bias_add=False,
+            pg_collection=setup.pg_collection,
+            name=name,
+            device=weight.device,
+        )
+        self.sequence_dim = setup.sequence_dim
+        _fill(self.weight, self.shard("weight", weight), weight.requires_grad)
+        if source.bias is not None and self.bias is not None:
+            _fill(self.bias, source.bias, source.bias.requires_grad)
+
+    def shard(self, param: str, full: torch.Tensor) -> torch.Tensor:
+        """The weight's columns; the bias whole."""
+        if param == "bias":
+            return full
+        return shard_cols(full, int(self.tp_group.rank()), int(self.tp_group.size()))
+
+    def unshard(self, param: str, local: torch.Tensor) -> torch.Tensor:
+        """All-gather the weight's last dim; the bias is already whole."""
+        if param == "bias":
+            return local
+        return gather_from_tensor_model_parallel_region(local, self.tp_group)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """``nn.Linear``'s contract: ``[..., out]`` (this rank's part of the sequence under SP)."""
+        if self.sequence_parallel and self.sequence_dim != 0:
+            moved = input_.transpose(0, self.sequence_dim).contiguous()
+            return super().forward(moved)[0].transpose(0, self.sequence_dim)
+        output, _ = super().forward(input_)
+        return output
+
+
+class VocabEmbedding(VocabParallelEmbedding, ConvertedModule):
+    """A :class:`VocabParallelEmbedding` holding rank r's rows of an ``nn.Embedding``.
+
+    Its output is all-reduced (every rank gets the full ``[b, s, h]``, so a model that
+    derives positions from the embeddings' length still sees the whole sequence; split it
+    with a ``sequence_scatter`` entry). ``padding_idx`` keeps ``nn.Embedding``'s meaning: that
+    row gets no gradient.
+    """
+
+    def __init__(self, source: torch.nn.Embedding, setup: Setup, name: str) -> None:
+        weight = source.weight
+        super().__init__(
+            source.num_embeddings,
+            source.embedding_dim,
+            init_method=_untouched,
+            config=setup.layer_config(weight.dtype, False),
+            pg_collection=setup.pg_collection,
+            device=weight.device,
+        )
+        self.padding_idx = source.padding_idx
+        _fill(self.weight, self.shard("weight", weight), weight.requires_grad)
+        self.share_weight(self.weight)
+
+    def share_weight(self, weight: torch.nn.Parameter) -> None:
+        """Use ``weight`` (a tied layer's shard of the same table; ``parallelize`` refuses a
+        tied table with ``padding_idx``), keeping ``padding_idx``'s row without gradient."""
+        self.weight = weight
+        local_pad = None if self.padding_idx is None else self.padding_idx - self.vocab_start_index
+        if local_pad is not None and 0 <= local_pad < self.num_embeddings_per_partition:
+            weight.register_hook(_zero_row(local_pad))  # type: ignore[no-untyped-call]
+
+    def shard(self, param: str, full: torch.Tensor) -> torch.Tensor:
+        """The table's rows of this rank's vocabulary range."""
+        return shard_rows(full, int(self.tp_group.rank()), int(self.tp_group.size()))
+
+    def unshard(self, param: str, local: torch.Tensor) -> torch.Tensor:
+        """All-gather the rows."""
+        return gather_from_sequence_parallel_region(local, False, self.tp_group)
+
+
+def _zero_row(row: int) -> Any:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad[row] = 0
+        return grad
+
+    return hook

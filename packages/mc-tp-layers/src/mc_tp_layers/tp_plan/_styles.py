@@ -1,0 +1,166 @@
+"""The styles a plan names: small frozen records, one per transformation (policy only; the
+conversion lives in :mod:`._convert`, the hooks in :mod:`._sequence`).
+
+A plan maps fnmatch patterns over qualified module names to a style, a style name (the
+names ``transformers`` uses in its ``tp_plan``) or a tuple of them applied in order (at most
+one that replaces the module).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from mc_groups.argcheck import check_flag, check_int
+
+__all__ = [
+    "Colwise",
+    "Plan",
+    "Rowwise",
+    "SequenceGather",
+    "SequenceParallelNorm",
+    "SequenceScatter",
+    "Style",
+    "VocabEmbedding",
+    "style_names",
+]
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """``nn.Linear`` → :class:`~mc_tp_layers.ColumnParallelLinear` (weight rows split).
+
+    ``gather_output``: all-gather the output's last dim (``colwise_gather_output``); else
+    each rank returns its ``[..., out/W]`` part (``colwise``). ``parts`` > 1: the weight
+    packs ``parts`` equal blocks along its rows (``[gate; up]``, ``[q; k; v]`` of equal
+    sizes); each block is split, rank r keeps ``[block_1,r; …; block_parts,r]`` (the
+    partition stride of :mod:`mc_tp_layers.initialization`).
+    """
+
+    gather_output: bool = False
+    parts: int = 1
+
+    def __post_init__(self) -> None:
+        check_flag("gather_output", self.gather_output)
+        check_int("parts", self.parts)
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """``nn.Linear`` → :class:`~mc_tp_layers.RowParallelLinear` (weight columns split, bias
+    whole). ``split_input``: the input arrives whole and is split along its last dim first
+    (``rowwise_split_input``); else it arrives split (``rowwise``, after a ``colwise``)."""
+
+    split_input: bool = False
+
+    def __post_init__(self) -> None:
+        check_flag("split_input", self.split_input)
+
+
+@dataclass(frozen=True)
+class VocabEmbedding:
+    """``nn.Embedding`` → :class:`~mc_tp_layers.VocabParallelEmbedding` (vocabulary rows
+    split, output all-reduced: every rank returns the full ``[b, s, h]``)."""
+
+
+@dataclass(frozen=True)
+class SequenceParallelNorm:
+    """A module that works token by token (a norm) and runs on this rank's part of the
+    sequence under sequence parallelism: its parameters are tagged ``sequence_parallel`` so
+    ``mc_finalize.finalize_model_grads`` sums their grads over the TP group. No-op with
+    sequence parallelism off."""
+
+
+@dataclass(frozen=True)
+class SequenceGather:
+    """Where a block of ``colwise`` layers (attention, MLP, the LM head) enters the
+    tensor-parallel region: under sequence parallelism its input is all-gathered along the
+    sequence dim (backward: reduce-scatter); without, it is Megatron's ``f`` for the whole
+    block (identity; backward: one all-reduce). Either way the block's ``colwise`` layers
+    skip their own ``dX`` all-reduce (one collective per block instead of one per layer).
+    The input is the first positional argument, else the keyword ``kwarg``."""
+
+    kwarg: str = "hidden_states"
+
+
+@dataclass(frozen=True)
+class SequenceScatter:
+    """Under sequence parallelism, keep this rank's part of the module's input along the
+    sequence dim (no communication; backward all-gathers). Put it where the residual stream
+    starts to be split (e.g. the first decoder layer). No-op with sequence parallelism off."""
+
+    kwarg: str = "hidden_states"
+
+
+Style = Colwise | Rowwise | VocabEmbedding | SequenceParallelNorm | SequenceGather | SequenceScatter
+Plan = Mapping[str, "str | Style | Sequence[str | Style]"]
+
+_NAMED: Mapping[str, Style] = MappingProxyType(
+    {
+        "colwise": Colwise(),
+        "colwise_gather_output": Colwise(gather_output=True),
+        "colwise_rep": Colwise(gather_output=True),
+        "packed_colwise": Colwise(parts=2),
+        "rowwise": Rowwise(),
+        "rowwise_split_input": Rowwise(split_input=True),
+        "rowwise_rep": Rowwise(split_input=True),
+        "embedding_rowwise": VocabEmbedding(),
+        "sequence_parallel": SequenceParallelNorm(),
+        "sequence_gather": SequenceGather(),
+        "sequence_scatter": SequenceScatter(),
+    }
+)
+_STYLE_TYPES = (
+    Colwise,
+    Rowwise,
+    VocabEmbedding,
+    SequenceParallelNorm,
+    SequenceGather,
+    SequenceScatter,
+)
+REPLACING = (Colwise, Rowwise, VocabEmbedding)
+
+
+def style_names() -> tuple[str, ...]:
+    """The style names a plan may use (``transformers``' names, plus ``sequence_gather`` /
+    ``sequence_scatter``)."""
+    return tuple(_NAMED)
+
+
+def describe(style: Style) -> str:
+    """The name a plan would use for ``style`` (or its repr)."""
+    for name, known in _NAMED.items():
+        if known == style:
+            return name
+    return repr(style)
+
+
+def resolve(pattern: str, value: object) -> tuple[Style, ...]:
+    """The styles of one plan entry, or a ``ValueError``/``TypeError`` naming ``pattern``."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise ValueError(f"plan[{pattern!r}] is empty; give a style name such as 'colwise'")
+    styles: list[Style] = []
+    for item in items:
+        if isinstance(item, str):
+            if item not in _NAMED:
+                raise ValueError(
+                    f"plan[{pattern!r}] = {item!r}: mc does not offer this style; use one of "
+                    f"{sorted(_NAMED)} (or drop the entry to keep the module replicated)"
+                )
+            styles.append(_NAMED[item])
+        elif isinstance(item, _STYLE_TYPES):
+            styles.append(item)
+        else:
+            raise TypeError(
+                f"plan[{pattern!r}] holds {item!r} ({type(item).__name__}); a plan value is a "
+                "style name, a mc_tp_layers.tp_plan style, or a tuple of them"
+            )
+    replacing = [s for s in styles if isinstance(s, REPLACING)]
+    if len(replacing) > 1:
+        raise ValueError(
+            f"plan[{pattern!r}] replaces the module twice ({[describe(s) for s in replacing]}); "
+            "keep one of them"
+        )
+    return tuple(styles)
