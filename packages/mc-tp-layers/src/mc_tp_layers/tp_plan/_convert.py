@@ -80,19 +80,19 @@ def parallelize(
 
     Each rank keeps its shard of every converted weight (column bias split, row bias whole;
     no re-initialisation). Converted modules keep their state-dict names and return a plain
-    tensor. Collectives per converted layer and step, W = TP size:
+    tensor. Collectives per converted layer and step, W = TP size::
 
-    ====================  =================================  =================================
-    style                 forward                            backward
-    ====================  =================================  =================================
-    colwise               —                                  all-reduce dX (none in a block)
-    colwise_gather_output all-gather of the last dim         (as colwise)
-    rowwise               all-reduce Y (SP: reduce-scatter)  — (SP: all-gather dY)
-    embedding_rowwise     all-reduce of the embeddings       —
-    sequence_gather       SP: all-gather of the input (seq)  SP: reduce-scatter of its grad,
-                          (a block's entry)                  else all-reduce of it
-    sequence_scatter      —                                  all-gather of its grad
-    ====================  =================================  =================================
+        ====================  =================================  =================================
+        style                 forward                            backward
+        ====================  =================================  =================================
+        colwise               —                                  all-reduce dX (none in a block)
+        colwise_gather_output all-gather of the last dim         (as colwise)
+        rowwise               all-reduce Y (SP: reduce-scatter)  — (SP: all-gather dY)
+        embedding_rowwise     all-reduce of the embeddings       —
+        sequence_gather       SP: all-gather of the input (seq)  SP: reduce-scatter of its grad,
+                              (a block's entry)                  else all-reduce of it
+        sequence_scatter      —                                  all-gather of its grad
+        ====================  =================================  =================================
 
     Every check runs before any module changes: a pattern matching nothing, a module matched
     twice, an unknown style, a style on the wrong kind of module, sizes or attention heads

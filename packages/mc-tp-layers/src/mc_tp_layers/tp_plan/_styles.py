@@ -94,7 +94,10 @@ class SequenceScatter:
 
 
 Style = Colwise | Rowwise | VocabEmbedding | SequenceParallelNorm | SequenceGather | SequenceScatter
+"""One transformation a plan entry names (a style object; a plan may also name it by its
+``transformers`` string)."""
 Plan = Mapping[str, "str | Style | Sequence[str | Style]"]
+"""Qualified-name patterns (fnmatch) → a style, a style name, or a sequence of them."""
 
 _NAMED: Mapping[str, Style] = MappingProxyType(
     {
