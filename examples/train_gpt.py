@@ -22,7 +22,8 @@ Checkpoints (:mod:`examples.gpt.resume`): ``--save-dir DIR --save-every N`` publ
 loss so far, RNG states); ``--resume auto`` continues from the newest complete one in
 ``--save-dir`` (or starts fresh), ``--resume PATH`` from that one, at this run's layout.
 Under ``torchrun --max-restarts K … --resume auto`` a run that lost a rank restarts from its
-last complete checkpoint, and its ``metrics.json`` equals an uninterrupted run's.
+last complete checkpoint, and its ``metrics.json`` equals an uninterrupted run's (no extra
+environment: every attempt joins in a key space of its own, :mod:`mc_groups.elastic`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -66,7 +67,6 @@ __all__ = [
     "main",
     "parse_args",
     "plan",
-    "restart_warning",
     "run",
 ]
 
@@ -572,26 +572,6 @@ def _local_cuda_device(rank: int) -> torch.device | None:
     return None
 
 
-def restart_warning(env: Mapping[str, str]) -> str | None:
-    """Why torchrun's restart would not come up, or None: with ``--max-restarts`` > 0 and
-    the rendezvous TCP store shared with the workers (torch's default since 2.5), the
-    restarted group finds the previous attempt's process-group keys in that store and hangs
-    or fails to connect (pytorch/pytorch#135712, #167288; seen here with torch 2.13: a
-    hang, or gloo's connectFullMesh refused). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives
-    every attempt a fresh store."""
-    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
-    if not restarts.isdigit() or int(restarts) == 0:
-        return None
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    return (
-        f"torchrun --max-restarts {restarts} shares its rendezvous store with the workers, so "
-        "a restarted group would read the keys of the failed one and hang or fail to "
-        "connect (pytorch/pytorch#135712); start torchrun with "
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point under torchrun: validate, join the world (gloo, or NCCL on
     ``cuda:LOCAL_RANK``), train, report (or, with ``--preflight N``, only validate for N
@@ -609,11 +589,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = _local_cuda_device(rank) if demo.backend == "nccl" else None
     if demo.backend == "nccl" and device is None:
         return 2
-    warning = restart_warning(os.environ)
-    if warning and rank == 0:
-        print(f"train_gpt: warning: {warning}", file=sys.stderr)
     torch.set_num_threads(1)
-    dist.init_process_group(demo.backend, timeout=timedelta(seconds=120), device_id=device)
+    # A key space of this attempt's own in torchrun's store: restarts work with the store
+    # shared (torch's default) too (mc_groups.elastic).
+    mg.elastic.init_process_group(demo.backend, timeout=timedelta(seconds=120), device_id=device)
     try:
         run(demo)
     except ckpt.ResumeError as err:

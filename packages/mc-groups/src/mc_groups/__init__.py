@@ -25,6 +25,9 @@
   who reads each, typed accessors.
 - :func:`is_group_live`: False once a group was destroyed; every collective refuses a
   destroyed group, and :func:`destroy_model_parallel` marks its collection destroyed.
+- :mod:`mc_groups.elastic`: :func:`~mc_groups.elastic.init_process_group` joins the world
+  in a key space of the restart attempt's own, so ``torchrun --max-restarts`` restarts
+  with torchrun's shared store.
 - :mod:`mc_groups.testing`: a reusable multi-process CPU harness for tests.
 """
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from mc_groups import argcheck as argcheck
+from mc_groups import elastic as elastic
 from mc_groups import param_attrs as param_attrs
 from mc_groups.collection import GROUP_FIELDS, MissingGroupError, ProcessGroupCollection
 from mc_groups.collectives import (
