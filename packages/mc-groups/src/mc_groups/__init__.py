@@ -28,6 +28,9 @@
 - :mod:`mc_groups.elastic`: :func:`~mc_groups.elastic.init_process_group` joins the world
   in a key space of the restart attempt's own, so ``torchrun --max-restarts`` restarts
   with torchrun's shared store.
+- :func:`fail_together` (:mod:`mc_groups.together`): an entry point's local checks end in
+  one status exchange, so a check failing on one rank is an error on every rank
+  (:class:`PeerCheckError` naming it) instead of a wait until the group's timeout.
 - :mod:`mc_groups.testing`: a reusable multi-process CPU harness for tests.
 """
 
@@ -85,6 +88,7 @@ from mc_groups.pipeline import (
 )
 from mc_groups.rank_generator import AXES, MAX_WORLD_SIZE, RankGenerator
 from mc_groups.recorder import CollectiveRecord, record_collectives
+from mc_groups.together import PeerCheckError, fail_together
 from mc_groups.schedule_check import (
     SCHEDULE_CHECK_ENV,
     check_collective_schedule,
@@ -111,6 +115,7 @@ __all__ = [
     "MissingGroupError",
     "ModelParallelConfig",
     "NoDefaultCollectionError",
+    "PeerCheckError",
     "ParallelSizes",
     "ProcessGroupCollection",
     "RankGenerator",
@@ -126,6 +131,7 @@ __all__ = [
     "coalesced",
     "collection_or_default",
     "destroy_model_parallel",
+    "fail_together",
     "get_default_collection",
     "get_pipeline_next_rank",
     "get_pipeline_prev_rank",
