@@ -88,12 +88,12 @@ from mc_groups.pipeline import (
 )
 from mc_groups.rank_generator import AXES, MAX_WORLD_SIZE, RankGenerator
 from mc_groups.recorder import CollectiveRecord, record_collectives
-from mc_groups.together import PeerCheckError, fail_together
 from mc_groups.schedule_check import (
     SCHEDULE_CHECK_ENV,
     check_collective_schedule,
     schedule_check_enabled,
 )
+from mc_groups.together import PeerCheckError, fail_together
 
 try:  # one source of the version: the distribution's pyproject.toml
     __version__ = version("mc-groups")
@@ -115,8 +115,8 @@ __all__ = [
     "MissingGroupError",
     "ModelParallelConfig",
     "NoDefaultCollectionError",
-    "PeerCheckError",
     "ParallelSizes",
+    "PeerCheckError",
     "ProcessGroupCollection",
     "RankGenerator",
     "ReduceOp",

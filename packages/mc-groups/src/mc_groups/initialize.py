@@ -70,7 +70,8 @@ def initialize_model_parallel(
     all-gather of ten int64 over the world) and every rank raises the same ``ValueError``
     naming the fields and ranks that differ. A rank whose own arguments are invalid raises
     its error after one status exchange over the world (:func:`mc_groups.fail_together`),
-    in which its peers learn it and raise :class:`mc_groups.PeerCheckError` naming it. ``timeout`` bounds every collective on the
+    in which its peers learn it and raise :class:`mc_groups.PeerCheckError` naming it.
+    ``timeout`` bounds every collective on the
     new groups (default: the default group's timeout, set by ``init_process_group``; torch
     itself would give new groups 30 minutes). With ``set_default=True`` the
     collection is also registered as the process default (see

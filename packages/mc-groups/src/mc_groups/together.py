@@ -11,9 +11,10 @@ fail with a timeout that does not say what went wrong.
 Mechanism (:func:`fail_together`)::
 
     block      the entry point's local checks (no collective), on every rank
-    exchange   one 8-byte status per rank over the group (0: passed), through the schedule
-               check's fingerprint exchange (point to point on its own tag on gloo, one
-               all-gather elsewhere; not recorded by :func:`mc_groups.record_collectives`)
+    exchange   one 8-byte status per rank over the group (a fingerprint of the entry point
+               and "passed" or "failed"), through the schedule check's exchange (point to
+               point on its own tag on gloo, one all-gather elsewhere; not recorded by
+               :func:`mc_groups.record_collectives`)
     all passed the entry point goes on
     any failed the ranks all-gather the failures' messages (only then); a failing rank
                re-raises its own error, every other rank raises :class:`PeerCheckError`
@@ -22,7 +23,8 @@ Mechanism (:func:`fail_together`)::
 Cost: one 8-byte exchange per call (at an entry point that communicates anyway); the ranks
 also meet there, which a per-step entry point pays as one more synchronisation per step.
 A dead or hung peer makes the exchange fail as any collective does: ``CollectiveError``
-within the group's timeout. Groups of one rank exchange nothing.
+within the group's timeout; a peer about to run another collective under the schedule
+check gets ``CollectiveScheduleError`` on both sides. Groups of one rank exchange nothing.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from mc_groups._core import key_device
-from mc_groups._errors import CollectiveError
-from mc_groups.schedule_check import _exchange_keys
+from mc_groups._errors import CollectiveError, CollectiveScheduleError
+from mc_groups.schedule_check import PlannedCollective, _exchange_keys, _mismatch_message
 
 __all__ = ["PeerCheckError", "fail_together"]
+
+_KIND = "status after the local checks"
+_FAILED = "[failed]: "
 
 
 class PeerCheckError(ValueError):
@@ -65,13 +70,14 @@ def fail_together(group: dist.ProcessGroup | None, where: str) -> Iterator[None]
     except Exception as err:  # any failed check: the peers must hear of it
         failure = err
     ranks = list(dist.get_process_group_ranks(group))
+    planned = PlannedCollective(_KIND, where, detail="passed" if failure is None else "failed")
     try:
-        statuses = _exchange_keys(group, 0 if failure is None else 1, key_device(group, None))
-        if not any(statuses):
-            return
-        texts: list[object] = [None] * group.size()
-        mine = None if failure is None else f"{type(failure).__name__}: {failure}"
-        dist.all_gather_object(texts, mine, group=group)
+        keys = _exchange_keys(group, planned.key(), key_device(group, None))
+        if len(set(keys)) > 1:
+            # One string, readable by a peer's schedule check too: "... [failed]: error".
+            mine = planned.describe() + ("" if failure is None else f": {_text(failure)}")
+            seen: list[object] = [None] * group.size()
+            dist.all_gather_object(seen, mine, group=group)
     except RuntimeError as err:
         raise CollectiveError(
             f"{where}: the status exchange after the local checks on group ranks {ranks} "
@@ -79,10 +85,19 @@ def fail_together(group: dist.ProcessGroup | None, where: str) -> Iterator[None]
         ) from (failure or err)
     if failure is not None:
         raise failure
-    failures = {ranks[i]: str(t) for i, t in enumerate(texts) if t is not None}
+    if len(set(keys)) == 1:
+        return
+    if not all(str(d).startswith(_KIND) for d in seen):  # a peer ran another collective
+        raise CollectiveScheduleError(_mismatch_message(ranks, keys, seen))
+    failed = [(ranks[i], str(d).partition(_FAILED)) for i, d in enumerate(seen)]
+    failures = {rank: text for rank, (_, sep, text) in failed if sep}
     listed = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
     raise PeerCheckError(
         f"{where} failed its checks on rank(s) {list(failures)} of group ranks {ranks}, so "
         f"no rank went on (nothing was allocated or changed here): {listed}",
         failures,
     )
+
+
+def _text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
