@@ -360,6 +360,8 @@ def _start(demo: DemoRun, trainer: Trainer, verdict: ckpt.Verdict, out: TextIO) 
         for name in sorted({*verdict.ignored, *removed}):
             gone = " (removed: an interrupted save)" if name in removed else ""
             out.write(f"ignored {name}: incomplete, never loaded{gone}\n")
+        for damage in verdict.damaged:  # kept on disk for a look; a later save replaces it
+            out.write(f"ignored {damage}; falling back to an older checkpoint\n")
     if verdict.path is None:
         return []
     state = ckpt.load_run(trainer, verdict)
