@@ -31,10 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +49,7 @@ from examples.gpt import (
     ParallelLayout,
     Trainer,
     corpus,
+    faults,
     full_shapes,
     global_batch,
     init_full_weights,
@@ -131,6 +131,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "when there is none); PATH: from that checkpoint folder. Any TP × DP layout resumes",
     )
     p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="the process groups' timeout: how long a rank waits for a hung peer before "
+        "failing (default 120)",
+    )
+    p.add_argument(
         "--preflight",
         type=int,
         metavar="WORLD_SIZE",
@@ -181,6 +189,8 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
             raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
     if args.parity_steps < 0:
         raise ValueError(f"--parity-steps={args.parity_steps} must be >= 0")
+    if getattr(args, "timeout", 120.0) <= 0:
+        raise ValueError(f"--timeout={args.timeout} must be > 0 seconds")
     if args.tp < 1 or args.dp < 1:
         raise ValueError(f"--tp={args.tp} and --dp={args.dp} must both be >= 1")
     if args.tp * args.dp != world_size:
@@ -379,26 +389,11 @@ def _save(demo: DemoRun, save_dir: Path, trainer: Trainer, losses: list[float]) 
         layout=_layout_json(demo),
         world_size=dist.get_world_size(),
     )
-    hook = _sigkill_hook("save", state.step)
-    return str(ckpt.save_run(trainer, save_dir, state, after_write=hook))
-
-
-_SIGKILL_ENV = "MC_DEMO_SIGKILL_AT"
-
-
-def _sigkill_hook(where: str, step: int) -> Callable[[], None] | None:
-    """Fault injection for the elastic-restart tests (not a user feature):
-    ``MC_DEMO_SIGKILL_AT=RANK:STEP:WHERE`` makes rank RANK SIGKILL itself after step STEP
-    (``step``) or while the step-STEP checkpoint is half written (``save``: its own part on
-    disk, nothing published), on torchrun's first attempt only
-    (``TORCHELASTIC_RESTART_COUNT`` 0), so the restarted group runs through."""
-    spec = os.environ.get(_SIGKILL_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    rank, at, kind = spec.split(":")
-    if (int(rank), int(at), kind) != (dist.get_rank(), step, where):
-        return None
-    return lambda: os.kill(os.getpid(), signal.SIGKILL)
+    rank = dist.get_rank()
+    hook = faults.during_save(rank, state.step)  # the restart tests' and chaos runs' faults
+    folder = ckpt.save_run(trainer, save_dir, state, after_write=hook)
+    faults.after_save(rank, state.step, folder)
+    return str(folder)
 
 
 def _train(
@@ -409,6 +404,7 @@ def _train(
     trainer = parallelize(demo.model, demo.layout, demo.optimizer, pgc, full, device)
     losses = _start(demo, trainer, verdict, out)
     first = len(losses)
+    faults.note_start(dist.get_rank(), first, verdict.damaged)
     progress = _Progress(demo.steps, out)
     tokens_per_step = demo.global_batch * demo.model.seq_length
     saved: list[str] = []
@@ -418,8 +414,7 @@ def _train(
         elapsed = time.perf_counter() - start
         if dist.get_rank() == 0:
             progress.update(step, losses[-1], tokens_per_step * (step + 1 - first) / elapsed)
-        if (kill := _sigkill_hook("step", step + 1)) is not None:
-            kill()
+        faults.after_step(dist.get_rank(), step + 1)
         if demo.save_dir is not None and demo.saves_after(step + 1):
             saved.append(_save(demo, demo.save_dir, trainer, losses))
     seconds = time.perf_counter() - start
@@ -537,14 +532,16 @@ def run(demo: DemoRun, out: TextIO = sys.stdout) -> DemoResult:
         verdict = _resume_verdict(demo, pgc)
         _header(demo, pgc, out)
         result = _train(demo, pgc, out, verdict)
-        if dist.get_rank() == 0:
-            _parity(demo, result)
-            folder = _write_outputs(demo, result)
-            result.output = str(folder)
-            _summary(demo, result, folder, out)
-        return result
     finally:
         mg.destroy_model_parallel(pgc)
+    # After the last collective: the other ranks do not wait (within --timeout) for the
+    # parity run and the plot.
+    if dist.get_rank() == 0:
+        _parity(demo, result)
+        folder = _write_outputs(demo, result)
+        result.output = str(folder)
+        _summary(demo, result, folder, out)
+    return result
 
 
 def _checked(args: argparse.Namespace, world_size: int, rank: int) -> DemoRun | None:
@@ -594,7 +591,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     # A key space of this attempt's own in torchrun's store: restarts work with the store
     # shared (torch's default) too (mc_groups.elastic).
-    mg.elastic.init_process_group(demo.backend, timeout=timedelta(seconds=120), device_id=device)
+    timeout = timedelta(seconds=args.timeout)
+    mg.elastic.init_process_group(demo.backend, timeout=timeout, device_id=device)
     try:
         run(demo)
     except ckpt.ResumeError as err:

@@ -300,6 +300,9 @@ def inspect(resume: str, save_dir: Path | None, run: Mapping[str, Any], steps: i
         return Verdict(None, 0, (), f"--resume {resume}: cannot read the checkpoint ({err})")
 
 
+_ELSEWHERE = "; resume from another checkpoint"
+
+
 class _Damaged(ResumeError):
     """A published checkpoint whose files no longer match its ``COMPLETE``."""
 
@@ -321,7 +324,8 @@ def _newest_intact(save_dir: Path, run: Mapping[str, Any], steps: int) -> Verdic
         try:
             state = _verify(entry)
         except _Damaged as err:
-            damaged.append(f"{entry.name}: {err.args[0].split(' is corrupted: ', 1)[-1]}")
+            why = err.args[0].split(" is corrupted: ", 1)[-1].removesuffix(_ELSEWHERE)
+            damaged.append(f"{entry.name}: {why}")
             continue
         _check_run(entry, state, run, steps)
         return Verdict(str(entry), state.step, tuple(sorted(ignored)), None, tuple(damaged))
@@ -365,7 +369,7 @@ def _verify(path: Path) -> RunState:
             raise _Damaged(
                 f"--resume {path} is corrupted: {rel} {_damage(found, expected)} (written by "
                 f"{_writer(rel)}; {COMPLETE} records {expected['bytes']} bytes, SHA-256 "
-                f"{expected['sha256'][:12]}...); resume from another checkpoint"
+                f"{expected['sha256'][:12]}...){_ELSEWHERE}"
             )
     try:
         return RunState.from_json((path / TRAINER_STATE).read_text(encoding="utf-8"))

@@ -42,11 +42,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, rendezvous  # type: ignore[attr-defined]
 
-__all__ = ["ATTEMPT_PREFIX", "attempt_store", "init_process_group"]
+__all__ = ["ATTEMPT_PREFIX", "JOIN_TIMEOUT", "attempt_store", "init_process_group"]
 
 ATTEMPT_PREFIX = "mc/attempt/"
 """Where :func:`attempt_store` keeps its keys, and the prefix of every attempt's keys."""
 
+JOIN_TIMEOUT = timedelta(minutes=5)
+"""The least time :func:`init_process_group` waits for every rank to join (torch's store
+default); ``timeout`` is the collectives' and applies when longer."""
 _POLL_S = 0.005
 
 
@@ -62,14 +65,18 @@ def init_process_group(
     (torch's default) as well as without (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
     Returns the attempt's number (1 for the first attempt on a fresh store).
 
-    Collective over the world: every rank calls it. ``timeout`` bounds the agreement on the
-    attempt and becomes the default group's timeout.
+    Collective over the world: every rank calls it. ``timeout`` becomes the default group's
+    timeout (every collective); joining (the store, the agreement on the attempt, the
+    backend's connections) waits ``max(timeout, JOIN_TIMEOUT)`` for the slowest rank.
     """
     _check_timeout(timeout)
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
-    base, rank, world_size = next(rendezvous("env://", rank, world_size, timeout=timeout))
-    base.set_timeout(timeout)
-    store, attempt = attempt_store(base, rank, world_size, timeout)
+    # Joining waits for the slowest worker to start (imports, a loaded host): never less
+    # than JOIN_TIMEOUT, even when collectives get a short timeout.
+    join = max(timeout, JOIN_TIMEOUT)
+    base, rank, world_size = next(rendezvous("env://", rank, world_size, timeout=join))
+    base.set_timeout(join)
+    store, attempt = attempt_store(base, rank, world_size, join)
     dist.init_process_group(
         backend,
         store=store,
