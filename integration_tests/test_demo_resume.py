@@ -36,6 +36,7 @@ import io
 import json
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -380,6 +381,28 @@ def test_ranks_that_see_different_checkpoints_all_stop(rank_pools: RankPools) ->
     (error,) = errors
     assert "the ranks see different checkpoints" in error
     assert "rank 2: /ckpt/step-00000001" in error
+
+
+def one_rank_fails() -> tuple[str, float]:
+    """Runs on every rank: only rank 2 finds the checkpoint unusable (say its node cannot
+    read a file); the verdict exchange stops every rank at once."""
+    rank = dist.get_rank()
+    error = "--resume /ckpt/step-00000001: cannot read the checkpoint (EIO)" if rank == 2 else None
+    mine = ckpt.Verdict(None if error else "/ckpt/step-00000001", 0 if error else 1, (), error)
+    start = time.monotonic()
+    try:
+        ckpt.agree(mine, dist.group.WORLD)
+    except ckpt.ResumeError as err:
+        return str(err), time.monotonic() - start
+    return "agreed", time.monotonic() - start
+
+
+def test_a_resume_check_failing_on_one_rank_stops_every_rank(rank_pools: RankPools) -> None:
+    outs = rank_pools.get(4).run(one_rank_fails)
+    assert {text for text, _ in outs} == {
+        "rank 2: --resume /ckpt/step-00000001: cannot read the checkpoint (EIO)"
+    }
+    assert all(seconds < 5.0 for _, seconds in outs)  # the issue's bound; not a timeout
 
 
 @pytest.mark.parametrize(
