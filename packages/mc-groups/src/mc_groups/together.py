@@ -79,24 +79,38 @@ def fail_together(group: dist.ProcessGroup | None, where: str) -> Iterator[None]
             seen: list[object] = [None] * group.size()
             dist.all_gather_object(seen, mine, group=group)
     except RuntimeError as err:
+        if failure is not None:
+            raise failure  # its own error says more than the dead peer's (chained to it)
         raise CollectiveError(
             f"{where}: the status exchange after the local checks on group ranks {ranks} "
             f"failed: {err} (a peer is dead, hung, or in another collective)"
-        ) from (failure or err)
+        ) from err
     if failure is not None:
         raise failure
     if len(set(keys)) == 1:
         return
-    if not all(str(d).startswith(_KIND) for d in seen):  # a peer ran another collective
+    failures = _failures(ranks, seen, where)
+    if not failures or not all(str(d).startswith(_KIND) for d in seen):
+        # a peer was about to run another collective, or to pass another entry point
         raise CollectiveScheduleError(_mismatch_message(ranks, keys, seen))
-    failed = [(ranks[i], str(d).partition(_FAILED)) for i, d in enumerate(seen)]
-    failures = {rank: text for rank, (_, sep, text) in failed if sep}
     listed = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
     raise PeerCheckError(
         f"{where} failed its checks on rank(s) {list(failures)} of group ranks {ranks}, so "
         f"no rank went on (nothing was allocated or changed here): {listed}",
         failures,
     )
+
+
+def _failures(ranks: list[int], seen: list[object], where: str) -> dict[int, str]:
+    """Each failing global rank's error text (``"(at <entry point>) "`` first when it failed
+    at another entry point than ``where``)."""
+    out = {}
+    for rank, described in zip(ranks, seen, strict=True):
+        head, sep, text = str(described).partition(_FAILED)
+        if sep:
+            theirs = head.removeprefix(f"{_KIND} of ").rstrip(" [")
+            out[rank] = text if theirs == where else f"(at {theirs}) {text}"
+    return out
 
 
 def _text(err: BaseException) -> str:

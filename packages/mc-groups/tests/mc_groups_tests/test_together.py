@@ -69,6 +69,30 @@ def test_passing_checks_raise_nothing(rank_pools: RankPools) -> None:
     assert [(o[0], o[3]) for o in outs] == [("no error", 2.0)] * 2
 
 
+def _different_entry_points(rank1_fails: bool) -> tuple[str, str]:
+    """Rank 0 passes entry point A while rank 1 is at entry point B (a rank that skipped
+    a call): failing there, or passing."""
+    me = dist.get_rank()
+    try:
+        with mg.fail_together(None, "A" if me == 0 else "B"):
+            if me == 1 and rank1_fails:
+                raise ValueError("y=-1 must be >= 0")
+        return "no error", ""
+    except (ValueError, mg.CollectiveError) as err:
+        return type(err).__name__, str(err)
+
+
+def test_ranks_at_different_entry_points(rank_pools: RankPools) -> None:
+    failing = rank_pools.get(2).run(_different_entry_points, True)
+    assert failing[1] == ("ValueError", "y=-1 must be >= 0")
+    assert failing[0][0] == "PeerCheckError"
+    assert "rank 1: (at B) ValueError: y=-1 must be >= 0" in failing[0][1]
+    passing = rank_pools.get(2).run(_different_entry_points, False)
+    assert [kind for kind, _ in passing] == ["CollectiveScheduleError"] * 2
+    assert "rank(s) [0]: status after the local checks of A [passed]" in passing[0][1]
+    assert "rank(s) [1]: status after the local checks of B [passed]" in passing[0][1]
+
+
 def _initialize(kw_by_rank: list[dict[str, object]]) -> tuple[str, str, float, int]:
     me = dist.get_rank()
     before = len(dist.distributed_c10d._world.pg_map)
