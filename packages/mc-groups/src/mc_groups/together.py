@@ -80,7 +80,7 @@ def fail_together(group: dist.ProcessGroup | None, where: str) -> Iterator[None]
             dist.all_gather_object(seen, mine, group=group)
     except RuntimeError as err:
         if failure is not None:
-            raise failure  # its own error says more than the dead peer's (chained to it)
+            raise failure from err  # its own error says more than the dead peer's
         raise CollectiveError(
             f"{where}: the status exchange after the local checks on group ranks {ranks} "
             f"failed: {err} (a peer is dead, hung, or in another collective)"
