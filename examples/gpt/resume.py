@@ -443,8 +443,10 @@ def load_run(trainer: Trainer, verdict: Verdict) -> RunState:
             f"--resume {path}: loading the model and optimizer failed: {err}"
         ) from err
     world = trainer.pgc.require("world", "load_run")
-    if mg.group_size(world) == state.world_size:
-        _restore_rng(path / _RNG / f"rank-{mg.group_rank(world):05d}.pt", trainer.device)
+    # A rank whose RNG file became unreadable since the verdict stops every rank here.
+    with mg.fail_together(world, f"--resume {path}: restoring the RNG states"):
+        if mg.group_size(world) == state.world_size:
+            _restore_rng(path / _RNG / f"rank-{mg.group_rank(world):05d}.pt", trainer.device)
     return state
 
 
