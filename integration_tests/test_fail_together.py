@@ -14,8 +14,9 @@ point's group raises ``mc_groups.PeerCheckError`` naming rank 1 and its message;
 them within 5 s (the issue's bound; measured inside the ranks). Nothing allocated or
 changed: DDP left no ``main_grad`` on any param; a refused step left every param as it
 was; and afterwards the same call, made correctly on every rank, works (the world is
-usable, nothing half done). On 4 ranks (TP=2 × DP=2) the TP layer's error stays in its TP
-group: ranks 0 and 1 raise, ranks 2 and 3 run the forward.
+usable, nothing half done). On 4 ranks (TP=2 × DP=2, groups nested in the world) DDP and
+``finalize_model_grads`` stop all 4 ranks (their exchange is over the world), while the TP
+layer's error stays in its TP group: ranks 0 and 1 raise, ranks 2 and 3 run the forward.
 """
 
 from __future__ import annotations
@@ -77,20 +78,21 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _case(case: str) -> dict[str, Any]:
-    """Rank ``BAD`` passes bad input to ``case``'s entry point; what each rank saw."""
+def _case(case: str, tp: int = 1) -> dict[str, Any]:
+    """Rank ``BAD`` passes bad input to ``case``'s entry point (TP = ``tp``); what each rank
+    saw."""
     bad = dist.get_rank() == BAD
-    pgc = mg.initialize_model_parallel(2 if case == "tp_forward" else 1)
+    pgc = mg.initialize_model_parallel(2 if case == "tp_forward" else tp)
     try:
-        return _run_case(case, bad, pgc)
+        return _run_case(case, bad, pgc, tp)
     finally:
         mg.destroy_model_parallel(pgc)
 
 
-def _run_case(case: str, bad: bool, pgc: mg.ProcessGroupCollection) -> dict[str, Any]:
+def _run_case(case: str, bad: bool, pgc: mg.ProcessGroupCollection, tp: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if case == "ddp":
-        layout = _layout(1)
+        layout = _layout(tp)
         gpt = build_model(CFG, layout, pgc, init_full_weights(CFG, 0), torch.device("cpu"))
         before = _params(gpt)
         flag: Any = "yes" if bad else False
@@ -125,7 +127,7 @@ def _run_case(case: str, bad: bool, pgc: mg.ProcessGroupCollection) -> dict[str,
         return out
     trainer = parallelize(
         CFG,
-        _layout(1),
+        _layout(tp),
         OptimizerConfig("adamw", 1e-3),
         pgc,
         init_full_weights(CFG, 0),
@@ -194,6 +196,22 @@ def test_bad_input_on_one_rank_of_two(rank_pools: RankPools, case: str, where: s
             assert out["retry"] == "no error", (rank, out["retry"])
     # rank 1's own message reaches rank 0 word for word
     assert outs[BAD]["error"][1] in outs[0]["error"][1]
+
+
+@pytest.mark.parametrize(
+    ("case", "where"),
+    [("ddp", "DistributedDataParallel"), ("finalize", "finalize_model_grads")],
+)
+def test_bad_input_on_one_rank_of_four_at_tp2_dp2(
+    rank_pools: RankPools, case: str, where: str
+) -> None:
+    """Groups nest (TP [0, 1] [2, 3], DP [0, 2] [1, 3]): the exchange is over the world, so
+    rank 1's TP peer, its DP peer and the rank it shares no group with all raise."""
+    outs = rank_pools.get(4).run(_case, case, 2)
+    for rank, out in enumerate(outs):
+        _check(out, "error", rank, where, [0, 2, 3])
+        assert out.get("untouched", True), rank
+        assert out["retry"] == "no error", (rank, out["retry"])
 
 
 @pytest.mark.parametrize("world", [2, 4])
