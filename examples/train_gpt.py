@@ -528,12 +528,17 @@ def run(demo: DemoRun, out: TextIO = sys.stdout) -> DemoResult:
     the result then start at step 1 (the checkpoint's history), and training at its step.
     """
     pgc = mg.initialize_model_parallel(demo.layout.tp)
+    peer_lost = False
     try:
         verdict = _resume_verdict(demo, pgc)
         _header(demo, pgc, out)
         result = _train(demo, pgc, out, verdict)
+    except mg.CollectiveError:
+        peer_lost = True  # dead or hung: destroy's world barrier would wait for it again
+        raise
     finally:
-        mg.destroy_model_parallel(pgc)
+        if not peer_lost:
+            mg.destroy_model_parallel(pgc)
     # After the last collective: the other ranks do not wait (within --timeout) for the
     # parity run and the plot.
     if dist.get_rank() == 0:

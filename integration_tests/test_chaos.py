@@ -10,7 +10,8 @@ worker found by the group's timeout rather than a closed connection. The plan is
 1. attempt 0: after the step-4 checkpoint is published, rank 1 truncates its shard in it
    and dies: attempt 1 passes over step 4 (named, damaged) and resumes from step 2;
 2. attempt 1: rank 0 stalls after step 5: rank 1 fails at its next collective after the
-   group's 3 s timeout; attempt 2 resumes from step 4 (re-saved by attempt 1);
+   group's 10 s timeout (short, yet long enough that no healthy collective on a loaded
+   CI machine runs into it); attempt 2 resumes from step 4 (re-saved by attempt 1);
 3. attempt 2: rank 1 dies while the step-6 checkpoint is half written: attempt 3 resumes
    from step 4 and runs to step 8.
 
@@ -45,7 +46,7 @@ def test_three_faults_in_a_row_end_with_the_uninterrupted_losses(
 ) -> None:
     faults = (Fault(0, 1, 4, "damage"), Fault(1, 0, 5, "stall"), Fault(2, 1, 6, "save"))
     plan = chaos.ChaosPlan(faults, steps=8, save_every=2, nproc=2)
-    code, losses = chaos.run_chaos(plan, tmp_path, timeout_s=3.0)
+    code, losses = chaos.run_chaos(plan, tmp_path, timeout_s=10.0)
     log = (tmp_path / "chaos.log").read_text(encoding="utf-8", errors="replace")
     assert code == 0, log[-6000:]
     reports = chaos.fault_reports(tmp_path / "events.jsonl")

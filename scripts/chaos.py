@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nproc", type=int, default=2, help="ranks (TP=1 × DP=nproc; default 2)")
     p.add_argument("--save-every", type=int, default=4)
-    p.add_argument("--timeout", type=float, default=5.0, help="group timeout (s) for stalls")
+    p.add_argument("--timeout", type=float, default=10.0, help="group timeout (s) for stalls")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"subset of {','.join(KINDS)}")
     p.add_argument("--out", default="out/chaos")
     args = p.parse_args(argv)
