@@ -23,7 +23,8 @@ Checkpoints (:mod:`examples.gpt.resume`): ``--save-dir DIR --save-every N`` publ
 loss so far, RNG states); ``--resume auto`` continues from the newest complete one in
 ``--save-dir`` (or starts fresh), ``--resume PATH`` from that one, at this run's layout.
 Under ``torchrun --max-restarts K … --resume auto`` a run that lost a rank restarts from its
-last complete checkpoint, and its ``metrics.json`` equals an uninterrupted run's.
+last complete checkpoint, and its ``metrics.json`` equals an uninterrupted run's (no extra
+environment: every attempt joins in a key space of its own, :mod:`mc_groups.elastic`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +50,7 @@ from examples.gpt import (
     ParallelLayout,
     Trainer,
     corpus,
+    faults,
     full_shapes,
     global_batch,
     init_full_weights,
@@ -69,7 +70,6 @@ __all__ = [
     "main",
     "parse_args",
     "plan",
-    "restart_warning",
     "run",
 ]
 
@@ -135,6 +135,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "when there is none); PATH: from that checkpoint folder. Any TP × DP layout resumes",
     )
     p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="the process groups' timeout: how long a rank waits for a hung peer before "
+        "failing (default 120)",
+    )
+    p.add_argument(
         "--preflight",
         type=int,
         metavar="WORLD_SIZE",
@@ -186,6 +194,8 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
             raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
     if args.parity_steps < 0:
         raise ValueError(f"--parity-steps={args.parity_steps} must be >= 0")
+    if getattr(args, "timeout", 120.0) <= 0:
+        raise ValueError(f"--timeout={args.timeout} must be > 0 seconds")
     if args.tp < 1 or args.dp < 1:
         raise ValueError(f"--tp={args.tp} and --dp={args.dp} must both be >= 1")
     pp = getattr(args, "pp", 1)
@@ -388,6 +398,8 @@ def _start(
         for name in sorted({*verdict.ignored, *removed}):
             gone = " (removed: an interrupted save)" if name in removed else ""
             out.write(f"ignored {name}: incomplete, never loaded{gone}\n")
+        for damage in verdict.damaged:  # kept on disk for a look; a later save replaces it
+            out.write(f"ignored {damage}; falling back to an older checkpoint\n")
     if verdict.path is None:
         return []
     state = ckpt.load_run(trainer, verdict)
@@ -407,26 +419,11 @@ def _save(
         layout=_layout_json(demo),
         world_size=dist.get_world_size(),
     )
-    hook = _sigkill_hook("save", state.step)
-    return str(ckpt.save_run(trainer, save_dir, state, after_write=hook))
-
-
-_SIGKILL_ENV = "MC_DEMO_SIGKILL_AT"
-
-
-def _sigkill_hook(where: str, step: int) -> Callable[[], None] | None:
-    """Fault injection for the elastic-restart tests (not a user feature):
-    ``MC_DEMO_SIGKILL_AT=RANK:STEP:WHERE`` makes rank RANK SIGKILL itself after step STEP
-    (``step``) or while the step-STEP checkpoint is half written (``save``: its own part on
-    disk, nothing published), on torchrun's first attempt only
-    (``TORCHELASTIC_RESTART_COUNT`` 0), so the restarted group runs through."""
-    spec = os.environ.get(_SIGKILL_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    rank, at, kind = spec.split(":")
-    if (int(rank), int(at), kind) != (dist.get_rank(), step, where):
-        return None
-    return lambda: os.kill(os.getpid(), signal.SIGKILL)
+    rank = dist.get_rank()
+    hook = faults.during_save(rank, state.step)  # the restart tests' and chaos runs' faults
+    folder = ckpt.save_run(trainer, save_dir, state, after_write=hook)
+    faults.after_save(rank, state.step, folder)
+    return str(folder)
 
 
 def _trainer(
@@ -451,6 +448,7 @@ def _train(
     trainer, train = _trainer(demo, pgc, full, device)
     losses = _start(demo, trainer, verdict, out)
     first = len(losses)
+    faults.note_start(dist.get_rank(), first, verdict.damaged)
     progress = _Progress(demo.steps, out)
     tokens_per_step = demo.global_batch * demo.model.seq_length
     saved: list[str] = []
@@ -460,8 +458,7 @@ def _train(
         elapsed = time.perf_counter() - start
         if dist.get_rank() == 0:
             progress.update(step, losses[-1], tokens_per_step * (step + 1 - first) / elapsed)
-        if (kill := _sigkill_hook("step", step + 1)) is not None:
-            kill()
+        faults.after_step(dist.get_rank(), step + 1)
         if demo.save_dir is not None and demo.saves_after(step + 1):
             saved.append(_save(demo, demo.save_dir, trainer, losses))
     seconds = time.perf_counter() - start
@@ -575,18 +572,25 @@ def run(demo: DemoRun, out: TextIO = sys.stdout) -> DemoResult:
     the result then start at step 1 (the checkpoint's history), and training at its step.
     """
     pgc = demo.layout.initialize_groups()
+    peer_lost = False
     try:
         verdict = _resume_verdict(demo, pgc)
         _header(demo, pgc, out)
         result = _train(demo, pgc, out, verdict)
-        if dist.get_rank() == 0:
-            _parity(demo, result)
-            folder = _write_outputs(demo, result)
-            result.output = str(folder)
-            _summary(demo, result, folder, out)
-        return result
+    except mg.CollectiveError:
+        peer_lost = True  # dead or hung: destroy's world barrier would wait for it again
+        raise
     finally:
-        mg.destroy_model_parallel(pgc)
+        if not peer_lost:
+            mg.destroy_model_parallel(pgc)
+    # After the last collective: the other ranks do not wait (within --timeout) for the
+    # parity run and the plot.
+    if dist.get_rank() == 0:
+        _parity(demo, result)
+        folder = _write_outputs(demo, result)
+        result.output = str(folder)
+        _summary(demo, result, folder, out)
+    return result
 
 
 def _checked(args: argparse.Namespace, world_size: int, rank: int) -> DemoRun | None:
@@ -616,26 +620,6 @@ def _local_cuda_device(rank: int) -> torch.device | None:
     return None
 
 
-def restart_warning(env: Mapping[str, str]) -> str | None:
-    """Why torchrun's restart would not come up, or None: with ``--max-restarts`` > 0 and
-    the rendezvous TCP store shared with the workers (torch's default since 2.5), the
-    restarted group finds the previous attempt's process-group keys in that store and hangs
-    or fails to connect (pytorch/pytorch#135712, #167288; seen here with torch 2.13: a
-    hang, or gloo's connectFullMesh refused). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives
-    every attempt a fresh store."""
-    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
-    if not restarts.isdigit() or int(restarts) == 0:
-        return None
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    return (
-        f"torchrun --max-restarts {restarts} shares its rendezvous store with the workers, so "
-        "a restarted group would read the keys of the failed one and hang or fail to "
-        "connect (pytorch/pytorch#135712); start torchrun with "
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point under torchrun: validate, join the world (gloo, or NCCL on
     ``cuda:LOCAL_RANK``), train, report (or, with ``--preflight N``, only validate for N
@@ -653,11 +637,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = _local_cuda_device(rank) if demo.backend == "nccl" else None
     if demo.backend == "nccl" and device is None:
         return 2
-    warning = restart_warning(os.environ)
-    if warning and rank == 0:
-        print(f"train_gpt: warning: {warning}", file=sys.stderr)
     torch.set_num_threads(1)
-    dist.init_process_group(demo.backend, timeout=timedelta(seconds=120), device_id=device)
+    # A key space of this attempt's own in torchrun's store: restarts work with the store
+    # shared (torch's default) too (mc_groups.elastic).
+    timeout = timedelta(seconds=args.timeout)
+    mg.elastic.init_process_group(demo.backend, timeout=timeout, device_id=device)
     try:
         run(demo)
     except ckpt.ResumeError as err:

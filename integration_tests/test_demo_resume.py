@@ -19,9 +19,14 @@ Checks and tolerances:
   with the data stream restarted at step 0, changes the losses after the checkpoint by far
   more than 1e-5. RNG states are checked directly (restored to the saved bytes), since the
   demo draws no random numbers while training and its losses cannot show them.
-- bad input (a missing folder, a checkpoint of another model, a corrupted, an incomplete
-  one, a folder of checkpoints, one past ``--steps``): every rank raises the same
-  ``ResumeError`` before printing or building anything, and no file is written or removed.
+- bad input (a missing folder, a checkpoint of another model, a corrupted, a truncated,
+  an incomplete one, a folder of checkpoints, one past ``--steps``): every rank raises the
+  same ``ResumeError`` before printing or building anything, and no file is written or
+  removed.
+- damage after publication (a shard truncated, an RNG file missing, a bit flipped in a
+  shard): ``--resume auto`` passes over the damaged newest checkpoint, naming the file, how
+  it differs and the rank that wrote it, and resumes from the older one with the
+  reference's 8 losses exactly; by path it is an error naming the same.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import io
 import json
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +231,61 @@ def test_forgetting_part_of_the_state_changes_the_losses(
         assert rel > 1e-3, (key, per_rank[0][key], ref_tail)
 
 
+def _damage(folder: Path, kind: str) -> str:
+    """Damage a published checkpoint after the fact, as a disk or an operator might; the
+    file it hit."""
+    if kind == "truncated":
+        shard = folder / "__2_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:100])
+        return "__2_0.distcp differs from what was written: 100 bytes now (truncated or grown)"
+    if kind == "missing":
+        (folder / "rng" / "rank-00001.pt").unlink()
+        return "rng/rank-00001.pt is missing (written by rank 1;"
+    data = bytearray((folder / "__3_0.distcp").read_bytes())
+    data[-9] ^= 0x10  # one flipped bit in rank 3's shard
+    (folder / "__3_0.distcp").write_bytes(bytes(data))
+    return "__3_0.distcp differs from what was written: same size, other content (written by rank 3"
+
+
+@pytest.mark.parametrize("kind", ["truncated", "missing", "altered"])
+def test_auto_passes_over_a_damaged_checkpoint(
+    saved: dict[str, Any], tmp_path: Path, kind: str
+) -> None:
+    """``--resume auto`` takes the newest intact checkpoint and names the damaged newer one
+    (this rank's verdict, no communication); the next test resumes from it on 4 ranks."""
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(saved["ckpt"], save_dir)
+    hit = _damage(save_dir / "step-00000005", kind)
+    run = train_gpt.plan(train_gpt.parse_args([*SMALL, "--steps", "8"]), 4).run_settings()
+    verdict = ckpt.inspect("auto", save_dir, run, STEPS)
+    assert (verdict.path, verdict.step, verdict.error) == (str(save_dir / "step-00000003"), 3, None)
+    assert len(verdict.damaged) == 1, verdict.damaged
+    assert verdict.damaged[0].startswith("step-00000005: "), verdict.damaged
+    assert hit in verdict.damaged[0], verdict.damaged
+    # by path, the damaged one is an error naming the file and the rank that wrote it
+    by_path = ckpt.inspect(str(save_dir / "step-00000005"), save_dir, run, STEPS)
+    assert by_path.path is None
+    assert by_path.error is not None
+    assert f"--resume {save_dir / 'step-00000005'} is corrupted: {hit}" in by_path.error
+
+
+def test_resume_auto_after_damage_continues_bit_identically(
+    rank_pools: RankPools, saved: dict[str, Any], tmp_path: Path
+) -> None:
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(saved["ckpt"], save_dir)
+    _damage(save_dir / "step-00000005", "truncated")
+    argv = ["--save-dir", str(save_dir), "--steps", str(STEPS), "--resume", "auto"]
+    per_rank = _run(rank_pools, *argv, "--output", str(tmp_path / "out"))
+    printed = per_rank[0]["printed"]
+    assert "ignored step-00000005: __2_0.distcp differs from what was written" in printed
+    assert "falling back to an older checkpoint" in printed
+    assert f"resumed from {save_dir / 'step-00000003'} at step 3" in printed
+    assert all(r["losses"] == saved["ref"] for r in per_rank)
+    # the damaged checkpoint stays on disk for a look (a later save of step 5 replaces it)
+    assert (save_dir / "step-00000005").is_dir()
+
+
 def _tree(folder: Path) -> dict[str, str]:
     """Every file and folder under ``folder`` with its content's hash: to show nothing was
     written, changed or removed."""
@@ -248,6 +309,9 @@ def _bad_inputs(save_dir: Path, root: Path) -> list[tuple[str, list[str], list[s
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit in rank 1's tensor data
     shard.write_bytes(bytes(data))
+    truncated = root / "truncated" / "step-00000003"
+    shutil.copytree(good, truncated)
+    (truncated / ".metadata").write_bytes((good / ".metadata").read_bytes()[:10])
     no_rng = root / "no_rng" / "step-00000003"
     shutil.copytree(good, no_rng)
     (no_rng / "rng" / "rank-00002.pt").unlink()
@@ -268,6 +332,11 @@ def _bad_inputs(save_dir: Path, root: Path) -> list[tuple[str, list[str], list[s
             ["is corrupted: __1_0.distcp differs from what was written"],
         ),
         ("file missing", ["--resume", str(no_rng)], ["rng/rank-00002.pt is missing"]),
+        (
+            "truncated",
+            ["--resume", str(truncated)],
+            ["is corrupted: .metadata differs from what was written: 10 bytes now"],
+        ),
         ("incomplete", ["--resume", str(partial)], ["is incomplete: it has no COMPLETE file"]),
         ("folder of checkpoints", ["--resume", str(save_dir)], ["is a folder of checkpoints"]),
         ("past --steps", ["--steps", "2", "--resume", str(good)], ["at step 3, past --steps 2"]),
@@ -312,6 +381,28 @@ def test_ranks_that_see_different_checkpoints_all_stop(rank_pools: RankPools) ->
     (error,) = errors
     assert "the ranks see different checkpoints" in error
     assert "rank 2: /ckpt/step-00000001" in error
+
+
+def one_rank_fails() -> tuple[str, float]:
+    """Runs on every rank: only rank 2 finds the checkpoint unusable (say its node cannot
+    read a file); the verdict exchange stops every rank at once."""
+    rank = dist.get_rank()
+    error = "--resume /ckpt/step-00000001: cannot read the checkpoint (EIO)" if rank == 2 else None
+    mine = ckpt.Verdict(None if error else "/ckpt/step-00000001", 0 if error else 1, (), error)
+    start = time.monotonic()
+    try:
+        ckpt.agree(mine, dist.group.WORLD)
+    except ckpt.ResumeError as err:
+        return str(err), time.monotonic() - start
+    return "agreed", time.monotonic() - start
+
+
+def test_a_resume_check_failing_on_one_rank_stops_every_rank(rank_pools: RankPools) -> None:
+    outs = rank_pools.get(4).run(one_rank_fails)
+    assert {text for text, _ in outs} == {
+        "rank 2: --resume /ckpt/step-00000001: cannot read the checkpoint (EIO)"
+    }
+    assert all(seconds < 5.0 for _, seconds in outs)  # the issue's bound; not a timeout
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,9 @@ therefore complete whenever a crash comes, and ``COMPLETE`` also catches files t
 changed afterwards.
 
 Resuming (collective): every rank inspects the folder on its own (``auto``: the newest
-``step-N`` holding its ``COMPLETE``; a path: that folder), checks every file against
+``step-N`` holding its ``COMPLETE`` whose files all still match it, passing over and naming
+damaged ones: a file truncated, missing or altered after publication; a path: that folder,
+an error naming the file and the rank that wrote it when damaged), checks every file against
 ``COMPLETE`` and the run's settings against ``trainer.json``, and the ranks exchange their
 verdicts, so every rank gets the same answer (this checkpoint, none, or the error) before
 anything is built or written: a bad checkpoint stops all ranks with one message instead of
@@ -269,12 +271,14 @@ class Verdict(NamedTuple):
     """One rank's answer to "what do we resume from?" (exchanged between the ranks).
 
     ``path`` None and ``error`` None: start fresh. ``ignored``: incomplete folders passed
-    over by ``auto``."""
+    over by ``auto``; ``damaged``: complete ones it passed over because a file no longer
+    matches ``COMPLETE`` (``"step-N: why"``, newest first)."""
 
     path: str | None
     step: int
     ignored: tuple[str, ...]
     error: str | None
+    damaged: tuple[str, ...] = ()
 
 
 def inspect(resume: str, save_dir: Path | None, run: Mapping[str, Any], steps: int) -> Verdict:
@@ -286,31 +290,54 @@ def inspect(resume: str, save_dir: Path | None, run: Mapping[str, Any], steps: i
         if resume == "auto":
             if save_dir is None:
                 raise ResumeError("--resume auto looks in --save-dir: pass --save-dir DIR")
-            path, ignored = _newest(save_dir)
-        else:
-            path, ignored = Path(resume), ()
-        if path is None:
-            return Verdict(None, 0, ignored, None)
+            return _newest_intact(save_dir, run, steps)
+        path = Path(resume)
         state = _verify(path)
         _check_run(path, state, run, steps)
-        return Verdict(str(path), state.step, ignored, None)
+        return Verdict(str(path), state.step, (), None)
     except ResumeError as err:
         return Verdict(None, 0, (), str(err))
     except OSError as err:  # unreadable: still a verdict, so no rank is left waiting
         return Verdict(None, 0, (), f"--resume {resume}: cannot read the checkpoint ({err})")
 
 
-def _newest(save_dir: Path) -> tuple[Path | None, tuple[str, ...]]:
+_ELSEWHERE = "; resume from another checkpoint"
+
+
+class _Damaged(ResumeError):
+    """A published checkpoint whose files no longer match its ``COMPLETE``."""
+
+
+def _newest_intact(save_dir: Path, run: Mapping[str, Any], steps: int) -> Verdict:
+    """``auto``: the newest published checkpoint whose files all match ``COMPLETE``
+    (damaged ones are passed over and named), or none."""
     if not save_dir.is_dir():
-        return None, ()
+        return Verdict(None, 0, (), None)
     entries = sorted(save_dir.iterdir(), key=lambda p: p.name, reverse=True)
     ignored = [p.name for p in entries if _LEFTOVER.fullmatch(p.name)]
+    damaged: list[str] = []
     for entry in entries:
-        if _STEP.fullmatch(entry.name) and entry.is_dir():
-            if (entry / COMPLETE).is_file():
-                return entry, tuple(sorted(ignored))
+        if not (_STEP.fullmatch(entry.name) and entry.is_dir()):
+            continue
+        if not (entry / COMPLETE).is_file():
             ignored.append(entry.name)
-    return None, tuple(sorted(ignored))
+            continue
+        try:
+            state = _verify(entry)
+        except _Damaged as err:
+            why = err.args[0].split(" is corrupted: ", 1)[-1].removesuffix(_ELSEWHERE)
+            damaged.append(f"{entry.name}: {why}")
+            continue
+        _check_run(entry, state, run, steps)
+        return Verdict(str(entry), state.step, tuple(sorted(ignored)), None, tuple(damaged))
+    return Verdict(None, 0, tuple(sorted(ignored)), None, tuple(damaged))
+
+
+def _writer(rel: str) -> str:
+    """Which rank wrote ``rel`` of a checkpoint (DCP's ``__R_0.distcp`` and ``rng/rank-R.pt``
+    are rank R's; the rest rank 0's)."""
+    match = re.fullmatch(r"__(\d+)_\d+\.distcp|rng/rank-(\d+)\.pt", rel)
+    return f"rank {int(next(g for g in match.groups() if g))}" if match else "rank 0"
 
 
 def _verify(path: Path) -> RunState:
@@ -336,20 +363,27 @@ def _verify(path: Path) -> RunState:
         if not all({"bytes", "sha256"} <= set(entry) for entry in files.values()):
             raise ValueError("a file entry without bytes and sha256")
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ResumeError(f"--resume {path} is corrupted: unreadable {COMPLETE} ({err})") from err
+        raise _Damaged(f"--resume {path} is corrupted: unreadable {COMPLETE} ({err})") from err
     for rel, expected in files.items():
         found = _describe(path / rel) if (path / rel).is_file() else None
         if found != expected:
-            what = "is missing" if found is None else "differs from what was written"
-            raise ResumeError(
-                f"--resume {path} is corrupted: {rel} {what} ({COMPLETE} records "
-                f"{expected['bytes']} bytes, SHA-256 {expected['sha256'][:12]}...); "
-                "resume from another checkpoint"
+            raise _Damaged(
+                f"--resume {path} is corrupted: {rel} {_damage(found, expected)} (written by "
+                f"{_writer(rel)}; {COMPLETE} records {expected['bytes']} bytes, SHA-256 "
+                f"{expected['sha256'][:12]}...){_ELSEWHERE}"
             )
     try:
         return RunState.from_json((path / TRAINER_STATE).read_text(encoding="utf-8"))
     except (ValueError, TypeError) as err:
-        raise ResumeError(f"--resume {path} is corrupted: bad {TRAINER_STATE} ({err})") from err
+        raise _Damaged(f"--resume {path} is corrupted: bad {TRAINER_STATE} ({err})") from err
+
+
+def _damage(found: dict[str, Any] | None, expected: dict[str, Any]) -> str:
+    if found is None:
+        return "is missing"
+    if found["bytes"] != expected["bytes"]:
+        return f"differs from what was written: {found['bytes']} bytes now (truncated or grown)"
+    return "differs from what was written: same size, other content"
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -410,8 +444,10 @@ def load_run(trainer: Trainer | PipelineTrainer, verdict: Verdict) -> RunState:
             f"--resume {path}: loading the model and optimizer failed: {err}"
         ) from err
     world = trainer.pgc.require("world", "load_run")
-    if mg.group_size(world) == state.world_size:
-        _restore_rng(path / _RNG / f"rank-{mg.group_rank(world):05d}.pt", trainer.device)
+    # A rank whose RNG file became unreadable since the verdict stops every rank here.
+    with mg.fail_together(world, f"--resume {path}: restoring the RNG states"):
+        if mg.group_size(world) == state.world_size:
+            _restore_rng(path / _RNG / f"rank-{mg.group_rank(world):05d}.pt", trainer.device)
     return state
 
 

@@ -168,18 +168,20 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         pg_collection: mg.ProcessGroupCollection | None = None,
         full_param_layout: FullParamLayout | FullParamLayoutLike | None = None,
     ) -> None:
-        checks.check_config(config)
-        checks.check_ddp_config(ddp_config)
-        named = checks.trainable_params(module)
-        checks.check_param_flags(named)
-        single = check_flag("disable_bucketing", disable_bucketing)
-        experts = sum(is_expert_parallel_param(p) for _, p in named)
-        pgc = mg.collection_or_default(pg_collection, "DistributedDataParallel")
-        groups = resolve_groups(pgc, ddp_config, experts > 0)
-        scaling = build.gradient_scaling(config, ddp_config, groups)  # may refuse: before state
-        plan = build.plan_layout(
-            [p for _, p in named], ddp_config, groups, single, full_param_layout
-        )
+        # A check failing on one rank stops every rank of the world here (one exchange).
+        with mg.fail_together(None, "DistributedDataParallel"):
+            checks.check_config(config)
+            checks.check_ddp_config(ddp_config)
+            named = checks.trainable_params(module)
+            checks.check_param_flags(named)
+            single = check_flag("disable_bucketing", disable_bucketing)
+            experts = sum(is_expert_parallel_param(p) for _, p in named)
+            pgc = mg.collection_or_default(pg_collection, "DistributedDataParallel")
+            groups = resolve_groups(pgc, ddp_config, experts > 0)
+            scaling = build.gradient_scaling(config, ddp_config, groups)  # before any state
+            plan = build.plan_layout(
+                [p for _, p in named], ddp_config, groups, single, full_param_layout
+            )
         _agree_across_ranks(config, ddp_config, groups, single, plan, named, experts)
         super().__init__()
         self.module = module

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+import mc_groups as mg
 from mc_ddp import _optimizer_state as sharded_state
 from mc_ddp._optimizer_state import OwnedSlice
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
@@ -233,8 +234,9 @@ class ShardedOptimizer:
         """One optimizer step on this rank's masters, then publish the params (see class).
         Refused (before anything changes) without finished grad sync, a second time on the
         same gradients, with offloaded grads or params, or after the groups were destroyed."""
-        self._require_synced_grads()
-        self._require_new_grads()
+        with mg.fail_together(None, "ShardedOptimizer.step"):  # one rank's misuse: all raise
+            self._require_synced_grads()
+            self._require_new_grads()
         self._drain_param_gathers()
         for slot in self._slots:
             grad = param_attrs.main_grad_of(slot.param).view(-1)[slot.start : slot.end]
@@ -372,19 +374,22 @@ class ShardedOptimizer:
         (one lr = 0 step on zero grads, which leaves every param unchanged), so DCP has
         tensors to load into. Tensors are views: ``dcp.save`` reads them, ``dcp.load`` writes
         them in place; then call :meth:`load_sharded_state_dict` with the same dict.
-        No communication.
+        Collective over the world (every rank calls it; ``dcp.save``/``dcp.load`` follow):
+        one status exchange after the checks, so a check failing on one rank is an error on
+        every rank (:func:`mc_groups.fail_together`) instead of a wait inside DCP.
         """
-        if not isinstance(model_sharded_state_dict, Mapping):
-            raise InputTypeError(
-                "model_sharded_state_dict must be a mapping {key: DTensor or tensor} (the "
-                f"model's sharded_state_dict()), got {type_name(model_sharded_state_dict)}"
-            )
-        if not isinstance(is_loading, bool):
-            raise InputTypeError(f"is_loading={is_loading!r} must be a bool")
-        if not isinstance(prefix, str):
-            raise InputTypeError(f"prefix={prefix!r} must be a str, e.g. 'optimizer.'")
-        names = self._names()
-        places = sharded_state.placements(model_sharded_state_dict, self._slots, names)
+        with mg.fail_together(None, "ShardedOptimizer.sharded_state_dict"):
+            if not isinstance(model_sharded_state_dict, Mapping):
+                raise InputTypeError(
+                    "model_sharded_state_dict must be a mapping {key: DTensor or tensor} (the "
+                    f"model's sharded_state_dict()), got {type_name(model_sharded_state_dict)}"
+                )
+            if not isinstance(is_loading, bool):
+                raise InputTypeError(f"is_loading={is_loading!r} must be a bool")
+            if not isinstance(prefix, str):
+                raise InputTypeError(f"prefix={prefix!r} must be a str, e.g. 'optimizer.'")
+            names = self._names()
+            places = sharded_state.placements(model_sharded_state_dict, self._slots, names)
         if is_loading:
             sharded_state.materialize_state(self.optimizer, self._slots)
         built = sharded_state.build_state_dict(self.optimizer, self._slots, places, names, prefix)
@@ -399,20 +404,21 @@ class ShardedOptimizer:
         into the params (cast) and all-gather them (collective with the distributed
         optimizer: every rank calls it).
         """
-        if not isinstance(state_dict, Mapping):
-            raise InputTypeError(
-                f"state_dict must be the mapping sharded_state_dict() returned, got "
-                f"{type_name(state_dict)}"
-            )
-        keys = self._checkpoint_keys
-        if keys is None:
-            raise RuntimeError(
-                "load_sharded_state_dict() before sharded_state_dict(): build the dict with "
-                "sharded_state_dict(model_sharded_state_dict, is_loading=True), load it with "
-                "torch.distributed.checkpoint.load, then pass it here"
-            )
-        sharded_state.check_loaded_values(self.optimizer, self._slots, keys, state_dict)
-        self._require_publishable("load_sharded_state_dict()")
+        with mg.fail_together(None, "ShardedOptimizer.load_sharded_state_dict"):
+            if not isinstance(state_dict, Mapping):
+                raise InputTypeError(
+                    f"state_dict must be the mapping sharded_state_dict() returned, got "
+                    f"{type_name(state_dict)}"
+                )
+            keys = self._checkpoint_keys
+            if keys is None:
+                raise RuntimeError(
+                    "load_sharded_state_dict() before sharded_state_dict(): build the dict with "
+                    "sharded_state_dict(model_sharded_state_dict, is_loading=True), load it with "
+                    "torch.distributed.checkpoint.load, then pass it here"
+                )
+            sharded_state.check_loaded_values(self.optimizer, self._slots, keys, state_dict)
+            self._require_publishable("load_sharded_state_dict()")
         sharded_state.apply_loaded_values(self.optimizer, self._slots, keys, state_dict)
         self._drain_param_gathers()
         self._write_masters_to_params()

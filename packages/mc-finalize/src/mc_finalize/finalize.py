@@ -105,19 +105,21 @@ def finalize_model_grads(
         pg_collection: the groups; None uses ``mc_groups.get_default_collection()``.
         force_all_reduce: passed to every chunk's ``finish_grad_sync`` (None reads as False).
     """
-    chunks = _as_chunks(model, FINALIZE_METHODS)
-    config = cast(FinalizeConfig, _config_of(chunks))
-    settings = _read_settings(config, whole=True)
-    per_token = settings.calculate_per_token_loss
-    if per_token:
-        _check_methods(chunks, ("scale_gradients",))
-    force = _check_force(force_all_reduce)
-    collection = mg.collection_or_default(pg_collection, "finalize_model_grads")
-    groups = _plan_groups(collection, settings, per_token)
-    _check_num_tokens(num_tokens, chunks, per_token)
-    word = _stage_embedding_weight(chunks, settings, groups.embd, groups.pp, word=True)
-    position = _stage_embedding_weight(chunks, settings, groups.pos_embd, groups.pp, word=False)
-    _check_not_finalized(chunks)
+    # A check failing on one rank stops every rank of the world here (one exchange).
+    with mg.fail_together(None, "finalize_model_grads"):
+        chunks = _as_chunks(model, FINALIZE_METHODS)
+        config = cast(FinalizeConfig, _config_of(chunks))
+        settings = _read_settings(config, whole=True)
+        per_token = settings.calculate_per_token_loss
+        if per_token:
+            _check_methods(chunks, ("scale_gradients",))
+        force = _check_force(force_all_reduce)
+        collection = mg.collection_or_default(pg_collection, "finalize_model_grads")
+        groups = _plan_groups(collection, settings, per_token)
+        _check_num_tokens(num_tokens, chunks, per_token)
+        word = _stage_embedding_weight(chunks, settings, groups.embd, groups.pp, word=True)
+        position = _stage_embedding_weight(chunks, settings, groups.pos_embd, groups.pp, word=False)
+        _check_not_finalized(chunks)
     _run_steps(chunks, settings, groups, force, word, position)
     if per_token:
         _scale_by_num_tokens(chunks, num_tokens, groups.pp, groups.data)

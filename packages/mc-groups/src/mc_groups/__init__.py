@@ -25,6 +25,12 @@
   who reads each, typed accessors.
 - :func:`is_group_live`: False once a group was destroyed; every collective refuses a
   destroyed group, and :func:`destroy_model_parallel` marks its collection destroyed.
+- :mod:`mc_groups.elastic`: :func:`~mc_groups.elastic.init_process_group` joins the world
+  in a key space of the restart attempt's own, so ``torchrun --max-restarts`` restarts
+  with torchrun's shared store.
+- :func:`fail_together` (:mod:`mc_groups.together`): an entry point's local checks end in
+  one status exchange, so a check failing on one rank is an error on every rank
+  (:class:`PeerCheckError` naming it) instead of a wait until the group's timeout.
 - :mod:`mc_groups.testing`: a reusable multi-process CPU harness for tests.
 """
 
@@ -33,6 +39,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from mc_groups import argcheck as argcheck
+from mc_groups import elastic as elastic
 from mc_groups import param_attrs as param_attrs
 from mc_groups.collection import GROUP_FIELDS, MissingGroupError, ProcessGroupCollection
 from mc_groups.collectives import (
@@ -88,6 +95,7 @@ from mc_groups.schedule_check import (
     check_collective_schedule,
     schedule_check_enabled,
 )
+from mc_groups.together import PeerCheckError, fail_together
 
 try:  # one source of the version: the distribution's pyproject.toml
     __version__ = version("mc-groups")
@@ -113,6 +121,7 @@ __all__ = [
     "ModelParallelConfig",
     "NoDefaultCollectionError",
     "ParallelSizes",
+    "PeerCheckError",
     "ProcessGroupCollection",
     "RankGenerator",
     "ReduceOp",
@@ -127,6 +136,7 @@ __all__ = [
     "coalesced",
     "collection_or_default",
     "destroy_model_parallel",
+    "fail_together",
     "get_default_collection",
     "get_pipeline_next_rank",
     "get_pipeline_prev_rank",

@@ -34,6 +34,7 @@ from mc_groups.default_collection import (
 )
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_groups.layout import ParallelSizes, _role_rank_lists, validate_sizes
+from mc_groups.together import fail_together
 
 __all__ = [
     "DistributedNotInitializedError",
@@ -68,9 +69,10 @@ def initialize_model_parallel(
     Must be called by every rank with the same arguments (group creation is collective).
     Sizes are validated before any group exists; then the ranks compare their layouts (one
     all-gather of ten int64 over the world) and every rank raises the same ``ValueError``
-    naming the fields and ranks that differ (a rank whose own arguments are invalid raises
-    at once, before any collective; its peers then wait in that all-gather until the world
-    group's timeout and raise ``CollectiveError``). ``timeout`` bounds every collective on the
+    naming the fields and ranks that differ. A rank whose own arguments are invalid raises
+    its error after one status exchange over the world (:func:`mc_groups.fail_together`),
+    in which its peers learn it and raise :class:`mc_groups.PeerCheckError` naming it.
+    ``timeout`` bounds every collective on the
     new groups (default: the default group's timeout, set by ``init_process_group``; torch
     itself would give new groups 30 minutes). With ``set_default=True`` the
     collection is also registered as the process default (see
@@ -89,21 +91,22 @@ def initialize_model_parallel(
             "torch.distributed.init_process_group(backend='gloo' or 'nccl', ...) (torchrun "
             "sets the environment for init_method='env://'), or use mc_groups.testing.RankPool"
         )
-    sizes = validate_sizes(
-        dist.get_world_size(),
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size,
-        context_parallel_size,
-        expert_model_parallel_size,
-        expert_tensor_parallel_size,
-        gtp_remat_size,
-        expert_gtp_remat_size,
-        num_distributed_optimizer_instances,
-    )
-    roles = _role_rank_lists(sizes, order)  # checks order: pure arithmetic
-    group_timeout = _check_timeout(timeout)
-    check_flag("set_default", set_default)
+    with fail_together(None, "initialize_model_parallel"):  # a bad rank stops every rank
+        sizes = validate_sizes(
+            dist.get_world_size(),
+            tensor_model_parallel_size,
+            pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size,
+            context_parallel_size,
+            expert_model_parallel_size,
+            expert_tensor_parallel_size,
+            gtp_remat_size,
+            expert_gtp_remat_size,
+            num_distributed_optimizer_instances,
+        )
+        roles = _role_rank_lists(sizes, order)  # checks order: pure arithmetic
+        group_timeout = _check_timeout(timeout)
+        check_flag("set_default", set_default)
     _agree_on_layout(sizes, order)
     groups = _create_groups(roles, _default_group_timeout() if timeout is None else group_timeout)
     me = dist.get_rank()

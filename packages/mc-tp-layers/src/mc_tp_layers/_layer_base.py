@@ -15,11 +15,14 @@ weight initialisation in :mod:`.initialization`, the shape checks in :mod:`._val
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+import mc_groups as mg
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_group, check_int, type_name
 from mc_groups.errors import InputTypeError, InputValueError
@@ -151,6 +154,7 @@ class TensorParallelModule(torch.nn.Module):
     def __init__(self, config: object) -> None:
         super().__init__()
         self.config = check_config(config)
+        self._peers_checked = False  # set by the first forward (see _forward_checks)
 
     def _record_construction(self, fields: dict[str, object], name: str | None = None) -> None:
         """Record what this layer was built with, for its TP peers to compare (no
@@ -165,6 +169,21 @@ class TensorParallelModule(torch.nn.Module):
         check_group(f"{type(self).__name__}'s tp_group", self.tp_group)
         if not self._tp_agreement.checked:
             agreement.settle(self._tp_agreement)
+
+    @contextmanager
+    def _forward_checks(self) -> Iterator[None]:
+        """Around a forward's input checks: on this layer's first forward, a check failing
+        on one TP rank is an error on every rank of the TP group (one status exchange,
+        :func:`mc_groups.fail_together`, before the agreement's); later forwards check
+        locally only (no per-step exchange)."""
+        check_group(f"{type(self).__name__}'s tp_group", self.tp_group)
+        if self._peers_checked:
+            yield
+            return
+        with mg.fail_together(self.tp_group, f"{type(self).__name__}'s first forward"):
+            yield
+        self._check_agreement()
+        self._peers_checked = True
 
     def sharded_state_dict(
         self,

@@ -237,14 +237,14 @@ class ColumnParallelLinear(ParallelLinear):
         The first forward first compares this TP group's pending layer constructions (see
         :mod:`mc_tp_layers.agreement`).
         """
-        self._check_agreement()
-        w = self._resolve_weight(weight)
-        x = check_input(input_, self.input_size, "ColumnParallelLinear")
-        if runtime_gather_output is not None:
-            check_flag("runtime_gather_output", runtime_gather_output)
+        with self._forward_checks():
+            w = self._resolve_weight(weight)
+            x = check_input(input_, self.input_size, "ColumnParallelLinear")
+            if runtime_gather_output is not None:
+                check_flag("runtime_gather_output", runtime_gather_output)
+            if self.gradient_accumulation_fusion and w.requires_grad:
+                main_grad(w)
         deferring = self.config.defer_embedding_wgrad_compute and w.requires_grad
-        if self.gradient_accumulation_fusion and w.requires_grad:
-            main_grad(w)
         bias = None if self.skip_bias_add else self.bias
         if (
             self.allreduce_dgrad

@@ -119,8 +119,8 @@ class VocabParallelEmbedding(TensorParallelModule):
         forward first compares this TP group's pending layer constructions (see
         :mod:`mc_tp_layers.agreement`).
         """
-        self._check_agreement()
-        ids = self._check_ids(input_)
+        with self._forward_checks():
+            ids = self._check_ids(input_)
         world = int(self.tp_group.size())
         if world > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)

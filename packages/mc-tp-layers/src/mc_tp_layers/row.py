@@ -163,14 +163,14 @@ class RowParallelLinear(ParallelLinear):
         The first forward first compares this TP group's pending layer constructions (see
         :mod:`mc_tp_layers.agreement`).
         """
-        self._check_agreement()
-        world = int(self.tp_group.size())
-        last = self.input_size_per_partition if self.input_is_parallel else self.input_size
-        x = check_input(input_, last, "RowParallelLinear")
-        if self.sequence_parallel and not self.explicit_expert_comm:
-            check_sequence(x, world)
-        if self.gradient_accumulation_fusion and self.weight.requires_grad:
-            main_grad(self.weight)
+        with self._forward_checks():
+            world = int(self.tp_group.size())
+            last = self.input_size_per_partition if self.input_is_parallel else self.input_size
+            x = check_input(input_, last, "RowParallelLinear")
+            if self.sequence_parallel and not self.explicit_expert_comm:
+                check_sequence(x, world)
+            if self.gradient_accumulation_fusion and self.weight.requires_grad:
+                main_grad(self.weight)
         if self.input_is_parallel or self.explicit_expert_comm:
             input_parallel = x
         else:

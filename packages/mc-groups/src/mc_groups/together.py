@@ -1,0 +1,117 @@
+"""One rank's failed check is every rank's error: the local checks of a collective entry
+point end in one small status exchange, so no rank goes on into a collective that a peer
+will never join.
+
+Why: an entry point checks its arguments on each rank before its first collective. When
+the input is bad on one rank only (a file one rank cannot read, a tensor on the wrong
+device, a second ``step()`` on one rank), that rank raises at once and its peers wait in
+the entry point's first collective until the group's timeout (minutes with defaults), then
+fail with a timeout that does not say what went wrong.
+
+Mechanism (:func:`fail_together`)::
+
+    block      the entry point's local checks (no collective), on every rank
+    exchange   one 8-byte status per rank over the group (a fingerprint of the entry point
+               and "passed" or "failed"), through the schedule check's exchange (point to
+               point on its own tag on gloo, one all-gather elsewhere; not recorded by
+               :func:`mc_groups.record_collectives`)
+    all passed the entry point goes on
+    any failed the ranks all-gather the failures' messages (only then); a failing rank
+               re-raises its own error, every other rank raises :class:`PeerCheckError`
+               naming the failing global ranks and their messages
+
+Cost: one 8-byte exchange per call (at an entry point that communicates anyway); the ranks
+also meet there, which a per-step entry point pays as one more synchronisation per step.
+A dead or hung peer makes the exchange fail as any collective does: ``CollectiveError``
+within the group's timeout; a peer about to run another collective under the schedule
+check gets ``CollectiveScheduleError`` on both sides. Groups of one rank exchange nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from mc_groups._core import key_device
+from mc_groups._errors import CollectiveError, CollectiveScheduleError
+from mc_groups.schedule_check import PlannedCollective, _exchange_keys, _mismatch_message
+
+__all__ = ["PeerCheckError", "fail_together"]
+
+_KIND = "status after the local checks"
+_FAILED = "[failed]: "
+
+
+class PeerCheckError(ValueError):
+    """Another rank's checks failed at the entry point this rank was in; every rank of the
+    group raises (the failing ones their own error), nothing was allocated or changed.
+    ``failures`` maps each failing global rank to its error's text."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+@contextmanager
+def fail_together(group: dist.ProcessGroup | None, where: str) -> Iterator[None]:
+    """Run the block (``where``'s local checks: no collective in it) on every rank of
+    ``group`` (None: the world), then one status exchange: when the block raised on any
+    rank, every rank raises (module notes). Collective over ``group``."""
+    if group is None:
+        group = dist.group.WORLD
+    if group is None or not dist.is_initialized() or group.size() == 1:
+        yield
+        return
+    failure: BaseException | None = None
+    try:
+        yield
+    except Exception as err:  # any failed check: the peers must hear of it
+        failure = err
+    ranks = list(dist.get_process_group_ranks(group))
+    planned = PlannedCollective(_KIND, where, detail="passed" if failure is None else "failed")
+    try:
+        keys = _exchange_keys(group, planned.key(), key_device(group, None))
+        if len(set(keys)) > 1:
+            # One string, readable by a peer's schedule check too: "... [failed]: error".
+            mine = planned.describe() + ("" if failure is None else f": {_text(failure)}")
+            seen: list[object] = [None] * group.size()
+            dist.all_gather_object(seen, mine, group=group)
+    except RuntimeError as err:
+        if failure is not None:
+            raise failure from err  # its own error says more than the dead peer's
+        raise CollectiveError(
+            f"{where}: the status exchange after the local checks on group ranks {ranks} "
+            f"failed: {err} (a peer is dead, hung, or in another collective)"
+        ) from err
+    if failure is not None:
+        raise failure
+    if len(set(keys)) == 1:
+        return
+    failures = _failures(ranks, seen, where)
+    if not failures or not all(str(d).startswith(_KIND) for d in seen):
+        # a peer was about to run another collective, or to pass another entry point
+        raise CollectiveScheduleError(_mismatch_message(ranks, keys, seen))
+    listed = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
+    raise PeerCheckError(
+        f"{where} failed its checks on rank(s) {list(failures)} of group ranks {ranks}, so "
+        f"no rank went on (nothing was allocated or changed here): {listed}",
+        failures,
+    )
+
+
+def _failures(ranks: list[int], seen: list[object], where: str) -> dict[int, str]:
+    """Each failing global rank's error text (``"(at <entry point>) "`` first when it failed
+    at another entry point than ``where``)."""
+    out = {}
+    for rank, described in zip(ranks, seen, strict=True):
+        head, sep, text = str(described).partition(_FAILED)
+        if sep:
+            theirs = head.removeprefix(f"{_KIND} of ").rstrip(" [")
+            out[rank] = text if theirs == where else f"(at {theirs}) {text}"
+    return out
+
+
+def _text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"

@@ -1,0 +1,123 @@
+"""``mc_groups.fail_together``: a check that fails on one rank is an error on every rank of
+the group, at once, instead of a wait until the group's timeout.
+
+Localizes the status exchange (a block raising on one rank of 2, and on one rank of 4;
+the passing case changes nothing) and its use by ``initialize_model_parallel`` (a bad
+size on one rank: no group created on any rank). The timing bound is the issue's (5 s);
+the pools' group timeout is 20 s, so a rank left waiting in a collective would take 20 s.
+Independent reference: which ranks failed is known by construction, and the world still
+reduces ``sum(1) = world size`` afterwards (the exchange left it usable).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_groups.testing import RankPools
+
+BOUND_S = 5.0
+
+
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None
+    return group
+
+
+def _block(bad_ranks: list[int]) -> tuple[str, str, float, float]:
+    """Ranks in ``bad_ranks`` fail a check inside ``fail_together``; what each raised, how
+    long it took, and the world's sum afterwards."""
+    me = dist.get_rank()
+    start = time.monotonic()
+    try:
+        with mg.fail_together(None, "the test's entry point"):
+            if me in bad_ranks:
+                raise TypeError(f"x=3 on rank {me} must be a str")
+        kind, text = "no error", ""
+    except (ValueError, TypeError) as err:
+        kind, text = type(err).__name__, str(err)
+    seconds = time.monotonic() - start
+    t = torch.ones(1)
+    mg.all_reduce(t, _world())
+    return kind, text, seconds, float(t)
+
+
+@pytest.mark.parametrize(("world", "bad"), [(2, [1]), (4, [2]), (4, [0, 3])])
+def test_a_failed_check_on_some_ranks_is_an_error_on_every_rank(
+    rank_pools: RankPools, world: int, bad: list[int]
+) -> None:
+    outs = rank_pools.get(world).run(_block, bad)
+    for rank, (kind, text, seconds, total) in enumerate(outs):
+        assert seconds < BOUND_S, (rank, seconds)
+        assert total == world
+        if rank in bad:
+            assert (kind, text) == ("TypeError", f"x=3 on rank {rank} must be a str")
+            continue
+        assert kind == "PeerCheckError", (rank, kind, text)
+        assert f"the test's entry point failed its checks on rank(s) {bad}" in text
+        for r in bad:
+            assert f"rank {r}: TypeError: x=3 on rank {r} must be a str" in text, text
+
+
+def test_passing_checks_raise_nothing(rank_pools: RankPools) -> None:
+    outs = rank_pools.get(2).run(_block, [])
+    assert [(o[0], o[3]) for o in outs] == [("no error", 2.0)] * 2
+
+
+def _different_entry_points(rank1_fails: bool) -> tuple[str, str]:
+    """Rank 0 passes entry point A while rank 1 is at entry point B (a rank that skipped
+    a call): failing there, or passing."""
+    me = dist.get_rank()
+    try:
+        with mg.fail_together(None, "A" if me == 0 else "B"):
+            if me == 1 and rank1_fails:
+                raise ValueError("y=-1 must be >= 0")
+        return "no error", ""
+    except (ValueError, mg.CollectiveError) as err:
+        return type(err).__name__, str(err)
+
+
+def test_ranks_at_different_entry_points(rank_pools: RankPools) -> None:
+    failing = rank_pools.get(2).run(_different_entry_points, True)
+    assert failing[1] == ("ValueError", "y=-1 must be >= 0")
+    assert failing[0][0] == "PeerCheckError"
+    assert "rank 1: (at B) ValueError: y=-1 must be >= 0" in failing[0][1]
+    passing = rank_pools.get(2).run(_different_entry_points, False)
+    assert [kind for kind, _ in passing] == ["CollectiveScheduleError"] * 2
+    assert "rank(s) [0]: status after the local checks of A [passed]" in passing[0][1]
+    assert "rank(s) [1]: status after the local checks of B [passed]" in passing[0][1]
+
+
+def _initialize(kw_by_rank: list[dict[str, object]]) -> tuple[str, str, float, int]:
+    me = dist.get_rank()
+    before = len(dist.distributed_c10d._world.pg_map)
+    start = time.monotonic()
+    try:
+        mg.destroy_model_parallel(mg.initialize_model_parallel(**kw_by_rank[me]))  # type: ignore[arg-type]
+        kind, text = "no error", ""
+    except ValueError as err:
+        kind, text = type(err).__name__, str(err)
+    return kind, text, time.monotonic() - start, len(dist.distributed_c10d._world.pg_map) - before
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_initialize_model_parallel_with_a_bad_size_on_one_rank(
+    rank_pools: RankPools, world: int
+) -> None:
+    kw: list[dict[str, object]] = [{"tensor_model_parallel_size": 2} for _ in range(world)]
+    kw[1] = {"tensor_model_parallel_size": 3}  # does not divide the world: rank 1's check
+    outs = rank_pools.get(world).run(_initialize, kw)
+    assert outs[1][0] == "ValueError"
+    assert "tp=3" in outs[1][1] or "tensor_model_parallel_size=3" in outs[1][1]
+    for rank, (kind, text, seconds, created) in enumerate(outs):
+        assert seconds < BOUND_S, (rank, seconds)
+        assert created == 0, (rank, created)
+        if rank != 1:
+            assert kind == "PeerCheckError", text
+            assert "initialize_model_parallel failed its checks on rank(s) [1]" in text
+            assert outs[1][1] in text
