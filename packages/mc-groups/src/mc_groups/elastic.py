@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, rendezvous  # type: ignore[attr-defined]
 
+from mc_groups.errors import InputTypeError, InputValueError
+
 __all__ = ["ATTEMPT_PREFIX", "JOIN_TIMEOUT", "attempt_store", "init_process_group"]
 
 ATTEMPT_PREFIX = "mc/attempt/"
@@ -95,9 +97,9 @@ def attempt_store(
     docstring: the schedule). Collective over the ``world_size`` ranks sharing ``store``;
     ``TimeoutError`` naming the missing ranks after ``timeout``."""
     if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+        raise InputValueError(f"world_size={world_size!r} must be an int >= 1")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank!r} must be an int in [0, {world_size})")
+        raise InputValueError(f"rank={rank!r} must be an int in [0, {world_size})")
     _check_timeout(timeout)
     root = PrefixStore(ATTEMPT_PREFIX, store)
     deadline = time.monotonic() + timeout.total_seconds()
@@ -140,7 +142,7 @@ def _wait_or_raise(deadline: float, what: str) -> None:
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
     if value is None or not value.isdigit():
-        raise ValueError(
+        raise InputValueError(
             f"environment variable {name}={value!r} must be a non-negative int: "
             "init_process_group reads the world from torchrun's environment (run under "
             "torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)"
@@ -150,4 +152,4 @@ def _env_int(name: str) -> int:
 
 def _check_timeout(timeout: object) -> None:
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise TypeError(f"timeout={timeout!r} must be a positive datetime.timedelta")
+        raise InputTypeError(f"timeout={timeout!r} must be a positive datetime.timedelta")

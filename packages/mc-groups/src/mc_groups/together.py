@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from mc_groups._core import key_device
 from mc_groups._errors import CollectiveError, CollectiveScheduleError
+from mc_groups.errors import InputValueError
 from mc_groups.schedule_check import PlannedCollective, _exchange_keys, _mismatch_message
 
 __all__ = ["PeerCheckError", "fail_together"]
@@ -44,7 +45,7 @@ _KIND = "status after the local checks"
 _FAILED = "[failed]: "
 
 
-class PeerCheckError(ValueError):
+class PeerCheckError(InputValueError):
     """Another rank's checks failed at the entry point this rank was in; every rank of the
     group raises (the failing ones their own error), nothing was allocated or changed.
     ``failures`` maps each failing global rank to its error's text."""

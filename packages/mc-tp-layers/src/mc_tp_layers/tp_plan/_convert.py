@@ -9,7 +9,8 @@ from fnmatch import fnmatchcase
 import torch
 
 from mc_groups import ProcessGroupCollection, param_attrs
-from mc_groups.argcheck import check_int
+from mc_groups.argcheck import check_int, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers._config import check_config
 from mc_tp_layers._groups import resolve_tp_group
 from mc_tp_layers.tp_plan import _sequence
@@ -116,25 +117,25 @@ def _check(
     sequence_dim: object,
 ) -> tuple[Setup, list[_Target]]:
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
     if not isinstance(plan, Mapping) or not plan:
-        raise TypeError(
+        raise InputTypeError(
             f"plan must be a non-empty mapping of module-name patterns to styles, got {plan!r}"
         )
     if not isinstance(pg_collection, ProcessGroupCollection):
-        raise TypeError(
+        raise InputTypeError(
             "pg_collection must be a mc_groups.ProcessGroupCollection (its tp group splits the "
-            f"layers), got {type(pg_collection).__name__}"
+            f"layers), got {type_name(pg_collection)}"
         )
     cfg = check_config(config)
     dim = check_int("sequence_dim", sequence_dim, minimum=0)
     if dim > 1:
-        raise ValueError(
+        raise InputValueError(
             f"sequence_dim={dim}: activations keep the sequence in dim 0 ([s, b, h]) or 1 "
             "([b, s, h]); pass 0 or 1"
         )
     if int(getattr(cfg, "gtp_remat_size", 1)) > 1:
-        raise ValueError(
+        raise InputValueError(
             "parallelize does not shard weights over gtp_remat; use config.gtp_remat_size=1"
         )
     tp_group = resolve_tp_group(None, pg_collection, what="parallelize")
@@ -162,7 +163,7 @@ def _check_not_colwise(target: _Target) -> None:
     if isinstance(target.replacing(), Colwise):
         parent = target.name.rpartition(".")[0]
         where = f"{parent!r}: 'sequence_gather' (the block that calls it) or " if parent else ""
-        raise ValueError(
+        raise InputValueError(
             f"{target.label()}: under sequence parallelism a colwise layer needs its input "
             f"gathered along the sequence; add {where}{target.name!r}: ('sequence_gather', "
             f"{describe(target.replacing())!r}) to the plan"  # type: ignore[arg-type]
@@ -176,21 +177,21 @@ def _match(module: torch.nn.Module, plan: Mapping[object, object]) -> list[_Targ
     targets: list[_Target] = []
     for pattern, value in plan.items():
         if not isinstance(pattern, str):
-            raise TypeError(f"plan key {pattern!r} must be a str (an fnmatch pattern)")
+            raise InputTypeError(f"plan key {pattern!r} must be a str (an fnmatch pattern)")
         styles = resolve(pattern, value)
         hits = [name for name in names if fnmatchcase(name, pattern)]
         if not hits:
             leaf = pattern.rpartition(".")[2]
             near = [n for n in names if n.rpartition(".")[2] == leaf][:3]
             hint = f" (modules named like it: {near})" if near else ""
-            raise ValueError(
-                f"plan[{pattern!r}] = {value!r} matches no module of {type(module).__name__}"
+            raise InputValueError(
+                f"plan[{pattern!r}] = {value!r} matches no module of {type_name(module)}"
                 f"{hint}; patterns are fnmatch over qualified names such as "
                 f"{names[:2]}: fix the pattern or drop the entry"
             )
         for name in hits:
             if name in owner:
-                raise ValueError(
+                raise InputValueError(
                     f"{name} is matched by plan[{owner[name]!r}] and plan[{pattern!r}]; give "
                     "it one entry (a tuple of styles applies several)"
                 )
@@ -209,33 +210,33 @@ def _check_target(root: torch.nn.Module, target: _Target, world: int, sp: bool) 
                 if isinstance(mod, torch.nn.Embedding)
                 else ""
             )
-            raise TypeError(
+            raise InputTypeError(
                 f"{target.label()}: {describe(style)} converts an nn.Linear but this is a "
-                f"{type(mod).__name__}{hint}; point the pattern at the linear layers"
+                f"{type_name(mod)}{hint}; point the pattern at the linear layers"
             )
         if isinstance(style, Colwise):
             _check_split(root, target, mod.out_features, "out_features", world, style.parts)
         else:
             _check_split(root, target, mod.in_features, "in_features", world, 1)
             if sp and style.split_input:
-                raise ValueError(
+                raise InputValueError(
                     f"{target.label()}: rowwise_split_input is not offered under sequence "
                     "parallelism; use 'rowwise' after a 'colwise' layer, or switch "
                     "config.sequence_parallel off"
                 )
     elif isinstance(style, VocabEmbeddingStyle):
         if not isinstance(mod, torch.nn.Embedding):
-            raise TypeError(
+            raise InputTypeError(
                 f"{target.label()}: embedding_rowwise converts an nn.Embedding but this is a "
-                f"{type(mod).__name__}; use 'colwise'/'rowwise' for an nn.Linear"
+                f"{type_name(mod)}; use 'colwise'/'rowwise' for an nn.Linear"
             )
         if mod.max_norm is not None or mod.scale_grad_by_freq or mod.sparse:
-            raise ValueError(
+            raise InputValueError(
                 f"{target.label()}: max_norm, scale_grad_by_freq and sparse are not offered by "
                 "VocabParallelEmbedding; build the embedding without them"
             )
         if mod.num_embeddings % world:
-            raise ValueError(
+            raise InputValueError(
                 f"{target.label()}: num_embeddings={mod.num_embeddings} is not divisible by the "
                 f"TP size {world}; pad the vocabulary to a multiple of it (transformers: "
                 f"model.resize_token_embeddings(n, pad_to_multiple_of={world}))"
@@ -248,7 +249,7 @@ def _check_split(
     style = describe(target.replacing())  # type: ignore[arg-type]
     if size % (world * parts):
         packed = f" in {parts} packed blocks" if parts > 1 else ""
-        raise ValueError(
+        raise InputValueError(
             f"{target.label()}: {what}={size}{packed} is not divisible by the TP size {world}"
             f"{' × ' + str(parts) if parts > 1 else ''}; choose a TP size that divides it, or "
             f"keep the module replicated (drop the {style!r} entry)"
@@ -259,7 +260,7 @@ def _check_split(
     if isinstance(head_dim, int) and head_dim > 0 and size % head_dim == 0:
         heads = size // head_dim // parts
         if heads % world:
-            raise ValueError(
+            raise InputValueError(
                 f"{target.label()}: {what}={size} holds {heads} heads of head_dim={head_dim} "
                 f"({parent_name or 'the root'}.head_dim), not divisible by the TP size {world}; "
                 "choose a TP size that divides the number of (key/value) heads"
@@ -292,7 +293,7 @@ def _check_ties(root: torch.nn.Module, targets: list[_Target]) -> None:
     for names in holders.values():
         embedding = [by_name[n] for n in names if n in by_name and _has_padding_row(by_name[n])]
         if len(names) > 1 and embedding:
-            raise ValueError(
+            raise InputValueError(
                 f"{embedding[0].label()}: its weight is tied to {names} and it has padding_idx="
                 f"{getattr(embedding[0].module, 'padding_idx', None)}: nn.Embedding gives that "
                 "row no gradient from the embedding but the tied layers do, which mc does not "
@@ -304,7 +305,7 @@ def _check_ties(root: torch.nn.Module, targets: list[_Target]) -> None:
             shown = {
                 n: ("replicated" if v is None else f"split by {v[0]}") for n, v in layouts.items()
             }
-            raise ValueError(
+            raise InputValueError(
                 f"the weight tied between {names} would be split differently: {shown}; give "
                 "every holder the same split (e.g. 'embedding_rowwise' on the embedding and "
                 "'colwise' or 'colwise_gather_output' on the LM head), or untie the weights"

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection
+from mc_groups.errors import InputValueError
 from mc_tp_layers._config import TensorParallelConfig, check_config
 from mc_tp_layers.column import ColumnParallelLinear
 from mc_tp_layers.embedding import VocabParallelEmbedding
@@ -179,7 +180,7 @@ class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``nn.Linear``'s contract: ``[..., out/W]`` (``[..., out]`` when gathering)."""
         if self.needs_block_input and not _sequence.is_block_input(input_):
-            raise ValueError(
+            raise InputValueError(
                 f"{self.qualified_name} (colwise) sits in a block with 'sequence_gather' but "
                 "its input is not the tensor that entered the block (the block computes "
                 "something before calling it); move the 'sequence_gather' entry onto this "

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_tensor
+from mc_groups.errors import InputValueError
 from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
 
 __all__ = ["vocab_parallel_causal_lm_loss"]
@@ -35,7 +36,7 @@ def vocab_parallel_causal_lm_loss(
     logits = check_tensor("vocab_parallel_logits", vocab_parallel_logits)
     target = check_tensor("labels", labels)
     if logits.dim() != 3 or tuple(target.shape) != tuple(logits.shape[:2]):
-        raise ValueError(
+        raise InputValueError(
             f"vocab_parallel_logits {tuple(logits.shape)} and labels {tuple(target.shape)} must "
             "be [batch, sequence, V/W] and [batch, sequence]"
         )

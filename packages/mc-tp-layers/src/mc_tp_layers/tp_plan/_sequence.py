@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mc_groups.errors import InputValueError
 from mc_tp_layers.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -77,7 +78,7 @@ def input_hook(
             return (transform(args[0]), *args[1:]), kwargs
         if isinstance(kwargs.get(kwarg), torch.Tensor):
             return args, {**kwargs, kwarg: transform(kwargs[kwarg])}
-        raise ValueError(
+        raise InputValueError(
             f"{name} was called without a tensor as its first argument or as {kwarg}=; its "
             f"sequence style cannot find the input: name the keyword in the style, e.g. "
             f"SequenceGather(kwarg='x')"

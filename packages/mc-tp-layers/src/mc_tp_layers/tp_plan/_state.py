@@ -7,6 +7,8 @@ from collections.abc import Mapping
 
 import torch
 
+from mc_groups.argcheck import type_name
+from mc_groups.errors import InputTypeError
 from mc_tp_layers.tp_plan._layers import ConvertedModule
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
@@ -14,7 +16,7 @@ __all__ = ["full_state_dict", "load_full_state_dict"]
 
 def _converted(module: torch.nn.Module) -> list[tuple[str, ConvertedModule]]:
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
     return [
         (f"{name}." if name else "", sub)
         for name, sub in module.named_modules()
@@ -53,7 +55,7 @@ def load_full_state_dict(
     """
     converted = _converted(module)
     if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        raise InputTypeError(f"state_dict must be a mapping, got {type_name(state_dict)}")
     local = dict(state_dict)
     for prefix, sub in converted:
         for pname, _ in sub.named_parameters(recurse=False):

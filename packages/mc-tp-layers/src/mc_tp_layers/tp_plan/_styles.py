@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from mc_groups.argcheck import check_flag, check_int
+from mc_groups.argcheck import check_flag, check_int, type_name
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
     "Colwise",
@@ -143,12 +144,12 @@ def resolve(pattern: str, value: object) -> tuple[Style, ...]:
     """The styles of one plan entry, or a ``ValueError``/``TypeError`` naming ``pattern``."""
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not items:
-        raise ValueError(f"plan[{pattern!r}] is empty; give a style name such as 'colwise'")
+        raise InputValueError(f"plan[{pattern!r}] is empty; give a style name such as 'colwise'")
     styles: list[Style] = []
     for item in items:
         if isinstance(item, str):
             if item not in _NAMED:
-                raise ValueError(
+                raise InputValueError(
                     f"plan[{pattern!r}] = {item!r}: mc does not offer this style; use one of "
                     f"{sorted(_NAMED)} (or drop the entry to keep the module replicated)"
                 )
@@ -156,13 +157,13 @@ def resolve(pattern: str, value: object) -> tuple[Style, ...]:
         elif isinstance(item, _STYLE_TYPES):
             styles.append(item)
         else:
-            raise TypeError(
-                f"plan[{pattern!r}] holds {item!r} ({type(item).__name__}); a plan value is a "
+            raise InputTypeError(
+                f"plan[{pattern!r}] holds {item!r} ({type_name(item)}); a plan value is a "
                 "style name, a mc_tp_layers.tp_plan style, or a tuple of them"
             )
     replacing = [s for s in styles if isinstance(s, REPLACING)]
     if len(replacing) > 1:
-        raise ValueError(
+        raise InputValueError(
             f"plan[{pattern!r}] replaces the module twice ({[describe(s) for s in replacing]}); "
             "keep one of them"
         )
