@@ -34,7 +34,7 @@ from examples.gpt import GPTConfig, OptimizerConfig, ParallelLayout, init_full_w
 from examples.gpt.train import apply_ddp, build_model, parallelize
 from mc_ddp import DistributedDataParallel
 from mc_finalize import finalize_model_grads
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 from mc_tp_layers import ColumnParallelLinear
 
 BOUND_S = 5.0
@@ -58,7 +58,7 @@ def _timed(call: Callable[[], object]) -> tuple[str, str, float]:
         call()
         kind, text = "no error", ""
     except (ValueError, TypeError, RuntimeError) as err:
-        kind, text = type(err).__name__, str(err)
+        kind, text = error_kind(err), str(err)
     return kind, text, time.monotonic() - start
 
 

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from examples.hf_llama import Run, build_model, global_batch, reference, sequence_parallel_plan
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 
 pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
 
@@ -213,7 +213,7 @@ def _bad_plans() -> list[tuple[str, str, bool]]:
             parallelize(model, plan, config=config, pg_collection=pgc)
             message, kind = "no error", ""
         except (ValueError, TypeError) as err:
-            message, kind = str(err), type(err).__name__
+            message, kind = str(err), error_kind(err)
         after = model.state_dict()
         untouched = sorted(after) == sorted(before) and all(
             torch.equal(after[k], v) and type(model.get_submodule(k.rpartition(".")[0])) is not None

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups.testing import RankPools
+from mc_groups.testing import RankPools, error_kind
 
 BOUND_S = 5.0
 
@@ -40,7 +40,7 @@ def _block(bad_ranks: list[int]) -> tuple[str, str, float, float]:
                 raise TypeError(f"x=3 on rank {me} must be a str")
         kind, text = "no error", ""
     except (ValueError, TypeError) as err:
-        kind, text = type(err).__name__, str(err)
+        kind, text = error_kind(err), str(err)
     seconds = time.monotonic() - start
     t = torch.ones(1)
     mg.all_reduce(t, _world())
@@ -79,7 +79,7 @@ def _different_entry_points(rank1_fails: bool) -> tuple[str, str]:
                 raise ValueError("y=-1 must be >= 0")
         return "no error", ""
     except (ValueError, mg.CollectiveError) as err:
-        return type(err).__name__, str(err)
+        return error_kind(err), str(err)
 
 
 def test_ranks_at_different_entry_points(rank_pools: RankPools) -> None:
@@ -101,7 +101,7 @@ def _initialize(kw_by_rank: list[dict[str, object]]) -> tuple[str, str, float, i
         mg.destroy_model_parallel(mg.initialize_model_parallel(**kw_by_rank[me]))  # type: ignore[arg-type]
         kind, text = "no error", ""
     except ValueError as err:
-        kind, text = type(err).__name__, str(err)
+        kind, text = error_kind(err), str(err)
     return kind, text, time.monotonic() - start, len(dist.distributed_c10d._world.pg_map) - before
 
 

@@ -6,6 +6,9 @@ r"""Give any model Megatron's tensor-parallel layers with one call.
     model = LlamaForCausalLM(config)                       # nn.Linear / nn.Embedding inside
     parallelize(model, model.tp_plan, config=cfg, pg_collection=pgc)
 
+The two type aliases (Style, Plan): a ``Style`` is one of the style records below, a
+``Plan`` maps fnmatch patterns to a style, a style name or a sequence of them.
+
 ``plan`` is plain data, as in ``torch.distributed.tensor.parallel.parallelize_module``:
 fnmatch patterns over qualified module names → a style. The style names are those of
 ``transformers``' ``tp_plan`` (``colwise``, ``rowwise``, ``colwise_gather_output`` /
