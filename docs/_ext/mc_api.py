@@ -91,22 +91,9 @@ MEGATRON_ELSEWHERE = {
     "mc_finalize.reset_model_temporary_tensors": (
         "megatron.core.distributed.finalize_model_grads.reset_model_temporary_tensors"
     ),
-    **{
+    **{  # every public mapping keeps Megatron's name in Megatron's mappings module
         f"mc_tp_layers.{name}": f"{_TP}.mappings.{name}"
-        for name in (
-            "all_gather_last_dim_from_tensor_parallel_region",
-            "all_to_all",
-            "all_to_all_hp2sp",
-            "all_to_all_sp2hp",
-            "copy_to_tensor_model_parallel_region",
-            "gather_from_sequence_parallel_region",
-            "gather_from_tensor_model_parallel_region",
-            "reduce_from_tensor_model_parallel_region",
-            "reduce_scatter_last_dim_to_tensor_parallel_region",
-            "reduce_scatter_to_sequence_parallel_region",
-            "scatter_to_sequence_parallel_region",
-            "scatter_to_tensor_model_parallel_region",
-        )
+        for name in importlib.import_module("mc_tp_layers.mappings").__all__
     },
     **{
         f"mc_tp_layers.{name}": f"{_TP}.random.{name}"
