@@ -21,6 +21,7 @@ import pytest
 
 from examples import train_gpt
 from integration_tests._common import max_rel_loss_diff
+from integration_tests.test_demo import run_demo_with
 from mc_groups.testing import RankPools
 
 SMALL = ["--hidden-size", "32", "--seq-length", "16", "--global-batch", "8"]
@@ -30,14 +31,7 @@ def run_demo(output: str) -> dict[str, Any]:
     """Runs on every rank: the demo's ``run`` on the pool's world of 4."""
     argv = [*SMALL, "--num-layers", "4", "--steps", "4", "--parity-steps", "3"]
     argv += ["--tp", "1", "--dp", "2", "--pp", "2", "--vpp", "2", "--no-sequence-parallel"]
-    demo = train_gpt.plan(train_gpt.parse_args([*argv, "--output", output]), 4)
-    out = io.StringIO()
-    result = train_gpt.run(demo, out)
-    return {
-        "printed": out.getvalue(),
-        "losses": result.losses,
-        "parity": result.parity_max_rel_diff,
-    }
+    return run_demo_with(argv, output)
 
 
 def test_demo_trains_an_interleaved_pipeline(rank_pools: RankPools, tmp_path: Path) -> None:
