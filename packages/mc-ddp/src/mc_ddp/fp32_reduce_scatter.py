@@ -56,7 +56,8 @@ def reduce_scatter_with_fp32_accumulation(
                 "initialised: call torch.distributed.init_process_group() or pass a group"
             )
         group = dist.group.WORLD
-    if isinstance(op, mg.ReduceOp) and op not in (mg.ReduceOp.SUM, mg.ReduceOp.AVG):
+    summing = (mg.ReduceOp.SUM, mg.ReduceOp.AVG, dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+    if isinstance(op, mg.ReduceOp | dist.ReduceOp.RedOpType) and op not in summing:
         raise InputValueError(f"op={op} is not supported: use ReduceOp.SUM or ReduceOp.AVG")
     return mg.reduce_scatter(
         output,

@@ -576,6 +576,9 @@ def _function_errors() -> dict[str, tuple[str, int]]:
         stranger = nn.Parameter(torch.zeros(3))
         calls: dict[str, Callable[[], object]] = {
             "fp32_rs_op": lambda: loose(torch.zeros(2), torch.zeros(4), world, op=mg.ReduceOp.MAX),
+            "fp32_rs_torch_op": lambda: loose(
+                torch.zeros(2), torch.zeros(4), world, op=dist.ReduceOp.MAX
+            ),
             "fp32_rs_numel": lambda: loose(torch.zeros(3), torch.zeros(4), world),
             "fp32_rs_dtype": lambda: loose(
                 torch.zeros(2, dtype=torch.bfloat16), torch.zeros(4), world
@@ -622,6 +625,11 @@ FUNCTIONS = {
         "ValueError: op=ReduceOp.MAX is not supported: use ReduceOp.SUM or ReduceOp.AVG",
         doc_call="`reduce_scatter_with_fp32_accumulation(..., op=)`",
         doc_input="`ReduceOp.MAX`",
+    ),
+    "fp32_rs_torch_op": Expect(
+        "ValueError: op=RedOpType.MAX is not supported: use ReduceOp.SUM or ReduceOp.AVG",
+        doc_call="`reduce_scatter_with_fp32_accumulation(..., op=)`",
+        doc_input="`torch.distributed.ReduceOp.MAX` (torch's SUM / AVG are accepted)",
     ),
     "fp32_rs_numel": Expect(
         "ValueError: reduce_scatter: input.numel()=4 must equal output.numel()=3 × group size 2",
