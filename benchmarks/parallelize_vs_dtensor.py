@@ -67,15 +67,13 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> Step:
 
 def _mc(sp: bool) -> torch.nn.Module:
     import mc_groups as mg  # noqa: PLC0415
-    from examples.hf_llama import sequence_parallel_plan  # noqa: PLC0415
-    from mc_tp_layers import parallelize  # noqa: PLC0415
+    from mc_tp_layers import parallelize, sequence_parallel_plan  # noqa: PLC0415
 
     pgc = mg.get_default_collection()
     assert pgc is not None
     cfg = mg.ModelParallelConfig(tensor_model_parallel_size=TP, sequence_parallel=sp)
     model = _model()
-    plan: dict[str, Any] = dict(model.tp_plan)
-    parallelize(model, sequence_parallel_plan(plan), config=cfg, pg_collection=pgc)
+    parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
     return model
 
 
