@@ -309,9 +309,15 @@ def _after_layers(
                 # the hook sits on the converted layer, called positionally
                 entries[target.name] = [SequenceGather(), *target.styles]
                 heads += 1
-        elif list(child.parameters()):
-            _norm(full, child, f"registered after {list_name}")
+        elif _is_norm(child):
             entries[full] = [SequenceParallelNorm()]
+        elif list(child.parameters()):
+            raise InputValueError(
+                f"{full} ({type_name(child)}) is registered after {list_name} with parameters, "
+                "no plan entry and no norm: the hidden states would reach it split along the "
+                "sequence; if it is the LM head, give it 'colwise_gather_output' (or 'colwise') "
+                f"in the base plan, else {_HOW}"
+            )
     if not heads:
         raise InputValueError(
             f"sequence_parallel_plan found no colwise layer of the plan registered after "
