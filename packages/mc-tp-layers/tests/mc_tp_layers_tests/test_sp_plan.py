@@ -182,7 +182,7 @@ def test_unreadable_structures_are_named(change: str, words: list[str]) -> None:
 
 
 def test_arguments_are_checked() -> None:
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         sequence_parallel_plan("model", TP_PLAN)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="has no tp_plan"):
         sequence_parallel_plan(_Decoder())
@@ -190,7 +190,7 @@ def test_arguments_are_checked() -> None:
         sequence_parallel_plan(_Decoder(), {})
     with pytest.raises(ValueError, match="matches no module"):
         sequence_parallel_plan(_Decoder(), {**TP_PLAN, "model.nope": "colwise"})
-    with pytest.raises(ValueError, match="not an nn.ModuleList"):
+    with pytest.raises(ValueError, match=r"not an nn\.ModuleList"):
         sequence_parallel_plan(_Decoder(), TP_PLAN, layers="model.norm")
     with pytest.raises(TypeError, match="split_qk_norms"):
         sequence_parallel_plan(_Decoder(), TP_PLAN, split_qk_norms=1)  # type: ignore[arg-type]
