@@ -1,0 +1,188 @@
+"""``sequence_parallel_plan`` on ``transformers`` models, against one process.
+
+Tiny Qwen2, Mistral, Phi-3, OLMo-2 and Gemma causal LMs (``examples/hf_llama.py``'s
+``build_model``; Llama's run is in test_parallelize_hf.py) converted by
+``parallelize(model, sequence_parallel_plan(model), ...)`` and trained by the example's
+``train`` at TP=2 × DP=2 with sequence parallelism, mc DDP (distributed optimizer,
+overlapped reduce and param gather), ``finalize_model_grads`` and SGD for 3 steps, in one
+spawned world of 4 ranks for all models. Localizes what each architecture adds:
+
+- Phi-3: fused ``qkv_proj`` / ``gate_up_proj`` kept as its ``tp_plan`` gathers them
+  (``colwise_gather_output``), and ``rowwise_split_input`` under sequence parallelism;
+- OLMo-2: norms after attention and MLP (no input norm), and ``q_norm`` / ``k_norm`` over
+  all heads as ``colwise_rmsnorm`` (sum of squares all-reduced over TP);
+- Gemma: ``(1 + weight)`` norms, the scaled word embedding, tied embeddings;
+- Qwen2's q/k/v biases, Mistral as Llama.
+
+Then the collectives of one forward and one backward per model at TP=2 (op, group, bytes,
+counted from the plan by hand below), the plans themselves, and Qwen3's per-head q/k norms
+(``replicated_with_grad_allreduce``), which mc refuses by name.
+
+Tolerances (fp32, gloo): loss per step ≤ 1e-5 relative, final weights ≤ 1e-6 absolute,
+every reference tensor moving ≥ 1e-4 (checked). The learning rate is per model: OLMo-2's
+norms of small branch outputs amplify fp32 rounding at lr=1 (its own ``tp_plan`` without
+sequence parallelism differs by 2e-5 there, a sum-order effect: 1.6e-7 in fp64 weights),
+so it trains at 0.4; Gemma's q/k move < 1e-4 at lr=1, so it trains at 2. Measured here:
+loss ≤ 1.2e-7 relative, weights ≤ 3.2e-7.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from examples.hf_llama import BATCH, SEQ, Run, build_model, global_batch, reference
+from mc_groups.testing import RankPools
+
+pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
+
+STEPS = 3
+# (kind, tied embeddings, learning rate)
+CASES = [
+    ("qwen2", False, 1.0),
+    ("mistral", False, 1.0),
+    ("phi3", False, 1.0),
+    ("olmo2", False, 0.4),
+    ("gemma", True, 2.0),
+]
+
+
+def _world(cases: list[tuple[str, bool, float]]) -> dict[str, Any] | None:
+    import torch.distributed as dist
+
+    from examples.hf_llama import train
+
+    torch.set_num_threads(1)
+    runs = [train(2, kind=k, steps=STEPS, tie=tie, lr=lr) for k, tie, lr in cases]
+    schedules = {k: _schedule(k, tie) for k, tie, _ in cases}
+    return {"runs": runs, "schedules": schedules} if dist.get_rank() == 0 else None
+
+
+def _schedule(kind: str, tie: bool) -> dict[str, Any]:
+    """One forward and one backward at TP=2 (no DDP), every collective recorded."""
+    import mc_groups as mg
+    from mc_tp_layers import parallelize, sequence_parallel_plan
+
+    pgc = mg.initialize_model_parallel(tensor_model_parallel_size=2)
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    model = build_model(kind, tie=tie)
+    parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
+    ids = global_batch(0)
+    model(input_ids=ids, labels=ids).loss.backward()  # the agreement exchange happens here
+    with mg.record_collectives() as log:
+        loss = model(input_ids=ids, labels=ids).loss
+        forward = Counter((r.op, r.bytes) for r in log)
+        loss.backward()
+    backward = Counter((r.op, r.bytes) for r in log) - forward
+    tp = mg.group_ranks(pgc.require("tp", "test"))
+    groups = {r.group_ranks for r in log}
+    mg.destroy_model_parallel(pgc)
+    return {"forward": forward, "backward": backward, "groups": groups, "tp": tp}
+
+
+def _expected(kind: str) -> tuple[Counter[tuple[str, int]], Counter[tuple[str, int]]]:
+    """The collectives the plan implies (W=2, fp32 bytes; an all-gather counts the shard
+    it sends, a reduce-scatter its whole input), derived by hand:
+
+    forward: the embedding's all-reduce of [b, s, h]; per layer and block (attention, MLP)
+    the entry's all-gather of [b, s/W, h] and the rowwise output's reduce-scatter of
+    [b, s, h]; the LM head's entry all-gather and its output all-gather [b, s, V/W].
+    backward: each all-gather's reduce-scatter and each reduce-scatter's all-gather, plus
+    the all-gather of the scatter at layer 0's input grad; none for the embedding.
+    """
+    layers, heads, kv_heads, head_dim, hidden, inter, vocab, w = 2, 4, 2, 8, 32, 64, 64, 2
+    act, part = BATCH * SEQ * hidden * 4, BATCH * SEQ * hidden * 4 // w
+    forward = Counter(
+        {
+            ("all_reduce", act): 1,
+            ("all_gather", part): 2 * layers + 1,
+            ("reduce_scatter", act): 2 * layers,
+        }
+    )
+    forward[("all_gather", BATCH * SEQ * vocab // w * 4)] += 1
+    backward = Counter({("all_gather", part): 2 * layers + 1, ("reduce_scatter", act): 2 * layers + 1})
+    if kind == "olmo2":  # q_norm, k_norm: Σx² of [b, s, 1] all-reduced forward and backward
+        forward[("all_reduce", BATCH * SEQ * 4)] += 2 * layers
+        backward[("all_reduce", BATCH * SEQ * 4)] += 2 * layers
+    if kind == "phi3":  # gathered qkv / gate_up outputs; split o_proj / down_proj inputs
+        forward[("all_gather", BATCH * SEQ * (heads + 2 * kv_heads) * head_dim // w * 4)] += layers
+        forward[("all_gather", BATCH * SEQ * 2 * inter // w * 4)] += layers
+        backward[("all_gather", BATCH * SEQ * heads * head_dim // w * 4)] += layers
+        backward[("all_gather", BATCH * SEQ * inter // w * 4)] += layers
+    return forward, backward
+
+
+def _check(run: Run, kind: str, tie: bool, lr: float) -> str:
+    ref = reference(kind, STEPS, tie=tie, lr=lr)
+    start = build_model(kind, tie=tie).state_dict()
+    moved = min(float((ref.weights[k] - start[k]).abs().max()) for k in ref.weights)
+    assert moved >= 1e-4, f"{kind}: a reference tensor moves only {moved:.1e}"
+    rel = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
+    assert rel <= 1e-5, (kind, run.losses, ref.losses)
+    assert sorted(run.weights) == sorted(ref.weights)
+    worst = max(float((run.weights[k] - v).abs().max()) for k, v in ref.weights.items())
+    assert worst <= 1e-6, (kind, worst)
+    return f"{kind}: loss rel {rel:.1e}, weights {worst:.1e}, smallest move {moved:.1e}"
+
+
+@pytest.mark.timeout(240)
+def test_sp_plan_matches_one_process(rank_pools: RankPools) -> None:
+    result = rank_pools.get(4).run(_world, CASES)[0]
+    assert result is not None
+    for run, (kind, tie, lr) in zip(result["runs"], CASES, strict=True):
+        print(_check(run, kind, tie, lr))
+    for kind, schedule in result["schedules"].items():
+        forward, backward = _expected(kind)
+        assert schedule["forward"] == forward, (kind, schedule["forward"])
+        assert schedule["backward"] == backward, (kind, schedule["backward"])
+        assert schedule["groups"] == {schedule["tp"]}, kind
+
+
+def test_plans_per_architecture() -> None:
+    from mc_tp_layers import sequence_parallel_plan
+    from mc_tp_layers.tp_plan import SequenceGather
+
+    llama = build_model("llama")
+    norms = ("input_layernorm", "post_attention_layernorm")
+    assert sequence_parallel_plan(llama) == {  # the recipe examples/hf_llama.py used to carry
+        **llama.tp_plan,
+        "model.layers.0": "sequence_scatter",
+        "model.layers.*.self_attn": "sequence_gather",
+        "model.layers.*.mlp": SequenceGather(kwarg="x"),
+        **{f"model.layers.*.{n}": "sequence_parallel" for n in norms},
+        "model.norm": "sequence_parallel",
+        "lm_head": ("sequence_gather", "colwise_gather_output"),
+    }
+    phi3 = sequence_parallel_plan(build_model("phi3"))
+    assert phi3["model.layers.*.self_attn.qkv_proj"] == "colwise_gather_output"
+    assert phi3["model.layers.*.self_attn.o_proj"] == "rowwise_split_input"
+    olmo2 = sequence_parallel_plan(build_model("olmo2"))
+    assert olmo2["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert olmo2["model.layers.*.self_attn.k_norm"] == "colwise_rmsnorm"
+    assert olmo2["model.layers.*.post_feedforward_layernorm"] == "sequence_parallel"
+    assert "model.layers.*.input_layernorm" not in olmo2
+
+
+def test_qwen3_per_head_norms_are_refused_by_name() -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from mc_tp_layers import sequence_parallel_plan
+
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    model = Qwen3ForCausalLM(config)
+    with pytest.raises(ValueError, match="'replicated_with_grad_allreduce': mc does not offer"):
+        sequence_parallel_plan(model)
+    base = {k: v for k, v in model.tp_plan.items() if v != "replicated_with_grad_allreduce"}
+    with pytest.raises(ValueError, match=r"q_norm.*keeps its heads split"):
+        sequence_parallel_plan(model, base)
