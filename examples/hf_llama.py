@@ -15,6 +15,7 @@ and 4 gloo ranks.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -134,14 +135,16 @@ def train(
     tie: bool = False,
     block_entries: bool | None = None,
     lr: float = LR,
+    overrides: Mapping[str, Any] | None = None,
 ) -> Run:
     """Train the tiny model on every rank of the world (TP = ``tp``, DP = world / tp);
     ``block_entries`` (default: ``sequence_parallel``) converts it with
-    ``sequence_parallel_plan(model, base)`` instead of ``base``, the model's own ``tp_plan``."""
+    ``sequence_parallel_plan(model, base)`` instead of ``base``: the model's own ``tp_plan``
+    with ``overrides`` (pattern → style) replacing its entries."""
     pgc = mg.initialize_model_parallel(tensor_model_parallel_size=tp)
     cfg = mg.ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
     model = build_model(kind, tie=tie)  # the same weights on every rank (same seed)
-    base: dict[str, Any] = dict(model.tp_plan)  # transformers' own plan, names as they are
+    base: dict[str, Any] = {**model.tp_plan, **(overrides or {})}  # transformers' names
     if vocab_parallel_loss:  # keep the logits split along the vocabulary: plain colwise
         base["lm_head"] = "colwise"
     if sequence_parallel if block_entries is None else block_entries:

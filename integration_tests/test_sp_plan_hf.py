@@ -8,7 +8,8 @@ overlapped reduce and param gather), ``finalize_model_grads`` and SGD for 3 step
 spawned world of 4 ranks for all models. Localizes what each architecture adds:
 
 - Phi-3: fused ``qkv_proj`` / ``gate_up_proj`` kept as its ``tp_plan`` gathers them
-  (``colwise_gather_output``), and ``rowwise_split_input`` under sequence parallelism;
+  (``colwise_gather_output``), and ``rowwise_split_input`` under sequence parallelism; and
+  with its MLP split instead (``packed_colwise`` gate_up, ``rowwise`` down);
 - OLMo-2: norms after attention and MLP (no input norm), and ``q_norm`` / ``k_norm`` over
   all heads as ``colwise_rmsnorm`` (sum of squares all-reduced over TP);
 - Gemma: ``(1 + weight)`` norms, the scaled word embedding, tied embeddings;
@@ -40,28 +41,35 @@ from mc_groups.testing import RankPools
 pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
 
 STEPS = 3
-# (kind, tied embeddings, learning rate)
-CASES = [
-    ("qwen2", False, 1.0),
-    ("mistral", False, 1.0),
-    ("phi3", False, 1.0),
-    ("olmo2", False, 0.4),
-    ("gemma", True, 2.0),
+# Phi-3's MLP split (the lighter plan docs/parallelize.md shows): gate_up is chunked in two
+PACKED_MLP = {
+    "model.layers.*.mlp.gate_up_proj": "packed_colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+# (kind, tied embeddings, learning rate, entries replacing the model's tp_plan ones)
+Case = tuple[str, bool, float, dict[str, str]]
+CASES: list[Case] = [
+    ("qwen2", False, 1.0, {}),
+    ("mistral", False, 1.0, {}),
+    ("phi3", False, 1.0, {}),
+    ("phi3", False, 1.0, PACKED_MLP),
+    ("olmo2", False, 0.4, {}),
+    ("gemma", True, 2.0, {}),
 ]
 
 
-def _world(cases: list[tuple[str, bool, float]]) -> dict[str, Any] | None:
+def _world(cases: list[Case]) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from examples.hf_llama import train
 
     torch.set_num_threads(1)
-    runs = [train(2, kind=k, steps=STEPS, tie=tie, lr=lr) for k, tie, lr in cases]
-    schedules = {k: _schedule(k, tie) for k, tie, _ in cases}
+    runs = [train(2, kind=k, steps=STEPS, tie=t, lr=lr, overrides=o) for k, t, lr, o in cases]
+    schedules = [_schedule(k, tie, over) for k, tie, _, over in cases]
     return {"runs": runs, "schedules": schedules} if dist.get_rank() == 0 else None
 
 
-def _schedule(kind: str, tie: bool) -> dict[str, Any]:
+def _schedule(kind: str, tie: bool, overrides: dict[str, str]) -> dict[str, Any]:
     """One forward and one backward at TP=2 (no DDP), every collective recorded."""
     import mc_groups as mg
     from mc_tp_layers import parallelize, sequence_parallel_plan
@@ -69,7 +77,8 @@ def _schedule(kind: str, tie: bool) -> dict[str, Any]:
     pgc = mg.initialize_model_parallel(tensor_model_parallel_size=2)
     cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
     model = build_model(kind, tie=tie)
-    parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
+    plan = sequence_parallel_plan(model, {**model.tp_plan, **overrides})
+    parallelize(model, plan, config=cfg, pg_collection=pgc)
     ids = global_batch(0)
     model(input_ids=ids, labels=ids).loss.backward()  # the agreement exchange happens here
     with mg.record_collectives() as log:
@@ -83,7 +92,7 @@ def _schedule(kind: str, tie: bool) -> dict[str, Any]:
     return {"forward": forward, "backward": backward, "groups": groups, "tp": tp}
 
 
-def _expected(kind: str) -> tuple[Counter[tuple[str, int]], Counter[tuple[str, int]]]:
+def _expected(kind: str, packed: bool) -> tuple[Counter[tuple[str, int]], Counter[tuple[str, int]]]:
     """The collectives the plan implies (W=2, fp32 bytes; an all-gather counts the shard
     it sends, a reduce-scatter its whole input), derived by hand:
 
@@ -103,15 +112,18 @@ def _expected(kind: str) -> tuple[Counter[tuple[str, int]], Counter[tuple[str, i
         }
     )
     forward[("all_gather", BATCH * SEQ * vocab // w * 4)] += 1
-    backward = Counter({("all_gather", part): 2 * layers + 1, ("reduce_scatter", act): 2 * layers + 1})
+    backward = Counter(
+        {("all_gather", part): 2 * layers + 1, ("reduce_scatter", act): 2 * layers + 1}
+    )
     if kind == "olmo2":  # q_norm, k_norm: Σx² of [b, s, 1] all-reduced forward and backward
         forward[("all_reduce", BATCH * SEQ * 4)] += 2 * layers
         backward[("all_reduce", BATCH * SEQ * 4)] += 2 * layers
-    if kind == "phi3":  # gathered qkv / gate_up outputs; split o_proj / down_proj inputs
+    if kind == "phi3":  # gathered qkv (/ gate_up) outputs; split o_proj (/ down_proj) inputs
         forward[("all_gather", BATCH * SEQ * (heads + 2 * kv_heads) * head_dim // w * 4)] += layers
-        forward[("all_gather", BATCH * SEQ * 2 * inter // w * 4)] += layers
         backward[("all_gather", BATCH * SEQ * heads * head_dim // w * 4)] += layers
-        backward[("all_gather", BATCH * SEQ * inter // w * 4)] += layers
+        if not packed:
+            forward[("all_gather", BATCH * SEQ * 2 * inter // w * 4)] += layers
+            backward[("all_gather", BATCH * SEQ * inter // w * 4)] += layers
     return forward, backward
 
 
@@ -132,10 +144,10 @@ def _check(run: Run, kind: str, tie: bool, lr: float) -> str:
 def test_sp_plan_matches_one_process(rank_pools: RankPools) -> None:
     result = rank_pools.get(4).run(_world, CASES)[0]
     assert result is not None
-    for run, (kind, tie, lr) in zip(result["runs"], CASES, strict=True):
+    for run, (kind, tie, lr, _) in zip(result["runs"], CASES, strict=True):
         print(_check(run, kind, tie, lr))
-    for kind, schedule in result["schedules"].items():
-        forward, backward = _expected(kind)
+    for schedule, (kind, _, _, overrides) in zip(result["schedules"], CASES, strict=True):
+        forward, backward = _expected(kind, bool(overrides))
         assert schedule["forward"] == forward, (kind, schedule["forward"])
         assert schedule["backward"] == backward, (kind, schedule["backward"])
         assert schedule["groups"] == {schedule["tp"]}, kind

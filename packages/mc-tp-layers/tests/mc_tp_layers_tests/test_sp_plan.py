@@ -36,7 +36,8 @@ class _Attention(nn.Module):
             self.q_norm, self.k_norm = _RMSNorm(8 // qk_norm), _RMSNorm(4 // qk_norm)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.q_proj(hidden_states))
+        out: torch.Tensor = self.o_proj(self.q_proj(hidden_states))
+        return out
 
 
 class _MLP(nn.Module):
@@ -45,7 +46,8 @@ class _MLP(nn.Module):
         self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.up(x))
+        out: torch.Tensor = self.down(self.up(x))
+        return out
 
 
 class _Layer(nn.Module):

@@ -89,7 +89,7 @@ def sequence_parallel_plan(
             keeps the base plan's styles there.
 
     Returns:
-        A new plan: the base entries (rewritten only by ``split_qk_norms``) and the
+        A new plan holding the base entries (rewritten only by ``split_qk_norms``) and the
         sequence entries, with ``P.*.name`` patterns where every layer gets the same entry.
 
     Collectives of the returned plan per step (W = TP size, ``[b, s, h]`` activations):
