@@ -4,9 +4,9 @@
 One step is forward + loss (``model(input_ids, labels=input_ids).loss``) + backward on 2
 gloo ranks, one thread each, the same weights (same seed) and batch for both variants:
 
-- ``mc``: ``parallelize(model, plan)`` with the model's own ``tp_plan`` plus the entries of
-  ``examples.hf_llama.sequence_parallel_plan`` (SP off: the blocks' entries share one input
-  grad all-reduce per block);
+- ``mc``: ``parallelize(model, sequence_parallel_plan(model))``: the model's own ``tp_plan``
+  plus the sequence-parallel entries (SP off: the blocks' entries share one input grad
+  all-reduce per block);
 - ``torch``: the equivalent plan of ``ColwiseParallel`` / ``RowwiseParallel`` (SP on:
   ``SequenceParallel(sequence_dim=1)`` on the norms, ``PrepareModuleInput`` gathering the
   sequence before attention and MLP and scattering it at the first layer, the row layers'
