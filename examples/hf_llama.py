@@ -50,13 +50,15 @@ __all__ = [
 ]
 
 SEQ, BATCH, LR = 16, 4, 1.0
-KINDS = {  # kind → the transformers class prefix (…Config, …ForCausalLM)
-    "llama": "Llama",
-    "qwen2": "Qwen2",  # q/k/v biases
-    "mistral": "Mistral",
-    "phi3": "Phi3",  # fused qkv_proj and gate_up_proj, gathered by its tp_plan
-    "olmo2": "Olmo2",  # q_norm / k_norm over all heads; norms after attention and MLP
-    "gemma": "Gemma",  # (1 + weight) norms, embeddings scaled by sqrt(hidden)
+KINDS = {  # kind → its transformers config and model classes
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # per-head q_norm / k_norm
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),  # fused qkv_proj, gate_up_proj (gathered)
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),  # q_norm / k_norm over all heads; post-norms
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),  # (1 + w) norms, scaled embeddings
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),  # + per-head q/k norms, sliding window
 }
 
 
@@ -78,10 +80,10 @@ def build_model(kind: str = "llama", seed: int = 0, *, tie: bool = False) -> Pre
     }
     if kind not in ("llama", "qwen2"):  # token ids inside the tiny vocabulary, small heads
         sizes.update(pad_token_id=None, bos_token_id=1, eos_token_id=2, head_dim=8)
-    prefix = KINDS[kind]
-    config = getattr(transformers, f"{prefix}Config")(**sizes)
+    config_class, model_class = KINDS[kind]
+    config = getattr(transformers, config_class)(**sizes)
     torch.manual_seed(seed)
-    model: PreTrainedModel = getattr(transformers, f"{prefix}ForCausalLM")(config)
+    model: PreTrainedModel = getattr(transformers, model_class)(config)
     return model
 
 

@@ -1,6 +1,6 @@
 """``sequence_parallel_plan`` on ``transformers`` models, against one process.
 
-Tiny Qwen2, Mistral, Phi-3, OLMo-2 and Gemma causal LMs (``examples/hf_llama.py``'s
+Tiny Qwen2, Qwen3, Mistral, Phi-3, OLMo-2, Gemma and Gemma-3 causal LMs (``examples/hf_llama.py``'s
 ``build_model``; Llama's run is in test_parallelize_hf.py) converted by
 ``parallelize(model, sequence_parallel_plan(model), ...)`` and trained by the example's
 ``train`` at TP=2 × DP=2 with sequence parallelism, mc DDP (distributed optimizer,
@@ -13,11 +13,13 @@ spawned world of 4 ranks for all models. Localizes what each architecture adds:
 - OLMo-2: norms after attention and MLP (no input norm), and ``q_norm`` / ``k_norm`` over
   all heads as ``colwise_rmsnorm`` (sum of squares all-reduced over TP);
 - Gemma: ``(1 + weight)`` norms, the scaled word embedding, tied embeddings;
+- Qwen3 and Gemma-3: per-head ``q_norm`` / ``k_norm`` as their ``tp_plan`` says
+  (``replicated_with_grad_allreduce``: each rank's grad covers its heads, summed over TP);
 - Qwen2's q/k/v biases, Mistral as Llama.
 
 Then the collectives of one forward and one backward per model at TP=2 (op, group, bytes,
-counted from the plan by hand below), the plans themselves, and Qwen3's per-head q/k norms
-(``replicated_with_grad_allreduce``), which mc refuses by name.
+counted from the plan by hand below), the plans themselves, and Qwen3 with its norm
+entries dropped from the plan, which the helper refuses by name.
 
 Tolerances (fp32, gloo): loss per step ≤ 1e-5 relative, final weights ≤ 1e-6 absolute,
 every reference tensor moving ≥ 1e-4 (checked). The learning rate is per model: OLMo-2's
@@ -50,11 +52,13 @@ PACKED_MLP = {
 Case = tuple[str, bool, float, dict[str, str]]
 CASES: list[Case] = [
     ("qwen2", False, 1.0, {}),
+    ("qwen3", False, 1.0, {}),
     ("mistral", False, 1.0, {}),
     ("phi3", False, 1.0, {}),
     ("phi3", False, 1.0, PACKED_MLP),
     ("olmo2", False, 0.4, {}),
     ("gemma", True, 2.0, {}),
+    ("gemma3", False, 1.0, {}),
 ]
 
 
@@ -118,6 +122,8 @@ def _expected(kind: str, packed: bool) -> tuple[Counter[tuple[str, int]], Counte
     if kind == "olmo2":  # q_norm, k_norm: Σx² of [b, s, 1] all-reduced forward and backward
         forward[("all_reduce", BATCH * SEQ * 4)] += 2 * layers
         backward[("all_reduce", BATCH * SEQ * 4)] += 2 * layers
+    if kind in ("qwen3", "gemma3"):  # per-head q_norm, k_norm: their grads summed over TP
+        backward[("all_reduce", head_dim * 4)] += 2 * layers
     if kind == "phi3":  # gathered qkv (/ gate_up) outputs; split o_proj (/ down_proj) inputs
         forward[("all_gather", BATCH * SEQ * (heads + 2 * kv_heads) * head_dim // w * 4)] += layers
         backward[("all_gather", BATCH * SEQ * heads * head_dim // w * 4)] += layers
@@ -178,23 +184,12 @@ def test_plans_per_architecture() -> None:
     assert "model.layers.*.input_layernorm" not in olmo2
 
 
-def test_qwen3_per_head_norms_are_refused_by_name() -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+def test_per_head_norms_outside_the_plan_are_refused() -> None:
     from mc_tp_layers import sequence_parallel_plan
 
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    model = Qwen3ForCausalLM(config)
-    with pytest.raises(ValueError, match="'replicated_with_grad_allreduce': mc does not offer"):
-        sequence_parallel_plan(model)
+    model = build_model("qwen3")
+    plan = sequence_parallel_plan(model)
+    assert plan["model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
     base = {k: v for k, v in model.tp_plan.items() if v != "replicated_with_grad_allreduce"}
     with pytest.raises(ValueError, match=r"q_norm.*keeps its heads split"):
         sequence_parallel_plan(model, base)

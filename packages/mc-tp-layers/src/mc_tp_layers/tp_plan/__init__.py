@@ -13,7 +13,8 @@ The two type aliases (Style, Plan): a ``Style`` is one of the style records belo
 fnmatch patterns over qualified module names → a style. The style names are those of
 ``transformers``' ``tp_plan`` (``colwise``, ``rowwise``, ``colwise_gather_output`` /
 ``colwise_rep``, ``rowwise_split_input`` / ``rowwise_rep``, ``packed_colwise``,
-``embedding_rowwise``, ``sequence_parallel``), plus ``sequence_gather`` and
+``embedding_rowwise``, ``replicated_with_grad_allreduce``, ``sequence_parallel``), plus
+``sequence_gather`` and
 ``sequence_scatter`` for sequence parallelism and ``colwise_rmsnorm`` for a norm over a
 split width; mc does not import ``transformers``.
 
@@ -48,6 +49,7 @@ from mc_tp_layers.tp_plan._styles import (
     Colwise,
     ColwiseRMSNorm,
     Plan,
+    ReplicatedWithGradAllReduce,
     Rowwise,
     SequenceGather,
     SequenceParallelNorm,
@@ -61,6 +63,7 @@ __all__ = [
     "Colwise",
     "ColwiseRMSNorm",
     "Plan",
+    "ReplicatedWithGradAllReduce",
     "Rowwise",
     "SequenceGather",
     "SequenceParallelNorm",

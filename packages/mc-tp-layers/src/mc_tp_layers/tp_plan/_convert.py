@@ -22,6 +22,7 @@ from mc_tp_layers.tp_plan._styles import (
     Colwise,
     ColwiseRMSNorm,
     Plan,
+    ReplicatedWithGradAllReduce,
     Rowwise,
     SequenceGather,
     SequenceParallelNorm,
@@ -70,7 +71,8 @@ def parallelize(
         plan: fnmatch pattern over qualified module names → a style name (``colwise``,
             ``rowwise``, ``colwise_gather_output``/``colwise_rep``,
             ``rowwise_split_input``/``rowwise_rep``, ``packed_colwise``,
-            ``embedding_rowwise``, ``colwise_rmsnorm``, ``sequence_parallel``,
+            ``embedding_rowwise``, ``colwise_rmsnorm``, ``replicated_with_grad_allreduce``,
+            ``sequence_parallel``,
             ``sequence_gather``, ``sequence_scatter``), a style object, or a tuple of them.
             A ``transformers`` model's ``model.tp_plan`` can be passed as it is;
             :func:`~mc_tp_layers.tp_plan.sequence_parallel_plan` adds the sequence-parallel
@@ -99,6 +101,8 @@ def parallelize(
                                                                  (as rowwise)
         embedding_rowwise     all-reduce of the embeddings       —
         colwise_rmsnorm       all-reduce of Σx² ([..., 1], fp32) all-reduce of its grad
+        replicated_with_      —                                  all-reduce of each param grad
+        grad_allreduce
         sequence_gather       SP: all-gather of the input (seq)  SP: reduce-scatter of its grad,
                               (a block's entry)                  else all-reduce of it
         sequence_scatter      —                                  all-gather of its grad
@@ -380,6 +384,11 @@ def _attach(mod: torch.nn.Module, style: Style, setup: Setup, name: str) -> None
     if isinstance(style, SequenceGather):
         hook = _sequence.input_hook(name, style.kwarg, lambda x: _sequence.enter(x, group, dim, sp))
         mod.register_forward_pre_hook(hook, with_kwargs=True)
+    elif isinstance(style, ReplicatedWithGradAllReduce):
+        for pname, param in mod.named_parameters():
+            if param.requires_grad:
+                summed = _sequence.grad_sum(group, f"{name}.{pname}")
+                param.register_hook(summed)  # type: ignore[no-untyped-call]
     elif not sp:
         return
     elif isinstance(style, SequenceParallelNorm):

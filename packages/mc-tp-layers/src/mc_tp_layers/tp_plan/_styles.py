@@ -19,6 +19,7 @@ __all__ = [
     "Colwise",
     "ColwiseRMSNorm",
     "Plan",
+    "ReplicatedWithGradAllReduce",
     "Rowwise",
     "SequenceGather",
     "SequenceParallelNorm",
@@ -91,6 +92,16 @@ class ColwiseRMSNorm:
 
 
 @dataclass(frozen=True)
+class ReplicatedWithGradAllReduce:
+    """A replicated module inside the tensor-parallel region whose parameters each rank
+    trains on only its part of the work (Qwen3's and Gemma-3's per-head ``q_norm`` /
+    ``k_norm``: each rank normalises its own heads): each parameter's grad is summed over
+    the TP group as it is computed (a tensor hook, before it accumulates into ``.grad`` or
+    DDP's ``main_grad``), with or without sequence parallelism. Collectives: backward one
+    all-reduce of the parameter's size per parameter and backward pass."""
+
+
+@dataclass(frozen=True)
 class SequenceParallelNorm:
     """A module that works token by token (a norm) and runs on this rank's part of the
     sequence under sequence parallelism: its parameters are tagged ``sequence_parallel`` so
@@ -122,6 +133,7 @@ class SequenceScatter:
 Style = (
     Colwise
     | ColwiseRMSNorm
+    | ReplicatedWithGradAllReduce
     | Rowwise
     | VocabEmbedding
     | SequenceParallelNorm
@@ -144,6 +156,7 @@ _NAMED: Mapping[str, Style] = MappingProxyType(
         "rowwise_rep": Rowwise(split_input=True),
         "embedding_rowwise": VocabEmbedding(),
         "colwise_rmsnorm": ColwiseRMSNorm(),
+        "replicated_with_grad_allreduce": ReplicatedWithGradAllReduce(),
         "sequence_parallel": SequenceParallelNorm(),
         "sequence_gather": SequenceGather(),
         "sequence_scatter": SequenceScatter(),
@@ -152,6 +165,7 @@ _NAMED: Mapping[str, Style] = MappingProxyType(
 _STYLE_TYPES = (
     Colwise,
     ColwiseRMSNorm,
+    ReplicatedWithGradAllReduce,
     Rowwise,
     VocabEmbedding,
     SequenceParallelNorm,
