@@ -169,7 +169,7 @@ def _with(change: str) -> tuple[nn.Module, dict[str, Any]]:
         ("no rowwise", ["model.layers.0.mlp", "no rowwise output layer"]),
         ("no head", ["head (torch.nn.modules.linear.Linear)", "no plan entry", "'colwise_ga"]),
         ("base model", ["no colwise layer", "after layers", "split along the sequence"]),
-        ("per-head norm", ["q_norm", "heads split", "replicated_with_grad_allreduce"]),
+        ("per-head norm", ["q_norm", "heads split", "give them 'replicated_with_grad_all"]),
         ("after", ["score (torch.nn.modules.linear.Linear)", "registered after model.layers"]),
         ("sequence base", ["model.norm", "sequence style already"]),
         ("layer converted", ["model.layers.0.proj", "converted by the plan itself"]),

@@ -71,8 +71,8 @@ def sequence_parallel_plan(
     """The full plan that runs ``model`` tensor-parallel with sequence parallelism.
 
     ``parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)``
-    is one call for a ``transformers`` Llama, Qwen2, Mistral, Phi-3, OLMo-2 or Gemma
-    (tested), or any decoder whose layers are an ``nn.ModuleList`` of blocks (attention,
+    is one call for a ``transformers`` Llama, Qwen2, Qwen3, Mistral, Phi-3, OLMo-2, Gemma
+    or Gemma-3 (tested), or any decoder whose layers are an ``nn.ModuleList`` of blocks (attention,
     MLP) and norms. The same plan serves ``config.sequence_parallel=False``: the entries
     then make each block share one all-reduce of its input grad (Megatron's ``f``).
 
@@ -250,9 +250,10 @@ def _block(
     if loose and split_heads:
         raise InputValueError(
             f"{[n for n, _ in loose]} in {name} hold parameters outside the plan while the "
-            "block keeps its heads split: each rank's grad would cover only its heads "
-            "(transformers plans such per-head norms 'replicated_with_grad_allreduce', which "
-            f"mc does not offer); gather the block's projections (colwise_gather_output) or {_HOW}"
+            "block keeps its heads split: each rank's grad would cover only its heads; give "
+            "them 'replicated_with_grad_allreduce' in the base plan (their grads summed over "
+            "TP, as transformers plans Qwen3's per-head norms), gather the block's "
+            f"projections (colwise_gather_output), or {_HOW}"
         )
     entries[name] = [SequenceGather(_first_arg(block))]
     if loose and split_qk_norms and _full_width_norms(inside, loose):
