@@ -13,6 +13,9 @@ Without sequence parallelism the same plan entry is Megatron's ``f`` for the who
 column-parallel layer would otherwise all-reduce its own). The tensor that enters a block
 is marked, so a column-parallel layer that relies on it refuses an input that did not
 enter that way (its grads would silently miss the TP sum).
+
+:func:`grad_sum` is the parameter hook of ``replicated_with_grad_allreduce``: a replicated
+parameter used only on this rank's heads gets the TP sum of its grad in backward.
 """
 
 from __future__ import annotations
