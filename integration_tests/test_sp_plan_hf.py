@@ -5,7 +5,8 @@ Tiny Qwen2, Qwen3, Mistral, Phi-3, OLMo-2, Gemma and Gemma-3 causal LMs (``examp
 ``parallelize(model, sequence_parallel_plan(model), ...)`` and trained by the example's
 ``train`` at TP=2 × DP=2 with sequence parallelism, mc DDP (distributed optimizer,
 overlapped reduce and param gather), ``finalize_model_grads`` and SGD for 3 steps, in one
-spawned world of 4 ranks for all models. Localizes what each architecture adds:
+spawned world of 4 ranks for all models (the pool test_parallelize_hf.py also uses).
+Localizes what each architecture adds:
 
 - Phi-3: fused ``qkv_proj`` / ``gate_up_proj`` kept as its ``tp_plan`` gathers them
   (``colwise_gather_output``), and ``rowwise_split_input`` under sequence parallelism; and
@@ -18,8 +19,11 @@ spawned world of 4 ranks for all models. Localizes what each architecture adds:
 - Qwen2's q/k/v biases, Mistral as Llama.
 
 Then the collectives of one forward and one backward per model at TP=2 (op, group, bytes,
-counted from the plan by hand below), the plans themselves, and Qwen3 with its norm
-entries dropped from the plan, which the helper refuses by name.
+counted from the plan by hand below), the plans themselves, Qwen3 with its norm entries
+dropped from the plan, which the helper refuses by name, and the plans ``parallelize``
+refuses before changing anything (a ``(1 + weight)`` norm or one without ``eps`` as
+``colwise_rmsnorm``, ``nn.Linear`` / ``nn.Embedding`` subclasses whose ``forward`` adds a
+step, ``rowwise_split_input`` under SP outside a ``sequence_gather`` block).
 
 Tolerances (fp32, gloo): loss per step ≤ 1e-5 relative, final weights ≤ 1e-6 absolute,
 every reference tensor moving ≥ 1e-4 (checked). The learning rate is per model: OLMo-2's
@@ -62,15 +66,82 @@ CASES: list[Case] = [
 ]
 
 
-def _world(cases: list[Case]) -> dict[str, Any] | None:
+def _case(case: Case) -> tuple[Run, dict[str, Any]] | None:
+    """One model trained, then its collectives recorded (one call per model: each gets the
+    pool's deadline)."""
     import torch.distributed as dist
 
     from examples.hf_llama import train
 
     torch.set_num_threads(1)
-    runs = [train(2, kind=k, steps=STEPS, tie=t, lr=lr, overrides=o) for k, t, lr, o in cases]
-    schedules = [_schedule(k, tie, over) for k, tie, _, over in cases]
-    return {"runs": runs, "schedules": schedules} if dist.get_rank() == 0 else None
+    kind, tie, lr, overrides = case
+    run = train(2, kind=kind, steps=STEPS, tie=tie, lr=lr, overrides=overrides)
+    schedule = _schedule(kind, tie, overrides)
+    return (run, schedule) if dist.get_rank() == 0 else None
+
+
+class _OnePlusNorm(torch.nn.Module):
+    """Gemma's RMS norm: x / rms(x) × (1 + weight)."""
+
+    def __init__(self, width: int, eps: float | None = 1e-6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(width))
+        if eps is not None:
+            self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return normed * (1.0 + self.weight)
+
+
+class _ScaledLinear(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2.0 * super().forward(x)
+
+
+class _OffsetEmbedding(torch.nn.Embedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) + 1.0
+
+
+REFUSALS = [
+    ("ValueError", ["norm", "does not compute weight · x / sqrt(mean(x²)", "colwise_gather"]),
+    ("TypeError", ["norm", "epsilon", "variance_epsilon", "keep the module replicated"]),
+    ("TypeError", ["0 (plan['0']", "_ScaledLinear overrides nn.Linear.forward"]),
+    ("TypeError", ["_OffsetEmbedding overrides nn.Embedding.forward", "scaled lookup"]),
+    ("ValueError", ["1 (plan['1']", "rowwise_split_input", "whole sequence", "sequence_gather"]),
+]
+
+
+def _refusals() -> list[tuple[str, str, bool]]:
+    """Plans parallelize refuses before changing anything: each error and whether every
+    module kept its class."""
+    import mc_groups as mg
+    from mc_groups.testing import error_kind
+    from mc_tp_layers import parallelize
+
+    pgc = mg.initialize_model_parallel(tensor_model_parallel_size=2)
+    tp = mg.ModelParallelConfig(tensor_model_parallel_size=2)
+    sp = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    seq = torch.nn.Sequential
+    cases: list[tuple[torch.nn.Module, dict[str, str], Any]] = [
+        (seq(torch.nn.Linear(8, 8), _OnePlusNorm(8)), {"0": "colwise", "1": "colwise_rmsnorm"}, tp),
+        (seq(torch.nn.Linear(8, 8), _OnePlusNorm(8, None)), {"1": "colwise_rmsnorm"}, tp),
+        (seq(_ScaledLinear(8, 8)), {"0": "colwise"}, tp),
+        (seq(_OffsetEmbedding(8, 4)), {"0": "embedding_rowwise"}, tp),
+        (seq(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), {"1": "rowwise_split_input"}, sp),
+    ]
+    out = []
+    for model, plan, config in cases:
+        before = [type(m) for m in model.modules()]
+        try:
+            parallelize(model, plan, config=config, pg_collection=pgc)
+            kind, message = "", "no error"
+        except (ValueError, TypeError) as err:
+            kind, message = error_kind(err), str(err)
+        out.append((kind, message, [type(m) for m in model.modules()] == before))
+    mg.destroy_model_parallel(pgc)
+    return out
 
 
 def _schedule(kind: str, tie: bool, overrides: dict[str, str]) -> dict[str, Any]:
@@ -146,17 +217,25 @@ def _check(run: Run, kind: str, tie: bool, lr: float) -> str:
     return f"{kind}: loss rel {rel:.1e}, weights {worst:.1e}, smallest move {moved:.1e}"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_sp_plan_matches_one_process(rank_pools: RankPools) -> None:
-    result = rank_pools.get(4).run(_world, CASES)[0]
-    assert result is not None
-    for run, (kind, tie, lr, _) in zip(result["runs"], CASES, strict=True):
+    pool = rank_pools.get(4)
+    for case in CASES:
+        result = pool.run(_case, case)[0]
+        assert result is not None
+        run, schedule = result
+        kind, tie, lr, overrides = case
         print(_check(run, kind, tie, lr))
-    for schedule, (kind, _, _, overrides) in zip(result["schedules"], CASES, strict=True):
         forward, backward = _expected(kind, bool(overrides))
         assert schedule["forward"] == forward, (kind, schedule["forward"])
         assert schedule["backward"] == backward, (kind, schedule["backward"])
         assert schedule["groups"] == {schedule["tp"]}, kind
+    refusals = pool.run(_refusals)[0]
+    for (kind, message, untouched), (want, words) in zip(refusals, REFUSALS, strict=True):
+        assert kind == want, message
+        for word in words:
+            assert word in message, (word, message)
+        assert untouched, message
 
 
 def test_plans_per_architecture() -> None:
