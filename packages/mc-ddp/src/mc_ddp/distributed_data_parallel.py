@@ -58,6 +58,7 @@ from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, type_name
+from mc_groups.device import is_graph_capturing
 from mc_groups.errors import InputStateError, InputTypeError
 from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr, main_grad_of
 
@@ -285,6 +286,13 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
                 setattr(param, PARAM_READY_CALLBACK_ATTR, callback)
 
     # -- hooks ------------------------------------------------------------------------
+
+    @staticmethod
+    def _graph_capturing() -> bool:
+        """The capture probe every hook and ready callback asks: this module's
+        ``is_graph_capturing`` (mc_groups' probe), looked up at each call so that a CPU test
+        can patch it where Megatron-Core's tests patch theirs."""
+        return is_graph_capturing()
 
     def _make_backward_post_hook(self, param: Param) -> BackwardPostHook:
         """A hook to run after ``param``'s grad is accumulated: add ``param.grad`` into
