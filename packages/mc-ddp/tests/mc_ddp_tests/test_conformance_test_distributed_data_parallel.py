@@ -164,7 +164,8 @@ def _default_and_custom_groups() -> dict[str, Any]:
             and list(ddp3.full_param_layout.layouts)
             == [BufferKey(torch.float32, torch.float32, False)]
             and ddp3.full_param_layout.layouts[BufferKey(torch.float32, torch.float32, False)]
-            == ddp2.buffers[0].param_layout,
+            == ddp3.buffers[0].param_layout
+            and ddp3.buffers[0].bucket_indices == ddp2.buffers[0].bucket_indices,
             "error": error,
             "groups": ([r.group_ranks for r in log1], [r.group_ranks for r in log2]),
         }
