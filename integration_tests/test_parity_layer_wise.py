@@ -35,6 +35,7 @@ moves by ≥ 100 × the weight tolerance; both ranks hold bit-identical weights.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any
 
@@ -69,7 +70,7 @@ def model() -> torch.nn.Sequential:
     """The same initial weights in every process."""
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
-    for i, (fan_in, fan_out) in enumerate(zip(SIZES, SIZES[1:], strict=False)):
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(SIZES)):
         layers += [torch.nn.Linear(fan_in, fan_out)] + ([torch.nn.GELU()] if i < 3 else [])
     return torch.nn.Sequential(*layers)
 
@@ -155,13 +156,18 @@ def _train(layer_wise: bool) -> dict[str, Any]:
             with mg.record_collectives() as log:
                 ddp.zero_grad_buffer()
                 loss = (ddp(x[half]) - target[half]).pow(2).mean()
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()
                 finalize_model_grads([ddp], pg_collection=pgc)
                 opt.step()
             if step == RECORDED_STEP:
                 records = [(r.op, r.group_ranks, r.numel) for r in log]
             mean = loss.detach().double().clone()
-            mg.all_reduce(mean, pgc.require("dp", "the test's loss logging"), op=mg.ReduceOp.AVG, label="test: loss")
+            mg.all_reduce(
+                mean,
+                pgc.require("dp", "the test's loss logging"),
+                op=mg.ReduceOp.AVG,
+                label="test: loss",
+            )
             losses.append(float(mean))
         ensure_params_ready(list(net.parameters()))
         assert ddp.full_param_layout is not None
@@ -194,7 +200,7 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.
     for _ in range(STEPS):
         opt.zero_grad()
         loss = (net(x) - target).pow(2).mean()
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
     return losses, {n: p.detach().clone() for n, p in net.named_parameters()}, initial

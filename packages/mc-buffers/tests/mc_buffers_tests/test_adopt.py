@@ -131,7 +131,7 @@ def test_layer_wise_buffers_keep_every_param_whole_in_one_shard() -> None:
         full_param_layout=foreign,  # type: ignore[arg-type]
     )
     (buffer,) = buffers.values()
-    assert buffer.numel == 384 and buffer.numel_unpadded == 320
+    assert (buffer.numel, buffer.numel_unpadded) == (384, 320)
     (bucket,) = buffer.buckets
     p0, p1, p2, p3 = params
     assert bucket.params_list == [p2, p3, p0, p1]  # by start, not backprop order

@@ -96,17 +96,22 @@ def test_fourth_field_defaults_to_megatrons_false() -> None:
 @pytest.mark.parametrize("layer_wise", [False, True])
 @pytest.mark.parametrize("expert", [False, True])
 def test_keys_are_interchangeable_with_megatrons(expert: bool, layer_wise: bool) -> None:
-    ours, theirs = BufferKey(BF16, FP32, expert, layer_wise), _MegatronStyleKey(
-        BF16, FP32, expert, layer_wise
+    ours, theirs = (
+        BufferKey(BF16, FP32, expert, layer_wise),
+        _MegatronStyleKey(BF16, FP32, expert, layer_wise),
     )
-    assert ours == theirs and theirs == ours  # noqa: PLR1714 (both operand orders)
-    assert not (ours != theirs) and not (theirs != ours)
+    assert ours == theirs  # mc's __eq__
+    assert theirs == ours  # Megatron's returns NotImplemented, Python asks mc's
+    assert (ours != theirs, theirs != ours) == (False, False)
     assert hash(ours) == hash(theirs)
-    assert {theirs: "megatron"}[ours] == "megatron"  # mc key into Megatron's layouts
-    assert {ours: "mc"}[theirs] == "mc"  # and back
+    theirs_map: dict[object, str] = {theirs: "megatron"}
+    ours_map: dict[object, str] = {ours: "mc"}
+    assert theirs_map[ours] == "megatron"  # mc key into Megatron's layouts
+    assert ours_map[theirs] == "mc"  # and back
     assert {ours} == {theirs}
     other = _MegatronStyleKey(BF16, FP32, expert, not layer_wise)
-    assert ours != other and other != ours  # noqa: PLR1714
+    assert ours != other
+    assert other != ours
     assert other not in {ours: 1}
 
 

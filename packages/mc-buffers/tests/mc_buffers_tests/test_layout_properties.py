@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from mc_buffers import (
     PerBufferParamLayout,
-    pad_param_start,
     compute_default_per_buffer_param_layout,
     compute_distributed_optimizer_param_layout,
     compute_full_param_layout,
+    pad_param_start,
 )
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -97,11 +97,12 @@ def _scratch(
             f"all_to_all_output_tensor={type_name(given)} must be None or a torch.Tensor "
             "shaped like input_tensor"
         )
-    if isinstance(input, torch.Tensor):
-        if given.shape != input.shape or given.dtype != input.dtype:
-            raise InputValueError(
-                f"all_to_all_output_tensor of shape {tuple(given.shape)} and dtype "
-                f"{given.dtype} must match input_tensor's shape {tuple(input.shape)} and "
-                f"dtype {input.dtype}; pass torch.empty_like(input) or None"
-            )
+    if isinstance(input, torch.Tensor) and (
+        given.shape != input.shape or given.dtype != input.dtype
+    ):
+        raise InputValueError(
+            f"all_to_all_output_tensor of shape {tuple(given.shape)} and dtype "
+            f"{given.dtype} must match input_tensor's shape {tuple(input.shape)} and "
+            f"dtype {input.dtype}; pass torch.empty_like(input) or None"
+        )
     return given

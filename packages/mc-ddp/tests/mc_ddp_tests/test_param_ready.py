@@ -104,7 +104,10 @@ def test_hooks_do_nothing_under_capture(monkeypatch: pytest.MonkeyPatch) -> None
     """The backward post-hook and the forward pre-hook ask the same probe."""
     ddp = _FakeDDP()
     param, module = torch.nn.Parameter(torch.zeros(1)), torch.nn.Linear(1, 1)
-    grad_hook, forward_hook = param_ready.BackwardPostHook(ddp, param), param_ready.ForwardPreHook(ddp)
+    grad_hook, forward_hook = (
+        param_ready.BackwardPostHook(ddp, param),
+        param_ready.ForwardPreHook(ddp),
+    )
     capturing = [True]
     monkeypatch.setattr(ddp_module, "is_graph_capturing", lambda: capturing[0])
     grad_hook(param)
