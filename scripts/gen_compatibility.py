@@ -222,10 +222,16 @@ DELIBERATE = """\
 - **Megatron's objects by what they have.** A `ProcessGroupCollection` of another class
   (Megatron-Core's) is adopted by its group attributes; a `full_param_layout` / `param_layout`
   with Megatron-Core's fields (its own `FullParamLayout` from
-  `DistributedOptimizer.compute_full_param_layout`) is copied into mc's; a group argument that
+  `DistributedOptimizer.compute_full_param_layout`, or main's
+  `LayerWiseDistributedOptimizer.compute_full_param_layout`) is copied into mc's, and
+  `BufferKey`s of either library are equal and hash alike; a group argument that
   is only read for its rank may be any object with `rank()`; finalize's step helpers take any
   chunk with `named_parameters()` (plain `nn.Module`s), `finalize_model_grads` also needs
-  `finish_grad_sync`.
+  `finish_grad_sync`. Megatron's own optimizers build over mc's DDP: its
+  `DistributedOptimizer` (`get_megatron_optimizer`) reads each buffer's `ddp_config`,
+  `data_parallel_group`, layout and buckets, main's `LayerWiseDistributedOptimizer` the
+  chunk's `full_param_layout` (`integration_tests/test_megatron_optimizer.py`, where
+  megatron-core is installed: both train like one process within 1e-6).
 - **No required globals.** Groups are passed explicitly (`tp_group=`, `pg_collection=`);
   `initialize_model_parallel(..., set_default=True)` and `model_parallel_cuda_manual_seed`
   register opt-in defaults that `None` arguments read, as Megatron's globals would.
