@@ -256,8 +256,8 @@ DELIBERATE = """\
   optimizer). `register_grad_ready` without `overlap_grad_reduce` is an `InputStateError`, as
   Megatron asserts. `overlap_param_gather` without the distributed optimizer (Megatron's
   legacy layer-wise setting, without a layout) is accepted: params are replicated, nothing
-  is gathered; buckets whose params that legacy path sharded (per-bucket param lists,
-  `layerwise_param_flat_sizes`) are a `NotImplementedError`. With the layout Megatron main's
+  is gathered; that legacy path's per-bucket param lists (`set_layerwise_params_list`,
+  `layerwise_param_flat_sizes`) are a `NotImplementedError` naming the layout path. With the layout Megatron main's
   `LayerWiseDistributedOptimizer` computes (`full_param_layout=`, distributed optimizer on),
   its shard-aligned buffers are reduce-scattered and gathered as Megatron does.
 - **Collectives.** Nothing is issued on one-rank groups; vocab-parallel cross-entropy

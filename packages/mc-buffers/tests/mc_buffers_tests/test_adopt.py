@@ -150,3 +150,19 @@ def test_a_type_without_the_fields_is_named_with_its_module() -> None:
     assert isinstance(info.value, AssertionError)  # as Megatron's assert isinstance
     with pytest.raises(TypeError, match=r"without \['bucket_indices'"):
         as_per_buffer_param_layout(type("Partial", (), {"param_index_map": {}})())
+
+
+def test_layer_wise_legacy_param_lists_name_the_layout_path() -> None:
+    """Megatron's layer-wise optimizer without a layout hands each bucket per-rank param
+    lists; mc refuses that path and names the one it implements."""
+    params, foreign = _layer_wise_layout()
+    buffers = build_param_and_grad_buffers(
+        params,
+        bucket_size=None,
+        data_parallel_size=2,
+        use_distributed_optimizer=True,
+        full_param_layout=foreign,  # type: ignore[arg-type]
+    )
+    (bucket,) = next(iter(buffers.values())).buckets
+    with pytest.raises(NotImplementedError, match=r"full_param_layout=\.\.\.\) with"):
+        bucket.set_layerwise_params_list([params[:2], params[2:]])
