@@ -257,9 +257,10 @@ DELIBERATE = """\
   Megatron asserts. `overlap_param_gather` without the distributed optimizer (Megatron's
   legacy layer-wise setting, without a layout) is accepted: params are replicated, nothing
   is gathered; that legacy path's per-bucket param lists (`set_layerwise_params_list`,
-  `layerwise_param_flat_sizes`) are a `NotImplementedError` naming the layout path. With the layout Megatron main's
-  `LayerWiseDistributedOptimizer` computes (`full_param_layout=`, distributed optimizer on),
-  its shard-aligned buffers are reduce-scattered and gathered as Megatron does.
+  `layerwise_param_flat_sizes`) are a `NotImplementedError` naming the layout path. With
+  the layout Megatron main's `LayerWiseDistributedOptimizer` computes (`full_param_layout=`,
+  distributed optimizer on), its shard-aligned buffers are reduce-scattered and gathered as
+  Megatron does.
 - **Collectives.** Nothing is issued on one-rank groups; vocab-parallel cross-entropy
   issues two all-reduces (MAX, then one stacked SUM) where Megatron issues three; on gloo,
   reduce-scatters run as an all-to-all plus a local sum and all-gathers as point-to-point
