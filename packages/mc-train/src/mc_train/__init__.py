@@ -17,6 +17,15 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from mc_train.checkpoint import (
+    Checkpointer,
+    CheckpointWriteError,
+    Found,
+    Resumed,
+    ResumeError,
+    RunState,
+    find_checkpoint,
+)
 from mc_train.loss import IGNORE_INDEX, TokenLoss, causal_targets, token_cross_entropy
 from mc_train.pipeline import Pipeline, StageShapes, build_pipeline
 from mc_train.schedules import SCHEDULES, InFlight, check_schedule, in_flight_forwards
@@ -31,8 +40,14 @@ except PackageNotFoundError:  # a checkout on sys.path, not installed
 __all__ = [
     "IGNORE_INDEX",
     "SCHEDULES",
+    "CheckpointWriteError",
+    "Checkpointer",
+    "Found",
     "InFlight",
     "Pipeline",
+    "ResumeError",
+    "Resumed",
+    "RunState",
     "StageForward",
     "StageInfo",
     "StageShapes",
@@ -42,6 +57,7 @@ __all__ = [
     "causal_targets",
     "check_schedule",
     "decoder_stages",
+    "find_checkpoint",
     "hf_causal_lm_forward",
     "in_flight_forwards",
     "split_model",
