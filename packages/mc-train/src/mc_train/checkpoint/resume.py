@@ -210,9 +210,10 @@ def find_checkpoint(
     return _agree(_inspect(resume, where, run or {}), group)
 
 
-def agree(found: Found | None, error: str | None, group: dist.ProcessGroup) -> Found:
-    """Exchange one rank's verdict (``found``, or ``error``) over ``group``: the common one,
-    or ``ResumeError`` on every rank (for tests of the agreement itself)."""
+def agree(found: Found | None, error: str | None, group: dist.ProcessGroup | None) -> Found:
+    """Exchange one rank's verdict (``found``, or ``error``) over ``group`` (None: the
+    world): the common one, or ``ResumeError`` on every rank (:func:`find_checkpoint`'s
+    exchange, alone)."""
     f = found if found is not None else Found(None, 0)
     verdict = _Verdict(None if f.path is None else str(f.path), f.step, f.ignored, f.damaged, error)
     return _agree(verdict, group)
