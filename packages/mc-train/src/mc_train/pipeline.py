@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 import mc_groups as mg
-from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig
+from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig, TransformerConfigLike
 from mc_finalize import finalize_model_grads
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_int, type_name
@@ -257,7 +257,7 @@ def _mark_tied(chunk: nn.Module, v: int) -> None:
 def build_pipeline(
     chunks: Sequence[nn.Module],
     *,
-    config: mg.ModelParallelConfig,
+    config: TransformerConfigLike,
     ddp_config: DistributedDataParallelConfig,
     pg_collection: mg.ProcessGroupCollection,
     microbatches: int,
@@ -283,7 +283,9 @@ def build_pipeline(
         loss_fn: per-token losses of the last stage's output (:class:`~mc_train.TokenLoss`).
         schedule: one of :data:`mc_train.SCHEDULES`.
         forward: how a stage calls its chunk (:class:`~mc_train.StageForward`).
-        stage_shapes: static stage shapes; None: inferred at the first step.
+        stage_shapes: static stage shapes; None: inferred at the first step (refused with
+            ``config.gradient_accumulation_fusion``, whose layers would add the inference
+            backward's weight grads to ``main_grad``).
         ignore_index: the target of a position that does not count.
     """
     parts = _check_chunks(chunks)
@@ -300,6 +302,11 @@ def build_pipeline(
         if not callable(forward) or (stage_shapes is not None and not callable(stage_shapes)):
             raise InputTypeError("forward and stage_shapes must be callables (module notes)")
         check_int("ignore_index", ignore_index, minimum=-(2**63))
+        if stage_shapes is None and getattr(config, "gradient_accumulation_fusion", False):
+            raise InputValueError(
+                "config.gradient_accumulation_fusion=True needs stage_shapes: inferring the "
+                "shapes runs a backward whose weight grads the layers would add to main_grad"
+            )
     _agree(pg_collection, (schedule, m, len(parts)))
     for v, chunk in enumerate(parts):
         _mark_tied(chunk, v)
