@@ -56,9 +56,10 @@ from mc_train.checkpoint import (
     Found,
     ResumeError,
     RunState,
+    agree_on_checkpoint,
+    inspect_checkpoint,
     model_sharded_state_dict,
 )
-from mc_train.checkpoint.resume import agree, inspect
 
 SMALL = ["--hidden-size", "32", "--seq-length", "16", "--global-batch", "8", "--parity-steps", "0"]
 STEPS, STOP, EVERY = 8, 5, 3
@@ -267,14 +268,14 @@ def test_auto_passes_over_a_damaged_checkpoint(
     shutil.copytree(saved["ckpt"], save_dir)
     hit = _damage(save_dir / "step-00000005", kind)
     run = train_gpt.plan(train_gpt.parse_args([*SMALL, "--steps", "8"]), 4).run_settings()
-    found = inspect("auto", save_dir, run)
+    found = inspect_checkpoint("auto", save_dir, run)
     assert (found.path, found.step) == (save_dir / "step-00000003", 3)
     assert len(found.damaged) == 1, found.damaged
     assert found.damaged[0].startswith("step-00000005: "), found.damaged
     assert hit in found.damaged[0], found.damaged
     # by path, the damaged one is an error naming the file and the rank that wrote it
     with pytest.raises(ResumeError) as by_path:
-        inspect(str(save_dir / "step-00000005"), save_dir, run)
+        inspect_checkpoint(str(save_dir / "step-00000005"), save_dir, run)
     assert f"checkpoint {save_dir / 'step-00000005'} is corrupted: {hit}" in str(by_path.value)
 
 
@@ -378,7 +379,7 @@ def disagree() -> str:
     rank = dist.get_rank()
     mine = Found(Path(f"/ckpt/step-{rank // 2:08d}"), rank // 2)
     try:
-        agree(mine, None, dist.group.WORLD)
+        agree_on_checkpoint(mine, None, dist.group.WORLD)
     except ResumeError as err:
         return str(err)
     return "agreed"
@@ -400,7 +401,7 @@ def one_rank_fails() -> tuple[str, float]:
     mine = None if error else Found(Path("/ckpt/step-00000001"), 1)
     start = time.monotonic()
     try:
-        agree(mine, error, dist.group.WORLD)
+        agree_on_checkpoint(mine, error, dist.group.WORLD)
     except ResumeError as err:
         return str(err), time.monotonic() - start
     return "agreed", time.monotonic() - start

@@ -3,7 +3,8 @@ loaded into freshly built models continues training: at the same layout with exa
 losses of the run that never stopped, at other layouts within the rounding of their own
 reduction order.
 
-Localizes :mod:`mc_train.checkpoint.state` (one DCP state dict: the mc layers'
+Localizes :func:`mc_train.checkpoint.save_state` / ``load_state`` (one DCP state dict: the mc
+layers'
 ``sharded_state_dict`` for the model, ``ShardedOptimizer.sharded_state_dict`` for the fp32
 masters and AdamW's moments and step), and the optimizer-state resharding: each rank's
 flat slices stored as pieces of full-parameter tensors and read back by any TP size, DP

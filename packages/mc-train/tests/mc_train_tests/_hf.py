@@ -25,7 +25,7 @@ IGNORE = -100
 def build(*, tie: bool = False, layers: int = 4, seed: int = 0) -> PreTrainedModel:
     """A 4-block ``LlamaForCausalLM`` (hidden 32, 4 heads, 2 KV heads), the same weights for
     the same seed on every rank."""
-    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 (seconds)
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=VOCAB,

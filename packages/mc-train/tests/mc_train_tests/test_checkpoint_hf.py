@@ -121,7 +121,7 @@ def data_parallel_run(path: str, with_optimizer: bool) -> list[float]:
 
 
 def _keys(path: Path) -> set[str]:
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mc_train.checkpoint import COMPLETE, ResumeError, RunState, find_checkpoint
-from mc_train.checkpoint.folders import (
+from mc_train.checkpoint._folders import (
     Damaged,
     checkpoint_dir,
     partial_dir,
@@ -116,7 +116,7 @@ def test_a_checkpoint_of_another_run_or_no_checkpoint_is_refused(tmp_path: Path)
     with pytest.raises(ResumeError, match="looks for the newest checkpoint in the checkpoint"):
         find_checkpoint("auto")
     (path / "trainer.json").write_text('{"format": 1, "step": 2}')
-    with pytest.raises(ResumeError, match="is corrupted: trainer.json differs"):
+    with pytest.raises(ResumeError, match=r"is corrupted: trainer\.json differs"):
         find_checkpoint(path)
 
 
@@ -132,5 +132,5 @@ def test_retention_keeps_the_newest(tmp_path: Path) -> None:
 def test_run_state_round_trips_exactly() -> None:
     state = RunState(5, {"a": 1}, {"losses": [0.1, 1 / 3]}, {"tp": 2}, 4)
     assert RunState.from_json(state.to_json()) == state
-    with pytest.raises(ValueError, match="not a format-2 trainer.json"):
+    with pytest.raises(ValueError, match=r"not a format-2 trainer\.json"):
         RunState.from_json('{"format": 1}')

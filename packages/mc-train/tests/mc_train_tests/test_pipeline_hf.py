@@ -159,7 +159,9 @@ def _check(case: tuple[str, int, bool, bool, int], outs: list[dict[str, Any]]) -
     ref = _hf.reference(tie=tie, steps=STEPS, padded=per_token)
     start = _hf.build(tie=tie).state_dict()
     assert min(float((w - start[k]).abs().max()) for k, w in ref.weights.items()) >= 1e-4
-    rel = max(abs(a - b) / abs(b) for out in outs for a, b in zip(out["losses"], ref.losses))
+    rel = max(
+        abs(a - b) / abs(b) for out in outs for a, b in zip(out["losses"], ref.losses, strict=True)
+    )
     assert rel <= 1e-5, (case, rel)
     merged: dict[str, torch.Tensor] = {}
     for out in outs:

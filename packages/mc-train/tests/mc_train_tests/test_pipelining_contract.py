@@ -23,7 +23,6 @@ import inspect
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -86,7 +85,7 @@ def _reference() -> list[float]:
         x, y = _data(step)
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         out.append(float(loss.detach()))
     return out

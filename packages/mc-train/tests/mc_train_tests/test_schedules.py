@@ -47,7 +47,7 @@ def test_check_schedule_accepts_what_runs() -> None:
     check_schedule("gpipe", pp=4, chunks=1, microbatches=1)  # GPipe needs no full pipeline
     check_schedule("1f1b", pp=2, chunks=1, microbatches=2)
     check_schedule("interleaved", pp=2, chunks=3, microbatches=6)
-    with pytest.raises(InputTypeError, match="microbatches=2.0 must be an int"):
+    with pytest.raises(InputTypeError, match=r"microbatches=2\.0 must be an int"):
         check_schedule("1f1b", pp=2, chunks=1, microbatches=2.0)  # type: ignore[arg-type]
 
 

@@ -24,16 +24,22 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_groups.argcheck import check_optional_group, type_name
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_train.checkpoint.folders import (
+from mc_train.checkpoint._folders import (
     COMPLETE,
     LEFTOVER,
     Damaged,
     published_steps,
     verify,
 )
-from mc_train.checkpoint.run_state import RunState
+from mc_train.checkpoint._run_state import RunState
 
-__all__ = ["Found", "ResumeError", "agree", "find_checkpoint", "inspect"]
+__all__ = [
+    "Found",
+    "ResumeError",
+    "agree_on_checkpoint",
+    "find_checkpoint",
+    "inspect_checkpoint",
+]
 
 
 class ResumeError(InputValueError):
@@ -133,7 +139,7 @@ def _newest_intact(folder: Path, run: Mapping[str, Any]) -> _Verdict:
     return _Verdict(None, 0, tuple(sorted(ignored)), tuple(damaged), None)
 
 
-def inspect(resume: str | Path, folder: Path | None, run: Mapping[str, Any]) -> Found:
+def inspect_checkpoint(resume: str | Path, folder: Path | None, run: Mapping[str, Any]) -> Found:
     """This rank's verdict on ``resume`` (``"auto"``: the newest intact checkpoint in
     ``folder``, or none; else the checkpoint folder at that path) for a run with the
     settings ``run``; ``ResumeError`` when it cannot be resumed. Reads every file of the
@@ -210,7 +216,9 @@ def find_checkpoint(
     return _agree(_inspect(resume, where, run or {}), group)
 
 
-def agree(found: Found | None, error: str | None, group: dist.ProcessGroup | None) -> Found:
+def agree_on_checkpoint(
+    found: Found | None, error: str | None, group: dist.ProcessGroup | None
+) -> Found:
     """Exchange one rank's verdict (``found``, or ``error``) over ``group`` (None: the
     world): the common one, or ``ResumeError`` on every rank (:func:`find_checkpoint`'s
     exchange, alone)."""

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mc_train.checkpoint.folders import write_synced
+from mc_train.checkpoint._folders import write_synced
 
 __all__ = ["RNGTracker", "restore_rng", "save_rng"]
 

@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Any, cast
 
-from mc_train.checkpoint.run_state import FORMAT, STATE_FILE, RunState
+from mc_train.checkpoint._run_state import FORMAT, STATE_FILE, RunState
 
 __all__ = [
     "COMPLETE",

@@ -9,7 +9,7 @@ r"""The object a training loop saves and resumes through, as torchtitan's checkp
         ...                                        # train step ``step + 1``
         ckpt.save(step + 1, state={"losses": losses}, last=step + 1 == steps)
 
-Saving step N (collective over the world; :mod:`mc_train.checkpoint.folders` for the
+Saving step N (collective over the world; :mod:`mc_train.checkpoint` shows the folder
 layout): rank 0 empties ``.step-N.partial``; every rank writes its DCP part and its RNG
 file there; the ranks agree that all of them finished (a rank that failed stops the others
 here with :class:`CheckpointWriteError`; one that died leaves them failing in this
@@ -38,11 +38,11 @@ import mc_groups as mg
 from mc_ddp import ShardedOptimizer
 from mc_groups.argcheck import check_int, type_name
 from mc_groups.errors import InputStateError, InputTypeError
-from mc_train.checkpoint import folders
-from mc_train.checkpoint.resume import Found, ResumeError, find_checkpoint
-from mc_train.checkpoint.rng import RNGTracker, restore_rng, save_rng
-from mc_train.checkpoint.run_state import STATE_FILE, RunState
-from mc_train.checkpoint.state import _check_chunks, load_state, save_state, unwrap
+from mc_train.checkpoint import _folders as folders
+from mc_train.checkpoint._resume import Found, ResumeError, find_checkpoint
+from mc_train.checkpoint._rng import RNGTracker, restore_rng, save_rng
+from mc_train.checkpoint._run_state import STATE_FILE, RunState
+from mc_train.checkpoint._state import _check_chunks, load_state, save_state, unwrap
 
 __all__ = ["CheckpointWriteError", "Checkpointer", "Resumed"]
 
