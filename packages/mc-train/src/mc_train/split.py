@@ -160,18 +160,30 @@ def _check_ties(model: nn.Module, held: list[set[int]]) -> None:
             )
 
 
-def stage_module(model: nn.Module, stages: Sequence[Sequence[str]], index: int) -> nn.Module:
-    """Global stage ``index`` of ``stages`` (module notes): a deep copy of ``model`` holding
-    only that stage's modules. ``model`` is not changed; no communication."""
+def _plan(model: object, stages: object) -> tuple[list[list[str]], list[set[int]]]:
+    """The checked split: module names and parameter ids per stage."""
     if not isinstance(model, nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type_name(model)}")
     units = _check_stages(model, stages)
+    held = _unit_params(model, units)
+    for index, ids in enumerate(held):
+        if not ids:
+            raise InputValueError(
+                f"stages[{index}] = {units[index]} holds no parameters: the split would leave "
+                f"pipeline stage {index} empty; give it at least one block"
+            )
+    _check_coverage(model, held)
+    _check_ties(model, held)
+    return units, held
+
+
+def stage_module(model: nn.Module, stages: Sequence[Sequence[str]], index: int) -> nn.Module:
+    """Global stage ``index`` of ``stages`` (module notes): a deep copy of ``model`` holding
+    only that stage's modules. ``model`` is not changed; no communication."""
+    units, held = _plan(model, stages)
     check_int("index", index, minimum=0)
     if index >= len(units):
         raise InputValueError(f"index={index} is not a stage of the {len(units)} in stages")
-    held = _unit_params(model, units)
-    _check_coverage(model, held)
-    _check_ties(model, held)
     return _build(model, units, held, index)
 
 
@@ -236,17 +248,12 @@ def split_model(
         )
     pp = pg_collection.require("pp", "split_model")
     size, rank = mg.group_size(pp), mg.group_rank(pp)
-    units = _check_stages(model, stages) if isinstance(model, nn.Module) else None
-    if units is None:
-        raise InputTypeError(f"model must be a torch.nn.Module, got {type_name(model)}")
+    units, held = _plan(model, stages)
     if len(units) % size:
         raise InputValueError(
             f"{len(units)} stages do not divide over the {size} pipeline ranks: give "
             f"a multiple of {size} (each rank runs stages p, p + {size}, ...)"
         )
-    held = _unit_params(model, units)
-    _check_coverage(model, held)
-    _check_ties(model, held)
     return [_build(model, units, held, c) for c in range(rank, len(units), size)]
 
 

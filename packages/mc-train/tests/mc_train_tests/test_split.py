@@ -26,11 +26,12 @@ class _Titan(nn.Module):
         self.layers = nn.ModuleDict({str(i): nn.Linear(8, 8) for i in range(3)})
         self.norm: nn.Module | None = nn.LayerNorm(8)
         self.output: nn.Module | None = nn.Linear(8, 16)
+        self._act = nn.Tanh()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings else x
         for layer in self.layers.values():
-            h = torch.tanh(layer(h))
+            h = self._act(layer(h))
         h = self.norm(h) if self.norm else h
         out: torch.Tensor = self.output(h) if self.output else h
         return out
@@ -118,6 +119,11 @@ def _bad(model: nn.Module, stages: object, index: int = 0) -> None:
             "'norm' is in stages[0] and stages[1]",
         ),
         ("layers", InputTypeError, "a non-empty list of lists of module names"),
+        (
+            [["tok_embeddings", "layers", "norm", "output"], ["_act"]],
+            InputValueError,
+            "stages[1] = ['_act'] holds no parameters: the split would leave",
+        ),
     ],
 )
 def test_bad_splits_are_refused(stages: object, error: type[Exception], needle: str) -> None:
