@@ -22,7 +22,7 @@ runs on rank 0's CPU. gloo (CPU) stays the default. On several nodes: one ``torc
 --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT`` per node
 (docs/multi_node.md); the trainer only reads the world torchrun built.
 
-Checkpoints (:class:`mc_train.Checkpointer`): ``--save-dir DIR --save-every N`` publishes
+Checkpoints (:class:`mc_train.checkpoint.Checkpointer`): ``--save-dir DIR --save-every N`` publishes
 ``DIR/step-…`` every N steps and after the last one (model, optimizer state, step, every
 loss so far, RNG states); ``--resume auto`` continues from the newest complete one in
 ``--save-dir`` (or starts fresh), ``--resume PATH`` from that one, at this run's layout.

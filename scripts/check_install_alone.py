@@ -94,6 +94,7 @@ import torch
 import mc_groups as mg
 import mc_train
 from mc_ddp import DistributedDataParallelConfig
+from mc_train.checkpoint import Checkpointer
 
 def pipeline(model: torch.nn.Module, pgc: mg.ProcessGroupCollection) -> mc_train.Pipeline:
     chunks = mc_train.split_model(model, mc_train.decoder_stages(model, 2), pgc)
@@ -104,7 +105,7 @@ def pipeline(model: torch.nn.Module, pgc: mg.ProcessGroupCollection) -> mc_train
     )
 
 def resume(pipe: mc_train.Pipeline, pgc: mg.ProcessGroupCollection) -> int:
-    ckpt = mc_train.Checkpointer("ckpt", pipe.chunks, None, pg_collection=pgc, interval=10)
+    ckpt = Checkpointer("ckpt", pipe.chunks, None, pg_collection=pgc, interval=10)
     step: int = ckpt.load("auto").step
     return step
 """,

@@ -13,7 +13,7 @@ the plain-PyTorch 1-process reference it is compared with.
   ``torch.distributed.pipelining``'s 1F1B, GPipe and interleaved 1F1B schedules);
   :mod:`examples.gpt.pipeline_demo`: the demo's ``--pp``/``--vpp``/``--schedule`` flags.
 - The demo trainer (``examples/train_gpt.py``): :mod:`examples.gpt.cli` (flags),
-  :mod:`examples.gpt.loop` (the run, checkpoints through :class:`mc_train.Checkpointer`),
+  :mod:`examples.gpt.loop` (the run, checkpoints through :class:`mc_train.checkpoint.Checkpointer`),
   :mod:`examples.gpt.report` (what it prints and writes); :mod:`examples.gpt.faults` (the
   restart tests' fault injection).
 """

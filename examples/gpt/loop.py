@@ -1,7 +1,7 @@
 """The demo trainer's run: agree on a checkpoint, build the trainer, train, save, report.
 
-Checkpoints go through :class:`mc_train.Checkpointer` (docs/checkpoint.md): the ranks agree
-on what ``--resume`` names before anything is built or printed (a bad checkpoint is one
+Checkpoints go through :class:`mc_train.checkpoint.Checkpointer` (docs/checkpoint.md): the
+ranks agree on what ``--resume`` names before anything is built or printed (a bad checkpoint is one
 ``ResumeError`` on every rank), the trainer's chunks and optimizer are loaded at this run's
 layout, and ``--save-dir`` receives ``step-N`` every ``--save-every`` steps and after the
 last, holding the loss history (``trainer.json``'s state) so ``metrics.json`` of a resumed

@@ -10,22 +10,14 @@
 - :mod:`mc_train.stages` / :mod:`mc_train.loss`: how a stage calls its chunk, and the
   per-token losses the pipeline reduces.
 - :mod:`mc_train.checkpoint`: resumable checkpoints at any TP × PP × DP layout, written
-  atomically, verified on load, agreed on by every rank.
+  atomically, verified on load, agreed on by every rank
+  (:class:`~mc_train.checkpoint.Checkpointer`; import it from ``mc_train.checkpoint``).
 """
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from mc_train.checkpoint import (
-    Checkpointer,
-    CheckpointWriteError,
-    Found,
-    Resumed,
-    ResumeError,
-    RunState,
-    find_checkpoint,
-)
 from mc_train.loss import IGNORE_INDEX, TokenLoss, causal_targets, token_cross_entropy
 from mc_train.pipeline import Pipeline, StageShapes, build_pipeline
 from mc_train.schedules import SCHEDULES, InFlight, check_schedule, in_flight_forwards
@@ -40,14 +32,8 @@ except PackageNotFoundError:  # a checkout on sys.path, not installed
 __all__ = [
     "IGNORE_INDEX",
     "SCHEDULES",
-    "CheckpointWriteError",
-    "Checkpointer",
-    "Found",
     "InFlight",
     "Pipeline",
-    "ResumeError",
-    "Resumed",
-    "RunState",
     "StageForward",
     "StageInfo",
     "StageShapes",
@@ -57,7 +43,6 @@ __all__ = [
     "causal_targets",
     "check_schedule",
     "decoder_stages",
-    "find_checkpoint",
     "hf_causal_lm_forward",
     "in_flight_forwards",
     "split_model",

@@ -22,7 +22,7 @@ imports DTensor, over a second).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -125,7 +125,7 @@ def _recorded(ops: list[dist.P2POp], label: str) -> list[dist.P2POp]:
 
 def make_schedule(
     schedule: str,
-    stages: list[MCStage],
+    stages: Sequence[PipelineStage],
     microbatches: int,
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> Schedule:

@@ -70,8 +70,9 @@ from mc_train.schedules import InFlight, check_schedule
 from mc_train.split import tied_parameter_names
 from mc_train.stages import StageForward, StageInfo, call_module
 
-if TYPE_CHECKING:  # torch.distributed.pipelining is imported when a pipeline is built
-    from mc_train._pipelining import MCStage, Schedule
+if TYPE_CHECKING:  # imported when a pipeline is built (it imports DTensor: seconds)
+    import torch.distributed.pipelining
+    import torch.distributed.pipelining.schedules
 
 __all__ = ["Pipeline", "StageShapes", "build_pipeline"]
 
@@ -90,8 +91,9 @@ class Pipeline:
     def __init__(
         self,
         chunks: list[Chunk],
-        stages: list[MCStage],
-        schedule: Schedule,
+        stages: Sequence[torch.distributed.pipelining.PipelineStage],
+        schedule: torch.distributed.pipelining.schedules.PipelineScheduleSingle
+        | torch.distributed.pipelining.schedules.PipelineScheduleMulti,
         pg_collection: mg.ProcessGroupCollection,
         microbatches: int,
         in_flight: InFlight,
@@ -100,7 +102,7 @@ class Pipeline:
         ignore_index: int,
     ) -> None:
         self.chunks = chunks
-        self.stages = stages
+        self.stages = list(stages)
         self.schedule = schedule
         self.pg_collection = pg_collection
         self.microbatches = microbatches

@@ -115,8 +115,8 @@ def in_flight_forwards(schedule: str, stage: int, stages: int, microbatches: int
 
 @dataclass
 class InFlight:
-    """Chunk-forwards of this rank whose backward has not run yet: now, and the most at
-    once since :meth:`reset` (the activations a schedule keeps alive;
+    """Chunk-forwards of this rank whose backward has not run yet: ``now``, and ``peak``,
+    the most at once since the last ``reset()`` (the activations a schedule keeps alive;
     :func:`in_flight_forwards` predicts the peak)."""
 
     now: int = 0

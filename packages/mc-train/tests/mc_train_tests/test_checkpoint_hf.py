@@ -36,13 +36,13 @@ from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig, Shard
 from mc_finalize import finalize_model_grads
 from mc_groups.testing import RankPools
 from mc_train import (
-    Checkpointer,
     build_pipeline,
     decoder_stages,
     hf_causal_lm_forward,
     split_model,
     token_cross_entropy,
 )
+from mc_train.checkpoint import Checkpointer
 from mc_train_tests import _hf
 
 pytest.importorskip("transformers", reason="the library tests train a transformers Llama")

@@ -52,17 +52,12 @@ class CheckpointWriteError(RuntimeError):
 
 
 class Resumed(NamedTuple):
-    """What :meth:`Checkpointer.load` found and loaded.
-
-    Attributes:
-        path: the checkpoint loaded, or None (nothing to resume: a fresh start).
-        step: its step (0 when None): the next step to train is ``step + 1``.
-        state: the ``state`` it was saved with (``{}`` when None).
-        ignored: incomplete folders passed over; ``removed``: those of them deleted
-            (leftovers of interrupted saves).
-        damaged: intact-looking checkpoints passed over because a file differs from its
-            ``COMPLETE`` (``"step-N: why"``); kept on disk for a look.
-    """
+    """What :meth:`Checkpointer.load` found and loaded: the checkpoint's ``path`` (None:
+    nothing to resume, a fresh start), its ``step`` (0 then; the next step to train is
+    ``step + 1``) and the ``state`` it was saved with (``{}`` then); ``ignored``: incomplete
+    folders passed over, ``removed``: those of them deleted (leftovers of interrupted
+    saves); ``damaged``: published checkpoints passed over because a file differs from its
+    ``COMPLETE`` (``"step-N: why"``), kept on disk for a look."""
 
     path: Path | None
     step: int

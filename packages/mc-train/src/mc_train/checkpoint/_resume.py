@@ -47,16 +47,11 @@ class ResumeError(InputValueError):
 
 
 class Found(NamedTuple):
-    """The checkpoint a run resumes from (the ranks' common verdict).
-
-    Attributes:
-        path: the checkpoint folder, or None: start fresh.
-        step: its step (0 when None).
-        ignored: incomplete folders passed over (``step-N`` without ``COMPLETE``, leftovers
-            of interrupted saves), by name.
-        damaged: complete ones passed over because a file no longer matches ``COMPLETE``
-            (``"step-N: why"``, newest first).
-    """
+    """The checkpoint a run resumes from (the ranks' common verdict): its folder ``path``
+    (None: start fresh) and ``step`` (0 then); ``ignored``: incomplete folders passed over
+    (``step-N`` without ``COMPLETE``, leftovers of interrupted saves), by name;
+    ``damaged``: complete ones passed over because a file no longer matches ``COMPLETE``
+    (``"step-N: why"``, newest first)."""
 
     path: Path | None
     step: int
