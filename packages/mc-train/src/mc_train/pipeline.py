@@ -83,10 +83,21 @@ output of ``stage`` (module notes)."""
 
 
 class Pipeline:
-    """This rank's part of a pipeline: its chunks in mc DDP (``chunks``, in global-stage
-    order), their ``PipelineStage`` objects (``stages``), the schedule driving them and the
-    count of their forwards in flight (``in_flight.peak``: the most chunk-forwards alive at
-    once in the last step). Built by :func:`build_pipeline`."""
+    """This rank's part of a pipeline, built by :func:`build_pipeline`.
+
+    Attributes:
+        chunks: this rank's chunks in mc DDP, in global-stage order (what its
+            ``ShardedOptimizer`` and checkpointer take).
+        stages: their ``PipelineStage`` objects.
+        schedule: the torch schedule driving them.
+        pg_collection: the groups.
+        microbatches: ``M``, micro-batches per step and DP rank.
+        in_flight: the count of this rank's chunk-forwards in flight; ``in_flight.peak`` is
+            the most alive at once in the last step.
+        per_token_loss: the loss is summed per token (``config.calculate_per_token_loss``).
+        ignore_index: the target of a position that does not count.
+        device: where the chunks' params live (inputs are moved there).
+    """
 
     def __init__(
         self,
