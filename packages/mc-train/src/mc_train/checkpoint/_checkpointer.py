@@ -1,27 +1,5 @@
-r"""The object a training loop saves and resumes through, as torchtitan's checkpoint manager.
-
-::
-
-    ckpt = Checkpointer("ckpt", pipe.chunks, optimizer, pg_collection=pgc,
-                        interval=50, keep=3, run={"model": ..., "lr": ...})
-    start = ckpt.load("auto").step                 # 0 when there is nothing to resume
-    for step in range(start, steps):
-        ...                                        # train step ``step + 1``
-        ckpt.save(step + 1, state={"losses": losses}, last=step + 1 == steps)
-
-Saving step N (collective over the world; :mod:`mc_train.checkpoint` shows the folder
-layout): rank 0 empties ``.step-N.partial``; every rank writes its DCP part and its RNG
-file there; the ranks agree that all of them finished (a rank that failed stops the others
-here with :class:`CheckpointWriteError`; one that died leaves them failing in this
-collective), so nothing is published unless every part is on disk; rank 0 writes
-``trainer.json`` and ``COMPLETE``, renames the folder to ``step-N`` and deletes the
-published checkpoints beyond the newest ``keep``; the ranks agree it is published.
-
-Loading: :func:`~mc_train.checkpoint.find_checkpoint` (every rank verifies, the ranks
-agree), then rank 0 removes leftovers of interrupted saves, then the model and optimizer
-state through DCP at this run's layout, then each rank's RNG states when the world size is
-the saved one. The run state comes back as :class:`Resumed`.
-"""
+r"""``Checkpointer``: the object a training loop saves and resumes through (the package notes
+of :mod:`mc_train.checkpoint` give the folder layout and the save and resume protocols)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-r"""Checkpoint folders on disk: how one is published atomically and how it is checked.
-
-A checkpoint folder holds one folder per checkpoint::
-
-    step-00000020/               published, hence complete
-        .metadata, __R_0.distcp      model and optimizer, every rank's part (DCP)
-        rng/rank-00000.pt ...        each rank's RNG states
-        trainer.json                 the run state (step, run settings, your state, layout)
-        COMPLETE                     written last: size and SHA-256 of every other file
-    .step-00000030.partial/      being written, or left by a crash: never loaded
-
-Publishing (rank 0, after every rank wrote its part): ``trainer.json``, then ``COMPLETE``
-(each written and fsynced), then ``rename(.step-N.partial, step-N)`` (atomic within one file
-system) and an fsync of the parent folder. A folder named ``step-N`` is therefore complete
-whenever a crash comes, and ``COMPLETE`` also catches files truncated or changed later:
-:func:`verify` recomputes every size and hash.
-"""
+r"""Checkpoint folders on disk: publishing one atomically (``trainer.json``, then the
+``COMPLETE`` manifest, each fsynced, then the rename and an fsync of the parent), checking one
+against its manifest, leftovers and retention (layout: :mod:`mc_train.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -108,7 +94,7 @@ def _describe(path: Path) -> dict[str, Any]:
 
 def publish(tmp: Path, final: Path, state: RunState) -> None:
     """Rank 0: write ``trainer.json`` and ``COMPLETE`` into ``tmp`` and rename it to
-    ``final`` (module notes). A ``final`` already there (a resume from an older checkpoint
+    ``final`` (package notes). A ``final`` already there (a resume from an older checkpoint
     trains these steps again) is replaced: a crash between the two renames leaves no
     ``step-N``, so the newest intact older one is found instead."""
     write_synced(tmp / STATE_FILE, state.to_json().encode())

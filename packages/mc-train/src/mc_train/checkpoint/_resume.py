@@ -193,7 +193,7 @@ def find_checkpoint(
     run: Mapping[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> Found:
-    """The checkpoint every rank resumes from (module notes): ``resume="auto"`` picks the
+    """The checkpoint every rank resumes from (package notes): ``resume="auto"`` picks the
     newest intact one in ``folder`` (``Found(None, 0, ...)`` when there is none), a path
     names one. ``run``: the settings the checkpoint must have been saved with (None: any).
     Collective over ``group`` (None: the world); ``ResumeError`` on every rank when it

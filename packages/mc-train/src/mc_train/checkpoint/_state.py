@@ -1,29 +1,5 @@
-r"""The model and optimizer state of a rank's chunks as one DCP state dict, at full shape.
-
-::
-
-    model.<param name>               a tensor-parallel param (tensor_model_parallel, e.g.
-                                     mc's layers, a parallelized model) as a DTensor over
-                                     its TP group: full shape in the file; any other param
-                                     (norms, a replicated module) as a plain tensor
-    optimizer.<param name>.<state>   ShardedOptimizer.sharded_state_dict(): fp32 masters and
-                                     the optimizer's state (AdamW's exp_avg / exp_avg_sq) as
-                                     pieces of full-shaped tensors, step
-    optimizer.param_groups.<i>.<hp>  the hyperparameters
-
-Both halves are stored at full-parameter shape, so DCP reshards them to whatever TP size,
-DP size, bucket size, optimizer sharding and pipeline split loads them: chunks keep the
-whole model's parameter names (:func:`mc_train.split_model` does; a Megatron-style stage
-names its blocks by global index), so a checkpoint does not record the split either.
-
-One weight, one key. A weight held twice on a rank (tied input and output embeddings on one
-stage) is written once, under its first name. A weight copied across pipeline stages
-(marked ``shared_embedding``: the first stage's table, the last stage's copy) is written by
-the first stage only, under its name there: two stages writing one key in different slices
-(their distributed-optimizer shards differ) would overlap in DCP's plan. The other copies
-are loaded from that key, model and optimizer state alike. Which name that is, the ranks
-learn once from each other: one all-gather of the marked names over ``pp``.
-"""
+r"""The model and optimizer state of a rank's chunks as one DCP state dict at full shape,
+tied copies written once (layout and why: :mod:`mc_train.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -90,7 +66,7 @@ def model_sharded_state_dict(
     module: nn.Module, tp_group: dist.ProcessGroup | None = None, prefix: str = MODEL_PREFIX
 ) -> dict[str, torch.Tensor]:
     """``{prefix + param name: DTensor or tensor}``: views of ``module``'s params for DCP
-    (module notes). mc's layers give their own ``sharded_state_dict``; any other module's
+    (package notes). mc's layers give their own ``sharded_state_dict``; any other module's
     tensor-parallel params become DTensors over ``tp_group`` (required when there are
     such params); a weight held twice is listed once. No communication."""
     if not isinstance(module, nn.Module):
@@ -111,7 +87,7 @@ def _shared_names(modules: Sequence[nn.Module]) -> list[tuple[int, str]]:
 
 def _copy_keys(modules: Sequence[nn.Module], pp: dist.ProcessGroup | None) -> dict[int, str]:
     """``{id(param): key}`` for this rank's copies of a weight tied across stages: the key
-    the first stage writes it under (module notes). Collective over ``pp``."""
+    the first stage writes it under (package notes). Collective over ``pp``."""
     mine = _shared_names(modules)
     if pp is None or mg.group_size(pp) == 1:
         return {}
@@ -133,7 +109,7 @@ def _copy_keys(modules: Sequence[nn.Module], pp: dist.ProcessGroup | None) -> di
 
 
 class _State:
-    """A rank's chunks and optimizer, and the DCP dict of them (module notes)."""
+    """A rank's chunks and optimizer, and the DCP dict of them (package notes)."""
 
     def __init__(
         self,
@@ -203,7 +179,7 @@ def save_state(
     pg_collection: mg.ProcessGroupCollection,
 ) -> None:
     """Write the model (and optimizer) state of every rank's ``chunks`` to the folder
-    ``path`` through DCP (collective over the world; module notes)."""
+    ``path`` through DCP (collective over the world; package notes)."""
     from torch.distributed.checkpoint.state_dict_saver import save  # noqa: PLC0415 (slow)
 
     save(_State(_check_chunks(chunks), optimizer, pg_collection).for_save(), checkpoint_id=path)
