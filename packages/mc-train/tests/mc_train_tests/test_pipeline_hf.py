@@ -3,15 +3,12 @@ stages and trained by ``build_pipeline`` (mc DDP per chunk, ``torch.distributed.
 schedules, stage shapes inferred), against the same model trained by one process on the
 whole global batch with ``transformers``' own loss (8 sequences of 16 tokens, 3 SGD steps).
 
-Cases, one rank pool per world size:
-
-- 2 ranks, PP=2: 1F1B (untied); interleaved 1F1B with 2 chunks per rank (4 stages) and
-  tied input/output embeddings (stage 0's ``embed_tokens`` and stage 3's ``lm_head`` hold
-  copies, summed over ``embd``); GPipe with the per-token loss on labels padded unevenly
-  (``calculate_per_token_loss``: every counted target weighs the same, as ``transformers``'
-  mean over the non-ignored labels);
-- 4 ranks, PP=2 × DP=2, tied, with the distributed optimizer (overlapped grad reduce and
-  param gather).
+Cases, on 2 ranks (PP=2): 1F1B (untied); interleaved 1F1B with 2 chunks per rank (4
+stages) and tied input/output embeddings (stage 0's ``embed_tokens`` and stage 3's
+``lm_head`` hold copies, summed over ``embd``); GPipe with the per-token loss on labels
+padded unevenly (``calculate_per_token_loss``: every counted target weighs the same, as
+``transformers``' mean over the non-ignored labels). PP × DP is held by the demo's GPT
+(``integration_tests/test_parity_pipeline.py``).
 
 Localizes the library on a model that is not the demo's: the split (global names, the
 stages composing to the model's forward, the tied copies marked), the stage calling
@@ -20,8 +17,7 @@ convention (``hf_causal_lm_forward``), the loss reduction, and the grad sync.
 Collectives, recorded per step (steps 2 and 3; the first step also infers the stage
 shapes): each chunk sends and receives ``M`` activations or their grads across every
 boundary next to it; with tied embeddings every rank issues exactly one ``embedding
-grads`` all-reduce, without them none; with DP each bucket group's reduction is issued once,
-before that all-reduce. The most chunk-forwards alive at once equal
+grads`` all-reduce, without them none. The most chunk-forwards alive at once equal
 ``mc_train.in_flight_forwards``.
 
 Tolerances (fp32, gloo): loss per step within 1e-5 relative, weights within 1e-6 absolute
@@ -36,7 +32,7 @@ import pytest
 import torch
 
 import mc_groups as mg
-from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
+from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer
 from mc_groups.testing import RankPools
 from mc_train import (
     build_pipeline,
@@ -51,19 +47,16 @@ from mc_train_tests import _hf
 pytest.importorskip("transformers", reason="the library tests train a transformers Llama")
 
 M, STEPS = 4, 3
-# (schedule, chunks per rank, tied, per-token loss on padded labels, dp)
-CASES: dict[int, list[tuple[str, int, bool, bool, int]]] = {
-    2: [
-        ("1f1b", 1, False, False, 1),
-        ("interleaved", 2, True, False, 1),
-        ("gpipe", 1, False, True, 1),
-    ],
-    4: [("1f1b", 1, True, False, 2)],
-}
+Case = tuple[str, int, bool, bool]  # schedule, chunks per rank, tied, per-token loss (padded)
+CASES: list[Case] = [
+    ("1f1b", 1, False, False),
+    ("interleaved", 2, True, False),
+    ("gpipe", 1, False, True),
+]
 
 
-def _train(case: tuple[str, int, bool, bool, int]) -> dict[str, Any]:
-    schedule, vpp, tie, per_token, dp = case
+def _train(case: Case) -> dict[str, Any]:
+    schedule, vpp, tie, per_token = case
     pgc = mg.initialize_model_parallel(
         1, 2, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None
     )
@@ -71,18 +64,12 @@ def _train(case: tuple[str, int, bool, bool, int]) -> dict[str, Any]:
         config = mg.ModelParallelConfig(
             pipeline_model_parallel_size=2, calculate_per_token_loss=per_token
         )
-        ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=dp > 1,
-            overlap_grad_reduce=True,
-            overlap_param_gather=dp > 1,
-            bucket_size=2048,
-        )
         model = _hf.build(tie=tie)
         chunks = split_model(model, decoder_stages(model, 2 * vpp), pgc)
         pipe = build_pipeline(
             chunks,
             config=config,
-            ddp_config=ddp_config,
+            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=2048),
             pg_collection=pgc,
             microbatches=M,
             loss_fn=token_cross_entropy(),
@@ -90,28 +77,17 @@ def _train(case: tuple[str, int, bool, bool, int]) -> dict[str, Any]:
             forward=hf_causal_lm_forward,
         )
         opt = ShardedOptimizer(torch.optim.SGD(pipe.parameters(), lr=0.5), pipe.chunks)
-        dp_group = pgc.require("dp", "test")
-        rows = _hf.BATCH // dp
-        mine = slice(mg.group_rank(dp_group) * rows, (mg.group_rank(dp_group) + 1) * rows)
         losses, logs, peaks = [], [], []
         for step in range(STEPS):
-            ids = _hf.batch(step)[mine]
-            target = _hf.targets(_hf.labels(step, padded=per_token))[mine]
+            target = _hf.targets(_hf.labels(step, padded=per_token))
             with mg.record_collectives() as log:
-                losses.append(pipe.forward_backward(ids, target))
+                losses.append(pipe.forward_backward(_hf.batch(step), target))
             opt.step()
             logs.append([(r.op, r.group_ranks, r.label) for r in log])
             peaks.append(pipe.in_flight.peak)
-        weights: dict[str, torch.Tensor] = {}
-        for chunk in pipe.chunks:
-            ensure_params_ready(list(chunk.module.parameters()))  # the overlapped gather
-            weights |= {k: v.detach().clone() for k, v in chunk.module.state_dict().items()}
         return {
             "stage": mg.pipeline_rank(pgc),
-            "dp_rank": mg.group_rank(dp_group),
             "pp_ranks": tuple(mg.group_ranks(pgc.require("pp", "test"))),
-            "dp_ranks": tuple(mg.group_ranks(dp_group)),
-            "buckets": sum(len(chunk.bucket_groups) for chunk in pipe.chunks),
             "tied": [
                 n
                 for chunk in pipe.chunks
@@ -121,20 +97,24 @@ def _train(case: tuple[str, int, bool, bool, int]) -> dict[str, Any]:
             "losses": losses,
             "logs": logs,
             "in_flight": peaks,
-            "weights": weights,
+            "weights": {
+                k: v.detach().clone()
+                for chunk in pipe.chunks
+                for k, v in chunk.module.state_dict().items()
+            },
         }
     finally:
         mg.destroy_model_parallel(pgc)
 
 
-def train_cases(cases: list[tuple[str, int, bool, bool, int]]) -> list[dict[str, Any]]:
-    """Runs on every rank: each case trained for 3 steps."""
+def train_cases(cases: list[Case]) -> list[dict[str, Any]]:
+    """Runs on both ranks: each case trained for 3 steps."""
     torch.set_num_threads(1)
     return [_train(case) for case in cases]
 
 
-def _check_collectives(case: tuple[str, int, bool, bool, int], out: dict[str, Any]) -> None:
-    schedule, vpp, tie, _, dp = case
+def _check_collectives(case: Case, out: dict[str, Any]) -> None:
+    schedule, vpp, tie, _ = case
     stages = 2 * vpp
     chunks = [v * 2 + out["stage"] for v in range(vpp)]
     boundaries = sum((c > 0) + (c < stages - 1) for c in chunks)
@@ -144,18 +124,12 @@ def _check_collectives(case: tuple[str, int, bool, bool, int], out: dict[str, An
         assert [r[0] for r in p2p].count("send") == M * boundaries, log
         assert [r[0] for r in p2p].count("recv") == M * boundaries, log
         assert log.count(embd) == (1 if tie else 0), log
-        if dp > 1:
-            grads = [
-                i for i, r in enumerate(log) if r[1] == out["dp_ranks"] and r[2].startswith("grad")
-            ]
-            assert len(grads) == out["buckets"], log
-            assert max(grads) < log.index(embd), log
     flight = in_flight_forwards(schedule, out["stage"], 2, M, vpp)
     assert out["in_flight"] == [flight] * STEPS, (schedule, out["stage"], out["in_flight"])
 
 
-def _check(case: tuple[str, int, bool, bool, int], outs: list[dict[str, Any]]) -> None:
-    schedule, _, tie, per_token, _ = case
+def _check(case: Case, outs: list[dict[str, Any]]) -> None:
+    schedule, _, tie, per_token = case
     ref = _hf.reference(tie=tie, steps=STEPS, padded=per_token)
     start = _hf.build(tie=tie).state_dict()
     assert min(float((w - start[k]).abs().max()) for k, w in ref.weights.items()) >= 1e-4
@@ -165,8 +139,7 @@ def _check(case: tuple[str, int, bool, bool, int], outs: list[dict[str, Any]]) -
     assert rel <= 1e-5, (case, rel)
     merged: dict[str, torch.Tensor] = {}
     for out in outs:
-        if out["dp_rank"] == 0:
-            merged |= out["weights"]
+        merged |= out["weights"]
         _check_collectives(case, out)
     names = set(merged)
     if tie:  # the last stage's copy under lm_head.weight equals the table it is tied to
@@ -181,8 +154,7 @@ def _check(case: tuple[str, int, bool, bool, int], outs: list[dict[str, Any]]) -
     print(f"{schedule} tied={tie} per_token={per_token}: loss {rel:.1e}, weights {diff:.1e}")
 
 
-@pytest.mark.parametrize("world", sorted(CASES))
-def test_transformers_llama_pipeline_matches_one_process(rank_pools: RankPools, world: int) -> None:
-    per_rank = rank_pools.get(world).run(train_cases, CASES[world])
-    for i, case in enumerate(CASES[world]):
+def test_transformers_llama_pipeline_matches_one_process(rank_pools: RankPools) -> None:
+    per_rank = rank_pools.get(2).run(train_cases, CASES)
+    for i, case in enumerate(CASES):
         _check(case, [rank[i] for rank in per_rank])
