@@ -21,8 +21,20 @@ from importlib.metadata import PackageNotFoundError, version
 from mc_train.loss import IGNORE_INDEX, TokenLoss, causal_targets, token_cross_entropy
 from mc_train.pipeline import Pipeline, StageShapes, build_pipeline
 from mc_train.schedules import SCHEDULES, InFlight, check_schedule, in_flight_forwards
-from mc_train.split import decoder_stages, split_model, stage_module, tied_parameter_names
-from mc_train.stages import StageForward, StageInfo, call_module, hf_causal_lm_forward
+from mc_train.split import (
+    decoder_stages,
+    split_model,
+    stage_module,
+    stage_plan,
+    tied_parameter_names,
+)
+from mc_train.stages import (
+    HFCausalLMForward,
+    StageForward,
+    StageInfo,
+    call_module,
+    hf_causal_lm_forward,
+)
 
 try:  # one source of the version: the distribution's pyproject.toml
     __version__ = version("mc-train")
@@ -32,6 +44,7 @@ except PackageNotFoundError:  # a checkout on sys.path, not installed
 __all__ = [
     "IGNORE_INDEX",
     "SCHEDULES",
+    "HFCausalLMForward",
     "InFlight",
     "Pipeline",
     "StageForward",
@@ -47,6 +60,7 @@ __all__ = [
     "in_flight_forwards",
     "split_model",
     "stage_module",
+    "stage_plan",
     "tied_parameter_names",
     "token_cross_entropy",
 ]

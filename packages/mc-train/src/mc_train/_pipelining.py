@@ -60,8 +60,25 @@ class StageModule(nn.Module):
         self.info = info
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The chunk's output for one micro-batch."""
-        return self._forward(self.chunk, x, self.info)
+        """The chunk's output for one micro-batch. Output and input grad are made
+        contiguous: the schedule sends them and receives them into buffers of their
+        strides, which gloo needs contiguous (a sequence-parallel block's reduce-scatter
+        along ``[b, s, h]``'s dim 1, and its backward, are not)."""
+        if x.requires_grad:
+            x = _ContiguousGrad.apply(x)  # type: ignore[no-untyped-call]
+        return self._forward(self.chunk, x, self.info).contiguous()
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous grad."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 class MCStage(PipelineStage):

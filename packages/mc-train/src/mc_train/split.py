@@ -34,7 +34,8 @@ chunks.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from fnmatch import fnmatchcase
 from typing import Any, overload
 
 from torch import nn
@@ -44,7 +45,13 @@ from mc_groups import param_attrs
 from mc_groups.argcheck import check_int, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
-__all__ = ["decoder_stages", "split_model", "stage_module", "tied_parameter_names"]
+__all__ = [
+    "decoder_stages",
+    "split_model",
+    "stage_module",
+    "stage_plan",
+    "tied_parameter_names",
+]
 
 TIED_ATTR = "_mc_train_tied_parameters"
 """Attribute of a stage module: the names of its params that are copies of a weight tied
@@ -334,3 +341,19 @@ def decoder_stages(
     out[0] = before + out[0]
     out[-1] = out[-1] + after
     return out
+
+
+def stage_plan(plan: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
+    """The entries of a ``parallelize`` plan (fnmatch pattern → style) that match a module
+    of this stage: a stage holds some of the model's modules, and ``parallelize`` refuses a
+    pattern that matches none. No communication."""
+    if not isinstance(plan, Mapping):
+        raise InputTypeError(f"plan must be a mapping of patterns to styles, got {type_name(plan)}")
+    if not isinstance(module, nn.Module):
+        raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
+    names = [name for name, _ in module.named_modules() if name]
+    return {
+        pattern: style
+        for pattern, style in plan.items()
+        if any(fnmatchcase(name, str(pattern)) for name in names)
+    }

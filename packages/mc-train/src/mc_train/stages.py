@@ -12,9 +12,10 @@ A :class:`StageForward` maps that convention onto a model's own ``forward``::
 
 :func:`call_module` (``module(x)``) fits a model whose stages take and return tensors
 (torchtitan's models, whose ``forward`` skips missing modules); :func:`hf_causal_lm_forward`
-fits a ``transformers`` causal LM split by :func:`mc_train.split_model` (token ids into the
-first stage, hidden states as ``inputs_embeds`` into the others, the ``logits`` field out:
-the LM head's output on the last stage, the hidden states where the head was removed).
+(an :class:`HFCausalLMForward`) fits a ``transformers`` causal LM split by
+:func:`mc_train.split_model` (token ids into the first stage, hidden states as
+``inputs_embeds`` into the others, the ``logits`` field out: the LM head's output on the
+last stage, the hidden states where the head was removed).
 """
 
 from __future__ import annotations
@@ -25,10 +26,16 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from mc_groups.argcheck import type_name
+from mc_groups.argcheck import check_int, type_name
 from mc_groups.errors import InputTypeError
 
-__all__ = ["StageForward", "StageInfo", "call_module", "hf_causal_lm_forward"]
+__all__ = [
+    "HFCausalLMForward",
+    "StageForward",
+    "StageInfo",
+    "call_module",
+    "hf_causal_lm_forward",
+]
 
 
 @dataclass(frozen=True)
@@ -79,17 +86,43 @@ def call_module(module: nn.Module, x: torch.Tensor, stage: StageInfo) -> torch.T
     return _tensor(module(x), stage, "module(x)")
 
 
-def hf_causal_lm_forward(module: nn.Module, x: torch.Tensor, stage: StageInfo) -> torch.Tensor:
-    """A stage of a ``transformers`` causal LM: ``module(input_ids=x)`` on the first stage,
-    ``module(inputs_embeds=x)`` on the others (``use_cache=False``), returning the output's
-    ``logits`` (hidden states where :func:`mc_train.split_model` removed the LM head).
+@dataclass(frozen=True)
+class HFCausalLMForward:
+    """A stage of a ``transformers`` causal LM (a :class:`StageForward`):
+    ``module(input_ids=x)`` on the first stage, ``module(inputs_embeds=x)`` on the others
+    (``use_cache=False``), returning the output's ``logits`` (the hidden states where
+    :func:`mc_train.split_model` removed the LM head).
 
-    The stage after the first derives positions (rotary embeddings, the causal mask) from
-    ``x``'s length, so the activations passed between stages must hold the whole sequence
-    (gather them at a stage's end under sequence parallelism)."""
-    kwargs: dict[str, Any] = {"use_cache": False}
-    out = module(input_ids=x, **kwargs) if stage.is_first else module(inputs_embeds=x, **kwargs)
-    logits = getattr(out, "logits", None)
-    if logits is None:  # a base model (no LM head): its last hidden state
-        logits = getattr(out, "last_hidden_state", out)
-    return _tensor(logits, stage, "the transformers model")
+    A later stage derives positions (rotary embeddings, the causal mask) from ``x``'s length.
+    With sequence parallelism over ``W`` TP ranks (the sequence split from the first block
+    on, ``[b, s/W, h]`` between stages), give ``sequence_parallel_size=W``: the later stages
+    then get ``position_ids = 0 .. W·len - 1``, the whole sequence's.
+
+    Attributes:
+        sequence_parallel_size: ``W``, the TP size the activations between stages are
+            split over along the sequence (1: they hold the whole sequence).
+    """
+
+    sequence_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        check_int("sequence_parallel_size", self.sequence_parallel_size)
+
+    def __call__(self, module: nn.Module, x: torch.Tensor, stage: StageInfo) -> torch.Tensor:
+        """The chunk's logits (or hidden states) for one micro-batch."""
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if stage.is_first:
+            out = module(input_ids=x, **kwargs)
+        else:
+            if self.sequence_parallel_size > 1:
+                length = x.shape[1] * self.sequence_parallel_size
+                kwargs["position_ids"] = torch.arange(length, device=x.device).unsqueeze(0)
+            out = module(inputs_embeds=x, **kwargs)
+        logits = getattr(out, "logits", None)
+        if logits is None:  # a base model (no LM head): its last hidden state
+            logits = getattr(out, "last_hidden_state", out)
+        return _tensor(logits, stage, "the transformers model")
+
+
+hf_causal_lm_forward = HFCausalLMForward()
+""":class:`HFCausalLMForward` without sequence parallelism between stages."""
