@@ -20,7 +20,7 @@ from mc_train.checkpoint import _folders as folders
 from mc_train.checkpoint._resume import Found, ResumeError, find_checkpoint
 from mc_train.checkpoint._rng import RNGTracker, restore_rng, save_rng
 from mc_train.checkpoint._run_state import STATE_FILE, RunState
-from mc_train.checkpoint._state import _check_chunks, load_state, save_state, unwrap
+from mc_train.checkpoint._state import _check_chunks, load_state, save_state
 
 __all__ = ["CheckpointWriteError", "Checkpointer", "Resumed"]
 
@@ -211,10 +211,6 @@ class Checkpointer:
                 rng = path / folders.RNG / f"rank-{mg.group_rank(world):05d}.pt"
                 restore_rng(rng, self.device, self.rng_tracker)
         return Resumed(path, saved.step, saved.state, found.ignored, tuple(removed), found.damaged)
-
-    def modules(self) -> list[nn.Module]:
-        """The models inside this checkpointer's chunks (DDP unwrapped)."""
-        return [unwrap(c) for c in self.chunks]
 
 
 def _agree_or_raise(error: str | None, world: dist.ProcessGroup, what: str) -> None:
