@@ -37,9 +37,15 @@ def build_model() -> PreTrainedModel:
     input and output embeddings; the same weights on every rank."""
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 (seconds)
 
-    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 8}
-    config = LlamaConfig(vocab_size=VOCAB, num_hidden_layers=LAYERS, **sizes)
-    config.num_key_value_heads, config.tie_word_embeddings = KV_HEADS, True
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=KV_HEADS,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
@@ -136,7 +142,7 @@ def train(args: argparse.Namespace) -> Run:
         if args.save_dir is not None:
             ckpt.save(step + 1, state={"losses": losses}, last=step + 1 == args.steps)
     ensure_params_ready(pipe.parameters())  # the last step's overlapped param all-gather
-    weights = {k: v for chunk in pipe.chunks for k, v in full_state_dict(chunk.module).items()}
+    weights = {n: w for chunk in pipe.chunks for n, w in full_state_dict(chunk.module).items()}
     mg.destroy_model_parallel(pgc)
     return Run(losses, weights, resumed)
 
@@ -153,6 +159,8 @@ def parse_args(argv: list[str] | None = None, world: int | None = None) -> argpa
     p.add_argument("--resume", help="'auto' (the newest intact in --save-dir) or a checkpoint")
     p.add_argument("--json", help="write every step's loss and the one-process losses here")
     args = p.parse_args(argv)
+    if (args.resume == "auto" or args.save_every) and not args.save_dir:
+        p.error("--resume auto and --save-every need --save-dir (the folder of checkpoints)")
     world = world or int(os.environ.get("WORLD_SIZE", "0")) or None
     try:
         check_layout(args.tp, args.pp, args.dp, args.schedule, world)
@@ -173,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank0:
         if run.resumed is not None and run.resumed.path is not None:
             print(f"resumed from {run.resumed.path} (step {run.resumed.step})")
-        ref = reference(args.steps).losses
+        ref = reference(len(run.losses)).losses
         for step, (a, b) in enumerate(zip(run.losses, ref, strict=True), 1):
             print(f"step {step}: loss {a:.6f}  one process {b:.6f}  rel {abs(a - b) / b:.1e}")
         if args.json:

@@ -36,6 +36,7 @@ finalize sums the norms' grads over TP once per step.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -69,9 +70,9 @@ def _train(argv: list[str]) -> dict[str, Any]:
     with mg.record_collectives() as log:
         run = hf_3d.train(args)
     steps: list[list[Record]] = [[]]
-    for r in log:
-        steps[-1].append((r.op, r.group_ranks, r.label))
-        if r.op == "broadcast" and r.label == "loss for logging":
+    for rec in log:
+        steps[-1].append((rec.op, rec.group_ranks, rec.label))
+        if rec.op == "broadcast" and rec.label == "loss for logging":
             steps.append([])
     r, tp, pp, dp = torch.distributed.get_rank(), args.tp, args.pp, args.dp
     t, d, p = r % tp, r // tp % dp, r // (tp * dp)  # mc's order: TP fastest, then DP, then PP
@@ -280,6 +281,7 @@ def test_torchrun_command_line(ref: hf_3d.Run, tmp_path: Path) -> None:
         (["--tp", "2", "--pp", "2"], 8, "is not the 8 ranks started"),
         (["--schedule", "interleaved"], None, "schedule='interleaved' needs pp >= 2"),
         (["--pp", "4", "--dp", "4"], None, "microbatches=2 < pp=4"),
+        (["--resume", "auto"], None, "--resume auto and --save-every need --save-dir"),
     ],
 )
 def test_command_line_refuses_layouts_it_cannot_run(
@@ -289,3 +291,9 @@ def test_command_line_refuses_layouts_it_cannot_run(
         hf_3d.parse_args(argv, world)
     assert exit_.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_docs_show_train_verbatim() -> None:
+    """docs/hf_3d.md walks through the example's ``train`` as it is."""
+    page = (ROOT / "docs" / "hf_3d.md").read_text(encoding="utf-8")
+    assert inspect.getsource(hf_3d.train).rstrip() in page, "docs/hf_3d.md lost train's code"
