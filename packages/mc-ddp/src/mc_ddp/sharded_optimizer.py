@@ -21,104 +21,66 @@ Checkpoints: ``state_dict()`` is this rank's shard (same layout to load); for
 ``torch.distributed.checkpoint``, ``sharded_state_dict(model_sharded_state_dict)`` keys each
 param's master and state by the model's key and stores them as pieces of full-param-shaped
 tensors, so a checkpoint loads at any TP × DP layout and bucket size
-(:mod:`mc_ddp.checkpoint_pieces`). Not covered: grad clipping, loss scaling, the fp16/bf16
-overflow checks, and LBFGS (it caches its params at build).
+(:mod:`mc_ddp.checkpoint_pieces`). Not covered: LBFGS (it caches its params at build).
+
+A guarded step (``max_grad_norm=`` and/or ``grad_scaler=``, or :meth:`ShardedOptimizer.
+clip_grad_norm`): the global grad norm, every piece of the model counted once
+(:mod:`mc_ddp.grad_norm`), the fp16 overflow flag and the step's own checks travel in one
+all-reduce over the world; then one multiply unscales and clips every owned slice, or the
+step is skipped on every rank (:mod:`mc_ddp._step_guard`). ``step()`` reports what
+happened (:class:`StepResult`).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import mc_groups as mg
+from mc_ddp import _optimizer_checks as checks
 from mc_ddp import _optimizer_state as sharded_state
+from mc_ddp import _step_guard as guarded
 from mc_ddp._optimizer_state import OwnedSlice
-from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
-from mc_groups import param_attrs
+from mc_ddp.grad_norm import GradNormRanks, counts_in_grad_norm, counts_on_data_axis
+from mc_ddp.grad_scaler import DynamicGradScaler
 from mc_groups.argcheck import check_flag, type_name
-from mc_groups.errors import InputTypeError, InputValueError
+from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 
-__all__ = ["OwnedSlice", "ShardedOptimizer"]
+__all__ = ["OwnedSlice", "ShardedOptimizer", "StepResult"]
 
 Param = torch.nn.Parameter
 
 
-def _as_chunks(model_chunks: object) -> list[DistributedDataParallel]:
-    chunks = [model_chunks] if isinstance(model_chunks, DistributedDataParallel) else model_chunks
-    if not isinstance(chunks, Sequence) or not chunks:
-        raise InputTypeError(
-            "model_chunks must be a DistributedDataParallel or a non-empty list of them, "
-            f"got {type_name(model_chunks)}"
-        )
-    for i, chunk in enumerate(chunks):
-        if not isinstance(chunk, DistributedDataParallel):
-            raise InputTypeError(
-                f"model_chunks[{i}] is a {type_name(chunk)}; wrap each model chunk in "
-                "mc_ddp.DistributedDataParallel first"
-            )
-    return list(chunks)
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`ShardedOptimizer.step` did, the same on every rank.
 
+    Attributes:
+        skipped: the params did not change (an overflow under loss scaling, or a
+            non-finite grad norm).
+        grad_norm: the global grad norm before clipping (unscaled), or None when the step
+            computed none (no ``max_grad_norm`` and no :meth:`~ShardedOptimizer.clip_grad_norm`
+            call).
+        loss_scale: the scale this step's grads carried (None without a scaler); the next
+            one is ``optimizer.get_loss_scale()``.
+        found_inf: some owned grad on some rank held inf or NaN (with a scaler only).
+    """
 
-def _check_optimizer(optimizer: object) -> torch.optim.Optimizer:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise InputTypeError(
-            f"optimizer={type_name(optimizer)} must be a torch.optim.Optimizer built over "
-            "the model's params, e.g. torch.optim.AdamW(ddp.parameters(), lr=1e-3)"
-        )
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise InputTypeError("optimizer=LBFGS caches its params when built and cannot be sharded")
-    if optimizer.state:
-        raise InputValueError(
-            "optimizer already holds state: build the ShardedOptimizer before the first step "
-            "(its state lives on the fp32 shard masters)"
-        )
-    return optimizer
+    skipped: bool
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    found_inf: bool = False
 
-
-def _owned_ranges(group: ParamAndGradBucketGroup) -> list[tuple[Param, int, int]]:
-    rank, size = group.shard.rank, group.shard.size
-    if not group.ddp_config.use_distributed_optimizer:
-        rank, size = 0, 1
-    return [
-        (s.param, s.param_range[0], s.param_range[1])
-        for bucket in group.buckets
-        for s in bucket.shard_param_slices(rank, size)
-    ]
-
-
-def _check_step_dispatch(flag: object, chunks: list[DistributedDataParallel]) -> bool:
-    check_flag("overlap_param_gather_with_optimizer_step", flag)
-    if flag and not all(c.ddp_config.overlap_param_gather for c in chunks):
-        raise InputValueError(
-            "overlap_param_gather_with_optimizer_step=True needs every model chunk built with "
-            "ddp_config.overlap_param_gather=True (and use_distributed_optimizer=True)"
-        )
-    return bool(flag)
-
-
-def _check_saved_masters(masters: object, slots: Sequence[OwnedSlice]) -> list[torch.Tensor]:
-    expected = [tuple(s.master.shape) for s in slots]
-    shapes = None
-    if isinstance(masters, list) and all(isinstance(m, torch.Tensor) for m in masters):
-        shapes = [tuple(m.shape) for m in masters]
-    if shapes != expected:
-        got = shapes if shapes is not None else type(masters).__name__
-        raise InputValueError(
-            "state_dict['master_params'] does not match this rank's shard layout (same "
-            "model, data-parallel size and bucket layout needed): expected tensors of shapes "
-            f"{expected}, got {got}"
-        )
-    assert isinstance(masters, list)  # checked above
-    for i, master in enumerate(masters):
-        if not master.is_floating_point():
-            raise InputTypeError(
-                f"state_dict['master_params'][{i}] is {master.dtype}, not floating-point"
-            )
-    return masters
+    @property
+    def update_successful(self) -> bool:
+        """``not skipped`` (the first value of Megatron's ``optimizer.step()``)."""
+        return not self.skipped
 
 
 class ShardedOptimizer:
@@ -135,6 +97,42 @@ class ShardedOptimizer:
     with it, the next forward's pre-hooks gather bucket group by bucket group, or, with
     ``overlap_param_gather_with_optimizer_step=True``, ``step()`` dispatches every group's
     gather asynchronously (model start first) and the pre-hooks only wait for them.
+
+    **Clipping and loss scaling** (see the module notes and ``docs/optimizer.md``):
+
+    - ``max_grad_norm``: every ``step()`` computes the global grad norm of order
+      ``norm_type`` (2.0, another p >= 1, or ``inf``) over the whole model, each piece
+      counted once (:mod:`mc_ddp.grad_norm`), and scales every owned grad by
+      ``min(1, max_grad_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``'s
+      rule); :meth:`clip_grad_norm` does the same on demand and returns the norm.
+    - ``grad_scaler`` (:class:`~mc_ddp.DynamicGradScaler`, fp16): scale the loss with
+      :meth:`scale_loss`; ``step()`` unscales, skips the step on every rank when any owned
+      grad on any rank overflowed, and updates the scale (``torch.amp.GradScaler``'s
+      semantics). Refused on bf16 params (they need no scaler).
+    - A non-finite norm skips the step on every rank (``StepResult.skipped``), or with
+      ``error_if_nonfinite=True`` raises ``FloatingPointError`` on every rank.
+
+    **Status exchange.** ``step()`` checks its preconditions on every rank (finished grad
+    sync, not stepped twice, grads resident); a check failing on one rank is an error on
+    every rank. A guarded step carries that status in its norm / overflow all-reduce (one
+    more element: no extra collective); an unguarded step runs one
+    :func:`mc_groups.fail_together` exchange per step, which ``peer_checks=False`` turns
+    off (a check failing on one rank then raises there alone, and its peers wait in their
+    next collective until the group's timeout).
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer built over the chunks' params.
+        model_chunks: the DDP-wrapped model chunks (one per virtual pipeline stage).
+        overlap_param_gather_with_optimizer_step: dispatch every param gather from
+            ``step()`` (needs ``overlap_param_gather`` on every chunk).
+        max_grad_norm: clip to this global norm (> 0) at every step; None: no clipping.
+        norm_type: the norm's order (2.0, p >= 1, ``float('inf')`` or ``"inf"``).
+        grad_scaler: fp16 dynamic loss scaling; None: none.
+        error_if_nonfinite: raise instead of skipping when the norm is not finite.
+        peer_checks: the per-step status exchange of an unguarded step (see above).
+        pg_collection: the groups the norm reads ranks from (``tp``, ``expt_tp``,
+            ``gtp_remat``, ``expt_gtp_remat``, ``embd``, ``pp``); None: the registered
+            default collection, looked up at the first norm.
     """
 
     def __init__(
@@ -143,12 +141,26 @@ class ShardedOptimizer:
         model_chunks: DistributedDataParallel | Sequence[DistributedDataParallel],
         *,
         overlap_param_gather_with_optimizer_step: bool = False,
+        max_grad_norm: float | None = None,
+        norm_type: float | str = 2.0,
+        grad_scaler: DynamicGradScaler | None = None,
+        error_if_nonfinite: bool = False,
+        peer_checks: bool = True,
+        pg_collection: mg.ProcessGroupCollection | None = None,
     ) -> None:
-        self.optimizer = _check_optimizer(optimizer)
-        self.model_chunks = _as_chunks(model_chunks)
-        self.overlap_param_gather_with_optimizer_step = _check_step_dispatch(
+        self.optimizer = checks.check_optimizer(optimizer)
+        self.model_chunks = checks.as_chunks(model_chunks)
+        self.overlap_param_gather_with_optimizer_step = checks.check_step_dispatch(
             overlap_param_gather_with_optimizer_step, self.model_chunks
         )
+        self.max_grad_norm = checks.check_max_norm(max_grad_norm, "max_grad_norm", optional=True)
+        self.norm_type = checks.check_norm_type(norm_type)
+        self.grad_scaler = checks.check_scaler(grad_scaler, self.model_chunks)
+        self.error_if_nonfinite = check_flag("error_if_nonfinite", error_if_nonfinite)
+        self.peer_checks = check_flag("peer_checks", peer_checks)
+        self._pg_collection = checks.check_optional_collection(pg_collection)
+        self._prepared: tuple[tuple[int, ...], guarded.Outcome] | None = None
+        self._counted: list[bool] | None = None
         for chunk in self.model_chunks:
             chunk.overlap_param_gather_with_optimizer_step = (
                 self.overlap_param_gather_with_optimizer_step
@@ -172,7 +184,7 @@ class ShardedOptimizer:
             for param in chunk.params_with_grad:
                 owned.setdefault(param, [])
             for group in chunk._all_groups():
-                for param, start, end in _owned_ranges(group):
+                for param, start, end in checks.owned_ranges(group):
                     owned[param].append((start, end))
         return owned
 
@@ -229,22 +241,138 @@ class ShardedOptimizer:
                     "ddp.finish_grad_sync() (or finalize_model_grads) after backward"
                 )
 
+    @property
+    def _guard(self) -> guarded.Guard | None:
+        if self.max_grad_norm is None and self.grad_scaler is None:
+            return None
+        return guarded.Guard(
+            self.max_grad_norm, self.norm_type, self.grad_scaler, self.error_if_nonfinite
+        )
+
     @torch.no_grad()
-    def step(self) -> None:
+    def clip_grad_norm(self, max_norm: float, norm_type: float | str = 2.0) -> float:
+        """Clip this iteration's grads to the global norm ``max_norm`` and return the norm
+        before clipping (``torch.nn.utils.clip_grad_norm_``'s contract, over the whole
+        sharded model; Megatron's ``optimizer.clip_grad_norm``). With a ``grad_scaler`` the
+        grads are unscaled first and the norm is the unscaled one.
+
+        Collective over the world: one all-reduce of a few numbers that also carries the
+        step's checks (the next ``step()`` then issues no status exchange and no second
+        norm). Once per iteration (a second call is an ``InputStateError``). A non-finite
+        norm, or an overflow under loss scaling, leaves the grads as they are and makes the
+        next ``step()`` skip (``error_if_nonfinite=True``: ``FloatingPointError`` on every
+        rank). Bad arguments raise before any collective.
+        """
+        guard = guarded.Guard(
+            checks.check_max_norm(max_norm, "max_norm"),
+            checks.check_norm_type(norm_type),
+            self.grad_scaler,
+            self.error_if_nonfinite,
+        )
+        outcome = self._guarded(guard, "ShardedOptimizer.clip_grad_norm")
+        assert outcome.grad_norm is not None  # a Guard with max_norm computes it
+        return outcome.grad_norm
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
         """One optimizer step on this rank's masters, then publish the params (see class).
-        Refused (before anything changes) without finished grad sync, a second time on the
-        same gradients, with offloaded grads or params, or after the groups were destroyed."""
-        with mg.fail_together(None, "ShardedOptimizer.step"):  # one rank's misuse: all raise
-            self._require_synced_grads()
-            self._require_new_grads()
+        Refused (before anything changes, on every rank) without finished grad sync, a
+        second time on the same gradients, with offloaded grads or params, or after the
+        groups were destroyed. Returns what happened (:class:`StepResult`)."""
+        outcome = self._prepared_outcome()
+        if outcome is None:
+            guard = self._guard
+            if guard is not None:
+                outcome = self._guarded(guard, "ShardedOptimizer.step")
+            else:
+                self._check_unguarded_step()
+                guarded.build_master_grads(self._slots)
+                outcome = guarded.Outcome(None, False, False, None)
         self._drain_param_gathers()
-        for slot in self._slots:
-            grad = param_attrs.main_grad_of(slot.param).view(-1)[slot.start : slot.end]
-            slot.master.grad = grad.to(torch.float32)
-        self.optimizer.step()
+        if not outcome.skipped:
+            self.optimizer.step()
         self._stepped_on = self._generations()
-        self._write_masters_to_params()
+        self._prepared = None
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(outcome.found_inf)
+        if not outcome.skipped:
+            self._write_masters_to_params()
         self._publish_params(force_sync=False)
+        return StepResult(outcome.skipped, outcome.grad_norm, outcome.loss_scale, outcome.found_inf)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss × S`` with the scaler's current scale (``loss`` itself without a scaler):
+        backward from the result (Megatron's ``optimizer.scale_loss``)."""
+        if self.grad_scaler is None:
+            return loss
+        return loss * self.grad_scaler.scale
+
+    def get_loss_scale(self) -> float:
+        """The scale the next backward's loss should carry (1.0 without a scaler)."""
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale
+
+    def _check_unguarded_step(self) -> None:
+        if not self.peer_checks:
+            self._require_step_ready()
+            return
+        with mg.fail_together(None, "ShardedOptimizer.step"):  # one rank's misuse: all raise
+            self._require_step_ready()
+
+    def _require_step_ready(self) -> None:
+        self._require_synced_grads()
+        self._require_new_grads()
+
+    def _prepared_outcome(self) -> guarded.Outcome | None:
+        if self._prepared is not None and self._prepared[0] == self._generations():
+            return self._prepared[1]
+        return None
+
+    def _guarded(self, guard: guarded.Guard, where: str) -> guarded.Outcome:
+        """Checks, norm and overflow in one all-reduce, then unscale and clip (or skip)."""
+        status = mg.CarriedStatus(where)
+        counted: list[bool] = []
+        with status.checks():
+            self._require_step_ready()
+            if self._prepared_outcome() is not None:
+                raise InputStateError(
+                    f"{where}: clip_grad_norm() already unscaled and clipped this iteration's "
+                    "grads; call step() (or start the next iteration) instead of clipping twice"
+                )
+            counted = self._counted_slots() if guard.max_norm is not None else []
+        grads = guarded.build_master_grads(self._slots) if status.passed else []
+        counted = counted or [False] * len(grads)
+        outcome = guarded.reduce_step_values(guard, grads, counted, status, self._device())
+        if guard.error_if_nonfinite and outcome.grad_norm is not None and not outcome.found_inf:
+            if not math.isfinite(outcome.grad_norm):
+                raise FloatingPointError(
+                    f"{where}: the global grad norm is {outcome.grad_norm} (every rank raises; "
+                    "no param changed). Pass error_if_nonfinite=False to skip such steps"
+                )
+        guarded.apply(guard, outcome, grads)
+        self._prepared = (self._generations(), outcome)
+        return outcome
+
+    def _counted_slots(self) -> list[bool]:
+        """Per slot: this rank counts it in the global norm (computed once)."""
+        if self._counted is None:
+            pgc = mg.collection_or_default(self._pg_collection, "ShardedOptimizer (grad norm)")
+            ranks = GradNormRanks.of(pgc)
+            where = {}
+            for index, chunk in enumerate(self.model_chunks):
+                for param, group in chunk.param_to_bucket_group.items():
+                    where[param] = (index == 0, counts_on_data_axis(group))
+            self._counted = []
+            for slot in self._slots:
+                first_chunk, on_data_axis = where[slot.param]
+                here = counts_in_grad_norm(slot.param, ranks, first_chunk=first_chunk)
+                self._counted.append(on_data_axis and here)
+        return self._counted
+
+    def _device(self) -> torch.device:
+        for chunk in self.model_chunks:
+            for param in chunk.params_with_grad:
+                return param.device
+        return torch.device("cpu")
 
     def _require_resident_params(self, what: str) -> None:
         for chunk in self.model_chunks:
@@ -328,7 +456,7 @@ class ShardedOptimizer:
             raise InputValueError(
                 f"state_dict has no {missing}: pass what ShardedOptimizer.state_dict() returned"
             )
-        masters = _check_saved_masters(state_dict["master_params"], self._slots)
+        masters = checks.check_saved_masters(state_dict["master_params"], self._slots)
         inner = state_dict["optimizer"]
         if not isinstance(inner, Mapping) or not {"state", "param_groups"} <= set(inner):
             raise InputTypeError(
