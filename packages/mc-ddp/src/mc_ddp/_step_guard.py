@@ -5,16 +5,19 @@ Per step (``clip`` = a max norm is set, ``scale`` = a loss scaler is set)::
 
     local   (checks passed) master.grad ← main_grad slice (fp32; no value changes yet)
             clip:  n_r = Σ_{counted slices} ‖g‖_p^p  (p = ∞: max ‖g‖_∞, NaN → inf + a flag)
-            scale: f_r = 1 if any owned grad holds inf/NaN, else 0
+            f_r = 1 if any owned grad (counted or not) holds inf/NaN, else 0
     reduce  one all_reduce over the world of [n_r, (nan_r,) status_r, f_r]:
             SUM for a finite p, MAX for p = ∞ (flags are 0/1: either op tells "any")
     settle  status > 0 → every rank raises (CarriedStatus), nothing changed anywhere
     decide  ‖g‖ = n^{1/p} / S  (S: the loss scale; a power of two divides exactly)
-            f > 0 → skip (overflow);  ‖g‖ not finite → skip (or raise);
+            f > 0 or ‖g‖ not finite → skip on every rank (the scaler backs off; without
+            a scaler, error_if_nonfinite raises instead)
             else g ← g · (1/S) · min(1, max_norm / (‖g‖ + 1e-6))  on every owned slice
 
-The multiply reaches every copy: each rank scales all the slices it steps, counted or
-not, by the same factor (the reduced norm is bit-identical on every rank).
+``f`` covers the copies the norm leaves out too: a NaN on a replica that is not counted
+still stops the step everywhere. The multiply reaches every copy: each rank scales all the
+slices it steps, counted or not, by the same factor (the reduced norm is bit-identical on
+every rank).
 """
 
 from __future__ import annotations
@@ -101,8 +104,7 @@ def reduce_step_values(
     if guard.max_norm is not None:
         parts += _norm_part([g for g, c in zip(grads, counted, strict=True) if c], p)
     parts.append(status.flag)
-    if guard.scaler is not None:
-        parts.append(_found_inf(grads))
+    parts.append(_found_inf(grads))
     payload = torch.stack(
         [torch.as_tensor(v, dtype=torch.float64).to(device) for v in parts]
     ).contiguous()
@@ -111,7 +113,7 @@ def reduce_step_values(
     if world is not None and dist.is_initialized():
         mg.all_reduce(payload, world, op=op, label=_LABEL)
     values = [float(v) for v in payload.tolist()]
-    found_inf = guard.scaler is not None and values.pop() > 0
+    found_inf = values.pop() > 0
     status.settle(world, values.pop())
     scale = None if guard.scaler is None else guard.scaler.scale
     norm = None if guard.max_norm is None else _total_norm(values, p, scale)

@@ -49,17 +49,27 @@ Collective schedule: none here; :class:`~mc_ddp.ShardedOptimizer` issues the one
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_ddp._optimizer_state import OwnedSlice
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
+from mc_ddp.distributed_data_parallel import DistributedDataParallel
 from mc_groups import param_attrs
 from mc_groups.errors import InputTypeError, InputValueError
 
-__all__ = ["GradNormRanks", "check_norm_type", "counts_in_grad_norm", "counts_on_data_axis"]
+__all__ = [
+    "GradNormRanks",
+    "check_norm_type",
+    "counted_slices",
+    "counts_in_grad_norm",
+    "counts_on_data_axis",
+]
+
 
 def _rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else mg.group_rank(group)
@@ -107,20 +117,16 @@ def counts_in_grad_norm(
         first_chunk: ``param`` belongs to this rank's first model chunk (params replicated
             on every pipeline chunk count there only).
     """
-    if param_attrs.is_shared_duplicate(param):
-        return False
     expert = param_attrs.is_expert_param(param)
-    if not param_attrs.is_tensor_model_parallel(param):
-        if (ranks.expt_tp if expert else ranks.tp) != 0:
-            return False
-    if not param_attrs.is_gtp_weight_remat(param):
-        if (ranks.expt_gtp_remat if expert else ranks.gtp_remat) != 0:
-            return False
-    if param_attrs.is_shared_embedding(param) and ranks.embd != 0:
-        return False
-    if param_attrs.is_replicated_over_pp(param) and (ranks.pp != 0 or not first_chunk):
-        return False
-    return True
+    tp, gtp = (ranks.expt_tp, ranks.expt_gtp_remat) if expert else (ranks.tp, ranks.gtp_remat)
+    duplicate = (
+        param_attrs.is_shared_duplicate(param)
+        or (not param_attrs.is_tensor_model_parallel(param) and tp != 0)
+        or (not param_attrs.is_gtp_weight_remat(param) and gtp != 0)
+        or (param_attrs.is_shared_embedding(param) and ranks.embd != 0)
+        or (param_attrs.is_replicated_over_pp(param) and (ranks.pp != 0 or not first_chunk))
+    )
+    return not duplicate
 
 
 def counts_on_data_axis(bucket_group: ParamAndGradBucketGroup) -> bool:
@@ -134,6 +140,27 @@ def counts_on_data_axis(bucket_group: ParamAndGradBucketGroup) -> bool:
     if bucket_group.ddp_config.use_distributed_optimizer:
         return True
     return mg.group_rank(bucket_group.collective_group) == 0
+
+
+def counted_slices(
+    chunks: Sequence[DistributedDataParallel],
+    slices: Sequence[OwnedSlice],
+    pg_collection: mg.ProcessGroupCollection,
+) -> list[bool]:
+    """Per owned slice (of a param of ``chunks``): this rank counts it in the global norm
+    (the data axis by its bucket group, the model-parallel axes by the param)."""
+    ranks = GradNormRanks.of(pg_collection)
+    where: dict[torch.nn.Parameter, tuple[bool, bool]] = {}
+    for index, chunk in enumerate(chunks):
+        for param, group in chunk.param_to_bucket_group.items():
+            where[param] = (index == 0, counts_on_data_axis(group))
+    out = []
+    for piece in slices:
+        first_chunk, on_data_axis = where[piece.param]
+        out.append(
+            on_data_axis and counts_in_grad_norm(piece.param, ranks, first_chunk=first_chunk)
+        )
+    return out
 
 
 def check_norm_type(norm_type: object, what: str = "norm_type") -> float:

@@ -34,7 +34,6 @@ happened (:class:`StepResult`).
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +46,7 @@ from mc_ddp import _optimizer_state as sharded_state
 from mc_ddp import _step_guard as guarded
 from mc_ddp._optimizer_state import OwnedSlice
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
-from mc_ddp.grad_norm import GradNormRanks, counts_in_grad_norm, counts_on_data_axis
+from mc_ddp.grad_norm import counted_slices
 from mc_ddp.grad_scaler import DynamicGradScaler
 from mc_groups.argcheck import check_flag, type_name
 from mc_groups.errors import InputStateError, InputTypeError, InputValueError
@@ -69,7 +68,8 @@ class StepResult:
             call).
         loss_scale: the scale this step's grads carried (None without a scaler); the next
             one is ``optimizer.get_loss_scale()``.
-        found_inf: some owned grad on some rank held inf or NaN (with a scaler only).
+        found_inf: some owned grad on some rank held inf or NaN (a guarded step looks at
+            every copy, counted in the norm or not).
     """
 
     skipped: bool
@@ -342,12 +342,12 @@ class ShardedOptimizer:
         grads = guarded.build_master_grads(self._slots) if status.passed else []
         counted = counted or [False] * len(grads)
         outcome = guarded.reduce_step_values(guard, grads, counted, status, self._device())
-        if guard.error_if_nonfinite and outcome.grad_norm is not None and not outcome.found_inf:
-            if not math.isfinite(outcome.grad_norm):
-                raise FloatingPointError(
-                    f"{where}: the global grad norm is {outcome.grad_norm} (every rank raises; "
-                    "no param changed). Pass error_if_nonfinite=False to skip such steps"
-                )
+        if guard.error_if_nonfinite and guard.scaler is None and outcome.skipped:
+            raise FloatingPointError(
+                f"{where}: a grad holds inf or NaN (global grad norm {outcome.grad_norm}); "
+                "every rank raises and no param changed. Pass error_if_nonfinite=False to "
+                "skip such steps"
+            )
         guarded.apply(guard, outcome, grads)
         self._prepared = (self._generations(), outcome)
         return outcome
@@ -356,16 +356,7 @@ class ShardedOptimizer:
         """Per slot: this rank counts it in the global norm (computed once)."""
         if self._counted is None:
             pgc = mg.collection_or_default(self._pg_collection, "ShardedOptimizer (grad norm)")
-            ranks = GradNormRanks.of(pgc)
-            where = {}
-            for index, chunk in enumerate(self.model_chunks):
-                for param, group in chunk.param_to_bucket_group.items():
-                    where[param] = (index == 0, counts_on_data_axis(group))
-            self._counted = []
-            for slot in self._slots:
-                first_chunk, on_data_axis = where[slot.param]
-                here = counts_in_grad_norm(slot.param, ranks, first_chunk=first_chunk)
-                self._counted.append(on_data_axis and here)
+            self._counted = counted_slices(self.model_chunks, self._slots, pgc)
         return self._counted
 
     def _device(self) -> torch.device:
