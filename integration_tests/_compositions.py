@@ -425,7 +425,7 @@ class Reference(NamedTuple):
     grads: Weights
     weights: Weights
     initial: Weights
-    norms: list[float] = []
+    norms: tuple[float, ...] = ()
 
 
 def reference_run(
@@ -441,7 +441,7 @@ def reference_run(
     optimizer = torch.optim.SGD(list(params.values()), lr=LR, momentum=MOMENTUM, foreach=False)
     losses: list[float] = []
     grads: Weights = {}
-    norms: list[float] = []
+    norms: tuple[float, ...] = ()
     for step in range(STEPS):
         optimizer.zero_grad()
         loss = loss_of(params, step)
@@ -454,7 +454,7 @@ def reference_run(
         optimizer.step()
         losses.append(float(loss.detach()))
     weights = {k: p.detach().clone() for k, p in params.items()}
-    return Reference(losses, grads, weights, initial, norms)
+    return Reference(losses, grads, weights, initial, tuple(norms))
 
 
 def reference_loss(
