@@ -198,7 +198,9 @@ def test_fp16_loss_scaling_matches_torch_grad_scaler(rank_pools: RankPools) -> N
     )
     print(f"[fp16] loss {loss_rel:.3g}, norm {norm_rel:.3g}, weights {weight_rel:.3g} relative")
     assert all(n > CLIP for n, s in zip(ref["norms"], ref["skipped"], strict=True) if not s)
-    assert loss_rel < FP16_RTOL and norm_rel < FP16_RTOL and weight_rel < FP16_WEIGHT_RTOL
+    assert loss_rel < FP16_RTOL
+    assert norm_rel < FP16_RTOL
+    assert weight_rel < FP16_WEIGHT_RTOL
 
 
 # --------------------------------------------------------------- one rank's NaN or inf
@@ -249,9 +251,11 @@ def test_a_nan_on_one_rank_stops_the_step_on_every_rank(rank_pools: RankPools, c
             assert "a grad holds inf or NaN" in out["error"], out
             continue
         skipped, found_inf, norm = out["result"]
-        assert skipped and found_inf, out
+        assert skipped, out
+        assert found_inf, out
         if case == "scaler":
-            assert norm is None and out["scale"] == 4.0, out
+            assert norm is None, out
+            assert out["scale"] == 4.0, out
         elif case == "inf_norm":
             assert math.isnan(norm), out  # the NaN came through gloo's MAX
         else:
@@ -374,7 +378,8 @@ def test_one_ranks_misuse_is_every_ranks_error_without_an_exchange(
         assert out["ops"] == ["all_reduce"], out
         assert not out["moved"]
         assert out["twice"].startswith("RuntimeError: ShardedOptimizer.clip_grad_norm: ")
-        assert out["stepped"] and out["norm"] > 0
+        assert out["stepped"]
+        assert out["norm"] > 0
     assert first["norm"] == second["norm"]
 
 
