@@ -441,7 +441,7 @@ def reference_run(
     optimizer = torch.optim.SGD(list(params.values()), lr=LR, momentum=MOMENTUM, foreach=False)
     losses: list[float] = []
     grads: Weights = {}
-    norms: tuple[float, ...] = ()
+    norms: list[float] = []
     for step in range(STEPS):
         optimizer.zero_grad()
         loss = loss_of(params, step)

@@ -30,6 +30,7 @@ Measured (``pytest -s`` prints them): see the docstring of ``docs/optimizer.md``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from functools import cache
 from typing import Any
@@ -149,7 +150,7 @@ def _dense_model(
 
 def _dense_micro_loss(
     module: Block, ddp: DistributedDataParallel[Any], layout: Layout, sp: bool, shard: int
-) -> Any:
+) -> Callable[[int, int, int], tuple[torch.Tensor, int]]:
     tp_rank, rows = mg.group_rank(module.tp), S // layout.tp
     first = tp_rank * rows if sp else 0  # SP: this rank's sequence slice; else all of it
 

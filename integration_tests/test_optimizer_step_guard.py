@@ -54,7 +54,7 @@ CLIP = 0.5
 FP16_STEPS = 6
 FP16_RTOL = 2e-3  # losses and norms
 FP16_WEIGHT_RTOL = 4e-3  # 4 fp16 ulps (2**-10 each) of each tensor's largest magnitude
-SCALER = {
+SCALER: dict[str, Any] = {
     "initial_scale": 2.0**40,
     "backoff_factor": 2.0**-30,
     "growth_factor": 2.0**30,
@@ -212,12 +212,13 @@ def _poisoned_step(case: str) -> dict[str, Any]:
     pgc = mg.initialize_model_parallel()
     try:
         ddp = _ddp(pgc, torch.float32, dist_opt=dist_opt)
-        kwargs: dict[str, Any] = {
+        cases: dict[str, dict[str, Any]] = {
             "l2": {"max_grad_norm": CLIP},
             "inf_norm": {"max_grad_norm": CLIP, "norm_type": "inf"},
             "raise": {"max_grad_norm": CLIP, "error_if_nonfinite": True},
             "scaler": {"grad_scaler": DynamicGradScaler(initial_scale=8.0)},
-        }[case]
+        }
+        kwargs = cases[case]
         opt = ShardedOptimizer(_sgd(ddp), ddp, pg_collection=pgc, **kwargs)
         before = [p.detach().clone() for p in ddp.parameters()]
         _backward(ddp, opt, 0)
