@@ -2,10 +2,12 @@
 
 Run it with ``hatch run demo`` (``torchrun --standalone --nproc-per-node 4 -m
 examples.train_gpt``): 4 gloo ranks, TP=2 × DP=2, sequence parallelism, the distributed
-optimizer, grad reduction overlapped with backward and the param all-gather with forward.
-Rank 0 shows a progress bar (step, loss, tokens/s), then the final loss, the throughput, a
-parity line (the first steps against the same GPT trained by plain PyTorch on one process)
-and the folder holding ``loss.png`` and ``metrics.json``.
+optimizer, grad reduction overlapped with backward and the param all-gather with forward,
+the whole model's grad norm clipped to 1.0 (``--clip-grad``). Rank 0 shows a progress bar
+(step, loss, grad norm before clipping, tokens/s), then the final loss, the throughput, a
+parity line (the first steps' losses and grad norms against the same GPT trained, and
+clipped, by plain PyTorch on one process) and the folder holding ``loss.png`` and
+``metrics.json``.
 
 Flags change the layout (``--tp``, ``--dp``, ``--pp`` with ``--schedule`` and ``--vpp``,
 ``--[no-]sequence-parallel``, ``--[no-]distributed-optimizer``), the run (``--steps``,
@@ -113,6 +115,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step")
     p.add_argument("--microbatches", type=int, default=2, help="per DP rank and step")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument(
+        "--clip-grad",
+        type=float,
+        default=1.0,
+        metavar="NORM",
+        help="clip the whole model's grad norm (L2, over every rank) to NORM before each "
+        "step (default 1.0; 0: no clipping)",
+    )
     p.add_argument(
         "--parity-steps", type=int, default=20, help="steps compared with 1 process (0: skip)"
     )
@@ -229,7 +239,10 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
     )
     schedule = check_pipeline_flags(args, model, layout)
     layout.check(model, world_size, args.global_batch)
-    opt = OptimizerConfig(name="adamw", lr=args.lr)
+    clip = getattr(args, "clip_grad", 1.0)
+    if not clip >= 0:
+        raise ValueError(f"--clip-grad={clip} must be >= 0 (0: no clipping)")
+    opt = OptimizerConfig(name="adamw", lr=args.lr, clip_grad=clip or None)
     parity = min(args.parity_steps, args.steps)
     backend = getattr(args, "backend", "gloo")
     if backend not in BACKENDS:
@@ -285,6 +298,8 @@ class DemoResult:
     seconds: float
     parity_max_rel_diff: float | None = None
     reference_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # before clipping, from the start
+    parity_max_rel_norm_diff: float | None = None
     output: str = ""
     resumed_from: str | None = None
     resumed_step: int = 0
@@ -301,11 +316,15 @@ class _Progress:
         self.every = max(1, total // 10)
         self.bar = _terminal_bar(total, out) if out.isatty() else None
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        """Show step ``step`` (0-based) of ``total``."""
+    def update(
+        self, step: int, loss: float, tokens_per_s: float, grad_norm: float | None = None
+    ) -> None:
+        """Show step ``step`` (0-based) of ``total`` (``grad_norm``: the global grad norm
+        before clipping)."""
         done = step + 1
+        norm = "" if grad_norm is None else f"  grad norm {grad_norm:6.3f}"
         if self.bar is not None:
-            postfix = f"loss {loss:6.3f}  {tokens_per_s:8,.0f} tokens/s"
+            postfix = f"loss {loss:6.3f}{norm}  {tokens_per_s:8,.0f} tokens/s"
             self.bar.set_postfix_str(postfix, refresh=False)
             self.bar.update(done - self.bar.n)
             if done == self.total:
@@ -315,7 +334,7 @@ class _Progress:
             filled = self.width * done // self.total
             bar = "#" * filled + "." * (self.width - filled)
             self.out.write(
-                f"step {done:>5}/{self.total} [{bar}] loss {loss:6.3f}  "
+                f"step {done:>5}/{self.total} [{bar}] loss {loss:6.3f}{norm}  "
                 f"{tokens_per_s:8,.0f} tokens/s\n"
             )
 
@@ -351,8 +370,15 @@ def _header(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO) -> None:
         + "\n"
         f"data:    {corpus().numel():,} characters of Alice's Adventures in Wonderland; "
         f"{demo.global_batch} sequences × {m.seq_length} tokens a step, "
-        f"{demo.layout.microbatches} micro-batches per DP rank; AdamW lr {demo.optimizer.lr}\n"
+        f"{demo.layout.microbatches} micro-batches per DP rank; AdamW lr {demo.optimizer.lr}"
+        f"{_clip_note(demo)}\n"
     )
+
+
+def _clip_note(demo: DemoRun) -> str:
+    """``, grad norm clipped to 1.0`` (nothing without clipping)."""
+    clip = demo.optimizer.clip_grad
+    return "" if clip is None else f", grad norm clipped to {clip:g}"
 
 
 def _schedule_note(demo: DemoRun) -> str:
@@ -452,12 +478,17 @@ def _train(
     progress = _Progress(demo.steps, out)
     tokens_per_step = demo.global_batch * demo.model.seq_length
     saved: list[str] = []
+    norms: list[float] = []
     start = time.perf_counter()
     for step in range(first, demo.steps):
         losses.append(train(_batch(demo, step)))
+        norm = None if trainer.last_step is None else trainer.last_step.grad_norm
+        if norm is not None:
+            norms.append(norm)
         elapsed = time.perf_counter() - start
         if dist.get_rank() == 0:
-            progress.update(step, losses[-1], tokens_per_step * (step + 1 - first) / elapsed)
+            speed = tokens_per_step * (step + 1 - first) / elapsed
+            progress.update(step, losses[-1], speed, norm)
         faults.after_step(dist.get_rank(), step + 1)
         if demo.save_dir is not None and demo.saves_after(step + 1):
             saved.append(_save(demo, demo.save_dir, trainer, losses))
@@ -465,6 +496,7 @@ def _train(
     trained = demo.steps - first
     result = DemoResult(losses, tokens_per_step * trained / seconds if trained else 0.0, seconds)
     result.resumed_from, result.resumed_step, result.checkpoints = verdict.path, first, saved
+    result.grad_norms = norms if first == 0 else []  # a resumed run's norms start mid-way
     return result
 
 
@@ -480,6 +512,10 @@ def _parity(demo: DemoRun, result: DemoResult) -> None:
     result.parity_max_rel_diff = max(
         abs(a - b) / abs(b) for a, b in zip(result.losses, ref.losses, strict=False)
     )
+    if result.grad_norms and ref.grad_norms:
+        result.parity_max_rel_norm_diff = max(
+            abs(a - b) / abs(b) for a, b in zip(result.grad_norms, ref.grad_norms, strict=False)
+        )
 
 
 def _layout_json(demo: DemoRun) -> dict[str, object]:
@@ -504,6 +540,8 @@ def _write_outputs(demo: DemoRun, result: DemoResult) -> Path:
         "parity_steps": demo.parity_steps,
         "reference_losses": result.reference_losses,
         "parity_max_rel_diff": result.parity_max_rel_diff,
+        "grad_norms": result.grad_norms,
+        "parity_max_rel_norm_diff": result.parity_max_rel_norm_diff,
         "resumed_from": result.resumed_from,
         "resumed_step": result.resumed_step,
         "checkpoints": result.checkpoints,
@@ -553,7 +591,13 @@ def _summary(demo: DemoRun, result: DemoResult, folder: Path, out: TextIO) -> No
     if result.parity_max_rel_diff is not None:
         out.write(
             f"parity: steps 1-{demo.parity_steps} against the same GPT in plain PyTorch on 1 "
-            f"process: max relative loss difference {result.parity_max_rel_diff:.1e}\n"
+            f"process: max relative loss difference {result.parity_max_rel_diff:.1e}"
+            + (
+                ""
+                if result.parity_max_rel_norm_diff is None
+                else f", grad norm {result.parity_max_rel_norm_diff:.1e}"
+            )
+            + "\n"
         )
     if result.checkpoints:
         out.write(

@@ -67,7 +67,7 @@ from examples.gpt.data import dp_rows
 from examples.gpt.model import GPT
 from examples.gpt.train import apply_ddp, build_model
 from examples.gpt.weights import gather_full_weights
-from mc_ddp import DistributedDataParallel, ShardedOptimizer, ensure_params_ready
+from mc_ddp import DistributedDataParallel, ShardedOptimizer, StepResult, ensure_params_ready
 from mc_finalize import finalize_model_grads
 
 __all__ = [
@@ -248,6 +248,7 @@ class PipelineTrainer:
     device: torch.device
     in_flight: InFlight
     micro_batch_size: int
+    last_step: StepResult | None = None  # what the last optimizer step did (its grad norm)
 
     @property
     def is_last_stage(self) -> bool:
@@ -315,7 +316,9 @@ def build_pipeline(
         for v in range(vpp)
     ]
     params = [p for chunk in chunks for p in chunk.parameters()]
-    optimizer = ShardedOptimizer(opt.build(params), chunks)
+    optimizer = ShardedOptimizer(
+        opt.build(params), chunks, max_grad_norm=opt.clip_grad, pg_collection=pgc
+    )
     p, stages = mg.pipeline_rank(pgc), layout.pp * vpp
     pipeline_stages: list[_PipelineStageBase] = []
     in_flight = InFlight()
@@ -379,7 +382,7 @@ def pipeline_step(
     finalize_model_grads(
         trainer.chunks, num_tokens=count if mask is not None else None, pg_collection=pgc
     )
-    trainer.optimizer.step()
+    trainer.last_step = trainer.optimizer.step()
     return _step_loss(trainer, losses, count)
 
 
