@@ -132,7 +132,9 @@ def _loss(
 ) -> torch.Tensor:
     if vocab_parallel:
         logits = model(input_ids=ids).logits  # [b, s, V / tp]
-        return vocab_parallel_causal_lm_loss(logits, ids, tp_group=tp)
+        config: Any = model.config  # a transformers PretrainedConfig
+        vocab = int(config.vocab_size)  # gathered logits: an error, not the loss + log(tp)
+        return vocab_parallel_causal_lm_loss(logits, ids, tp_group=tp, vocab_size=vocab)
     loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
     return loss
 
