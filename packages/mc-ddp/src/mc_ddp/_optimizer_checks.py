@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -145,3 +146,43 @@ def check_optional_collection(value: object) -> mg.ProcessGroupCollection | None
     if value is None:
         return None
     return check_collection("pg_collection", value, what="ShardedOptimizer")
+
+
+def check_saved_state(
+    state_dict: object, slots: Sequence[OwnedSlice]
+) -> tuple[list[torch.Tensor], Mapping[str, Any]]:
+    """``ShardedOptimizer.state_dict()``'s shape: ``master_params`` (this rank's shapes) and
+    the wrapped optimizer's ``optimizer`` dict."""
+    if not isinstance(state_dict, Mapping):
+        raise InputTypeError(
+            "state_dict must be the mapping ShardedOptimizer.state_dict() returned, got "
+            f"{type_name(state_dict)}"
+        )
+    missing = [k for k in ("master_params", "optimizer") if k not in state_dict]
+    if missing:
+        raise InputValueError(
+            f"state_dict has no {missing}: pass what ShardedOptimizer.state_dict() returned"
+        )
+    masters = check_saved_masters(state_dict["master_params"], slots)
+    inner = state_dict["optimizer"]
+    if not isinstance(inner, Mapping) or not {"state", "param_groups"} <= set(inner):
+        raise InputTypeError(
+            "state_dict['optimizer'] must be the wrapped optimizer's state dict (with "
+            f"'state' and 'param_groups'), got {type_name(inner)}"
+        )
+    return masters, inner
+
+
+def check_sharded_state_args(
+    model_sharded_state_dict: object, is_loading: object, prefix: object
+) -> None:
+    """The arguments of ``ShardedOptimizer.sharded_state_dict``."""
+    if not isinstance(model_sharded_state_dict, Mapping):
+        raise InputTypeError(
+            "model_sharded_state_dict must be a mapping {key: DTensor or tensor} (the "
+            f"model's sharded_state_dict()), got {type_name(model_sharded_state_dict)}"
+        )
+    if not isinstance(is_loading, bool):
+        raise InputTypeError(f"is_loading={is_loading!r} must be a bool")
+    if not isinstance(prefix, str):
+        raise InputTypeError(f"prefix={prefix!r} must be a str, e.g. 'optimizer.'")

@@ -1,7 +1,7 @@
 """The guarded part of a ShardedOptimizer step: the grad norm, the overflow flag and the
 step's status in one reduction, then unscaling and clipping in one multiply.
 
-Per step (``clip`` = a max norm is set, ``scale`` = a loss scaler is set)::
+Per step (``clip``: a max norm is set; ``S``: the loss scale, 1 without a scaler)::
 
     local   (checks passed) master.grad ← main_grad slice (fp32; no value changes yet)
             clip:  n_r = Σ_{counted slices} ‖g‖_p^p  (p = ∞: max ‖g‖_∞, NaN → inf + a flag)
@@ -50,13 +50,30 @@ class Guard:
 
 
 @dataclass(frozen=True)
-class Outcome:
-    """The agreed result of the reduction (the same on every rank)."""
+class StepResult:
+    """What :meth:`mc_ddp.ShardedOptimizer.step` did, the same on every rank.
 
-    grad_norm: float | None
-    found_inf: bool
+    Attributes:
+        skipped: the params did not change (an overflow under loss scaling, or a
+            non-finite grad norm).
+        grad_norm: the global grad norm before clipping (unscaled), or None when the step
+            computed none (no ``max_grad_norm`` and no
+            :meth:`~mc_ddp.ShardedOptimizer.clip_grad_norm` call).
+        loss_scale: the scale this step's grads carried (None without a scaler); the next
+            one is ``optimizer.get_loss_scale()``.
+        found_inf: some owned grad on some rank held inf or NaN (a guarded step looks at
+            every copy, counted in the norm or not).
+    """
+
     skipped: bool
-    loss_scale: float | None
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    found_inf: bool = False
+
+    @property
+    def update_successful(self) -> bool:
+        """``not skipped`` (the first value of Megatron's ``optimizer.step()``)."""
+        return not self.skipped
 
 
 def build_master_grads(slots: Sequence[OwnedSlice]) -> list[torch.Tensor]:
@@ -95,7 +112,7 @@ def reduce_step_values(
     counted: list[bool],
     status: mg.CarriedStatus,
     device: torch.device,
-) -> Outcome:
+) -> StepResult:
     """The local values, the one reduction over the world, the status settled (every rank
     raises when any rank's checks failed), the norm and the overflow flag read back (one
     host synchronisation). ``grads`` is empty on a rank whose checks failed."""
@@ -118,7 +135,7 @@ def reduce_step_values(
     scale = None if guard.scaler is None else guard.scaler.scale
     norm = None if guard.max_norm is None else _total_norm(values, p, scale)
     skipped = found_inf or (norm is not None and not math.isfinite(norm))
-    return Outcome(norm, found_inf, skipped, scale)
+    return StepResult(skipped, norm, scale, found_inf)
 
 
 def _total_norm(values: list[float], p: float, scale: float | None) -> float:
@@ -138,7 +155,7 @@ def clip_factor(max_norm: float, norm: float) -> float:
     return float(coef.clamp(max=1.0))
 
 
-def apply(guard: Guard, outcome: Outcome, grads: list[torch.Tensor]) -> None:
+def apply(guard: Guard, outcome: StepResult, grads: list[torch.Tensor]) -> None:
     """Unscale and clip every owned grad in one multiply (when the step goes ahead)."""
     if outcome.skipped or not grads:
         return

@@ -23,19 +23,16 @@ param's master and state by the model's key and stores them as pieces of full-pa
 tensors, so a checkpoint loads at any TP × DP layout and bucket size
 (:mod:`mc_ddp.checkpoint_pieces`). Not covered: LBFGS (it caches its params at build).
 
-A guarded step (``max_grad_norm=`` and/or ``grad_scaler=``, or :meth:`ShardedOptimizer.
-clip_grad_norm`): the global grad norm, every piece of the model counted once
-(:mod:`mc_ddp.grad_norm`), the fp16 overflow flag and the step's own checks travel in one
-all-reduce over the world; then one multiply unscales and clips every owned slice, or the
-step is skipped on every rank (:mod:`mc_ddp._step_guard`). ``step()`` reports what
-happened (:class:`StepResult`).
+A guarded step (``max_grad_norm=`` and/or ``grad_scaler=``, or ``clip_grad_norm()``): the
+global grad norm (every piece counted once, :mod:`mc_ddp.grad_norm`), the overflow flag and
+the step's own checks in one all-reduce, then one multiply that unscales and clips, or a
+skip on every rank; ``step()`` returns a :class:`~mc_ddp.StepResult`.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +42,7 @@ from mc_ddp import _optimizer_checks as checks
 from mc_ddp import _optimizer_state as sharded_state
 from mc_ddp import _step_guard as guarded
 from mc_ddp._optimizer_state import OwnedSlice
+from mc_ddp._step_guard import StepResult
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
 from mc_ddp.grad_norm import counted_slices
 from mc_ddp.grad_scaler import DynamicGradScaler
@@ -54,33 +52,6 @@ from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 __all__ = ["OwnedSlice", "ShardedOptimizer", "StepResult"]
 
 Param = torch.nn.Parameter
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What :meth:`ShardedOptimizer.step` did, the same on every rank.
-
-    Attributes:
-        skipped: the params did not change (an overflow under loss scaling, or a
-            non-finite grad norm).
-        grad_norm: the global grad norm before clipping (unscaled), or None when the step
-            computed none (no ``max_grad_norm`` and no :meth:`~ShardedOptimizer.clip_grad_norm`
-            call).
-        loss_scale: the scale this step's grads carried (None without a scaler); the next
-            one is ``optimizer.get_loss_scale()``.
-        found_inf: some owned grad on some rank held inf or NaN (a guarded step looks at
-            every copy, counted in the norm or not).
-    """
-
-    skipped: bool
-    grad_norm: float | None = None
-    loss_scale: float | None = None
-    found_inf: bool = False
-
-    @property
-    def update_successful(self) -> bool:
-        """``not skipped`` (the first value of Megatron's ``optimizer.step()``)."""
-        return not self.skipped
 
 
 class ShardedOptimizer:
@@ -159,7 +130,7 @@ class ShardedOptimizer:
         self.error_if_nonfinite = check_flag("error_if_nonfinite", error_if_nonfinite)
         self.peer_checks = check_flag("peer_checks", peer_checks)
         self._pg_collection = checks.check_optional_collection(pg_collection)
-        self._prepared: tuple[tuple[int, ...], guarded.Outcome] | None = None
+        self._prepared: tuple[tuple[int, ...], StepResult] | None = None
         self._counted: list[bool] | None = None
         for chunk in self.model_chunks:
             chunk.overlap_param_gather_with_optimizer_step = (
@@ -287,7 +258,7 @@ class ShardedOptimizer:
             else:
                 self._check_unguarded_step()
                 guarded.build_master_grads(self._slots)
-                outcome = guarded.Outcome(None, False, False, None)
+                outcome = StepResult(skipped=False)
         self._drain_param_gathers()
         if not outcome.skipped:
             self.optimizer.step()
@@ -298,7 +269,7 @@ class ShardedOptimizer:
         if not outcome.skipped:
             self._write_masters_to_params()
         self._publish_params(force_sync=False)
-        return StepResult(outcome.skipped, outcome.grad_norm, outcome.loss_scale, outcome.found_inf)
+        return outcome
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss × S`` with the scaler's current scale (``loss`` itself without a scaler):
@@ -322,12 +293,12 @@ class ShardedOptimizer:
         self._require_synced_grads()
         self._require_new_grads()
 
-    def _prepared_outcome(self) -> guarded.Outcome | None:
+    def _prepared_outcome(self) -> StepResult | None:
         if self._prepared is not None and self._prepared[0] == self._generations():
             return self._prepared[1]
         return None
 
-    def _guarded(self, guard: guarded.Guard, where: str) -> guarded.Outcome:
+    def _guarded(self, guard: guarded.Guard, where: str) -> StepResult:
         """Checks, norm and overflow in one all-reduce, then unscale and clip (or skip)."""
         status = mg.CarriedStatus(where)
         counted: list[bool] = []
@@ -423,13 +394,16 @@ class ShardedOptimizer:
                 slot.master.copy_(slot.param.detach().view(-1)[slot.start : slot.end])
 
     def state_dict(self) -> dict[str, Any]:
-        """A snapshot of this rank's state: the wrapped optimizer's state dict and the
-        masters, copied (torch's own state_dict returns live references, so loading it into
-        a second optimizer would make the two share moments)."""
-        return {
+        """A snapshot of this rank's state: the wrapped optimizer's state dict, the masters
+        and the loss scaler's state (``grad_scaler``), copied (torch's own state_dict
+        returns live references: loading it into a second optimizer would share moments)."""
+        state = {
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "master_params": [slot.master.clone() for slot in self._slots],
         }
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -437,24 +411,10 @@ class ShardedOptimizer:
         (collective with the distributed optimizer: every rank calls it). Everything is
         checked before anything is loaded: a mapping with ``master_params`` (tensors shaped
         like this rank's masters) and ``optimizer`` (the wrapped optimizer's state dict)."""
-        if not isinstance(state_dict, Mapping):
-            raise InputTypeError(
-                "state_dict must be the mapping ShardedOptimizer.state_dict() returned, got "
-                f"{type_name(state_dict)}"
-            )
-        missing = [k for k in ("master_params", "optimizer") if k not in state_dict]
-        if missing:
-            raise InputValueError(
-                f"state_dict has no {missing}: pass what ShardedOptimizer.state_dict() returned"
-            )
-        masters = checks.check_saved_masters(state_dict["master_params"], self._slots)
-        inner = state_dict["optimizer"]
-        if not isinstance(inner, Mapping) or not {"state", "param_groups"} <= set(inner):
-            raise InputTypeError(
-                "state_dict['optimizer'] must be the wrapped optimizer's state dict (with "
-                f"'state' and 'param_groups'), got {type_name(inner)}"
-            )
+        masters, inner = checks.check_saved_state(state_dict, self._slots)
         self._require_publishable("load_state_dict()")
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])  # checks, then loads
         self.optimizer.load_state_dict(dict(inner))
         for slot, saved in zip(self._slots, masters, strict=True):
             slot.master.copy_(saved)
@@ -486,7 +446,8 @@ class ShardedOptimizer:
         Keys: ``{prefix}{K}.fp32_param``, ``{prefix}{K}.{state}``; scalar states (``step``)
         and non-tensor states are stored as themselves under the same scheme (every rank
         owning a slice holds the same value; DCP writes one), and each param group's
-        hyperparameters under ``{prefix}param_groups.{i}.{name}``.
+        hyperparameters under ``{prefix}param_groups.{i}.{name}`` (a loss scaler's state
+        under ``{prefix}grad_scaler.{scale,growth_tracker,hysteresis_tracker}``).
 
         Saving (``is_loading=False``) needs state for every slice (after the first step).
         Loading (``is_loading=True``): slices without state first get the optimizer's own
@@ -498,20 +459,14 @@ class ShardedOptimizer:
         every rank (:func:`mc_groups.fail_together`) instead of a wait inside DCP.
         """
         with mg.fail_together(None, "ShardedOptimizer.sharded_state_dict"):
-            if not isinstance(model_sharded_state_dict, Mapping):
-                raise InputTypeError(
-                    "model_sharded_state_dict must be a mapping {key: DTensor or tensor} (the "
-                    f"model's sharded_state_dict()), got {type_name(model_sharded_state_dict)}"
-                )
-            if not isinstance(is_loading, bool):
-                raise InputTypeError(f"is_loading={is_loading!r} must be a bool")
-            if not isinstance(prefix, str):
-                raise InputTypeError(f"prefix={prefix!r} must be a str, e.g. 'optimizer.'")
+            checks.check_sharded_state_args(model_sharded_state_dict, is_loading, prefix)
             names = self._names()
             places = sharded_state.placements(model_sharded_state_dict, self._slots, names)
         if is_loading:
             sharded_state.materialize_state(self.optimizer, self._slots)
         built = sharded_state.build_state_dict(self.optimizer, self._slots, places, names, prefix)
+        if self.grad_scaler is not None:  # replicated numbers: DCP writes one
+            built.update(sharded_state.scaler_entries(self.grad_scaler.state_dict(), prefix))
         self._checkpoint_keys = sharded_state.CheckpointKeys(prefix, places)
         return built
 
@@ -538,6 +493,10 @@ class ShardedOptimizer:
                 )
             sharded_state.check_loaded_values(self.optimizer, self._slots, keys, state_dict)
             self._require_publishable("load_sharded_state_dict()")
+            if self.grad_scaler is not None:  # checks, then loads (before anything else)
+                saved = sharded_state.scaler_state(state_dict, keys.prefix)
+                if saved is not None:
+                    self.grad_scaler.load_state_dict(saved)
         sharded_state.apply_loaded_values(self.optimizer, self._slots, keys, state_dict)
         self._drain_param_gathers()
         self._write_masters_to_params()
