@@ -138,6 +138,13 @@ def train_fp16() -> dict[str, list[Any]]:
             out["scales"].append(result.loss_scale)
             out["norms"].append(result.grad_norm)
         out["weights"] = [p.detach().float().clone() for p in ddp.module.parameters()]
+        out["saved"] = [opt.state_dict()["grad_scaler"]]
+        # the DCP state dict carries the scaler too: edit it, load it back
+        sd = opt.sharded_state_dict(dict(ddp.module.named_parameters()), is_loading=True)
+        out["saved"].append(sd["optimizer.grad_scaler.scale"])
+        sd["optimizer.grad_scaler.scale"] = 32.0
+        opt.load_sharded_state_dict(sd)
+        out["saved"].append(opt.get_loss_scale())
         return out
     finally:
         mg.destroy_model_parallel(pgc)
@@ -189,6 +196,12 @@ def test_fp16_loss_scaling_matches_torch_grad_scaler(rank_pools: RankPools) -> N
         assert str(runs[1][key]) == str(mc[key]), key  # every rank reports the same (NaN too)
     assert mc["skipped"] == ref["skipped"] == [True, False, False, True, False, False]
     assert mc["scales"] == ref["scales"]
+    final = SCALER["initial_scale"]  # grown back after steps 4 and 5
+    assert mc["saved"] == [
+        {"scale": final, "growth_tracker": 0, "hysteresis_tracker": 1},
+        final,  # the DCP state dict carries it
+        32.0,  # and loads it back
+    ]
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(mc["losses"], ref["losses"], strict=True))
     pairs = [(a, b) for a, b, s in zip(mc["norms"], ref["norms"], mc["skipped"], strict=True)]
     norm_rel = max(abs(a - b) / b for (a, b), s in zip(pairs, mc["skipped"], strict=True) if not s)
