@@ -165,7 +165,7 @@ class CarriedStatus:
 
     @property
     def flag(self) -> float:
-        """This rank's element of the carrying reduction: 1.0 failed, 0.0 passed."""
+        """1.0 when this rank's checks failed, else 0.0 (its element of the reduction)."""
         return 0.0 if self.failure is None else 1.0
 
     def settle(self, group: dist.ProcessGroup | None, reduced_flag: float) -> None:
