@@ -4,9 +4,9 @@
 One step is forward + loss (``model(input_ids, labels=input_ids).loss``) + backward on 2
 gloo ranks, one thread each, the same weights (same seed) and batch for both variants:
 
-- ``mc``: ``parallelize(model, plan)`` with the model's own ``tp_plan`` plus the entries of
-  ``examples.hf_llama.sequence_parallel_plan`` (SP off: the blocks' entries share one input
-  grad all-reduce per block);
+- ``mc``: ``parallelize(model, sequence_parallel_plan(model))``: the model's own ``tp_plan``
+  plus the sequence-parallel entries (SP off: the blocks' entries share one input grad
+  all-reduce per block);
 - ``torch``: the equivalent plan of ``ColwiseParallel`` / ``RowwiseParallel`` (SP on:
   ``SequenceParallel(sequence_dim=1)`` on the norms, ``PrepareModuleInput`` gathering the
   sequence before attention and MLP and scattering it at the first layer, the row layers'
@@ -67,15 +67,13 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> Step:
 
 def _mc(sp: bool) -> torch.nn.Module:
     import mc_groups as mg  # noqa: PLC0415
-    from examples.hf_llama import sequence_parallel_plan  # noqa: PLC0415
-    from mc_tp_layers import parallelize  # noqa: PLC0415
+    from mc_tp_layers import parallelize, sequence_parallel_plan  # noqa: PLC0415
 
     pgc = mg.get_default_collection()
     assert pgc is not None
     cfg = mg.ModelParallelConfig(tensor_model_parallel_size=TP, sequence_parallel=sp)
     model = _model()
-    plan: dict[str, Any] = dict(model.tp_plan)
-    parallelize(model, sequence_parallel_plan(plan), config=cfg, pg_collection=pgc)
+    parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
     return model
 
 

@@ -1,16 +1,20 @@
-"""A tiny ``transformers`` Llama trained with mc at TP=2 × DP=2 with sequence parallelism.
+"""A tiny ``transformers`` Llama (or Qwen2, Mistral, Phi-3, OLMo-2, Gemma) trained with mc at
+TP=2 × DP=2 with sequence parallelism.
 
 The model comes from a config (random weights, no hub access); ``parallelize`` converts it
-with the model's own ``tp_plan`` plus four sequence-parallel entries; mc DDP with the
-distributed optimizer and ``finalize_model_grads`` train it; the script prints each step's
-loss beside the one-process loss of the same model on the same global batch.
+with the plan ``sequence_parallel_plan`` derives from the model (its own ``tp_plan`` plus
+the sequence-parallel entries); mc DDP with the distributed optimizer and
+``finalize_model_grads`` train it; the script prints each step's loss beside the
+one-process loss of the same model on the same global batch.
 
-Run it with ``torchrun --standalone --nproc-per-node 4 -m examples.hf_llama``;
-``integration_tests/test_parallelize_hf.py`` runs ``train`` on 2 and 4 gloo ranks.
+Run it with ``torchrun --standalone --nproc-per-node 4 -m examples.hf_llama [--kind phi3]``;
+``integration_tests/test_parallelize_hf.py`` and ``test_sp_plan_hf.py`` run ``train`` on 2
+and 4 gloo ranks.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +33,7 @@ from mc_finalize import finalize_model_grads
 from mc_tp_layers import (
     full_state_dict,
     parallelize,
+    sequence_parallel_plan,
     vocab_parallel_causal_lm_loss,
 )
 
@@ -36,27 +41,34 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = [
+    "KINDS",
     "Run",
     "build_model",
     "global_batch",
     "reference",
-    "sequence_parallel_plan",
     "train",
 ]
 
 SEQ, BATCH, LR = 16, 4, 1.0
+KINDS = {  # kind → its transformers config and model classes
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # per-head q_norm / k_norm
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),  # fused qkv_proj, gate_up_proj (gathered)
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),  # q_norm / k_norm over all heads; post-norms
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),  # (1 + w) norms, scaled embeddings
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),  # + per-head q/k norms, sliding window
+}
 
 
 def build_model(kind: str = "llama", seed: int = 0, *, tie: bool = False) -> PreTrainedModel:
-    """A tiny ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (q/k/v biases) from a config."""
+    """A tiny causal LM of ``kind`` (a key of ``KINDS``) from a config, seeded."""
     # imported here: collecting the tests that import this module stays cheap (seconds)
-    from transformers import (  # noqa: PLC0415
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    import transformers  # noqa: PLC0415
 
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: choose one of {sorted(KINDS)}")
     sizes: dict[str, Any] = {
         "vocab_size": 64,
         "hidden_size": 32,
@@ -66,36 +78,13 @@ def build_model(kind: str = "llama", seed: int = 0, *, tie: bool = False) -> Pre
         "num_key_value_heads": 2,
         "tie_word_embeddings": tie,
     }
+    if kind not in ("llama", "qwen2"):  # token ids inside the tiny vocabulary, small heads
+        sizes.update(pad_token_id=None, bos_token_id=1, eos_token_id=2, head_dim=8)
+    config_class, model_class = KINDS[kind]
+    config = getattr(transformers, config_class)(**sizes)
     torch.manual_seed(seed)
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**sizes))
-    if kind == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**sizes))
-    raise ValueError(f"kind={kind!r}: choose 'llama' or 'qwen2'")
-
-
-# --8<-- [start:sp-plan]
-def sequence_parallel_plan(tp_plan: Mapping[str, Any]) -> dict[str, Any]:
-    """The model's ``tp_plan`` plus where the sequence is split, gathered and scattered.
-
-    The residual stream is split along the sequence from the first decoder layer on (the
-    embedding's output stays whole: ``transformers`` derives positions from its length);
-    norms run on the split; attention and MLP gather it on entry (attention reshapes by its
-    input's length) and their ``rowwise`` output layer reduce-scatters it; the LM head
-    gathers it again.
-    """
-    plan = dict(tp_plan)
-    plan["model.layers.0"] = "sequence_scatter"
-    plan["model.layers.*.input_layernorm"] = "sequence_parallel"
-    plan["model.layers.*.post_attention_layernorm"] = "sequence_parallel"
-    plan["model.layers.*.self_attn"] = "sequence_gather"
-    plan["model.layers.*.mlp"] = "sequence_gather"
-    plan["model.norm"] = "sequence_parallel"
-    plan["lm_head"] = ("sequence_gather", plan["lm_head"])
-    return plan
-
-
-# --8<-- [end:sp-plan]
+    model: PreTrainedModel = getattr(transformers, model_class)(config)
+    return model
 
 
 def global_batch(step: int) -> torch.Tensor:
@@ -112,10 +101,10 @@ class Run:
     weights: dict[str, torch.Tensor]
 
 
-def reference(kind: str = "llama", steps: int = 3, *, tie: bool = False) -> Run:
+def reference(kind: str = "llama", steps: int = 3, *, tie: bool = False, lr: float = LR) -> Run:
     """One process, plain PyTorch: SGD on the whole global batch."""
     model = build_model(kind, tie=tie)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
         ids = global_batch(step)
@@ -149,25 +138,28 @@ def train(
     steps: int = 3,
     tie: bool = False,
     block_entries: bool | None = None,
+    lr: float = LR,
+    overrides: Mapping[str, Any] | None = None,
 ) -> Run:
     """Train the tiny model on every rank of the world (TP = ``tp``, DP = world / tp);
-    ``block_entries`` (default: ``sequence_parallel``) adds ``sequence_parallel_plan``'s
-    entries to the model's ``tp_plan``."""
+    ``block_entries`` (default: ``sequence_parallel``) converts it with
+    ``sequence_parallel_plan(model, base)`` instead of ``base``: the model's own ``tp_plan``
+    with ``overrides`` (pattern → style) replacing its entries."""
     pgc = mg.initialize_model_parallel(tensor_model_parallel_size=tp)
     cfg = mg.ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
     model = build_model(kind, tie=tie)  # the same weights on every rank (same seed)
-    plan: dict[str, Any] = dict(model.tp_plan)  # transformers' own plan, names as they are
-    if sequence_parallel if block_entries is None else block_entries:
-        plan = sequence_parallel_plan(plan)
+    base: dict[str, Any] = {**model.tp_plan, **(overrides or {})}  # transformers' names
     if vocab_parallel_loss:  # keep the logits split along the vocabulary: plain colwise
-        entry = "sequence_gather" in plan["lm_head"]
-        plan["lm_head"] = ("sequence_gather", "colwise") if entry else "colwise"
-    parallelize(model, plan, config=cfg, pg_collection=pgc)
+        base["lm_head"] = "colwise"
+    if sequence_parallel if block_entries is None else block_entries:
+        parallelize(model, sequence_parallel_plan(model, base), config=cfg, pg_collection=pgc)
+    else:
+        parallelize(model, base, config=cfg, pg_collection=pgc)
     ddp_cfg = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
     )
     ddp = DistributedDataParallel(cfg, ddp_cfg, model, pg_collection=pgc)
-    opt = ShardedOptimizer(torch.optim.SGD(ddp.parameters(), lr=LR), ddp)
+    opt = ShardedOptimizer(torch.optim.SGD(ddp.parameters(), lr=lr), ddp)
     dp = pgc.require("dp", "data")
     rows = BATCH // dp.size()
     losses = []
@@ -192,10 +184,13 @@ def train(
 
 def main() -> None:
     """Train at TP=2 × DP=(world / 2) with SP and print the parity with one process."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=sorted(KINDS), default="llama")
+    kind = parser.parse_args().kind
     dist.init_process_group("gloo")
-    run = train(2)
+    run = train(2, kind=kind)
     if dist.get_rank() == 0:
-        ref = reference()
+        ref = reference(kind)
         for step, (a, b) in enumerate(zip(run.losses, ref.losses, strict=True)):
             print(f"step {step}: mc {a:.6f}  one process {b:.6f}  rel {abs(a - b) / b:.1e}")
         worst = max(float((run.weights[k] - v).abs().max()) for k, v in ref.weights.items())

@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 import torch
 
-from examples.hf_llama import Run, build_model, global_batch, reference, sequence_parallel_plan
+from examples.hf_llama import Run, build_model, global_batch, reference
 from mc_groups.testing import RankPools, error_kind
 
 pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
@@ -127,13 +127,13 @@ def _schedules() -> dict[str, dict[str, Any]]:
 
 def _schedule(*, sequence_parallel: bool, block_entries: bool) -> dict[str, Any]:
     import mc_groups as mg
-    from mc_tp_layers import parallelize
+    from mc_tp_layers import parallelize, sequence_parallel_plan
 
     torch.set_num_threads(1)
     pgc = mg.initialize_model_parallel(tensor_model_parallel_size=2)
     cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
     model = build_model("llama")
-    plan = sequence_parallel_plan(model.tp_plan) if block_entries else model.tp_plan
+    plan = sequence_parallel_plan(model) if block_entries else model.tp_plan
     parallelize(model, plan, config=cfg, pg_collection=pgc)
     ids = global_batch(0)
     model(input_ids=ids, labels=ids).loss.backward()  # the agreement exchange happens here
@@ -470,7 +470,7 @@ def test_docs_show_the_example_verbatim() -> None:
     root = Path(__file__).resolve().parents[1]
     source = (root / "examples" / "hf_llama.py").read_text(encoding="utf-8")
     page = (root / "docs" / "parallelize.md").read_text(encoding="utf-8")
-    for name in ("sp-plan", "train"):
+    for name in ("train",):
         start = source.index(f"# --8<-- [start:{name}]\n") + len(f"# --8<-- [start:{name}]\n")
         block = source[start : source.index(f"# --8<-- [end:{name}]")].rstrip()
         assert block in page, f"docs/parallelize.md lost the example's {name!r} block"

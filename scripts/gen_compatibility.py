@@ -3,7 +3,9 @@ field of ``DistributedDataParallelConfig``, with how mc matches Megatron-Core.
 
 Usage: ``python scripts/gen_compatibility.py`` (writes the file) or ``--check`` (exit 1 when
 the file is stale); ``--upstream-run RUN.json`` first records a run of Megatron-LM's own
-tests against mc (``../shared/upstream/run --json RUN.json``) into ``docs/upstream_run.json``
+tests against mc (``../shared/upstream/run --json RUN.json``) into ``docs/upstream_run.json``,
+``--upstream-run-main RUN.json`` one of Megatron-LM main's (``../shared/upstream/run-main``)
+into ``docs/upstream_run_main.json``
 (per test: pass / fail / n.a. and the reason), from which the measured table is drawn.
 ``integration_tests/test_docs.py`` runs the same checks, so the document
 cannot drift from the code:
@@ -41,6 +43,7 @@ from mc_ddp import DistributedDataParallelConfig
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "compatibility.md"
 RUN = ROOT / "docs" / "upstream_run.json"
+RUN_MAIN = ROOT / "docs" / "upstream_run_main.json"
 SPEC_DIRS = (ROOT / "docs" / "spec", ROOT.parent / "shared" / "spec")
 
 MODULES = {
@@ -226,10 +229,16 @@ DELIBERATE = """\
 - **Megatron's objects by what they have.** A `ProcessGroupCollection` of another class
   (Megatron-Core's) is adopted by its group attributes; a `full_param_layout` / `param_layout`
   with Megatron-Core's fields (its own `FullParamLayout` from
-  `DistributedOptimizer.compute_full_param_layout`) is copied into mc's; a group argument that
+  `DistributedOptimizer.compute_full_param_layout`, or main's
+  `LayerWiseDistributedOptimizer.compute_full_param_layout`) is copied into mc's, and
+  `BufferKey`s of either library are equal and hash alike; a group argument that
   is only read for its rank may be any object with `rank()`; finalize's step helpers take any
   chunk with `named_parameters()` (plain `nn.Module`s), `finalize_model_grads` also needs
-  `finish_grad_sync`.
+  `finish_grad_sync`. Megatron's own optimizers build over mc's DDP: its
+  `DistributedOptimizer` (`get_megatron_optimizer`) reads each buffer's `ddp_config`,
+  `data_parallel_group`, layout and buckets, main's `LayerWiseDistributedOptimizer` the
+  chunk's `full_param_layout` (`integration_tests/test_megatron_optimizer.py`, where
+  megatron-core is installed: both train like one process within 1e-6).
 - **No required globals.** Groups are passed explicitly (`tp_group=`, `pg_collection=`);
   `initialize_model_parallel(..., set_default=True)` and `model_parallel_cuda_manual_seed`
   register opt-in defaults that `None` arguments read, as Megatron's globals would.
@@ -253,13 +262,12 @@ DELIBERATE = """\
   reduction the last grad later starts is never waited for (unreduced grads could reach the
   optimizer). `register_grad_ready` without `overlap_grad_reduce` is an `InputStateError`, as
   Megatron asserts. `overlap_param_gather` without the distributed optimizer (Megatron's
-  layer-wise optimizer setting) is accepted: params are replicated, nothing is gathered;
-  buckets whose params Megatron's layer-wise optimizer sharded are a `NotImplementedError`.
-- **Buffer layout.** A bucket closed by a `shared_embedding` param reports
-  `numel_unpadded` up to the end of its last param (params [emb(10, shared), w(100)] at
-  dp 1: mc [100, 10], Megatron [128, 10], counting up to the shared param's padded start);
-  bucket ranges are identical. Only Megatron's distributed-optimizer checkpoint format reads
-  it; mc's checkpoints go through DCP.
+  legacy layer-wise setting, without a layout) is accepted: params are replicated, nothing
+  is gathered; that legacy path's per-bucket param lists (`set_layerwise_params_list`,
+  `layerwise_param_flat_sizes`) are a `NotImplementedError` naming the layout path. With
+  the layout Megatron main's `LayerWiseDistributedOptimizer` computes (`full_param_layout=`,
+  distributed optimizer on), its shard-aligned buffers are reduce-scattered and gathered as
+  Megatron does.
 - **Collectives.** Nothing is issued on one-rank groups; vocab-parallel cross-entropy
   issues two all-reduces (MAX, then one stacked SUM) where Megatron issues three; on gloo,
   reduce-scatters run as an all-to-all plus a local sum and all-gathers as point-to-point
@@ -438,28 +446,38 @@ UPSTREAM: tuple[tuple[str, tuple[str, ...], str], ...] = (
 
 
 _NVFP4 = (
-    "tests Megatron's NVFP4 buffer: builds Megatron's private `_ParamAndGradBuffer(ddp_config=, "
-    "params_with_names=, data_parallel_group=, ...)` and fakes NVFP4 params by patching "
-    "`megatron.core.distributed.param_and_grad_buffer.is_nvfp4tensor` and friends, which mc "
-    "never calls; mc has no NVFP4 params and its buffer takes mc's constructor"
+    "not applicable (no user code can depend on it): builds Megatron's private "
+    "`_ParamAndGradBuffer(ddp_config=, params_with_names=, data_parallel_group=, ...)` and fakes "
+    "NVFP4 params by patching `megatron.core.distributed.param_and_grad_buffer.is_nvfp4tensor` "
+    "and friends. Only Megatron's own DDP constructs that class (Megatron main's optimizer/ and "
+    "dist_checkpointing/ never do; they read a built buffer's fields, which mc's buffer has), so "
+    "code that uses mc's DDP never reaches the constructor, and mc has no NVFP4 params for the "
+    "patched functions to describe. The index values of plain params it checks are held by "
+    "`mc_buffers_tests/test_layout_examples.py`"
 )
 
 UPSTREAM_FAILING: dict[str, str] = {
-    # upstream test id (under tests/unit_tests/) -> why it stays failing against mc
+    # upstream test id (under tests/unit_tests/) -> why it stays failing against mc, in both
+    # suites (0.19 and main) where the id exists in both
     "distributed/test_param_and_grad_buffer.py::test_grad_sync[2-False-True-True]": (
-        "deliberate (correctness): with overlap and 2 optimizer instances, Megatron's early "
-        "`finish_grad_sync` returns and marks the sync finished with nothing reduced; mc "
-        "raises `InputStateError` (an AssertionError) as it does with one instance"
+        "deliberate (correctness hazard): with overlap and 2 optimizer instances, Megatron's "
+        "early `finish_grad_sync` returns and marks the sync finished with nothing reduced, so "
+        "unreduced grads can reach the optimizer; mc raises `InputStateError` (an "
+        "AssertionError) as it does with one instance"
     ),
     "distributed/test_param_and_grad_buffer.py::test_grad_sync[2-True-True-True]": (
-        "deliberate (correctness): as the case above, with `average_in_collective`"
+        "deliberate (correctness hazard): as the case above, with `average_in_collective`"
     ),
     "distributed/test_param_and_grad_buffer.py::"
     "test_force_all_reduce_uses_correct_collective[False]": (
-        "patches `megatron.core.distributed.param_and_grad_buffer.dist_reduce_scatter_func`, "
-        "a private function of Megatron's module that mc never calls (mc reduce-scatters "
-        "through `mc_groups.reduce_scatter`; the `True` case, which patches "
-        "`torch.distributed.all_reduce`, passes)"
+        "not applicable (no user code can depend on it): patches "
+        "`megatron.core.distributed.param_and_grad_buffer.dist_reduce_scatter_func`, a private "
+        "module global that only Megatron's bucket group calls; what a user can observe is the "
+        "collective issued, and that fact (with the distributed optimizer and "
+        "`force_all_reduce=False` the grads are reduce-scattered, with True all-reduced) is held "
+        "by `mc_ddp_tests/test_features.py::"
+        "test_force_all_reduce_and_fp32_accumulating_reduce_scatter` on recorded collectives; "
+        "the `True` case, which patches `torch.distributed.all_reduce`, passes"
     ),
     "distributed/test_param_and_grad_buffer.py::TestNVFP4IndexMaps::"
     "test_exact_index_values_no_padding": _NVFP4,
@@ -481,11 +499,16 @@ UPSTREAM_FAILING: dict[str, str] = {
     "test_nvfp4_varied_param_sizes": _NVFP4,
     "tensor_parallel/test_cross_entropy.py::"
     "test_vocab_parallel_cross_entropy_uses_explicit_tp_group": (
-        "monkeypatches `get_tensor_model_parallel_group` on the cross-entropy module (mc has no "
-        "parallel_state lookup there) and counts three `torch.distributed.all_reduce` calls on a "
-        "fake one-rank group; mc issues two all-reduces (MAX, one stacked SUM), none on a "
-        "one-rank group, and takes a real `ProcessGroup` (its agreement check exchanges "
-        "over it)"
+        "not applicable (no user code can depend on it): monkeypatches "
+        "`get_tensor_model_parallel_group` on Megatron's cross-entropy module (mc has no "
+        "parallel_state lookup there to patch) and counts three `torch.distributed.all_reduce` "
+        "calls on a fake one-rank group object. The number of internal all-reduces is not "
+        "behaviour a caller sees (mc issues two: MAX, then one stacked SUM, and none on a "
+        "one-rank group), and a group that is not a `ProcessGroup` cannot carry a collective "
+        "(mc's agreement check exchanges over it). The fact a user relies on, that the explicit "
+        "`tp_group` is used instead of the global one, is held by "
+        "`mc_tp_layers_tests/test_conformance_test_cross_entropy.py::"
+        "test_vocab_parallel_cross_entropy_uses_explicit_tp_group` on real groups"
     ),
 }
 """The upstream tests that fail against mc and why (checked against the recorded run)."""
@@ -751,7 +774,7 @@ def upstream_section() -> str:
     return "\n".join(lines) + "\n"
 
 
-def record_run(path: Path) -> None:
+def record_run(path: Path, target: Path = RUN) -> None:
     """Keep of a harness run (``--json``) what the document needs: per test its kind and,
     for a failure or a test not applicable, the reason (first line, 240 characters)."""
     run = json.loads(path.read_text(encoding="utf-8"))
@@ -767,7 +790,52 @@ def record_run(path: Path) -> None:
         "elapsed_s": round(run["elapsed_s"]),
         "tests": tests,
     }
-    RUN.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    target.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+class Suite(NamedTuple):
+    """One recorded harness run: where it is kept, how it is made, what it tests."""
+
+    record: Path
+    title: str
+    command: str
+    tests: str
+    flag: str
+
+
+SUITES = (
+    Suite(
+        RUN,
+        "Megatron-LM's own tests against mc (measured)",
+        "../shared/upstream/run",
+        "Megatron-LM's unit tests for `core.distributed` and `core.tensor_parallel` (release "
+        "core_r0.19.0)",
+        "--upstream-run",
+    ),
+    Suite(
+        RUN_MAIN,
+        "Megatron-LM main's own tests against mc (measured)",
+        "../shared/upstream/run-main",
+        "Megatron-LM main's unit tests (commit d98e8a64, the branch the spec documents) for "
+        "the same modules plus `param_layout`, the layer-wise optimizer's layout and param "
+        "readiness",
+        "--upstream-run-main",
+    ),
+)
+"""The 0.19 suite and the main suite; their failures share :data:`UPSTREAM_FAILING`."""
+
+
+def failing_tests(suite: Suite) -> set[str]:
+    """The tests of ``suite``'s recorded run that failed against mc."""
+    run = json.loads(suite.record.read_text(encoding="utf-8"))
+    return {t for t, v in run["tests"].items() if v["kind"] == "fail"}
+
+
+def _check_failing_reasons() -> None:
+    failing = set().union(*(failing_tests(suite) for suite in SUITES))
+    stale = sorted(set(UPSTREAM_FAILING) - failing)
+    if stale:
+        raise ValueError(f"UPSTREAM_FAILING lists tests that did not fail: {stale}")
 
 
 def _na_reason(reason: str) -> str:
@@ -787,17 +855,14 @@ def _na_reason(reason: str) -> str:
     return "skipped or failing on CPU" if reason else "skipped"
 
 
-def measured_section() -> str:
-    """The recorded run of Megatron-LM's own tests against mc, per file."""
-    run = json.loads(RUN.read_text(encoding="utf-8"))
+def measured_section(suite: Suite) -> str:
+    """The recorded run of ``suite`` (Megatron-LM's own tests against mc), per file."""
+    run = json.loads(suite.record.read_text(encoding="utf-8"))
     tests: dict[str, dict[str, str]] = run["tests"]
-    failing = {t for t, v in tests.items() if v["kind"] == "fail"}
+    failing = failing_tests(suite)
     undocumented = sorted(failing - set(UPSTREAM_FAILING))
     if undocumented:
         raise ValueError(f"upstream tests fail with no reason in UPSTREAM_FAILING: {undocumented}")
-    stale = sorted(set(UPSTREAM_FAILING) - failing)
-    if stale:
-        raise ValueError(f"UPSTREAM_FAILING lists tests that did not fail: {stale}")
     per_file: dict[str, dict[str, Any]] = {}
     for test, value in tests.items():
         entry = per_file.setdefault(test.split("::")[0], {"pass": 0, "fail": 0, "na": {}})
@@ -810,15 +875,14 @@ def measured_section() -> str:
     applicable = passed + len(failing)
     na = sum(sum(e["na"].values()) for e in per_file.values())
     lines = [
-        "## Megatron-LM's own tests against mc (measured)\n",
-        f"`../shared/upstream/run` on {run['date']} ({run['nproc']} gloo ranks, "
-        f"{run['elapsed_s']} s): Megatron-LM's unit tests for `core.distributed` and "
-        "`core.tensor_parallel` (release core_r0.19.0) with **only their imports of the "
+        f"## {suite.title}\n",
+        f"`{suite.command}` on {run['date']} ({run['nproc']} gloo ranks, "
+        f"{run['elapsed_s']} s): {suite.tests} with **only their imports of the "
         "ported modules rewritten to mc**, everything else (parallel_state, configs, models, "
         f"test utilities) Megatron's: **{passed}/{applicable} pass** ({na} not applicable: "
         "they fail against Megatron-Core itself on CPU). Recorded in "
-        "`docs/upstream_run.json`; regenerate with `python scripts/gen_compatibility.py "
-        "--upstream-run RUN.json`.\n",
+        f"`docs/{suite.record.name}`; regenerate with `python scripts/gen_compatibility.py "
+        f"{suite.flag} RUN.json`.\n",
         "| upstream file | pass | fail | not applicable (why) |",
         "|---|---|---|---|",
     ]
@@ -826,7 +890,14 @@ def measured_section() -> str:
         why = ", ".join(f"{n} {cause}" for cause, n in sorted(entry["na"].items())) or "—"
         lines.append(f"| `{name}` | {entry['pass']} | {entry['fail']} | {why} |")
     lines += ["", "Failing against mc, each with its reason:", ""]
-    lines += [f"- `{test}`: {UPSTREAM_FAILING[test]}" for test in sorted(failing)] or ["- none"]
+    previous = ""
+    for test in sorted(failing):
+        reason = UPSTREAM_FAILING[test]
+        shown = "as the test above" if reason == previous else reason
+        lines.append(f"- `{test}`: {shown}")
+        previous = reason
+    if not failing:
+        lines.append("- none")
     return "\n".join(lines) + "\n"
 
 
@@ -843,7 +914,8 @@ def render() -> str:
     parts.append(f'<a id="megatron.{CONFIG_MODULE}.DistributedDataParallelConfig"></a>\n')
     parts.append("\n".join(_table(rows)) + "\n")
     parts.append(DELIBERATE)
-    parts.append(measured_section())
+    _check_failing_reasons()
+    parts += [measured_section(suite) for suite in SUITES]
     parts.append(upstream_section())
     return "\n".join(parts)
 
@@ -857,9 +929,16 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="record this harness --json run first (docs/upstream_run.json)",
     )
+    parser.add_argument(
+        "--upstream-run-main",
+        type=Path,
+        help="record this run-main --json run first (docs/upstream_run_main.json)",
+    )
     args = parser.parse_args(argv)
     if args.upstream_run is not None:
         record_run(args.upstream_run)
+    if args.upstream_run_main is not None:
+        record_run(args.upstream_run_main, RUN_MAIN)
     text = render()
     if args.check:
         current = DOC.read_text(encoding="utf-8") if DOC.exists() else ""

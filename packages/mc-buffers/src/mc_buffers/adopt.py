@@ -3,11 +3,18 @@
 A Megatron-Core user computes a layout with Megatron's own
 ``DistributedOptimizer.compute_full_param_layout`` (``megatron.core.optimizer.param_layout``)
 and passes it to mc's ``DistributedDataParallel``. Its classes are not mc's, but its fields
-are the same: a ``layouts`` mapping from a key with ``param_dtype``, ``grad_dtype`` and
-``is_expert_parallel`` to a per-buffer layout with ``param_index_map``, ``bucket_indices``,
+are the same: a ``layouts`` mapping from a key with ``param_dtype``, ``grad_dtype``,
+``is_expert_parallel`` and (Megatron-Core main) ``is_managed_by_layer_wise_optimizer`` to a
+per-buffer layout with ``param_index_map``, ``bucket_indices``,
 ``per_bucket_numel_unpadded``, ``param_indices`` and ``num_optimizer_shards``. Such an object
 is copied field by field into mc's :class:`~mc_buffers.FullParamLayout` (the params are the
 same objects; nothing is allocated) and then checked like any caller-given layout.
+
+Buffers of Megatron's ``LayerWiseDistributedOptimizer`` (keys with
+``is_managed_by_layer_wise_optimizer=True``) are adopted like the others: their layout keeps
+each param whole inside one of the ``num_optimizer_shards`` equal shards of its bucket
+(shards padded to one size, params placed by the optimizer's bin-packing, not in backprop
+order), which is a valid layout for mc's buffers and bucket groups as it is.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ _PER_BUFFER_FIELDS = (
     "num_optimizer_shards",
 )
 _KEY_FIELDS = ("param_dtype", "grad_dtype", "is_expert_parallel")
+_LAYER_WISE_FIELD = "is_managed_by_layer_wise_optimizer"
 
 
 class BufferKeyLike(Protocol):
@@ -116,14 +124,12 @@ def _as_key(key: object, name: str) -> BufferKey:
             f"{name} has key {key!r} ({type_name(key)}) without {missing}: keys must be "
             "mc_buffers.BufferKey or have param_dtype, grad_dtype and is_expert_parallel"
         )
-    if getattr(key, "is_managed_by_layer_wise_optimizer", False):
-        raise NotImplementedError(
-            f"{name} has a buffer managed by Megatron's LayerWiseDistributedOptimizer "
-            f"({key!r}); mc has no layer-wise optimizer: compute the layout for "
-            "DistributedOptimizer (or let DistributedDataParallel compute it)"
-        )
     like: BufferKeyLike = key  # type: ignore[assignment]  # fields checked above
-    return BufferKey(like.param_dtype, like.grad_dtype, bool(like.is_expert_parallel))
+    # Megatron-Core main's fourth field (absent in a three-field key: Megatron's default)
+    layer_wise = getattr(key, _LAYER_WISE_FIELD, False)
+    return BufferKey(
+        like.param_dtype, like.grad_dtype, bool(like.is_expert_parallel), bool(layer_wise)
+    )
 
 
 def as_full_param_layout(value: object, name: str = "full_param_layout") -> FullParamLayout:
@@ -134,7 +140,6 @@ def as_full_param_layout(value: object, name: str = "full_param_layout") -> Full
 
     Raises:
         TypeError: no ``layouts`` mapping, or a key or per-buffer layout without the fields.
-        NotImplementedError: a buffer of Megatron's layer-wise optimizer.
     """
     if isinstance(value, FullParamLayout):
         return value

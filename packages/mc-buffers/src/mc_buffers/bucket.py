@@ -173,6 +173,23 @@ class ParamAndGradBucket:
         self.params_with_extra_main_grads: list[Param] = list(params_with_extra_main_grads)
         self.layerwise_gather_list: list[torch.Tensor] | None = None
 
+    def set_layerwise_params_list(self, layerwise_params_list: Sequence[Sequence[Param]]) -> None:
+        """Megatron's hook for its layer-wise optimizer's legacy path (no layout): per-rank
+        param lists gathered by variable-size all-gathers. Not implemented in mc; that
+        optimizer's layout path (``LayerWiseDistributedOptimizer.compute_full_param_layout``
+        passed as DDP's ``full_param_layout`` with ``use_distributed_optimizer=True``) is.
+
+        Raises:
+            NotImplementedError: always, naming the layout path.
+        """
+        raise NotImplementedError(
+            f"bucket {self.bucket_id}: set_layerwise_params_list() (Megatron's "
+            "LayerWiseDistributedOptimizer without a param layout) is not implemented in mc; "
+            "compute LayerWiseDistributedOptimizer.compute_full_param_layout(...) and pass it "
+            "to DistributedDataParallel(full_param_layout=...) with "
+            "use_distributed_optimizer=True"
+        )
+
     @property
     def grad_data(self) -> torch.Tensor:
         """This bucket's view of the buffer's ``grad_data``, the tensor a DDP all-reduces, or

@@ -111,9 +111,12 @@ class ParamAndGradBuffer:
         self.data_parallel_world_size = args.data_parallel_size
         self.gradient_scaling_factor = args.gradient_scaling_factor
         self.param_layout = layout
-        # The group a DDP reduces (and shards) this buffer over, set by the DDP that owns it;
-        # the buffer itself never communicates. Megatron's DistributedOptimizer reads it.
+        # What the DDP that owns the buffer sets (the buffer itself never communicates):
+        # the group it reduces (and shards) the buffer over, and its config. Megatron's
+        # DistributedOptimizer reads both (its partition_buckets builds bucket groups
+        # from them).
         self.data_parallel_group: object | None = None
+        self.ddp_config: object | None = None
         self.param_index_map = layout.param_index_map
         self.bucket_indices = layout.bucket_indices
         self.param_indices = _param_indices(args, layout)

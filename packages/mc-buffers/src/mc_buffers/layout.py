@@ -48,7 +48,9 @@ class PerBufferParamLayout:
             ``end - start == param.numel()``.
         bucket_indices: ``(start, end)`` of each bucket, contiguous from 0; ``end`` includes
             the bucket's padding.
-        per_bucket_numel_unpadded: per bucket, last param end − bucket start.
+        per_bucket_numel_unpadded: per bucket, last param end − bucket start (Megatron's
+            distributed-optimizer layout: a bucket closed by a shared embedding counts up to
+            the embedding's padded start; the layer-wise layout: the sum of its params).
         param_indices: index of each param among the same-dtype params (checkpoint mapping).
         num_optimizer_shards: number of equal shards every bucket splits into (the
             data-parallel size of a distributed-optimizer layout); None for the default one.
@@ -113,7 +115,10 @@ class _LayoutWalk:
             param, SHARED_EMBEDDING, False
         )
         if isolate and self._open:
-            self._close()
+            # Megatron pads the shared param's start first, then closes the open bucket
+            # there: its unpadded size runs to that padded start (the bucket end is the
+            # same either way, as the bucket-end divisor is a multiple of the 64 alignment).
+            self._close(self._padding.param_start(self._next_start))
         start = self._padding.param_start(self._next_start)
         end = start + param.numel()
         self.layout.param_index_map[param] = (start, end, len(self.layout.bucket_indices))
@@ -122,9 +127,10 @@ class _LayoutWalk:
         if full or isolate:
             self._close()
 
-    def _close(self) -> None:
-        end = self._padding.bucket_end(self._last_end)
-        self.layout.per_bucket_numel_unpadded.append(self._last_end - self._bucket_start)
+    def _close(self, unpadded_end: int | None = None) -> None:
+        last = self._last_end if unpadded_end is None else unpadded_end
+        end = self._padding.bucket_end(last)
+        self.layout.per_bucket_numel_unpadded.append(last - self._bucket_start)
         self.layout.bucket_indices.append((self._bucket_start, end))
         self._bucket_start = self._next_start = end
         self._open = 0
@@ -180,7 +186,9 @@ def compute_distributed_optimizer_param_layout(
     ``data_parallel_size`` equal shards; a param with ``shared_embedding=True`` sits alone
     in its own bucket (the open bucket is closed before it), so the first and last pipeline
     stages shard the tied embedding identically. Unpadded size of a bucket = last param end
-    − bucket start.
+    − bucket start, except for a bucket the shared embedding closes: up to the embedding's
+    padded start (params [emb(10, shared), w(100)] at dp 1: [128, 10]), as Megatron-Core
+    counts it (its distributed-optimizer checkpoints read these sizes).
     """
     plist = _checked_params(params)
     size = check_optional_int("bucket_size", bucket_size)

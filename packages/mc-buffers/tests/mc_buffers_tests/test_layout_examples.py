@@ -153,12 +153,17 @@ def test_shared_embedding_is_not_isolated_in_default_layout() -> None:
     assert default.param_index_map[emb] == (894, 1694, 0)
 
 
-def test_shared_embedding_unpadded_size_stops_at_last_param_end() -> None:
-    # w (100) then a shared embedding: the open bucket ends at 100, not at p64(100) = 128
+def test_bucket_closed_by_shared_embedding_counts_to_its_padded_start() -> None:
+    # w (100) then a shared embedding: Megatron-Core pads the embedding's start to
+    # p64(100) = 128 and closes the open bucket there, so its unpadded size is 128 (its
+    # distributed-optimizer checkpoints read these sizes); the embedding's own bucket ends
+    # at its last element (10).
     emb, w = meta_param(10, shared_embedding=True), meta_param(100)
     dist = compute_distributed_optimizer_param_layout([emb, w], None, 1)
-    assert dist.per_bucket_numel_unpadded == [100, 10]
+    assert dist.per_bucket_numel_unpadded == [128, 10]
     assert dist.bucket_indices == [(0, 128), (128, 256)]
+    assert dist.param_index_map[w] == (0, 100, 0)
+    assert dist.param_index_map[emb] == (128, 138, 1)
 
 
 def test_full_layout_splits_keys_and_uses_expert_dp() -> None:

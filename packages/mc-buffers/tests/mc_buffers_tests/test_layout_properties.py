@@ -19,6 +19,7 @@ from mc_buffers import (
     compute_default_per_buffer_param_layout,
     compute_distributed_optimizer_param_layout,
     compute_full_param_layout,
+    pad_param_start,
 )
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -44,7 +45,25 @@ _bucket = st.one_of(st.none(), st.integers(1, 3000))
 _dp = st.integers(1, 16)
 
 
-def _check_common(layout: PerBufferParamLayout, params: list[torch.nn.Parameter]) -> None:
+def closed_by_shared_embedding(
+    layout: PerBufferParamLayout, bucket: int, bucket_size: int | None
+) -> bool:
+    """The distributed-optimizer layout closed ``bucket`` because the next param is a shared
+    embedding (not because the bucket reached ``bucket_size``)."""
+    if layout.num_optimizer_shards is None or bucket + 1 >= len(layout.bucket_indices):
+        return False
+    b_start = layout.bucket_indices[bucket][0]
+    last_end = max(layout.param_index_map[p][1] for p in layout.bucket_params(bucket))
+    full = bucket_size is not None and last_end - b_start >= bucket_size
+    own = layout.bucket_params(bucket)
+    nxt = layout.bucket_params(bucket + 1)[0]
+    shared = [bool(getattr(p, "shared_embedding", False)) for p in [*own, nxt]]
+    return not full and not any(shared[:-1]) and shared[-1]  # a shared bucket closes itself
+
+
+def _check_common(
+    layout: PerBufferParamLayout, params: list[torch.nn.Parameter], bucket_size: int | None
+) -> None:
     # every param exactly once, with its numel
     assert len(layout.param_index_map) == len(params)
     for p in params:
@@ -66,9 +85,12 @@ def _check_common(layout: PerBufferParamLayout, params: list[torch.nn.Parameter]
     members = [len(layout.bucket_params(b)) for b in range(len(layout.bucket_indices))]
     assert sum(members) == len(params)
     assert min(members) >= 1
-    # unpadded = last param end − bucket start <= padded
+    # unpadded = last param end − bucket start <= padded; a bucket that the next bucket's
+    # shared embedding closed counts up to the embedding's padded start (Megatron's rule)
     for b, (b_start, b_end) in enumerate(layout.bucket_indices):
         last_end = max(layout.param_index_map[p][1] for p in layout.bucket_params(b))
+        if closed_by_shared_embedding(layout, b, bucket_size):
+            last_end = pad_param_start(last_end)
         assert layout.per_bucket_numel_unpadded[b] == last_end - b_start <= b_end - b_start
 
 
@@ -100,7 +122,7 @@ def test_default_layout_properties(
     shared = data.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
     params = _make(sizes, shared)
     layout = compute_default_per_buffer_param_layout(params, bucket_size)
-    _check_common(layout, params)
+    _check_common(layout, params, bucket_size)
     _check_bucket_closing(layout, bucket_size, isolate_shared=False)
     # no padding: params back to back, total = sum of sizes
     placed = [layout.param_index_map[p] for p in reversed(params)]
@@ -118,7 +140,7 @@ def test_distributed_optimizer_layout_properties(
     shared = data.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
     params = _make(sizes, shared)
     layout = compute_distributed_optimizer_param_layout(params, bucket_size, dp, busbw)
-    _check_common(layout, params)
+    _check_common(layout, params, bucket_size)
     _check_bucket_closing(layout, bucket_size, isolate_shared=True)
     divisor = math.lcm(dp, 128, 2**16) if busbw else math.lcm(dp, 128)
     assert all(layout.param_index_map[p][0] % 64 == 0 for p in params)

@@ -170,10 +170,11 @@ def build_buffers(
         gradient_scaling_factor=scaling.dense,
         expert_gradient_scaling_factor=scaling.expert,
     )
-    for key, buffer in built.items():  # the group each buffer is reduced over (Megatron's field)
+    for key, buffer in built.items():  # Megatron's fields: the reduction group, the config
         buffer.data_parallel_group = (
             groups.intra_expt_dp if key.is_expert_parallel else groups.intra_dp_cp
         )
+        buffer.ddp_config = ddp_config
     return Buffers(
         [b for k, b in built.items() if not k.is_expert_parallel],
         [b for k, b in built.items() if k.is_expert_parallel],

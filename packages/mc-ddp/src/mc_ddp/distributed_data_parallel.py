@@ -58,6 +58,7 @@ from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, type_name
+from mc_groups.device import is_graph_capturing
 from mc_groups.errors import InputStateError, InputTypeError
 from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr, main_grad_of
 
@@ -149,7 +150,13 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             several optimizer instances; ``intra_expt_dp`` / ``inter_expt_dp`` too when
             there are expert params); None: the registered default collection.
         full_param_layout: precomputed layouts per buffer key: mc_buffers' FullParamLayout or
-            Megatron-Core's (any object with the same fields; see mc_buffers.as_full_param_layout).
+            Megatron-Core's (any object with the same fields; see mc_buffers.as_full_param_layout),
+            including the shard-aligned layouts of Megatron's ``LayerWiseDistributedOptimizer``
+            (``compute_full_param_layout``; params tagged ``is_managed_by_layer_wise_optimizer``
+            get buffers of their own, reduce-scattered and all-gathered as any
+            distributed-optimizer buffer, each rank's shard holding whole params). Kept as
+            ``self.full_param_layout`` (mc's copy; computed with the distributed optimizer,
+            None otherwise), as Megatron keeps it.
 
     Bucket size: ``ddp_config.bucket_size``, ``num_buckets`` → total // num_buckets, or
     ``max(40M, 1M · |dp_cp|)``; one bucket without overlap_grad_reduce, on pipeline stages
@@ -191,6 +198,11 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         self.param_to_name: dict[Param, str] = {p: n for n, p in named}
         self.params_with_grad: list[Param] = [p for _, p in named]
         self._build(groups, scaling, plan, disable_bucketing=single)
+        # Megatron's field: the layouts the buffers were built from, given or (distributed
+        # optimizer) computed; None for plain data parallelism without a given layout.
+        # Megatron's LayerWiseDistributedOptimizer reads it to find each rank's params.
+        use_layout = full_param_layout is not None or ddp_config.use_distributed_optimizer
+        self.full_param_layout: FullParamLayout | None = plan.layout if use_layout else None
         self._iteration = _IterationState()
         self.force_all_reduce = False
         self.overlap_param_gather_with_optimizer_step = False
@@ -285,6 +297,13 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
                 setattr(param, PARAM_READY_CALLBACK_ATTR, callback)
 
     # -- hooks ------------------------------------------------------------------------
+
+    @staticmethod
+    def _graph_capturing() -> bool:
+        """The capture probe every hook and ready callback asks: this module's
+        ``is_graph_capturing`` (mc_groups' probe), looked up at each call so that a CPU test
+        can patch it where Megatron-Core's tests patch theirs."""
+        return is_graph_capturing()
 
     def _make_backward_post_hook(self, param: Param) -> BackwardPostHook:
         """A hook to run after ``param``'s grad is accumulated: add ``param.grad`` into

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups.errors import InputValueError
+from mc_groups.argcheck import type_name
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["reduce_scatter_with_fp32_accumulation"]
 
@@ -36,6 +37,7 @@ def reduce_scatter_with_fp32_accumulation(
     label: str = "",
     received: torch.Tensor | None = None,
     detail: str = "",
+    all_to_all_output_tensor: torch.Tensor | None = None,
 ) -> mg.CollectiveHandle:
     """Reduce the flat ``input`` over ``group``; group rank r gets chunk r in ``output``.
 
@@ -44,11 +46,17 @@ def reduce_scatter_with_fp32_accumulation(
     a view of ``input`` (this rank's shard of a bucket). With ``async_op`` the returned
     handle's ``wait()`` finishes the collective and the sum.
 
-    ``received`` (Megatron's ``all_to_all_output_tensor``): the all-to-all's receive buffer,
-    ``input``'s numel and dtype; allocated per call when not given. ``label`` and
-    ``detail`` go to the all-to-all (records, errors and mc_groups' schedule check).
-    ``group=None`` is torch's default (world) group, as in Megatron and torch.distributed.
+    ``all_to_all_output_tensor`` (Megatron-Core main's keyword; ``received`` is mc's older
+    name for the same buffer, give one of them): the all-to-all's receive buffer, of
+    ``input``'s shape and dtype (contiguous, on its device), for callers that keep their own
+    buffer pool; allocated per call when not given. It must stay alive until the handle's
+    ``wait()`` returns. A buffer of another shape or dtype is an ``InputValueError`` (an
+    ``AssertionError``, as Megatron asserts) before the all-to-all starts, so no rank is left
+    waiting in it. ``label`` and ``detail`` go to the all-to-all (records, errors and
+    mc_groups' schedule check). ``group=None`` is torch's default (world) group, as in
+    Megatron and torch.distributed.
     """
+    scratch = _scratch(input, received, all_to_all_output_tensor)
     if group is None:
         if not dist.is_initialized() or dist.group.WORLD is None:
             raise InputValueError(
@@ -68,5 +76,33 @@ def reduce_scatter_with_fp32_accumulation(
         label=label,
         detail=detail,
         accumulate_dtype=torch.float32,
-        received=received,
+        received=scratch,
     )
+
+
+def _scratch(
+    input: object, received: torch.Tensor | None, all_to_all_output_tensor: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The caller's receive buffer under either name; Megatron's shape and dtype rule for
+    ``all_to_all_output_tensor`` (mc_groups checks numel, dtype, device and contiguity)."""
+    if all_to_all_output_tensor is None:
+        return received
+    if received is not None:
+        raise InputValueError(
+            "received= and all_to_all_output_tensor= name the same receive buffer: pass one"
+        )
+    given = all_to_all_output_tensor
+    if not isinstance(given, torch.Tensor):
+        raise InputTypeError(
+            f"all_to_all_output_tensor={type_name(given)} must be None or a torch.Tensor "
+            "shaped like input_tensor"
+        )
+    if isinstance(input, torch.Tensor) and (
+        given.shape != input.shape or given.dtype != input.dtype
+    ):
+        raise InputValueError(
+            f"all_to_all_output_tensor of shape {tuple(given.shape)} and dtype "
+            f"{given.dtype} must match input_tensor's shape {tuple(input.shape)} and "
+            f"dtype {input.dtype}; pass torch.empty_like(input) or None"
+        )
+    return given

@@ -6,7 +6,7 @@ its params' all-gather) and, on every param of a bucket group, a
 :class:`_BucketParamReadyCallback`. Each holds its DDP (and bucket group) weakly: the
 module and its params must not keep a discarded wrapper (and its buffers) alive, and a
 collected wrapper's hooks do nothing, so a re-wrapped module is driven by its new wrapper
-only. None runs under CUDA-graph capture.
+only. None runs under CUDA-graph capture (each asks its DDP, whose module holds the probe).
 
 Parameter readiness, for consumers that read ``param.data`` before its module's pre-hook:
 with ``overlap_param_gather`` a param's values arrive by an all-gather that the forward
@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from mc_groups.argcheck import type_name
-from mc_groups.device import is_graph_capturing
 from mc_groups.errors import InputTypeError
 
 if TYPE_CHECKING:
@@ -65,10 +64,14 @@ class _BucketParamReadyCallback:
     DDP's side of :func:`ensure_params_ready`: one instance is stored on every parameter of
     the group under :data:`PARAM_READY_CALLBACK_ATTR`. Calling it:
 
-    - does nothing when the DDP or the group was collected (both are held weakly: the
-      callback lives on params, which outlive a DDP on re-wrap), or under CUDA-graph
-      capture (a capturing consumer replays this itself);
-    - does nothing when the group's gather completed this iteration (idempotent);
+    - does nothing when the group's gather completed this iteration (idempotent; checked
+      first, it is the common case), when the DDP or the group was collected (both are held
+      weakly: the callback lives on params, which outlive a DDP on re-wrap), or while a CUDA
+      graph is being captured: a captured collective would run again at every replay, so
+      publication waits for a call outside capture (a capturing consumer publishes before
+      it captures, or replays this call itself). The capture probe is the DDP module's
+      ``is_graph_capturing`` (``mc_ddp.distributed_data_parallel.is_graph_capturing``,
+      Megatron's place for it), read at each call so a test can patch it;
     - drains an in-flight gather; with the forward pre-hooks enabled it chains the next
       group's gather as a pre-hook would (not with ``align_param_gather`` or when the
       optimizer step owns the dispatch); with them disabled the caller owns the schedule,
@@ -82,10 +85,14 @@ class _BucketParamReadyCallback:
         self._bucket_group: weakref.ref[ParamAndGradBucketGroup] = weakref.ref(bucket_group)
 
     def __call__(self) -> None:
-        ddp, group = self._ddp(), self._bucket_group()
-        if ddp is None or group is None or is_graph_capturing():
+        group = self._bucket_group()
+        if group is None:
             return
+        # the hot path: published this iteration (every microbatch after the first)
         if group.param_gather_dispatched and group.param_gather_handle is None:
+            return
+        ddp = self._ddp()
+        if ddp is None or ddp._graph_capturing():
             return
         hooks_enabled = bool(ddp.remove_forward_pre_hook_handles)
         in_flight = group.param_gather_handle is not None
@@ -101,10 +108,12 @@ class _BucketParamReadyCallback:
 
 class _GradReadyOwner(Protocol):
     def _on_grad_ready(self, param: Param) -> None: ...
+    def _graph_capturing(self) -> bool: ...
 
 
 class _ParamSyncOwner(Protocol):
     def _on_module_forward(self, module: torch.nn.Module) -> None: ...
+    def _graph_capturing(self) -> bool: ...
 
 
 class BackwardPostHook:
@@ -118,7 +127,7 @@ class BackwardPostHook:
 
     def __call__(self, *unused: Any) -> None:
         ddp = self._ddp()
-        if ddp is None or is_graph_capturing():
+        if ddp is None or ddp._graph_capturing():
             return
         ddp._on_grad_ready(self._param)
 
@@ -132,6 +141,6 @@ class ForwardPreHook:
 
     def __call__(self, module: torch.nn.Module, *unused: Any) -> None:
         ddp = self._ddp()
-        if ddp is None or is_graph_capturing():
+        if ddp is None or ddp._graph_capturing():
             return
         ddp._on_module_forward(module)

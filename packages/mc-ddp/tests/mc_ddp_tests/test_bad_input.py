@@ -586,6 +586,16 @@ def _function_errors() -> dict[str, tuple[str, int]]:
             "fp32_rs_scratch": lambda: loose(
                 torch.zeros(2), torch.zeros(4), world, received=torch.zeros(3)
             ),
+            "fp32_rs_both": lambda: loose(
+                torch.zeros(2),
+                torch.zeros(4),
+                world,
+                received=torch.zeros(4),
+                all_to_all_output_tensor=torch.zeros(4),
+            ),
+            "fp32_rs_a2a_type": lambda: loose(
+                torch.zeros(2), torch.zeros(4), world, all_to_all_output_tensor=[0.0] * 4
+            ),
             "fp32_rs_group": lambda: loose(torch.zeros(2), torch.zeros(4), "world"),
             "scale_type": lambda: ddp.scale_gradients("2"),  # type: ignore[arg-type]
             "offload_flag": lambda: ddp.offload_grad_buffers(synchronize=1),  # type: ignore[arg-type]
@@ -646,6 +656,17 @@ FUNCTIONS = {
         "ValueError: received=3 × float32 on cpu must be a contiguous tensor of 4 × float32",
         doc_call="`reduce_scatter_with_fp32_accumulation(..., received=)`",
         doc_input="3 elements for 4",
+    ),
+    "fp32_rs_both": Expect(
+        "ValueError: received= and all_to_all_output_tensor= name the same receive buffer",
+        doc_call="`reduce_scatter_with_fp32_accumulation(..., received=, "
+        "all_to_all_output_tensor=)`",
+        doc_input="both given",
+    ),
+    "fp32_rs_a2a_type": Expect(
+        "TypeError: all_to_all_output_tensor=list must be None or a torch.Tensor",
+        doc_call="`reduce_scatter_with_fp32_accumulation(..., all_to_all_output_tensor=)`",
+        doc_input="a list",
     ),
     "fp32_rs_group": Expect(
         "TypeError: group='world' must be a torch.distributed.ProcessGroup",

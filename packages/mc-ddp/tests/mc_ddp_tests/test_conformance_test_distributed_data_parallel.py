@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import mc_groups as mg
+from mc_buffers import BufferKey
 from mc_ddp import DistributedDataParallel
 from mc_ddp_tests._harness import ddp_config
 from mc_groups.testing import RankPools
@@ -156,6 +157,15 @@ def _default_and_custom_groups() -> dict[str, Any]:
             "reduced_equal": reduced_equal,
             "foreign_equal": foreign_equal,
             "foreign_groups": [r.group_ranks for r in log3],
+            # Megatron's field: None without a given layout and without the distributed
+            # optimizer; the given one (mc's copy, keyed by mc's BufferKey) otherwise
+            "layout_none": ddp1.full_param_layout is None,
+            "layout_kept": ddp3.full_param_layout is not None
+            and list(ddp3.full_param_layout.layouts)
+            == [BufferKey(torch.float32, torch.float32, False)]
+            and ddp3.full_param_layout.layouts[BufferKey(torch.float32, torch.float32, False)]
+            == ddp3.buffers[0].param_layout
+            and ddp3.buffers[0].bucket_indices == ddp2.buffers[0].bucket_indices,
             "error": error,
             "groups": ([r.group_ranks for r in log1], [r.group_ranks for r in log2]),
         }
@@ -187,3 +197,5 @@ def test_ddp_with_dp_process_groups(rank_pools: RankPools) -> None:
         # same reduced grads, same one all-reduce over the 2-rank dp_cp group
         assert out["foreign_equal"]
         assert out["foreign_groups"] == [(0, 1)]
+        assert out["layout_none"]
+        assert out["layout_kept"]

@@ -106,12 +106,25 @@ def _prescale_and_scratch() -> dict[str, Any]:
                 shard_buffer(provided, world)[rank],
                 provided,
                 world_group,
-                received=torch.empty_like(tensor),
+                all_to_all_output_tensor=torch.empty_like(tensor),
             )
+        with mg.record_collectives() as refused_log:
+            try:
+                reduce_scatter_with_fp32_accumulation(
+                    shard_buffer(tensor, world)[rank],
+                    tensor,
+                    world_group,
+                    all_to_all_output_tensor=torch.empty_like(tensor)[:-world],
+                )
+                refused = ""
+            except AssertionError as err:  # mc's InputValueError is one, as Megatron asserts
+                refused = str(err)
         mine = slice(rank * (NUMEL // world), (rank + 1) * (NUMEL // world))
         out["scratch"] = {
             "equal": torch.equal(provided[mine], internal[mine]),
             "ops": len(log),
+            "refused": refused,
+            "refused_ops": len(refused_log),
         }
     return out
 
@@ -165,11 +178,15 @@ def test_caller_provided_all_to_all_output_tensor(
     """Follows ``tests/unit_tests/distributed/test_reduce_scatter_with_fp32_accumulation.py::
     TestReduceScatterWithFP32Accumulation::test_caller_provided_all_to_all_output_tensor``.
 
-    Same fact: a caller-supplied all-to-all receive buffer (mc's ``received=``, upstream's
-    ``all_to_all_output_tensor=``) gives the same shard bit for bit as the internal one. The
-    second fact, a mis-sized buffer refused before the all-to-all, is held by
-    ``test_bad_input.py::test_function_arguments`` [fp32_rs_scratch] (a ValueError with no
-    collective issued; upstream: an AssertionError).
+    Same facts, under Megatron's keyword ``all_to_all_output_tensor=``: a caller-supplied
+    all-to-all receive buffer gives the same shard bit for bit as the internal one (one
+    collective), and one that is ``world`` elements short is refused with an
+    ``AssertionError`` before any collective starts (none recorded), so no peer waits.
     """
     for out in prescale_and_scratch:
-        assert out["scratch"] == {"equal": True, "ops": 1}
+        scratch = out["scratch"]
+        assert (scratch["equal"], scratch["ops"], scratch["refused_ops"]) == (True, 1, 0)
+        assert scratch["refused"].startswith(
+            "all_to_all_output_tensor of shape (99996,) and dtype torch.bfloat16 must match "
+            "input_tensor's shape (100000,)"
+        )

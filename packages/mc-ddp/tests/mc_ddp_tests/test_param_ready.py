@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_ddp import PARAM_READY_CALLBACK_ATTR, ensure_params_ready, param_ready
-from mc_ddp.distributed_data_parallel import _BucketParamReadyCallback
+from mc_ddp import distributed_data_parallel as ddp_module
+from mc_ddp.distributed_data_parallel import DistributedDataParallel, _BucketParamReadyCallback
 from mc_ddp_tests._harness import GATHER_OP, model_parallel
 from mc_ddp_tests.test_param_sync import _trained
 from mc_groups.testing import RankPools
@@ -34,10 +35,21 @@ class _FakeConfig:
 
 
 class _FakeDDP:
+    # the real probe: DDP's hooks and callbacks ask their DDP, which reads its module's
+    # ``is_graph_capturing`` at each call (where Megatron-Core's tests patch it)
+    _graph_capturing = staticmethod(DistributedDataParallel._graph_capturing)
+
     def __init__(self, align_param_gather: bool = False, hooks_enabled: bool = True) -> None:
         self.ddp_config = _FakeConfig(align_param_gather)
         self.overlap_param_gather_with_optimizer_step = False
         self.remove_forward_pre_hook_handles = {object(): object()} if hooks_enabled else {}
+        self.seen: list[str] = []
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        self.seen.append("grad")
+
+    def _on_module_forward(self, module: torch.nn.Module) -> None:
+        self.seen.append("forward")
 
 
 class _FakeBucketGroup:
@@ -72,15 +84,39 @@ def test_callbacks_are_called_once_per_group_in_order() -> None:
 
 
 def test_graph_capture_defers_publication(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under capture nothing is published (a captured gather would rerun at every replay);
+    the first call outside capture publishes. The probe is patched in the DDP module."""
     ddp, group = _FakeDDP(), _FakeBucketGroup()
+    param = torch.nn.Parameter(torch.zeros(1))
+    setattr(param, PARAM_READY_CALLBACK_ATTR, _callback(ddp, group))
     capturing = [True]
-    monkeypatch.setattr(param_ready, "is_graph_capturing", lambda: capturing[0])
-    callback = _callback(ddp, group)
-    callback()
+    monkeypatch.setattr(ddp_module, "is_graph_capturing", lambda: capturing[0])
+    ensure_params_ready([param])
     assert group.finished == []
+    assert not group.param_gather_dispatched
     capturing[0] = False
-    callback()
+    ensure_params_ready([param])
     assert group.finished == [False]
+    assert group.param_gather_dispatched
+
+
+def test_hooks_do_nothing_under_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward post-hook and the forward pre-hook ask the same probe."""
+    ddp = _FakeDDP()
+    param, module = torch.nn.Parameter(torch.zeros(1)), torch.nn.Linear(1, 1)
+    grad_hook, forward_hook = (
+        param_ready.BackwardPostHook(ddp, param),
+        param_ready.ForwardPreHook(ddp),
+    )
+    capturing = [True]
+    monkeypatch.setattr(ddp_module, "is_graph_capturing", lambda: capturing[0])
+    grad_hook(param)
+    forward_hook(module, ())
+    assert ddp.seen == []
+    capturing[0] = False
+    grad_hook(param)
+    forward_hook(module, ())
+    assert ddp.seen == ["grad", "forward"]
 
 
 def test_publishes_once_then_is_idempotent() -> None:

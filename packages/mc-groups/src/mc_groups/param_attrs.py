@@ -13,6 +13,11 @@ Each attribute: its value (and what absent means); who sets it; who reads it.
   Set: mc-tp-layers (every layer's weight and bias), MoE layers, users.
   Read: mc-buffers (buffer key, strict), mc-ddp (expert groups, agreement), mc-finalize
   (which gtp_remat axis), mc-tp-layers (TP and gtp_remat dedup).
+``is_managed_by_layer_wise_optimizer`` (IS_MANAGED_BY_LAYER_WISE_OPTIMIZER): bool (absent:
+  False), the param is stepped by Megatron-Core's ``LayerWiseDistributedOptimizer`` (Muon)
+  and goes into a buffer of its own, laid out so that it sits whole in one shard.
+  Set: Megatron's ``tag_params_for_buffer_routing``, users. Read: mc-buffers (buffer key,
+  strict).
 ``main_grad`` (MAIN_GRAD): Tensor (absent: the grad is ``.grad``).
   Set: mc-buffers (a view of the buffer's ``grad_data``, or a separate fp32 tensor; an
   ``OffloadedView`` while offloaded).
@@ -93,6 +98,7 @@ __all__ = [
     "GTP_UNSHARDED_SHAPE",
     "GTP_WGRAD_SCALE",
     "IS_GTP_WEIGHT_REMAT",
+    "IS_MANAGED_BY_LAYER_WISE_OPTIMIZER",
     "IS_QKV",
     "MAIN_GRAD",
     "MAIN_GRAD_COPY",
@@ -123,6 +129,7 @@ __all__ = [
     "is_expert_param",
     "is_gtp_weight_remat",
     "is_replicated_over_pp",
+    "is_layer_wise_managed",
     "is_sequence_parallel_param",
     "is_shared_duplicate",
     "is_shared_embedding",
@@ -146,6 +153,7 @@ __all__ = [
 ]
 
 ALLREDUCE = "allreduce"
+IS_MANAGED_BY_LAYER_WISE_OPTIMIZER = "is_managed_by_layer_wise_optimizer"
 MAIN_GRAD = "main_grad"
 MAIN_GRAD_COPY = "main_grad_copy_in_grad_buffer"
 GRAD_ADDED_TO_MAIN_GRAD = "grad_added_to_main_grad"
@@ -202,6 +210,13 @@ def is_expert_param(param: torch.Tensor) -> bool:
 def mark_allreduce(param: torch.Tensor, allreduce: bool) -> None:
     """Tag ``param`` dense (True) or expert-parallel (False)."""
     param.allreduce = allreduce  # type: ignore[attr-defined]
+
+
+def is_layer_wise_managed(param: torch.Tensor) -> bool:
+    """``is_managed_by_layer_wise_optimizer=True``: Megatron's layer-wise optimizer steps the
+    param, so it goes into a buffer of its own (absent reads as False; a non-bool is a
+    ``TypeError``, as a misread tag would move the param to another buffer)."""
+    return bool_attr(param, IS_MANAGED_BY_LAYER_WISE_OPTIMIZER, False)
 
 
 def is_shared_embedding(param: torch.Tensor) -> bool:

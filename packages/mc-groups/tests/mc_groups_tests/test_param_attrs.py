@@ -113,10 +113,20 @@ def test_bool_attr_refuses_non_bools_naming_the_param() -> None:
         pa.bool_attr(p, pa.ZERO_OUT_WGRAD, False, "fc.weight")
 
 
+def test_layer_wise_tag_is_a_strict_bool_absent_false() -> None:
+    p = _param()
+    assert pa.is_layer_wise_managed(p) is False
+    p.is_managed_by_layer_wise_optimizer = True  # type: ignore[attr-defined]
+    assert pa.is_layer_wise_managed(p) is True
+    p.is_managed_by_layer_wise_optimizer = "yes"  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="has is_managed_by_layer_wise_optimizer='yes'"):
+        pa.is_layer_wise_managed(p)
+
+
 def test_every_name_is_documented_and_exported() -> None:
     doc = pa.__doc__ or ""
     constants = {k: v for k, v in vars(pa).items() if k.isupper() and isinstance(v, str)}
-    assert len(constants) == 27  # + SHARED, SUM_GRADIENTS_ACROSS_TP_DOMAIN (issue 32)
+    assert len(constants) == 28  # + SHARED, SUM_GRADIENTS_ACROSS_TP_DOMAIN (issue 32)
     for key, name in constants.items():
         assert f"``{name}``" in doc, name
         assert key in pa.__all__

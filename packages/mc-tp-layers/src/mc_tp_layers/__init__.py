@@ -18,8 +18,10 @@
   they built their layers, once (:mod:`mc_tp_layers.agreement`).
 - :func:`parallelize`: any model (``transformers``, torchtitan, your own ``nn.Linear`` /
   ``nn.Embedding``) gets these layers from a plan with ``transformers``' ``tp_plan`` names,
-  built from its existing weights; :func:`full_state_dict` / :func:`load_full_state_dict`
-  go back to one piece and back; styles in :mod:`mc_tp_layers.tp_plan`.
+  built from its existing weights; :func:`sequence_parallel_plan` adds the
+  sequence-parallel entries a decoder needs; :func:`full_state_dict` /
+  :func:`load_full_state_dict` go back to one piece and back; styles in
+  :mod:`mc_tp_layers.tp_plan`.
 
 Groups are passed explicitly (``tp_group=`` / ``pg_collection=``); every collective goes
 through :mod:`mc_groups`, so :func:`mc_groups.record_collectives` sees it.
@@ -82,6 +84,7 @@ from mc_tp_layers.tp_plan import (
     full_state_dict,
     load_full_state_dict,
     parallelize,
+    sequence_parallel_plan,
     vocab_parallel_causal_lm_loss,
 )
 from mc_tp_layers.utils import (
@@ -143,6 +146,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
+    "sequence_parallel_plan",
     "set_cuda_rng_tracker",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",

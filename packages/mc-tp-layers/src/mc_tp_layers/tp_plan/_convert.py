@@ -15,9 +15,14 @@ from mc_tp_layers._config import check_config
 from mc_tp_layers._groups import resolve_tp_group
 from mc_tp_layers.tp_plan import _sequence
 from mc_tp_layers.tp_plan._layers import ColwiseLinear, RowwiseLinear, Setup, VocabEmbedding
+from mc_tp_layers.tp_plan._norm import ColwiseRMSNormLayer, check_rmsnorm
+from mc_tp_layers.tp_plan._overrides import check_plain_linear, embedding_scale
 from mc_tp_layers.tp_plan._styles import (
+    REPLACING,
     Colwise,
+    ColwiseRMSNorm,
     Plan,
+    ReplicatedWithGradAllReduce,
     Rowwise,
     SequenceGather,
     SequenceParallelNorm,
@@ -42,7 +47,7 @@ class _Target:
 
     def replacing(self) -> Style | None:
         for style in self.styles:
-            if isinstance(style, (Colwise, Rowwise, VocabEmbeddingStyle)):
+            if isinstance(style, REPLACING):
                 return style
         return None
 
@@ -66,9 +71,12 @@ def parallelize(
         plan: fnmatch pattern over qualified module names → a style name (``colwise``,
             ``rowwise``, ``colwise_gather_output``/``colwise_rep``,
             ``rowwise_split_input``/``rowwise_rep``, ``packed_colwise``,
-            ``embedding_rowwise``, ``sequence_parallel``, ``sequence_gather``,
-            ``sequence_scatter``), a style object, or a tuple of them. A ``transformers``
-            model's ``model.tp_plan`` can be passed as it is.
+            ``embedding_rowwise``, ``colwise_rmsnorm``, ``replicated_with_grad_allreduce``,
+            ``sequence_parallel``,
+            ``sequence_gather``, ``sequence_scatter``), a style object, or a tuple of them.
+            A ``transformers`` model's ``model.tp_plan`` can be passed as it is;
+            :func:`~mc_tp_layers.tp_plan.sequence_parallel_plan` adds the sequence-parallel
+            entries to it.
         config: the layers' config (:class:`mc_tp_layers.TensorParallelConfig`, e.g.
             :class:`mc_groups.ModelParallelConfig`); ``config.sequence_parallel`` switches
             the sequence styles on.
@@ -89,7 +97,12 @@ def parallelize(
         colwise               —                                  all-reduce dX (none in a block)
         colwise_gather_output all-gather of the last dim         (as colwise)
         rowwise               all-reduce Y (SP: reduce-scatter)  — (SP: all-gather dY)
+        rowwise_split_input   (as rowwise)                       all-gather dX (last dim), and
+                                                                 (as rowwise)
         embedding_rowwise     all-reduce of the embeddings       —
+        colwise_rmsnorm       all-reduce of Σx² ([..., 1], fp32) all-reduce of its grad
+        replicated_with_      —                                  all-reduce of each param grad
+        grad_allreduce
         sequence_gather       SP: all-gather of the input (seq)  SP: reduce-scatter of its grad,
                               (a block's entry)                  else all-reduce of it
         sequence_scatter      —                                  all-gather of its grad
@@ -143,9 +156,10 @@ def _check(
     setup = Setup(cfg, pg_collection, tp_group, bool(cfg.sequence_parallel) and world > 1, dim)
     targets = _match(module, plan)
     for target in targets:
-        _check_target(module, target, world, setup.sequence_parallel)
+        _check_target(module, target, world)
         if setup.sequence_parallel and not _in_block(target, targets):
             _check_not_colwise(target)
+            _check_split_input(target)
     _check_ties(module, targets)
     return setup, targets
 
@@ -167,6 +181,17 @@ def _check_not_colwise(target: _Target) -> None:
             f"{target.label()}: under sequence parallelism a colwise layer needs its input "
             f"gathered along the sequence; add {where}{target.name!r}: ('sequence_gather', "
             f"{describe(target.replacing())!r}) to the plan"  # type: ignore[arg-type]
+        )
+
+
+def _check_split_input(target: _Target) -> None:
+    style = target.replacing()
+    if isinstance(style, Rowwise) and style.split_input:
+        parent = target.name.rpartition(".")[0] or "<the module that calls it>"
+        raise InputValueError(
+            f"{target.label()}: under sequence parallelism rowwise_split_input needs its input "
+            "to hold the whole sequence; add 'sequence_gather' on the block that calls it "
+            f"({parent!r}), or use 'rowwise' after a 'colwise' layer"
         )
 
 
@@ -200,7 +225,7 @@ def _match(module: torch.nn.Module, plan: Mapping[object, object]) -> list[_Targ
     return targets
 
 
-def _check_target(root: torch.nn.Module, target: _Target, world: int, sp: bool) -> None:
+def _check_target(root: torch.nn.Module, target: _Target, world: int) -> None:
     style = target.replacing()
     mod = target.module
     if isinstance(style, (Colwise, Rowwise)):
@@ -214,22 +239,20 @@ def _check_target(root: torch.nn.Module, target: _Target, world: int, sp: bool) 
                 f"{target.label()}: {describe(style)} converts an nn.Linear but this is a "
                 f"{type_name(mod)}{hint}; point the pattern at the linear layers"
             )
+        check_plain_linear(target.label(), mod)
         if isinstance(style, Colwise):
             _check_split(root, target, mod.out_features, "out_features", world, style.parts)
         else:
             _check_split(root, target, mod.in_features, "in_features", world, 1)
-            if sp and style.split_input:
-                raise InputValueError(
-                    f"{target.label()}: rowwise_split_input is not offered under sequence "
-                    "parallelism; use 'rowwise' after a 'colwise' layer, or switch "
-                    "config.sequence_parallel off"
-                )
+    elif isinstance(style, ColwiseRMSNorm):
+        check_rmsnorm(target.label(), mod, world)
     elif isinstance(style, VocabEmbeddingStyle):
         if not isinstance(mod, torch.nn.Embedding):
             raise InputTypeError(
                 f"{target.label()}: embedding_rowwise converts an nn.Embedding but this is a "
                 f"{type_name(mod)}; use 'colwise'/'rowwise' for an nn.Linear"
             )
+        embedding_scale(target.label(), mod)
         if mod.max_norm is not None or mod.scale_grad_by_freq or mod.sparse:
             raise InputValueError(
                 f"{target.label()}: max_norm, scale_grad_by_freq and sparse are not offered by "
@@ -271,7 +294,7 @@ def _layout(target: _Target | None) -> tuple[str, int] | None:
     style = None if target is None else target.replacing()
     if isinstance(style, Colwise):
         return ("rows", style.parts)
-    if isinstance(style, VocabEmbeddingStyle):
+    if isinstance(style, (VocabEmbeddingStyle, ColwiseRMSNorm)):
         return ("rows", 1)
     if isinstance(style, Rowwise):
         return ("columns", 1)
@@ -350,8 +373,10 @@ def _build(
     if isinstance(style, Rowwise):
         assert isinstance(mod, torch.nn.Linear)
         return RowwiseLinear(mod, style, setup, name)
+    if isinstance(style, ColwiseRMSNorm):
+        return ColwiseRMSNormLayer(mod, setup, name)
     assert isinstance(mod, torch.nn.Embedding)
-    return VocabEmbedding(mod, setup, name)
+    return VocabEmbedding(mod, setup, name, embedding_scale(name, mod))
 
 
 def _attach(mod: torch.nn.Module, style: Style, setup: Setup, name: str) -> None:
@@ -359,6 +384,11 @@ def _attach(mod: torch.nn.Module, style: Style, setup: Setup, name: str) -> None
     if isinstance(style, SequenceGather):
         hook = _sequence.input_hook(name, style.kwarg, lambda x: _sequence.enter(x, group, dim, sp))
         mod.register_forward_pre_hook(hook, with_kwargs=True)
+    elif isinstance(style, ReplicatedWithGradAllReduce):
+        for pname, param in mod.named_parameters():
+            if param.requires_grad:
+                summed = _sequence.grad_sum(group, f"{name}.{pname}")
+                param.register_hook(summed)  # type: ignore[no-untyped-call]
     elif not sp:
         return
     elif isinstance(style, SequenceParallelNorm):

@@ -33,6 +33,7 @@ from mc_tp_layers.embedding import VocabParallelEmbedding
 from mc_tp_layers.mappings import (
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
 )
 from mc_tp_layers.row import RowParallelLinear
 from mc_tp_layers.tp_plan import _sequence
@@ -194,7 +195,10 @@ class RowwiseLinear(RowParallelLinear, ConvertedModule):
     """A :class:`RowParallelLinear` holding rank r's columns of an ``nn.Linear`` (bias whole).
 
     Under sequence parallelism its output is reduce-scattered along the sequence dim (the
-    layer's own dim-0 reduce-scatter, with a batch-first input transposed around it).
+    layer's own dim-0 reduce-scatter, with a batch-first input transposed around it). With
+    ``split_input`` under sequence parallelism the input (the whole sequence, inside a
+    ``sequence_gather`` block) is split along its last dim here (backward: all-gather), as
+    Megatron's layer would without sequence parallelism, which it refuses to combine.
     """
 
     get_extra_state = torch.nn.Module.get_extra_state
@@ -202,19 +206,21 @@ class RowwiseLinear(RowParallelLinear, ConvertedModule):
 
     def __init__(self, source: torch.nn.Linear, style: Rowwise, setup: Setup, name: str) -> None:
         weight = source.weight
+        self_split = style.split_input and setup.sequence_parallel
         super().__init__(
             source.in_features,
             source.out_features,
             config=setup.layer_config(weight.dtype, setup.sequence_parallel),
             init_method=_untouched,
             bias=source.bias is not None,
-            input_is_parallel=not style.split_input,
+            input_is_parallel=not style.split_input or self_split,
             skip_bias_add=False,
             pg_collection=setup.pg_collection,
             name=name,
             device=weight.device,
         )
         self.sequence_dim = setup.sequence_dim
+        self.split_here = self_split
         _fill(self.weight, self.shard("weight", weight), weight.requires_grad)
         if source.bias is not None and self.bias is not None:
             _fill(self.bias, source.bias, source.bias.requires_grad)
@@ -233,6 +239,8 @@ class RowwiseLinear(RowParallelLinear, ConvertedModule):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``nn.Linear``'s contract: ``[..., out]`` (this rank's part of the sequence under SP)."""
+        if self.split_here:
+            input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         if self.sequence_parallel and self.sequence_dim != 0:
             moved = input_.transpose(0, self.sequence_dim).contiguous()
             return super().forward(moved)[0].transpose(0, self.sequence_dim)
@@ -246,10 +254,17 @@ class VocabEmbedding(VocabParallelEmbedding, ConvertedModule):
     Its output is all-reduced (every rank gets the full ``[b, s, h]``, so a model that
     derives positions from the embeddings' length still sees the whole sequence; split it
     with a ``sequence_scatter`` entry). ``padding_idx`` keeps ``nn.Embedding``'s meaning: that
-    row gets no gradient.
+    row gets no gradient. ``embed_scale``: the rows are multiplied by it (cast to the table's
+    dtype), as Gemma's scaled word embedding does.
     """
 
-    def __init__(self, source: torch.nn.Embedding, setup: Setup, name: str) -> None:
+    def __init__(
+        self,
+        source: torch.nn.Embedding,
+        setup: Setup,
+        name: str,
+        embed_scale: float | None = None,
+    ) -> None:
         weight = source.weight
         super().__init__(
             source.num_embeddings,
@@ -260,8 +275,16 @@ class VocabEmbedding(VocabParallelEmbedding, ConvertedModule):
             device=weight.device,
         )
         self.padding_idx = source.padding_idx
+        self.scalar_embed_scale = embed_scale
         _fill(self.weight, self.shard("weight", weight), weight.requires_grad)
         self.share_weight(self.weight)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        """The full ``[..., h]`` embeddings (times ``embed_scale`` when the source scaled them)."""
+        output: torch.Tensor = super().forward(input_)
+        if self.scalar_embed_scale is None:
+            return output
+        return output * torch.tensor(self.scalar_embed_scale).to(self.weight.dtype)
 
     def share_weight(self, weight: torch.nn.Parameter) -> None:
         """Use ``weight`` (a tied layer's shard of the same table; ``parallelize`` refuses a

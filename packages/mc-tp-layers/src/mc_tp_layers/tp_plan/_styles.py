@@ -17,7 +17,9 @@ from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
     "Colwise",
+    "ColwiseRMSNorm",
     "Plan",
+    "ReplicatedWithGradAllReduce",
     "Rowwise",
     "SequenceGather",
     "SequenceParallelNorm",
@@ -51,7 +53,11 @@ class Colwise:
 class Rowwise:
     """``nn.Linear`` → :class:`~mc_tp_layers.RowParallelLinear` (weight columns split, bias
     whole). ``split_input``: the input arrives whole and is split along its last dim first
-    (``rowwise_split_input``); else it arrives split (``rowwise``, after a ``colwise``)."""
+    (``rowwise_split_input``; backward all-gathers the input grad's last dim); else it
+    arrives split (``rowwise``, after a ``colwise``). Under sequence parallelism either
+    reduce-scatters its output along the sequence; ``split_input`` then needs a
+    ``sequence_gather`` on a module around it (its input must hold the whole sequence, as
+    after a ``colwise_gather_output`` layer in the same block: Phi-3's attention)."""
 
     split_input: bool = False
 
@@ -63,6 +69,36 @@ class Rowwise:
 class VocabEmbedding:
     """``nn.Embedding`` → :class:`~mc_tp_layers.VocabParallelEmbedding` (vocabulary rows
     split, output all-reduced: every rank returns the full ``[b, s, h]``)."""
+
+
+@dataclass(frozen=True)
+class ColwiseRMSNorm:
+    r"""An RMS norm over the whole output width of a ``colwise`` layer whose output stays
+    split (OLMo-2's ``q_norm`` / ``k_norm`` over all heads) → mc's RMS norm over a split
+    width: rank r keeps the weight's part r (the rows the ``colwise`` layer keeps, so only
+    ``parts=1`` layers) and normalises its ``[..., n/W]`` part by the mean square of the
+    whole row, whose sum of squares is all-reduced over the TP group::
+
+        y_r = w_r · x_r / sqrt( (Σ_ranks Σ_j x_j²) / n + eps )     (in fp32, then cast)
+
+    Collectives per norm and step: forward one all-reduce of ``[..., 1]`` (fp32), backward
+    one all-reduce of its grad (each rank's part only reaches its own heads). The
+    alternative, gathering the projection's output (``transformers``'
+    ``colwise_gather_output``), moves ``[..., n]`` and runs attention whole on every rank.
+    ``parallelize`` checks, on a copy and a random input, that the module computes
+    ``weight · x / sqrt(mean(x²) + eps)`` (its ``eps`` read from ``variance_epsilon`` or
+    ``eps``) before replacing it.
+    """
+
+
+@dataclass(frozen=True)
+class ReplicatedWithGradAllReduce:
+    """A replicated module inside the tensor-parallel region whose parameters each rank
+    trains on only its part of the work (Qwen3's and Gemma-3's per-head ``q_norm`` /
+    ``k_norm``: each rank normalises its own heads): each parameter's grad is summed over
+    the TP group as it is computed (a tensor hook, before it accumulates into ``.grad`` or
+    DDP's ``main_grad``), with or without sequence parallelism. Collectives: backward one
+    all-reduce of the parameter's size per parameter and backward pass."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +130,16 @@ class SequenceScatter:
     kwarg: str = "hidden_states"
 
 
-Style = Colwise | Rowwise | VocabEmbedding | SequenceParallelNorm | SequenceGather | SequenceScatter
+Style = (
+    Colwise
+    | ColwiseRMSNorm
+    | ReplicatedWithGradAllReduce
+    | Rowwise
+    | VocabEmbedding
+    | SequenceParallelNorm
+    | SequenceGather
+    | SequenceScatter
+)
 """One transformation a plan entry names (a style object; a plan may also name it by its
 ``transformers`` string)."""
 Plan = Mapping[str, "str | Style | Sequence[str | Style]"]
@@ -110,6 +155,8 @@ _NAMED: Mapping[str, Style] = MappingProxyType(
         "rowwise_split_input": Rowwise(split_input=True),
         "rowwise_rep": Rowwise(split_input=True),
         "embedding_rowwise": VocabEmbedding(),
+        "colwise_rmsnorm": ColwiseRMSNorm(),
+        "replicated_with_grad_allreduce": ReplicatedWithGradAllReduce(),
         "sequence_parallel": SequenceParallelNorm(),
         "sequence_gather": SequenceGather(),
         "sequence_scatter": SequenceScatter(),
@@ -117,27 +164,34 @@ _NAMED: Mapping[str, Style] = MappingProxyType(
 )
 _STYLE_TYPES = (
     Colwise,
+    ColwiseRMSNorm,
+    ReplicatedWithGradAllReduce,
     Rowwise,
     VocabEmbedding,
     SequenceParallelNorm,
     SequenceGather,
     SequenceScatter,
 )
-REPLACING = (Colwise, Rowwise, VocabEmbedding)
+REPLACING = (Colwise, ColwiseRMSNorm, Rowwise, VocabEmbedding)
 
 
 def style_names() -> tuple[str, ...]:
-    """The style names a plan may use (``transformers``' names, plus ``sequence_gather`` /
-    ``sequence_scatter``)."""
+    """The style names a plan may use (``transformers``' names, plus ``sequence_gather``,
+    ``sequence_scatter`` and ``colwise_rmsnorm``)."""
     return tuple(_NAMED)
+
+
+def name_of(style: Style) -> str | None:
+    """The name a plan uses for ``style``, or ``None`` when it has none."""
+    for name, known in _NAMED.items():
+        if known == style:
+            return name
+    return None
 
 
 def describe(style: Style) -> str:
     """The name a plan would use for ``style`` (or its repr)."""
-    for name, known in _NAMED.items():
-        if known == style:
-            return name
-    return repr(style)
+    return name_of(style) or repr(style)
 
 
 def resolve(pattern: str, value: object) -> tuple[Style, ...]:
