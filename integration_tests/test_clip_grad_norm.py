@@ -20,12 +20,17 @@ Models (``H = 8``, ``S = 8``, ``B = 2``, 4 units per global batch, see ``_compos
   ``mg.send`` / ``mg.recv``. L2 and inf norms.
 - **experts** (``test_parity_experts.MoEModel``): EP=2 × TP=2 with ETP=1 (≠ TP) under SP,
   and EP=2 × gtp_remat=2.
+- **a ``parallelize``d transformers model** (``examples.hf_llama.build_model``): Llama with
+  tied embeddings and Qwen3 (per-head q/k norms, ``replicated_with_grad_allreduce``), TP=2 ×
+  DP=2 with ``sequence_parallel_plan``, the distributed optimizer; 2 clipped SGD steps
+  (norms, then the gathered ``full_state_dict`` against the 1-process model's weights).
 
 Each layout's clip value sits below the reference's norm at every step (checked), so a
 norm counted twice or missing a piece scales the update and moves the weights. Bounds: the
 norm per step within 1e-5 relative, losses 1e-5 relative, final weights 1e-6 absolute after
 5 clipped SGD steps (``_compositions``), every copy of a weight on every rank identical.
-Measured (``pytest -s`` prints them): see the docstring of ``docs/optimizer.md``.
+Measured (``pytest -s`` prints them): norms within 1.1e-7 relative, losses 1.0e-7, weights
+6e-8 absolute (``docs/optimizer.md`` has the table).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import mc_groups as mg
+from examples import hf_llama as hf
 from integration_tests import test_parity_experts as experts
 from integration_tests._compositions import (
     LR,
@@ -61,11 +67,21 @@ from integration_tests._compositions import (
     tp_mlp,
     train,
 )
-from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig, ShardedOptimizer
+from mc_ddp import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    ShardedOptimizer,
+    ensure_params_ready,
+)
 from mc_finalize import finalize_model_grads
 from mc_groups import param_attrs
 from mc_groups.testing import RankPools
-from mc_tp_layers import gather_from_sequence_parallel_region
+from mc_tp_layers import (
+    full_state_dict,
+    gather_from_sequence_parallel_region,
+    parallelize,
+    sequence_parallel_plan,
+)
 
 H, HEADS, D = 8, 4, 4
 S, B = 8, 2
@@ -383,3 +399,67 @@ def test_experts_clip_like_one_process(rank_pools: RankPools, layout: Layout) ->
     per_rank = rank_pools.get(layout.world).run(experts.train_experts, layout)
     assert layout.clip is not None
     compare(layout, per_rank, experts_reference(layout.clip, layout.norm_type))
+
+
+# --------------------------------------------------------------- parallelize'd transformers
+
+HF_CLIP, HF_STEPS = 0.5, 2
+
+
+def train_hf(kind: str, tie: bool) -> dict[str, Any]:
+    """TP=2 × DP=2: the tiny HF model through ``parallelize`` with SP, mc DDP (distributed
+    optimizer), 2 clipped SGD steps; the norms and the gathered weights."""
+    pgc = mg.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+        model = hf.build_model(kind, tie=tie)
+        plan = sequence_parallel_plan(model, dict(model.tp_plan))
+        parallelize(model, plan, config=cfg, pg_collection=pgc)
+        ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=2048)
+        ddp = DistributedDataParallel(cfg, ddp_cfg, model, pg_collection=pgc)
+        sgd = torch.optim.SGD(ddp.parameters(), lr=hf.LR)
+        opt = ShardedOptimizer(sgd, ddp, max_grad_norm=HF_CLIP, pg_collection=pgc)
+        dp = pgc.require("dp", "test")
+        rows = hf.BATCH // mg.group_size(dp)
+        norms = []
+        for step in range(HF_STEPS):
+            ids = hf.global_batch(step)[mg.group_rank(dp) * rows :][:rows]
+            ddp.zero_grad_buffer()
+            ddp(input_ids=ids, labels=ids).loss.backward()
+            finalize_model_grads([ddp], pg_collection=pgc)
+            norms.append(opt.step().grad_norm)
+        ensure_params_ready(list(ddp.parameters()))
+        return {"norms": norms, "weights": full_state_dict(model)}
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def hf_reference(kind: str, tie: bool) -> dict[str, Any]:
+    model = hf.build_model(kind, tie=tie)
+    opt = torch.optim.SGD(model.parameters(), lr=hf.LR)
+    norms = []
+    for step in range(HF_STEPS):
+        ids = hf.global_batch(step)
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), HF_CLIP)))
+        opt.step()
+    return {"norms": norms, "weights": {k: v.detach() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.parametrize(("kind", "tie"), [("llama", True), ("qwen3", False)])
+def test_parallelized_transformers_model_clips_like_one_process(
+    rank_pools: RankPools, kind: str, tie: bool
+) -> None:
+    ref = hf_reference(kind, tie)
+    runs = rank_pools.get(4).run(train_hf, kind, tie)
+    assert all(n > HF_CLIP for n in ref["norms"]), ref["norms"]
+    for run in runs:
+        assert run["norms"] == runs[0]["norms"]
+    norm_rel = max(abs(a - b) / b for a, b in zip(runs[0]["norms"], ref["norms"], strict=True))
+    weights = runs[0]["weights"]
+    assert sorted(weights) == sorted(ref["weights"])
+    weight_abs = max(float((weights[k] - v).abs().max()) for k, v in ref["weights"].items())
+    print(f"[hf {kind} tie={tie}] norm {norm_rel:.3g} relative, weights {weight_abs:.3g}")
+    assert norm_rel <= 1e-5
+    assert weight_abs <= 1e-6
