@@ -5,8 +5,9 @@ compared with the 1-process reference (the parity line must stay under the parit
 1e-5 relative bound; measured 1.1e-7; with the demo's clipping at 1.0 the grad norms too,
 which count the tied table once over the two stages). Then checkpoints across pipeline
 layouts: a run at TP=2 × PP=2 saves after step 3 of 6, and that checkpoint is continued at
-TP=1 × PP=1 × DP=4; a TP=1 × DP=4 checkpoint of step 3 is continued at TP=2 × PP=2; both continuations match the
-uninterrupted TP=2 × PP=2 run within 1e-5 relative per step (the saved losses exactly).
+TP=1 × PP=1 × DP=4; a TP=1 × DP=4 checkpoint of step 3 is continued at TP=2 × PP=2; both
+continuations match the uninterrupted TP=2 × PP=2 run within 1e-5 relative per step (the
+saved losses exactly).
 Last, the layouts ``--preflight`` must refuse before torchrun starts, each with the flag and
 the fix in the message.
 """
