@@ -100,10 +100,10 @@ class _Terminal(io.StringIO):
 def test_progress_is_one_updating_line_on_a_terminal_and_sparse_lines_when_piped() -> None:
     """On a terminal the bar (tqdm) rewrites one line (carriage returns, one newline at the
     end) and ends at 20/20; piped, a line at step 1 and every tenth of the run (2, 4, …)."""
-    from examples.train_gpt import _Progress
+    from examples.gpt.report import Progress
 
     terminal = _Terminal()
-    progress = _Progress(20, terminal)
+    progress = Progress(20, terminal)
     for step in range(20):
         progress.update(step, 2.0 - 0.01 * step, 1000.0)
     shown = terminal.getvalue()
@@ -112,7 +112,7 @@ def test_progress_is_one_updating_line_on_a_terminal_and_sparse_lines_when_piped
     assert "\r" in shown
     assert "20/20" in shown.splitlines()[-1].split("\r")[-1]
     piped = io.StringIO()
-    progress = _Progress(20, piped)
+    progress = Progress(20, piped)
     for step in range(20):
         progress.update(step, 2.0, 1000.0)
     lines = piped.getvalue().splitlines()

@@ -2,8 +2,9 @@
 session's 4-rank pool, with the tests' small GPT (hidden 32, sequence 16, AdamW as the
 demo trains).
 
-Localizes ``examples.gpt.resume`` and its use in ``examples.train_gpt``: what a checkpoint
-folder holds, continuing from it, and refusing what cannot be continued. The independent
+Localizes :mod:`mc_train.checkpoint` (``Checkpointer``, ``find_checkpoint``) in the demo's
+use of it (``examples.gpt.loop``): what a checkpoint folder holds, continuing from it, and
+refusing what cannot be continued. The independent
 reference is the same demo run for 8 steps without stopping.
 
 Checks and tolerances:
@@ -48,15 +49,22 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 import mc_groups as mg
 from examples import train_gpt
 from examples.gpt import final_weights, global_batch, init_full_weights, parallelize, train_step
-from examples.gpt import resume as ckpt
-from examples.gpt.checkpoint import model_sharded_state_dict
 from integration_tests._common import max_rel_loss_diff
 from mc_groups.testing import RankPools
+from mc_train.checkpoint import (
+    Checkpointer,
+    Found,
+    ResumeError,
+    RunState,
+    agree_on_checkpoint,
+    inspect_checkpoint,
+    model_sharded_state_dict,
+)
 
 SMALL = ["--hidden-size", "32", "--seq-length", "16", "--global-batch", "8", "--parity-steps", "0"]
 STEPS, STOP, EVERY = 8, 5, 3
 OTHER_LAYOUTS = {
-    "TP=1 × DP=4": ["--tp", "1", "--dp", "4", "--no-sequence-parallel"],
+    "TP=1 × DP=4": ["--tp", "1", "--dp", "4"],
     "TP=4 × DP=1": ["--tp", "4", "--dp", "1"],
 }
 
@@ -68,7 +76,7 @@ def demo(argv: list[str]) -> dict[str, Any]:
     out = io.StringIO()
     try:
         result = train_gpt.run(plan, out)
-    except ckpt.ResumeError as err:
+    except ResumeError as err:
         return {"printed": out.getvalue(), "error": str(err)}
     return {"printed": out.getvalue(), "losses": result.losses, "error": None}
 
@@ -114,11 +122,11 @@ def test_checkpoint_folder_holds_every_part(saved: dict[str, Any]) -> None:
     for rel, meta in manifest["files"].items():
         data = (folder / rel).read_bytes()
         assert meta == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, rel
-    state = ckpt.RunState.from_json((folder / "trainer.json").read_text(encoding="utf-8"))
+    state = RunState.from_json((folder / "trainer.json").read_text(encoding="utf-8"))
     assert (state.step, state.world_size) == (3, 4)
-    assert state.losses == saved["ref"][:3]
+    assert state.state["losses"] == saved["ref"][:3]
+    assert state.layout == {"tp": 2, "pp": 1, "dp": 2, "cp": 1, "chunks": 1}
     assert state.run["model"]["hidden_size"] == 32
-    assert state.layout["tp"] == 2
 
 
 def test_resume_at_same_layout_is_bit_identical(
@@ -141,8 +149,8 @@ def test_resume_at_same_layout_is_bit_identical(
     assert _losses(tmp_path / "path") == ref
     names = sorted(p.name for p in save_dir.iterdir())
     assert names == [f"step-{s:08d}" for s in (3, 5, 6, 8)]
-    last = ckpt.RunState.from_json((save_dir / "step-00000008" / "trainer.json").read_text())
-    assert last.losses == ref
+    last = RunState.from_json((save_dir / "step-00000008" / "trainer.json").read_text())
+    assert last.state["losses"] == ref
 
     # A checkpoint at the last step: nothing left to train, the history is the result. A
     # newer step-N without its COMPLETE (copied by hand, say) is passed over, and kept.
@@ -184,7 +192,7 @@ def controls(path: str, stop: int, steps: int) -> dict[str, Any]:
     def batch(step: int) -> torch.Tensor:
         return global_batch(step, plan.global_batch, plan.model.seq_length, seed=seed)
 
-    verdict = ckpt.Verdict(path, stop, (), None)
+    found = Found(Path(path), stop)
     pgc = mg.initialize_model_parallel(plan.layout.tp)
     try:
         cpu, full = torch.device("cpu"), init_full_weights(plan.model, seed)
@@ -192,9 +200,12 @@ def controls(path: str, stop: int, steps: int) -> dict[str, Any]:
         def fresh() -> Any:
             return parallelize(plan.model, plan.layout, plan.optimizer, pgc, full, cpu)
 
+        def load(trainer: Any) -> None:
+            Checkpointer(None, trainer.model, trainer.optimizer, pg_collection=pgc).load(found)
+
         # The data stream restarted: the right state, the batches of steps 1, 2, ...
         trainer = fresh()
-        ckpt.load_run(trainer, verdict)
+        load(trainer)
         data_restarted = [train_step(trainer, batch(s)) for s in range(steps - stop)]
         # No optimizer state: the model's weights only, AdamW's moments and step from zero.
         trainer = fresh()
@@ -205,7 +216,7 @@ def controls(path: str, stop: int, steps: int) -> dict[str, Any]:
         # RNG states: drawn from after the load here, so compare the bytes right after it.
         torch.manual_seed(999)
         trainer = fresh()
-        ckpt.load_run(trainer, verdict)
+        load(trainer)
         rng_after_load = torch.get_rng_state()
         final_weights(trainer)  # the loaded model is usable: gathers over TP
     finally:
@@ -257,16 +268,15 @@ def test_auto_passes_over_a_damaged_checkpoint(
     shutil.copytree(saved["ckpt"], save_dir)
     hit = _damage(save_dir / "step-00000005", kind)
     run = train_gpt.plan(train_gpt.parse_args([*SMALL, "--steps", "8"]), 4).run_settings()
-    verdict = ckpt.inspect("auto", save_dir, run, STEPS)
-    assert (verdict.path, verdict.step, verdict.error) == (str(save_dir / "step-00000003"), 3, None)
-    assert len(verdict.damaged) == 1, verdict.damaged
-    assert verdict.damaged[0].startswith("step-00000005: "), verdict.damaged
-    assert hit in verdict.damaged[0], verdict.damaged
+    found = inspect_checkpoint("auto", save_dir, run)
+    assert (found.path, found.step) == (save_dir / "step-00000003", 3)
+    assert len(found.damaged) == 1, found.damaged
+    assert found.damaged[0].startswith("step-00000005: "), found.damaged
+    assert hit in found.damaged[0], found.damaged
     # by path, the damaged one is an error naming the file and the rank that wrote it
-    by_path = ckpt.inspect(str(save_dir / "step-00000005"), save_dir, run, STEPS)
-    assert by_path.path is None
-    assert by_path.error is not None
-    assert f"--resume {save_dir / 'step-00000005'} is corrupted: {hit}" in by_path.error
+    with pytest.raises(ResumeError) as by_path:
+        inspect_checkpoint(str(save_dir / "step-00000005"), save_dir, run)
+    assert f"checkpoint {save_dir / 'step-00000005'} is corrupted: {hit}" in str(by_path.value)
 
 
 def test_resume_auto_after_damage_continues_bit_identically(
@@ -367,10 +377,10 @@ def test_bad_resume_is_one_error_on_every_rank_and_writes_nothing(
 def disagree() -> str:
     """Runs on every rank: ranks 0-1 and 2-3 see different checkpoints."""
     rank = dist.get_rank()
-    mine = ckpt.Verdict(f"/ckpt/step-{rank // 2:08d}", rank // 2, (), None)
+    mine = Found(Path(f"/ckpt/step-{rank // 2:08d}"), rank // 2)
     try:
-        ckpt.agree(mine, dist.group.WORLD)
-    except ckpt.ResumeError as err:
+        agree_on_checkpoint(mine, None, dist.group.WORLD)
+    except ResumeError as err:
         return str(err)
     return "agreed"
 
@@ -387,12 +397,12 @@ def one_rank_fails() -> tuple[str, float]:
     """Runs on every rank: only rank 2 finds the checkpoint unusable (say its node cannot
     read a file); the verdict exchange stops every rank at once."""
     rank = dist.get_rank()
-    error = "--resume /ckpt/step-00000001: cannot read the checkpoint (EIO)" if rank == 2 else None
-    mine = ckpt.Verdict(None if error else "/ckpt/step-00000001", 0 if error else 1, (), error)
+    error = "checkpoint /ckpt/step-00000001: cannot read it (EIO)" if rank == 2 else None
+    mine = None if error else Found(Path("/ckpt/step-00000001"), 1)
     start = time.monotonic()
     try:
-        ckpt.agree(mine, dist.group.WORLD)
-    except ckpt.ResumeError as err:
+        agree_on_checkpoint(mine, error, dist.group.WORLD)
+    except ResumeError as err:
         return str(err), time.monotonic() - start
     return "agreed", time.monotonic() - start
 
@@ -400,7 +410,7 @@ def one_rank_fails() -> tuple[str, float]:
 def test_a_resume_check_failing_on_one_rank_stops_every_rank(rank_pools: RankPools) -> None:
     outs = rank_pools.get(4).run(one_rank_fails)
     assert {text for text, _ in outs} == {
-        "rank 2: --resume /ckpt/step-00000001: cannot read the checkpoint (EIO)"
+        "rank 2: checkpoint /ckpt/step-00000001: cannot read it (EIO)"
     }
     assert all(seconds < 5.0 for _, seconds in outs)  # the issue's bound; not a timeout
 
@@ -433,10 +443,10 @@ def test_bad_resume_under_main_is_one_message_and_status_2(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    argv = [*SMALL, "--tp", "1", "--dp", "1", "--no-sequence-parallel"]
+    argv = [*SMALL, "--tp", "1", "--dp", "1"]
     missing = tmp_path / "nope"
     assert train_gpt.main([*argv, "--resume", str(missing), "--output", str(tmp_path)]) == 2
     printed = capsys.readouterr()
     assert printed.out == ""
-    assert printed.err == f"train_gpt: error: --resume {missing}: no such checkpoint folder\n"
+    assert printed.err == f"train_gpt: error: checkpoint {missing}: no such checkpoint folder\n"
     assert not dist.is_initialized()

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from examples.dry_run import DryRunSpec, dry_run
-from examples.dry_run.activations import in_flight_forwards, korthikanti_layer_bytes
+from examples.dry_run.activations import korthikanti_layer_bytes
 from examples.dry_run.cli import main
 from examples.gpt import GPTConfig
 
@@ -72,21 +72,6 @@ def test_seventy_b_block_by_hand_and_korthikanti() -> None:
     s, h, a, g, f, t = 8192, 8192, 64, 8, 28672, 8
     assert _by_hand(s, 1, h, a, g, f, t) == 340_017_152  # 324.27 MiB, docs/dry_run.md
     assert korthikanti_layer_bytes(s, 1, h, a, t) == 2_969_567_232  # 2.77 GiB: 8192²·(34 + 320)/8
-
-
-@pytest.mark.parametrize(
-    ("schedule", "vpp", "expected"),
-    [
-        ("gpipe", 1, [8, 8, 8, 8]),
-        ("1f1b", 1, [4, 3, 2, 1]),
-        # 2·(P − p − 1) + (V − 1)·P + 1 chunk-forwards, at most M·V = 16
-        ("interleaved", 2, [11, 9, 7, 5]),
-    ],
-)
-def test_in_flight_forwards_by_hand(schedule: str, vpp: int, expected: list[int]) -> None:
-    assert [in_flight_forwards(schedule, p, 4, 8, vpp) for p in range(4)] == expected
-    assert in_flight_forwards("1f1b", 0, 4, 2, 1) == 2  # fewer micro-batches than stages
-    assert in_flight_forwards("1f1b", 0, 1, 8, 1) == 1  # no pipeline
 
 
 def test_peak_per_stage_of_a_pipeline() -> None:

@@ -72,7 +72,6 @@ def test_model_config_rejects_uneven_heads() -> None:
     ("argv", "world", "needles"),
     [
         (["--tp", "3", "--dp", "2"], 4, ["--tp 3 × --dp 2 = 6", "the demo runs on 4 ranks"]),
-        (["--tp", "1", "--dp", "4"], 4, ["--sequence-parallel needs --tp > 1"]),
         (["--tp", "8", "--dp", "1", "--hidden-size", "36"], 8, ["hidden_size=36", "tp=8"]),
         (["--hidden-size", "66"], 4, ["hidden_size=66 is not divisible by num_heads=4"]),
         (["--steps", "0"], 4, ["--steps=0 must be >= 1"]),
@@ -86,6 +85,20 @@ def test_demo_flags_are_checked_before_launch(
         train_gpt.plan(train_gpt.parse_args(argv), world)
     for needle in needles:
         assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_tp1_turns_the_default_sequence_parallelism_off_with_a_note() -> None:
+    """Megatron's behaviour: at TP=1 sequence parallelism is off, said once (the run prints
+    the note first); an explicit --no-sequence-parallel needs no note."""
+    run = train_gpt.plan(train_gpt.parse_args(["--tp", "1", "--dp", "4"]), 4)
+    assert not run.layout.sequence_parallel
+    assert run.notes == (
+        "note: --tp 1: sequence parallelism is off (it splits activations "
+        "over the TP ranks; Megatron turns it off at TP=1 too)",
+    )
+    quiet = train_gpt.plan(train_gpt.parse_args(["--tp", "1", "--no-sequence-parallel"]), 2)
+    assert (quiet.layout.sequence_parallel, quiet.notes) == (False, ())
+    assert train_gpt.plan(train_gpt.parse_args([]), 4).layout.sequence_parallel
 
 
 def test_demo_main_reports_and_exits_2_without_joining_a_world(

@@ -1,8 +1,9 @@
 """Importing mc's packages leaves DCP and DTensor unimported (one fresh interpreter).
 
 ``torch.distributed.checkpoint`` and ``torch.distributed.tensor`` take over a second to
-import; mc imports them where they are used (checkpoints, DTensor grads), so a user who
-imports mc_ddp, mc_tp_layers or mc_finalize does not pay for them up front. Localizes a
+import; mc imports them where they are used (checkpoints, DTensor grads, and
+``torch.distributed.pipelining``, which imports DTensor, when a pipeline is built), so a user who
+imports mc_ddp, mc_tp_layers, mc_finalize or mc_train does not pay for them up front. Localizes a
 module-level import that brings them back. Exact: the modules are in ``sys.modules`` or
 not.
 """
@@ -14,7 +15,7 @@ import subprocess
 import sys
 
 HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor")
-PACKAGES = ("mc_groups", "mc_buffers", "mc_ddp", "mc_tp_layers", "mc_finalize")
+PACKAGES = ("mc_groups", "mc_buffers", "mc_ddp", "mc_tp_layers", "mc_finalize", "mc_train")
 
 
 def test_importing_the_packages_leaves_dcp_and_dtensor_unimported() -> None:

@@ -1,5 +1,6 @@
 """The 4-block GPT trained by ``torch.distributed.pipelining``'s schedules through the glue
-of :mod:`examples.gpt.pipeline` (mc DDP per chunk, ``finalize_model_grads`` per step),
+of :mod:`mc_train.pipeline` (mc DDP per chunk, ``finalize_model_grads`` per step) with the
+GPT's adapter :mod:`examples.gpt.pipeline`,
 against the 1-process reference on the same global batch (8 sequences, 5 SGD steps).
 
 Layouts, one rank pool per world size:
@@ -45,7 +46,6 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from examples.dry_run.activations import in_flight_forwards
 from examples.gpt import WORD_EMBEDDING, GPTConfig, ParallelLayout, ReferenceRun
 from examples.gpt.pipeline import build_pipeline, pipeline_final_weights, pipeline_step
 from integration_tests._common import (
@@ -66,6 +66,7 @@ from integration_tests._per_token import (
     plain_reference,
 )
 from mc_groups.testing import RankPools
+from mc_train import in_flight_forwards
 
 CFG4 = GPTConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=4, seq_length=16)
 CASES: dict[int, list[tuple[ParallelLayout, str]]] = {

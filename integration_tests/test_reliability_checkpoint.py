@@ -3,7 +3,8 @@ loaded into freshly built models continues training: at the same layout with exa
 losses of the run that never stopped, at other layouts within the rounding of their own
 reduction order.
 
-Localizes ``examples.gpt.checkpoint`` (one DCP state dict: the mc layers'
+Localizes :func:`mc_train.checkpoint.save_state` / ``load_state`` (one DCP state dict: the mc
+layers'
 ``sharded_state_dict`` for the model, ``ShardedOptimizer.sharded_state_dict`` for the fp32
 masters and AdamW's moments and step), and the optimizer-state resharding: each rank's
 flat slices stored as pieces of full-parameter tensors and read back by any TP size, DP
@@ -36,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from examples.gpt import ParallelLayout, final_weights, init_full_weights, parallelize
-from examples.gpt.checkpoint import load_checkpoint, save_checkpoint
 from integration_tests._common import (
     CFG,
     SEED,
@@ -47,6 +47,7 @@ from integration_tests._common import (
 )
 from integration_tests._reliability import ADAMW, expected_slice, full_states, slice_states, train
 from mc_groups.testing import RankPools
+from mc_train.checkpoint import load_state, save_state
 
 SAVE_LAYOUT = ParallelLayout(tp=2, dp=2, distributed_optimizer=True)
 SAVE_AT, STEPS = 3, 6
@@ -65,7 +66,7 @@ def save_mid_training(path: str) -> dict[str, Any]:
         trainer = parallelize(CFG, SAVE_LAYOUT, ADAMW, pgc, full_weights(), CPU)
         losses = train(trainer, range(SAVE_AT))
         saved_weights = final_weights(trainer)
-        save_checkpoint(trainer, path)
+        save_state(path, [trainer.model], trainer.optimizer, pgc)
         return {
             "ref_losses": ref_losses,
             "ref_weights": final_weights(ref),
@@ -82,7 +83,7 @@ def load_and_continue(path: str, layouts: list[ParallelLayout]) -> list[dict[str
         with model_parallel(layout) as pgc:
             layout.check(CFG, dist.get_world_size(), 8)
             trainer = parallelize(CFG, layout, ADAMW, pgc, init_full_weights(CFG, SEED + 1), CPU)
-            load_checkpoint(trainer, path)
+            load_state(path, [trainer.model], trainer.optimizer, pgc)
             loaded_weights = final_weights(trainer)
             slices = slice_states(trainer)
             losses = train(trainer, range(SAVE_AT, STEPS))

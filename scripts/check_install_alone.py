@@ -89,6 +89,26 @@ def after_backward(chunks: Sequence[ModelChunk], tokens: torch.Tensor,
                    pgc: mg.ProcessGroupCollection) -> None:
     finalize_model_grads(chunks, num_tokens=tokens, pg_collection=pgc)
 """,
+    "mc-train": """
+import torch
+import mc_groups as mg
+import mc_train
+from mc_ddp import DistributedDataParallelConfig
+from mc_train.checkpoint import Checkpointer
+
+def pipeline(model: torch.nn.Module, pgc: mg.ProcessGroupCollection) -> mc_train.Pipeline:
+    chunks = mc_train.split_model(model, mc_train.decoder_stages(model, 2), pgc)
+    return mc_train.build_pipeline(
+        chunks, config=mg.ModelParallelConfig(), ddp_config=DistributedDataParallelConfig(),
+        pg_collection=pgc, microbatches=4, loss_fn=mc_train.token_cross_entropy(),
+        forward=mc_train.hf_causal_lm_forward,
+    )
+
+def resume(pipe: mc_train.Pipeline, pgc: mg.ProcessGroupCollection) -> int:
+    ckpt = Checkpointer("ckpt", pipe.chunks, None, pg_collection=pgc, interval=10)
+    step: int = ckpt.load("auto").step
+    return step
+""",
 }
 
 
@@ -147,7 +167,7 @@ def _check(python: str, package: str, workdir: Path) -> None:
     count = _run(python, "-c", probe, cwd=workdir).strip()
     snippet = workdir / f"user_{module}.py"
     snippet.write_text(SNIPPETS[package].lstrip(), encoding="utf-8")
-    # one cache for the five runs: torch's stubs are analysed once, not per package
+    # one cache for the runs: torch's stubs are analysed once, not per package
     cache = workdir / ".mypy_cache"
     _run(python, "-m", "mypy", "--strict", "--cache-dir", str(cache), str(snippet), cwd=workdir)
     siblings = [n for n in closure if n != package] or "no siblings"

@@ -18,7 +18,7 @@ measuring, ``scaled_dot_product_attention`` on meta tensors is replaced by a sta
 saves exactly that set (keys and values unexpanded under grouped-query attention, as the
 GPU kernels keep them), so the dry run counts what a fused-attention run holds.
 
-In flight (:func:`in_flight_forwards`), for pipeline stage ``p`` of ``P``, ``M``
+In flight (:func:`mc_train.in_flight_forwards`), for pipeline stage ``p`` of ``P``, ``M``
 micro-batches, ``V`` chunks per stage: the chunk-forwards whose activations are alive at
 the peak, as ``torch.distributed.pipelining`` (and Megatron) order them:
 
@@ -48,30 +48,15 @@ from torch.overrides import TorchFunctionMode
 
 from examples.dry_run.step import Batch, StageModel, forward_only
 from examples.gpt.model import TransformerLayer
+from mc_train import in_flight_forwards
 
 __all__ = [
     "ActivationInfo",
     "SavedBytes",
-    "in_flight_forwards",
     "korthikanti_layer_bytes",
     "measure_activations",
     "measure_forward",
 ]
-
-
-def in_flight_forwards(schedule: str, stage: int, stages: int, microbatches: int, vpp: int) -> int:
-    """Chunk-forwards alive at the peak on pipeline stage ``stage`` (module notes)."""
-    m, p, v = microbatches, stages, vpp
-    if p == 1:
-        return 1
-    if schedule == "gpipe":
-        return m * v
-    if schedule == "1f1b":
-        return min(m, p - stage)
-    if schedule == "interleaved":
-        per_round = m // max(1, m // p)  # torch's rounds of micro-batches (p when p | m)
-        return min(m * v, 2 * (p - stage - 1) + (v - 1) * per_round + 1)
-    raise ValueError(f"schedule={schedule!r} must be one of 1f1b, gpipe, interleaved")
 
 
 def korthikanti_layer_bytes(

@@ -9,18 +9,17 @@ the plain-PyTorch 1-process reference it is compared with.
 - :mod:`examples.gpt.train`: build, apply DDP, optimizer, train step.
 - :mod:`examples.gpt.reference`: the same GPT in plain PyTorch on one process.
 - :mod:`examples.gpt.data`: the embedded text and its deterministic batches.
-- :mod:`examples.gpt.checkpoint`: save / resume (model and optimizer) through
-  ``torch.distributed.checkpoint``, at the same or another layout.
-- :mod:`examples.gpt.resume`: a training run's checkpoint folders (published only when
-  every rank wrote its part, verified on load, the ranks agreeing on what to resume).
-- :mod:`examples.gpt.pipeline`: the GPT's chunks in mc DDP driven by
-  ``torch.distributed.pipelining``'s 1F1B, GPipe and interleaved 1F1B schedules;
+- :mod:`examples.gpt.pipeline`: the GPT's chunks on :mod:`mc_train`'s pipeline (mc DDP,
+  ``torch.distributed.pipelining``'s 1F1B, GPipe and interleaved 1F1B schedules);
   :mod:`examples.gpt.pipeline_demo`: the demo's ``--pp``/``--vpp``/``--schedule`` flags.
+- The demo trainer (``examples/train_gpt.py``): :mod:`examples.gpt.cli` (flags),
+  :mod:`examples.gpt.loop` (the run, checkpoints through :class:`mc_train.checkpoint.Checkpointer`),
+  :mod:`examples.gpt.report` (what it prints and writes); :mod:`examples.gpt.faults` (the
+  restart tests' fault injection).
 """
 
 from __future__ import annotations
 
-from examples.gpt.checkpoint import load_checkpoint, model_sharded_state_dict, save_checkpoint
 from examples.gpt.config import GPTConfig, OptimizerConfig, ParallelLayout
 from examples.gpt.data import corpus, decode, dp_rows, encode, global_batch
 from examples.gpt.model import GPT
@@ -63,13 +62,10 @@ __all__ = [
     "gather_full_weights",
     "global_batch",
     "init_full_weights",
-    "load_checkpoint",
     "load_full_weights",
-    "model_sharded_state_dict",
     "parallelize",
     "reference_grads",
     "reference_loss",
-    "save_checkpoint",
     "stage_layers",
     "train_reference",
     "train_step",
