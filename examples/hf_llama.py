@@ -121,7 +121,9 @@ def _loss(
 ) -> torch.Tensor:
     if vocab_parallel:
         logits = model(input_ids=ids).logits  # [b, s, V / tp]
-        return vocab_parallel_causal_lm_loss(logits, ids, tp_group=tp)
+        config: Any = getattr(model, "module", model).config  # the HF model's, under DDP
+        vocab = int(config.vocab_size)  # gathered logits: an error, not the loss + log(tp)
+        return vocab_parallel_causal_lm_loss(logits, ids, tp_group=tp, vocab_size=vocab)
     loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
     return loss
 

@@ -49,7 +49,9 @@ def train(steps: int = 5, h: int = 32) -> list[float]:
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
     )
     model = DistributedDataParallel(cfg, ddp_cfg, MLP(h, cfg, pgc), pg_collection=pgc)
-    opt = ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    opt = ShardedOptimizer(  # clips the whole model's grad norm (over tp and dp) to 1.0
+        torch.optim.AdamW(model.parameters(), lr=1e-2), model, max_grad_norm=1.0, pg_collection=pgc
+    )
     torch.manual_seed(1 + pgc.require("dp", "data").rank())  # each DP rank: its own batch
     x = torch.randn(8, 4, h)  # [sequence, batch, hidden]
     losses = []
@@ -58,7 +60,7 @@ def train(steps: int = 5, h: int = 32) -> list[float]:
         loss = (model(x) - x).pow(2).mean()  # learn the identity
         loss.backward()
         finalize_model_grads([model], pg_collection=pgc)  # DP reduction (+ TP-shared grads)
-        opt.step()  # this rank's shard, then the param all-gather
+        opt.step()  # clip (.grad_norm: the norm before), step this rank's shard, all-gather
         losses.append(loss.item())
     mg.destroy_model_parallel(pgc)
     return losses

@@ -2,10 +2,12 @@
 
 Run it with ``hatch run demo`` (``torchrun --standalone --nproc-per-node 4 -m
 examples.train_gpt``): 4 gloo ranks, TP=2 × DP=2, sequence parallelism, the distributed
-optimizer, grad reduction overlapped with backward and the param all-gather with forward.
-Rank 0 shows a progress bar (step, loss, tokens/s), then the final loss, the throughput, a
-parity line (the first steps against the same GPT trained by plain PyTorch on one process)
-and the folder holding ``loss.png`` and ``metrics.json``.
+optimizer, grad reduction overlapped with backward and the param all-gather with forward,
+the whole model's grad norm clipped to 1.0 (``--clip-grad``). Rank 0 shows a progress bar
+(step, loss, grad norm before clipping, tokens/s), then the final loss, the throughput, a
+parity line (the first steps' losses and grad norms against the same GPT trained, and
+clipped, by plain PyTorch on one process) and the folder holding ``loss.png`` and
+``metrics.json``.
 
 Flags change the layout (``--tp``, ``--dp``, ``--pp`` with ``--schedule`` and ``--vpp``,
 ``--[no-]sequence-parallel``, ``--[no-]distributed-optimizer``), the run (``--steps``,

@@ -22,6 +22,11 @@ normalises it (``pipeline_parallel/schedules.py``, ``forward_step_calc_loss``):
 
 SGD (lr 0.1, momentum 0.9, ``foreach=False`` on both sides): its update is linear in the
 gradient, so a wrong scale or a missing contribution moves the weights (see ``_common.py``).
+
+Clipping (a layout with ``clip``): mc's ``ShardedOptimizer(max_grad_norm=clip,
+norm_type=...)`` against ``torch.nn.utils.clip_grad_norm_`` of the unsharded model before
+the same SGD step; every step's norm compared (``NORM_RTOL``), and the reference must clip
+at every step (a norm above ``clip``), so a norm off by a factor moves the weights.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ LOSS_RTOL = 1e-5  # the issue's bound, per step
 WEIGHT_ATOL = 1e-6  # the issue's bound, final weights (gloo, fp32)
 GRAD_RTOL = 1e-5  # step-0 grads, relative to each tensor's largest magnitude (diagnostic)
 MIN_MOVE = 100 * WEIGHT_ATOL  # every reference tensor must move at least this much
+NORM_RTOL = 1e-5  # the issue's bound on the global grad norm
 
 Weights = dict[str, torch.Tensor]
 
@@ -70,6 +76,8 @@ class Layout:
     egtp: int = 1  # expert_gtp_remat_size (mc's layers shard experts by config.gtp_remat_size)
     per_token_loss: bool = False
     dist_opt: bool = False  # DDP's use_distributed_optimizer (grads reduce-scattered)
+    clip: float | None = None  # ShardedOptimizer(max_grad_norm=clip)
+    norm_type: float = 2.0
 
     def describe(self) -> str:
         """E.g. ``world=4 tp=2 etp=1 per-token``."""
@@ -82,6 +90,8 @@ class Layout:
         parts.append("per-token" if self.per_token_loss else "mean")
         if self.dist_opt:
             parts.append("dist-opt")
+        if self.clip is not None:
+            parts.append(f"clip={self.clip}@{self.norm_type:g}")
         return " ".join(parts)
 
     def config(self, *, sequence_parallel: bool = False) -> mg.ModelParallelConfig:
@@ -305,6 +315,7 @@ class RankRun:
     placement: dict[str, tuple[str, tuple[int, ...]]]
     groups: dict[str, tuple[int, ...]]
     local_numel: dict[str, int] = field(default_factory=dict)  # global name -> this rank's numel
+    norms: list[float | None] = field(default_factory=list)  # StepResult.grad_norm per step
 
 
 def train(
@@ -321,8 +332,13 @@ def train(
     per-token loss), the optimizer step. Step ``RECORDED_STEP``'s collectives are recorded
     (the loss logging is outside the recording)."""
     optimizer = ShardedOptimizer(
-        torch.optim.SGD(list(ddp.parameters()), lr=LR, momentum=MOMENTUM, foreach=False), ddp
+        torch.optim.SGD(list(ddp.parameters()), lr=LR, momentum=MOMENTUM, foreach=False),
+        ddp,
+        max_grad_norm=layout.clip,
+        norm_type=layout.norm_type,
+        pg_collection=pgc,
     )
+    norms: list[float | None] = []
     data = pgc.require("dp_cp_gtp_remat", "the test's loss logging")
     losses: list[float] = []
     grads: Weights = {}
@@ -348,7 +364,9 @@ def train(
             records = summarize(log)
         if step == 0 and not layout.dist_opt:  # (dist-opt: only this rank's shard is reduced)
             grads = full_state(ddp.module, rename, grads=True)
-        optimizer.step()
+        result = optimizer.step()
+        assert not result.skipped, result
+        norms.append(result.grad_norm)
         losses.append(_logged_loss(total, tokens, data, layout.per_token_loss))
     ensure_params_ready(list(ddp.module.parameters()))
     return RankRun(
@@ -359,6 +377,7 @@ def train(
         placement=buffer_placement(ddp, rename),
         groups=group_ranks(pgc, "tp", "cp", "dp", "dp_cp", "dp_cp_gtp_remat", *group_names),
         local_numel={rename(n): p.numel() for n, p in ddp.module.named_parameters()},
+        norms=norms,
     )
 
 
@@ -399,31 +418,43 @@ def make_mask(generator: torch.Generator, shape: tuple[int, ...]) -> torch.Tenso
 
 
 class Reference(NamedTuple):
-    """The 1-process run: loss of each step, step-0 grads, final weights."""
+    """The 1-process run: loss of each step, step-0 grads, final weights (and, clipped,
+    each step's norm before clipping)."""
 
     losses: list[float]
     grads: Weights
     weights: Weights
     initial: Weights
+    norms: tuple[float, ...] = ()
 
 
-def reference_run(initial: Weights, loss_of: Callable[[Weights, int], torch.Tensor]) -> Reference:
+def reference_run(
+    initial: Weights,
+    loss_of: Callable[[Weights, int], torch.Tensor],
+    clip: float | None = None,
+    norm_type: float = 2.0,
+) -> Reference:
     """Plain PyTorch on one process: ``loss_of(params, step)`` over the whole global batch,
-    one backward, SGD with the same hyper-parameters."""
+    one backward, ``torch.nn.utils.clip_grad_norm_`` when ``clip``, SGD with the same
+    hyper-parameters."""
     params = {k: v.clone().requires_grad_(True) for k, v in initial.items()}
     optimizer = torch.optim.SGD(list(params.values()), lr=LR, momentum=MOMENTUM, foreach=False)
     losses: list[float] = []
     grads: Weights = {}
+    norms: list[float] = []
     for step in range(STEPS):
         optimizer.zero_grad()
         loss = loss_of(params, step)
         loss.backward()  # type: ignore[no-untyped-call]
         if step == 0:
             grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(list(params.values()), clip, norm_type)
+            norms.append(float(norm))
         optimizer.step()
         losses.append(float(loss.detach()))
     weights = {k: p.detach().clone() for k, p in params.items()}
-    return Reference(losses, grads, weights, initial)
+    return Reference(losses, grads, weights, initial, tuple(norms))
 
 
 def reference_loss(
@@ -446,6 +477,7 @@ class Measured(NamedTuple):
     weight_name: str
     grad_rel: float
     grad_name: str
+    norm_rel: float = -1.0
 
 
 def merge(per_rank: list[Weights], what: str) -> Weights:
@@ -496,12 +528,29 @@ def compare(layout: Layout, per_rank: list[RankRun], ref: Reference) -> Measured
         diff = float((value - ref.weights[key]).abs().max())
         if diff > weight_abs:
             weight_abs, weight_name = diff, key
-    measured = Measured(loss_rel, weight_abs, weight_name, grad_rel, grad_name)
+    norm_rel = _compare_norms(layout, per_rank, ref)
+    measured = Measured(loss_rel, weight_abs, weight_name, grad_rel, grad_name, norm_rel)
     print(f"[{label}] measured: {measured}")
     assert grad_rel <= GRAD_RTOL, (label, "step-0 grad", grad_name, grad_rel, note)
     assert loss_rel <= LOSS_RTOL, (label, losses, ref.losses)
     assert weight_abs <= WEIGHT_ATOL, (label, weight_name, weight_abs)
     return measured
+
+
+def _compare_norms(layout: Layout, per_rank: list[RankRun], ref: Reference) -> float:
+    """Every rank reports the same norm per step; the reference clipped at every step; the
+    largest relative difference (-1 without clipping)."""
+    label = layout.describe()
+    norms = per_rank[0].norms
+    for rank, run in enumerate(per_rank):
+        assert run.norms == norms, (label, rank, run.norms, norms)
+    if layout.clip is None:
+        assert all(n is None for n in norms), (label, norms)
+        return -1.0
+    assert all(n > layout.clip for n in ref.norms), (label, "clip inactive", ref.norms)
+    rel = max(abs(float(a or 0.0) - b) / b for a, b in zip(norms, ref.norms, strict=True))
+    assert rel <= NORM_RTOL, (label, norms, ref.norms)
+    return rel
 
 
 def grad_reductions(records: list[Rec]) -> set[tuple[str, str | None, tuple[int, ...], str]]:

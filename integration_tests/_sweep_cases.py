@@ -1246,6 +1246,7 @@ def _finalize_slots() -> None:
         "flag",
         lambda c, v: _finalize(c, force_all_reduce=v),
     )
+    arg(F, "finalize_model_grads(peer_checks=)", "flag", lambda c, v: _finalize(c, peer_checks=v))
     misuse(
         F,
         "finalize_model_grads twice in one iteration",
@@ -2091,6 +2092,80 @@ def _optimizer_slots() -> None:
     )
     arg(
         D,
+        "ShardedOptimizer(max_grad_norm=)",
+        "real",
+        lambda c, v: _sharded(c, max_grad_norm=v),
+        values=(0.0, -1.0, 0),
+    )
+    arg(
+        D,
+        "ShardedOptimizer(norm_type=)",
+        "misuse",
+        lambda c, v: _sharded(c, norm_type=v),
+        ("norm_type",),
+        values=("fro", "2", 0.5, 0, -2.0, NAN, True, None),
+        only=True,
+        good=float("inf"),
+    )
+    arg(
+        D,
+        "ShardedOptimizer(grad_scaler=)",
+        "misuse",
+        lambda c, v: _sharded(c, grad_scaler=v),
+        ("grad_scaler",),
+        values=("x", 2.0**16, Opaque()),
+        only=True,
+        good=None,
+    )
+    arg(
+        D,
+        "ShardedOptimizer(error_if_nonfinite=)",
+        "flag",
+        lambda c, v: _sharded(c, error_if_nonfinite=v),
+    )
+    arg(D, "ShardedOptimizer(peer_checks=)", "flag", lambda c, v: _sharded(c, peer_checks=v))
+    arg(
+        D,
+        "ShardedOptimizer(pg_collection=)",
+        "misuse",
+        lambda c, v: _sharded(c, pg_collection=v),
+        ("pg_collection",),
+        values=("tp", Ref("world"), {"tp": None}, 3),
+        only=True,
+        good=Ref("pgc"),
+    )
+    arg(D, "ShardedOptimizer.clip_grad_norm(max_norm=)", "real", _clip, values=(0.0, -1.0))
+    for name in ("initial_scale", "min_scale", "growth_factor", "backoff_factor"):
+        arg(
+            D,
+            f"DynamicGradScaler({name}=)",
+            "real",
+            lambda c, v, n=name: md.DynamicGradScaler(**{n: v}),
+            values={
+                "initial_scale": (0.0, -1.0),
+                "min_scale": (-1.0, 2.0**17),
+                "growth_factor": (1.0, 0.5),
+                "backoff_factor": (0.0, 1.0, 1.5),
+            }[name],
+            good={"initial_scale": 1024.0, "min_scale": 0.0}.get(
+                name, 0.5 if "back" in name else 2.0
+            ),
+        )
+    for name in ("growth_interval", "hysteresis"):
+        arg(
+            D,
+            f"DynamicGradScaler({name}=)",
+            "size",
+            lambda c, v, n=name: md.DynamicGradScaler(**{n: v}),
+        )
+    arg(
+        D,
+        "DynamicGradScaler.update(found_inf=)",
+        "flag",
+        lambda c, v: md.DynamicGradScaler().update(v),
+    )
+    arg(
+        D,
         "ShardedOptimizer.zero_grad(set_to_none=)",
         "flag",
         lambda c, v: _optimizer(ddp(c)).zero_grad(set_to_none=v),
@@ -2229,6 +2304,15 @@ def _optimizer_slots() -> None:
         "flag",
         lambda c, v: md.partition_buckets([buffer()], v),
     )
+
+
+def _clip(ctx: Ctx, max_norm: object) -> Any:
+    model = ddp(ctx)
+    opt = md.ShardedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, pg_collection=ctx.pgc
+    )
+    ddp_step(model)
+    return opt.clip_grad_norm(max_norm)
 
 
 def _sharded(ctx: Ctx, **kw: Any) -> Any:
@@ -2478,6 +2562,15 @@ def _layer_slots() -> None:
         ("label_smoothing",),
         values=(-0.1, 1.0),
         good=0.1,
+    )
+    arg(
+        T,
+        "vocab_parallel_cross_entropy(vocab_size=)",
+        "size",
+        lambda c, v: ce(logits(), ids([0, 1, 2]), tp_group=c.world_group, vocab_size=v),
+        ("vocab_size",),
+        values=(16, 4),
+        good=8,
     )
     arg(
         T,

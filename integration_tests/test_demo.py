@@ -6,8 +6,11 @@ Localizes what the user sees: the header (layout and groups), the progress lines
 summary (final loss, tokens/s, the parity line, the output folder), and the files written
 (a PNG and a JSON whose losses are the ones printed). The parity number must be below the
 1e-5 relative loss bound of the parity tests (AdamW here, as in the demo; measured 0, equal
-fp32 losses, over these 3 steps, and 3.3e-6 over the 20 steps of the default demo, where
-Adam's normalised updates let fp32 rounding differences grow step by step).
+fp32 losses, over these 3 steps, and 5.9e-6 over the 20 steps of the default demo, where
+Adam's normalised updates let fp32 rounding differences grow step by step). The demo clips
+the global grad norm to 1.0 (``--clip-grad``): every progress line shows the norm, the
+reference clips with ``torch.nn.utils.clip_grad_norm_``, and its norms must be above 1.0
+(clipping active) and equal to mc's within 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def run_demo_with(argv: list[str], output: str) -> dict[str, Any]:
         "printed": out.getvalue(),
         "losses": result.losses,
         "parity": result.parity_max_rel_diff,
+        "norm_parity": result.parity_max_rel_norm_diff,
+        "norms": result.grad_norms,
     }
 
 
@@ -54,6 +59,8 @@ def test_demo_trains_reports_and_writes_outputs(rank_pools: RankPools, tmp_path:
         "reduce and param gather",
         "groups:  r0: tp[0, 1] dp[0, 2]  r1: tp[0, 1] dp[1, 3]",
         f"step     {STEPS}/{STEPS} [",
+        "grad norm",
+        "AdamW lr 0.003, grad norm clipped to 1",
         "tokens/s",
         f"parity: steps 1-{PARITY_STEPS} against the same GPT in plain PyTorch on 1 process",
         f"wrote loss.png and metrics.json to {tmp_path / 'demo'}",
@@ -63,9 +70,18 @@ def test_demo_trains_reports_and_writes_outputs(rank_pools: RankPools, tmp_path:
     assert parity is not None
     assert parity <= 1e-5
     assert f"max relative loss difference {parity:.1e}" in printed
+    norm_parity = per_rank[0]["norm_parity"]
+    assert norm_parity is not None
+    assert norm_parity <= 1e-5
+    assert f", grad norm {norm_parity:.1e}" in printed
+    assert len(per_rank[0]["norms"]) == STEPS
+    assert all(r["norms"] == per_rank[0]["norms"] for r in per_rank)  # one norm, every rank
     metrics = json.loads((tmp_path / "demo" / "metrics.json").read_text())
     assert metrics["losses"] == per_rank[0]["losses"]
     assert len(metrics["reference_losses"]) == PARITY_STEPS
+    assert metrics["grad_norms"] == per_rank[0]["norms"]
+    assert metrics["optimizer"]["clip_grad"] == 1.0
+    assert min(per_rank[0]["norms"][:PARITY_STEPS]) > 1.0  # the clipping was active
     assert metrics["layout"]["tp"] == 2
     assert metrics["world_size"] == 4
     assert metrics["tokens_per_s"] > 0

@@ -237,18 +237,19 @@ def _reference_forward(w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Ten
     return h + (probs.gather(1, expert[:, None]) * y).view_as(h)
 
 
+def reference_loss_of(w: dict[str, torch.Tensor], step: int) -> torch.Tensor:
+    """The 1-process loss of step ``step``'s whole global batch (mean over every token)."""
+    x, target = batch(step)
+    per_token = torch.stack(
+        [token_loss(_reference_forward(w, x[u]), target[u]) for u in range(UNITS)]
+    )
+    return reference_loss(per_token, torch.ones_like(per_token), per_token_loss=False)
+
+
 @cache
 def reference() -> Reference:
     """One process, the whole global batch of each step (mean over every token)."""
-
-    def loss_of(w: dict[str, torch.Tensor], step: int) -> torch.Tensor:
-        x, target = batch(step)
-        per_token = torch.stack(
-            [token_loss(_reference_forward(w, x[u]), target[u]) for u in range(UNITS)]
-        )
-        return reference_loss(per_token, torch.ones_like(per_token), per_token_loss=False)
-
-    return reference_run(dict(initial()), loss_of)
+    return reference_run(dict(initial()), reference_loss_of)
 
 
 def train_experts(layout: Layout) -> RankRun:

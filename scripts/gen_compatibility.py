@@ -118,7 +118,14 @@ NOTES: dict[str, tuple[str | None, str]] = {
         None,
         "adds `pp_group` (Megatron reads the global pipeline group)",
     ),
-    "finalize_model_grads": (None, _DEFAULT_GROUPS),
+    "finalize_model_grads": (
+        None,
+        _DEFAULT_GROUPS
+        + "; keyword-only `peer_checks=True`: the per-step status exchange that makes one "
+        "rank's failed check every rank's error (`False` skips it); params marked "
+        "`sum_gradients_across_tp_domain` (mc's mark) are summed over tp with or without "
+        "sequence parallelism",
+    ),
     "_allreduce_layernorm_grads": (
         None,
         "Megatron's alias of `_allreduce_non_tensor_model_parallel_grads`",

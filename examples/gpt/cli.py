@@ -69,6 +69,14 @@ def parse_args(
     p.add_argument("--microbatches", type=int, default=2, help="per DP rank and step")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument(
+        "--clip-grad",
+        type=float,
+        default=1.0,
+        metavar="NORM",
+        help="clip the whole model's grad norm (L2, over every rank) to NORM before each "
+        "step (default 1.0; 0: no clipping)",
+    )
+    p.add_argument(
         "--parity-steps", type=int, default=20, help="steps compared with 1 process (0: skip)"
     )
     p.add_argument(
@@ -192,7 +200,7 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
     return DemoRun(
         model,
         layout,
-        OptimizerConfig(name="adamw", lr=args.lr),
+        OptimizerConfig(name="adamw", lr=args.lr, clip_grad=_clip_grad(args)),
         args.steps,
         args.global_batch,
         min(args.parity_steps, args.steps),
@@ -204,6 +212,14 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
         schedule,
         notes,
     )
+
+
+def _clip_grad(args: argparse.Namespace) -> float | None:
+    """``--clip-grad`` as the optimizer's ``clip_grad`` (0: None, no clipping)."""
+    clip = getattr(args, "clip_grad", 1.0)
+    if not clip >= 0:
+        raise ValueError(f"--clip-grad={clip} must be >= 0 (0: no clipping)")
+    return float(clip) or None
 
 
 def _checkpoint_flags(args: argparse.Namespace) -> tuple[Path | None, int | None, str | None]:

@@ -118,7 +118,9 @@ class OptimizerConfig:
     ``name="sgd"`` (the parity tests): ``torch.optim.SGD(lr, momentum)``. SGD's update is
     linear in the gradient, so a wrong gradient scale (a missing 1/dp, a doubled sum) shows
     in the weights; Adam's update is invariant to it, and turns the rounding noise of
-    near-zero gradients into visible updates.
+    near-zero gradients into visible updates. ``clip_grad``: the global grad norm is clipped
+    to it before each step (``ShardedOptimizer(max_grad_norm=)`` in the parallel run,
+    ``torch.nn.utils.clip_grad_norm_`` in the reference); None: no clipping.
     """
 
     name: str = "adamw"
@@ -127,12 +129,15 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
     momentum: float = 0.9
+    clip_grad: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in ("adamw", "sgd"):
             raise ValueError(f"name={self.name!r} must be 'adamw' or 'sgd'")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be > 0")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            raise ValueError(f"clip_grad={self.clip_grad} must be > 0 (None: no clipping)")
 
     def build(self, params: list[torch.Tensor] | list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The optimizer over ``params``."""

@@ -112,12 +112,17 @@ def _train(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO, found: Fo
     progress = Progress(demo.steps, out)
     tokens_per_step = demo.global_batch * demo.model.seq_length
     saved: list[str] = []
+    norms: list[float] = []
     start = time.perf_counter()
     for step in range(first, demo.steps):
         losses.append(train(demo.batch(step)))
+        norm = None if trainer.last_step is None else trainer.last_step.grad_norm
+        if norm is not None:
+            norms.append(norm)
         elapsed = time.perf_counter() - start
         if rank == 0:
-            progress.update(step, losses[-1], tokens_per_step * (step + 1 - first) / elapsed)
+            speed = tokens_per_step * (step + 1 - first) / elapsed
+            progress.update(step, losses[-1], speed, norm)
         faults.after_step(rank, step + 1)
         if demo.save_dir is not None:
             hook = faults.during_save(rank, step + 1)  # the restart tests' and chaos runs'
@@ -131,6 +136,7 @@ def _train(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO, found: Fo
     result = DemoResult(losses, tokens_per_step * trained / seconds if trained else 0.0, seconds)
     result.resumed_from = None if resumed.path is None else str(resumed.path)
     result.resumed_step, result.checkpoints = first, saved
+    result.grad_norms = norms if first == 0 else []  # a resumed run's norms start mid-way
     return result
 
 

@@ -444,6 +444,6 @@ class GPT(nn.Module):
         """``[s, b]`` cross-entropy of each token (the same on every TP rank)."""
         logits = self._logits(x)
         losses: torch.Tensor = tpl.vocab_parallel_cross_entropy(
-            logits, labels.transpose(0, 1), tp_group=self.tp_group
+            logits, labels.transpose(0, 1), tp_group=self.tp_group, vocab_size=self.cfg.vocab_size
         )
         return losses

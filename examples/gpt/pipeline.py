@@ -31,7 +31,7 @@ from examples.gpt.data import dp_rows
 from examples.gpt.model import GPT
 from examples.gpt.train import build_model
 from examples.gpt.weights import gather_full_weights
-from mc_ddp import DistributedDataParallel, ShardedOptimizer, ensure_params_ready
+from mc_ddp import DistributedDataParallel, ShardedOptimizer, StepResult, ensure_params_ready
 from mc_train import IGNORE_INDEX, SCHEDULES, InFlight, StageInfo
 
 __all__ = [
@@ -83,6 +83,7 @@ class PipelineTrainer:
     optimizer: ShardedOptimizer
     device: torch.device
     micro_batch_size: int
+    last_step: StepResult | None = None  # what the last optimizer step did (its grad norm)
 
     @property
     def chunks(self) -> list[Chunk]:
@@ -158,7 +159,12 @@ def build_pipeline(
         forward=_gpt_forward,
         stage_shapes=_stage_shapes(cfg, layout, micro_batch_size),
     )
-    optimizer = ShardedOptimizer(opt.build(pipeline.parameters()), pipeline.chunks)
+    optimizer = ShardedOptimizer(
+        opt.build(pipeline.parameters()),
+        pipeline.chunks,
+        max_grad_norm=opt.clip_grad,
+        pg_collection=pgc,
+    )
     return PipelineTrainer(cfg, layout, pgc, pipeline, optimizer, device, micro_batch_size)
 
 
@@ -185,7 +191,7 @@ def pipeline_step(
         keep = dp_rows(mask, dp_rank, dp_size)
         labels = labels.masked_fill(keep == 0, IGNORE_INDEX)
     loss = trainer.pipeline.forward_backward(rows[:, :-1].contiguous(), labels.contiguous())
-    trainer.optimizer.step()
+    trainer.last_step = trainer.optimizer.step()
     return loss
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -110,11 +110,12 @@ def reference_grads(
 
 @dataclass
 class ReferenceRun:
-    """What :func:`train_reference` returns: the loss before each step and the final
-    weights."""
+    """What :func:`train_reference` returns: the loss before each step, the final weights
+    and, with ``clip_grad``, each step's global grad norm before clipping."""
 
     losses: list[float]
     weights: dict[str, torch.Tensor]
+    grad_norms: list[float] = field(default_factory=list)
 
 
 def train_reference(
@@ -130,12 +131,15 @@ def train_reference(
     ``loss_mask``, step ``t``'s loss is the mean over the tokens ``loss_mask(t)`` keeps."""
     params = {k: v.detach().to(torch.float32).clone().requires_grad_() for k, v in full.items()}
     optimizer = opt.build(list(params.values()))
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         mask = None if loss_mask is None else loss_mask(step).cpu()
         loss = reference_loss(params, cfg, batch(step).cpu(), mask)
         torch.autograd.backward(loss)
+        if opt.clip_grad is not None:
+            norm = torch.nn.utils.clip_grad_norm_(list(params.values()), opt.clip_grad)
+            norms.append(float(norm))
         optimizer.step()
         losses.append(float(loss.detach()))
-    return ReferenceRun(losses, {k: p.detach().clone() for k, p in params.items()})
+    return ReferenceRun(losses, {k: p.detach().clone() for k, p in params.items()}, norms)

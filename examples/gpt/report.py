@@ -1,5 +1,6 @@
-"""What the demo trainer shows and writes: the header, the progress bar, the parity run
-against one process, ``metrics.json``, ``loss.png`` and the closing summary (rank 0)."""
+"""What the demo trainer shows and writes: the header, the progress bar (with the global
+grad norm before clipping), the parity run against one process (losses and grad norms),
+``metrics.json``, ``loss.png`` and the closing summary (rank 0)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class DemoResult:
     seconds: float
     parity_max_rel_diff: float | None = None
     reference_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # before clipping, from the start
+    parity_max_rel_norm_diff: float | None = None
     output: str = ""
     resumed_from: str | None = None
     resumed_step: int = 0
@@ -45,11 +48,15 @@ class Progress:
         self.every = max(1, total // 10)
         self.bar = _terminal_bar(total, out) if out.isatty() else None
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        """Show step ``step`` (0-based) of ``total``."""
+    def update(
+        self, step: int, loss: float, tokens_per_s: float, grad_norm: float | None = None
+    ) -> None:
+        """Show step ``step`` (0-based) of ``total`` (``grad_norm``: the global grad norm
+        before clipping)."""
         done = step + 1
+        norm = "" if grad_norm is None else f"  grad norm {grad_norm:6.3f}"
         if self.bar is not None:
-            postfix = f"loss {loss:6.3f}  {tokens_per_s:8,.0f} tokens/s"
+            postfix = f"loss {loss:6.3f}{norm}  {tokens_per_s:8,.0f} tokens/s"
             self.bar.set_postfix_str(postfix, refresh=False)
             self.bar.update(done - self.bar.n)
             if done == self.total:
@@ -59,7 +66,7 @@ class Progress:
             filled = self.width * done // self.total
             bar = "#" * filled + "." * (self.width - filled)
             self.out.write(
-                f"step {done:>5}/{self.total} [{bar}] loss {loss:6.3f}  "
+                f"step {done:>5}/{self.total} [{bar}] loss {loss:6.3f}{norm}  "
                 f"{tokens_per_s:8,.0f} tokens/s\n"
             )
 
@@ -98,8 +105,15 @@ def header(demo: DemoRun, pgc: mg.ProcessGroupCollection, out: TextIO) -> None:
         + "\n"
         f"data:    {corpus().numel():,} characters of Alice's Adventures in Wonderland; "
         f"{demo.global_batch} sequences × {m.seq_length} tokens a step, "
-        f"{demo.layout.microbatches} micro-batches per DP rank; AdamW lr {demo.optimizer.lr}\n"
+        f"{demo.layout.microbatches} micro-batches per DP rank; AdamW lr {demo.optimizer.lr}"
+        f"{_clip_note(demo)}\n"
     )
+
+
+def _clip_note(demo: DemoRun) -> str:
+    """``, grad norm clipped to 1`` (nothing without clipping)."""
+    clip = demo.optimizer.clip_grad
+    return "" if clip is None else f", grad norm clipped to {clip:g}"
 
 
 def _schedule_note(demo: DemoRun) -> str:
@@ -133,6 +147,10 @@ def parity(demo: DemoRun, result: DemoResult) -> None:
     result.parity_max_rel_diff = max(
         abs(a - b) / abs(b) for a, b in zip(result.losses, ref.losses, strict=False)
     )
+    if result.grad_norms and ref.grad_norms:
+        result.parity_max_rel_norm_diff = max(
+            abs(a - b) / abs(b) for a, b in zip(result.grad_norms, ref.grad_norms, strict=False)
+        )
 
 
 def write_outputs(demo: DemoRun, result: DemoResult) -> Path:
@@ -154,6 +172,8 @@ def write_outputs(demo: DemoRun, result: DemoResult) -> Path:
         "parity_steps": demo.parity_steps,
         "reference_losses": result.reference_losses,
         "parity_max_rel_diff": result.parity_max_rel_diff,
+        "grad_norms": result.grad_norms,
+        "parity_max_rel_norm_diff": result.parity_max_rel_norm_diff,
         "resumed_from": result.resumed_from,
         "resumed_step": result.resumed_step,
         "checkpoints": result.checkpoints,
@@ -204,7 +224,13 @@ def summary(demo: DemoRun, result: DemoResult, folder: Path, out: TextIO) -> Non
     if result.parity_max_rel_diff is not None:
         out.write(
             f"parity: steps 1-{demo.parity_steps} against the same GPT in plain PyTorch on 1 "
-            f"process: max relative loss difference {result.parity_max_rel_diff:.1e}\n"
+            f"process: max relative loss difference {result.parity_max_rel_diff:.1e}"
+            + (
+                ""
+                if result.parity_max_rel_norm_diff is None
+                else f", grad norm {result.parity_max_rel_norm_diff:.1e}"
+            )
+            + "\n"
         )
     if result.checkpoints:
         out.write(

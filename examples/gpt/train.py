@@ -7,7 +7,8 @@ The plan, for a layout declared in :class:`~examples.gpt.config.ParallelLayout`:
 2. ``apply_ddp``: wrap it in mc's ``DistributedDataParallel`` (contiguous grad buffers,
    buckets reduced while backward runs; with the distributed optimizer, params kept in
    the buffer and all-gathered bucket by bucket from the next forward's pre-hooks).
-3. ``build_optimizer``: AdamW on the fp32 masters of this rank's shard (``ShardedOptimizer``).
+3. ``build_optimizer``: AdamW on the fp32 masters of this rank's shard (``ShardedOptimizer``),
+   the whole model's grad norm clipped to ``opt.clip_grad`` when set.
 4. ``train_step``: this DP rank's rows in equal micro-batches (all but the last inside
    ``no_sync``), ``finalize_model_grads`` (DP reduction, SP grads summed over TP), the
    optimizer step; returns the loss averaged over DP.
@@ -25,7 +26,7 @@ from examples.gpt.config import GPTConfig, OptimizerConfig, ParallelLayout
 from examples.gpt.data import dp_rows
 from examples.gpt.model import GPT
 from examples.gpt.weights import gather_full_weights, load_full_weights
-from mc_ddp import DistributedDataParallel, ShardedOptimizer, ensure_params_ready
+from mc_ddp import DistributedDataParallel, ShardedOptimizer, StepResult, ensure_params_ready
 from mc_finalize import finalize_model_grads
 
 __all__ = [
@@ -50,6 +51,7 @@ class Trainer:
     model: DistributedDataParallel[mg.ModelParallelConfig]
     optimizer: ShardedOptimizer
     device: torch.device
+    last_step: StepResult | None = None  # what the last optimizer step did (its grad norm)
 
 
 def stage_layers(
@@ -111,10 +113,20 @@ def apply_ddp(
     )
 
 
-def build_optimizer(model: DistributedDataParallel, opt: OptimizerConfig) -> ShardedOptimizer:
+def build_optimizer(
+    model: DistributedDataParallel,
+    opt: OptimizerConfig,
+    pgc: mg.ProcessGroupCollection | None = None,
+) -> ShardedOptimizer:
     """3. AdamW stepping this rank's shard of fp32 masters (all params without the
-    distributed optimizer)."""
-    return ShardedOptimizer(opt.build(list(model.parameters())), model)
+    distributed optimizer), clipping the global grad norm to ``opt.clip_grad`` (the
+    groups from ``pgc``)."""
+    return ShardedOptimizer(
+        opt.build(list(model.parameters())),
+        model,
+        max_grad_norm=opt.clip_grad,
+        pg_collection=pgc,
+    )
 
 
 def parallelize(
@@ -127,7 +139,7 @@ def parallelize(
 ) -> Trainer:
     """Steps 1-3: the model, its DDP wrapper and its optimizer on this rank."""
     model = apply_ddp(build_model(cfg, layout, pgc, full, device), layout, pgc)
-    return Trainer(cfg, layout, pgc, model, build_optimizer(model, opt), device)
+    return Trainer(cfg, layout, pgc, model, build_optimizer(model, opt, pgc), device)
 
 
 def _microbatches(trainer: Trainer, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -149,7 +161,7 @@ def train_step(trainer: Trainer, tokens: torch.Tensor) -> float:
             torch.autograd.backward(loss)
         total += loss.detach().float()
     finalize_model_grads([model], pg_collection=trainer.pgc)
-    trainer.optimizer.step()
+    trainer.last_step = trainer.optimizer.step()
     dp = trainer.pgc.require("dp", "train_step")
     mg.all_reduce(total, dp, op=mg.ReduceOp.AVG, label="loss for logging")
     return float(total)

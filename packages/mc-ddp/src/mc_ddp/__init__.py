@@ -9,7 +9,11 @@
 - :class:`ShardedOptimizer`: any torch optimizer on fp32 masters of this rank's shard
   (:class:`OwnedSlice` each); its ``sharded_state_dict`` stores the state as
   :class:`~mc_ddp.checkpoint_pieces.CheckpointPieces` of full-param-shaped tensors, so
-  ``torch.distributed.checkpoint`` reshards it across TP / DP layouts.
+  ``torch.distributed.checkpoint`` reshards it across TP / DP layouts. Global grad-norm
+  clipping (``max_grad_norm=``, ``clip_grad_norm``; the rule in :mod:`mc_ddp.grad_norm`:
+  :class:`GradNormRanks`, :func:`counts_in_grad_norm`), fp16 loss scaling
+  (:class:`DynamicGradScaler`) and skipped steps, reported by ``step()`` as a
+  :class:`StepResult`.
 - :func:`ensure_params_ready`, :data:`PARAM_READY_CALLBACK_ATTR`: publish params on demand.
 - :func:`reduce_scatter_with_fp32_accumulation`: all-to-all + local fp32 sum.
 - :class:`NonFiniteGradError`, :class:`LargeGradMonitor`, :func:`check_finite_grads`: the
@@ -29,9 +33,11 @@ from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
 from mc_ddp.fp32_reduce_scatter import reduce_scatter_with_fp32_accumulation
 from mc_ddp.grad_checks import LargeGradMonitor, NonFiniteGradError, check_finite_grads
+from mc_ddp.grad_norm import GradNormRanks, counts_in_grad_norm
+from mc_ddp.grad_scaler import DynamicGradScaler
 from mc_ddp.param_ready import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from mc_ddp.protocols import TransformerConfigLike
-from mc_ddp.sharded_optimizer import OwnedSlice, ShardedOptimizer
+from mc_ddp.sharded_optimizer import OwnedSlice, ShardedOptimizer, StepResult
 
 try:  # one source of the version: the distribution's pyproject.toml
     __version__ = version("mc-ddp")
@@ -44,13 +50,17 @@ __all__ = [
     "DataParallelAgreementError",
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
+    "DynamicGradScaler",
+    "GradNormRanks",
     "LargeGradMonitor",
     "NonFiniteGradError",
     "OwnedSlice",
     "ParamAndGradBucketGroup",
     "ShardedOptimizer",
+    "StepResult",
     "TransformerConfigLike",
     "check_finite_grads",
+    "counts_in_grad_norm",
     "ensure_params_ready",
     "partition_buckets",
     "reduce_scatter_with_fp32_accumulation",

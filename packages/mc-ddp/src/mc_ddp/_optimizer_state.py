@@ -257,3 +257,20 @@ def apply_loaded_values(
         for name, value in state.items():
             if not isinstance(value, torch.Tensor) and base + name in state_dict:
                 state[name] = state_dict[base + name]
+
+
+_SCALER_KEYS = ("scale", "growth_tracker", "hysteresis_tracker")
+
+
+def scaler_entries(scaler_state: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """A loss scaler's state as ``{prefix}grad_scaler.{key}`` numbers."""
+    return {f"{prefix}grad_scaler.{k}": scaler_state[k] for k in _SCALER_KEYS}
+
+
+def scaler_state(state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any] | None:
+    """The scaler's state back from :func:`scaler_entries`' keys (None when the checkpoint
+    holds none: saved without a scaler)."""
+    keys = [f"{prefix}grad_scaler.{k}" for k in _SCALER_KEYS]
+    if not all(k in state_dict for k in keys):
+        return None
+    return {k: state_dict[key] for k, key in zip(_SCALER_KEYS, keys, strict=True)}

@@ -21,8 +21,12 @@ Checkpoints: ``state_dict()`` is this rank's shard (same layout to load); for
 ``torch.distributed.checkpoint``, ``sharded_state_dict(model_sharded_state_dict)`` keys each
 param's master and state by the model's key and stores them as pieces of full-param-shaped
 tensors, so a checkpoint loads at any TP × DP layout and bucket size
-(:mod:`mc_ddp.checkpoint_pieces`). Not covered: grad clipping, loss scaling, the fp16/bf16
-overflow checks, and LBFGS (it caches its params at build).
+(:mod:`mc_ddp.checkpoint_pieces`). Not covered: LBFGS (it caches its params at build).
+
+A guarded step (``max_grad_norm=`` and/or ``grad_scaler=``, or ``clip_grad_norm()``): the
+global grad norm (every piece counted once, :mod:`mc_ddp.grad_norm`), the overflow flag and
+the step's own checks in one all-reduce, then one multiply that unscales and clips, or a
+skip on every rank; ``step()`` returns a :class:`~mc_ddp.StepResult`.
 """
 
 from __future__ import annotations
@@ -34,91 +38,20 @@ from typing import Any
 import torch
 
 import mc_groups as mg
+from mc_ddp import _optimizer_checks as checks
 from mc_ddp import _optimizer_state as sharded_state
+from mc_ddp import _step_guard as guarded
 from mc_ddp._optimizer_state import OwnedSlice
-from mc_ddp.bucket_group import ParamAndGradBucketGroup
+from mc_ddp._step_guard import StepResult
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
-from mc_groups import param_attrs
+from mc_ddp.grad_norm import counted_slices
+from mc_ddp.grad_scaler import DynamicGradScaler
 from mc_groups.argcheck import check_flag, type_name
-from mc_groups.errors import InputTypeError, InputValueError
+from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 
-__all__ = ["OwnedSlice", "ShardedOptimizer"]
+__all__ = ["OwnedSlice", "ShardedOptimizer", "StepResult"]
 
 Param = torch.nn.Parameter
-
-
-def _as_chunks(model_chunks: object) -> list[DistributedDataParallel]:
-    chunks = [model_chunks] if isinstance(model_chunks, DistributedDataParallel) else model_chunks
-    if not isinstance(chunks, Sequence) or not chunks:
-        raise InputTypeError(
-            "model_chunks must be a DistributedDataParallel or a non-empty list of them, "
-            f"got {type_name(model_chunks)}"
-        )
-    for i, chunk in enumerate(chunks):
-        if not isinstance(chunk, DistributedDataParallel):
-            raise InputTypeError(
-                f"model_chunks[{i}] is a {type_name(chunk)}; wrap each model chunk in "
-                "mc_ddp.DistributedDataParallel first"
-            )
-    return list(chunks)
-
-
-def _check_optimizer(optimizer: object) -> torch.optim.Optimizer:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise InputTypeError(
-            f"optimizer={type_name(optimizer)} must be a torch.optim.Optimizer built over "
-            "the model's params, e.g. torch.optim.AdamW(ddp.parameters(), lr=1e-3)"
-        )
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise InputTypeError("optimizer=LBFGS caches its params when built and cannot be sharded")
-    if optimizer.state:
-        raise InputValueError(
-            "optimizer already holds state: build the ShardedOptimizer before the first step "
-            "(its state lives on the fp32 shard masters)"
-        )
-    return optimizer
-
-
-def _owned_ranges(group: ParamAndGradBucketGroup) -> list[tuple[Param, int, int]]:
-    rank, size = group.shard.rank, group.shard.size
-    if not group.ddp_config.use_distributed_optimizer:
-        rank, size = 0, 1
-    return [
-        (s.param, s.param_range[0], s.param_range[1])
-        for bucket in group.buckets
-        for s in bucket.shard_param_slices(rank, size)
-    ]
-
-
-def _check_step_dispatch(flag: object, chunks: list[DistributedDataParallel]) -> bool:
-    check_flag("overlap_param_gather_with_optimizer_step", flag)
-    if flag and not all(c.ddp_config.overlap_param_gather for c in chunks):
-        raise InputValueError(
-            "overlap_param_gather_with_optimizer_step=True needs every model chunk built with "
-            "ddp_config.overlap_param_gather=True (and use_distributed_optimizer=True)"
-        )
-    return bool(flag)
-
-
-def _check_saved_masters(masters: object, slots: Sequence[OwnedSlice]) -> list[torch.Tensor]:
-    expected = [tuple(s.master.shape) for s in slots]
-    shapes = None
-    if isinstance(masters, list) and all(isinstance(m, torch.Tensor) for m in masters):
-        shapes = [tuple(m.shape) for m in masters]
-    if shapes != expected:
-        got = shapes if shapes is not None else type(masters).__name__
-        raise InputValueError(
-            "state_dict['master_params'] does not match this rank's shard layout (same "
-            "model, data-parallel size and bucket layout needed): expected tensors of shapes "
-            f"{expected}, got {got}"
-        )
-    assert isinstance(masters, list)  # checked above
-    for i, master in enumerate(masters):
-        if not master.is_floating_point():
-            raise InputTypeError(
-                f"state_dict['master_params'][{i}] is {master.dtype}, not floating-point"
-            )
-    return masters
 
 
 class ShardedOptimizer:
@@ -135,6 +68,42 @@ class ShardedOptimizer:
     with it, the next forward's pre-hooks gather bucket group by bucket group, or, with
     ``overlap_param_gather_with_optimizer_step=True``, ``step()`` dispatches every group's
     gather asynchronously (model start first) and the pre-hooks only wait for them.
+
+    **Clipping and loss scaling** (see the module notes and ``docs/optimizer.md``):
+
+    - ``max_grad_norm``: every ``step()`` computes the global grad norm of order
+      ``norm_type`` (2.0, another p >= 1, or ``inf``) over the whole model, each piece
+      counted once (:mod:`mc_ddp.grad_norm`), and scales every owned grad by
+      ``min(1, max_grad_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``'s
+      rule); :meth:`clip_grad_norm` does the same on demand and returns the norm.
+    - ``grad_scaler`` (:class:`~mc_ddp.DynamicGradScaler`, fp16): scale the loss with
+      :meth:`scale_loss`; ``step()`` unscales, skips the step on every rank when any owned
+      grad on any rank overflowed, and updates the scale (``torch.amp.GradScaler``'s
+      semantics). Refused on bf16 params (they need no scaler).
+    - A non-finite norm skips the step on every rank (``StepResult.skipped``), or with
+      ``error_if_nonfinite=True`` raises ``FloatingPointError`` on every rank.
+
+    **Status exchange.** ``step()`` checks its preconditions on every rank (finished grad
+    sync, not stepped twice, grads resident); a check failing on one rank is an error on
+    every rank. A guarded step carries that status in its norm / overflow all-reduce (one
+    more element: no extra collective); an unguarded step runs one
+    :func:`mc_groups.fail_together` exchange per step, which ``peer_checks=False`` turns
+    off (a check failing on one rank then raises there alone, and its peers wait in their
+    next collective until the group's timeout).
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer built over the chunks' params.
+        model_chunks: the DDP-wrapped model chunks (one per virtual pipeline stage).
+        overlap_param_gather_with_optimizer_step: dispatch every param gather from
+            ``step()`` (needs ``overlap_param_gather`` on every chunk).
+        max_grad_norm: clip to this global norm (> 0) at every step; None: no clipping.
+        norm_type: the norm's order (2.0, p >= 1, ``float('inf')`` or ``"inf"``).
+        grad_scaler: fp16 dynamic loss scaling; None: none.
+        error_if_nonfinite: raise instead of skipping when the norm is not finite.
+        peer_checks: the per-step status exchange of an unguarded step (see above).
+        pg_collection: the groups the norm reads ranks from (``tp``, ``expt_tp``,
+            ``gtp_remat``, ``expt_gtp_remat``, ``embd``, ``pp``); None: the registered
+            default collection, looked up at the first norm.
     """
 
     def __init__(
@@ -143,12 +112,26 @@ class ShardedOptimizer:
         model_chunks: DistributedDataParallel | Sequence[DistributedDataParallel],
         *,
         overlap_param_gather_with_optimizer_step: bool = False,
+        max_grad_norm: float | None = None,
+        norm_type: float | str = 2.0,
+        grad_scaler: DynamicGradScaler | None = None,
+        error_if_nonfinite: bool = False,
+        peer_checks: bool = True,
+        pg_collection: mg.ProcessGroupCollection | None = None,
     ) -> None:
-        self.optimizer = _check_optimizer(optimizer)
-        self.model_chunks = _as_chunks(model_chunks)
-        self.overlap_param_gather_with_optimizer_step = _check_step_dispatch(
+        self.optimizer = checks.check_optimizer(optimizer)
+        self.model_chunks = checks.as_chunks(model_chunks)
+        self.overlap_param_gather_with_optimizer_step = checks.check_step_dispatch(
             overlap_param_gather_with_optimizer_step, self.model_chunks
         )
+        self.max_grad_norm = checks.check_max_norm(max_grad_norm, "max_grad_norm", optional=True)
+        self.norm_type = checks.check_norm_type(norm_type)
+        self.grad_scaler = checks.check_scaler(grad_scaler, self.model_chunks)
+        self.error_if_nonfinite = check_flag("error_if_nonfinite", error_if_nonfinite)
+        self.peer_checks = check_flag("peer_checks", peer_checks)
+        self._pg_collection = checks.check_optional_collection(pg_collection)
+        self._prepared: tuple[tuple[int, ...], StepResult] | None = None
+        self._counted: list[bool] | None = None
         for chunk in self.model_chunks:
             chunk.overlap_param_gather_with_optimizer_step = (
                 self.overlap_param_gather_with_optimizer_step
@@ -172,7 +155,7 @@ class ShardedOptimizer:
             for param in chunk.params_with_grad:
                 owned.setdefault(param, [])
             for group in chunk._all_groups():
-                for param, start, end in _owned_ranges(group):
+                for param, start, end in checks.owned_ranges(group):
                     owned[param].append((start, end))
         return owned
 
@@ -229,22 +212,129 @@ class ShardedOptimizer:
                     "ddp.finish_grad_sync() (or finalize_model_grads) after backward"
                 )
 
+    @property
+    def _guard(self) -> guarded.Guard | None:
+        if self.max_grad_norm is None and self.grad_scaler is None:
+            return None
+        return guarded.Guard(
+            self.max_grad_norm, self.norm_type, self.grad_scaler, self.error_if_nonfinite
+        )
+
     @torch.no_grad()
-    def step(self) -> None:
+    def clip_grad_norm(self, max_norm: float, norm_type: float | str = 2.0) -> float:
+        """Clip this iteration's grads to the global norm ``max_norm`` and return the norm
+        before clipping (``torch.nn.utils.clip_grad_norm_``'s contract, over the whole
+        sharded model; Megatron's ``optimizer.clip_grad_norm``). With a ``grad_scaler`` the
+        grads are unscaled first and the norm is the unscaled one.
+
+        Collective over the world: one all-reduce of a few numbers that also carries the
+        step's checks (the next ``step()`` then issues no status exchange and no second
+        norm). Once per iteration (a second call is an ``InputStateError``). A non-finite
+        norm, or an overflow under loss scaling, leaves the grads as they are and makes the
+        next ``step()`` skip (``error_if_nonfinite=True``: ``FloatingPointError`` on every
+        rank). Bad arguments raise before any collective.
+        """
+        guard = guarded.Guard(
+            checks.check_max_norm(max_norm, "max_norm"),
+            checks.check_norm_type(norm_type),
+            self.grad_scaler,
+            self.error_if_nonfinite,
+        )
+        outcome = self._guarded(guard, "ShardedOptimizer.clip_grad_norm")
+        assert outcome.grad_norm is not None  # a Guard with max_norm computes it
+        return outcome.grad_norm
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
         """One optimizer step on this rank's masters, then publish the params (see class).
-        Refused (before anything changes) without finished grad sync, a second time on the
-        same gradients, with offloaded grads or params, or after the groups were destroyed."""
-        with mg.fail_together(None, "ShardedOptimizer.step"):  # one rank's misuse: all raise
-            self._require_synced_grads()
-            self._require_new_grads()
+        Refused (before anything changes, on every rank) without finished grad sync, a
+        second time on the same gradients, with offloaded grads or params, or after the
+        groups were destroyed. Returns what happened (:class:`StepResult`)."""
+        outcome = self._prepared_outcome()
+        if outcome is None:
+            guard = self._guard
+            if guard is not None:
+                outcome = self._guarded(guard, "ShardedOptimizer.step")
+            else:
+                self._check_unguarded_step()
+                guarded.build_master_grads(self._slots)
+                outcome = StepResult(skipped=False)
         self._drain_param_gathers()
-        for slot in self._slots:
-            grad = param_attrs.main_grad_of(slot.param).view(-1)[slot.start : slot.end]
-            slot.master.grad = grad.to(torch.float32)
-        self.optimizer.step()
+        if not outcome.skipped:
+            self.optimizer.step()
         self._stepped_on = self._generations()
-        self._write_masters_to_params()
+        self._prepared = None
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(outcome.found_inf)
+        if not outcome.skipped:
+            self._write_masters_to_params()
         self._publish_params(force_sync=False)
+        return outcome
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss × S`` with the scaler's current scale (``loss`` itself without a scaler):
+        backward from the result (Megatron's ``optimizer.scale_loss``)."""
+        if self.grad_scaler is None:
+            return loss
+        return loss * self.grad_scaler.scale
+
+    def get_loss_scale(self) -> float:
+        """The scale the next backward's loss should carry (1.0 without a scaler)."""
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale
+
+    def _check_unguarded_step(self) -> None:
+        if not self.peer_checks:
+            self._require_step_ready()
+            return
+        with mg.fail_together(None, "ShardedOptimizer.step"):  # one rank's misuse: all raise
+            self._require_step_ready()
+
+    def _require_step_ready(self) -> None:
+        self._require_synced_grads()
+        self._require_new_grads()
+
+    def _prepared_outcome(self) -> StepResult | None:
+        if self._prepared is not None and self._prepared[0] == self._generations():
+            return self._prepared[1]
+        return None
+
+    def _guarded(self, guard: guarded.Guard, where: str) -> StepResult:
+        """Checks, norm and overflow in one all-reduce, then unscale and clip (or skip)."""
+        status = mg.CarriedStatus(where)
+        counted: list[bool] = []
+        with status.checks():
+            self._require_step_ready()
+            if self._prepared_outcome() is not None:
+                raise InputStateError(
+                    f"{where}: clip_grad_norm() already unscaled and clipped this iteration's "
+                    "grads; call step() (or start the next iteration) instead of clipping twice"
+                )
+            counted = self._counted_slots() if guard.max_norm is not None else []
+        grads = guarded.build_master_grads(self._slots) if status.passed else []
+        counted = counted or [False] * len(grads)
+        outcome = guarded.reduce_step_values(guard, grads, counted, status, self._device())
+        if guard.error_if_nonfinite and guard.scaler is None and outcome.skipped:
+            raise FloatingPointError(
+                f"{where}: a grad holds inf or NaN (global grad norm {outcome.grad_norm}); "
+                "every rank raises and no param changed. Pass error_if_nonfinite=False to "
+                "skip such steps"
+            )
+        guarded.apply(guard, outcome, grads)
+        self._prepared = (self._generations(), outcome)
+        return outcome
+
+    def _counted_slots(self) -> list[bool]:
+        """Per slot: this rank counts it in the global norm (computed once)."""
+        if self._counted is None:
+            pgc = mg.collection_or_default(self._pg_collection, "ShardedOptimizer (grad norm)")
+            self._counted = counted_slices(self.model_chunks, self._slots, pgc)
+        return self._counted
+
+    def _device(self) -> torch.device:
+        for chunk in self.model_chunks:
+            for param in chunk.params_with_grad:
+                return param.device
+        return torch.device("cpu")
 
     def _require_resident_params(self, what: str) -> None:
         for chunk in self.model_chunks:
@@ -304,13 +394,16 @@ class ShardedOptimizer:
                 slot.master.copy_(slot.param.detach().view(-1)[slot.start : slot.end])
 
     def state_dict(self) -> dict[str, Any]:
-        """A snapshot of this rank's state: the wrapped optimizer's state dict and the
-        masters, copied (torch's own state_dict returns live references, so loading it into
-        a second optimizer would make the two share moments)."""
-        return {
+        """A snapshot of this rank's state: the wrapped optimizer's state dict, the masters
+        and the loss scaler's state (``grad_scaler``), copied (torch's own state_dict
+        returns live references: loading it into a second optimizer would share moments)."""
+        state = {
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "master_params": [slot.master.clone() for slot in self._slots],
         }
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -318,24 +411,10 @@ class ShardedOptimizer:
         (collective with the distributed optimizer: every rank calls it). Everything is
         checked before anything is loaded: a mapping with ``master_params`` (tensors shaped
         like this rank's masters) and ``optimizer`` (the wrapped optimizer's state dict)."""
-        if not isinstance(state_dict, Mapping):
-            raise InputTypeError(
-                "state_dict must be the mapping ShardedOptimizer.state_dict() returned, got "
-                f"{type_name(state_dict)}"
-            )
-        missing = [k for k in ("master_params", "optimizer") if k not in state_dict]
-        if missing:
-            raise InputValueError(
-                f"state_dict has no {missing}: pass what ShardedOptimizer.state_dict() returned"
-            )
-        masters = _check_saved_masters(state_dict["master_params"], self._slots)
-        inner = state_dict["optimizer"]
-        if not isinstance(inner, Mapping) or not {"state", "param_groups"} <= set(inner):
-            raise InputTypeError(
-                "state_dict['optimizer'] must be the wrapped optimizer's state dict (with "
-                f"'state' and 'param_groups'), got {type_name(inner)}"
-            )
+        masters, inner = checks.check_saved_state(state_dict, self._slots)
         self._require_publishable("load_state_dict()")
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])  # checks, then loads
         self.optimizer.load_state_dict(dict(inner))
         for slot, saved in zip(self._slots, masters, strict=True):
             slot.master.copy_(saved)
@@ -367,7 +446,8 @@ class ShardedOptimizer:
         Keys: ``{prefix}{K}.fp32_param``, ``{prefix}{K}.{state}``; scalar states (``step``)
         and non-tensor states are stored as themselves under the same scheme (every rank
         owning a slice holds the same value; DCP writes one), and each param group's
-        hyperparameters under ``{prefix}param_groups.{i}.{name}``.
+        hyperparameters under ``{prefix}param_groups.{i}.{name}`` (a loss scaler's state
+        under ``{prefix}grad_scaler.{scale,growth_tracker,hysteresis_tracker}``).
 
         Saving (``is_loading=False``) needs state for every slice (after the first step).
         Loading (``is_loading=True``): slices without state first get the optimizer's own
@@ -379,20 +459,14 @@ class ShardedOptimizer:
         every rank (:func:`mc_groups.fail_together`) instead of a wait inside DCP.
         """
         with mg.fail_together(None, "ShardedOptimizer.sharded_state_dict"):
-            if not isinstance(model_sharded_state_dict, Mapping):
-                raise InputTypeError(
-                    "model_sharded_state_dict must be a mapping {key: DTensor or tensor} (the "
-                    f"model's sharded_state_dict()), got {type_name(model_sharded_state_dict)}"
-                )
-            if not isinstance(is_loading, bool):
-                raise InputTypeError(f"is_loading={is_loading!r} must be a bool")
-            if not isinstance(prefix, str):
-                raise InputTypeError(f"prefix={prefix!r} must be a str, e.g. 'optimizer.'")
+            checks.check_sharded_state_args(model_sharded_state_dict, is_loading, prefix)
             names = self._names()
             places = sharded_state.placements(model_sharded_state_dict, self._slots, names)
         if is_loading:
             sharded_state.materialize_state(self.optimizer, self._slots)
         built = sharded_state.build_state_dict(self.optimizer, self._slots, places, names, prefix)
+        if self.grad_scaler is not None:  # replicated numbers: DCP writes one
+            built.update(sharded_state.scaler_entries(self.grad_scaler.state_dict(), prefix))
         self._checkpoint_keys = sharded_state.CheckpointKeys(prefix, places)
         return built
 
@@ -419,6 +493,10 @@ class ShardedOptimizer:
                 )
             sharded_state.check_loaded_values(self.optimizer, self._slots, keys, state_dict)
             self._require_publishable("load_sharded_state_dict()")
+            if self.grad_scaler is not None:  # checks, then loads (before anything else)
+                saved = sharded_state.scaler_state(state_dict, keys.prefix)
+                if saved is not None:
+                    self.grad_scaler.load_state_dict(saved)
         sharded_state.apply_loaded_values(self.optimizer, self._slots, keys, state_dict)
         self._drain_param_gathers()
         self._write_masters_to_params()

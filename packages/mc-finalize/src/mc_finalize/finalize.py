@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import cast
 
@@ -77,7 +78,8 @@ from mc_finalize.router_state import (
     _update_expert_bias,
     _update_qb_beta,
 )
-from mc_finalize.tp_grads import _reduce_non_tensor_parallel_grads
+from mc_finalize.tp_grads import _check_tp_marks, _reduce_non_tensor_parallel_grads
+from mc_groups.argcheck import check_flag
 from mc_groups.errors import InputValueError
 
 __all__ = ["finalize_model_grads"]
@@ -88,6 +90,8 @@ def finalize_model_grads(
     num_tokens: torch.Tensor | None = None,
     pg_collection: mg.ProcessGroupCollection | None = None,
     force_all_reduce: bool | None = False,
+    *,
+    peer_checks: bool = True,
 ) -> None:
     """All-reduce every grad that still differs between ranks, then normalise by tokens.
 
@@ -104,9 +108,15 @@ def finalize_model_grads(
             given exactly when ``config.calculate_per_token_loss`` (see the module notes).
         pg_collection: the groups; None uses ``mc_groups.get_default_collection()``.
         force_all_reduce: passed to every chunk's ``finish_grad_sync`` (None reads as False).
+        peer_checks: end the checks in one status exchange over the world, so a check
+            failing on one rank is an error on every rank (:func:`mc_groups.fail_together`;
+            one more synchronisation per step). False skips it: every rank still checks,
+            but a check failing on one rank only raises there and its peers wait in their
+            next collective until the group's timeout (mc addition; keyword only).
     """
+    check_flag("peer_checks", peer_checks)
     # A check failing on one rank stops every rank of the world here (one exchange).
-    with mg.fail_together(None, "finalize_model_grads"):
+    with mg.fail_together(None, "finalize_model_grads") if peer_checks else nullcontext():
         chunks = _as_chunks(model, FINALIZE_METHODS)
         config = cast(FinalizeConfig, _config_of(chunks))
         settings = _read_settings(config, whole=True)
@@ -120,6 +130,8 @@ def finalize_model_grads(
         word = _stage_embedding_weight(chunks, settings, groups.embd, groups.pp, word=True)
         position = _stage_embedding_weight(chunks, settings, groups.pos_embd, groups.pp, word=False)
         _check_not_finalized(chunks)
+        if mg.group_size(groups.tp) > 1:
+            _check_tp_marks(chunks)
     _run_steps(chunks, settings, groups, force, word, position)
     if per_token:
         _scale_by_num_tokens(chunks, num_tokens, groups.pp, groups.data)

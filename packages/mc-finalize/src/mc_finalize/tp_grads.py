@@ -5,13 +5,21 @@ and a grad (``main_grad`` if present, else ``grad``):
 
     AVG  params marked ``average_gradients_across_tp_domain``:  g ← (1/T) Σ_tp g
          (each TP rank computed a full, redundant grad; averaging keeps them equal)
-    SUM  params marked ``sequence_parallel`` when ``config.sequence_parallel``, and params
-         named ``*q_layernorm*`` / ``*k_layernorm*`` when ``config.qk_layernorm``:
+    SUM  params marked ``sequence_parallel`` when ``config.sequence_parallel``, params
+         named ``*q_layernorm*`` / ``*k_layernorm*`` when ``config.qk_layernorm``, and
+         params marked ``sum_gradients_across_tp_domain`` always (mc's mark):
          g ← Σ_tp g  (each rank saw only its sequence slice, or only its heads)
 
 Schedule: the SUM grads are flattened into one buffer per dtype and all-reduced, then the
-AVG grads likewise (two reduce ops, never mixed in one batch). The AVG mark wins when a
-param carries both marks.
+AVG grads likewise (two reduce ops, never mixed in one batch). The AVG mark wins over
+``sequence_parallel`` when a param carries both (Megatron's order).
+
+``sum_gradients_across_tp_domain`` is for a replicated param whose grad is a partial sum over
+tp *without* sequence parallelism, e.g. a norm weight shared by all heads applied after a
+column-parallel layer (each rank holds its own heads' part; Megatron-LM #7452 row 11): the
+``sequence_parallel`` mark is summed only under ``config.sequence_parallel`` (Megatron's
+meaning, kept), ``average_gradients_across_tp_domain`` averages. It is refused (before any
+collective) together with the AVG mark, or on a TP shard (``tensor_model_parallel``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from mc_finalize._settings import _read_settings, _Settings
 from mc_finalize.grad_access import _grad_view, _GradView
 from mc_finalize.protocols import FinalizeConfig, ModelChunk
 from mc_groups import param_attrs
+from mc_groups.errors import InputValueError
 
 _LABEL = "non-tensor-parallel grads"
 
@@ -45,7 +54,30 @@ def _allreduce_non_tensor_model_parallel_grads(
     chunks = _as_chunks(model)
     settings = _read_settings(config)
     tp = _require_group(tp_group, "tp_group", "tp", "_allreduce_non_tensor_model_parallel_grads")
+    _check_tp_marks(chunks)
     _reduce_non_tensor_parallel_grads(chunks, settings, tp)
+
+
+def _check_tp_marks(chunks: Sequence[ModelChunk]) -> None:
+    """``sum_gradients_across_tp_domain`` neither with the AVG mark nor on a TP shard."""
+    for index, chunk in enumerate(chunks):
+        for name, param in chunk.named_parameters():
+            if not param_attrs.sums_grad_across_tp(param):
+                continue
+            if param_attrs.averages_grad_across_tp(param):
+                raise InputValueError(
+                    f"model[{index}] param '{name}' is marked both sum_gradients_across_tp_domain "
+                    "(its grad is a partial sum over tp: SUM) and "
+                    "average_gradients_across_tp_domain (a full grad on every tp rank: AVG); "
+                    "keep the one that says how its grad was computed"
+                )
+            if param_attrs.is_tensor_model_parallel(param):
+                raise InputValueError(
+                    f"model[{index}] param '{name}' is a tensor-parallel shard "
+                    "(tensor_model_parallel=True) marked sum_gradients_across_tp_domain: a "
+                    "shard's grad is its own, not a partial sum of a replicated param's; drop "
+                    "the mark"
+                )
 
 
 def _reduce_non_tensor_parallel_grads(
@@ -85,6 +117,8 @@ def _split_by_reduction(
 
 
 def _summed_over_tp(name: str, param: torch.nn.Parameter, settings: _Settings) -> bool:
+    if param_attrs.sums_grad_across_tp(param):
+        return True
     if settings.sequence_parallel and param_attrs.is_sequence_parallel_param(param):
         return True
     return settings.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)

@@ -1,5 +1,7 @@
 """Step 4: non-tensor-parallel grads over tp (SUM for sequence-parallel and q/k layer norms,
-AVG for params marked ``average_gradients_across_tp_domain``).
+and for params marked ``sum_gradients_across_tp_domain`` with or without SP; AVG for params
+marked ``average_gradients_across_tp_domain``; the SUM mark refused with the AVG mark or on
+a TP shard, before any collective).
 
 Localizes which params each config switch selects, the ``main_grad``/``grad`` fallback,
 the per-dtype flat buffers, the SUM-then-AVG schedule on the tp group only, and a DTensor
@@ -42,6 +44,7 @@ def _chunk(cfg: Cfg) -> Chunk:
         sequence_parallel=True,
     )
     add_param(chunk, "plain.weight", 2**r)
+    add_param(chunk, "summed.weight", 2**r, sum_gradients_across_tp_domain=True)
     add_param(chunk, "frozen.weight", 2**r, requires_grad=False, sequence_parallel=True)
     add_param(chunk, "empty.weight", None, sequence_parallel=True)
     return chunk
@@ -75,6 +78,25 @@ def _tp_cases() -> dict[str, Any]:
         with mg.record_collectives() as log:
             _allreduce_non_tensor_model_parallel_grads([chunk], chunk.config, pgc.tp)
         out["tp1"] = {"values": _values(chunk), "log": records(log)}
+    out["refused"] = _refused_marks()
+    return out
+
+
+def _refused_marks() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with layout(tensor_model_parallel_size=2) as pgc:
+        refused: dict[str, dict[str, Any]] = {
+            "with_avg": {"average_gradients_across_tp_domain": True},
+            "on_shard": {"tensor_model_parallel": True},
+        }
+        for name, marks in refused.items():
+            chunk = _chunk(Cfg())
+            add_param(chunk, "bad.weight", 1.0, sum_gradients_across_tp_domain=True, **marks)
+            with mg.record_collectives() as log:
+                try:
+                    _allreduce_non_tensor_model_parallel_grads([chunk], chunk.config, pgc.tp)
+                except ValueError as err:
+                    out[name] = (type(err).__name__, str(err), len(log))
     return out
 
 
@@ -119,18 +141,29 @@ def test_tp2_sum_avg_fallbacks_and_dtensor(rank_pools: RankPools) -> None:
             "avg.weight": total / 2,
             "both.weight": total / 2,  # the AVG mark wins
             "plain.weight": own,
+            "summed.weight": total,
             "frozen.weight": own,
             "empty.weight": None,
         }
         assert out["sp_qk"]["log"] == [
-            ("all_reduce", "sum", tp, "float32", 9, LABEL),  # ln, q_layernorm, k_layernorm
+            ("all_reduce", "sum", tp, "float32", 12, LABEL),  # ln, q/k_layernorm, summed
             ("all_reduce", "sum", tp, "bfloat16", 3, LABEL),
             ("all_reduce", "avg", tp, "float32", 6, LABEL),  # avg, both
         ]
         neither = out["neither"]["values"]
         assert (neither["avg.weight"], neither["both.weight"]) == (total / 2, total / 2)
         assert neither["ln.weight"] == neither["attn.q_layernorm.weight"] == own
-        assert out["neither"]["log"] == [("all_reduce", "avg", tp, "float32", 6, LABEL)]
+        assert neither["summed.weight"] == total  # summed without SP too
+        assert out["neither"]["log"] == [
+            ("all_reduce", "sum", tp, "float32", 3, LABEL),
+            ("all_reduce", "avg", tp, "float32", 6, LABEL),
+        ]
+        refused = out["refused"]
+        assert refused["with_avg"][0] == "InputValueError"
+        assert "marked both sum_gradients_across_tp_domain" in refused["with_avg"][1]
+        assert refused["on_shard"][0] == "InputValueError"
+        assert "tensor-parallel shard" in refused["on_shard"][1]
+        assert refused["with_avg"][2] == refused["on_shard"][2] == 0  # before any collective
         assert out["alias"]["ln.weight"] == total
         assert out["alias"]["attn.q_layernorm.weight"] == own  # qk_layernorm off
         assert all(v in (own, None) for v in out["tp1"]["values"].values())

@@ -30,7 +30,9 @@
   with torchrun's shared store.
 - :func:`fail_together` (:mod:`mc_groups.together`): an entry point's local checks end in
   one status exchange, so a check failing on one rank is an error on every rank
-  (:class:`PeerCheckError` naming it) instead of a wait until the group's timeout.
+  (:class:`PeerCheckError` naming it) instead of a wait until the group's timeout;
+  :class:`CarriedStatus`: the same outcome carried by a reduction the entry point runs
+  anyway (one more element) instead of an exchange of its own.
 - :mod:`mc_groups.testing`: a reusable multi-process CPU harness for tests.
 """
 
@@ -95,7 +97,7 @@ from mc_groups.schedule_check import (
     check_collective_schedule,
     schedule_check_enabled,
 )
-from mc_groups.together import PeerCheckError, fail_together
+from mc_groups.together import CarriedStatus, PeerCheckError, fail_together
 
 try:  # one source of the version: the distribution's pyproject.toml
     __version__ = version("mc-groups")
@@ -107,6 +109,7 @@ __all__ = [
     "GROUP_FIELDS",
     "MAX_WORLD_SIZE",
     "SCHEDULE_CHECK_ENV",
+    "CarriedStatus",
     "CoalescedBatch",
     "CollectiveError",
     "CollectiveHandle",

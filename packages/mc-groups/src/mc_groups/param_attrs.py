@@ -35,15 +35,27 @@ Each attribute: its value (and what absent means); who sets it; who reads it.
 ``skip_backward_post_hook`` (SKIP_BACKWARD_POST_HOOK): bool (False). Set: users,
   Transformer Engine. Read: mc-ddp (``delay_wgrad_compute``, strict).
 ``shared_embedding`` (SHARED_EMBEDDING): bool (False), the word-embedding weight tied with
-  the output layer. Set: users. Read: mc-buffers (own bucket, strict), mc-finalize (models
-  without ``share_embeddings_and_output_weights``).
-``sequence_parallel`` (SEQUENCE_PARALLEL): bool (False), a grad that is a partial sum over
-  tp. Set: mc-tp-layers (row-parallel bias), users (layer norms). Read: mc-finalize.
+  the output layer (mc marks both stages' copies). Set: users. Read: mc-buffers (own
+  bucket, strict), mc-finalize (models without ``share_embeddings_and_output_weights``),
+  mc-ddp (the grad norm counts it on the first ``embd`` rank only).
+``shared`` (SHARED): bool (False), Megatron's mark of the last stage's duplicate of the
+  tied embedding. Set: Megatron-Core's models. Read: mc-ddp (never counted in the norm).
+``sequence_parallel`` (SEQUENCE_PARALLEL): bool (False), a replicated param whose grad is a
+  partial sum over tp *because of sequence parallelism* (each rank saw its sequence slice).
+  Set: mc-tp-layers (row-parallel bias), users (layer norms). Read: mc-finalize (SUM over
+  tp only when ``config.sequence_parallel``, as Megatron).
+``sum_gradients_across_tp_domain`` (SUM_GRADIENTS_ACROSS_TP_DOMAIN): bool (False), mc's mark
+  of a replicated param whose grad is a partial sum over tp whatever the sequence
+  parallelism (a norm weight shared by all heads, applied after a column-parallel layer:
+  each rank holds its heads' part). Set: users. Read: mc-finalize (SUM over tp, with or
+  without ``config.sequence_parallel``; refused together with the AVG mark or on a TP
+  shard).
 ``average_gradients_across_tp_domain`` (AVERAGE_GRADIENTS_ACROSS_TP_DOMAIN): bool (False).
   Set: users. Read: mc-finalize (AVG over tp).
 ``pipeline_parallel`` / ``flextron_router_pp_sync`` (PIPELINE_PARALLEL /
   FLEXTRON_ROUTER_PP_SYNC): bool (False), conditional embedders / Flextron routers
-  replicated on every pipeline stage. Set: users. Read: mc-finalize (SUM over pp).
+  replicated on every pipeline stage. Set: users. Read: mc-finalize (SUM over pp), mc-ddp
+  (the norm counts them on pp rank 0).
 ``tensor_model_parallel``, ``partition_dim``, ``partition_stride`` (TENSOR_MODEL_PARALLEL,
   PARTITION_DIM, PARTITION_STRIDE): bool, int, int (False, -1, 1).
   Set: mc-tp-layers (``set_tensor_model_parallel_attributes``). Read: mc-tp-layers (dedup,
@@ -96,8 +108,10 @@ __all__ = [
     "PIPELINE_PARALLEL",
     "QKV_SPLIT_SHAPES",
     "SEQUENCE_PARALLEL",
+    "SHARED",
     "SHARED_EMBEDDING",
     "SKIP_BACKWARD_POST_HOOK",
+    "SUM_GRADIENTS_ACROSS_TP_DOMAIN",
     "TENSOR_MODEL_PARALLEL",
     "ZERO_OUT_WGRAD",
     "averages_grad_across_tp",
@@ -115,7 +129,9 @@ __all__ = [
     "is_expert_param",
     "is_gtp_weight_remat",
     "is_layer_wise_managed",
+    "is_replicated_over_pp",
     "is_sequence_parallel_param",
+    "is_shared_duplicate",
     "is_shared_embedding",
     "is_tensor_model_parallel",
     "main_grad_copy_of",
@@ -126,11 +142,13 @@ __all__ = [
     "mark_gtp_replica",
     "mark_gtp_weight_remat",
     "mark_sequence_parallel",
+    "mark_sum_gradients_across_tp_domain",
     "pad_length_of",
     "partition_dim_of",
     "partition_stride_of",
     "set_main_grad",
     "set_main_grad_copy",
+    "sums_grad_across_tp",
     "zeroes_wgrad",
 ]
 
@@ -142,8 +160,10 @@ GRAD_ADDED_TO_MAIN_GRAD = "grad_added_to_main_grad"
 ZERO_OUT_WGRAD = "zero_out_wgrad"
 SKIP_BACKWARD_POST_HOOK = "skip_backward_post_hook"
 SHARED_EMBEDDING = "shared_embedding"
+SHARED = "shared"
 SEQUENCE_PARALLEL = "sequence_parallel"
 AVERAGE_GRADIENTS_ACROSS_TP_DOMAIN = "average_gradients_across_tp_domain"
+SUM_GRADIENTS_ACROSS_TP_DOMAIN = "sum_gradients_across_tp_domain"
 PIPELINE_PARALLEL = "pipeline_parallel"
 FLEXTRON_ROUTER_PP_SYNC = "flextron_router_pp_sync"
 TENSOR_MODEL_PARALLEL = "tensor_model_parallel"
@@ -202,6 +222,19 @@ def is_layer_wise_managed(param: torch.Tensor) -> bool:
 def is_shared_embedding(param: torch.Tensor) -> bool:
     """``shared_embedding=True``: the word-embedding weight tied with the output layer."""
     return bool(getattr(param, SHARED_EMBEDDING, False))
+
+
+def is_shared_duplicate(param: torch.Tensor) -> bool:
+    """``shared=True`` (Megatron's mark): the last stage's duplicate of a tied embedding."""
+    return bool(getattr(param, SHARED, False))
+
+
+def is_replicated_over_pp(param: torch.Tensor) -> bool:
+    """``pipeline_parallel=True`` or ``flextron_router_pp_sync=True``: a copy on every
+    pipeline stage (summed over pp by finalize when its config switch is on)."""
+    return bool(getattr(param, PIPELINE_PARALLEL, False)) or bool(
+        getattr(param, FLEXTRON_ROUTER_PP_SYNC, False)
+    )
 
 
 # -- main_grad and the backward-hook protocol ----------------------------------------------
@@ -286,6 +319,20 @@ def is_sequence_parallel_param(param: torch.Tensor) -> bool:
 def mark_sequence_parallel(param: torch.Tensor, sequence_parallel: bool) -> None:
     """Tag ``param``'s grad as a partial sum over tp (True) or not."""
     param.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
+
+
+def sums_grad_across_tp(param: torch.Tensor) -> bool:
+    """``sum_gradients_across_tp_domain=True``: a replicated param whose grad is a partial
+    sum over the tp ranks whatever the sequence parallelism (each rank holds its heads'
+    or columns' part); finalize sums it over tp."""
+    return bool(getattr(param, SUM_GRADIENTS_ACROSS_TP_DOMAIN, False))
+
+
+def mark_sum_gradients_across_tp_domain(param: torch.Tensor, flag: bool = True) -> None:
+    """Tag ``param``'s grad as a partial sum over tp in every configuration (True) or not:
+    ``finalize_model_grads`` sums it over tp with or without sequence parallelism, and the
+    grad norm counts it once."""
+    param.sum_gradients_across_tp_domain = flag  # type: ignore[attr-defined]
 
 
 def averages_grad_across_tp(param: torch.Tensor) -> bool:

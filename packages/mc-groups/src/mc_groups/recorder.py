@@ -12,6 +12,12 @@ Records are appended by :mod:`mc_groups.collectives`, the only module that calls
 async one completes). Collectives on single-rank groups are short-circuited and not
 recorded: nothing is communicated.
 
+The status exchange of :func:`mc_groups.fail_together` (8 bytes per rank after an entry
+point's local checks) is recorded only by a recorder opened with
+``record_collectives(status_exchanges=True)``, as op ``"status_exchange"``: a test counting
+every synchronisation of a training step sees it; the schedule tests, which list what
+moves data, do not.
+
 The set of open recorders is process-wide rather than per thread because autograd runs
 backward hooks on its own device threads on GPU; it holds nothing outside ``with`` blocks.
 """
@@ -25,7 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CollectiveRecord", "record_collectives"]
+from mc_groups.errors import InputTypeError
+
+__all__ = ["STATUS_EXCHANGE", "CollectiveRecord", "record_collectives"]
+
+STATUS_EXCHANGE = "status_exchange"
+"""The ``op`` of a :func:`mc_groups.fail_together` status exchange's record."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +45,8 @@ class CollectiveRecord:
 
     Attributes:
         op: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``,
-            ``all_to_all``, ``send``, ``recv``, ``barrier`` or ``all_gather_object``.
+            ``all_to_all``, ``send``, ``recv``, ``barrier``, ``all_gather_object`` or
+            ``status_exchange`` (see the module notes).
         reduce_op: ``sum``/``avg``/``max``/``min`` for reductions, else ``None``.
         group_ranks: global ranks of the group, in group-rank order.
         dtype: element type of the data this rank sends (``None`` for object/barrier ops).
@@ -62,38 +74,44 @@ class _RecorderRegistry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._logs: list[list[CollectiveRecord]] = []
+        self._logs: list[tuple[list[CollectiveRecord], bool]] = []
 
     @property
     def active(self) -> bool:
         return bool(self._logs)
 
-    def open(self) -> list[CollectiveRecord]:
+    def open(self, status_exchanges: bool) -> list[CollectiveRecord]:
         log: list[CollectiveRecord] = []
         with self._lock:
-            self._logs.append(log)
+            self._logs.append((log, status_exchanges))
         return log
 
     def close(self, log: list[CollectiveRecord]) -> None:
         with self._lock:
-            self._logs = [other for other in self._logs if other is not log]
+            self._logs = [entry for entry in self._logs if entry[0] is not log]
 
     def emit(self, record: CollectiveRecord) -> None:
+        status = record.op == STATUS_EXCHANGE
         with self._lock:
-            for log in self._logs:
-                log.append(record)
+            for log, wants_status in self._logs:
+                if wants_status or not status:
+                    log.append(record)
 
 
 _REGISTRY = _RecorderRegistry()
 
 
 @contextmanager
-def record_collectives() -> Iterator[list[CollectiveRecord]]:
-    """Yield a list that receives a :class:`CollectiveRecord` per collective issued.
+def record_collectives(*, status_exchanges: bool = False) -> Iterator[list[CollectiveRecord]]:
+    """Yield a list that receives a :class:`CollectiveRecord` per collective issued
+    (and, with ``status_exchanges=True``, per :func:`mc_groups.fail_together` status
+    exchange, as op ``"status_exchange"``).
 
-    Recorders nest: every open recorder receives every record.
+    Recorders nest: every open recorder receives every record it asked for.
     """
-    log = _REGISTRY.open()
+    if not isinstance(status_exchanges, bool):
+        raise InputTypeError(f"status_exchanges={status_exchanges!r} must be a bool")
+    log = _REGISTRY.open(status_exchanges)
     try:
         yield log
     finally:

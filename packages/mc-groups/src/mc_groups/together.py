@@ -22,6 +22,22 @@ Mechanism (:func:`fail_together`)::
 
 Cost: one 8-byte exchange per call (at an entry point that communicates anyway); the ranks
 also meet there, which a per-step entry point pays as one more synchronisation per step.
+:func:`mc_groups.record_collectives` lists it (op ``"status_exchange"``) when opened with
+``status_exchanges=True``.
+
+Carried instead of exchanged (:class:`CarriedStatus`): an entry point whose next step is a
+reduction over the same ranks anyway (a gradient norm, an overflow flag) adds its status to
+that reduction as one more element (1.0 failed, 0.0 passed; summed or maxed, either way
+> 0 when any rank failed) and settles it after: no exchange of its own::
+
+    status = CarriedStatus("ShardedOptimizer.step")
+    with status.checks():
+        ...                                    # the local checks (no collective)
+    payload = torch.tensor([local_norm, status.flag])   # a failed rank sends what it can
+    all_reduce(payload, group)                 # the reduction the entry point runs anyway
+    status.settle(group, payload[1].item())    # every rank raises when any rank failed
+
+Failing ranks skip the work the checks guard but still join the carrying reduction.
 A dead or hung peer makes the exchange fail as any collective does: ``CollectiveError``
 within the group's timeout; a peer about to run another collective under the schedule
 check gets ``CollectiveScheduleError`` on both sides. Groups of one rank exchange nothing.
@@ -32,14 +48,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 
 from mc_groups._core import key_device
 from mc_groups._errors import CollectiveError, CollectiveScheduleError
 from mc_groups.errors import InputValueError
+from mc_groups.recorder import STATUS_EXCHANGE, CollectiveRecord, _emit, _recording
 from mc_groups.schedule_check import PlannedCollective, _exchange_keys, _mismatch_message
 
-__all__ = ["PeerCheckError", "fail_together"]
+__all__ = ["CarriedStatus", "PeerCheckError", "fail_together"]
 
 _KIND = "status after the local checks"
 _FAILED = "[failed]: "
@@ -74,6 +92,7 @@ def fail_together(group: dist.ProcessGroup | None, where: str) -> Iterator[None]
     planned = PlannedCollective(_KIND, where, detail="passed" if failure is None else "failed")
     try:
         keys = _exchange_keys(group, planned.key(), key_device(group, None))
+        _record_exchange(ranks, where)
         if len(set(keys)) > 1:
             # One string, readable by a peer's schedule check too: "... [failed]: error".
             mine = planned.describe() + ("" if failure is None else f": {_text(failure)}")
@@ -100,6 +119,93 @@ def fail_together(group: dist.ProcessGroup | None, where: str) -> Iterator[None]
         f"no rank went on (nothing was allocated or changed here): {listed}",
         failures,
     )
+
+
+def _record_exchange(ranks: list[int], where: str) -> None:
+    if _recording():
+        _emit(
+            CollectiveRecord(
+                op=STATUS_EXCHANGE,
+                reduce_op=None,
+                group_ranks=tuple(ranks),
+                dtype=torch.int64,
+                numel=1,
+                bytes=8,
+                async_op=False,
+                label=where,
+            )
+        )
+
+
+class CarriedStatus:
+    """The outcome of ``where``'s local checks, carried to the peers by a reduction the
+    entry point runs anyway instead of by an exchange of its own (module notes).
+
+    Use: run the checks inside :meth:`checks` (a failure is kept, not raised), put
+    :attr:`flag` into the reduction's payload, then call :meth:`settle` with the reduced
+    flag on every rank of the reduction's group, before using anything else it returned.
+    """
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.failure: Exception | None = None
+
+    @contextmanager
+    def checks(self) -> Iterator[None]:
+        """Run the local checks; an exception is kept for :meth:`settle`."""
+        try:
+            yield
+        except Exception as err:  # any failed check: the peers must hear of it
+            self.failure = err
+
+    @property
+    def passed(self) -> bool:
+        """This rank's checks passed (so far)."""
+        return self.failure is None
+
+    @property
+    def flag(self) -> float:
+        """1.0 when this rank's checks failed, else 0.0 (its element of the reduction)."""
+        return 0.0 if self.failure is None else 1.0
+
+    def settle(self, group: dist.ProcessGroup | None, reduced_flag: float) -> None:
+        """After the reduction over ``group`` (None: the world) that carried :attr:`flag`:
+        nothing when no rank failed; else the ranks all-gather the failures' messages (only
+        then) and a failing rank re-raises its own error, every other rank raises
+        :class:`PeerCheckError` naming the failing ranks. Collective only on failure."""
+        if reduced_flag == 0.0 and self.failure is None:
+            return
+        if group is None:
+            group = dist.group.WORLD
+        if group is None or not dist.is_initialized() or group.size() == 1:
+            if self.failure is not None:
+                raise self.failure
+            return
+        ranks = list(dist.get_process_group_ranks(group))
+        mine = None if self.failure is None else f"{_FAILED}{_text(self.failure)}"
+        seen: list[object] = [None] * group.size()
+        try:
+            dist.all_gather_object(seen, mine, group=group)
+        except RuntimeError as err:
+            if self.failure is not None:
+                raise self.failure from err
+            raise CollectiveError(
+                f"{self.where}: gathering the failed checks' messages on group ranks {ranks} "
+                f"failed: {err}"
+            ) from err
+        if self.failure is not None:
+            raise self.failure
+        failures = {
+            rank: str(text).removeprefix(_FAILED)
+            for rank, text in zip(ranks, seen, strict=True)
+            if text is not None
+        }
+        listed = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
+        raise PeerCheckError(
+            f"{self.where} failed its checks on rank(s) {list(failures)} of group ranks "
+            f"{ranks}, so no rank went on (nothing was changed here): {listed}",
+            failures,
+        )
 
 
 def _failures(ranks: list[int], seen: list[object], where: str) -> dict[int, str]:

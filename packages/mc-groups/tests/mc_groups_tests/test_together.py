@@ -121,3 +121,58 @@ def test_initialize_model_parallel_with_a_bad_size_on_one_rank(
             assert kind == "PeerCheckError", text
             assert "initialize_model_parallel failed its checks on rank(s) [1]" in text
             assert outs[1][1] in text
+
+
+def _carried(bad_ranks: list[int]) -> tuple[str, str, float, list[str]]:
+    """``CarriedStatus``: the flag rides in a SUM all-reduce that also adds the ranks'
+    numbers; what each rank raised, the sum read back, and what a recorder opened with
+    ``status_exchanges=True`` saw (one all-reduce; no status exchange)."""
+    me = dist.get_rank()
+    status = mg.CarriedStatus("the test's carrying entry point")
+    with status.checks():
+        if me in bad_ranks:
+            raise TypeError(f"x=3 on rank {me} must be a str")
+    payload = torch.tensor([float(me), status.flag])
+    kind, text = "no error", ""
+    with mg.record_collectives(status_exchanges=True) as log:
+        mg.all_reduce(payload, _world(), label="the work the entry point runs anyway")
+    try:
+        status.settle(_world(), float(payload[1]))
+    except (ValueError, TypeError) as err:
+        kind, text = error_kind(err), str(err)
+    return kind, text, float(payload[0]), [r.op for r in log]
+
+
+@pytest.mark.parametrize(("world", "bad"), [(2, []), (2, [1]), (4, [0, 3])])
+def test_a_carried_status_fails_every_rank_without_an_exchange(
+    rank_pools: RankPools, world: int, bad: list[int]
+) -> None:
+    outs = rank_pools.get(world).run(_carried, bad)
+    for rank, (kind, text, total, ops) in enumerate(outs):
+        assert total == sum(range(world))  # the carrying reduction did its own work too
+        assert ops == ["all_reduce"]
+        if not bad:
+            assert kind == "no error"
+        elif rank in bad:
+            assert (kind, text) == ("TypeError", f"x=3 on rank {rank} must be a str")
+        else:
+            assert kind == "PeerCheckError", text
+            assert text.startswith(
+                f"the test's carrying entry point failed its checks on rank(s) {bad}"
+            )
+            for r in bad:
+                assert f"rank {r}: TypeError: x=3 on rank {r} must be a str" in text
+
+
+def _recorded_exchanges() -> tuple[list[str], list[str]]:
+    with mg.record_collectives() as plain, mg.record_collectives(status_exchanges=True) as full:
+        with mg.fail_together(None, "the test's entry point"):
+            pass
+        mg.all_reduce(torch.ones(1), _world(), label="work")
+    return [r.op for r in plain], [f"{r.op} {r.label} {r.bytes}" for r in full]
+
+
+def test_status_exchanges_are_recorded_on_request(rank_pools: RankPools) -> None:
+    for plain, full in rank_pools.get(2).run(_recorded_exchanges):
+        assert plain == ["all_reduce"]
+        assert full == ["status_exchange the test's entry point 8", "all_reduce work 4"]

@@ -35,6 +35,14 @@ disagreement makes every rank exchange the four values (only then) and raise the
 device it is an asynchronous device assert. Not checked: the logits' values (they differ by
 design), and that the slices are in rank order (a permuted group gives a permuted
 vocabulary).
+
+**Gathered logits.** Logits that already hold the whole vocabulary on every rank (a
+column-parallel head with ``gather_output=True``, ``transformers``' ``colwise_gather_output``)
+look like a slice of ``V·W`` classes: every rank agrees, targets are in range, and the loss
+comes out as the true loss + log(W) with no error (Megatron-LM #7452 row 2). Pass the full
+vocabulary size (``vocab_size=``, a Python int: no device work) and the call checks
+``V_local · W == vocab_size`` before any collective. Without it mc cannot tell: a
+``[..., V]`` tensor is a valid slice of a ``V·W`` vocabulary.
 """
 
 from __future__ import annotations
@@ -193,6 +201,30 @@ def _local_target(
     return (target - start).masked_fill(outside, 0), outside
 
 
+def _check_vocab_size(vocab_size: object, local: int, tp_size: int, what: str) -> None:
+    """``local · tp_size == vocab_size`` when ``vocab_size`` is given (ints only: no device
+    work), else an error naming gathered logits when they look gathered."""
+    if vocab_size is None:
+        return
+    full = check_int("vocab_size", vocab_size, minimum=1)
+    if local * tp_size == full:
+        return
+    if local == full and tp_size > 1:
+        raise InputValueError(
+            f"{what}: the logits' last dim is {local} = vocab_size, the whole vocabulary, but "
+            f"a vocabulary-parallel loss takes this rank's slice of {full} / {tp_size} classes: "
+            "the logits were gathered (gather_output=True, a colwise_gather_output head), and "
+            f"the loss would be the true loss + log({tp_size}) with no other sign. Pass the "
+            "head's split output (gather_output=False, 'colwise'), or use "
+            "torch.nn.functional.cross_entropy on gathered logits"
+        )
+    raise InputValueError(
+        f"{what}: the logits hold {local} classes on each of {tp_size} tensor-parallel ranks "
+        f"= {local * tp_size}, but vocab_size={full}; pass each rank's equal slice of the "
+        "vocabulary (the column-parallel head's output) and the model's vocabulary size"
+    )
+
+
 def _check(
     logits: object, target: object, label_smoothing: object, ignore_index: object
 ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
@@ -232,6 +264,7 @@ def vocab_parallel_cross_entropy(
     *,
     tp_group: dist.ProcessGroup | None = None,
     ignore_index: int | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy of vocabulary-split logits (see the module notes).
 
@@ -247,6 +280,9 @@ def vocab_parallel_cross_entropy(
             ``F.cross_entropy(..., reduction="none", ignore_index=)`` (mc addition; pass
             ``-100`` for torch's convention). None (the default): every target must lie in
             ``[0, V)``.
+        vocab_size: the whole vocabulary's size V (mc addition): when given, logits that
+            are not a ``V / TP`` slice (e.g. gathered ones, which would add log(TP) to the
+            loss silently) are a ``ValueError`` before any collective.
 
     Returns:
         ``[...]`` losses (fp32, or fp64 for fp64 logits), identical on every rank. The
@@ -254,13 +290,15 @@ def vocab_parallel_cross_entropy(
 
     Raises:
         ValueError: a target outside ``[0, V)`` that is not ``ignore_index`` (on CPU,
-            before any collective; on a device, an asynchronous device assert).
+            before any collective; on a device, an asynchronous device assert); logits that
+            are not a ``vocab_size / TP`` slice (before any collective).
         TensorParallelAgreementError: the ranks passed different vocabulary slices,
             targets, ``label_smoothing`` or ``ignore_index`` (every rank, after the MAX
             all-reduce; on a device, an asynchronous device assert).
     """
     x, t, ignore = _check(vocab_parallel_logits, target, label_smoothing, ignore_index)
     group = resolve_tp_group(tp_group, None, what="vocab_parallel_cross_entropy")
+    _check_vocab_size(vocab_size, x.shape[-1], int(group.size()), "vocab_parallel_cross_entropy")
     vocab = x.shape[-1] * int(group.size())
     fix = (
         "pass ignore_index=<that value> to skip those positions (as F.cross_entropy, whose "

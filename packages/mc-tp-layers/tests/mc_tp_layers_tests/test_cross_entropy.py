@@ -9,6 +9,7 @@ Targets cover every rank's range, including the first and last class.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -76,3 +77,56 @@ def test_bad_arguments() -> None:
         tpl.vocab_parallel_cross_entropy(logits, torch.zeros(2))
     with pytest.raises(ValueError, match=r"label_smoothing=1\.0 must be in \[0, 1\)"):
         tpl.vocab_parallel_cross_entropy(logits, torch.zeros(2, dtype=torch.long), 1.0)
+
+
+def _gathered(logits: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
+    """TP = 2: the full logits on both ranks (as a gathered head returns them), with and
+    without ``vocab_size``; this rank's slice with it; the causal-LM loss likewise."""
+    pgc = world(2)
+    out: dict[str, Any] = {}
+    try:
+        tp = pgc.require("tp", "test")
+        mine = chunk(logits, 2, tp.rank(), -1)
+        out["silent"] = tpl.vocab_parallel_cross_entropy(logits, target, tp_group=tp)
+        out["split"] = tpl.vocab_parallel_cross_entropy(mine, target, tp_group=tp, vocab_size=V)
+        calls: dict[str, Callable[[], object]] = {
+            "ce": lambda: tpl.vocab_parallel_cross_entropy(
+                logits, target, tp_group=tp, vocab_size=V
+            ),
+            "causal": lambda: tpl.vocab_parallel_causal_lm_loss(
+                logits.transpose(0, 1), target.transpose(0, 1), tp_group=tp, vocab_size=V
+            ),
+            "wrong_size": lambda: tpl.vocab_parallel_cross_entropy(
+                mine, target, tp_group=tp, vocab_size=V + 2
+            ),
+        }
+        for name, call in calls.items():
+            with mg.record_collectives() as log:
+                try:
+                    call()
+                except ValueError as err:
+                    out[name] = (str(err), len(log))
+        return out
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def test_gathered_logits_are_refused_when_the_vocabulary_size_is_known(
+    rank_pools: RankPools,
+) -> None:
+    """Megatron-LM #7452 row 2: gathered logits give the true loss + log(TP) silently;
+    with ``vocab_size`` the call refuses them before any collective."""
+    logits = 3 * randn(S, B, V, seed=3)
+    target = torch.tensor([[0, 7], [3, 4], [5, 1]])
+    ref = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), reduction="none")
+    for out in rank_pools.get(2).run(_gathered, logits, target):
+        assert_close(out["silent"], ref.reshape(S, B) + torch.log(torch.tensor(2.0)), "trap")
+        assert_close(out["split"], ref.reshape(S, B), "split logits with vocab_size")
+        for name in ("ce", "causal"):
+            text, collectives = out[name]
+            assert "the logits were gathered" in text, (name, text)
+            assert "loss + log(2)" in text
+            assert collectives == 0
+        assert out["wrong_size"][0].startswith(
+            "vocab_parallel_cross_entropy: the logits hold 4 classes on each of 2"
+        )

@@ -18,6 +18,7 @@ def vocab_parallel_causal_lm_loss(
     *,
     tp_group: dist.ProcessGroup,
     ignore_index: int = -100,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """``transformers``' causal-LM loss on logits split along the vocabulary.
 
@@ -32,6 +33,11 @@ def vocab_parallel_causal_lm_loss(
         labels: ``[b, s]`` token ids (usually the input ids), the same on every TP rank.
         tp_group: the group the head is split over (``pg_collection.tp``).
         ignore_index: labels equal to it are skipped.
+        vocab_size: the model's whole vocabulary (``model.config.vocab_size``): when given,
+            logits that are not a ``V / W`` slice are a ``ValueError`` before any collective.
+            Gathered logits (a ``colwise_gather_output`` head) would otherwise give the true
+            loss + log(W) with no error; without ``vocab_size`` that cannot be told apart
+            from a slice of a W times larger vocabulary.
     """
     logits = check_tensor("vocab_parallel_logits", vocab_parallel_logits)
     target = check_tensor("labels", labels)
@@ -42,7 +48,11 @@ def vocab_parallel_causal_lm_loss(
         )
     shifted = target[:, 1:]
     losses = vocab_parallel_cross_entropy(
-        logits[:, :-1].float(), shifted, tp_group=tp_group, ignore_index=ignore_index
+        logits[:, :-1].float(),
+        shifted,
+        tp_group=tp_group,
+        ignore_index=ignore_index,
+        vocab_size=vocab_size,
     )
     count = (shifted != ignore_index).sum().clamp(min=1)
     return losses.sum() / count

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any, cast
 
+from mc_groups.errors import InputValueError
 from mc_train.checkpoint._run_state import FORMAT, STATE_FILE, RunState
 
 __all__ = [
@@ -136,10 +137,10 @@ def verify(path: Path) -> RunState:
     try:
         manifest = json.loads((path / COMPLETE).read_text(encoding="utf-8"))
         if manifest["format"] != FORMAT:
-            raise ValueError(f"format {manifest['format']!r}, this version reads {FORMAT}")
+            raise InputValueError(f"format {manifest['format']!r}, this version reads {FORMAT}")
         files = cast(dict[str, dict[str, Any]], manifest["files"])
         if not all({"bytes", "sha256"} <= set(entry) for entry in files.values()):
-            raise ValueError("a file entry without bytes and sha256")
+            raise InputValueError("a file entry without bytes and sha256")
     except FileNotFoundError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as err:

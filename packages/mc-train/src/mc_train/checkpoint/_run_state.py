@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mc_groups.errors import InputValueError
+
 __all__ = ["FORMAT", "STATE_FILE", "RunState"]
 
 FORMAT = 2
@@ -45,7 +47,7 @@ class RunState:
         """Parse ``trainer.json``; ``ValueError`` when a field is missing or mistyped."""
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"not a format-{FORMAT} {STATE_FILE}")
+            raise InputValueError(f"not a format-{FORMAT} {STATE_FILE}")
         try:
             state = cls(
                 step=data["step"],
@@ -55,8 +57,8 @@ class RunState:
                 world_size=data["world_size"],
             )
         except KeyError as err:
-            raise ValueError(f"{STATE_FILE} has no {err}") from err
+            raise InputValueError(f"{STATE_FILE} has no {err}") from err
         ok = isinstance(state.step, int) and state.step >= 0 and isinstance(state.world_size, int)
         if not ok or not all(isinstance(x, dict) for x in (state.run, state.state, state.layout)):
-            raise ValueError(f"{STATE_FILE} has a field of the wrong type")
+            raise InputValueError(f"{STATE_FILE} has a field of the wrong type")
         return state
