@@ -3,7 +3,8 @@
 Every layout trains the same run (model, data and global batch do not depend on it):
 ``split_model`` cuts pipeline stages, ``parallelize`` converts each with the SP plan,
 ``build_pipeline`` runs them in mc DDP (distributed optimizer, ``finalize_model_grads``),
-``Checkpointer`` saves and resumes at any layout. Walk-through: ``docs/hf_3d.md``.
+``ShardedOptimizer`` clips the whole model's grad norm at 1.0, ``Checkpointer`` saves and
+resumes at any layout. Walk-through: ``docs/hf_3d.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from mc_train.checkpoint import Checkpointer, Resumed
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-VOCAB, SEQ, BATCH, LAYERS, KV_HEADS, LR, MOMENTUM = 64, 16, 8, 4, 4, 0.12, 0.9
+VOCAB, SEQ, BATCH, LAYERS, KV_HEADS, LR, MOMENTUM, CLIP = 64, 16, 8, 4, 4, 0.12, 0.9, 1.0
 CHUNKS = {"1f1b": 1, "gpipe": 1, "interleaved": 2}  # model chunks per pipeline rank
 SP_OFF = "note: --tp 1: sequence parallelism is off (it splits activations over the TP ranks)"
 
@@ -74,10 +75,12 @@ def check_layout(tp: int, pp: int, dp: int, schedule: str, world: int | None = N
 
 @dataclass
 class Run:
-    """Every step's loss (from step 1, a resumed run's history included), the weights of
-    this rank's stages (whole, original names) and what ``--resume`` found."""
+    """Every step's loss and grad norm before clipping (from step 1, a resumed run's
+    history included), the weights of this rank's stages (whole, original names) and what
+    ``--resume`` found."""
 
     losses: list[float]
+    grad_norms: list[float]
     weights: dict[str, torch.Tensor]
     resumed: Resumed | None = None
 
@@ -88,17 +91,19 @@ def sgd(params: Iterable[torch.nn.Parameter]) -> torch.optim.SGD:
 
 
 def reference(steps: int) -> Run:
-    """One process, plain PyTorch and ``transformers``' own loss on the whole global batch."""
+    """One process, plain PyTorch and ``transformers``' own loss on the whole global batch,
+    the grad norm clipped by ``torch.nn.utils.clip_grad_norm_``."""
     model = build_model()
     opt = sgd(model.parameters())
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         loss = model(input_ids=global_batch(step), labels=global_batch(step)).loss
         opt.zero_grad()
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         losses.append(loss.item())
-    return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return Run(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
 def train(args: argparse.Namespace) -> Run:
@@ -127,24 +132,29 @@ def train(args: argparse.Namespace) -> Run:
         schedule=args.schedule,
         forward=mc_train.HFCausalLMForward(sequence_parallel_size=tp),  # positions under SP
     )
-    opt = ShardedOptimizer(sgd(pipe.parameters()), pipe.chunks)  # its state sharded over DP
-    run = {"model": "examples.hf_3d", "lr": LR, "momentum": MOMENTUM}  # a resume must match
+    # The optimizer state sharded over DP; the whole model's grad norm clipped at CLIP.
+    opt = ShardedOptimizer(
+        sgd(pipe.parameters()), pipe.chunks, max_grad_norm=CLIP, pg_collection=pgc
+    )
+    run = {"model": "examples.hf_3d", "lr": LR, "momentum": MOMENTUM, "clip": CLIP}
     ckpt = Checkpointer(
         args.save_dir, pipe.chunks, opt, pg_collection=pgc, interval=args.save_every, run=run
     )
     resumed = ckpt.load(args.resume) if args.resume else None
-    losses: list[float] = list(resumed.state.get("losses", [])) if resumed else []
+    state: dict[str, list[float]] = resumed.state if resumed else {}
+    losses, norms = list(state.get("losses", [])), list(state.get("grad_norms", []))
     rows, dp_rank = BATCH // dp, mg.group_rank(pgc.require("dp", "data"))
     for step in range(len(losses), args.steps):
         ids = global_batch(step)[dp_rank * rows : (dp_rank + 1) * rows]  # this DP rank's rows
         losses.append(pipe.forward_backward(ids, mc_train.causal_targets(ids)))
-        opt.step()
+        norms.append(opt.step().grad_norm or 0.0)  # before clipping (None only unclipped)
         if args.save_dir is not None:
-            ckpt.save(step + 1, state={"losses": losses}, last=step + 1 == args.steps)
+            history = {"losses": losses, "grad_norms": norms}
+            ckpt.save(step + 1, state=history, last=step + 1 == args.steps)
     ensure_params_ready(pipe.parameters())  # the last step's overlapped param all-gather
     weights = {n: w for chunk in pipe.chunks for n, w in full_state_dict(chunk.module).items()}
     mg.destroy_model_parallel(pgc)
-    return Run(losses, weights, resumed)
+    return Run(losses, norms, weights, resumed)
 
 
 def parse_args(argv: list[str] | None = None, world: int | None = None) -> argparse.Namespace:
@@ -181,13 +191,19 @@ def main(argv: list[str] | None = None) -> None:
     if rank0:
         if run.resumed is not None and run.resumed.path is not None:
             print(f"resumed from {run.resumed.path} (step {run.resumed.step})")
-        ref = reference(len(run.losses)).losses
-        for step, (a, b) in enumerate(zip(run.losses, ref, strict=True), 1):
-            print(f"step {step}: loss {a:.6f}  one process {b:.6f}  rel {abs(a - b) / b:.1e}")
+        ref = reference(len(run.losses))
+        rows = zip(run.losses, ref.losses, run.grad_norms, ref.grad_norms, strict=True)
+        for step, (a, b, norm, ref_norm) in enumerate(rows, 1):
+            print(
+                f"step {step}: loss {a:.6f} (one process {b:.6f}, rel {abs(a - b) / b:.1e})  "
+                f"grad norm {norm:.4f} (one process {ref_norm:.4f})"
+            )
         if args.json:
             layout = {k: getattr(args, k) for k in ("tp", "pp", "dp", "schedule")}
+            result = {"layout": layout, "losses": run.losses, "grad_norms": run.grad_norms}
+            result |= {"reference": ref.losses, "reference_grad_norms": ref.grad_norms}
             with open(args.json, "w", encoding="utf-8") as out:
-                json.dump({"layout": layout, "losses": run.losses, "reference": ref}, out)
+                json.dump(result, out)
     dist.destroy_process_group()
 
 

@@ -83,6 +83,7 @@ def _train(argv: list[str]) -> dict[str, Any]:
         "pp_ranks": tuple(t + tp * (d + dp * i) for i in range(pp)),
         "first_of_tp_dp": t == d == 0,
         "losses": run.losses,
+        "grad_norms": run.grad_norms,
         "steps": steps[1:STEPS],  # steps 2..4
         "weights": run.weights,
         "resumed": None if run.resumed is None else (run.resumed.step, run.resumed.damaged),
@@ -143,13 +144,19 @@ def _check_collectives(argv: list[str], out: dict[str, Any]) -> None:
             assert max(grads) < last_send, log
 
 
+def _rel(values: list[float], ref: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(values, ref, strict=True))
+
+
 def _check_parity(
     argv: list[str], outs: list[dict[str, Any]], ref: hf_3d.Run
-) -> tuple[float, float]:
-    rel = max(
-        abs(a - b) / b for out in outs for a, b in zip(out["losses"], ref.losses, strict=True)
-    )
+) -> tuple[float, float, float]:
+    """Every rank's losses and grad norms within 1e-5 relative of one process, the merged
+    weights within 1e-6: (loss, norm, weights) differences."""
+    rel = max(_rel(out["losses"], ref.losses) for out in outs)
     assert rel <= 1e-5, (argv, rel)
+    norm = max(_rel(out["grad_norms"], ref.grad_norms) for out in outs)
+    assert norm <= 1e-5, (argv, norm)
     merged: dict[str, torch.Tensor] = {}
     for out in outs:
         if out["first_of_tp_dp"]:
@@ -157,15 +164,17 @@ def _check_parity(
     assert set(merged) == set(ref.weights), set(merged) ^ set(ref.weights)
     diff = max(float((merged[k] - w).abs().max()) for k, w in ref.weights.items())
     assert diff <= 1e-6, (argv, diff)
-    return rel, diff
+    return rel, norm, diff
 
 
 @pytest.fixture(scope="module")
 def ref() -> hf_3d.Run:
-    """The one-process run (4 steps); every tensor moves by at least 100x the bound."""
+    """The one-process run (4 steps): every tensor moves by at least 100x the bound, and
+    clipping at 1.0 acts (steps 2-4 have a norm above it)."""
     run = hf_3d.reference(STEPS)
     start = hf_3d.build_model().state_dict()
     assert min(float((w - start[k]).abs().max()) for k, w in run.weights.items()) >= 1e-4
+    assert min(run.grad_norms[1:]) > hf_3d.CLIP, run.grad_norms
     return run
 
 
@@ -181,10 +190,10 @@ def test_layout_matches_one_process(
     rank_pools: RankPools, ref: hf_3d.Run, world: int, argv: list[str]
 ) -> None:
     outs = [rank[0] for rank in rank_pools.get(world).run(train_grid, [argv])]
-    rel, diff = _check_parity(argv, outs, ref)
+    rel, norm, diff = _check_parity(argv, outs, ref)
     for out in outs:
         _check_collectives(argv, out)
-    print(f"{' '.join(argv)}: loss {rel:.1e}, weights {diff:.1e}")
+    print(f"{' '.join(argv)}: loss {rel:.2e}, grad norm {norm:.2e}, weights {diff:.2e}")
 
 
 def test_resume_across_layouts_past_a_damaged_checkpoint(
@@ -195,10 +204,10 @@ def test_resume_across_layouts_past_a_damaged_checkpoint(
     pool = rank_pools.get(4)
     saving = ["--tp", "2", "--pp", "2", "--schedule", "interleaved", "--save-dir", str(tmp_path)]
     outs = [rank[0] for rank in pool.run(train_grid, [[*saving, "--save-every", "2"]])]
-    rel, diff = _check_parity(saving, outs, ref)
+    rel, norm, diff = _check_parity(saving, outs, ref)
     for out in outs:
         _check_collectives(saving, out)
-    print(f"TP2xPP2 interleaved: loss {rel:.1e}, weights {diff:.1e}")
+    print(f"TP2xPP2 interleaved: loss {rel:.2e}, grad norm {norm:.2e}, weights {diff:.2e}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000004"]
     part = sorted((tmp_path / "step-00000004").glob("*.distcp"))[0]
     data = bytearray(part.read_bytes())
@@ -213,14 +222,13 @@ def test_resume_across_layouts_past_a_damaged_checkpoint(
         assert len(damaged) == 1, damaged
         assert damaged[0].startswith("step-00000004"), damaged
         assert out["losses"][:2] == outs[0]["losses"][:2]  # the checkpoint's history
+        assert out["grad_norms"][:2] == outs[0]["grad_norms"][:2]
     uninterrupted = outs[0]["losses"][2:]
-    again = max(
-        abs(a - b) / b
-        for out in resumed
-        for a, b in zip(out["losses"][2:], uninterrupted, strict=True)
-    )
+    again = max(_rel(out["losses"][2:], uninterrupted) for out in resumed)
     assert again <= 1e-6, again
-    _check_parity(resuming, resumed, ref)
+    again_norm = max(_rel(out["grad_norms"][2:], outs[0]["grad_norms"][2:]) for out in resumed)
+    assert again_norm <= 1e-6, again_norm
+    _, _, diff = _check_parity(resuming, resumed, ref)
     # Resumed without the momentum buffers, step 4 would move beyond the bound (one process):
     # the check above can fail.
     model = hf_3d.build_model()
@@ -232,18 +240,23 @@ def test_resume_across_layouts_past_a_damaged_checkpoint(
         loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), hf_3d.CLIP)
         opt.step()
     cold = abs(loss.item() - uninterrupted[-1]) / uninterrupted[-1]
     assert cold > 100 * 1e-6, cold
-    print(f"resumed at TP1xDP4 from step 2: {again:.1e} relative (cold optimizer: {cold:.1e})")
-    run = {"model": "examples.hf_3d", "lr": hf_3d.LR, "momentum": hf_3d.MOMENTUM}
+    print(
+        f"resumed at TP1xDP4 from step 2: loss {again:.2e}, grad norm {again_norm:.2e} of the "
+        f"uninterrupted run, weights {diff:.2e} (cold optimizer: {cold:.1e})"
+    )
+    run = {"model": "examples.hf_3d", "lr": hf_3d.LR, "momentum": hf_3d.MOMENTUM, "clip": 1.0}
     republished = inspect_checkpoint("auto", tmp_path, run)  # step 4, saved again, intact
     assert (republished.step, republished.damaged) == (4, ()), republished
 
 
 def test_torchrun_command_line(ref: hf_3d.Run, tmp_path: Path) -> None:
     """``torchrun -m examples.hf_3d --pp 2 --schedule gpipe --json``: the note on TP=1 once,
-    the JSON's losses within 1e-5 of one process and its reference losses equal to it."""
+    the JSON's losses and grad norms within 1e-5 of one process and its reference equal to
+    it."""
     out = tmp_path / "run.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     argv = [
@@ -268,8 +281,9 @@ def test_torchrun_command_line(ref: hf_3d.Run, tmp_path: Path) -> None:
     result = json.loads(out.read_text(encoding="utf-8"))
     assert result["layout"] == {"tp": 1, "pp": 2, "dp": 1, "schedule": "gpipe"}
     assert result["reference"] == ref.losses
-    rel = max(abs(a - b) / b for a, b in zip(result["losses"], ref.losses, strict=True))
-    assert rel <= 1e-5, rel
+    assert result["reference_grad_norms"] == ref.grad_norms
+    assert _rel(result["losses"], ref.losses) <= 1e-5, result
+    assert _rel(result["grad_norms"], ref.grad_norms) <= 1e-5, result
 
 
 @pytest.mark.parametrize(
