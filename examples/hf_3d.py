@@ -4,7 +4,8 @@ Every layout trains the same run (model, data and global batch do not depend on 
 ``split_model`` cuts pipeline stages, ``parallelize`` converts each with the SP plan,
 ``build_pipeline`` runs them in mc DDP (distributed optimizer, ``finalize_model_grads``),
 ``ShardedOptimizer`` clips the whole model's grad norm at 1.0, ``Checkpointer`` saves and
-resumes at any layout. Walk-through: ``docs/hf_3d.md``.
+resumes at any layout. Walk-through: ``docs/hf_3d.md``. Run it under torchrun:
+``torchrun --standalone --nproc-per-node 8 -m examples.hf_3d --tp 2 --pp 2 --dp 2``.
 """
 
 from __future__ import annotations
