@@ -35,7 +35,8 @@ attention and MLP all-gather the sequence on entry and reduce-scatter on exit, b
 (4 all-gathers and 4 reduce-scatters per block); the first stage's embedding all-reduces
 over TP (vocabulary-parallel) and scatters the sequence (its backward all-gathers); the
 last stage's LM head gathers the sequence (backward: a reduce-scatter) and the vocabulary;
-finalize sums the norms' grads over TP once per step.
+finalize sums the norms' grads over TP once per step. Clipping adds one all-reduce over the
+world per step (the norm and the step's checks).
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def _check_collectives(argv: list[str], out: dict[str, Any]) -> None:
         assert {r[1] for r in p2p} == {pp_ranks}
         embd = ("all_reduce", pp_ranks, "embedding grads")
         assert count[embd] == 1, log
+        # clipping: the whole model's norm (and the step's checks) in one world all-reduce
+        assert count["all_reduce", tuple(range(tp * pp * dp)), "grad norm and step status"] == 1
         if tp > 1:  # sequence parallelism (module notes)
             assert count["all_gather", tp_ranks, "tp gather dim 0"] == m * (
                 4 * blocks + first + last
