@@ -5,7 +5,8 @@ Localizes drift between the documentation and the command lines it prints: each 
 ``&&`` split, comments and variable assignments dropped) and checked against what runs it
 — a ``hatch run NAME`` names a script of hatch.toml or a program of the environment; the
 demo's flags go through the trainer's own parser and ``plan`` for the world size the line
-starts (torchrun's ``--nnodes`` × ``--nproc-per-node``, or ``MC_DEMO_NPROC``); the dry
+starts (torchrun's ``--nnodes`` × ``--nproc-per-node``, or ``MC_DEMO_NPROC``), and
+``examples.hf_3d``'s through its ``parse_args`` for that world size; the dry
 run's through its parser and ``spec_from_args``; a script path exists. A command of a kind
 this file does not know fails, so a new kind of documented command gets a check here.
 Running them end to end is the job of the tests each guide names (test_demo*.py,
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from examples import train_gpt
+from examples import hf_3d, train_gpt
 from examples.dry_run import cli as dry_run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +96,7 @@ def _check_demo(argv: list[str], world_size: int | None) -> None:
 
 def _check_torchrun(words: list[str], block: str) -> None:
     module = words.index("-m")
-    assert words[module + 1] == "examples.train_gpt", words
+    assert words[module + 1] in ("examples.train_gpt", "examples.hf_3d"), words
     launcher, argv = words[:module], words[module + 2 :]
     nodes = _option(launcher, "--nnodes") or "1"
     per_node = _option(launcher, "--nproc-per-node")
@@ -104,7 +105,10 @@ def _check_torchrun(words: list[str], block: str) -> None:
         nodes = sbatch[1] if sbatch else "?"
     world = int(nodes) * int(per_node) if nodes.isdigit() and per_node else None
     assert world is not None, f"no world size in {' '.join(words)}"
-    _check_demo(argv, world)
+    if words[module + 1] == "examples.hf_3d":
+        hf_3d.parse_args(argv, world)  # exits 2 naming the flag
+    else:
+        _check_demo(argv, world)
 
 
 def _check(command: str, block: str, scripts: set[str]) -> None:
@@ -166,6 +170,8 @@ def test_a_bad_documented_command_would_fail() -> None:
         _check("hatch run no-such-script", "", _scripts())
     with pytest.raises(ValueError):
         _check("python -m examples.dry_run --world-size 4000 --tp 8 --pp 8", "", _scripts())
+    with pytest.raises(SystemExit):  # 4 ranks started for TP=2 × PP=2 × DP=2
+        _check("torchrun --nproc-per-node 4 -m examples.hf_3d --tp 2 --pp 2 --dp 2", "", set())
 
 
 @pytest.mark.skipif(shutil.which("awk") is None, reason="awk is not installed (.ci/run uses it)")

@@ -3,7 +3,7 @@ r"""The pipeline schedules mc offers, what each can run, and how many forwards i
 Three of ``torch.distributed.pipelining``'s schedules::
 
     name           torch class               chunks per rank   micro-batches M (P stages)
-    "1f1b"         Schedule1F1B              1                 M >= P
+    "1f1b"         Schedule1F1B              1                 M >= P (P = 1 too)
     "gpipe"        ScheduleGPipe             1                 any M >= 1
     "interleaved"  ScheduleInterleaved1F1B   V >= 2            M >= P and P | M
 
@@ -15,6 +15,10 @@ grads would never be reduced); ``ScheduleLoopedBFS`` runs every micro-batch of a
 before the next chunk, which is not offered either (no test holds it). With fewer
 micro-batches than stages the 1F1B schedules cannot fill the pipeline (torch refuses it
 too); the interleaved schedule runs micro-batches in rounds of ``P``.
+
+Without a pipeline (``P = 1``) ``"1f1b"`` runs one stage, the whole model: each
+micro-batch's forward and backward in turn, grads accumulating until the last
+(Megatron's ``forward_backward_no_pipelining``), so one training loop serves every layout.
 
 In flight: the chunk-forwards whose backward has not run yet, at the peak of a step, on
 pipeline stage ``p`` (:func:`in_flight_forwards`; measured by :class:`InFlight`)::
@@ -68,10 +72,10 @@ def check_schedule(schedule: str, *, pp: int, chunks: int, microbatches: int) ->
     check_int("pp", pp, minimum=1)
     check_int("chunks", chunks, minimum=1)
     m = check_int("microbatches", microbatches, minimum=1)
-    if pp < 2:
+    if pp < 2 and schedule != "1f1b":
         raise InputValueError(
-            f"schedule={schedule!r} needs pp >= 2 pipeline ranks (got pp={pp}); without "
-            "pipeline stages train the model directly"
+            f"schedule={schedule!r} needs pp >= 2 pipeline ranks (got pp={pp}); use '1f1b', "
+            "which on one stage runs the micro-batches one after another"
         )
     if schedule == "interleaved" and chunks < 2:
         raise InputValueError(

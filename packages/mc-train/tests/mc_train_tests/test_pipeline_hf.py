@@ -158,3 +158,52 @@ def test_transformers_llama_pipeline_matches_one_process(rank_pools: RankPools) 
     per_rank = rank_pools.get(2).run(train_cases, CASES)
     for i, case in enumerate(CASES):
         _check(case, [rank[i] for rank in per_rank])
+
+
+def train_one_stage() -> dict[str, Any]:
+    """Runs on both ranks: PP=1 × DP=2, the whole model one stage (1F1B on one stage)."""
+    torch.set_num_threads(1)
+    pgc = mg.initialize_model_parallel()
+    try:
+        model = _hf.build(tie=True)
+        pipe = build_pipeline(
+            split_model(model, decoder_stages(model, 1), pgc),
+            config=mg.ModelParallelConfig(),
+            ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
+            pg_collection=pgc,
+            microbatches=2,
+            loss_fn=token_cross_entropy(),
+            forward=hf_causal_lm_forward,
+        )
+        opt = ShardedOptimizer(torch.optim.SGD(pipe.parameters(), lr=0.5), pipe.chunks)
+        dp = mg.group_rank(pgc.require("dp", "test"))
+        losses, logs = [], []
+        for step in range(STEPS):
+            ids = _hf.batch(step)[dp * 4 : dp * 4 + 4]
+            with mg.record_collectives() as log:
+                losses.append(pipe.forward_backward(ids, _hf.targets(ids)))
+            opt.step()
+            logs.append([r.label for r in log])
+        weights = {k: v.detach().clone() for k, v in pipe.chunks[0].module.state_dict().items()}
+        return {"losses": losses, "logs": logs, "peak": pipe.in_flight.peak, "weights": weights}
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def test_one_stage_runs_the_micro_batches_in_turn(rank_pools: RankPools) -> None:
+    """PP=1 (Megatron's ``forward_backward_no_pipelining``): ``schedule="1f1b"`` on one stage
+    runs the micro-batches one after another (one forward in flight), accumulates their
+    grads and reduces them once over DP; no P2P; the same losses and weights as one
+    process on the whole batch (tied embeddings in one module)."""
+    ref = _hf.reference(tie=True, steps=STEPS)
+    outs = rank_pools.get(2).run(train_one_stage)
+    for out in outs:
+        rel = max(abs(a - b) / b for a, b in zip(out["losses"], ref.losses, strict=True))
+        assert rel <= 1e-5, rel
+        diff = max(float((out["weights"][k] - w).abs().max()) for k, w in ref.weights.items())
+        assert diff <= 1e-6, diff
+        assert out["peak"] == in_flight_forwards("1f1b", 0, 1, 2, 1) == 1
+        for labels in out["logs"][1:]:
+            assert not {"activation", "activation grad", "embedding grads"} & set(labels), labels
+            assert sum(label.startswith("grad reduce") for label in labels) == 1, labels
+    print(f"PP=1 x DP=2: loss {rel:.1e}, weights {diff:.1e}")

@@ -28,7 +28,7 @@ from mc_train import (
         ("DualPipeV", 2, 2, 4, "(ScheduleDualPipeV) is not offered"),
         ("interleaved_zero_bubble", 2, 2, 4, "(ScheduleInterleavedZeroBubble) is not offered"),
         ("looped_bfs", 2, 1, 4, "is not one of 1f1b, gpipe, interleaved"),
-        ("1f1b", 1, 1, 4, "needs pp >= 2 pipeline ranks (got pp=1)"),
+        ("gpipe", 1, 1, 4, "needs pp >= 2 pipeline ranks (got pp=1); use '1f1b'"),
         ("1f1b", 4, 1, 2, "microbatches=2 < pp=4: the 1f1b schedule fills every stage"),
         ("interleaved", 2, 2, 3, "microbatches=3 is not a multiple of pp=2"),
         ("interleaved", 2, 1, 4, "runs several chunks per rank (got 1)"),
@@ -46,6 +46,7 @@ def test_check_schedule_refuses_with_the_fix(
 def test_check_schedule_accepts_what_runs() -> None:
     check_schedule("gpipe", pp=4, chunks=1, microbatches=1)  # GPipe needs no full pipeline
     check_schedule("1f1b", pp=2, chunks=1, microbatches=2)
+    check_schedule("1f1b", pp=1, chunks=1, microbatches=3)  # no pipeline: one stage
     check_schedule("interleaved", pp=2, chunks=3, microbatches=6)
     with pytest.raises(InputTypeError, match=r"microbatches=2\.0 must be an int"):
         check_schedule("1f1b", pp=2, chunks=1, microbatches=2.0)  # type: ignore[arg-type]
