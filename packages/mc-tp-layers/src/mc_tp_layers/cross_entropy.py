@@ -35,6 +35,11 @@ disagreement makes every rank exchange the four values (only then) and raise the
 device it is an asynchronous device assert. Not checked: the logits' values (they differ by
 design), and that the slices are in rank order (a permuted group gives a permuted
 vocabulary).
+
+**Under torch.compile** both checks take their device form on every device
+(``torch._assert_async`` in the graph: on CPU a ``RuntimeError`` naming the check when the
+compiled code runs, before the loss is returned), so the function traces without a graph
+break; its two all-reduces are functional collectives (:mod:`mc_groups.traceable`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups import traceable
 from mc_groups.argcheck import check_int, check_tensor
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers._autograd import apply
@@ -76,7 +82,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = z.exp()
         sums = torch.stack([picked, exp.sum(dim=-1), z.sum(dim=-1)], dim=-1)
         if group.size() > 1:
-            mg.all_reduce(sums, group, label="tp cross-entropy sums")
+            sums = traceable.all_reduce_tensor(
+                sums, group, label="tp cross-entropy sums", inplace=True
+            )
         picked, sum_exp, sum_z = sums.unbind(-1)
         vocab = z.shape[-1] * group.size()
         log_z = sum_exp.log()
@@ -133,11 +141,13 @@ def _global_max(
         return local
     probe = _probe(x, *args)
     payload = torch.cat([local.reshape(-1), probe, -probe])
-    mg.all_reduce(payload, group, op=mg.ReduceOp.MAX, label="tp cross-entropy max")
+    payload = traceable.all_reduce_tensor(
+        payload, group, op=mg.ReduceOp.MAX, label="tp cross-entropy max", inplace=True
+    )
     count, width = local.numel(), probe.numel()
     highest, lowest = payload[count : count + width], -payload[count + width :]
     agreed = (highest == lowest).all()
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(
             agreed,
             "vocab_parallel_cross_entropy: the ranks of the tensor-parallel group disagree "
