@@ -53,6 +53,7 @@ from mc_ddp.param_ready import (
     BackwardPostHook,
     ForwardPreHook,
     _BucketParamReadyCallback,
+    is_compiled_wrapper,
 )
 from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
@@ -174,6 +175,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             checks.check_ddp_config(ddp_config)
             named = checks.trainable_params(module)
             checks.check_param_flags(named)
+            checks.check_compiled_modules(module, ddp_config)
             single = check_flag("disable_bucketing", disable_bucketing)
             experts = sum(is_expert_parallel_param(p) for _, p in named)
             pgc = mg.collection_or_default(pg_collection, "DistributedDataParallel")
@@ -336,7 +338,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
 
     def _on_module_forward(self, module: torch.nn.Module) -> None:
         done: set[int] = set()
-        for param in module.parameters(recurse=False):
+        # a torch.compile wrapper: its block's own pre-hooks do nothing inside the graph
+        for param in module.parameters(recurse=is_compiled_wrapper(module)):
             group = self.param_to_bucket_group.get(param)
             if group is None or id(group) in done:
                 continue

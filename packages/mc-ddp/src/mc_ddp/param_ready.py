@@ -123,14 +123,27 @@ class BackwardPostHook:
         ddp._on_grad_ready(self._param)
 
 
+def is_compiled_wrapper(module: torch.nn.Module) -> bool:
+    """``module`` is the module ``torch.compile(m)`` returned (it holds ``m`` as
+    ``_orig_mod``): its own hooks run outside the compiled graph, around all of ``m``."""
+    return isinstance(getattr(module, "_orig_mod", None), torch.nn.Module)
+
+
 class ForwardPreHook:
     """Runs before a submodule's forward: its DDP waits for the all-gather of the module's
-    params (dispatching it and chaining the next one as configured)."""
+    params (dispatching it and chaining the next one as configured).
+
+    Inside a module compiled with ``torch.compile(block)`` the hook is traced into the
+    block's graph, where it does nothing: the hook on the compiled wrapper (outside the
+    graph) already waited for every param of the block.
+    """
 
     def __init__(self, ddp: _ParamSyncOwner) -> None:
         self._ddp: weakref.ref[_ParamSyncOwner] = weakref.ref(ddp)
 
     def __call__(self, module: torch.nn.Module, *unused: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         ddp = self._ddp()
         if ddp is None or is_graph_capturing():
             return
