@@ -22,6 +22,7 @@ SUM and MAX, gather, reduce-scatter, all-to-all) eagerly and compiled with
 from __future__ import annotations
 
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -71,8 +72,8 @@ def _compiled_run() -> dict[str, Any]:
     import torch._inductor.config as inductor_config  # noqa: PLC0415
 
     inductor_config.compile_threads = 1  # no compile workers in a 2-core rank process
-    group = dist.group.WORLD
-    assert group is not None
+    # a long timeout: a rank waits in the first compiled collective while its peer compiles
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=300))
     x = _inputs(dist.get_rank())
     with mg.record_collectives() as eager_log:
         eager = _every_op(x, group)
@@ -139,7 +140,7 @@ def _expected_for_rank(rank: int) -> dict[str, torch.Tensor]:
 def test_eager_and_compiled_collectives_match_by_hand_and_record_alike(
     rank_pools: RankPools,
 ) -> None:
-    results = rank_pools.get(2).run(_compiled_run)
+    results = rank_pools.get(2).run_with_deadline(600.0, _compiled_run)
     common = _expected()
     for rank, res in enumerate(results):
         wanted = {**common, **_expected_for_rank(rank)}

@@ -24,6 +24,7 @@ compiled step runs). And a check that fails on one rank only at a fresh layer's 
 from __future__ import annotations
 
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -33,9 +34,11 @@ import torch.nn.functional as F
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
-from mc_tp_layers_tests._helpers import assert_close, config, grad, main_grad, randn, world
+from mc_tp_layers_tests._helpers import assert_close, config, grad, main_grad, randn
 
 S, B, H, V = 8, 2, 16, 32  # sequence, batch, hidden, vocabulary
+COMPILE_TIMEOUT = timedelta(seconds=300)
+DEADLINE_S = 600.0
 
 
 def _key(record: mg.CollectiveRecord) -> tuple[Any, ...]:
@@ -96,7 +99,7 @@ def _step(
 
 
 def _compare(
-    build: Any, inputs: tuple[torch.Tensor, ...], call: Any = None
+    build: Any, inputs: tuple[torch.Tensor, ...], call: Any = None, backend: str = "inductor"
 ) -> dict[str, Any]:
     """Eager and compiled copies of ``build()``: the case's measurements."""
     eager_module, compiled_module = build(), build()
@@ -106,7 +109,7 @@ def _compare(
     torch._dynamo.reset()
     eager_inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
     compiled_inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
-    compiled_fn = torch.compile(plain, fullgraph=True)
+    compiled_fn = torch.compile(plain, fullgraph=True, backend=backend)
     compiled, compiled_log, flags = _step(compiled_fn, compiled_module, compiled_inputs)
     eager, eager_log, eager_flags = _step(eager_fn, eager_module, eager_inputs)
     return {
@@ -167,7 +170,7 @@ def _lm_case(pgc: mg.ProcessGroupCollection) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(0, V, (B, S), generator=generator)
     target = torch.randint(0, V, (B, S), generator=generator)
-    result = _compare(lambda: _LM(cfg, pgc), (ids, target), _lm_loss)
+    result = _compare(lambda: _LM(cfg, pgc), (ids, target), _lm_loss, backend="aot_eager")
     compiled_fn = result.pop("compiled fn")
     refusals = []
     for bad_ids, bad_target in ((ids.clone().fill_(V), target), (ids, target.clone().fill_(-1))):
@@ -196,7 +199,8 @@ def _one_rank_fails(pgc: mg.ProcessGroupCollection) -> str:
 
 def _cases(which: str) -> dict[str, Any]:
     _quiet_inductor()
-    pgc = world(2)
+    # a long timeout: a rank waits in the first compiled collective while its peer compiles
+    pgc = mg.initialize_model_parallel(tensor_model_parallel_size=2, timeout=COMPILE_TIMEOUT)
     try:
         if which == "mlp":
             return {"sp off": _mlp_case(pgc, False), "sp on": _mlp_case(pgc, True)}
@@ -218,7 +222,7 @@ def _check(case: dict[str, Any], what: str) -> None:
 
 
 def test_column_row_mlp_compiles_whole_sp_off_and_on(rank_pools: RankPools) -> None:
-    for rank, res in enumerate(rank_pools.get(2).run(_cases, "mlp")):
+    for rank, res in enumerate(rank_pools.get(2).run_with_deadline(DEADLINE_S, _cases, "mlp")):
         _check(res["sp off"], f"rank {rank} SP off")
         _check(res["sp on"], f"rank {rank} SP on")
         ops = Counter(key[0] for key in res["sp off"]["eager log"])
@@ -228,7 +232,7 @@ def test_column_row_mlp_compiles_whole_sp_off_and_on(rank_pools: RankPools) -> N
 
 
 def test_embedding_and_vocab_parallel_loss_compile_whole(rank_pools: RankPools) -> None:
-    for rank, res in enumerate(rank_pools.get(2).run(_cases, "lm")):
+    for rank, res in enumerate(rank_pools.get(2).run_with_deadline(DEADLINE_S, _cases, "lm")):
         _check(res["lm"], f"rank {rank} embedding + loss")
         ops = Counter((key[0], key[1]) for key in res["lm"]["eager log"])
         # embedding sum, cross-entropy max and sums, the head's dgrad
