@@ -4,8 +4,8 @@ DDP over a model whose blocks are compiled; 2 gloo ranks, one world.
 **Llama** (``examples.hf_llama.build_model``, TP = 2, sequence parallelism off with the
 model's own ``tp_plan``, on with ``sequence_parallel_plan``), compiled two ways: a decoder
 layer ``torch.compile(layer, fullgraph=True)`` (torchtitan's way; layer 1, the others run
-eagerly) and the whole model. Against the same model run eagerly (same weights, same batch), one step
-(``model(ids, labels=ids).loss.backward()``):
+eagerly) and the whole model. Against the same model run eagerly (same weights, same
+batch), one step (``model(ids, labels=ids).loss.backward()``):
 
 - ``torch._dynamo.explain`` counts 0 graph breaks and one graph (the decoder layer; the
   whole model);
@@ -134,14 +134,16 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def test_parallelized_llama_compiles(rank_pools: RankPools, how: str, sp: bool) -> None:
     case = f"{how} sp={sp}"
     for got in rank_pools.get(2).run_with_deadline(DEADLINE_S, _llama_case, sp, how):
-        assert got["breaks"] == 0 and got["graphs"] == 1, case
+        assert got["breaks"] == 0, case
+        assert got["graphs"] == 1, case
         loss, eager_loss = got["loss"]
         assert abs(loss - eager_loss) <= RTOL * abs(eager_loss), case
         grads, eager_grads = got["grads"]
         worst = max(_close(a, b) for a, b in zip(grads, eager_grads, strict=True))
         assert worst <= RTOL, (case, worst)
         log, eager_log = got["log"]
-        assert eager_log and Counter(log) == Counter(eager_log), case
+        assert eager_log, case
+        assert Counter(log) == Counter(eager_log), case
         flags, eager_flags = got["flags"]
         assert not any(eager_flags), case
         # layer 1, SP off: q, k, v and gate, up dgrad all-reduces, o_proj and down_proj
@@ -186,10 +188,12 @@ def _ddp_run(compiled: bool) -> dict[str, Any]:
     try:
         cfg = mg.ModelParallelConfig(use_cpu_initialization=True, gradient_accumulation_fusion=True)
         torch.manual_seed(0)
-        blocks: list[torch.nn.Module] = [_Block(cfg, pgc) for _ in range(2)]
-        first_weight = blocks[0].up.weight
+        plain = [_Block(cfg, pgc) for _ in range(2)]
+        first_weight = plain[0].up.weight
+        assert first_weight is not None
+        blocks: list[Any] = list(plain)
         if compiled:
-            blocks = [torch.compile(b, fullgraph=True, backend=BACKEND) for b in blocks]
+            blocks = [torch.compile(b, fullgraph=True, backend=BACKEND) for b in plain]
         ddp_cfg = DistributedDataParallelConfig(
             use_distributed_optimizer=True,
             overlap_grad_reduce=True,
@@ -205,7 +209,8 @@ def _ddp_run(compiled: bool) -> dict[str, Any]:
             ddp.zero_grad_buffer()
             with mg.record_collectives() as log:
                 loss = ddp(x).pow(2).mean()
-                seen = first_weight.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                hook: Any = first_weight.register_post_accumulate_grad_hook
+                seen = hook(
                     lambda _p, log=log: overlap.append(sum(r.op == "reduce_scatter" for r in log))
                 )
                 loss.backward()
@@ -266,5 +271,7 @@ def test_ddp_over_compiled_blocks_matches_eager(rank_pools: RankPools) -> None:
             assert Counter(a) == Counter(b)
             assert Counter(k[0] for k in b) == Counter({"all_gather": 2, "reduce_scatter": 2})
         # steps 2 and 3: block 1's bucket was reduce-scattered before block 0's grad was ready
-        assert eager["overlap"][1:] == [1, 1] and compiled["overlap"] == eager["overlap"]
-        assert "compiled in place" in res["in place"] and "'0'" in res["in place"]
+        assert eager["overlap"][1:] == [1, 1]
+        assert compiled["overlap"] == eager["overlap"]
+        assert "compiled in place" in res["in place"]
+        assert "'0'" in res["in place"]

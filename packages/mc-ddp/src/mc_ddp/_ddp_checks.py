@@ -86,7 +86,9 @@ def find_wgrad_hook_owner(module: torch.nn.Module, param: Param, name: str) -> t
     )
 
 
-def check_compiled_modules(module: torch.nn.Module, ddp_config: DistributedDataParallelConfig) -> None:
+def check_compiled_modules(
+    module: torch.nn.Module, ddp_config: DistributedDataParallelConfig
+) -> None:
     """With ``overlap_param_gather`` (distributed optimizer), no module compiled in place.
 
     DDP waits for a module's param all-gather in a forward pre-hook. A module compiled with

@@ -18,6 +18,8 @@ records nothing and skips the schedule check, which the docs state.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -35,7 +37,8 @@ def _issued(
     input: torch.Tensor, op: str, reduce_op: str, group_name: str, async_op: bool, label: str
 ) -> None:
     """At run time, before the compiled collective: the schedule check, then the record."""
-    group = dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[attr-defined]
+    resolve: Any = getattr(dist.distributed_c10d, "_resolve_process_group")  # noqa: B009
+    group: dist.ProcessGroup = resolve(group_name)
     reduce = ReduceOp(reduce_op) if reduce_op else None
     check_schedule(op, group, input, reduce_op=reduce, label=label)
     record(op, group, input, reduce_op=reduce, async_op=async_op, label=label, compiled=True)
@@ -54,9 +57,9 @@ def _define() -> tuple[torch.library.Library | None, bool]:
         return None, False
     if register_effect is None:
         return None, False
-    lib = torch.library.Library("mc_groups", "DEF")  # noqa: TOR901 (an op namespace of mc)
-    lib.define(_SCHEMA)
-    lib.impl("collective", _issued, "CompositeExplicitAutograd")
+    lib = torch.library.Library("mc_groups", "DEF")  # type: ignore[no-untyped-call]
+    lib.define(_SCHEMA)  # type: ignore[no-untyped-call]
+    lib.impl("collective", _issued, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
     torch.library.register_fake("mc_groups::collective", _traced, lib=lib)
     register_effect("mc_groups::collective", EffectType.ORDERED)
     return lib, True
@@ -75,6 +78,5 @@ def tap(
 ) -> None:
     """While tracing: put the op into the graph before the collective on ``input``."""
     if _TAPPED:
-        torch.ops.mc_groups.collective(
-            input, op, "" if reduce_op is None else reduce_op.value, group.group_name, async_op, label
-        )
+        reduce = "" if reduce_op is None else reduce_op.value
+        torch.ops.mc_groups.collective(input, op, reduce, group.group_name, async_op, label)

@@ -223,12 +223,12 @@ def _traced_all_to_all(
     _compiled.tap(flat, "all_to_all", None, g, False, label)
     row = flat.numel() // _rows(x) if _rows(x) else 0
     even = [_rows(x) // size] * size
-    out_rows = (even if outs is None else outs)
-    in_rows = (even if ins is None else ins)
+    out_rows = even if outs is None else outs
+    in_rows = even if ins is None else ins
     out = torch.ops._c10d_functional.all_to_all_single(
         flat, [n * row for n in out_rows], [n * row for n in in_rows], g.group_name
     )
-    done = torch.ops._c10d_functional.wait_tensor(out)
+    done: torch.Tensor = torch.ops._c10d_functional.wait_tensor(out)
     return done.view(sum(out_rows), *x.shape[1:])
 
 

@@ -22,6 +22,7 @@ SUM and MAX, gather, reduce-scatter, all-to-all) eagerly and compiled with
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -69,7 +70,7 @@ def _key(record: mg.CollectiveRecord) -> tuple[Any, ...]:
 
 
 def _compiled_run() -> dict[str, Any]:
-    import torch._inductor.config as inductor_config  # noqa: PLC0415
+    import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = 1  # no compile workers in a 2-core rank process
     # a long timeout: a rank waits in the first compiled collective while its peer compiles
@@ -147,12 +148,15 @@ def test_eager_and_compiled_collectives_match_by_hand_and_record_alike(
         for mode in ("eager", "compiled"):
             for name, value in wanted.items():
                 assert torch.equal(res[mode][name], value), f"rank {rank} {mode} {name}"
-        assert res["breaks"] == 0 and res["graphs"] == 1
+        assert res["breaks"] == 0
+        assert res["graphs"] == 1
         assert res["first call records"] == 7  # tracing and compiling record nothing
         assert len(res["eager records"]) == 7
         assert Counter(res["compiled records"]) == Counter(res["eager records"])
-        assert all(res["compiled flags"]) and not any(res["eager flags"])
-        assert "rank 0" in res["mismatch"] and "rank 1" in res["mismatch"], res["mismatch"]
+        assert all(res["compiled flags"])
+        assert not any(res["eager flags"])
+        assert "rank 0" in res["mismatch"], res["mismatch"]
+        assert "rank 1" in res["mismatch"], res["mismatch"]
 
 
 def _eager_details() -> dict[str, Any]:
@@ -172,14 +176,15 @@ def _eager_details() -> dict[str, Any]:
         traceable.start_all_reduce(kept, solo).wait() is kept,
     ]
     errors = []
-    for call in (
+    calls: tuple[Callable[[], object], ...] = (
         lambda: traceable.all_reduce_tensor(kept, None),  # type: ignore[arg-type]
         lambda: traceable.all_reduce_tensor([1.0], group),  # type: ignore[arg-type]
         lambda: traceable.reduce_scatter_tensor(torch.ones(3), group),
         lambda: traceable.all_to_all_tensor(kept, group, input_split_sizes=[1, 1]),
         lambda: traceable.all_to_all_tensor(kept, group, output_split_sizes=[4]),
         lambda: traceable.all_reduce_tensor(kept, group, inplace=1),  # type: ignore[arg-type]
-    ):
+    )
+    for call in calls:
         with mg.record_collectives() as log:
             try:
                 call()
@@ -200,7 +205,8 @@ def test_eager_inplace_one_rank_groups_and_bad_inputs(rank_pools: RankPools) -> 
     results = rank_pools.get(2).run(_eager_details)
     total = _inputs(0) + _inputs(1)
     for res in results:
-        assert res["untouched"] and res["reused"]
+        assert res["untouched"]
+        assert res["reused"]
         assert torch.equal(res["value"], total)
         assert all(res["one rank"])
         kinds = [e.split(":")[0] for e in res["errors"]]

@@ -5,9 +5,9 @@ Every collective goes through :mod:`mc_groups.traceable` (recorded, bounded, and
 role): mc's in-place collectives in eager mode, torch's functional collectives while
 ``torch.compile`` traces, so the mappings and linear functions compile without graph
 breaks. torch's flat collectives work on dim 0, so last-dim gathers and scatters move the
-rank axis to dim 0 locally. gloo cannot all-gather or reduce-scatter uneven sizes, so uneven splits along dim 0
-are padded to the largest split and sliced afterwards. A group of one rank returns its
-input unchanged and communicates nothing.
+rank axis to dim 0 locally. gloo cannot all-gather or reduce-scatter uneven sizes, so
+uneven splits along dim 0 are padded to the largest split and sliced afterwards. A group
+of one rank returns its input unchanged and communicates nothing.
 """
 
 from __future__ import annotations

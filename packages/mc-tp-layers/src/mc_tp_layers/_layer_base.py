@@ -15,7 +15,7 @@ weight initialisation in :mod:`.initialization`, the shape checks in :mod:`._val
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -145,11 +145,11 @@ class _TracedCheckFailed(Exception):
     """This rank's first-forward check failed while tracing (its own error follows)."""
 
 
-@torch.compiler.assume_constant_result
-def _first_forward_at_trace(
+def _first_forward_exchanges(
     entry: agreement.LayerFingerprint, where: str, failure: str | None
 ) -> bool:
-    """A layer's first-forward exchanges, run natively while Dynamo traces the layer.
+    """A layer's first-forward exchanges, run natively while Dynamo traces the layer
+    (as ``_first_forward_at_trace``).
 
     ``torch.compiler.assume_constant_result``: Dynamo calls this function as plain Python
     when it meets it and keeps only its (constant) result, so the exchanges happen once,
@@ -175,6 +175,11 @@ def _first_forward_at_trace(
         agreement.settle(entry)
     entry.first_forward_done = failure is None
     return failure is None
+
+
+_first_forward_at_trace: Callable[[agreement.LayerFingerprint, str, str | None], bool] = (
+    torch.compiler.assume_constant_result(_first_forward_exchanges)  # type: ignore[no-untyped-call]
+)
 
 
 class TensorParallelModule(torch.nn.Module):

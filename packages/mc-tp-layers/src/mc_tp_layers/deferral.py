@@ -25,7 +25,6 @@ from mc_tp_layers._groups import resolve_tp_group
 __all__ = ["drain_embedding_wgrad_compute"]
 
 
-
 def _check(
     config: object,
     activations: object,

@@ -54,7 +54,7 @@ def _key(record: mg.CollectiveRecord) -> tuple[Any, ...]:
 
 
 def _quiet_inductor() -> None:
-    import torch._inductor.config as inductor_config  # noqa: PLC0415
+    import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = 1  # no compile workers in a 2-core rank process
 
@@ -154,7 +154,11 @@ class _LM(torch.nn.Module):
             V, H, init_method=torch.nn.init.normal_, config=cfg, pg_collection=pgc
         )
         self.head = tpl.ColumnParallelLinear(
-            H, V, config=cfg, init_method=torch.nn.init.xavier_normal_, bias=False,
+            H,
+            V,
+            config=cfg,
+            init_method=torch.nn.init.xavier_normal_,
+            bias=False,
             pg_collection=pgc,
         )
 
@@ -211,14 +215,16 @@ def _cases(which: str) -> dict[str, Any]:
 
 
 def _check(case: dict[str, Any], what: str) -> None:
-    assert case["breaks"] == 0 and case["graphs"] == 1, what
+    assert case["breaks"] == 0, what
+    assert case["graphs"] == 1, what
     assert case["eager"].keys() == case["compiled"].keys()
     for name, value in case["eager"].items():
         assert_close(case["compiled"][name], value, f"{what}: {name}")
     assert case["eager log"], what
     assert Counter(case["compiled log"]) == Counter(case["eager log"]), what
     compiled_flags, eager_flags = case["flags"]
-    assert all(compiled_flags) and not any(eager_flags), what
+    assert all(compiled_flags), what
+    assert not any(eager_flags), what
 
 
 def test_column_row_mlp_compiles_whole_sp_off_and_on(rank_pools: RankPools) -> None:
@@ -242,6 +248,8 @@ def test_embedding_and_vocab_parallel_loss_compile_whole(rank_pools: RankPools) 
         assert "class index(es) outside [0, 32)" in bad_target
         failed = res["one rank fails"]
         if rank == 1:
-            assert "input_" in failed and f"{H + 1}" in failed, failed
+            assert "input_" in failed, failed
+            assert f"{H + 1}" in failed, failed
         else:
-            assert "PeerCheckError" in failed and "rank(s) [1]" in failed, failed
+            assert "PeerCheckError" in failed, failed
+            assert "rank(s) [1]" in failed, failed
