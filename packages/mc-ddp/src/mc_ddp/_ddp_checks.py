@@ -91,11 +91,11 @@ def check_compiled_modules(
 ) -> None:
     """With ``overlap_param_gather`` (distributed optimizer), no module compiled in place.
 
-    DDP waits for a module's param all-gather in a forward pre-hook. A module compiled with
-    ``torch.compile(block)`` is a wrapper whose pre-hook runs outside the graph and waits
-    for the whole block; one compiled in place (``block.compile()``) runs its own hooks
-    inside the graph, where nothing can wait for a gather, so its params would be read
-    before they arrived.
+    DDP waits for a module's param all-gather in a forward pre-hook. A block compiled with
+    ``torch.compile(block)`` (a wrapper) or ``block.forward = torch.compile(block.forward)``
+    keeps its own pre-hook outside the graph, which waits for the whole block; one compiled
+    in place (``block.compile()``) runs its own hooks inside the graph, where nothing can
+    wait for a gather, so its params would be read before they arrived.
     """
     if not (ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather):
         return
@@ -104,6 +104,7 @@ def check_compiled_modules(
             raise InputValueError(
                 f"module '{name or '(the root)'}' was compiled in place ({type_name(sub)}"
                 ".compile()), so DDP's param-gather pre-hook would run inside its graph "
-                "(overlap_param_gather=True); compile it as torch.compile(module) before "
-                "wrapping (its hooks run outside the graph), or set overlap_param_gather=False"
+                "(overlap_param_gather=True); compile it as torch.compile(module) or "
+                "module.forward = torch.compile(module.forward) before wrapping (its hooks "
+                "run outside the graph), or set overlap_param_gather=False"
             )

@@ -53,7 +53,7 @@ from mc_ddp.param_ready import (
     BackwardPostHook,
     ForwardPreHook,
     _BucketParamReadyCallback,
-    is_compiled_wrapper,
+    runs_compiled,
 )
 from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
@@ -338,8 +338,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
 
     def _on_module_forward(self, module: torch.nn.Module) -> None:
         done: set[int] = set()
-        # a torch.compile wrapper: its block's own pre-hooks do nothing inside the graph
-        for param in module.parameters(recurse=is_compiled_wrapper(module)):
+        # a compiled block: its submodules' pre-hooks do nothing inside the graph
+        for param in module.parameters(recurse=runs_compiled(module)):
             group = self.param_to_bucket_group.get(param)
             if group is None or id(group) in done:
                 continue
