@@ -216,9 +216,7 @@ def _llama_dtensor(sp: bool) -> Block:
 
 
 def _llama_input(sp: bool) -> torch.Tensor:
-    full = torch.randn(
-        BATCH, SEQ, LLAMA["hidden_size"], generator=torch.Generator().manual_seed(1)
-    )
+    full = torch.randn(BATCH, SEQ, LLAMA["hidden_size"], generator=torch.Generator().manual_seed(1))
     return full.chunk(TP, dim=1)[dist.get_rank()].contiguous() if sp else full
 
 
@@ -241,7 +239,8 @@ def _step(block: Block, params: list[torch.Tensor], x: torch.Tensor) -> Step:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t  # type: ignore[no-any-return]
+    local: torch.Tensor = to_local() if callable(to_local) else t
+    return local
 
 
 def _measure(name: str, sp: bool, warmup: int, iters: int, rounds: int) -> dict[str, Any]:
@@ -311,11 +310,15 @@ def main() -> int:
         for name in names:
             for sp in sps:
                 per_rank = pool.run(measure, name, sp, args.warmup, args.iters, args.rounds)
-                print(f"{name} SP {'on' if sp else 'off'}: max |output - mc eager| "
-                      f"{per_rank[0]['differences']}", flush=True)
+                print(
+                    f"{name} SP {'on' if sp else 'off'}: max |output - mc eager| "
+                    f"{per_rank[0]['differences']}",
+                    flush=True,
+                )
                 for r in range(args.rounds):
                     slow = _common.slowest_medians([{"medians": p["rounds"][r]} for p in per_rank])
-                    eager, mc, peer = slow["mc eager"], slow["mc compiled"], slow["DTensor compiled"]
+                    eager, mc = slow["mc eager"], slow["mc compiled"]
+                    peer = slow["DTensor compiled"]
                     ratios["mc compiled / mc eager"].append(mc / eager)
                     ratios["mc compiled / DTensor compiled"].append(mc / peer)
                     lines.append(

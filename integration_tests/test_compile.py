@@ -20,8 +20,9 @@ mc's layers in ``packages/mc-tp-layers/tests/mc_tp_layers_tests/test_compile.py`
 this Llama's layer in ``benchmarks/compile_tp.py``.
 
 **DDP** (DP = 2): two residual Column → Row blocks, compiled before mc DDP wraps the model
-(one as ``torch.compile(block)``, one as ``block.forward = torch.compile(block.forward)``) (distributed optimizer, overlapped grad reduce and param gather, one
-bucket per block, ``gradient_accumulation_fusion``), 3 SGD steps against the same model
+(one as ``torch.compile(block)``, one as ``block.forward = torch.compile(block.forward)``;
+distributed optimizer, overlapped grad reduce and param gather, one bucket per block,
+``gradient_accumulation_fusion``), 3 SGD steps against the same model
 eager: equal losses and main grads (1e-6), the same collectives, and overlap: when block
 0's weight gradient is ready (steps 2 and 3), block 1's bucket has already been
 reduce-scattered, as in eager. Compiled autograd is not needed (DDP's hooks run after each
