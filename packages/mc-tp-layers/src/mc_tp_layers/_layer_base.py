@@ -151,7 +151,7 @@ def _first_forward_exchanges(
     """A layer's first-forward exchanges, run natively while Dynamo traces the layer
     (as ``_first_forward_at_trace``).
 
-    ``torch.compiler.assume_constant_result``: Dynamo calls this function as plain Python
+    Marked as ``torch.compiler.assume_constant_result`` does: Dynamo calls it as plain Python
     when it meets it and keeps only its (constant) result, so the exchanges happen once,
     at trace time, outside any graph, and the compiled graph has no break. Every rank
     traces a layer's first call, so the exchanges pair up across the TP group as the eager
@@ -177,8 +177,13 @@ def _first_forward_exchanges(
     return failure is None
 
 
+# What torch.compiler.assume_constant_result(fn) does (torch 2.13: it sets this attribute),
+# done here directly: calling it at import would import torch._dynamo (and with it
+# torch.distributed.tensor, about a second) into every process that imports mc_tp_layers.
+# The compile tests fail (a graph break) if torch stops honouring it.
+_first_forward_exchanges._dynamo_marked_constant = True  # type: ignore[attr-defined]
 _first_forward_at_trace: Callable[[agreement.LayerFingerprint, str, str | None], bool] = (
-    torch.compiler.assume_constant_result(_first_forward_exchanges)  # type: ignore[no-untyped-call]
+    _first_forward_exchanges
 )
 
 
