@@ -8,7 +8,8 @@ Two blocks, sequence parallelism off and on, each variant with the same weights 
   ``ColwiseParallel`` / ``RowwiseParallel`` (SP: ``Shard(0)`` input and output layouts);
 - ``llama layer``: decoder layer 1 of a ``transformers`` Llama (hidden 512, intermediate
   1024, 8 heads, 4 KV heads; ``[batch, seq, h]``), converted by ``mc_tp_layers.parallelize``
-  with the model's ``tp_plan`` (SP: ``examples.hf_llama.sequence_parallel_plan``); DTensor:
+  with ``examples.hf_llama.sequence_parallel_plan`` (the model's ``tp_plan`` plus block
+  entries: SP off, one input-grad all-reduce per attention or MLP block); DTensor:
   ``parallelize_module`` with the equivalent plan (SP: ``SequenceParallel(sequence_dim=1)``
   norms, ``PrepareModuleInput`` gathering the sequence before attention and MLP, row
   layers' output ``Shard(1)``), as in ``benchmarks/parallelize_vs_dtensor.py``.
@@ -173,7 +174,7 @@ def _llama_mc(sp: bool) -> Block:
     cfg = mg.ModelParallelConfig(tensor_model_parallel_size=TP, sequence_parallel=sp)
     model = _llama_model()
     plan: dict[str, Any] = dict(model.tp_plan)
-    parallelize(model, sequence_parallel_plan(plan) if sp else plan, config=cfg, pg_collection=pgc)
+    parallelize(model, sequence_parallel_plan(plan), config=cfg, pg_collection=pgc)
     return _Layer(model.model.layers[1], model.model.rotary_emb)
 
 
