@@ -57,7 +57,10 @@ def _define() -> tuple[torch.library.Library | None, bool]:
         return None, False
     if register_effect is None:
         return None, False
-    lib = torch.library.Library("mc_groups", "DEF")  # type: ignore[no-untyped-call]
+    try:
+        lib = torch.library.Library("mc_groups", "DEF")  # type: ignore[no-untyped-call]
+    except RuntimeError:  # defined already (this module reloaded): the op is there
+        return None, hasattr(torch.ops.mc_groups, "collective")
     lib.define(_SCHEMA)  # type: ignore[no-untyped-call]
     lib.impl("collective", _issued, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
     torch.library.register_fake("mc_groups::collective", _traced, lib=lib)
