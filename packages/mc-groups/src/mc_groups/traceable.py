@@ -113,8 +113,16 @@ class PendingTensor:
 
 
 def _checked(tensor: object, group: object) -> tuple[torch.Tensor, dist.ProcessGroup, int]:
-    x, g = check_tensor("tensor", tensor), check_group("group", group)
-    return x, g, int(g.size())
+    """The tensor, the group and its size. A destroyed group is refused by the in-place
+    collective the eager path calls next (and here while tracing); a one-rank group never
+    communicates, so it is not looked up (the in-place collectives skip it too)."""
+    if not isinstance(tensor, torch.Tensor) or not isinstance(group, dist.ProcessGroup):
+        check_tensor("tensor", tensor)
+        check_group("group", group)
+    elif torch.compiler.is_compiling():
+        check_group("group", group)
+    assert isinstance(tensor, torch.Tensor) and isinstance(group, dist.ProcessGroup)
+    return tensor, group, int(group.size())
 
 
 def _rows(x: torch.Tensor) -> int:
