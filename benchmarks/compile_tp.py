@@ -47,7 +47,7 @@ from benchmarks import _common
 from benchmarks._common import Step
 
 TP = 2
-MLP = (512, 128, 4)  # h, seq, batch
+MLP = (256, 128, 4)  # h, seq, batch (the overhead-bound size of benchmarks/tp_mlp.py)
 LLAMA: dict[str, Any] = {
     "vocab_size": 256,
     "hidden_size": 512,
