@@ -50,6 +50,7 @@ scattered one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -121,8 +122,8 @@ def _checked(tensor: object, group: object) -> tuple[torch.Tensor, dist.ProcessG
         check_group("group", group)
     elif torch.compiler.is_compiling():
         check_group("group", group)
-    assert isinstance(tensor, torch.Tensor) and isinstance(group, dist.ProcessGroup)
-    return tensor, group, int(group.size())
+    x, g = cast(torch.Tensor, tensor), cast(dist.ProcessGroup, group)  # checked above
+    return x, g, int(g.size())
 
 
 def _rows(x: torch.Tensor) -> int:
