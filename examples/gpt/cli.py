@@ -59,6 +59,11 @@ def parse_args(
         default=True,
         help="shard grads, optimizer state and the param all-gather over DP (default on)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile each transformer block with torch.compile(fullgraph=True) (Inductor)",
+    )
     p.add_argument("--steps", type=int, default=500, help="optimizer steps (default 500)")
     p.add_argument("--output", default="out/demo", help="folder for loss.png, metrics.json")
     p.add_argument("--hidden-size", type=int, default=64)
@@ -190,6 +195,7 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
         sequence_parallel=sequence_parallel,
         distributed_optimizer=args.distributed_optimizer,
         microbatches=args.microbatches,
+        compile_blocks=getattr(args, "compile", False),
     )
     schedule = check_pipeline_flags(args, model, layout)
     layout.check(model, world_size, args.global_batch)

@@ -195,6 +195,9 @@ class ParallelLayout:
         ep, etp: expert-parallel and expert-tensor-parallel sizes (``etp`` None: ``tp``).
             They shape the expert groups only: the GPT is dense, so no param is
             expert-parallel and nothing moves on those groups.
+        compile_blocks: each transformer block's forward runs compiled
+            (``torch.compile(block.forward, fullgraph=True)``, Inductor; parameter names
+            unchanged); the embedding, final LN and LM head stay eager.
     """
 
     tp: int = 1
@@ -216,6 +219,7 @@ class ParallelLayout:
     gtp_remat: int = 1
     ep: int = 1
     etp: int | None = None
+    compile_blocks: bool = False
 
     @property
     def world_size(self) -> int:

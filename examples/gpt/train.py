@@ -91,6 +91,9 @@ def build_model(
     layers = stage_layers(cfg, pgc, vp_stage, layout.vpp)
     model = GPT(cfg, mp, pgc, device, layers=layers, vp_stage=vp_stage)
     load_full_weights(model, full, pgc.require("tp", "build_model"))
+    if layout.compile_blocks:  # each block one graph; DDP's pre-hook on it stays eager
+        for block in model.decoder.layers.values():
+            block.forward = torch.compile(block.forward, fullgraph=True)
     return model
 
 

@@ -84,3 +84,27 @@ def find_wgrad_hook_owner(module: torch.nn.Module, param: Param, name: str) -> t
         "no module owning it has register_wgrad_accumulation_and_reduce_hooks(); use a layer "
         "that computes its wgrad in backward_dw(), or clear skip_backward_post_hook"
     )
+
+
+def check_compiled_modules(
+    module: torch.nn.Module, ddp_config: DistributedDataParallelConfig
+) -> None:
+    """With ``overlap_param_gather`` (distributed optimizer), no module compiled in place.
+
+    DDP waits for a module's param all-gather in a forward pre-hook. A block compiled with
+    ``torch.compile(block)`` (a wrapper) or ``block.forward = torch.compile(block.forward)``
+    keeps its own pre-hook outside the graph, which waits for the whole block; one compiled
+    in place (``block.compile()``) runs its own hooks inside the graph, where nothing can
+    wait for a gather, so its params would be read before they arrived.
+    """
+    if not (ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather):
+        return
+    for name, sub in module.named_modules():
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            raise InputValueError(
+                f"module '{name or '(the root)'}' was compiled in place ({type_name(sub)}"
+                ".compile()), so DDP's param-gather pre-hook would run inside its graph "
+                "(overlap_param_gather=True); compile it as torch.compile(module) or "
+                "module.forward = torch.compile(module.forward) before wrapping (its hooks "
+                "run outside the graph), or set overlap_param_gather=False"
+            )

@@ -53,6 +53,7 @@ from mc_ddp.param_ready import (
     BackwardPostHook,
     ForwardPreHook,
     _BucketParamReadyCallback,
+    runs_compiled,
 )
 from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
@@ -181,6 +182,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             checks.check_ddp_config(ddp_config)
             named = checks.trainable_params(module)
             checks.check_param_flags(named)
+            checks.check_compiled_modules(module, ddp_config)
             single = check_flag("disable_bucketing", disable_bucketing)
             experts = sum(is_expert_parallel_param(p) for _, p in named)
             pgc = mg.collection_or_default(pg_collection, "DistributedDataParallel")
@@ -355,7 +357,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
 
     def _on_module_forward(self, module: torch.nn.Module) -> None:
         done: set[int] = set()
-        for param in module.parameters(recurse=False):
+        # a compiled block: its submodules' pre-hooks do nothing inside the graph
+        for param in module.parameters(recurse=runs_compiled(module)):
             group = self.param_to_bucket_group.get(param)
             if group is None or id(group) in done:
                 continue

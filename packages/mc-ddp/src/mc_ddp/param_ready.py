@@ -132,14 +132,32 @@ class BackwardPostHook:
         ddp._on_grad_ready(self._param)
 
 
+def runs_compiled(module: torch.nn.Module) -> bool:
+    """``module``'s own hooks run outside a compiled graph that holds all of its forward:
+    the wrapper ``torch.compile(m)`` returns (it keeps ``m`` as ``_orig_mod``), or a
+    module whose ``forward`` was replaced by ``torch.compile(module.forward)`` (torch
+    marks the compiled function with ``_torchdynamo_orig_callable``)."""
+    if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
+        return True
+    forward = module.__dict__.get("forward")
+    return forward is not None and hasattr(forward, "_torchdynamo_orig_callable")
+
+
 class ForwardPreHook:
     """Runs before a submodule's forward: its DDP waits for the all-gather of the module's
-    params (dispatching it and chaining the next one as configured)."""
+    params (dispatching it and chaining the next one as configured).
+
+    Inside a compiled block (``torch.compile(block)``, or ``block.forward`` compiled) the
+    hook is traced into the block's graph, where it does nothing: the block's own hook
+    (outside the graph, see :func:`runs_compiled`) already waited for every param of it.
+    """
 
     def __init__(self, ddp: _ParamSyncOwner) -> None:
         self._ddp: weakref.ref[_ParamSyncOwner] = weakref.ref(ddp)
 
     def __call__(self, module: torch.nn.Module, *unused: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         ddp = self._ddp()
         if ddp is None or ddp._graph_capturing():
             return

@@ -10,6 +10,9 @@
   (:func:`record_collectives` lists what ran); failures name op, group ranks and label;
   :class:`CollectiveHandle` is the one handle for work in flight (works, child handles,
   finishers).
+- :mod:`mc_groups.traceable`: the same collectives returning new tensors, which trace
+  under ``torch.compile(fullgraph=True)`` (torch's functional collectives while compiling,
+  recorded when the compiled graph runs them).
 - :class:`Communicator`: one caller's batched collectives on one group, keeping their
   temporaries between calls (a DDP bucket group holds one).
 - :mod:`mc_groups.schedule_check`: the opt-in check that every rank of a group is about to
@@ -43,6 +46,7 @@ from importlib.metadata import PackageNotFoundError, version
 from mc_groups import argcheck as argcheck
 from mc_groups import elastic as elastic
 from mc_groups import param_attrs as param_attrs
+from mc_groups import traceable as traceable
 from mc_groups.collection import GROUP_FIELDS, MissingGroupError, ProcessGroupCollection
 from mc_groups.collectives import (
     CoalescedBatch,

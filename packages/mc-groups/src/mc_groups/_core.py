@@ -171,6 +171,7 @@ def record(
     async_op: bool,
     coalesced: bool = False,
     label: str = "",
+    compiled: bool = False,
 ) -> None:
     """Append a :class:`CollectiveRecord` to every open recorder."""
     if not _recording():
@@ -187,6 +188,7 @@ def record(
             async_op=async_op,
             coalesced=coalesced,
             label=label,
+            compiled=compiled,
         )
     )
 

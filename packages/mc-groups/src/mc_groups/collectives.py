@@ -1,6 +1,7 @@
 """The collective layer: the only mc module (with its private helpers ``_core``, ``_gloo``,
-``_reduce_scatter``, ``_coalesced``, ``_shims``, :mod:`mc_groups.communicator` and
-:mod:`mc_groups.schedule_check`) that calls ``torch.distributed`` collectives.
+``_reduce_scatter``, ``_coalesced``, ``_shims``, ``_compiled``, :mod:`mc_groups.communicator`,
+:mod:`mc_groups.schedule_check` and :mod:`mc_groups.traceable`, its functional form for
+``torch.compile``) that calls ``torch.distributed`` collectives.
 
 Why one layer:
 

@@ -10,7 +10,9 @@ last gradient hook ran") instead of timing anything::
 Records are appended by :mod:`mc_groups.collectives`, the only module that calls
 ``torch.distributed`` collectives, at the moment a collective is *issued* (before an
 async one completes). Collectives on single-rank groups are short-circuited and not
-recorded: nothing is communicated.
+recorded: nothing is communicated. Collectives of a graph built by ``torch.compile``
+(:mod:`mc_groups.traceable`) are recorded when the compiled graph runs them, with
+``compiled=True``; tracing records nothing.
 
 The status exchange of :func:`mc_groups.fail_together` (8 bytes per rank after an entry
 point's local checks) is recorded only by a recorder opened with
@@ -56,6 +58,8 @@ class CollectiveRecord:
         async_op: issued asynchronously (the caller waits on a handle later).
         coalesced: issued inside a coalesced batch.
         label: free text the caller attached (e.g. ``"bucket_group 0"``).
+        compiled: issued by a graph that ``torch.compile`` built (recorded by the graph's
+            ``mc_groups::collective`` op when it runs; see :mod:`mc_groups.traceable`).
     """
 
     op: str
@@ -67,6 +71,7 @@ class CollectiveRecord:
     async_op: bool
     coalesced: bool = False
     label: str = ""
+    compiled: bool = False
 
 
 class _RecorderRegistry:

@@ -1,12 +1,13 @@
 """Tensor-level communication for the TP region: no autograd, one collective each.
 
-Every collective goes through :mod:`mc_groups` (recorded, bounded, and labelled
+Every collective goes through :mod:`mc_groups.traceable` (recorded, bounded, and labelled
 ``"tp …"`` so that a failure or a schedule mismatch names the tensor-parallel group's
-role). torch's flat
-collectives work on dim 0, so last-dim gathers and scatters move the rank axis to dim 0
-locally. gloo cannot all-gather or reduce-scatter uneven sizes, so uneven splits along dim 0
-are padded to the largest split and sliced afterwards. A group of one rank returns its
-input unchanged and communicates nothing.
+role): mc's in-place collectives in eager mode, torch's functional collectives while
+``torch.compile`` traces, so the mappings and linear functions compile without graph
+breaks. torch's flat collectives work on dim 0, so last-dim gathers and scatters move the
+rank axis to dim 0 locally. gloo cannot all-gather or reduce-scatter uneven sizes, so
+uneven splits along dim 0 are padded to the largest split and sliced afterwards. A group
+of one rank returns its input unchanged and communicates nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-import mc_groups as mg
+from mc_groups import traceable
 from mc_groups.errors import InputValueError
 from mc_tp_layers import _validate
 
@@ -51,61 +52,44 @@ def split_first_dim(
 
 def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate every rank's ``x`` along the last dimension (one all-gather)."""
-    size = group.size()
-    if size == 1:
+    if group.size() == 1:
         return x
-    stacked = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
-    mg.all_gather(_flat(stacked), _flat(x), group, label="tp gather last dim")
+    stacked = traceable.all_gather_tensor(x.unsqueeze(0), group, label="tp gather last dim")
     return torch.cat(stacked.unbind(0), dim=-1)
 
 
 def gather_first_dim(
-    x: torch.Tensor,
-    group: dist.ProcessGroup,
-    output_split_sizes: Sequence[int] | None = None,
-    *,
-    async_op: bool = False,
-) -> tuple[torch.Tensor, mg.CollectiveHandle]:
+    x: torch.Tensor, group: dist.ProcessGroup, output_split_sizes: Sequence[int] | None = None
+) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0 (one all-gather).
 
     With ``output_split_sizes`` rank r contributes ``output_split_sizes[r]`` rows: each
-    contribution is padded to the largest and the padding dropped after the gather (the
-    result is then only valid once the handle was waited on, which the synchronous call
-    does). Returns the output and the handle (already complete unless ``async_op``).
+    contribution is padded to the largest and the padding dropped after the gather.
     """
     size, rank = group.size(), group.rank()
     if size == 1:
-        return x, mg.CollectiveHandle()
+        return x
     sizes = _validate.split_sizes(output_split_sizes, size, "output_split_sizes")
-    if sizes is None or len(set(sizes)) == 1:
-        if sizes is not None and sizes[rank] != x.shape[0]:
-            _mismatch(x, sizes, rank, "output_split_sizes")
-        out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        handle = mg.all_gather(
-            _flat(out), _flat(x), group, async_op=async_op, label="tp gather dim 0"
-        )
-        return out, handle
-    if sizes[rank] != x.shape[0]:
+    if sizes is not None and sizes[rank] != x.shape[0]:
         _mismatch(x, sizes, rank, "output_split_sizes")
-    return _gather_uneven(x, group, sizes), mg.CollectiveHandle()
-
-
-def _gather_uneven(x: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]) -> torch.Tensor:
+    if sizes is None or len(set(sizes)) == 1:
+        return traceable.all_gather_tensor(x, group, label="tp gather dim 0")
     widest = max(sizes)
     padded = x.new_zeros((widest, *x.shape[1:]))
     padded[: x.shape[0]] = x
-    stacked = x.new_empty((len(sizes), widest, *x.shape[1:]))
-    mg.all_gather(_flat(stacked), _flat(padded), group, label="tp gather dim 0 (uneven)")
-    return torch.cat([stacked[r, :n] for r, n in enumerate(sizes)], dim=0)
+    stacked = traceable.all_gather_tensor(padded, group, label="tp gather dim 0 (uneven)")
+    parts = stacked.view(size, widest, *x.shape[1:])
+    return torch.cat([parts[r, :n] for r, n in enumerate(sizes)], dim=0)
+
+
+def start_gather_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> traceable.PendingTensor:
+    """Start :func:`gather_first_dim` (equal parts); ``wait()`` returns the gathered rows."""
+    return traceable.start_all_gather(x, group, label="tp gather dim 0")
 
 
 def reduce_scatter_first_dim(
-    x: torch.Tensor,
-    group: dist.ProcessGroup,
-    input_split_sizes: Sequence[int] | None = None,
-    *,
-    async_op: bool = False,
-) -> tuple[torch.Tensor, mg.CollectiveHandle]:
+    x: torch.Tensor, group: dist.ProcessGroup, input_split_sizes: Sequence[int] | None = None
+) -> torch.Tensor:
     """Sum ``x`` over ranks; rank r keeps its part of dim 0 (one reduce-scatter).
 
     Equal parts, or ``input_split_sizes[r]`` rows for rank r (each part padded with zeros
@@ -113,23 +97,29 @@ def reduce_scatter_first_dim(
     """
     size, rank = group.size(), group.rank()
     if size == 1:
-        return x, mg.CollectiveHandle()
+        return x
     sizes = _validate.split_sizes(input_split_sizes, size, "input_split_sizes")
     if sizes is None or len(set(sizes)) == 1:
         _validate.dim_divisible(x, 0, size, "input", "first dimension")
-        out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-        handle = mg.reduce_scatter(
-            _flat(out), _flat(x), group, async_op=async_op, label="tp reduce-scatter dim 0"
-        )
-        return out, handle
+        return traceable.reduce_scatter_tensor(x, group, label="tp reduce-scatter dim 0")
     _check_total(x, sizes, "input_split_sizes")
     widest = max(sizes)
     padded = x.new_zeros((size, widest, *x.shape[1:]))
     for r, part in enumerate(torch.split(x, sizes, dim=0)):
         padded[r, : sizes[r]] = part
-    out = x.new_empty((widest, *x.shape[1:]))
-    mg.reduce_scatter(_flat(out), _flat(padded), group, label="tp reduce-scatter dim 0 (uneven)")
-    return out[: sizes[rank]], mg.CollectiveHandle()
+    out = traceable.reduce_scatter_tensor(
+        padded.view(size * widest, *x.shape[1:]), group, label="tp reduce-scatter dim 0 (uneven)"
+    )
+    return out[: sizes[rank]]
+
+
+def start_reduce_scatter_first_dim(
+    x: torch.Tensor, group: dist.ProcessGroup
+) -> traceable.PendingTensor:
+    """Start :func:`reduce_scatter_first_dim` (equal parts); ``wait()`` returns this rank's
+    rows of the sum."""
+    _validate.dim_divisible(x, 0, group.size(), "input", "first dimension")
+    return traceable.start_reduce_scatter(x, group, label="tp reduce-scatter dim 0")
 
 
 def reduce_scatter_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -139,18 +129,15 @@ def reduce_scatter_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.
         return x
     _validate.dim_divisible(x, -1, size, "input", "last dimension")
     stacked = torch.stack(x.chunk(size, dim=-1), dim=0)
-    out = x.new_empty(stacked.shape[1:])
-    mg.reduce_scatter(_flat(out), _flat(stacked), group, label="tp reduce-scatter last dim")
-    return out
+    out = traceable.reduce_scatter_tensor(stacked, group, label="tp reduce-scatter last dim")
+    return out.view(stacked.shape[1:])
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum ``x`` over ranks into a new tensor (``x`` may be saved by autograd elsewhere)."""
     if group.size() == 1:
         return x
-    out = x.contiguous().clone()
-    mg.all_reduce(out, group, label="tp all-reduce")
-    return out
+    return traceable.all_reduce_tensor(x, group, label="tp all-reduce")
 
 
 def all_to_all(
@@ -169,22 +156,9 @@ def all_to_all(
         _validate.dim_divisible(x, 0, size, "input", "first dimension")
     else:
         _check_total(x, ins, "input_split_sizes")
-    rows = x.shape[0] if outs is None else sum(outs)
-    out = x.new_empty((rows, *x.shape[1:]))
-    mg.all_to_all(
-        out,
-        x.contiguous(),
-        group,
-        output_split_sizes=outs,
-        input_split_sizes=ins,
-        label="tp all-to-all",
+    return traceable.all_to_all_tensor(
+        x, group, output_split_sizes=outs, input_split_sizes=ins, label="tp all-to-all"
     )
-    return out
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """A 1-D view (a contiguous copy when needed): gloo's flat collectives split dim 0."""
-    return x.contiguous().view(-1)
 
 
 def _check_total(x: torch.Tensor, sizes: list[int], arg: str) -> None:

@@ -279,7 +279,11 @@ def accumulate_wgrad(
     main_grad: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor
 ) -> None:
     """``main_grad += grad_outputᵀ · total_input`` (apex kernel on CUDA when built; else
-    torch's mixed-dtype ``addmm`` on CUDA; else ``addmm_`` on widened operands)."""
+    torch's mixed-dtype ``addmm`` on CUDA; else ``addmm_`` on widened operands; while
+    ``torch.compile`` traces, ``addmm_`` on widened operands, which Inductor compiles)."""
+    if torch.compiler.is_compiling():
+        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+        return
     if _APEX_KERNEL is not None and main_grad.is_cuda:
         if main_grad.dtype == torch.float32:
             _APEX_KERNEL.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)

@@ -6,6 +6,11 @@ comparison is queued as an asynchronous device assert (:func:`torch._assert_asyn
 host synchronisation per step, but a failure surfaces at a later CUDA call as a
 device-side assert and leaves that process's CUDA context unusable (as an out-of-range
 ``F.embedding`` index on CUDA does), so the message printed on the host is generic.
+
+While ``torch.compile`` traces, the device form is used on every device: the host check
+needs the values (a graph break); the assert is a node of the graph, so compiled code still
+refuses an out-of-range value on each call (on CPU a ``RuntimeError`` with the message
+below, raised when the compiled code runs).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ def check_index_range(
     if ignore is not None:
         outside &= values != ignore
     device_side = values.device.type != "cpu" if on_device is None else on_device
+    device_side = device_side or torch.compiler.is_compiling()
     if device_side:
         torch._assert_async(
             ~outside.any(), f"{arg} holds {what} outside [0, {size}) (device-side check)"

@@ -15,7 +15,7 @@ weight initialisation in :mod:`.initialization`, the shape checks in :mod:`._val
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -141,6 +141,52 @@ def forward_impl(
     return linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
 
 
+class _TracedCheckFailed(Exception):
+    """This rank's first-forward check failed while tracing (its own error follows)."""
+
+
+def _first_forward_exchanges(
+    entry: agreement.LayerFingerprint, where: str, failure: str | None
+) -> bool:
+    """A layer's first-forward exchanges, run natively while Dynamo traces the layer
+    (as ``_first_forward_at_trace``).
+
+    Marked as ``torch.compiler.assume_constant_result`` does: Dynamo calls it as plain Python
+    when it meets it and keeps only its (constant) result, so the exchanges happen once,
+    at trace time, outside any graph, and the compiled graph has no break. Every rank
+    traces a layer's first call, so the exchanges pair up across the TP group as the eager
+    first forward's do: the status exchange (:func:`mc_groups.fail_together`; a rank
+    whose traced checks failed passes its error text, its peers raise
+    :class:`~mc_groups.PeerCheckError`, wrapped by Dynamo, and the failing rank its own
+    error) and the agreement of the group's pending constructions. A retrace (new shapes)
+    after that checks locally only, as later eager forwards do. Returns whether this rank
+    passed.
+    """
+    if entry.first_forward_done:
+        return failure is None
+    group = entry.group()
+    if group is not None:
+        try:
+            with mg.fail_together(group, where):
+                if failure is not None:
+                    raise _TracedCheckFailed(failure)
+        except _TracedCheckFailed:
+            return False
+        agreement.settle(entry)
+    entry.first_forward_done = failure is None
+    return failure is None
+
+
+# What torch.compiler.assume_constant_result(fn) does (torch 2.13: it sets this attribute),
+# done here directly: calling it at import would import torch._dynamo (and with it
+# torch.distributed.tensor, about a second) into every process that imports mc_tp_layers.
+# The compile tests fail (a graph break) if torch stops honouring it.
+_first_forward_exchanges._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_first_forward_at_trace: Callable[[agreement.LayerFingerprint, str, str | None], bool] = (
+    _first_forward_exchanges
+)
+
+
 class TensorParallelModule(torch.nn.Module):
     """A layer whose parameters are split over ``self.tp_group`` (set by the subclass).
 
@@ -175,15 +221,36 @@ class TensorParallelModule(torch.nn.Module):
         """Around a forward's input checks: on this layer's first forward, a check failing
         on one TP rank is an error on every rank of the TP group (one status exchange,
         :func:`mc_groups.fail_together`, before the agreement's); later forwards check
-        locally only (no per-step exchange)."""
+        locally only (no per-step exchange). While ``torch.compile`` traces, the checks
+        are traced (Dynamo guards what they read) and the exchanges run natively at trace
+        time (:func:`_first_forward_at_trace`)."""
         check_group(f"{type(self).__name__}'s tp_group", self.tp_group)
+        if torch.compiler.is_compiling():
+            where = f"{type(self).__name__}'s first forward"
+            failure = None
+            try:
+                yield
+            except Exception as err:
+                failure = err
+            _first_forward_at_trace(
+                self._tp_agreement, where, None if failure is None else str(failure)
+            )
+            if failure is not None:
+                raise failure
+            return
         if self._peers_checked:
+            yield
+            return
+        entry = self._tp_agreement
+        if entry.first_forward_done:  # compiled code ran this layer's first forward
+            self._peers_checked = True
             yield
             return
         with mg.fail_together(self.tp_group, f"{type(self).__name__}'s first forward"):
             yield
         self._check_agreement()
         self._peers_checked = True
+        entry.first_forward_done = True
 
     def sharded_state_dict(
         self,

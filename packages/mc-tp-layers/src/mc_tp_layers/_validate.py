@@ -101,8 +101,10 @@ def main_grad(weight: torch.Tensor) -> None:
             f"{tuple(weight.shape)}; main_grad must have the weight's shape"
         )
     # A fused kernel (apex, addmm_) would write through the view's data pointer: a grad
-    # buffer offloaded with offload_grad_buffers() has freed its storage.
-    if grad.numel() and grad.untyped_storage().nbytes() == 0:
+    # buffer offloaded with offload_grad_buffers() has freed its storage. Not while
+    # compiling (Dynamo cannot read a storage's size): offloaded buffers belong to mc DDP,
+    # whose weights get their wgrad through autograd there and DDP's hook refuses them.
+    if grad.numel() and not torch.compiler.is_compiling() and grad.untyped_storage().nbytes() == 0:
         raise RuntimeError(
             f"weight.main_grad (shape {tuple(grad.shape)}) has no storage: its grad buffer is "
             "offloaded; call restore_grad_buffers() before the next forward with "

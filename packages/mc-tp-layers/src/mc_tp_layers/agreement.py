@@ -33,8 +33,11 @@ is not recorded by :func:`mc_groups.record_collectives`, so collective counts do
 change. Cost: at construction, a tuple of about 15 fields per layer; at the first forward,
 one 8-byte exchange per TP group per batch of newly built layers (a model built before its
 first step: one exchange per group); per step, none. Call :func:`check_tp_agreement`
-before capturing a CUDA graph or compiling the model (the first forward would otherwise
-exchange inside the capture).
+before capturing a CUDA graph (the first forward would otherwise exchange inside the
+capture). Under ``torch.compile`` the first forward's exchanges run while Dynamo traces
+the layer (natively, outside the graph, once per layer; see
+:mod:`mc_tp_layers._layer_base`): the compiled graph holds no exchange and no graph
+break (every rank traces at its first call, so the exchanges pair up).
 
 Compared fields: Column ``input_size``, ``output_size``, ``bias``, ``gather_output``,
 ``skip_bias_add``, ``sequence_parallel``, ``params_dtype``, ``stride``, ``is_expert``,
@@ -101,7 +104,7 @@ class LayerFingerprint:
     :func:`check_tp_agreement` saw it in a model; never compared).
     """
 
-    __slots__ = ("checked", "fields", "kind", "ledger", "name")
+    __slots__ = ("checked", "fields", "first_forward_done", "kind", "ledger", "name")
 
     def __init__(
         self,
@@ -112,6 +115,12 @@ class LayerFingerprint:
     ) -> None:
         self.kind, self.fields, self.name, self.ledger = kind, fields, name, ledger
         self.checked = ledger is None
+        self.first_forward_done = False  # the layer's first forward checks ran (either mode)
+
+    def group(self) -> dist.ProcessGroup | None:
+        """The TP group this fingerprint is compared over (None: a group of one rank, or
+        gone)."""
+        return None if self.ledger is None else self.ledger()
 
     def describe(self) -> str:
         """``ColumnParallelLinear 'fc1'`` (or without the name)."""

@@ -43,6 +43,11 @@ comes out as the true loss + log(W) with no error (Megatron-LM #7452 row 2). Pas
 vocabulary size (``vocab_size=``, a Python int: no device work) and the call checks
 ``V_local · W == vocab_size`` before any collective. Without it mc cannot tell: a
 ``[..., V]`` tensor is a valid slice of a ``V·W`` vocabulary.
+
+**Under torch.compile** both checks take their device form on every device
+(``torch._assert_async`` in the graph: on CPU a ``RuntimeError`` naming the check when the
+compiled code runs, before the loss is returned), so the function traces without a graph
+break; its two all-reduces are functional collectives (:mod:`mc_groups.traceable`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups import traceable
 from mc_groups.argcheck import check_int, check_tensor
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers._autograd import apply
@@ -84,7 +90,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = z.exp()
         sums = torch.stack([picked, exp.sum(dim=-1), z.sum(dim=-1)], dim=-1)
         if group.size() > 1:
-            mg.all_reduce(sums, group, label="tp cross-entropy sums")
+            sums = traceable.all_reduce_tensor(
+                sums, group, label="tp cross-entropy sums", inplace=True
+            )
         picked, sum_exp, sum_z = sums.unbind(-1)
         vocab = z.shape[-1] * group.size()
         log_z = sum_exp.log()
@@ -141,11 +149,13 @@ def _global_max(
         return local
     probe = _probe(x, *args)
     payload = torch.cat([local.reshape(-1), probe, -probe])
-    mg.all_reduce(payload, group, op=mg.ReduceOp.MAX, label="tp cross-entropy max")
+    payload = traceable.all_reduce_tensor(
+        payload, group, op=mg.ReduceOp.MAX, label="tp cross-entropy max", inplace=True
+    )
     count, width = local.numel(), probe.numel()
     highest, lowest = payload[count : count + width], -payload[count + width :]
     agreed = (highest == lowest).all()
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(
             agreed,
             "vocab_parallel_cross_entropy: the ranks of the tensor-parallel group disagree "

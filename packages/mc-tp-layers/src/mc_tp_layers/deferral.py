@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups import traceable
 from mc_groups.argcheck import check_flag, check_tensor, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _comm
@@ -22,8 +23,6 @@ from mc_tp_layers._gemm import accumulate_wgrad
 from mc_tp_layers._groups import resolve_tp_group
 
 __all__ = ["drain_embedding_wgrad_compute"]
-
-_Gather = tuple[torch.Tensor, mg.CollectiveHandle]
 
 
 def _check(
@@ -117,12 +116,12 @@ def drain_embedding_wgrad_compute(
     )
     if not activations:
         return
-    pending: _Gather | None = _start_gather(activations.pop(0), group, gather)
+    pending: traceable.PendingTensor | None = _start_gather(activations.pop(0), group, gather)
     while pending is not None:
-        total_input, handle = pending
+        current = pending
         upcoming = activations.pop(0) if activations else None
         pending = None if upcoming is None else _start_gather(upcoming, group, gather)
-        handle.wait()
+        total_input = current.wait()
         grad_output = grads.pop(0)
         accumulate_wgrad(
             main_grad,
@@ -131,7 +130,9 @@ def drain_embedding_wgrad_compute(
         )
 
 
-def _start_gather(x: torch.Tensor, group: dist.ProcessGroup, gather: bool) -> _Gather:
+def _start_gather(
+    x: torch.Tensor, group: dist.ProcessGroup, gather: bool
+) -> traceable.PendingTensor:
     if not gather:
-        return x, mg.CollectiveHandle()
-    return _comm.gather_first_dim(x, group, async_op=True)
+        return traceable.PendingTensor(x)
+    return _comm.start_gather_first_dim(x, group)

@@ -42,8 +42,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-import mc_groups as mg
-from mc_groups import param_attrs
+from mc_groups import param_attrs, traceable
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _comm, _validate
@@ -101,6 +100,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         output_dtype: torch.dtype | None,
     ) -> torch.Tensor:
         """Gather (GTP weight, SP input), then ``Y = X_tot · Wᵀ + b``."""
+        if gradient_accumulation_fusion and _hand_wgrad_to_autograd(weight):
+            gradient_accumulation_fusion = False
         ctx.opts = _Options(
             gradient_accumulation_fusion,
             allreduce_dgrad,
@@ -116,7 +117,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         # head) would otherwise trip autograd's in-place version check.
         ctx.main_grad = param_attrs.main_grad_of(weight) if gradient_accumulation_fusion else None
         ctx.use_bias = bias is not None
-        total_input = _comm.gather_first_dim(input, tp_group)[0] if sequence_parallel else input
+        total_input = _comm.gather_first_dim(input, tp_group) if sequence_parallel else input
         return _linear_forward(
             total_input, _full_weight(weight, gtp_remat_size), bias, output_dtype
         )
@@ -128,18 +129,25 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         opts: _Options = ctx.opts
         grad_output = grad_output.to(input.dtype).contiguous()
         wgrad_now = _claim_wgrad(opts, grad_output)
-        total_input, gather = (
-            _comm.gather_first_dim(input, opts.tp_group, async_op=True)
+        gather = (
+            _comm.start_gather_first_dim(input, opts.tp_group)
             if wgrad_now and opts.sequence_parallel
-            else (input, mg.CollectiveHandle())
+            else traceable.PendingTensor(input)
         )
         grad_input = grad_output.matmul(_full_weight(weight, opts.gtp_remat_size))
-        gather.wait()
-        grad_input, dgrad_reduction = _start_dgrad_reduction(grad_input, opts)
+        total_input = gather.wait()
+        dgrad_reduction = _start_dgrad_reduction(grad_input, opts)
         grad_weight = _weight_grad(weight, ctx.main_grad, grad_output, total_input, opts, wgrad_now)
         grad_bias = _flat(grad_output).sum(dim=0) if ctx.use_bias else None
-        dgrad_reduction.wait()
-        return (grad_input, grad_weight, grad_bias, *([None] * 8))
+        return (dgrad_reduction.wait(), grad_weight, grad_bias, *([None] * 8))
+
+
+def _hand_wgrad_to_autograd(weight: torch.Tensor) -> bool:
+    """While compiling, a DDP-managed weight (one with ``grad_added_to_main_grad``) gets
+    its ``dW`` as an ordinary gradient, which DDP's hook adds into ``main_grad``: a
+    compiled backward cannot set the flag each step (a Python attribute), and without it
+    the hook would add the dummy gradient too. Same ``main_grad``, one temporary more."""
+    return torch.compiler.is_compiling() and param_attrs.has_grad_added_flag(weight)
 
 
 def _claim_wgrad(opts: _Options, grad_output: torch.Tensor) -> bool:
@@ -153,20 +161,15 @@ def _claim_wgrad(opts: _Options, grad_output: torch.Tensor) -> bool:
     return True
 
 
-def _start_dgrad_reduction(
-    grad_input: torch.Tensor, opts: _Options
-) -> tuple[torch.Tensor, mg.CollectiveHandle]:
-    """Issue the dgrad's reduction; returns the tensor that holds the result once the
-    handle was waited on."""
+def _start_dgrad_reduction(grad_input: torch.Tensor, opts: _Options) -> traceable.PendingTensor:
+    """Issue the dgrad's reduction; ``wait()`` returns the reduced dgrad."""
     if opts.sequence_parallel:
-        return _comm.reduce_scatter_first_dim(grad_input, opts.tp_group, async_op=True)
+        return _comm.start_reduce_scatter_first_dim(grad_input, opts.tp_group)
     if opts.allreduce_dgrad and opts.tp_group.size() > 1:
-        grad_input = grad_input.contiguous()
-        handle = mg.all_reduce(
-            grad_input, opts.tp_group, async_op=True, label="tp dgrad all-reduce"
+        return traceable.start_all_reduce(
+            grad_input, opts.tp_group, label="tp dgrad all-reduce", inplace=True
         )
-        return grad_input, handle
-    return grad_input, mg.CollectiveHandle()
+    return traceable.PendingTensor(grad_input)
 
 
 def _weight_grad(
@@ -265,8 +268,9 @@ class LinearWithFrozenWeight(torch.autograd.Function):
         grad_output = grad_output.to(ctx.input_dtype)
         grad_input = grad_output.matmul(weight.to(ctx.input_dtype))
         if ctx.allreduce_dgrad and ctx.tp_group.size() > 1:
-            grad_input = grad_input.contiguous()
-            mg.all_reduce(grad_input, ctx.tp_group, label="tp frozen-weight dgrad all-reduce")
+            grad_input = traceable.all_reduce_tensor(
+                grad_input, ctx.tp_group, label="tp frozen-weight dgrad all-reduce", inplace=True
+            )
         grad_bias = _flat(grad_output).sum(dim=0) if ctx.bias_grad else None
         return grad_input, None, grad_bias, None, None, None
 
@@ -432,6 +436,13 @@ def linear_with_grad_accumulation_and_async_allreduce(
     if fusion:
         _validate.main_grad(w)
     limit = _check_deferral(grad_output_buffer, wgrad_deferral_limit, fusion)
+    if grad_output_buffer is not None and torch.compiler.is_compiling():
+        raise InputValueError(
+            "grad_output_buffer (embedding wgrad deferral, "
+            "config.defer_embedding_wgrad_compute) does not run under torch.compile: its "
+            "backward appends to a Python list, which a compiled backward cannot do each "
+            "step; leave the output layer uncompiled or switch the deferral off"
+        )
     _warn_device_connections(x, sequence_parallel or allreduce_dgrad)
     return apply(
         LinearWithGradAccumulationAndAsyncCommunication,

@@ -178,7 +178,7 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.gather_first_dim(grad_output, ctx.group)[0], None
+        return _comm.gather_first_dim(grad_output, ctx.group), None
 
 
 class _ScatterUnevenToSequenceParallelRegion(torch.autograd.Function):
@@ -194,7 +194,7 @@ class _ScatterUnevenToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _comm.gather_first_dim(grad_output, ctx.group, ctx.split_sizes)[0], None, None
+        return _comm.gather_first_dim(grad_output, ctx.group, ctx.split_sizes), None, None
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -217,7 +217,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         """The forward without autograd: the dim-0 concatenation over ``group``."""
         del graph, tensor_parallel_output_grad, use_global_buffer
         g = _group(group, "_GatherFromSequenceParallelRegion")
-        return _comm.gather_first_dim(input_, g, output_split_sizes)[0]
+        return _comm.gather_first_dim(input_, g, output_split_sizes)
 
     @staticmethod
     def forward(
@@ -232,7 +232,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         ctx.group = _group(group, "_GatherFromSequenceParallelRegion")
         ctx.output_split_sizes = output_split_sizes
         ctx.use_global_buffer = use_global_buffer
-        return _comm.gather_first_dim(input_, group, output_split_sizes)[0]
+        return _comm.gather_first_dim(input_, group, output_split_sizes)
 
     @staticmethod
     def backward(
@@ -240,7 +240,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     ) -> tuple[torch.Tensor, None, None, None, None]:
         sizes = ctx.output_split_sizes
         if ctx.tensor_parallel_output_grad:
-            grad = _comm.reduce_scatter_first_dim(grad_output, ctx.group, sizes)[0]
+            grad = _comm.reduce_scatter_first_dim(grad_output, ctx.group, sizes)
         else:
             grad = _comm.split_first_dim(grad_output, ctx.group, sizes)
         return grad, None, None, None, None
@@ -261,7 +261,7 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         """The forward without autograd: this rank's rows of the sum over ``group``."""
         del graph, use_global_buffer
         g = _group(group, "_ReduceScatterToSequenceParallelRegion")
-        return _comm.reduce_scatter_first_dim(input_, g, input_split_sizes)[0]
+        return _comm.reduce_scatter_first_dim(input_, g, input_split_sizes)
 
     @staticmethod
     def forward(
@@ -274,11 +274,11 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         ctx.group = _group(group, "_ReduceScatterToSequenceParallelRegion")
         ctx.input_split_sizes = input_split_sizes
         ctx.use_global_buffer = use_global_buffer
-        return _comm.reduce_scatter_first_dim(input_, group, input_split_sizes)[0]
+        return _comm.reduce_scatter_first_dim(input_, group, input_split_sizes)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        grad = _comm.gather_first_dim(grad_output, ctx.group, ctx.input_split_sizes)[0]
+        grad = _comm.gather_first_dim(grad_output, ctx.group, ctx.input_split_sizes)
         return grad, None, None, None
 
 

@@ -105,7 +105,7 @@ def gather_split_1d_tensor(
     flat = x.reshape(-1)
     if group.size() == 1:
         return flat.clone()
-    return _comm.gather_first_dim(flat, group)[0]
+    return _comm.gather_first_dim(flat, group)
 
 
 def _check_rank(rank: object, world_size: object) -> None:

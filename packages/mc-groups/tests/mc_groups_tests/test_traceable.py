@@ -1,0 +1,222 @@
+"""``mc_groups.traceable``: the new-tensor collectives, eager and under ``torch.compile``.
+
+On 2 gloo ranks, rank r holds ``x_r = arange(12).view(4, 3) + 100·r``; every expectation is
+computed here by hand from the two inputs (sums, maxima, concatenations, the halves of a
+sum), not by another collective. One function runs every collective (sync and started,
+SUM and MAX, gather, reduce-scatter, all-to-all) eagerly and compiled with
+``fullgraph=True`` (Inductor's C++ backend, one compile):
+
+- values: eager and compiled both equal the hand-made results, exactly (small integers in
+  fp32);
+- graph breaks: ``torch._dynamo.explain`` counts 0;
+- records: the compiled run records each collective when it runs (``compiled=True``),
+  the same ops, groups, dtypes, sizes, labels and ``async_op`` as the eager run (compared
+  as multisets: Inductor orders independent collectives itself); the first call, which
+  traces, compiles and runs, records one run;
+- the opt-in schedule check runs in compiled code: ranks that compiled different labels
+  raise :class:`~mc_groups.CollectiveScheduleError` on both ranks (a second, tiny compile);
+- the eager ``inplace`` flag reuses the input; one-rank groups return the input itself;
+  bad inputs are refused before anything is issued.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+from mc_groups import traceable
+from mc_groups.testing import RankPools, error_kind
+
+
+def _inputs(rank: int) -> torch.Tensor:
+    return torch.arange(12.0).view(4, 3) + 100.0 * rank
+
+
+def _every_op(x: torch.Tensor, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    summed = traceable.all_reduce_tensor(x, group, label="sum")
+    gathered = traceable.all_gather_tensor(x, group, label="gather")
+    scattered = traceable.reduce_scatter_tensor(x, group, label="scatter")
+    exchanged = traceable.all_to_all_tensor(x, group, label="exchange")
+    peak = traceable.start_all_reduce(x, group, op=mg.ReduceOp.MAX, label="max")
+    late_gather = traceable.start_all_gather(x * 2, group, label="gather later")
+    late_scatter = traceable.start_reduce_scatter(x * 3, group, label="scatter later")
+    return {
+        "sum": summed,
+        "gather": gathered,
+        "scatter": scattered,
+        "exchange": exchanged,
+        "max": peak.wait(),
+        "gather later": late_gather.wait(),
+        "scatter later": late_scatter.wait(),
+    }
+
+
+def _key(record: mg.CollectiveRecord) -> tuple[Any, ...]:
+    return (
+        record.op,
+        record.reduce_op,
+        record.group_ranks,
+        record.dtype,
+        record.numel,
+        record.label,
+        record.async_op,
+    )
+
+
+def _compiled_run() -> dict[str, Any]:
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1  # no compile workers in a 2-core rank process
+    # a long timeout: a rank waits in the first compiled collective while its peer compiles
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=300))
+    x = _inputs(dist.get_rank())
+    with mg.record_collectives() as eager_log:
+        eager = _every_op(x, group)
+    explained = torch._dynamo.explain(_every_op)(x, group)
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(_every_op, fullgraph=True)
+    with mg.record_collectives() as first_log:
+        compiled_fn(x, group)  # the first call traces, compiles, and runs once
+    with mg.record_collectives() as compiled_log:
+        compiled = compiled_fn(x, group)
+    mismatch = _schedule_mismatch(x, group)
+    torch._dynamo.reset()
+    return {
+        "eager": eager,
+        "compiled": compiled,
+        "breaks": explained.graph_break_count,
+        "graphs": explained.graph_count,
+        "first call records": len(first_log),
+        "eager records": [_key(r) for r in eager_log],
+        "compiled records": [_key(r) for r in compiled_log],
+        "compiled flags": [r.compiled for r in compiled_log],
+        "eager flags": [r.compiled for r in eager_log],
+        "mismatch": mismatch,
+    }
+
+
+def _schedule_mismatch(x: torch.Tensor, group: dist.ProcessGroup) -> str:
+    """Ranks compile different labels; the schedule check in the graph's op catches it."""
+    label = f"rank {dist.get_rank()}"
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        return traceable.all_reduce_tensor(t, group, label=label)
+
+    compiled_fn = torch.compile(reduce, fullgraph=True)
+    compiled_fn(x)  # unchecked: compiles
+    try:
+        with mg.check_collective_schedule():
+            compiled_fn(x)
+    except mg.CollectiveScheduleError as err:
+        return str(err)
+    return "no error"
+
+
+def _expected() -> dict[str, torch.Tensor]:
+    x0, x1 = _inputs(0), _inputs(1)
+    return {
+        "sum": x0 + x1,
+        "gather": torch.cat([x0, x1]),
+        "max": torch.maximum(x0, x1),
+        "gather later": torch.cat([x0, x1]) * 2,
+    }
+
+
+def _expected_for_rank(rank: int) -> dict[str, torch.Tensor]:
+    x0, x1 = _inputs(0), _inputs(1)
+    total = x0 + x1
+    return {
+        "scatter": total[2 * rank : 2 * rank + 2],
+        "scatter later": 3 * total[2 * rank : 2 * rank + 2],
+        "exchange": torch.cat([x0[2 * rank : 2 * rank + 2], x1[2 * rank : 2 * rank + 2]]),
+    }
+
+
+def test_eager_and_compiled_collectives_match_by_hand_and_record_alike(
+    rank_pools: RankPools,
+) -> None:
+    results = rank_pools.get(2).run_with_deadline(600.0, _compiled_run)
+    common = _expected()
+    for rank, res in enumerate(results):
+        wanted = {**common, **_expected_for_rank(rank)}
+        for mode in ("eager", "compiled"):
+            for name, value in wanted.items():
+                assert torch.equal(res[mode][name], value), f"rank {rank} {mode} {name}"
+        assert res["breaks"] == 0
+        assert res["graphs"] == 1
+        assert res["first call records"] == 7  # tracing and compiling record nothing
+        assert len(res["eager records"]) == 7
+        assert Counter(res["compiled records"]) == Counter(res["eager records"])
+        assert all(res["compiled flags"])
+        assert not any(res["eager flags"])
+        assert "rank 0" in res["mismatch"], res["mismatch"]
+        assert "rank 1" in res["mismatch"], res["mismatch"]
+
+
+def _eager_details() -> dict[str, Any]:
+    group = dist.group.WORLD
+    assert group is not None
+    x = _inputs(dist.get_rank())
+    kept = x.clone()
+    out = traceable.all_reduce_tensor(x, group)
+    untouched = torch.equal(x, kept) and out is not x
+    reused = traceable.all_reduce_tensor(x, group, inplace=True)
+    solo = [dist.new_group([r]) for r in range(2)][dist.get_rank()]  # every rank builds both
+    one_rank = [
+        traceable.all_reduce_tensor(kept, solo) is kept,
+        traceable.all_gather_tensor(kept, solo) is kept,
+        traceable.reduce_scatter_tensor(kept, solo) is kept,
+        traceable.all_to_all_tensor(kept, solo) is kept,
+        traceable.start_all_reduce(kept, solo).wait() is kept,
+    ]
+    errors = []
+    calls: tuple[Callable[[], object], ...] = (
+        lambda: traceable.all_reduce_tensor(kept, None),  # type: ignore[arg-type]
+        lambda: traceable.all_reduce_tensor([1.0], group),  # type: ignore[arg-type]
+        lambda: traceable.reduce_scatter_tensor(torch.ones(3), group),
+        lambda: traceable.all_to_all_tensor(kept, group, input_split_sizes=[1, 1]),
+        lambda: traceable.all_to_all_tensor(kept, group, output_split_sizes=[4]),
+        lambda: traceable.all_reduce_tensor(kept, group, inplace=1),  # type: ignore[arg-type]
+    )
+    for call in calls:
+        with mg.record_collectives() as log:
+            try:
+                call()
+                errors.append("no error")
+            except Exception as err:
+                errors.append(f"{error_kind(err)}: {err}")
+        assert log == []
+    return {
+        "untouched": untouched,
+        "reused": reused is x,
+        "value": reused,
+        "one rank": one_rank,
+        "errors": errors,
+    }
+
+
+def test_eager_inplace_one_rank_groups_and_bad_inputs(rank_pools: RankPools) -> None:
+    results = rank_pools.get(2).run(_eager_details)
+    total = _inputs(0) + _inputs(1)
+    for res in results:
+        assert res["untouched"]
+        assert res["reused"]
+        assert torch.equal(res["value"], total)
+        assert all(res["one rank"])
+        kinds = [e.split(":")[0] for e in res["errors"]]
+        assert kinds == [
+            "TypeError",
+            "TypeError",
+            "ValueError",
+            "ValueError",
+            "ValueError",
+            "TypeError",
+        ], res["errors"]
+        assert "group size 2" in res["errors"][2]
+        assert "input_split_sizes=[1, 1]" in res["errors"][3]
