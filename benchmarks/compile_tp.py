@@ -8,7 +8,7 @@ Two blocks, sequence parallelism off and on, each variant with the same weights 
   ``ColwiseParallel`` / ``RowwiseParallel`` (SP: ``Shard(0)`` input and output layouts);
 - ``llama layer``: decoder layer 1 of a ``transformers`` Llama (hidden 512, intermediate
   1024, 8 heads, 4 KV heads; ``[batch, seq, h]``), converted by ``mc_tp_layers.parallelize``
-  with ``examples.hf_llama.sequence_parallel_plan`` (the model's ``tp_plan`` plus block
+  with ``mc_tp_layers.sequence_parallel_plan`` (the model's ``tp_plan`` plus block
   entries: SP off, one input-grad all-reduce per attention or MLP block); DTensor:
   ``parallelize_module`` with the equivalent plan (SP: ``SequenceParallel(sequence_dim=1)``
   norms, ``PrepareModuleInput`` gathering the sequence before attention and MLP, row
@@ -166,15 +166,13 @@ class _Layer(torch.nn.Module):
 
 def _llama_mc(sp: bool) -> Block:
     import mc_groups as mg  # noqa: PLC0415
-    from examples.hf_llama import sequence_parallel_plan  # noqa: PLC0415
-    from mc_tp_layers import parallelize  # noqa: PLC0415
+    from mc_tp_layers import parallelize, sequence_parallel_plan  # noqa: PLC0415
 
     pgc = mg.get_default_collection()
     assert pgc is not None
     cfg = mg.ModelParallelConfig(tensor_model_parallel_size=TP, sequence_parallel=sp)
     model = _llama_model()
-    plan: dict[str, Any] = dict(model.tp_plan)
-    parallelize(model, sequence_parallel_plan(plan), config=cfg, pg_collection=pgc)
+    parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
     return _Layer(model.model.layers[1], model.model.rotary_emb)
 
 

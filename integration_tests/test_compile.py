@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 import torch
 
-from examples.hf_llama import build_model, sequence_parallel_plan
+from examples.hf_llama import build_model
 from mc_groups.testing import RankPools
 
 pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
@@ -75,7 +75,7 @@ def _step(model: Any, call: Any, ids: torch.Tensor) -> tuple[float, list[torch.T
 
 def _llama(sp: bool, how: str) -> dict[str, Any]:
     import mc_groups as mg
-    from mc_tp_layers import parallelize
+    from mc_tp_layers import parallelize, sequence_parallel_plan
 
     pgc = mg.initialize_model_parallel(tensor_model_parallel_size=2, timeout=TIMEOUT)
     try:
@@ -84,7 +84,7 @@ def _llama(sp: bool, how: str) -> dict[str, Any]:
         def build() -> Any:
             model = build_model("llama")
             model.config.use_cache = False
-            plan = sequence_parallel_plan(model.tp_plan) if sp else dict(model.tp_plan)
+            plan = sequence_parallel_plan(model) if sp else dict(model.tp_plan)
             return parallelize(model, plan, config=cfg, pg_collection=pgc)
 
         eager, compiled = build(), build()
