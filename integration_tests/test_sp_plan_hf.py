@@ -15,7 +15,8 @@ Localizes what each architecture adds:
   all heads as ``colwise_rmsnorm`` (sum of squares all-reduced over TP);
 - Gemma: ``(1 + weight)`` norms, the scaled word embedding, tied embeddings;
 - Qwen3 and Gemma-3: per-head ``q_norm`` / ``k_norm`` as their ``tp_plan`` says
-  (``replicated_with_grad_allreduce``: each rank's grad covers its heads, summed over TP);
+  (``replicated_with_grad_allreduce``: each rank's grad covers its heads, summed over TP by
+  ``finalize_model_grads``, so no collective of theirs in forward or backward);
 - Qwen2's q/k/v biases, Mistral as Llama.
 
 Then the collectives of one forward and one backward per model at TP=2 (op, group, bytes,
@@ -193,8 +194,7 @@ def _expected(kind: str, packed: bool) -> tuple[Counter[tuple[str, int]], Counte
     if kind == "olmo2":  # q_norm, k_norm: Σx² of [b, s, 1] all-reduced forward and backward
         forward[("all_reduce", BATCH * SEQ * 4)] += 2 * layers
         backward[("all_reduce", BATCH * SEQ * 4)] += 2 * layers
-    if kind in ("qwen3", "gemma3"):  # per-head q_norm, k_norm: their grads summed over TP
-        backward[("all_reduce", head_dim * 4)] += 2 * layers
+    # qwen3, gemma3: per-head q_norm, k_norm grads are summed by finalize, not in backward
     if kind == "phi3":  # gathered qkv (/ gate_up) outputs; split o_proj (/ down_proj) inputs
         forward[("all_gather", BATCH * SEQ * (heads + 2 * kv_heads) * head_dim // w * 4)] += layers
         backward[("all_gather", BATCH * SEQ * heads * head_dim // w * 4)] += layers

@@ -101,8 +101,8 @@ def parallelize(
                                                                  (as rowwise)
         embedding_rowwise     all-reduce of the embeddings       —
         colwise_rmsnorm       all-reduce of Σx² ([..., 1], fp32) all-reduce of its grad
-        replicated_with_      —                                  all-reduce of each param grad
-        grad_allreduce
+        replicated_with_      —                                  — (tagged: finalize_model_grads
+        grad_allreduce                                           sums the grads over tp)
         sequence_gather       SP: all-gather of the input (seq)  SP: reduce-scatter of its grad,
                               (a block's entry)                  else all-reduce of it
         sequence_scatter      —                                  all-gather of its grad
@@ -385,10 +385,11 @@ def _attach(mod: torch.nn.Module, style: Style, setup: Setup, name: str) -> None
         hook = _sequence.input_hook(name, style.kwarg, lambda x: _sequence.enter(x, group, dim, sp))
         mod.register_forward_pre_hook(hook, with_kwargs=True)
     elif isinstance(style, ReplicatedWithGradAllReduce):
-        for pname, param in mod.named_parameters():
-            if param.requires_grad:
-                summed = _sequence.grad_sum(group, f"{name}.{pname}")
-                param.register_hook(summed)  # type: ignore[no-untyped-call]
+        # Summed over tp by finalize_model_grads once per step (with or without SP), as
+        # Megatron sums its q/k layernorms; not a hook per backward, which would reduce once
+        # per micro-batch and put a collective outside the compiled graph.
+        for param in mod.parameters():
+            param_attrs.mark_sum_gradients_across_tp_domain(param, True)
     elif not sp:
         return
     elif isinstance(style, SequenceParallelNorm):

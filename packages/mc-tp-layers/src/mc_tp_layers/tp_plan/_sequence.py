@@ -13,9 +13,6 @@ Without sequence parallelism the same plan entry is Megatron's ``f`` for the who
 column-parallel layer would otherwise all-reduce its own). The tensor that enters a block
 is marked, so a column-parallel layer that relies on it refuses an input that did not
 enter that way (its grads would silently miss the TP sum).
-
-:func:`grad_sum` is the parameter hook of ``replicated_with_grad_allreduce``: a replicated
-parameter used only on this rank's heads gets the TP sum of its grad in backward.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mc_groups import all_reduce
 from mc_groups.errors import InputValueError
 from mc_tp_layers.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -62,17 +58,6 @@ def enter(
 def scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     """This rank's part of ``x`` along the sequence ``dim`` (backward: all-gather)."""
     return along(dim, lambda t: scatter_to_sequence_parallel_region(t, group), x)
-
-
-def grad_sum(group: dist.ProcessGroup, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A parameter hook summing its grad over ``group`` (one all-reduce, in backward)."""
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        total = grad.contiguous().clone()
-        all_reduce(total, group, label=f"replicated_with_grad_allreduce {name}")
-        return total
-
-    return hook
 
 
 def is_block_input(x: torch.Tensor) -> bool:

@@ -95,10 +95,12 @@ class ColwiseRMSNorm:
 class ReplicatedWithGradAllReduce:
     """A replicated module inside the tensor-parallel region whose parameters each rank
     trains on only its part of the work (Qwen3's and Gemma-3's per-head ``q_norm`` /
-    ``k_norm``: each rank normalises its own heads): each parameter's grad is summed over
-    the TP group as it is computed (a tensor hook, before it accumulates into ``.grad`` or
-    DDP's ``main_grad``), with or without sequence parallelism. Collectives: backward one
-    all-reduce of the parameter's size per parameter and backward pass."""
+    ``k_norm``: each rank normalises its own heads): its parameters are tagged
+    ``sum_gradients_across_tp_domain`` (:mod:`mc_groups.param_attrs`), so
+    ``mc_finalize.finalize_model_grads`` sums their grads over the TP group once per step,
+    with or without sequence parallelism (as Megatron sums its q/k layernorms), and the
+    global grad norm counts them once. Collectives: none in forward or backward; their
+    grads join finalize's TP all-reduce."""
 
 
 @dataclass(frozen=True)
