@@ -36,6 +36,10 @@
   (:class:`PeerCheckError` naming it) instead of a wait until the group's timeout;
   :class:`CarriedStatus`: the same outcome carried by a reduction the entry point runs
   anyway (one more element) instead of an exchange of its own.
+- :func:`agree` (:mod:`mc_groups.agreement`): the ranks of a group compare named values
+  once (one 8-byte exchange); a difference is the same :class:`AgreementError` on every
+  rank, its differing fields and rank sets attributes (DDP's and the TP layers' checks at
+  construction are built on it).
 - :mod:`mc_groups.testing`: a reusable multi-process CPU harness for tests.
 """
 
@@ -47,6 +51,7 @@ from mc_groups import argcheck as argcheck
 from mc_groups import elastic as elastic
 from mc_groups import param_attrs as param_attrs
 from mc_groups import traceable as traceable
+from mc_groups.agreement import AgreementError, agree
 from mc_groups.collection import GROUP_FIELDS, MissingGroupError, ProcessGroupCollection
 from mc_groups.collectives import (
     CoalescedBatch,
@@ -113,6 +118,7 @@ __all__ = [
     "GROUP_FIELDS",
     "MAX_WORLD_SIZE",
     "SCHEDULE_CHECK_ENV",
+    "AgreementError",
     "CarriedStatus",
     "CoalescedBatch",
     "CollectiveError",
@@ -132,6 +138,7 @@ __all__ = [
     "ProcessGroupCollection",
     "RankGenerator",
     "ReduceOp",
+    "agree",
     "all_gather",
     "all_gather_objects",
     "all_reduce",

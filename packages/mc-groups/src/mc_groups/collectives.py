@@ -64,11 +64,12 @@ from mc_groups._core import (
     issue,
     record,
 )
-from mc_groups._errors import CollectiveError, CollectiveScheduleError
+from mc_groups._errors import CollectiveError
 from mc_groups._shims import all_gather_flat
 from mc_groups.argcheck import check_group, type_name
 from mc_groups.collection import is_group_live
 from mc_groups.errors import InputTypeError, InputValueError
+from mc_groups.schedule_check import CollectiveScheduleError
 
 __all__ = [
     "CoalescedBatch",

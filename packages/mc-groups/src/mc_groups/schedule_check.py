@@ -49,14 +49,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from mc_groups._errors import CollectiveError, CollectiveScheduleError
+from mc_groups._errors import CollectiveError
 from mc_groups._p2p import exchange_rows
 from mc_groups._shims import all_gather_flat
 from mc_groups.argcheck import check_flag
@@ -66,7 +66,10 @@ __all__ = [
     "SCHEDULE_CHECK_ENV",
     "CollectiveScheduleError",
     "PlannedCollective",
+    "RankPlan",
+    "ScheduleVariant",
     "check_collective_schedule",
+    "exchange_plans",
     "schedule_check_enabled",
     "verify_schedule",
 ]
@@ -145,6 +148,54 @@ class PlannedCollective(NamedTuple):
         return f"{self.kind}{label} of {self.payload}{shape}{detail}"
 
 
+class RankPlan(NamedTuple):
+    """What one rank was about to run, as its peers learn it when the fingerprints differ.
+
+    ``note`` is shown after the description (a failed check's error, from
+    :func:`mc_groups.fail_together`); ``payload`` travels along unshown (the values
+    :func:`mc_groups.agree` compares).
+    """
+
+    planned: PlannedCollective
+    note: str = ""
+    payload: object = None
+
+    def describe(self) -> str:
+        """The planned collective's description, then ``: note`` when there is one."""
+        text = self.planned.describe()
+        return f"{text}: {self.note}" if self.note else text
+
+
+class ScheduleVariant(NamedTuple):
+    """One of the different things the ranks of a group were about to run: the global
+    ``ranks`` that were about to run it, and the :class:`RankPlan` of the first of them."""
+
+    ranks: tuple[int, ...]
+    plan: RankPlan
+
+
+class CollectiveScheduleError(CollectiveError):
+    """The ranks of a group were about to run different collectives (the opt-in schedule
+    check found it before anything was issued); every rank of the group raises it.
+
+    ``group_ranks`` (the group's global ranks) and ``variants`` (each
+    :class:`ScheduleVariant`, the most common first) say the same as the message, for
+    code that reacts to them."""
+
+    def __init__(
+        self,
+        message: str,
+        group_ranks: Sequence[int] = (),
+        variants: Sequence[ScheduleVariant] = (),
+    ) -> None:
+        super().__init__(message)
+        self.group_ranks = tuple(group_ranks)
+        self.variants = tuple(variants)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.group_ranks, self.variants))
+
+
 def verify_schedule(
     group: dist.ProcessGroup, planned: PlannedCollective, device: torch.device
 ) -> None:
@@ -156,20 +207,44 @@ def verify_schedule(
         CollectiveError: the exchange itself failed (a peer is dead, hung, or waiting on
             a collective of another group), after at most the group's timeout.
     """
-    ranks = list(dist.get_process_group_ranks(group))
+    plans = exchange_plans(group, RankPlan(planned), device)
+    if plans is not None:
+        raise _mismatch_error(list(dist.get_process_group_ranks(group)), plans)
+
+
+def exchange_plans(
+    group: dist.ProcessGroup, mine: RankPlan, device: torch.device
+) -> list[RankPlan] | None:
+    """The exchange under every cross-rank check of the layer (:func:`verify_schedule`,
+    :func:`mc_groups.fail_together`, :func:`mc_groups.agree`): the ranks of ``group``
+    exchange the 8-byte fingerprint of ``mine.planned``; None when every rank's is the
+    same, else every rank's :class:`RankPlan` in group-rank order (all-gathered only then).
+
+    Checks that meet on one group understand each other: whatever each was about to do,
+    every rank learns every rank's plan. Not recorded by
+    :func:`mc_groups.record_collectives`.
+
+    Raises:
+        CollectiveError: the exchange failed (a peer is dead, hung, or waiting on a
+            collective of another group), after at most the group's timeout.
+    """
     try:
-        keys = _exchange_keys(group, planned.key(), device)
+        keys = _exchange_keys(group, mine.planned.key(), device)
         if len(set(keys)) == 1:
-            return
-        descriptions: list[object] = [None] * group.size()
-        dist.all_gather_object(descriptions, planned.describe(), group=group)
+            return None
+        plans: list[object] = [None] * group.size()
+        dist.all_gather_object(plans, mine, group=group)
     except RuntimeError as err:
+        ranks = list(dist.get_process_group_ranks(group))
         raise CollectiveError(
-            f"schedule check before {planned.describe()} on group ranks {ranks} failed: "
-            f"{err} (the other ranks did not reach a collective on this group: dead, hung, "
-            "or waiting on another group)"
+            f"schedule check before {mine.planned.describe()} on group ranks {ranks} "
+            f"failed: {err} (the other ranks did not reach a collective on this group: dead, "
+            "hung, or waiting on another group)"
         ) from err
-    raise CollectiveScheduleError(_mismatch_message(ranks, keys, descriptions))
+    return [plan if isinstance(plan, RankPlan) else RankPlan(_UNKNOWN) for plan in plans]
+
+
+_UNKNOWN = PlannedCollective("(an unknown plan)", "nothing")
 
 
 _SCHEDULE_TAG = 0x6D64
@@ -191,20 +266,25 @@ def _exchange_keys(group: dist.ProcessGroup, key: int, device: torch.device) -> 
     return [int(v) for v in out.tolist()]
 
 
-def _mismatch_message(ranks: list[int], keys: list[int], descriptions: list[object]) -> str:
-    variants: dict[int, list[int]] = {}
-    for group_rank, key in enumerate(keys):
-        variants.setdefault(key, []).append(group_rank)
-    lines = [
-        f"collective schedule mismatch on group ranks {ranks}: the ranks were about to run "
-        f"{len(variants)} different collectives (none was issued):"
+def _mismatch_error(ranks: Sequence[int], plans: Sequence[RankPlan]) -> CollectiveScheduleError:
+    """The :class:`CollectiveScheduleError` of ``plans`` (every rank's, in group-rank order;
+    ``ranks`` the group's global ranks): one variant per fingerprint, the most common
+    first, each described by its first rank's plan."""
+    members: dict[int, list[int]] = {}
+    for group_rank, plan in enumerate(plans):
+        members.setdefault(plan.planned.key(), []).append(group_rank)
+    variants = [
+        ScheduleVariant(tuple(ranks[i] for i in who), plans[who[0]])
+        for who in sorted(members.values(), key=len, reverse=True)
     ]
-    for members in sorted(variants.values(), key=len, reverse=True):
-        who = [ranks[i] for i in members]
-        lines.append(f"  rank(s) {who}: {descriptions[members[0]]}")
+    lines = [
+        f"collective schedule mismatch on group ranks {list(ranks)}: the ranks were about to "
+        f"run {len(variants)} different collectives (none was issued):"
+    ]
+    lines += [f"  rank(s) {list(v.ranks)}: {v.plan.describe()}" for v in variants]
     lines.append(
         "Every rank must issue the same collectives on a group in the same order: build "
         "the same model on every rank (same params, registered in the same order) and run "
         "the same layers."
     )
-    return "\n".join(lines)
+    return CollectiveScheduleError("\n".join(lines), ranks, variants)

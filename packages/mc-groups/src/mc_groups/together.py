@@ -52,10 +52,15 @@ import torch
 import torch.distributed as dist
 
 from mc_groups._core import key_device
-from mc_groups._errors import CollectiveError, CollectiveScheduleError
+from mc_groups._errors import CollectiveError
 from mc_groups.errors import InputValueError
 from mc_groups.recorder import STATUS_EXCHANGE, CollectiveRecord, _emit, _recording
-from mc_groups.schedule_check import PlannedCollective, _exchange_keys, _mismatch_message
+from mc_groups.schedule_check import (
+    PlannedCollective,
+    RankPlan,
+    _mismatch_error,
+    exchange_plans,
+)
 
 __all__ = ["CarriedStatus", "PeerCheckError", "fail_together"]
 
@@ -90,29 +95,25 @@ def fail_together(group: dist.ProcessGroup | None, where: str) -> Iterator[None]
         failure = err
     ranks = list(dist.get_process_group_ranks(group))
     planned = PlannedCollective(_KIND, where, detail="passed" if failure is None else "failed")
+    mine = RankPlan(planned, "" if failure is None else _text(failure))
     try:
-        keys = _exchange_keys(group, planned.key(), key_device(group, None))
-        _record_exchange(ranks, where)
-        if len(set(keys)) > 1:
-            # One string, readable by a peer's schedule check too: "... [failed]: error".
-            mine = planned.describe() + ("" if failure is None else f": {_text(failure)}")
-            seen: list[object] = [None] * group.size()
-            dist.all_gather_object(seen, mine, group=group)
-    except RuntimeError as err:
+        plans = exchange_plans(group, mine, key_device(group, None))
+    except CollectiveError as err:
         if failure is not None:
             raise failure from err  # its own error says more than the dead peer's
         raise CollectiveError(
             f"{where}: the status exchange after the local checks on group ranks {ranks} "
-            f"failed: {err} (a peer is dead, hung, or in another collective)"
-        ) from err
+            f"failed: {err.__cause__} (a peer is dead, hung, or in another collective)"
+        ) from err.__cause__
+    _record_exchange(ranks, where)
     if failure is not None:
         raise failure
-    if len(set(keys)) == 1:
+    if plans is None:
         return
-    failures = _failures(ranks, seen, where)
-    if not failures or not all(str(d).startswith(_KIND) for d in seen):
+    failures = _failures(ranks, plans, where)
+    if not failures or not all(plan.planned.kind == _KIND for plan in plans):
         # a peer was about to run another collective, or to pass another entry point
-        raise CollectiveScheduleError(_mismatch_message(ranks, keys, seen))
+        raise _mismatch_error(ranks, plans)
     listed = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
     raise PeerCheckError(
         f"{where} failed its checks on rank(s) {list(failures)} of group ranks {ranks}, so "
@@ -208,15 +209,14 @@ class CarriedStatus:
         )
 
 
-def _failures(ranks: list[int], seen: list[object], where: str) -> dict[int, str]:
+def _failures(ranks: list[int], plans: list[RankPlan], where: str) -> dict[int, str]:
     """Each failing global rank's error text (``"(at <entry point>) "`` first when it failed
     at another entry point than ``where``)."""
     out = {}
-    for rank, described in zip(ranks, seen, strict=True):
-        head, sep, text = str(described).partition(_FAILED)
-        if sep:
-            theirs = head.removeprefix(f"{_KIND} of ").rstrip(" [")
-            out[rank] = text if theirs == where else f"(at {theirs}) {text}"
+    for rank, plan in zip(ranks, plans, strict=True):
+        if plan.planned.kind == _KIND and plan.note:
+            theirs = plan.planned.payload
+            out[rank] = plan.note if theirs == where else f"(at {theirs}) {plan.note}"
     return out
 
 
