@@ -33,7 +33,7 @@ from mc_ddp_tests._harness import (
     mlp,
     model_parallel,
 )
-from mc_groups.schedule_check import exchange_plans
+from mc_groups.comm.schedule_check import exchange_plans
 from mc_groups.testing import RankPools
 
 MP = mg.ModelParallelConfig()
@@ -224,7 +224,7 @@ def _agreeing() -> dict[str, Any]:
         return exchange_plans(group, mine, device)
 
     out: dict[str, Any] = {}
-    with model_parallel() as pgc, mock.patch("mc_groups.agreement.exchange_plans", counted):
+    with model_parallel() as pgc, mock.patch("mc_groups.comm.agreement.exchange_plans", counted):
         with mg.record_collectives() as log:
             cfg = ddp_config(overlap_grad_reduce=True, use_distributed_optimizer=True)
             ddp = DistributedDataParallel(MP, cfg, mlp(), pg_collection=pgc)

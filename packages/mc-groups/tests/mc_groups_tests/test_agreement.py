@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import agreement
-from mc_groups.agreement import ABSENT, Difference
+from mc_groups.comm import agreement, schedule_check
+from mc_groups.comm.agreement import ABSENT, Difference
 from mc_groups.testing import RankPools, error_kind
 
 BASE: dict[str, Any] = {"hidden": 8, "dtype": "float32", "params": ("a (2,)", "b (3,)")}
@@ -48,15 +48,15 @@ def _grid() -> dict[str, Any]:
     another ``what``; what each raised, as attributes and text."""
     group, me = _world(), dist.get_rank()
     out: dict[str, Any] = {}
-    spy = mock.patch.object(agreement, "exchange_plans", wraps=agreement.exchange_plans)
+    spy = mock.patch.object(agreement, "exchange_plans", wraps=schedule_check.exchange_plans)
     with spy as exchanges, mg.record_collectives(status_exchanges=True) as log:
         for case, theirs in CASES.items():
             try:
                 mg.agree(group, "the test's sizes", BASE if me == 0 else theirs)
                 out[case] = ("no error", "", ())
             except mg.AgreementError as err:
-                assert err.what == "the test's sizes" and err.group_ranks == (0, 1)
                 out[case] = (error_kind(err), str(err), err.differences)
+                out[f"{case} attributes"] = (err.what, err.group_ranks)
         try:
             mg.agree(group, "A" if me == 0 else "B", BASE)
             out["other what"] = ("no error", "", ())
@@ -89,6 +89,8 @@ def test_ranks_agree_or_raise_the_same_structured_error(rank_pools: RankPools) -
         assert texts[0] == texts[1]  # the same message on every rank
         assert found == (differences, differences)
         assert texts[0].startswith("the test's sizes: the ranks [0, 1] of the group hold")
+        for out in outs:
+            assert out[f"{case} attributes"] == ("the test's sizes", (0, 1))
         assert f"  {differences[0].describe()}" in texts[0].splitlines()
     assert "  params, entry #1: b (3,) on rank(s) [0]; b (4,) on rank(s) [1]" in (
         outs[0]["entry"][1].splitlines()

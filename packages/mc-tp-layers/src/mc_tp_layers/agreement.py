@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups.agreement import ABSENT, Difference, Value
+from mc_groups.comm.agreement import ABSENT, Difference, Value
 from mc_groups.errors import InputTypeError
 
 __all__ = ["LayerFingerprint", "TensorParallelAgreementError", "check_tp_agreement"]

@@ -47,7 +47,7 @@ vocabulary size (``vocab_size=``, a Python int: no device work) and the call che
 **Under torch.compile** both checks take their device form on every device
 (``torch._assert_async`` in the graph: on CPU a ``RuntimeError`` naming the check when the
 compiled code runs, before the loss is returned), so the function traces without a graph
-break; its two all-reduces are functional collectives (:mod:`mc_groups.traceable`).
+break; its two all-reduces are functional collectives (:mod:`mc_groups.comm.traceable`).
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import traceable
-from mc_groups.agreement import differences
 from mc_groups.argcheck import check_int, check_tensor
+from mc_groups.comm import traceable
+from mc_groups.comm.agreement import differences
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers._autograd import apply
 from mc_tp_layers._groups import resolve_tp_group

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import traceable
 from mc_groups.argcheck import check_flag, check_tensor, type_name
+from mc_groups.comm import traceable
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _comm
 from mc_tp_layers._config import TensorParallelConfig

@@ -42,8 +42,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from mc_groups import param_attrs, traceable
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor, type_name
+from mc_groups.comm import traceable
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _comm, _validate
 from mc_tp_layers._autograd import apply

@@ -51,16 +51,16 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from mc_groups._core import key_device
-from mc_groups._errors import CollectiveError
-from mc_groups.errors import InputValueError
-from mc_groups.recorder import STATUS_EXCHANGE, CollectiveRecord, _emit, _recording
-from mc_groups.schedule_check import (
+from mc_groups.comm._common import key_device
+from mc_groups.comm._errors import CollectiveError
+from mc_groups.comm.recorder import STATUS_EXCHANGE, CollectiveRecord, _emit, _recording
+from mc_groups.comm.schedule_check import (
     PlannedCollective,
     RankPlan,
     _mismatch_error,
     exchange_plans,
 )
+from mc_groups.errors import InputValueError
 
 __all__ = ["CarriedStatus", "PeerCheckError", "fail_together"]
 

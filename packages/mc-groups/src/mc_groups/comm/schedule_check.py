@@ -56,10 +56,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from mc_groups._errors import CollectiveError
-from mc_groups._p2p import exchange_rows
-from mc_groups._shims import all_gather_flat
 from mc_groups.argcheck import check_flag
+from mc_groups.comm._errors import CollectiveError
+from mc_groups.comm._p2p_all_gather import exchange_rows
+from mc_groups.comm._shims import all_gather_flat
 from mc_groups.errors import InputValueError
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The collective layer: the only mc module (with its private helpers ``_core``, ``_gloo``,
-``_reduce_scatter``, ``_coalesced``, ``_shims``, ``_compiled``, :mod:`mc_groups.communicator`,
-:mod:`mc_groups.schedule_check` and :mod:`mc_groups.traceable`, its functional form for
+``_reduce_scatter``, ``_coalesced``, ``_shims``, ``_compiled``, :mod:`mc_groups.comm.communicator`,
+:mod:`mc_groups.comm.schedule_check` and :mod:`mc_groups.comm.traceable`, its functional form for
 ``torch.compile``) that calls ``torch.distributed`` collectives.
 
 Why one layer:
@@ -18,7 +18,7 @@ Why one layer:
   group 0' failed: … Connection closed by peer" rather than a gloo socket error far from
   the cause;
 - an opt-in schedule check compares every collective across the group's ranks before it
-  is issued (:mod:`mc_groups.schedule_check`);
+  is issued (:mod:`mc_groups.comm.schedule_check`);
 - torch-version shims live here (``reduce_scatter_single``/``all_gather_single`` replace
   the deprecated ``*_tensor`` names in torch 2.13).
 
@@ -40,10 +40,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mc_groups import _gloo as gloo
-from mc_groups import _reduce_scatter as rs
-from mc_groups._coalesced import CoalescedBatch, coalesced
-from mc_groups._core import (
+from mc_groups.argcheck import check_group, type_name
+from mc_groups.collection import is_group_live
+from mc_groups.comm import _gloo as gloo
+from mc_groups.comm import _reduce_scatter as rs
+from mc_groups.comm._coalesced import CoalescedBatch, coalesced
+from mc_groups.comm._common import (
     DONE,
     TORCH_OPS,
     CollectiveHandle,
@@ -64,12 +66,10 @@ from mc_groups._core import (
     issue,
     record,
 )
-from mc_groups._errors import CollectiveError
-from mc_groups._shims import all_gather_flat
-from mc_groups.argcheck import check_group, type_name
-from mc_groups.collection import is_group_live
+from mc_groups.comm._errors import CollectiveError
+from mc_groups.comm._shims import all_gather_flat
+from mc_groups.comm.schedule_check import CollectiveScheduleError
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_groups.schedule_check import CollectiveScheduleError
 
 __all__ = [
     "CoalescedBatch",
@@ -147,7 +147,7 @@ def reduce_scatter(
     - ``received``: the all-to-all's receive buffer (``input``'s numel, dtype and device),
       used when the reduce-scatter runs as an all-to-all; None: a fresh one per call.
       Callers repeating the collective use a :class:`~mc_groups.Communicator`, which keeps
-      its buffers. See :mod:`mc_groups._reduce_scatter` for the algorithms.
+      its buffers. See :mod:`mc_groups.comm._reduce_scatter` for the algorithms.
     """
     check_group("group", group)
     op = check_op(op)

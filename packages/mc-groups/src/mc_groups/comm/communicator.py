@@ -20,12 +20,12 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from mc_groups import _core as core
-from mc_groups import _reduce_scatter as rs
-from mc_groups._coalesced import open_batch
-from mc_groups._gloo import is_gloo
 from mc_groups.argcheck import check_group, type_name
-from mc_groups.collectives import CollectiveHandle, ReduceOp, all_gather, all_reduce
+from mc_groups.comm import _common as core
+from mc_groups.comm import _reduce_scatter as rs
+from mc_groups.comm._coalesced import open_batch
+from mc_groups.comm._gloo import is_gloo
+from mc_groups.comm.collectives import CollectiveHandle, ReduceOp, all_gather, all_reduce
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["Communicator"]

@@ -1,6 +1,6 @@
 """What every collective of the layer shares: the reduce ops, the handle, group queries,
 tensor checks, descriptions (for errors), recording, issuing, and the hook of the opt-in
-schedule check. No collective is defined here (see :mod:`mc_groups.collectives`)."""
+schedule check. No collective is defined here (see :mod:`mc_groups.comm.collectives`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mc_groups._errors import CollectiveError
 from mc_groups.argcheck import check_flag, check_group, check_real, check_str, check_tensor
+from mc_groups.comm._errors import CollectiveError
+from mc_groups.comm.recorder import CollectiveRecord, _emit, _recording
+from mc_groups.comm.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_groups.recorder import CollectiveRecord, _emit, _recording
-from mc_groups.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
 
 __all__ = [
     "CollectiveHandle",
@@ -310,7 +310,7 @@ def check_schedule(
     detail: str = "",
     payload: str | None = None,
 ) -> None:
-    """The opt-in schedule check (see :mod:`mc_groups.schedule_check`); a no-op unless
+    """The opt-in schedule check (see :mod:`mc_groups.comm.schedule_check`); a no-op unless
     enabled. ``payload`` overrides the compared ``numel × dtype`` text."""
     if not schedule_check_enabled():
         return

@@ -7,11 +7,11 @@ last gradient hook ran") instead of timing anything::
         loss.backward()
     assert [r.op for r in log] == ["reduce_scatter", "reduce_scatter"]
 
-Records are appended by :mod:`mc_groups.collectives`, the only module that calls
+Records are appended by :mod:`mc_groups.comm.collectives`, the only module that calls
 ``torch.distributed`` collectives, at the moment a collective is *issued* (before an
 async one completes). Collectives on single-rank groups are short-circuited and not
 recorded: nothing is communicated. Collectives of a graph built by ``torch.compile``
-(:mod:`mc_groups.traceable`) are recorded when the compiled graph runs them, with
+(:mod:`mc_groups.comm.traceable`) are recorded when the compiled graph runs them, with
 ``compiled=True``; tracing records nothing.
 
 The status exchange of :func:`mc_groups.fail_together` (8 bytes per rank after an entry
@@ -59,7 +59,7 @@ class CollectiveRecord:
         coalesced: issued inside a coalesced batch.
         label: free text the caller attached (e.g. ``"bucket_group 0"``).
         compiled: issued by a graph that ``torch.compile`` built (recorded by the graph's
-            ``mc_groups::collective`` op when it runs; see :mod:`mc_groups.traceable`).
+            ``mc_groups::collective`` op when it runs; see :mod:`mc_groups.comm.traceable`).
     """
 
     op: str

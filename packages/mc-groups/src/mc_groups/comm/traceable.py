@@ -5,7 +5,7 @@ them: the recorder's lock, handles, gloo's point-to-point exchanges), so a layer
 calls :func:`mc_groups.all_reduce` breaks its graph. These functions take the same group
 and label as the in-place collectives and pick their path when called:
 
-- **eager** (not compiling): the in-place collectives of :mod:`mc_groups.collectives` on
+- **eager** (not compiling): the in-place collectives of :mod:`mc_groups.comm.collectives` on
   a new output tensor, so nothing changes there: validated, recorded, schedule-checked,
   failures named (:class:`~mc_groups.CollectiveError`), gloo's emulations, async work on
   a :class:`~mc_groups.CollectiveHandle`;
@@ -28,10 +28,10 @@ Both paths send the same bytes with the same algorithm::
     all_to_all       all-to-all (even splits)   all-to-all (even splits)
 
 **Compiled code: what runs outside the graph.** Each collective traced into a graph is
-preceded by the custom op ``mc_groups::collective`` (see :mod:`mc_groups._compiled`): an
+preceded by the custom op ``mc_groups::collective`` (see :mod:`mc_groups.comm._compiled`): an
 ordered side effect, which Inductor keeps in program order among mc's collectives. When
 the compiled code runs, it does in Python what the eager path does before issuing: the
-opt-in schedule check (:mod:`mc_groups.schedule_check`) and a
+opt-in schedule check (:mod:`mc_groups.comm.schedule_check`) and a
 :class:`~mc_groups.CollectiveRecord` with ``compiled=True`` (same op, group, dtype, size,
 ``async_op`` and label as the eager call) in every open
 :func:`~mc_groups.record_collectives` log. So a compiled step records its collectives
@@ -55,12 +55,12 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from mc_groups import _compiled
-from mc_groups._core import CollectiveHandle, ReduceOp, check_op
-from mc_groups._gloo import is_gloo
-from mc_groups._reduce_scatter import accumulation_dtype
 from mc_groups.argcheck import check_flag, check_group, check_tensor
-from mc_groups.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from mc_groups.comm import _compiled
+from mc_groups.comm._common import CollectiveHandle, ReduceOp, check_op
+from mc_groups.comm._gloo import is_gloo
+from mc_groups.comm._reduce_scatter import accumulation_dtype
+from mc_groups.comm.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
@@ -209,7 +209,7 @@ def _traced_reduce_scatter(
 
 def _reduce_rows(rows: torch.Tensor, op: ReduceOp, dtype: torch.dtype) -> torch.Tensor:
     """The local step of gloo's reduce-scatter, out of place (the eager one is
-    :func:`mc_groups._reduce_scatter.reduce_rows`)."""
+    :func:`mc_groups.comm._reduce_scatter.reduce_rows`)."""
     if op is ReduceOp.MAX:
         return rows.amax(dim=0)
     if op is ReduceOp.MIN:

@@ -12,7 +12,7 @@ Mechanism (:func:`agree`)::
 
     fingerprint   BLAKE2b of the fields (names and values), 8 bytes per rank exchanged
                   over the group through the schedule check's exchange
-                  (:func:`mc_groups.schedule_check.exchange_plans`: point to point on its
+                  (:func:`mc_groups.comm.schedule_check.exchange_plans`: point to point on its
                   own tag on gloo, one all-gather elsewhere; not recorded by
                   :func:`mc_groups.record_collectives`)
     all equal     return; nothing else is communicated
@@ -42,15 +42,15 @@ from typing import Any, NamedTuple, TypeAlias
 
 import torch.distributed as dist
 
-from mc_groups._core import key_device
 from mc_groups.argcheck import check_group, check_str, type_name
-from mc_groups.errors import InputTypeError, InputValueError
-from mc_groups.schedule_check import (
+from mc_groups.comm._common import key_device
+from mc_groups.comm.schedule_check import (
     PlannedCollective,
     RankPlan,
     _mismatch_error,
     exchange_plans,
 )
+from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["ABSENT", "AgreementError", "Difference", "Value", "agree", "differences"]
 
