@@ -54,8 +54,9 @@ from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["ABSENT", "AgreementError", "Difference", "Value", "agree", "differences"]
 
-Value: TypeAlias = "str | int | float | bool | tuple[Value, ...] | None"
-"""What a field may hold: compared by ``repr`` across the ranks."""
+Value: TypeAlias = str | int | float | bool | tuple[object, ...] | None
+"""What a field may hold, compared by ``repr`` across the ranks (a tuple holds these too,
+checked at the call)."""
 
 ABSENT = "(absent)"
 """How a field that some ranks did not pass is shown among its values."""

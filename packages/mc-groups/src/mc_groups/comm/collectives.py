@@ -1,7 +1,6 @@
-"""The collective layer: the only mc module (with its private helpers ``_core``, ``_gloo``,
-``_reduce_scatter``, ``_coalesced``, ``_shims``, ``_compiled``, :mod:`mc_groups.comm.communicator`,
-:mod:`mc_groups.comm.schedule_check` and :mod:`mc_groups.comm.traceable`, its functional form for
-``torch.compile``) that calls ``torch.distributed`` collectives.
+"""The collectives of the layer (:mod:`mc_groups.comm`, the only part of mc that calls
+``torch.distributed`` collectives): typed, validated, bounded and recorded wrappers, each
+returning a :class:`~mc_groups.CollectiveHandle`.
 
 Why one layer:
 
