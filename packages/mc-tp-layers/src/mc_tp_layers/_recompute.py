@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from mc_groups.argcheck import check_tensor
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_tp_layers._groups import resolve_tp_group
 from mc_tp_layers._rng_default import default_tracker
+from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 
 __all__: list[str] = []
