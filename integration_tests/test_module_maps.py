@@ -26,6 +26,7 @@ MOVED = {  # deprecated alias -> where the module lives now (issue 31)
     "mc_groups.schedule_check": "mc_groups.comm.schedule_check",
     "mc_groups.traceable": "mc_groups.comm.traceable",
     "mc_groups.together": "mc_groups.comm.peer_checks",
+    "mc_ddp.param_ready": "mc_ddp.hooks",
 }
 
 _ROW = re.compile(r"^\| `([^`]+\.py)` \| .+ \|$")

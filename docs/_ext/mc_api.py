@@ -216,13 +216,16 @@ class _Writer:
         modules = _public_modules(package)
         exported = {n: getattr(package, n) for n in _all(package)}
         homes: dict[str, dict[str, str]] = {} if outer is None else outer
-        orphans = []
+        orphans, reexports = [], []
+        top = importlib.import_module(name.split(".")[0])
         for export, obj in exported.items():
             home = next((m for m in _public_tree(package) if _defines(m, export, obj)), None)
-            if home is None:
-                orphans.append(export)
-            else:
+            if home is not None:
                 homes.setdefault(home.__name__, {})[export] = name
+            elif top is not package and getattr(top, export, None) is obj:
+                reexports.append(f"{top.__name__}.{export}")  # a deprecated alias package
+            else:
+                orphans.append(export)
         subpages = []
         for module in modules:
             if _is_package(module):
@@ -232,7 +235,11 @@ class _Writer:
         lines = [*_title(f"``{name}``"), f".. automodule:: {name}", "   :no-members:", ""]
         if name in DISTRIBUTIONS:
             lines += [f"Install: ``pip install ./packages/{DISTRIBUTIONS[name]}``.", ""]
-        callables = [n for n, obj in exported.items() if _directive(obj) != "autodata"]
+        callables = [
+            n
+            for n, obj in exported.items()
+            if _directive(obj) != "autodata" and f"{top.__name__}.{n}" not in reexports
+        ]
         if callables:
             lines += [*_title("Public names", "-"), ".. autosummary::", ""]
             lines += [f"   {export}" for export in callables]
@@ -249,13 +256,18 @@ class _Writer:
                 f"- :py:data:`{name}.{n}` (in :py:mod:`{home}`)" for n, home in constants.items()
             ]
             lines.append("")
-        lines += [*_title("Modules", "-"), ".. toctree::", "   :maxdepth: 1", ""]
+        if subpages or name in DISTRIBUTIONS:
+            lines += [*_title("Modules", "-"), ".. toctree::", "   :maxdepth: 1", ""]
         if name in DISTRIBUTIONS:  # the package's README: its guide, as PyPI shows it
             readme = Path(str(package.__file__)).resolve().parents[2] / "README.md"
             self.readmes[f"{name}.readme"] = readme
             lines.append(f"   The package's README <{name}.readme>")
         lines += [f"   {page}" for page in subpages]
         lines.append("")
+        if reexports:
+            lines += [*_title("Also importable from here", "-")]
+            lines += [f"- :py:obj:`{target}`" for target in reexports]
+            lines.append("")
         if orphans:
             lines += [*_title(f"Defined in ``{name}``'s private modules", "-")]
             lines += [".. currentmodule:: " + name, ""]
