@@ -3,12 +3,5 @@ rest of the collective layer (:mod:`mc_groups.comm`). It re-exports that module'
 names for one release and will then be removed: import them from :mod:`mc_groups` or
 :mod:`mc_groups.comm.communicator`."""
 
-from __future__ import annotations
-
-from mc_groups.comm.communicator import (
-    Communicator,
-)
-
-__all__ = [
-    "Communicator",
-]
+from mc_groups.comm.communicator import *  # noqa: F403
+from mc_groups.comm.communicator import __all__ as __all__  # noqa: PLC0414

@@ -3,16 +3,5 @@ rest of the collective layer (:mod:`mc_groups.comm`). It re-exports that module'
 names for one release and will then be removed: import them from :mod:`mc_groups` or
 :mod:`mc_groups.comm.recorder`."""
 
-from __future__ import annotations
-
-from mc_groups.comm.recorder import (
-    STATUS_EXCHANGE,
-    CollectiveRecord,
-    record_collectives,
-)
-
-__all__ = [
-    "STATUS_EXCHANGE",
-    "CollectiveRecord",
-    "record_collectives",
-]
+from mc_groups.comm.recorder import *  # noqa: F403
+from mc_groups.comm.recorder import __all__ as __all__  # noqa: PLC0414

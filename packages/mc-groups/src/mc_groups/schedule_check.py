@@ -3,28 +3,5 @@ rest of the collective layer (:mod:`mc_groups.comm`). It re-exports that module'
 names for one release and will then be removed: import them from :mod:`mc_groups` or
 :mod:`mc_groups.comm.schedule_check`."""
 
-from __future__ import annotations
-
-from mc_groups.comm.schedule_check import (
-    SCHEDULE_CHECK_ENV,
-    CollectiveScheduleError,
-    PlannedCollective,
-    RankPlan,
-    ScheduleVariant,
-    check_collective_schedule,
-    exchange_plans,
-    schedule_check_enabled,
-    verify_schedule,
-)
-
-__all__ = [
-    "SCHEDULE_CHECK_ENV",
-    "CollectiveScheduleError",
-    "PlannedCollective",
-    "RankPlan",
-    "ScheduleVariant",
-    "check_collective_schedule",
-    "exchange_plans",
-    "schedule_check_enabled",
-    "verify_schedule",
-]
+from mc_groups.comm.schedule_check import *  # noqa: F403
+from mc_groups.comm.schedule_check import __all__ as __all__  # noqa: PLC0414

@@ -3,16 +3,5 @@ rest of the collective layer (:mod:`mc_groups.comm`). It re-exports that module'
 names for one release and will then be removed: import them from :mod:`mc_groups` or
 :mod:`mc_groups.comm.peer_checks`."""
 
-from __future__ import annotations
-
-from mc_groups.comm.peer_checks import (
-    CarriedStatus,
-    PeerCheckError,
-    fail_together,
-)
-
-__all__ = [
-    "CarriedStatus",
-    "PeerCheckError",
-    "fail_together",
-]
+from mc_groups.comm.peer_checks import *  # noqa: F403
+from mc_groups.comm.peer_checks import __all__ as __all__  # noqa: PLC0414

@@ -3,26 +3,5 @@ rest of the collective layer (:mod:`mc_groups.comm`). It re-exports that module'
 names for one release and will then be removed: import them from :mod:`mc_groups` or
 :mod:`mc_groups.comm.traceable`."""
 
-from __future__ import annotations
-
-from mc_groups.comm.traceable import (
-    PendingTensor,
-    all_gather_tensor,
-    all_reduce_tensor,
-    all_to_all_tensor,
-    reduce_scatter_tensor,
-    start_all_gather,
-    start_all_reduce,
-    start_reduce_scatter,
-)
-
-__all__ = [
-    "PendingTensor",
-    "all_gather_tensor",
-    "all_reduce_tensor",
-    "all_to_all_tensor",
-    "reduce_scatter_tensor",
-    "start_all_gather",
-    "start_all_reduce",
-    "start_reduce_scatter",
-]
+from mc_groups.comm.traceable import *  # noqa: F403
+from mc_groups.comm.traceable import __all__ as __all__  # noqa: PLC0414

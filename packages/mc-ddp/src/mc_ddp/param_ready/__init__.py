@@ -5,8 +5,5 @@ module's public names for one release and will then be removed: import them from
 that git sees the move as a rename and carries edits made meanwhile to ``param_ready.py``
 into ``hooks.py``."""
 
-from __future__ import annotations
-
-from mc_ddp.hooks import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
-
-__all__ = ["PARAM_READY_CALLBACK_ATTR", "ensure_params_ready"]
+from mc_ddp.hooks import *  # noqa: F403
+from mc_ddp.hooks import __all__ as __all__

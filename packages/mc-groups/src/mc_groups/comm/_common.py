@@ -256,25 +256,28 @@ def check_op(op: object) -> ReduceOp:
 
 def check_reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
     """``input`` holds ``size`` outputs."""
-    check_contiguous("output", output)
-    check_contiguous("input", input)
-    check_pair(output, input, "reduce_scatter")
-    if input.numel() != output.numel() * size:
-        raise InputValueError(
-            f"reduce_scatter: input.numel()={input.numel()} must equal "
-            f"output.numel()={output.numel()} × group size {size}"
-        )
+    _check_flat_pair("reduce_scatter", output, input, ("input", "output"), size)
 
 
 def check_all_gather(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
     """``output`` holds ``size`` inputs."""
+    _check_flat_pair("all_gather", output, input, ("output", "input"), size)
+
+
+def _check_flat_pair(
+    op: str, output: torch.Tensor, input: torch.Tensor, whole_part: tuple[str, str], size: int
+) -> None:
+    """Both contiguous, alike in dtype and device, and the whole (``whole_part[0]``, one
+    of the two) ``size`` times the part."""
     check_contiguous("output", output)
     check_contiguous("input", input)
-    check_pair(output, input, "all_gather")
-    if output.numel() != input.numel() * size:
+    check_pair(output, input, op)
+    tensors = {"output": output, "input": input}
+    whole, part = whole_part
+    if tensors[whole].numel() != tensors[part].numel() * size:
         raise InputValueError(
-            f"all_gather: output.numel()={output.numel()} must equal "
-            f"input.numel()={input.numel()} × group size {size}"
+            f"{op}: {whole}.numel()={tensors[whole].numel()} must equal "
+            f"{part}.numel()={tensors[part].numel()} × group size {size}"
         )
 
 
