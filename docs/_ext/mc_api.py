@@ -7,7 +7,9 @@ What it does, in build order:
    public module (a module whose name has no leading underscore), written into
    ``docs/api/`` (not committed). A package's ``__all__`` names are documented once, under
    the name users import (``mc_ddp.DistributedDataParallel``), on the page of the public
-   module that defines them, or on the package's page when a private module does; a public
+   module that defines them (in a public subpackage too: ``mc_groups.all_reduce`` on the
+   page of ``mc_groups.comm.collectives``), or on the package's page when a private module
+   does; a public
    module's own ``__all__`` names that the package does not export are documented under the
    module (``mc_groups.argcheck.check_int``); re-exports are listed as links.
 2. **Megatron names** (``autodoc-process-docstring``): every documented object that is a
@@ -147,6 +149,17 @@ def _public_modules(package: ModuleType) -> list[ModuleType]:
     return [importlib.import_module(name) for name in names]
 
 
+def _public_tree(package: ModuleType) -> list[ModuleType]:
+    """The public modules of ``package`` and of its public subpackages, the package's own
+    first (where a package's exported names are looked for)."""
+    modules = _public_modules(package)
+    found = [m for m in modules if not _is_package(m)]
+    for sub in modules:
+        if _is_package(sub):
+            found += _public_tree(sub)
+    return found
+
+
 def _defines(module: ModuleType, name: str, obj: Any) -> bool:
     """Whether ``module`` is where ``name`` is defined (classes and functions by their
     ``__module__``; data by an assignment in the module's source)."""
@@ -193,47 +206,68 @@ class _Writer:
             self.reference.by_id.setdefault(id(obj), name)
         return _autodoc(name, obj)
 
-    def package(self, package: ModuleType) -> str:
-        """Write the package's page and its modules' pages; the package page's name."""
+    def package(self, package: ModuleType, outer: dict[str, dict[str, str]] | None = None) -> str:
+        """Write the package's page and its modules' pages; the package page's name.
+
+        ``outer``: the enclosing package's exports whose home is a module of this
+        subpackage (module name -> {export: the package that exports it}).
+        """
         name = package.__name__
         modules = _public_modules(package)
         exported = {n: getattr(package, n) for n in _all(package)}
-        homes: dict[str, list[str]] = {m.__name__: [] for m in modules}
-        orphans = []
+        homes: dict[str, dict[str, str]] = {} if outer is None else outer
+        orphans, reexports = [], []
+        top = importlib.import_module(name.split(".")[0])
         for export, obj in exported.items():
-            home = next((m for m in modules if _defines(m, export, obj)), None)
-            if home is None or _is_package(home):
-                orphans.append(export)
+            home = next((m for m in _public_tree(package) if _defines(m, export, obj)), None)
+            if home is not None:
+                homes.setdefault(home.__name__, {})[export] = name
+            elif top is not package and getattr(top, export, None) is obj:
+                reexports.append(f"{top.__name__}.{export}")  # a deprecated alias package
             else:
-                homes[home.__name__].append(export)
+                orphans.append(export)
         subpages = []
         for module in modules:
             if _is_package(module):
-                subpages.append(self.package(module))
+                subpages.append(self.package(module, homes))
             else:
-                subpages.append(self.module(module, package, homes[module.__name__]))
+                subpages.append(self.module(module, package, homes.get(module.__name__, {})))
         lines = [*_title(f"``{name}``"), f".. automodule:: {name}", "   :no-members:", ""]
         if name in DISTRIBUTIONS:
             lines += [f"Install: ``pip install ./packages/{DISTRIBUTIONS[name]}``.", ""]
-        callables = [n for n, obj in exported.items() if _directive(obj) != "autodata"]
+        callables = [
+            n
+            for n, obj in exported.items()
+            if _directive(obj) != "autodata" and f"{top.__name__}.{n}" not in reexports
+        ]
         if callables:
             lines += [*_title("Public names", "-"), ".. autosummary::", ""]
             lines += [f"   {export}" for export in callables]
             lines.append("")
-        constants = {n: home for home, names in homes.items() for n in names if n not in callables}
+        constants = {
+            n: home
+            for home, names in homes.items()
+            for n, owner in names.items()
+            if owner == name and n not in callables
+        }
         if constants:
             lines += [*_title("Constants", "-")]
             lines += [
                 f"- :py:data:`{name}.{n}` (in :py:mod:`{home}`)" for n, home in constants.items()
             ]
             lines.append("")
-        lines += [*_title("Modules", "-"), ".. toctree::", "   :maxdepth: 1", ""]
+        if subpages or name in DISTRIBUTIONS:
+            lines += [*_title("Modules", "-"), ".. toctree::", "   :maxdepth: 1", ""]
         if name in DISTRIBUTIONS:  # the package's README: its guide, as PyPI shows it
             readme = Path(str(package.__file__)).resolve().parents[2] / "README.md"
             self.readmes[f"{name}.readme"] = readme
             lines.append(f"   The package's README <{name}.readme>")
         lines += [f"   {page}" for page in subpages]
         lines.append("")
+        if reexports:
+            lines += [*_title("Also importable from here", "-")]
+            lines += [f"- :py:obj:`{target}`" for target in reexports]
+            lines.append("")
         if orphans:
             lines += [*_title(f"Defined in ``{name}``'s private modules", "-")]
             lines += [".. currentmodule:: " + name, ""]
@@ -242,8 +276,9 @@ class _Writer:
         self.pages[name] = lines
         return name
 
-    def module(self, module: ModuleType, package: ModuleType, exports: list[str]) -> str:
-        """Write a public module's page; its name."""
+    def module(self, module: ModuleType, package: ModuleType, exports: dict[str, str]) -> str:
+        """Write a public module's page; its name. ``exports``: the names it defines that a
+        package exports, each with that package's name (``package`` or one enclosing it)."""
         name = module.__name__
         lines = [*_title(f"``{name}``"), f".. automodule:: {name}", "   :no-members:", ""]
         package_all = set(_all(package))
@@ -254,9 +289,9 @@ class _Writer:
             if export in exports and _directive(obj) == "autodata":
                 # autodoc finds a constant's docstring only under the module that assigns it
                 documented.append((f"{name}.{export}", obj))
-                self.reference.aliases[f"{package.__name__}.{export}"] = f"{name}.{export}"
+                self.reference.aliases[f"{exports[export]}.{export}"] = f"{name}.{export}"
             elif export in exports:
-                documented.append((f"{package.__name__}.{export}", obj))
+                documented.append((f"{exports[export]}.{export}", obj))
             elif export in package_all and getattr(package, export) is obj:
                 if not _defines(module, export, obj):
                     reexports.append(f"{package.__name__}.{export}")
@@ -264,10 +299,10 @@ class _Writer:
                 documented.append((f"{name}.{export}", obj))
             else:
                 reexports.append(f"{name}.{export}")
-        for export in exports:  # exported by the package, absent from the module's __all__
-            names = (f"{package.__name__}.{export}", f"{name}.{export}")
+        for export, owner in exports.items():  # exported by a package, absent from __all__
+            names = (f"{owner}.{export}", f"{name}.{export}")
             if all(n not in names for n, _ in documented):
-                documented.append((f"{package.__name__}.{export}", getattr(package, export)))
+                documented.append((f"{owner}.{export}", getattr(module, export)))
         for doc_name, obj in documented:
             lines += self._document(doc_name, obj, name)
         if reexports:

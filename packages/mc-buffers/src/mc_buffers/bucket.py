@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 import torch
 
-from mc_buffers._args import check_scaling_factor
-from mc_buffers._checks import Param
+from mc_buffers._buffer_args import check_scaling_factor
+from mc_buffers._param_checks import Param
 from mc_buffers.offloaded import OffloadedView
 from mc_groups.argcheck import check_int, check_tensor, type_name
 from mc_groups.errors import InputTypeError, InputValueError

@@ -10,9 +10,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from mc_buffers._args import BufferArgs, Scale, check_buffer_args, check_scale
-from mc_buffers._checks import BUFFER_VIEW_ATTR, Param, buffer_slot, describe
-from mc_buffers._layout_check import check_layout
+from mc_buffers._buffer_args import BufferArgs, Scale, check_buffer_args, check_scale
+from mc_buffers._caller_layout import check_layout
+from mc_buffers._param_checks import BUFFER_VIEW_ATTR, Param, buffer_slot, describe
 from mc_buffers.adopt import PerBufferParamLayoutLike
 from mc_buffers.bucket import ParamAndGradBucket
 from mc_buffers.layout import (

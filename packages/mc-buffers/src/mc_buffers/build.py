@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from mc_buffers._args import check_scaling_factor
-from mc_buffers._checks import Param, as_param_list
+from mc_buffers._buffer_args import check_scaling_factor
+from mc_buffers._param_checks import Param, as_param_list
 from mc_buffers.adopt import as_full_param_layout
 from mc_buffers.buffer import ParamAndGradBuffer
 from mc_buffers.keys import BufferKey, group_params_for_buffers

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mc_buffers._checks import Param, as_param_list, check_requires_grad, check_unique
+from mc_buffers._param_checks import Param, as_param_list, check_requires_grad, check_unique
 from mc_groups.argcheck import check_flag, check_tensor
 from mc_groups.param_attrs import ALLREDUCE, bool_attr, is_layer_wise_managed
 

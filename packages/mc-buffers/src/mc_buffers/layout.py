@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from mc_buffers._checks import (
+from mc_buffers._param_checks import (
     Param,
     as_param_list,
     check_non_empty_numel,

@@ -35,7 +35,7 @@ from mc_ddp.fp32_reduce_scatter import reduce_scatter_with_fp32_accumulation
 from mc_ddp.grad_checks import LargeGradMonitor, NonFiniteGradError, check_finite_grads
 from mc_ddp.grad_norm import GradNormRanks, counts_in_grad_norm
 from mc_ddp.grad_scaler import DynamicGradScaler
-from mc_ddp.param_ready import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
+from mc_ddp.hooks import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from mc_ddp.protocols import TransformerConfigLike
 from mc_ddp.sharded_optimizer import OwnedSlice, ShardedOptimizer, StepResult
 

@@ -19,14 +19,13 @@ What is compared (each a field of the record; values are short strings):
 - per buffer: its key (param dtype → grad dtype), buckets, elements (padded and unpadded)
   and a digest of every param's ``(start, end, bucket)``: the layout the collectives use.
 
-Mechanism: one exchange of an 8-byte fingerprint (BLAKE2b of the whole record) over
-``dp_cp``, then, with expert params, one over ``expt_dp``; through
-:func:`mc_groups.schedule_check.verify_schedule` (point to point on its own tag on gloo,
-one all-gather elsewhere; not recorded by :func:`mc_groups.record_collectives`, so the
-collective counts of a run do not change). When the fingerprints differ the ranks exchange
-their records (:func:`mc_groups.all_gather_objects`, only then) and every rank raises the
-same :class:`DataParallelAgreementError`, naming each field that differs, its values and the
-global ranks holding each. Nothing is allocated or changed before. Per step: nothing.
+Mechanism: :func:`mc_groups.agree` over ``dp_cp``, then, with expert params, over
+``expt_dp``: one exchange of an 8-byte fingerprint of the whole record each (not recorded by
+:func:`mc_groups.record_collectives`, so the collective counts of a run do not change).
+When the fingerprints differ the ranks exchange their records (only then) and every rank
+raises the same :class:`DataParallelAgreementError` (an :class:`mc_groups.AgreementError`),
+naming each field that differs, its values and the global ranks holding each (for a list,
+its first differing entry). Nothing is allocated or changed before. Per step: nothing.
 Groups of one rank compare nothing.
 """
 
@@ -44,19 +43,16 @@ import mc_groups as mg
 from mc_buffers import FullParamLayout, PerBufferParamLayout
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_groups import param_attrs
-from mc_groups.errors import InputValueError
-from mc_groups.schedule_check import PlannedCollective, verify_schedule
 
 __all__ = ["DataParallelAgreementError"]
 
 Param = torch.nn.Parameter
 Record = dict[str, str | tuple[str, ...]]
 
-_KIND = "ddp agreement"
 _MAX_LINES = 12
 
 
-class DataParallelAgreementError(InputValueError):
+class DataParallelAgreementError(mg.AgreementError):
     """The ranks of a data-parallel group built their ``DistributedDataParallel``
     differently; raised by every rank of the group, before anything is allocated."""
 
@@ -125,76 +121,27 @@ def build_record(
     return record
 
 
-def _fingerprint(record: Record) -> str:
-    text = "\n".join(f"{name}={value!r}" for name, value in record.items())
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
-def _exchange_device(group: dist.ProcessGroup) -> torch.device:
-    if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def agree(group: dist.ProcessGroup, group_name: str, record: Record) -> None:
     """Every rank of ``group`` holds the same ``record``, else every rank raises
     :class:`DataParallelAgreementError` (see the module notes)."""
-    if mg.group_size(group) == 1:
-        return
-    planned = PlannedCollective(
-        kind=_KIND, payload=f"{len(record)} fields", label=group_name, detail=_fingerprint(record)
-    )
     try:
-        verify_schedule(group, planned, _exchange_device(group))
-    except mg.CollectiveScheduleError as err:
-        variants = [line for line in str(err).splitlines() if line.startswith("  rank(s) ")]
-        if not all(f"{_KIND} '{group_name}'" in line for line in variants):
-            raise  # a peer was about to run another collective: its error says which
-        records = mg.all_gather_objects(record, group, label=f"{_KIND} {group_name} values")
-        ranks = list(mg.group_ranks(group))
-        raise DataParallelAgreementError(_message(group_name, ranks, records)) from None
+        mg.agree(group, f"DistributedDataParallel over {group_name}", record)
+    except mg.AgreementError as err:
+        raise DataParallelAgreementError(
+            _message(group_name, err), err.what, err.group_ranks, err.differences
+        ) from None
 
 
-def _by_value(values: Sequence[tuple[str, int]]) -> str:
-    merged: dict[str, list[int]] = {}
-    for value, rank in values:
-        merged.setdefault(value, []).append(rank)
-    return "; ".join(f"{value} on rank(s) {ranks}" for value, ranks in merged.items())
-
-
-def _difference(name: str, values: Sequence[tuple[object, int]]) -> str | None:
-    shown = [(v if isinstance(v, (str, tuple)) else repr(v), r) for v, r in values]
-    if len({v for v, _ in shown}) == 1:
-        return None
-    if not all(isinstance(v, tuple) for v, _ in shown):
-        return f"{name}: {_by_value([(str(v), r) for v, r in shown])}"
-    rows = [(v, r) for v, r in shown if isinstance(v, tuple)]
-    lengths = {len(v) for v, _ in rows}
-    if len(lengths) > 1:
-        return f"{name}: {_by_value([(f'{len(v)} entries', r) for v, r in rows])}"
-    index = next(i for i in range(len(rows[0][0])) if len({v[i] for v, _ in rows}) > 1)
-    return f"{name}, entry #{index}: {_by_value([(v[index], r) for v, r in rows])}"
-
-
-def _message(group_name: str, ranks: list[int], records: list[object]) -> str:
-    typed = [r if isinstance(r, dict) else {} for r in records]
-    names: list[str] = []
-    for record in typed:
-        names += [n for n in record if n not in names]
-    lines = []
-    for name in names:
-        values = [(record.get(name, "(absent)"), ranks[i]) for i, record in enumerate(typed)]
-        line = _difference(name, values)
-        if line is not None:
-            lines.append(f"  {line}")
+def _message(group_name: str, err: mg.AgreementError) -> str:
+    lines = [f"  {difference.describe()}" for difference in err.differences]
     if len(lines) > _MAX_LINES:
         lines = [*lines[:_MAX_LINES], f"  ... and {len(lines) - _MAX_LINES} more"]
     return "\n".join(
         [
-            f"DistributedDataParallel: the ranks {ranks} of group {group_name} were built "
-            "differently, so their gradient collectives would not match (a hang, an abort "
-            "inside the backend, or silently wrong gradients); nothing was allocated and no "
-            "gradient reduced. Fields that differ:",
+            f"DistributedDataParallel: the ranks {list(err.group_ranks)} of group {group_name} "
+            "were built differently, so their gradient collectives would not match (a hang, "
+            "an abort inside the backend, or silently wrong gradients); nothing was allocated "
+            "and no gradient reduced. Fields that differ:",
             *lines,
             "Build the DistributedDataParallel alike on every rank of the group: the same "
             "config, ddp_config, disable_bucketing and module (the same params, registered "

@@ -18,7 +18,7 @@ from mc_buffers import (
     build_param_and_grad_buffers,
     compute_full_param_layout,
 )
-from mc_ddp._groups import DDPGroups
+from mc_ddp._ddp_groups import DDPGroups
 from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.protocols import TransformerConfigLike

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_buffers import ParamAndGradBucket, ParamAndGradBuffer
 from mc_ddp import _bucket_collectives as comm
-from mc_ddp._groups import require_live
+from mc_ddp._ddp_groups import require_live
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_buckets, check_finite_grads
 from mc_groups.argcheck import check_flag, check_group, check_optional_group, check_str, type_name

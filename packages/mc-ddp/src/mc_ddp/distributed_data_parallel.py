@@ -45,10 +45,10 @@ from mc_buffers import (
 from mc_ddp import _agreement as agreement
 from mc_ddp import _ddp_build as build
 from mc_ddp import _ddp_checks as checks
-from mc_ddp._groups import DDPGroups, require_live, resolve_groups
+from mc_ddp._ddp_groups import DDPGroups, require_live, resolve_groups
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.config import DistributedDataParallelConfig
-from mc_ddp.param_ready import (
+from mc_ddp.hooks import (
     PARAM_READY_CALLBACK_ATTR,
     BackwardPostHook,
     ForwardPreHook,

@@ -33,7 +33,7 @@ from mc_ddp_tests._harness import (
     mlp,
     model_parallel,
 )
-from mc_groups.schedule_check import verify_schedule
+from mc_groups.comm.schedule_check import exchange_plans
 from mc_groups.testing import RankPools
 
 MP = mg.ModelParallelConfig()
@@ -219,12 +219,12 @@ def test_every_rank_names_the_field_that_differs(rank_pools: RankPools) -> None:
 def _agreeing() -> dict[str, Any]:
     calls: list[str] = []
 
-    def counted(group: dist.ProcessGroup, planned: Any, device: torch.device) -> None:
-        calls.append(planned.label)
-        verify_schedule(group, planned, device)
+    def counted(group: dist.ProcessGroup, mine: Any, device: torch.device) -> Any:
+        calls.append(mine.planned.label)
+        return exchange_plans(group, mine, device)
 
     out: dict[str, Any] = {}
-    with model_parallel() as pgc, mock.patch("mc_ddp._agreement.verify_schedule", counted):
+    with model_parallel() as pgc, mock.patch("mc_groups.comm.agreement.exchange_plans", counted):
         with mg.record_collectives() as log:
             cfg = ddp_config(overlap_grad_reduce=True, use_distributed_optimizer=True)
             ddp = DistributedDataParallel(MP, cfg, mlp(), pg_collection=pgc)
@@ -251,5 +251,6 @@ def test_matching_ranks_exchange_one_fingerprint_per_group_and_none_per_step(
 ) -> None:
     for out in rank_pools.get(2).run(_agreeing):
         # dense DDP: dp_cp; the expert model: dp_cp, then expt_dp; nothing recorded
-        assert out["construction"] == (["dp_cp", "dp_cp", "expt_dp"], 0)
+        labels = [f"DistributedDataParallel over {g}" for g in ("dp_cp", "dp_cp", "expt_dp")]
+        assert out["construction"] == (labels, 0)
         assert out["steps"] == []

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_ddp import PARAM_READY_CALLBACK_ATTR, ensure_params_ready, param_ready
+from mc_ddp import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from mc_ddp import distributed_data_parallel as ddp_module
+from mc_ddp import hooks as param_ready
 from mc_ddp.distributed_data_parallel import DistributedDataParallel, _BucketParamReadyCallback
 from mc_ddp_tests._harness import GATHER_OP, model_parallel
 from mc_ddp_tests.test_param_sync import _trained

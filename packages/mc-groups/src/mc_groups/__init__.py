@@ -6,16 +6,16 @@
 - :class:`ProcessGroupCollection` and :func:`initialize_model_parallel`: the groups of a
   layout, built once and passed explicitly; :func:`collection_or_default`: the one fallback
   to the optional default collection (:func:`set_default_collection`).
-- :mod:`mc_groups.collectives`: typed, validated, recorded collectives
+- :mod:`mc_groups.comm.collectives`: typed, validated, recorded collectives
   (:func:`record_collectives` lists what ran); failures name op, group ranks and label;
   :class:`CollectiveHandle` is the one handle for work in flight (works, child handles,
   finishers).
-- :mod:`mc_groups.traceable`: the same collectives returning new tensors, which trace
+- :mod:`mc_groups.comm.traceable`: the same collectives returning new tensors, which trace
   under ``torch.compile(fullgraph=True)`` (torch's functional collectives while compiling,
   recorded when the compiled graph runs them).
 - :class:`Communicator`: one caller's batched collectives on one group, keeping their
   temporaries between calls (a DDP bucket group holds one).
-- :mod:`mc_groups.schedule_check`: the opt-in check that every rank of a group is about to
+- :mod:`mc_groups.comm.schedule_check`: the opt-in check that every rank of a group is about to
   run the same collective (:func:`check_collective_schedule`,
   ``MC_CHECK_COLLECTIVE_SCHEDULE=1``).
 - :mod:`mc_groups.device`: stream/synchronise helpers that are no-ops on CPU.
@@ -31,11 +31,15 @@
 - :mod:`mc_groups.elastic`: :func:`~mc_groups.elastic.init_process_group` joins the world
   in a key space of the restart attempt's own, so ``torchrun --max-restarts`` restarts
   with torchrun's shared store.
-- :func:`fail_together` (:mod:`mc_groups.together`): an entry point's local checks end in
+- :func:`fail_together` (:mod:`mc_groups.comm.peer_checks`): an entry point's local checks end in
   one status exchange, so a check failing on one rank is an error on every rank
   (:class:`PeerCheckError` naming it) instead of a wait until the group's timeout;
   :class:`CarriedStatus`: the same outcome carried by a reduction the entry point runs
   anyway (one more element) instead of an exchange of its own.
+- :func:`agree` (:mod:`mc_groups.comm.agreement`): the ranks of a group compare named values
+  once (one 8-byte exchange); a difference is the same :class:`AgreementError` on every
+  rank, its differing fields and rank sets attributes (DDP's and the TP layers' checks at
+  construction are built on it).
 - :mod:`mc_groups.testing`: a reusable multi-process CPU harness for tests.
 """
 
@@ -46,9 +50,10 @@ from importlib.metadata import PackageNotFoundError, version
 from mc_groups import argcheck as argcheck
 from mc_groups import elastic as elastic
 from mc_groups import param_attrs as param_attrs
-from mc_groups import traceable as traceable
 from mc_groups.collection import GROUP_FIELDS, MissingGroupError, ProcessGroupCollection
-from mc_groups.collectives import (
+from mc_groups.comm import traceable as traceable
+from mc_groups.comm.agreement import AgreementError, agree
+from mc_groups.comm.collectives import (
     CoalescedBatch,
     CollectiveError,
     CollectiveHandle,
@@ -70,7 +75,14 @@ from mc_groups.collectives import (
     reduce_scatter,
     send,
 )
-from mc_groups.communicator import Communicator
+from mc_groups.comm.communicator import Communicator
+from mc_groups.comm.peer_checks import CarriedStatus, PeerCheckError, fail_together
+from mc_groups.comm.recorder import CollectiveRecord, record_collectives
+from mc_groups.comm.schedule_check import (
+    SCHEDULE_CHECK_ENV,
+    check_collective_schedule,
+    schedule_check_enabled,
+)
 from mc_groups.config import ModelParallelConfig
 from mc_groups.default_collection import (
     NoDefaultCollectionError,
@@ -95,13 +107,6 @@ from mc_groups.pipeline import (
     pipeline_size,
 )
 from mc_groups.rank_generator import AXES, MAX_WORLD_SIZE, RankGenerator
-from mc_groups.recorder import CollectiveRecord, record_collectives
-from mc_groups.schedule_check import (
-    SCHEDULE_CHECK_ENV,
-    check_collective_schedule,
-    schedule_check_enabled,
-)
-from mc_groups.together import CarriedStatus, PeerCheckError, fail_together
 
 try:  # one source of the version: the distribution's pyproject.toml
     __version__ = version("mc-groups")
@@ -113,6 +118,7 @@ __all__ = [
     "GROUP_FIELDS",
     "MAX_WORLD_SIZE",
     "SCHEDULE_CHECK_ENV",
+    "AgreementError",
     "CarriedStatus",
     "CoalescedBatch",
     "CollectiveError",
@@ -132,6 +138,7 @@ __all__ = [
     "ProcessGroupCollection",
     "RankGenerator",
     "ReduceOp",
+    "agree",
     "all_gather",
     "all_gather_objects",
     "all_reduce",

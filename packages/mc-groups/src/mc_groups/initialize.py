@@ -23,10 +23,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mc_groups._core import key_device
 from mc_groups.argcheck import check_flag
 from mc_groups.collection import ProcessGroupCollection, is_group_live
-from mc_groups.collectives import all_gather, all_gather_objects, barrier
+from mc_groups.comm._common import key_device
+from mc_groups.comm.collectives import all_gather, all_gather_objects, barrier
+from mc_groups.comm.peer_checks import fail_together
 from mc_groups.default_collection import (
     clear_default_collection,
     get_default_collection,
@@ -34,7 +35,6 @@ from mc_groups.default_collection import (
 )
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_groups.layout import ParallelSizes, _role_rank_lists, validate_sizes
-from mc_groups.together import fail_together
 
 __all__ = [
     "DistributedNotInitializedError",

@@ -69,7 +69,7 @@ Each attribute: its value (and what absent means); who sets it; who reads it.
   Read: mc-tp-layers (dedup), checkpoint code.
 
 Private tags of one package stay with it: mc-buffers' param-data slot
-(``mc_buffers._checks.BUFFER_VIEW_ATTR``) and mc-ddp's ready callback
+(``mc_buffers._param_checks.BUFFER_VIEW_ATTR``) and mc-ddp's ready callback
 (``mc_ddp.PARAM_READY_CALLBACK_ATTR``).
 
 The accessors are one ``getattr``/``setattr`` each: they run in backward hooks, once per

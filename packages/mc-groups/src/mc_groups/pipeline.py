@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from mc_groups.argcheck import check_collection, check_optional_int
 from mc_groups.collection import ProcessGroupCollection
-from mc_groups.collectives import group_rank, group_ranks
+from mc_groups.comm.collectives import group_rank, group_ranks
 from mc_groups.errors import InputValueError
 
 __all__ = [

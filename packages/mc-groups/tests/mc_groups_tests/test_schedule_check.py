@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import ReduceOp, schedule_check
+from mc_groups import ReduceOp
+from mc_groups.comm import schedule_check
 from mc_groups.testing import RankPools, error_kind
 
 

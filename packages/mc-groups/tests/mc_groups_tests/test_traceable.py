@@ -1,4 +1,4 @@
-"""``mc_groups.traceable``: the new-tensor collectives, eager and under ``torch.compile``.
+"""``mc_groups.comm.traceable``: the new-tensor collectives, eager and under ``torch.compile``.
 
 On 2 gloo ranks, rank r holds ``x_r = arange(12).view(4, 3) + 100·r``; every expectation is
 computed here by hand from the two inputs (sums, maxima, concatenations, the halves of a
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import traceable
+from mc_groups.comm import traceable
 from mc_groups.testing import RankPools, error_kind
 
 

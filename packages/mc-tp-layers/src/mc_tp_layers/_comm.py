@@ -1,6 +1,6 @@
 """Tensor-level communication for the TP region: no autograd, one collective each.
 
-Every collective goes through :mod:`mc_groups.traceable` (recorded, bounded, and labelled
+Every collective goes through :mod:`mc_groups.comm.traceable` (recorded, bounded, and labelled
 ``"tp …"`` so that a failure or a schedule mismatch names the tensor-parallel group's
 role): mc's in-place collectives in eager mode, torch's functional collectives while
 ``torch.compile`` traces, so the mappings and linear functions compile without graph
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mc_groups import traceable
+from mc_groups.comm import traceable
 from mc_groups.errors import InputValueError
 from mc_tp_layers import _validate
 

@@ -28,7 +28,7 @@ from mc_groups.argcheck import check_group, check_int, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import agreement
 from mc_tp_layers._config import TensorParallelConfig, check_config, uses_expert_groups
-from mc_tp_layers._groups import default_device
+from mc_tp_layers._tp_groups import default_device
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.checkpoint import sharded_state_dict_of
 from mc_tp_layers.gtp import shard_weight_for_gtp

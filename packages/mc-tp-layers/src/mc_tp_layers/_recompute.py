@@ -24,31 +24,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_tensor
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_tp_layers._groups import resolve_tp_group
-from mc_tp_layers._rng_default import default_tracker
+from mc_tp_layers._rng_default import StatesTracker, default_tracker
+from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 
 __all__: list[str] = []
 
 _R = TypeVar("_R")
-
-
-@runtime_checkable
-class StatesTracker(Protocol):
-    """What the recompute needs of an RNG tracker (mc's or Megatron's)."""
-
-    def get_states(self) -> Any:
-        """Every stream's state."""
-
-    def set_states(self, states: Any) -> None:
-        """Replace every stream's state."""
 
 
 class _RngStates(NamedTuple):

@@ -27,12 +27,13 @@ ledger with it. Fingerprints are small tuples, never the layers themselves, so a
 dropped before its first forward is still compared (every rank built it) and never kept
 alive.
 
-The digest exchange is :func:`mc_groups.schedule_check.verify_schedule` (point to point on
-its own tag on gloo, one all-gather on NCCL, followed by a device-to-host read there): it
-is not recorded by :func:`mc_groups.record_collectives`, so collective counts do not
-change. Cost: at construction, a tuple of about 15 fields per layer; at the first forward,
-one 8-byte exchange per TP group per batch of newly built layers (a model built before its
-first step: one exchange per group); per step, none. Call :func:`check_tp_agreement`
+The comparison is :func:`mc_groups.agree` over the group (its fingerprint exchange is
+point to point on its own tag on gloo, one all-gather on NCCL, followed by a device-to-host
+read there), with one field per layer's class and per compared setting: it is not recorded
+by :func:`mc_groups.record_collectives`, so collective counts do not change. Cost: at
+construction, a tuple of about 15 fields per layer; at the first forward, one 8-byte
+exchange per TP group per batch of newly built layers (a model built before its first
+step: one exchange per group); per step, none. Call :func:`check_tp_agreement`
 before capturing a CUDA graph (the first forward would otherwise exchange inside the
 capture). Under ``torch.compile`` the first forward's exchanges run while Dynamo traces
 the layer (natively, outside the graph, once per layer; see
@@ -62,8 +63,6 @@ per-call vocabulary slice itself (see :mod:`mc_tp_layers.cross_entropy`).
 
 from __future__ import annotations
 
-import json
-import re
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -71,16 +70,15 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import schedule_check
-from mc_groups.errors import InputTypeError, InputValueError
+from mc_groups.comm.agreement import ABSENT, Difference, Value
+from mc_groups.errors import InputTypeError
 
 __all__ = ["LayerFingerprint", "TensorParallelAgreementError", "check_tp_agreement"]
 
-_KIND = "tp layer agreement"
 _MAX_LINES = 20
 
 
-class TensorParallelAgreementError(InputValueError):
+class TensorParallelAgreementError(mg.AgreementError):
     """The ranks of a tensor-parallel group built their layers (or called the
     vocabulary-parallel cross-entropy) differently; every rank of the group raises it, with
     the same message."""
@@ -109,7 +107,7 @@ class LayerFingerprint:
     def __init__(
         self,
         kind: str,
-        fields: tuple[tuple[str, object], ...],
+        fields: tuple[tuple[str, Value], ...],
         name: str | None,
         ledger: _Ledger | None,
     ) -> None:
@@ -134,7 +132,7 @@ def _ledger_of(group: dist.ProcessGroup) -> _Ledger:
     return _Ledger(group)
 
 
-def _plain(value: object) -> object:
+def _plain(value: object) -> Value:
     if isinstance(value, torch.dtype):
         return str(value)
     if value is None or isinstance(value, (bool, int, str)):
@@ -217,105 +215,82 @@ def _settle(ledger: _Ledger) -> int:
     return len(batch)
 
 
-def _exchange_device(group: dist.ProcessGroup) -> torch.device:
-    if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+_WHAT = "tensor-parallel layers"
+_COUNT = "layers"
 
 
-def _encode(batch: list[LayerFingerprint]) -> str:
-    rows = [[entry.kind, [list(field) for field in entry.fields]] for entry in batch]
-    return json.dumps(rows, separators=(",", ":"))
+def _key(index: int, name: str | None = None) -> str:
+    r"""The field of layer #``index`` (1-based): its class, or one of its ``name``\ d
+    fields."""
+    return f"layer #{index}" if name is None else f"layer #{index}.{name}"
+
+
+def _layer_of(key: str) -> tuple[int, str | None] | None:
+    """Inverse of :func:`_key` (None for the count): the keys are this module's own."""
+    if not key.startswith("layer #"):
+        return None
+    index, _, name = key.removeprefix("layer #").partition(".")
+    return int(index), name or None
+
+
+def _fields(batch: list[LayerFingerprint]) -> dict[str, Value]:
+    fields: dict[str, Value] = {_COUNT: len(batch)}
+    for index, entry in enumerate(batch, start=1):
+        fields[_key(index)] = entry.kind
+        fields.update({_key(index, name): value for name, value in entry.fields})
+    return fields
 
 
 def _compare(group: dist.ProcessGroup, batch: list[LayerFingerprint]) -> None:
-    planned = schedule_check.PlannedCollective(
-        kind=_KIND, payload=f"{len(batch)} layer(s)", detail=_encode(batch)
-    )
     try:
-        schedule_check.verify_schedule(group, planned, _exchange_device(group))
-    except mg.CollectiveScheduleError as err:
-        variants = _variants(str(err))
-        if variants is None:  # a peer was about to run something else: its error says what
-            raise
-        ranks = list(mg.group_ranks(group))
-        raise TensorParallelAgreementError(_message(ranks, variants, batch)) from None
+        mg.agree(group, _WHAT, _fields(batch))
+    except mg.AgreementError as err:
+        raise TensorParallelAgreementError(
+            _message(err, batch), err.what, err.group_ranks, err.differences
+        ) from None
 
 
-_VARIANT = re.compile(
-    r"^  rank\(s\) \[(?P<ranks>[0-9, ]*)\]: "
-    + re.escape(_KIND)
-    + r" of \d+ layer\(s\) \[(?P<detail>.*)\]$"
-)
-
-_Row = tuple[str, dict[str, object]]
-
-
-def _variants(message: str) -> list[tuple[list[int], list[_Row]]] | None:
-    """The schedule check's variants when every one is a layer comparison, else None."""
-    lines = [line for line in message.splitlines() if line.startswith("  rank(s) ")]
-    variants: list[tuple[list[int], list[_Row]]] = []
-    for line in lines:
-        match = _VARIANT.match(line)
-        if match is None:
-            return None
-        ranks = [int(r) for r in match["ranks"].split(",")]
-        rows = [(kind, dict(fields)) for kind, fields in json.loads(match["detail"])]
-        variants.append((ranks, rows))
-    return variants or None
+def _values(difference: Difference) -> str:
+    """The values that some rank holds (a layer that a rank did not build is left out),
+    the most common first."""
+    held = [(value, ranks) for value, ranks in difference.values if value != ABSENT]
+    held.sort(key=lambda pair: -len(pair[1]))
+    return ", ".join(f"{value} on rank(s) {sorted(ranks)}" for value, ranks in held)
 
 
-def _show(value: object) -> str:
-    return value if isinstance(value, str) else repr(value)
-
-
-def _by_value(values: Sequence[tuple[object, list[int]]]) -> str:
-    merged: dict[str, list[int]] = {}
-    for value, ranks in values:
-        merged.setdefault(_show(value), []).extend(ranks)
-    return ", ".join(f"{value} on rank(s) {sorted(ranks)}" for value, ranks in merged.items())
-
-
-def _differences(
-    variants: list[tuple[list[int], list[_Row]]], local: list[LayerFingerprint]
-) -> list[str]:
+def _differences(err: mg.AgreementError, local: list[LayerFingerprint]) -> list[str]:
     lines: list[str] = []
-    counts = [(len(rows), ranks) for ranks, rows in variants]
-    if len({count for count, _ in counts}) > 1:
-        lines.append(f"number of layers built on this group: {_by_value(list(counts))}")
-    for index in range(max(count for count, _ in counts)):
-        label = f"layer #{index + 1}"
-        if index < len(local):
-            label += f" ({local[index].describe()})"
-        present = [(rows[index], ranks) for ranks, rows in variants if index < len(rows)]
-        kinds = [(row[0], ranks) for row, ranks in present]
-        if len({kind for kind, _ in kinds}) > 1:
-            lines.append(f"{label}: class {_by_value(kinds)}")
+    classes_differ: set[int] = set()
+    for difference in err.differences:
+        layer = _layer_of(difference.field)
+        if layer is None:
+            lines.append(f"number of layers built on this group: {_values(difference)}")
             continue
-        names: list[str] = []
-        for row, _ in present:
-            names += [name for name in row[1] if name not in names]
-        for name in names:
-            values = [(row[1].get(name, "(absent)"), ranks) for row, ranks in present]
-            if len({_show(value) for value, _ in values}) > 1:
-                lines.append(f"{label}: {name} = {_by_value(values)}")
+        index, name = layer
+        if index in classes_differ or sum(v != ABSENT for v, _ in difference.values) < 2:
+            continue  # a layer only some ranks built: the count says it
+        label = f"layer #{index}"
+        if index <= len(local):
+            label += f" ({local[index - 1].describe()})"
+        if name is None:
+            classes_differ.add(index)
+            lines.append(f"{label}: class {_values(difference)}")
+        else:
+            lines.append(f"{label}: {name} = {_values(difference)}")
     return lines
 
 
-def _message(
-    ranks: list[int],
-    variants: list[tuple[list[int], list[_Row]]],
-    local: list[LayerFingerprint],
-) -> str:
-    lines = _differences(variants, local)
+def _message(err: mg.AgreementError, local: list[LayerFingerprint]) -> str:
+    lines = _differences(err, local)
     shown = [f"  {line}" for line in lines[:_MAX_LINES]]
     if len(lines) > _MAX_LINES:
         shown.append(f"  ... and {len(lines) - _MAX_LINES} more difference(s)")
     return "\n".join(
         [
-            f"tensor-parallel group ranks {ranks} built their layers differently (compared "
-            "before the first forward; nothing of it was communicated); layers are numbered "
-            "in construction order since the group's last comparison:",
+            f"tensor-parallel group ranks {list(err.group_ranks)} built their layers "
+            "differently (compared before the first forward; nothing of it was "
+            "communicated); layers are numbered in construction order since the group's last "
+            "comparison:",
             *shown,
             "Every rank of a tensor-parallel group must build the same layers, in the same "
             "order, with the same sizes and flags.",

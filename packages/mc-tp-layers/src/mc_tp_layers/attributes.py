@@ -40,7 +40,7 @@ from mc_groups.argcheck import (
 )
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _validate
-from mc_tp_layers._groups import resolve_tp_group
+from mc_tp_layers._tp_groups import resolve_tp_group
 
 __all__ = [
     "GTP_ATTRIBUTES",

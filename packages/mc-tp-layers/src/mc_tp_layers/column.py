@@ -34,8 +34,8 @@ from mc_tp_layers._config import (
     gtp_remat_size,
     sequence_parallel,
 )
-from mc_tp_layers._groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._layer_base import ParallelLinear
+from mc_tp_layers._tp_groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, check_input, main_grad
 from mc_tp_layers.gtp import unsharded_shape
 from mc_tp_layers.initialization import InitMethod, WeightInit

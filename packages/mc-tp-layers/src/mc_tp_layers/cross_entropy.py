@@ -47,23 +47,24 @@ vocabulary size (``vocab_size=``, a Python int: no device work) and the call che
 **Under torch.compile** both checks take their device form on every device
 (``torch._assert_async`` in the graph: on CPU a ``RuntimeError`` naming the check when the
 compiled code runs, before the loss is returned), so the function traces without a graph
-break; its two all-reduces are functional collectives (:mod:`mc_groups.traceable`).
+break; its two all-reduces are functional collectives (:mod:`mc_groups.comm.traceable`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import traceable
 from mc_groups.argcheck import check_int, check_tensor
+from mc_groups.comm import traceable
+from mc_groups.comm.agreement import differences
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers._autograd import apply
-from mc_tp_layers._groups import resolve_tp_group
 from mc_tp_layers._index_range import check_index_range
+from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.agreement import TensorParallelAgreementError
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -180,14 +181,12 @@ def _raise_disagreement(
     mine = (vocab_local, f"{list(target.shape)} {head}", label_smoothing, ignore_index)
     everyone = mg.all_gather_objects(mine, group, label="tp cross-entropy agreement")
     ranks = list(mg.group_ranks(group))
-    lines = []
-    for index, field in enumerate(_PROBE_FIELDS):
-        values: dict[str, list[int]] = {}
-        for rank, theirs in zip(ranks, everyone, strict=True):
-            values.setdefault(str(theirs[index]), []).append(rank)  # type: ignore[index]
-        if len(values) > 1:
-            parts = ", ".join(f"{value} on rank(s) {who}" for value, who in values.items())
-            lines.append(f"  {field}: {parts}")
+    rows = [
+        dict(zip(_PROBE_FIELDS, cast(tuple[object, ...], theirs), strict=True))
+        for theirs in everyone
+    ]
+    found = differences(ranks, rows)
+    lines = [f"  {difference.describe(', ')}" for difference in found]
     if not lines:  # targets alike in shape and first values: they differ further on
         lines.append("  target: differs after its first values (digests differ)")
     raise TensorParallelAgreementError(
@@ -199,7 +198,10 @@ def _raise_disagreement(
                 "Every rank must pass its own equal slice of the vocabulary (rank r: classes "
                 "[r·V/W, (r+1)·V/W)) and the same target, label_smoothing and ignore_index.",
             ]
-        )
+        ),
+        "vocab_parallel_cross_entropy",
+        ranks,
+        found,
     )
 
 

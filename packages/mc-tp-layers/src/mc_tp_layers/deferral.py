@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import traceable
 from mc_groups.argcheck import check_flag, check_tensor, type_name
+from mc_groups.comm import traceable
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _comm
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._gemm import accumulate_wgrad
-from mc_tp_layers._groups import resolve_tp_group
+from mc_tp_layers._tp_groups import resolve_tp_group
 
 __all__ = ["drain_embedding_wgrad_compute"]
 

@@ -29,9 +29,9 @@ from mc_groups.argcheck import check_flag, check_int, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _layer_base as base
 from mc_tp_layers._config import TensorParallelConfig
-from mc_tp_layers._groups import resolve_tp_group
 from mc_tp_layers._index_range import check_index_range
 from mc_tp_layers._layer_base import TensorParallelModule
+from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers._validate import check_divisible, check_sequence
 from mc_tp_layers.initialization import InitMethod, WeightInit, check_init
 from mc_tp_layers.mappings import (

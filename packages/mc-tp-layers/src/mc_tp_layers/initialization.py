@@ -28,7 +28,7 @@ from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_t
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _validate
 from mc_tp_layers._config import TensorParallelConfig
-from mc_tp_layers._groups import resolve_tp_group
+from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.gtp import gtp_remat_shard_dim0
 from mc_tp_layers.random import (

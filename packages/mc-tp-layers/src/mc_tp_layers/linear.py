@@ -42,13 +42,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from mc_groups import param_attrs, traceable
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor, type_name
+from mc_groups.comm import traceable
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _comm, _validate
 from mc_tp_layers._autograd import apply
 from mc_tp_layers._gemm import _linear_forward, _wgrad_gemm, accumulate_wgrad
-from mc_tp_layers._groups import resolve_tp_group
+from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.gtp import gather_gtp_weight, reduce_scatter_gtp_grad, unsharded_shape
 from mc_tp_layers.mappings import gather_from_sequence_parallel_region
 

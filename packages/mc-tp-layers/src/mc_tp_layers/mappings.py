@@ -60,7 +60,7 @@ from mc_groups.argcheck import check_flag, check_group, check_tensor
 from mc_groups.errors import InputValueError
 from mc_tp_layers import _comm, _validate
 from mc_tp_layers._autograd import apply
-from mc_tp_layers._groups import resolve_tp_group
+from mc_tp_layers._tp_groups import resolve_tp_group
 
 __all__ = [
     "all_gather_last_dim_from_tensor_parallel_region",

@@ -274,7 +274,7 @@ def get_cuda_rng_tracker() -> RNGStatesTracker:
     """The default tracker registered by :func:`model_parallel_cuda_manual_seed` (Megatron's
     name; the CPU tracker of a gloo world too). RuntimeError when none is registered:
     Megatron would hand out an empty tracker whose ``fork()`` then fails."""
-    tracker = default_tracker()
+    tracker = _default_tracker()
     if tracker is None:
         raise RuntimeError(
             "no default RNG tracker is registered: call "
@@ -290,7 +290,10 @@ def clear_cuda_rng_tracker() -> None:
 
 
 def _default_tracker() -> RNGStatesTracker | None:
-    return default_tracker()
+    """The registered default (only :func:`set_cuda_rng_tracker` and
+    :func:`model_parallel_cuda_manual_seed` register one, both an :class:`RNGStatesTracker`)."""
+    tracker = default_tracker()
+    return tracker if isinstance(tracker, RNGStatesTracker) else None
 
 
 def check_device_name(device: object) -> torch.device:

@@ -31,8 +31,8 @@ from mc_groups.argcheck import check_flag, check_optional_str
 from mc_groups.errors import InputValueError
 from mc_tp_layers import _layer_base as base
 from mc_tp_layers._config import TensorParallelConfig, expert_parallel, gtp_remat_size
-from mc_tp_layers._groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._layer_base import ParallelLinear
+from mc_tp_layers._tp_groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, check_input, check_sequence, main_grad
 from mc_tp_layers.initialization import InitMethod, WeightInit
 from mc_tp_layers.mappings import (

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from mc_groups.argcheck import check_flag, check_int, check_tensor
 from mc_groups.errors import InputValueError
 from mc_tp_layers import _comm
-from mc_tp_layers._groups import resolve_tp_group
+from mc_tp_layers._tp_groups import resolve_tp_group
 
 __all__ = [
     "VocabUtility",

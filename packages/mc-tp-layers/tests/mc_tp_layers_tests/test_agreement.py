@@ -27,7 +27,7 @@ import torch
 
 import mc_groups as mg
 import mc_tp_layers as tpl
-from mc_groups import schedule_check
+from mc_groups.comm import agreement, schedule_check
 from mc_groups.testing import RankPools, error_kind
 from mc_tp_layers_tests._helpers import config, randn, world
 
@@ -166,7 +166,7 @@ def test_ranks_built_differently_fail_alike_naming_field_layer_and_ranks(
 
 def _agree() -> dict[str, Any]:
     pgc = world(2)
-    spy = mock.patch.object(schedule_check, "verify_schedule", wraps=schedule_check.verify_schedule)
+    spy = mock.patch.object(agreement, "exchange_plans", wraps=schedule_check.exchange_plans)
     try:
         with spy as calls:
             torch.manual_seed(0)

@@ -12,7 +12,7 @@ from mc_groups import ProcessGroupCollection, param_attrs
 from mc_groups.argcheck import check_int, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers._config import check_config
-from mc_tp_layers._groups import resolve_tp_group
+from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.tp_plan import _sequence
 from mc_tp_layers.tp_plan._layers import ColwiseLinear, RowwiseLinear, Setup, VocabEmbedding
 from mc_tp_layers.tp_plan._norm import ColwiseRMSNormLayer, check_rmsnorm

@@ -1,6 +1,6 @@
 """The run-time side of compiled collectives: the custom op ``mc_groups::collective``.
 
-:mod:`mc_groups.traceable` calls :func:`tap` right before each functional collective it
+:mod:`mc_groups.comm.traceable` calls :func:`tap` right before each functional collective it
 traces. Dynamo writes the call into the graph as ``torch.ops.mc_groups.collective``;
 the op is registered as an *ordered side effect* (AOTAutograd threads an effect token
 through it: it is never dead code and keeps program order among mc's collectives), so
@@ -9,7 +9,7 @@ what the eager path does before issuing a collective: the opt-in schedule check 
 :class:`~mc_groups.CollectiveRecord` (``compiled=True``) for every open recorder. While
 tracing (fake tensors) it does nothing.
 
-The op is defined once per process, when :mod:`mc_groups.traceable` is first imported
+The op is defined once per process, when :mod:`mc_groups.comm.traceable` is first imported
 (a ``torch.library.Library`` registration: torch's operator registry holds it, the
 module keeps the handle alive). A torch without effect registration (a private torch
 API in 2.13, ``torch.library._register_effectful_op``) gets no tap: compiled code then
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mc_groups._core import ReduceOp, check_schedule, record
+from mc_groups.comm._common import ReduceOp, check_schedule, record
 
 __all__: list[str] = []
 

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mc_groups import _gloo as gloo
-from mc_groups import _reduce_scatter as rs
-from mc_groups._core import (
+from mc_groups.argcheck import check_group
+from mc_groups.comm import _gloo as gloo
+from mc_groups.comm import _reduce_scatter as rs
+from mc_groups.comm._common import (
     DONE,
     TORCH_OPS,
     CollectiveHandle,
@@ -28,11 +29,10 @@ from mc_groups._core import (
     ranks_of,
     record,
 )
-from mc_groups._errors import CollectiveError
-from mc_groups._shims import all_gather_flat, coalescing_manager, reduce_scatter_flat
-from mc_groups.argcheck import check_group
+from mc_groups.comm._errors import CollectiveError
+from mc_groups.comm._shims import all_gather_flat, coalescing_manager, reduce_scatter_flat
+from mc_groups.comm.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_groups.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
 
 __all__ = ["CoalescedBatch", "coalesced"]
 
@@ -53,7 +53,7 @@ class CoalescedBatch:
     as it is added (reduce-scatters as all-to-all + local reduction, all-gathers as
     point-to-point exchanges or all-to-alls by size, see :func:`~mc_groups.reduce_scatter` and
     :func:`~mc_groups.all_gather`) and the batch's handle waits for all of them. With
-    the schedule check on (:mod:`mc_groups.schedule_check`) the collectives are queued and
+    the schedule check on (:mod:`mc_groups.comm.schedule_check`) the collectives are queued and
     issued when the block closes, after the batch as a whole was checked.
     """
 

@@ -1,6 +1,6 @@
 """What every collective of the layer shares: the reduce ops, the handle, group queries,
 tensor checks, descriptions (for errors), recording, issuing, and the hook of the opt-in
-schedule check. No collective is defined here (see :mod:`mc_groups.collectives`)."""
+schedule check. No collective is defined here (see :mod:`mc_groups.comm.collectives`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mc_groups._errors import CollectiveError
 from mc_groups.argcheck import check_flag, check_group, check_real, check_str, check_tensor
+from mc_groups.comm._errors import CollectiveError
+from mc_groups.comm.recorder import CollectiveRecord, _emit, _recording
+from mc_groups.comm.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_groups.recorder import CollectiveRecord, _emit, _recording
-from mc_groups.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
 
 __all__ = [
     "CollectiveHandle",
@@ -256,25 +256,28 @@ def check_op(op: object) -> ReduceOp:
 
 def check_reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
     """``input`` holds ``size`` outputs."""
-    check_contiguous("output", output)
-    check_contiguous("input", input)
-    check_pair(output, input, "reduce_scatter")
-    if input.numel() != output.numel() * size:
-        raise InputValueError(
-            f"reduce_scatter: input.numel()={input.numel()} must equal "
-            f"output.numel()={output.numel()} × group size {size}"
-        )
+    _check_flat_pair("reduce_scatter", output, input, ("input", "output"), size)
 
 
 def check_all_gather(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
     """``output`` holds ``size`` inputs."""
+    _check_flat_pair("all_gather", output, input, ("output", "input"), size)
+
+
+def _check_flat_pair(
+    op: str, output: torch.Tensor, input: torch.Tensor, whole_part: tuple[str, str], size: int
+) -> None:
+    """Both contiguous, alike in dtype and device, and the whole (``whole_part[0]``, one
+    of the two) ``size`` times the part."""
     check_contiguous("output", output)
     check_contiguous("input", input)
-    check_pair(output, input, "all_gather")
-    if output.numel() != input.numel() * size:
+    check_pair(output, input, op)
+    tensors = {"output": output, "input": input}
+    whole, part = whole_part
+    if tensors[whole].numel() != tensors[part].numel() * size:
         raise InputValueError(
-            f"all_gather: output.numel()={output.numel()} must equal "
-            f"input.numel()={input.numel()} × group size {size}"
+            f"{op}: {whole}.numel()={tensors[whole].numel()} must equal "
+            f"{part}.numel()={tensors[part].numel()} × group size {size}"
         )
 
 
@@ -310,7 +313,7 @@ def check_schedule(
     detail: str = "",
     payload: str | None = None,
 ) -> None:
-    """The opt-in schedule check (see :mod:`mc_groups.schedule_check`); a no-op unless
+    """The opt-in schedule check (see :mod:`mc_groups.comm.schedule_check`); a no-op unless
     enabled. ``payload`` overrides the compared ``numel × dtype`` text."""
     if not schedule_check_enabled():
         return

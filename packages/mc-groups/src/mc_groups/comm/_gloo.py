@@ -1,7 +1,7 @@
 """The gloo side of the collective layer: which groups run on gloo, and all-gather built from
 point-to-point exchanges straight into the output (torch 2.13 gloo's own all-gather is
 slower on CPU). gloo's reduce-scatter, an all-to-all plus a local reduction, lives with the
-other reduce-scatter algorithms in :mod:`mc_groups._reduce_scatter`."""
+other reduce-scatter algorithms in :mod:`mc_groups.comm._reduce_scatter`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mc_groups._p2p import exchange_rows
+from mc_groups.comm._p2p_all_gather import exchange_rows
 
 __all__: list[str] = []
 
@@ -50,5 +50,5 @@ def all_gather_works(
 
 def _exchange(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> list[Any]:
     """All-gather by point-to-point exchange on :data:`EXCHANGE_TAG` (see
-    :func:`mc_groups._p2p.exchange_rows`)."""
+    :func:`mc_groups.comm._p2p_all_gather.exchange_rows`)."""
     return exchange_rows(output, input, group, tag=EXCHANGE_TAG)

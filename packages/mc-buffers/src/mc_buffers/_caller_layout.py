@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mc_buffers._checks import Param, describe
+from mc_buffers._param_checks import Param, describe
 from mc_buffers.adopt import as_per_buffer_param_layout
 from mc_buffers.layout import PerBufferParamLayout
 from mc_groups.errors import InputValueError

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mc_buffers._checks import (
+from mc_buffers._param_checks import (
     Param,
     as_param_list,
     check_non_empty_numel,

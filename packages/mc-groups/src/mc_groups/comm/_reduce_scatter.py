@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mc_groups._core import (
+from mc_groups.argcheck import check_float_dtype
+from mc_groups.comm._common import (
     DONE,
     TORCH_OPS,
     CollectiveHandle,
@@ -41,10 +42,9 @@ from mc_groups._core import (
     issue,
     record,
 )
-from mc_groups._errors import CollectiveError
-from mc_groups._gloo import is_gloo
-from mc_groups._shims import reduce_scatter_flat
-from mc_groups.argcheck import check_float_dtype
+from mc_groups.comm._errors import CollectiveError
+from mc_groups.comm._gloo import is_gloo
+from mc_groups.comm._shims import reduce_scatter_flat
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__: list[str] = []

@@ -1,0 +1,42 @@
+"""The collective layer: the only part of mc that calls ``torch.distributed`` collectives.
+
+Every other module of mc, in every package, communicates through it, so that each
+collective is validated before it is issued, bounded when waited on, recorded
+(:func:`mc_groups.record_collectives`), optionally schedule-checked across the ranks, and
+named in its errors. Its public names are exported by :mod:`mc_groups`; the modules:
+
+==================================  ===========================================================
+module                              what it holds
+==================================  ===========================================================
+:mod:`.collectives`                 the collectives (``all_reduce``, ``reduce_scatter``,
+                                    ``all_gather``, ``broadcast``, ``all_to_all``,
+                                    ``send``/``recv``, ``barrier``, ``all_gather_objects``,
+                                    ``coalesced``) and group queries
+:mod:`.traceable`                   the same collectives returning new tensors, traceable by
+                                    ``torch.compile(fullgraph=True)``
+:mod:`.communicator`                ``Communicator``: one caller's batched collectives on one
+                                    group, keeping their temporaries
+:mod:`.recorder`                    ``record_collectives()``: the log of what was issued
+:mod:`.schedule_check`              the opt-in check that every rank is about to run the same
+                                    collective; its exchange under every cross-rank check
+:mod:`.peer_checks`                 ``fail_together`` / ``CarriedStatus``: a check failing on
+                                    one rank is an error on every rank
+:mod:`.agreement`                   ``agree``: the ranks compare named values once
+``_common``                         what every collective shares: ``ReduceOp``, the handle,
+                                    checks, descriptions, recording, issuing
+``_coalesced``                      coalesced batches (one kind of collective per batch)
+``_reduce_scatter``                 the reduce-scatter algorithms (all-to-all + local sum)
+``_gloo``                           gloo's all-gather (point to point or all-to-all)
+``_p2p_all_gather``                 an all-gather made of point-to-point sends on a tag
+``_compiled``                       the custom op ``mc_groups::collective`` compiled graphs
+                                    call before each collective
+``_shims``, ``_errors``             torch-version names; ``CollectiveError``
+==================================  ===========================================================
+
+Until issue 31 these modules sat flat in :mod:`mc_groups`; ``mc_groups.collectives``,
+``mc_groups.communicator``, ``mc_groups.recorder``, ``mc_groups.schedule_check``,
+``mc_groups.traceable`` and ``mc_groups.together`` (now :mod:`.peer_checks`) still
+re-export their public names for one release.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,409 @@
+r"""Collectives that return a new tensor and trace under ``torch.compile(fullgraph=True)``.
+
+Why: Dynamo refuses ``async_op=True`` collectives (and the Python bookkeeping around
+them: the recorder's lock, handles, gloo's point-to-point exchanges), so a layer that
+calls :func:`mc_groups.all_reduce` breaks its graph. These functions take the same group
+and label as the in-place collectives and pick their path when called:
+
+- **eager** (not compiling): the in-place collectives of :mod:`mc_groups.comm.collectives` on
+  a new output tensor, so nothing changes there: validated, recorded, schedule-checked,
+  failures named (:class:`~mc_groups.CollectiveError`), gloo's emulations, async work on
+  a :class:`~mc_groups.CollectiveHandle`;
+- **compiling** (``torch.compiler.is_compiling()``, decided once per trace): torch's
+  functional collectives (``torch.ops._c10d_functional``: ``all_reduce``,
+  ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``,
+  ``wait_tensor``) on the group's name (a string, which Dynamo traces: pytorch #129942),
+  so each collective is a node of the graph that Inductor schedules; its wait is where
+  :meth:`PendingTensor.wait` is called.
+
+Both paths send the same bytes with the same algorithm::
+
+    op               NCCL (and others)          gloo
+    all_reduce       all-reduce                 all-reduce
+    all_gather       all-gather                 all-to-all of the repeated input (eager:
+                                                point-to-point exchange from 4 MiB of
+                                                output on, no staging copy)
+    reduce_scatter   reduce-scatter             all-to-all + local sum in group-rank order
+                                                (in fp32 for narrower dtypes)
+    all_to_all       all-to-all (even splits)   all-to-all (even splits)
+
+**Compiled code: what runs outside the graph.** Each collective traced into a graph is
+preceded by the custom op ``mc_groups::collective`` (see :mod:`mc_groups.comm._compiled`): an
+ordered side effect, which Inductor keeps in program order among mc's collectives. When
+the compiled code runs, it does in Python what the eager path does before issuing: the
+opt-in schedule check (:mod:`mc_groups.comm.schedule_check`) and a
+:class:`~mc_groups.CollectiveRecord` with ``compiled=True`` (same op, group, dtype, size,
+``async_op`` and label as the eager call) in every open
+:func:`~mc_groups.record_collectives` log. So a compiled step records its collectives
+when they run, as an eager step does. Differences: the collective may be placed before
+its record by Inductor (nothing orders them); a backend failure in a compiled graph is
+torch's error, not a :class:`~mc_groups.CollectiveError`; inputs are checked when the
+graph is traced (Dynamo guards shapes and dtypes: another shape retraces and checks
+again).
+
+Autograd: none, as the in-place collectives (mc's mappings and linear functions call
+these inside their ``torch.autograd.Function``\ s). On a group of one rank each returns
+the input itself and communicates nothing. Inputs of any shape; dim 0 is the gathered or
+scattered one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from mc_groups.argcheck import check_flag, check_group, check_tensor
+from mc_groups.comm import _compiled
+from mc_groups.comm._common import CollectiveHandle, ReduceOp, check_op
+from mc_groups.comm._gloo import is_gloo
+from mc_groups.comm._reduce_scatter import accumulation_dtype
+from mc_groups.comm.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from mc_groups.errors import InputTypeError, InputValueError
+
+__all__ = [
+    "PendingTensor",
+    "all_gather_tensor",
+    "all_reduce_tensor",
+    "all_to_all_tensor",
+    "reduce_scatter_tensor",
+    "start_all_gather",
+    "start_all_reduce",
+    "start_reduce_scatter",
+]
+
+_FUNCTIONAL_OPS = {
+    ReduceOp.SUM: "sum",
+    ReduceOp.AVG: "avg",
+    ReduceOp.MAX: "max",
+    ReduceOp.MIN: "min",
+}
+
+_Finish = Callable[[torch.Tensor], torch.Tensor]
+
+
+class PendingTensor:
+    """A collective in flight; :meth:`wait` returns its result.
+
+    Eager: the output tensor and the :class:`~mc_groups.CollectiveHandle` of its work.
+    Compiling: the functional collective's tensor and the local step that completes it
+    (the reshape, or gloo's sum after the all-to-all), applied after ``wait_tensor``.
+    """
+
+    __slots__ = ("_finish", "_handle", "_tensor")
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        handle: CollectiveHandle | None = None,
+        finish: _Finish | None = None,
+    ) -> None:
+        self._tensor, self._handle, self._finish = tensor, handle, finish
+
+    def wait(self) -> torch.Tensor:
+        """Block until the collective completed (bounded as the handle's wait); return
+        its result."""
+        if self._handle is not None:
+            self._handle.wait()
+            return self._tensor
+        if self._finish is None:  # a one-rank group: the input itself
+            return self._tensor
+        return self._finish(torch.ops._c10d_functional.wait_tensor(self._tensor))
+
+
+def _checked(tensor: object, group: object) -> tuple[torch.Tensor, dist.ProcessGroup, int]:
+    """The tensor, the group and its size. A destroyed group is refused by the in-place
+    collective the eager path calls next (and here while tracing); a one-rank group never
+    communicates, so it is not looked up (the in-place collectives skip it too)."""
+    if not isinstance(tensor, torch.Tensor) or not isinstance(group, dist.ProcessGroup):
+        check_tensor("tensor", tensor)
+        check_group("group", group)
+    elif torch.compiler.is_compiling():
+        check_group("group", group)
+    x, g = cast(torch.Tensor, tensor), cast(dist.ProcessGroup, group)  # checked above
+    return x, g, int(g.size())
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.shape[0] if x.dim() else 1
+
+
+def _divisible(x: torch.Tensor, size: int, op: str) -> None:
+    if _rows(x) % size:
+        raise InputValueError(
+            f"{op}: tensor has shape {tuple(x.shape)}; its dim 0 ({_rows(x)}) must divide by "
+            f"the group size {size}"
+        )
+
+
+def _splits(value: object, size: int, name: str) -> list[int] | None:
+    """None, or ``size`` ints >= 0 (rows per rank)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InputTypeError(f"all_to_all_tensor: {name}={value!r} must be a list of {size} ints")
+    listed = list(value)
+    if len(listed) != size or any(
+        isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in listed
+    ):
+        raise InputValueError(
+            f"all_to_all_tensor: {name}={listed} must hold {size} ints >= 0 (rows per rank)"
+        )
+    return listed
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(-1)
+
+
+# -- compiling: functional collectives -------------------------------------------------
+
+
+def _traced_all_reduce(
+    x: torch.Tensor, g: dist.ProcessGroup, op: ReduceOp, label: str, async_op: bool
+) -> PendingTensor:
+    flat = _flat(x)
+    _compiled.tap(flat, "all_reduce", op, g, async_op, label)
+    out = torch.ops._c10d_functional.all_reduce(flat, _FUNCTIONAL_OPS[op], g.group_name)
+    shape = x.shape
+    return PendingTensor(out, finish=lambda done: done.view(shape))
+
+
+def _traced_all_gather(
+    x: torch.Tensor, g: dist.ProcessGroup, size: int, label: str, async_op: bool
+) -> PendingTensor:
+    flat = _flat(x)
+    _compiled.tap(flat, "all_gather", None, g, async_op, label)
+    shape = (size * _rows(x), *x.shape[1:])
+    if is_gloo(g):  # the all-to-all of the repeated input (module notes)
+        repeated = flat.unsqueeze(0).expand(size, -1).reshape(-1)
+        splits = [flat.numel()] * size
+        out = torch.ops._c10d_functional.all_to_all_single(repeated, splits, splits, g.group_name)
+    else:
+        out = torch.ops._c10d_functional.all_gather_into_tensor(flat, size, g.group_name)
+    return PendingTensor(out, finish=lambda done: done.view(shape))
+
+
+def _traced_reduce_scatter(
+    x: torch.Tensor, g: dist.ProcessGroup, size: int, op: ReduceOp, label: str, async_op: bool
+) -> PendingTensor:
+    flat = _flat(x)
+    _compiled.tap(flat, "reduce_scatter", op, g, async_op, label)
+    shape = (_rows(x) // size, *x.shape[1:])
+    if not is_gloo(g):
+        out = torch.ops._c10d_functional.reduce_scatter_tensor(
+            flat, _FUNCTIONAL_OPS[op], size, g.group_name
+        )
+        return PendingTensor(out, finish=lambda done: done.view(shape))
+    splits = [flat.numel() // size] * size
+    received = torch.ops._c10d_functional.all_to_all_single(flat, splits, splits, g.group_name)
+    dtype = x.dtype
+
+    def finish(done: torch.Tensor) -> torch.Tensor:
+        return _reduce_rows(done.view(size, -1), op, dtype).view(shape)
+
+    return PendingTensor(received, finish=finish)
+
+
+def _reduce_rows(rows: torch.Tensor, op: ReduceOp, dtype: torch.dtype) -> torch.Tensor:
+    """The local step of gloo's reduce-scatter, out of place (the eager one is
+    :func:`mc_groups.comm._reduce_scatter.reduce_rows`)."""
+    if op is ReduceOp.MAX:
+        return rows.amax(dim=0)
+    if op is ReduceOp.MIN:
+        return rows.amin(dim=0)
+    total = rows.sum(dim=0, dtype=accumulation_dtype(rows, None))
+    if op is ReduceOp.AVG:
+        total = total / rows.shape[0]
+    return total.to(dtype)
+
+
+def _traced_all_to_all(
+    x: torch.Tensor,
+    g: dist.ProcessGroup,
+    size: int,
+    outs: list[int] | None,
+    ins: list[int] | None,
+    label: str,
+) -> torch.Tensor:
+    flat = _flat(x)
+    _compiled.tap(flat, "all_to_all", None, g, False, label)
+    row = flat.numel() // _rows(x) if _rows(x) else 0
+    even = [_rows(x) // size] * size
+    out_rows = even if outs is None else outs
+    in_rows = even if ins is None else ins
+    out = torch.ops._c10d_functional.all_to_all_single(
+        flat, [n * row for n in out_rows], [n * row for n in in_rows], g.group_name
+    )
+    done: torch.Tensor = torch.ops._c10d_functional.wait_tensor(out)
+    return done.view(sum(out_rows), *x.shape[1:])
+
+
+# -- the public functions ---------------------------------------------------------------
+
+
+def _reduce_target(x: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """Eager: what the in-place all-reduce overwrites (``x`` itself when allowed)."""
+    if inplace and x.is_contiguous():
+        return x
+    return torch.clone(x, memory_format=torch.contiguous_format)
+
+
+def all_reduce_tensor(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    op: ReduceOp = ReduceOp.SUM,
+    label: str = "",
+    inplace: bool = False,
+) -> torch.Tensor:
+    """``op`` over the ranks of ``group`` into a new tensor (``tensor`` is not changed).
+
+    ``inplace=True``: the caller no longer needs ``tensor``, so the eager path reduces it
+    in place (when contiguous: no copy) and returns it; compiled code returns a new tensor
+    either way (Inductor reuses buffers itself).
+    """
+    x, g, size = _checked(tensor, group)
+    reduce = check_op(op)
+    if size == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return _traced_all_reduce(x, g, reduce, label, False).wait()
+    out = _reduce_target(x, check_flag("inplace", inplace))
+    all_reduce(out, g, op=reduce, label=label)
+    return out
+
+
+def start_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    op: ReduceOp = ReduceOp.SUM,
+    label: str = "",
+    inplace: bool = False,
+) -> PendingTensor:
+    """Start :func:`all_reduce_tensor` (asynchronous: compute may run until ``wait()``)."""
+    x, g, size = _checked(tensor, group)
+    reduce = check_op(op)
+    if size == 1:
+        return PendingTensor(x)
+    if torch.compiler.is_compiling():
+        return _traced_all_reduce(x, g, reduce, label, True)
+    out = _reduce_target(x, check_flag("inplace", inplace))
+    return PendingTensor(out, all_reduce(out, g, op=reduce, async_op=True, label=label))
+
+
+def _gather_output(x: torch.Tensor, size: int) -> torch.Tensor:
+    return torch.empty((size * _rows(x), *x.shape[1:]), dtype=x.dtype, device=x.device)
+
+
+def all_gather_tensor(
+    tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0 in group-rank order (a new tensor)."""
+    x, g, size = _checked(tensor, group)
+    if size == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return _traced_all_gather(x, g, size, label, False).wait()
+    out = _gather_output(x, size)
+    all_gather(out.view(-1), _flat(x), g, label=label)
+    return out
+
+
+def start_all_gather(
+    tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+) -> PendingTensor:
+    """Start :func:`all_gather_tensor` (asynchronous: compute may run until ``wait()``)."""
+    x, g, size = _checked(tensor, group)
+    if size == 1:
+        return PendingTensor(x)
+    if torch.compiler.is_compiling():
+        return _traced_all_gather(x, g, size, label, True)
+    out = _gather_output(x, size)
+    return PendingTensor(out, all_gather(out.view(-1), _flat(x), g, async_op=True, label=label))
+
+
+def _scatter_output(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x.new_empty((_rows(x) // size, *x.shape[1:]))
+
+
+def reduce_scatter_tensor(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    op: ReduceOp = ReduceOp.SUM,
+    label: str = "",
+) -> torch.Tensor:
+    """``op`` over ranks; group rank r keeps part r of dim 0 (a new tensor; dim 0 must
+    divide by the group size)."""
+    x, g, size = _checked(tensor, group)
+    reduce = check_op(op)
+    _divisible(x, size, "reduce_scatter_tensor")
+    if size == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return _traced_reduce_scatter(x, g, size, reduce, label, False).wait()
+    out = _scatter_output(x, size)
+    reduce_scatter(out.view(-1), _flat(x), g, op=reduce, label=label)
+    return out
+
+
+def start_reduce_scatter(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    op: ReduceOp = ReduceOp.SUM,
+    label: str = "",
+) -> PendingTensor:
+    """Start :func:`reduce_scatter_tensor` (asynchronous: compute may run until ``wait()``)."""
+    x, g, size = _checked(tensor, group)
+    reduce = check_op(op)
+    _divisible(x, size, "start_reduce_scatter")
+    if size == 1:
+        return PendingTensor(x)
+    if torch.compiler.is_compiling():
+        return _traced_reduce_scatter(x, g, size, reduce, label, True)
+    out = _scatter_output(x, size)
+    handle = reduce_scatter(out.view(-1), _flat(x), g, op=reduce, async_op=True, label=label)
+    return PendingTensor(out, handle)
+
+
+def all_to_all_tensor(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    label: str = "",
+) -> torch.Tensor:
+    """Rank r sends split j of dim 0 to rank j and receives split r of every rank, in
+    group-rank order, into a new tensor (even splits, or rows per rank as
+    :func:`mc_groups.all_to_all` takes them)."""
+    x, g, size = _checked(tensor, group)
+    outs = _splits(output_split_sizes, size, "output_split_sizes")
+    ins = _splits(input_split_sizes, size, "input_split_sizes")
+    if ins is None:
+        _divisible(x, size, "all_to_all_tensor")
+    elif sum(ins) != _rows(x):
+        raise InputValueError(
+            f"all_to_all_tensor: input_split_sizes={ins} must add up to the {_rows(x)} rows "
+            "(dim 0) of the tensor"
+        )
+    rows = _rows(x) if outs is None else sum(outs)
+    if size == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return _traced_all_to_all(x, g, size, outs, ins, label)
+    out = x.new_empty((rows, *x.shape[1:]))
+    all_to_all(
+        out,
+        x.contiguous(),
+        g,
+        output_split_sizes=outs,
+        input_split_sizes=ins,
+        label=label,
+    )
+    return out
