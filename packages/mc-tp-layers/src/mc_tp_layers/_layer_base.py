@@ -30,7 +30,6 @@ from mc_tp_layers import agreement
 from mc_tp_layers._config import TensorParallelConfig, check_config, uses_expert_groups
 from mc_tp_layers._groups import default_device
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
-from mc_tp_layers.checkpoint import sharded_state_dict_of
 from mc_tp_layers.gtp import shard_weight_for_gtp
 from mc_tp_layers.initialization import WeightInit, check_init
 from mc_tp_layers.linear import (
@@ -38,6 +37,7 @@ from mc_tp_layers.linear import (
     linear_with_grad_accumulation_and_async_allreduce,
 )
 from mc_tp_layers.random import RNGStatesTracker, check_device_name
+from mc_tp_layers.sharded_state import sharded_state_dict_of
 
 __all__: list[str] = []
 
@@ -267,7 +267,7 @@ class TensorParallelModule(torch.nn.Module):
 
         Returns ``{prefix + "weight": DTensor, ...}`` for ``torch.distributed.checkpoint``
         (views of the parameters: loading writes into them). See
-        :mod:`mc_tp_layers.checkpoint`.
+        :mod:`mc_tp_layers.sharded_state`.
         """
         return sharded_state_dict_of(self, self.tp_group, prefix, sharded_offsets, metadata)
 
