@@ -13,7 +13,8 @@ and columns, gtp_remat rows with padding). On 4 ranks, one grid in one world:
 - the same at TP=2 × gtp_remat=2 (Column/Row weights cut again over gtp_remat, with padding
   rows): one all-gather over gtp_remat, then one over TP, per sharded weight;
 - a ``parallelize``'d module (embedding, packed colwise, rowwise) against the original's
-  state dict, and back into a fresh parallelized copy;
+  state dict, and back into a fresh parallelized copy, and into one parallelized on the
+  meta device and materialised with ``to_empty`` (whose new params keep mc's attributes);
 - a plain module: its state dict as it is; a TP-marked param of a module without a
   ``tp_group`` needs the argument (a ``ValueError`` naming it), and with it is gathered.
 """
@@ -165,7 +166,13 @@ def _parallelized_and_plain() -> dict[str, Any]:
         tpl.parallelize(twin, plan, config=cfg, pg_collection=pgc)
         _zero_params(twin)
         tpl.load_full_state_dict(twin, ref)
+        with torch.device("meta"):
+            on_meta = _Packed()
+        tpl.parallelize(on_meta, plan, config=cfg, pg_collection=pgc)
+        on_meta.to_empty(device="cpu")  # new params: they keep their TP attributes
+        tpl.load_full_state_dict(on_meta, ref)
         out: dict[str, Any] = {
+            "meta": _same(_plain(tpl.full_state_dict(on_meta)), ref),
             "parallelized": _same(_plain(tpl.full_state_dict(model)), ref),
             "loaded": _same(_plain(tpl.full_state_dict(twin)), ref),
             "packed_shard": torch.equal(packed_shard, twin.gate_up.weight),
@@ -233,6 +240,7 @@ def test_round_trips_are_bit_exact(rank_pools: RankPools) -> None:
         assert gtp["ops"] == [op for ops in per_param for op in ops]
         par = out["parallelize"]
         assert par["parallelized"] == []
+        assert par["meta"] == []
         assert par["loaded"] == []
         assert par["packed_shard"]
         r, gate_up = par["rank"], par["full_gate_up"]  # [gate (8 rows); up (8 rows)]

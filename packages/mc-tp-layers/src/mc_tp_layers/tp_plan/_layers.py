@@ -28,6 +28,7 @@ import torch.distributed as dist
 from mc_groups import ProcessGroupCollection
 from mc_groups.errors import InputValueError
 from mc_tp_layers._config import TensorParallelConfig, check_config
+from mc_tp_layers._layer_base import keep_param_attributes
 from mc_tp_layers.column import ColumnParallelLinear
 from mc_tp_layers.embedding import VocabParallelEmbedding
 from mc_tp_layers.mappings import scatter_to_tensor_model_parallel_region
@@ -88,6 +89,14 @@ class ConvertedModule(torch.nn.Module):
     """
 
     tp_group: dist.ProcessGroup
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``torch.nn.Module._apply`` keeping each param's attributes (``to_empty`` after
+        parallelizing on meta replaces every param)."""
+        before = dict(self._parameters)
+        applied = super()._apply(fn, recurse)
+        keep_param_attributes(self, before)
+        return applied
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args)
