@@ -11,6 +11,7 @@ impossible layout is a ``ValueError`` that names the setting, its value and the 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,19 @@ import mc_groups as mg
 from mc_ddp import DistributedDataParallelConfig
 
 __all__ = ["GPTConfig", "OptimizerConfig", "ParallelLayout"]
+
+
+_FIELDS = {
+    "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp",
+    "virtual_pipeline_model_parallel_size": "vpp",
+    "context_parallel_size": "cp",
+    "expert_model_parallel_size": "ep",
+    "expert_tensor_parallel_size": "etp",
+    "gtp_remat_size": "gtp_remat",
+}
+"""``mc_groups.validate_sizes``' argument names → :class:`ParallelLayout`'s fields."""
+_LAYOUT_NAMES = re.compile(r"\b(" + "|".join(_FIELDS) + r")\b")
 
 
 def _positive(name: str, value: object) -> int:
@@ -228,10 +242,18 @@ class ParallelLayout:
 
     def check(self, model: GPTConfig, world_size: int, global_batch: int) -> None:
         """Raise ``ValueError`` when this layout cannot split ``model`` over ``world_size``
-        ranks with ``global_batch`` sequences per step (checked before any collective)."""
-        for name in ("tp", "dp", "pp", "microbatches", "cp", "gtp_remat", "ep"):
+        ranks with ``global_batch`` sequences per step (checked before any collective).
+
+        The parallel sizes themselves (each an int >= 1 within the world, ``vpp`` only with
+        ``pp > 1``, the expert layout tiling the world, the optimizer instances) are
+        :func:`mc_groups.validate_sizes`' checks, its messages naming this layout's fields;
+        what is checked here is the demo's: the sizes' product is the world, the model and
+        the batch split over them."""
+        for name in ("dp", "microbatches"):
             _positive(name, getattr(self, name))
         _positive("global_batch", global_batch)
+        self._check_instances()  # the demo's rule (k divides dp), before mc's (k divides dp·cp)
+        self._validate_sizes(world_size)
         if self.world_size != world_size:
             raise ValueError(
                 f"{self._product()} = {self.world_size}, but the world has {world_size} "
@@ -239,7 +261,6 @@ class ParallelLayout:
             )
         self._check_tp_split(model)
         self._check_context_split(model)
-        self._check_expert_split()
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(
                 "sequence_parallel=True needs tp > 1: sequence parallelism splits activations "
@@ -251,7 +272,6 @@ class ParallelLayout:
                 "holds the same number of layers"
             )
         self._check_virtual_chunks(model)
-        self._check_instances()
         per_microbatch = self.dp * self.microbatches
         if global_batch % per_microbatch:
             raise ValueError(
@@ -260,15 +280,28 @@ class ParallelLayout:
                 "each DP rank holds the same number of sequences"
             )
 
+    def _validate_sizes(self, world_size: int) -> None:
+        """:func:`mc_groups.validate_sizes` of this layout, Megatron's argument names in its
+        messages replaced by the fields here (``tensor_model_parallel_size`` → ``tp``)."""
+        try:
+            mg.validate_sizes(
+                world_size,
+                tensor_model_parallel_size=self.tp,
+                pipeline_model_parallel_size=self.pp,
+                virtual_pipeline_model_parallel_size=self.vpp,
+                context_parallel_size=self.cp,
+                expert_model_parallel_size=self.ep,
+                expert_tensor_parallel_size=self.etp,
+                gtp_remat_size=self.gtp_remat,
+                num_distributed_optimizer_instances=self.num_distributed_optimizer_instances,
+            )
+        except (TypeError, ValueError) as err:
+            message = _LAYOUT_NAMES.sub(lambda m: _FIELDS[m[0]], str(err))
+            raise type(err)(message) from None
+
     def _check_virtual_chunks(self, model: GPTConfig) -> None:
         if self.vpp is None:
             return
-        _positive("vpp", self.vpp)
-        if self.pp == 1:
-            raise ValueError(
-                f"vpp={self.vpp} needs pp > 1: virtual chunks interleave pipeline stages; "
-                "raise pp or set vpp=None"
-            )
         chunks = self.pp * self.vpp
         if model.num_layers % chunks:
             raise ValueError(
@@ -305,16 +338,6 @@ class ParallelLayout:
                 f"seq_length / cp = {model.seq_length} / {self.cp} = {local} is not divisible "
                 f"by tp={self.tp}; sequence parallelism splits each CP rank's positions over "
                 "the TP ranks"
-            )
-
-    def _check_expert_split(self) -> None:
-        etp = self.tp if self.etp is None else _positive("etp", self.etp)
-        experts = etp * self.ep * self.pp
-        if self.world_size % experts:
-            raise ValueError(
-                f"the world of {self.world_size} ranks is not divisible by etp × ep × pp = "
-                f"{etp} × {self.ep} × {self.pp} = {experts}; the expert layout must tile the "
-                "world like the dense one"
             )
 
     def _check_tp_split(self, model: GPTConfig) -> None:
