@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,7 +32,8 @@ _FIELDS = {
     "expert_tensor_parallel_size": "etp",
     "gtp_remat_size": "gtp_remat",
 }
-"""``mc_groups.validate_sizes``' argument names → :class:`ParallelLayout`'s fields."""
+"""Megatron's names of the sizes (``initialize_model_parallel``, ``validate_sizes``,
+``ModelParallelConfig``) → :class:`ParallelLayout`'s fields."""
 _LAYOUT_NAMES = re.compile(r"\b(" + "|".join(_FIELDS) + r")\b")
 
 
@@ -284,17 +286,7 @@ class ParallelLayout:
         """:func:`mc_groups.validate_sizes` of this layout, Megatron's argument names in its
         messages replaced by the fields here (``tensor_model_parallel_size`` → ``tp``)."""
         try:
-            mg.validate_sizes(
-                world_size,
-                tensor_model_parallel_size=self.tp,
-                pipeline_model_parallel_size=self.pp,
-                virtual_pipeline_model_parallel_size=self.vpp,
-                context_parallel_size=self.cp,
-                expert_model_parallel_size=self.ep,
-                expert_tensor_parallel_size=self.etp,
-                gtp_remat_size=self.gtp_remat,
-                num_distributed_optimizer_instances=self.num_distributed_optimizer_instances,
-            )
+            mg.validate_sizes(world_size, **self.group_sizes())
         except (TypeError, ValueError) as err:
             message = _LAYOUT_NAMES.sub(lambda m: _FIELDS[m[0]], str(err))
             raise type(err)(message) from None
@@ -362,28 +354,21 @@ class ParallelLayout:
         """Every process group of this layout (collective: every rank calls it, after
         ``torch.distributed.init_process_group``); destroy with
         ``mc_groups.destroy_model_parallel``."""
-        return mg.initialize_model_parallel(
-            self.tp,
-            self.pp,
-            virtual_pipeline_model_parallel_size=self.vpp,
-            context_parallel_size=self.cp,
-            expert_model_parallel_size=self.ep,
-            expert_tensor_parallel_size=self.etp,
-            gtp_remat_size=self.gtp_remat,
-            num_distributed_optimizer_instances=self.num_distributed_optimizer_instances,
-        )
+        return mg.initialize_model_parallel(**self.group_sizes())
+
+    def group_sizes(self) -> dict[str, Any]:
+        """This layout's sizes under Megatron's argument names, as
+        ``initialize_model_parallel`` and ``validate_sizes`` take them."""
+        sizes = {name: getattr(self, field) for name, field in _FIELDS.items()}
+        sizes["num_distributed_optimizer_instances"] = self.num_distributed_optimizer_instances
+        return sizes
 
     def model_parallel_config(self) -> mg.ModelParallelConfig:
         """The config the mc layers read (weights are loaded, so no initialisation runs)."""
+        sizes = {name: getattr(self, field) for name, field in _FIELDS.items()}
         return mg.ModelParallelConfig(
-            tensor_model_parallel_size=self.tp,
-            pipeline_model_parallel_size=self.pp,
-            virtual_pipeline_model_parallel_size=self.vpp,
+            **sizes,
             sequence_parallel=self.sequence_parallel,
-            context_parallel_size=self.cp,
-            expert_model_parallel_size=self.ep,
-            expert_tensor_parallel_size=self.etp,
-            gtp_remat_size=self.gtp_remat,
             params_dtype=self.params_dtype,
             use_cpu_initialization=True,
             perform_initialization=False,
