@@ -31,7 +31,7 @@ import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
 from mc_tp_layers.gtp import gtp_local_rows
 from mc_tp_layers.shards import join_shards, split_full
-from mc_tp_layers_tests._helpers import config, world
+from mc_tp_layers_tests._helpers import config, row_parallel, world
 
 SEED = 31
 
@@ -69,22 +69,21 @@ class _MCModel(torch.nn.Module):
         self.qkv = tpl.ColumnParallelLinear(
             8, 16, config=cfg, init_method=init, stride=2, pg_collection=pgc
         )
-        row: dict[str, Any] = {"bias": True, "input_is_parallel": True, "skip_bias_add": False}
-        self.row = tpl.RowParallelLinear(
-            12, 6, config=cfg, init_method=init, pg_collection=pgc, **row
-        )
-        self.row2 = tpl.RowParallelLinear(
-            16, 8, config=cfg, init_method=init, stride=2, pg_collection=pgc, **row
-        )
+        self.row = row_parallel(12, 6, cfg, init, pg_collection=pgc)
+        self.row2 = row_parallel(16, 8, cfg, init, stride=2, pg_collection=pgc)
         self.norm = torch.nn.LayerNorm(8)
         tp = pgc.require("tp", "test")
         r, w = mg.group_rank(tp), mg.group_size(tp)
-        with torch.no_grad():  # biases start at zero: give them values, sliced by hand
-            self.col.bias.copy_(torch.arange(12.0).view(w, -1)[r])
-            self.qkv.bias.copy_(torch.arange(100.0, 116.0).view(2, w, -1)[:, r].reshape(-1))
-            self.row.bias.copy_(torch.arange(200.0, 206.0))
-            self.row2.bias.copy_(torch.arange(300.0, 308.0))
-            self.norm.bias.copy_(torch.arange(400.0, 408.0))
+        biases = {  # biases start at zero: give them values, sliced by hand
+            "col": torch.arange(12.0).view(w, -1)[r],
+            "qkv": torch.arange(100.0, 116.0).view(2, w, -1)[:, r].reshape(-1),
+            "row": torch.arange(200.0, 206.0),
+            "row2": torch.arange(300.0, 308.0),
+            "norm": torch.arange(400.0, 408.0),
+        }
+        with torch.no_grad():
+            for name, value in biases.items():
+                self.get_submodule(name).get_parameter("bias").copy_(value)
 
 
 def _init(t: torch.Tensor) -> None:
