@@ -1,6 +1,6 @@
 """Megatron-LM's own unit tests in ``docs/compatibility.md``: where mc holds each upstream
 test's facts (:data:`UPSTREAM`), the recorded runs of the upstream suites against mc
-(:data:`SUITES`, ``docs/upstream_run*.json``), and why each test that fails against mc
+(:data:`SUITES`, ``records/upstream_run*.json``), and why each test that fails against mc
 still fails (:data:`UPSTREAM_FAILING`, checked against the records). Read by
 ``gen_compatibility.py``."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = ROOT / "docs" / "upstream_run.json"
-RUN_MAIN = ROOT / "docs" / "upstream_run_main.json"
+RUN = ROOT / "records" / "upstream_run.json"
+RUN_MAIN = ROOT / "records" / "upstream_run_main.json"
 
 UPSTREAM: tuple[tuple[str, tuple[str, ...], str], ...] = (
     # (Megatron-LM test file, mc test files holding its facts, what is not covered and why)
@@ -361,7 +361,7 @@ def measured_section(suite: Suite) -> str:
         "ported modules rewritten to mc**, everything else (parallel_state, configs, models, "
         f"test utilities) Megatron's: **{passed}/{applicable} pass** ({na} not applicable: "
         "they fail against Megatron-Core itself on CPU). Recorded in "
-        f"`docs/{suite.record.name}`; regenerate with `python scripts/gen_compatibility.py "
+        f"`records/{suite.record.name}` (a measured record, kept beside the code); regenerate with `python scripts/gen_compatibility.py "
         f"{suite.flag} RUN.json`.\n",
         "| upstream file | pass | fail | not applicable (why) |",
         "|---|---|---|---|",

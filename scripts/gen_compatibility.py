@@ -3,9 +3,9 @@ field of ``DistributedDataParallelConfig``, with how mc matches Megatron-Core.
 
 Usage: ``python scripts/gen_compatibility.py`` (writes the file) or ``--check`` (exit 1 when
 the file is stale); ``--upstream-run RUN.json`` first records a run of Megatron-LM's own
-tests against mc (``../shared/upstream/run --json RUN.json``) into ``docs/upstream_run.json``,
+tests against mc (``../shared/upstream/run --json RUN.json``) into ``records/upstream_run.json``,
 ``--upstream-run-main RUN.json`` one of Megatron-LM main's (``../shared/upstream/run-main``)
-into ``docs/upstream_run_main.json``
+into ``records/upstream_run_main.json``
 (per test: pass / fail / n.a. and the reason), from which the measured table is drawn.
 ``integration_tests/test_compatibility_doc.py`` runs the same checks, so the document
 cannot drift from the code. The words live beside this script: ``compat_notes.py`` (the
@@ -332,12 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--upstream-run",
         type=Path,
-        help="record this harness --json run first (docs/upstream_run.json)",
+        help="record this harness --json run first (records/upstream_run.json)",
     )
     parser.add_argument(
         "--upstream-run-main",
         type=Path,
-        help="record this run-main --json run first (docs/upstream_run_main.json)",
+        help="record this run-main --json run first (records/upstream_run_main.json)",
     )
     args = parser.parse_args(argv)
     if args.upstream_run is not None:
