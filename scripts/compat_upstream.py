@@ -361,8 +361,8 @@ def measured_section(suite: Suite) -> str:
         "ported modules rewritten to mc**, everything else (parallel_state, configs, models, "
         f"test utilities) Megatron's: **{passed}/{applicable} pass** ({na} not applicable: "
         "they fail against Megatron-Core itself on CPU). Recorded in "
-        f"`records/{suite.record.name}` (a measured record, kept beside the code); regenerate with `python scripts/gen_compatibility.py "
-        f"{suite.flag} RUN.json`.\n",
+        f"`records/{suite.record.name}` (a measured record, kept beside the code); "
+        f"regenerate with `python scripts/gen_compatibility.py {suite.flag} RUN.json`.\n",
         "| upstream file | pass | fail | not applicable (why) |",
         "|---|---|---|---|",
     ]
