@@ -222,7 +222,7 @@ class TensorParallelModule(torch.nn.Module):
         """``torch.nn.Module._apply`` keeping each param's attributes
         (:func:`keep_param_attributes`)."""
         before = dict(self._parameters)
-        applied = super()._apply(fn, recurse)
+        applied = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         keep_param_attributes(self, before)
         return applied
 

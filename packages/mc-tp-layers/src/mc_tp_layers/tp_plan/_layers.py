@@ -94,7 +94,7 @@ class ConvertedModule(torch.nn.Module):
         """``torch.nn.Module._apply`` keeping each param's attributes (``to_empty`` after
         parallelizing on meta replaces every param)."""
         before = dict(self._parameters)
-        applied = super()._apply(fn, recurse)
+        applied = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         keep_param_attributes(self, before)
         return applied
 
