@@ -112,6 +112,6 @@ def test_readme_states_the_recorded_upstream_runs() -> None:
         kinds = [t["kind"] for t in run["tests"].values()]
         passed, failed = kinds.count("pass"), kinds.count("fail")
         claim = f"{passed}/{passed + failed}"
-        where = f"docs/{suite.record.name}"
+        where = f"records/{suite.record.name}"
         assert claim in readme, f"README.md must state the measured {claim} ({where})"
         assert run["date"] in readme, f"README.md must give the run's date {run['date']}"

@@ -130,17 +130,7 @@ class DryRunSpec:
             )
         if lay.bucket_size is not None and lay.bucket_size < 1:
             raise ValueError(f"--bucket-size {lay.bucket_size} must be >= 1")
-        lay.check(cfg, self.world_size, self.global_batch)  # the layout's own checks
-        mg.validate_sizes(
-            self.world_size,
-            lay.tp,
-            lay.pp,
-            lay.vpp,
-            lay.cp,
-            lay.ep,
-            lay.etp,
-            lay.gtp_remat,
-        )
+        lay.check(cfg, self.world_size, self.global_batch)  # with mc_groups.validate_sizes
 
 
 def _check_world(world_size: int, lay: ParallelLayout) -> None:

@@ -11,7 +11,9 @@ impossible layout is a ``ValueError`` that names the setting, its value and the 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,6 +21,20 @@ import mc_groups as mg
 from mc_ddp import DistributedDataParallelConfig
 
 __all__ = ["GPTConfig", "OptimizerConfig", "ParallelLayout"]
+
+
+_FIELDS = {
+    "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp",
+    "virtual_pipeline_model_parallel_size": "vpp",
+    "context_parallel_size": "cp",
+    "expert_model_parallel_size": "ep",
+    "expert_tensor_parallel_size": "etp",
+    "gtp_remat_size": "gtp_remat",
+}
+"""Megatron's names of the sizes (``initialize_model_parallel``, ``validate_sizes``,
+``ModelParallelConfig``) → :class:`ParallelLayout`'s fields."""
+_LAYOUT_NAMES = re.compile(r"\b(" + "|".join(_FIELDS) + r")\b")
 
 
 def _positive(name: str, value: object) -> int:
@@ -228,10 +244,18 @@ class ParallelLayout:
 
     def check(self, model: GPTConfig, world_size: int, global_batch: int) -> None:
         """Raise ``ValueError`` when this layout cannot split ``model`` over ``world_size``
-        ranks with ``global_batch`` sequences per step (checked before any collective)."""
-        for name in ("tp", "dp", "pp", "microbatches", "cp", "gtp_remat", "ep"):
+        ranks with ``global_batch`` sequences per step (checked before any collective).
+
+        The parallel sizes themselves (each an int >= 1 within the world, ``vpp`` only with
+        ``pp > 1``, the expert layout tiling the world, the optimizer instances) are
+        :func:`mc_groups.validate_sizes`' checks, its messages naming this layout's fields;
+        what is checked here is the demo's: the sizes' product is the world, the model and
+        the batch split over them."""
+        for name in ("dp", "microbatches"):
             _positive(name, getattr(self, name))
         _positive("global_batch", global_batch)
+        self._check_instances()  # the demo's rule (k divides dp), before mc's (k divides dp·cp)
+        self._validate_sizes(world_size)
         if self.world_size != world_size:
             raise ValueError(
                 f"{self._product()} = {self.world_size}, but the world has {world_size} "
@@ -239,7 +263,6 @@ class ParallelLayout:
             )
         self._check_tp_split(model)
         self._check_context_split(model)
-        self._check_expert_split()
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(
                 "sequence_parallel=True needs tp > 1: sequence parallelism splits activations "
@@ -251,7 +274,6 @@ class ParallelLayout:
                 "holds the same number of layers"
             )
         self._check_virtual_chunks(model)
-        self._check_instances()
         per_microbatch = self.dp * self.microbatches
         if global_batch % per_microbatch:
             raise ValueError(
@@ -260,15 +282,18 @@ class ParallelLayout:
                 "each DP rank holds the same number of sequences"
             )
 
+    def _validate_sizes(self, world_size: int) -> None:
+        """:func:`mc_groups.validate_sizes` of this layout, Megatron's argument names in its
+        messages replaced by the fields here (``tensor_model_parallel_size`` → ``tp``)."""
+        try:
+            mg.validate_sizes(world_size, **self.group_sizes())
+        except (TypeError, ValueError) as err:
+            message = _LAYOUT_NAMES.sub(lambda m: _FIELDS[m[0]], str(err))
+            raise type(err)(message) from None
+
     def _check_virtual_chunks(self, model: GPTConfig) -> None:
         if self.vpp is None:
             return
-        _positive("vpp", self.vpp)
-        if self.pp == 1:
-            raise ValueError(
-                f"vpp={self.vpp} needs pp > 1: virtual chunks interleave pipeline stages; "
-                "raise pp or set vpp=None"
-            )
         chunks = self.pp * self.vpp
         if model.num_layers % chunks:
             raise ValueError(
@@ -307,16 +332,6 @@ class ParallelLayout:
                 "the TP ranks"
             )
 
-    def _check_expert_split(self) -> None:
-        etp = self.tp if self.etp is None else _positive("etp", self.etp)
-        experts = etp * self.ep * self.pp
-        if self.world_size % experts:
-            raise ValueError(
-                f"the world of {self.world_size} ranks is not divisible by etp × ep × pp = "
-                f"{etp} × {self.ep} × {self.pp} = {experts}; the expert layout must tile the "
-                "world like the dense one"
-            )
-
     def _check_tp_split(self, model: GPTConfig) -> None:
         splits = {
             "hidden_size": model.hidden_size,
@@ -339,28 +354,21 @@ class ParallelLayout:
         """Every process group of this layout (collective: every rank calls it, after
         ``torch.distributed.init_process_group``); destroy with
         ``mc_groups.destroy_model_parallel``."""
-        return mg.initialize_model_parallel(
-            self.tp,
-            self.pp,
-            virtual_pipeline_model_parallel_size=self.vpp,
-            context_parallel_size=self.cp,
-            expert_model_parallel_size=self.ep,
-            expert_tensor_parallel_size=self.etp,
-            gtp_remat_size=self.gtp_remat,
-            num_distributed_optimizer_instances=self.num_distributed_optimizer_instances,
-        )
+        return mg.initialize_model_parallel(**self.group_sizes())
+
+    def group_sizes(self) -> dict[str, Any]:
+        """This layout's sizes under Megatron's argument names, as
+        ``initialize_model_parallel`` and ``validate_sizes`` take them."""
+        sizes = {name: getattr(self, field) for name, field in _FIELDS.items()}
+        sizes["num_distributed_optimizer_instances"] = self.num_distributed_optimizer_instances
+        return sizes
 
     def model_parallel_config(self) -> mg.ModelParallelConfig:
         """The config the mc layers read (weights are loaded, so no initialisation runs)."""
+        sizes = {name: getattr(self, field) for name, field in _FIELDS.items()}
         return mg.ModelParallelConfig(
-            tensor_model_parallel_size=self.tp,
-            pipeline_model_parallel_size=self.pp,
-            virtual_pipeline_model_parallel_size=self.vpp,
+            **sizes,
             sequence_parallel=self.sequence_parallel,
-            context_parallel_size=self.cp,
-            expert_model_parallel_size=self.ep,
-            expert_tensor_parallel_size=self.etp,
-            gtp_remat_size=self.gtp_remat,
             params_dtype=self.params_dtype,
             use_cpu_initialization=True,
             perform_initialization=False,

@@ -12,6 +12,9 @@ from the same numbers whatever the layout::
                                          of a gtp_remat shard, its rows of that (padded)
     rank parts   ──gather_full_weights─▶ full [n, k]: one all-gather over TP per split param
 
+Both read the params' attributes through :mod:`mc_tp_layers.shards` (``local_shard``,
+``gather_full``), the one place mc cuts and joins TP shards.
+
 ``output_layer.weight`` (the last stage's copy of the tied table in a pipeline) is loaded
 from and gathered as ``embedding.word_embeddings.weight``.
 """
@@ -23,11 +26,11 @@ from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import mc_groups as mg
 from examples.gpt.config import GPTConfig
+from mc_tp_layers.shards import gather_full, local_shard
 
 __all__ = [
     "WORD_EMBEDDING",
@@ -93,42 +96,6 @@ def _full_name(name: str) -> str:
     return WORD_EMBEDDING if name == _OUTPUT_WEIGHT else name
 
 
-def _split(param: nn.Parameter) -> tuple[int, int] | None:
-    """``(dim, stride)`` of ``param``'s split over TP, or None when it is whole on every
-    rank. With stride s the full tensor is s equal parts along ``dim`` (a fused weight,
-    e.g. the gated MLP's ``[gate; up]``) and rank r holds block r of each part, in order
-    (Megatron's ``partition_stride``)."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return None
-    stride = int(getattr(param, "partition_stride", 1))
-    return int(param.partition_dim), stride  # type: ignore[attr-defined]
-
-
-def _tp_part(source: torch.Tensor, split: tuple[int, int], rank: int, size: int) -> torch.Tensor:
-    """TP rank ``rank``'s part of ``source`` (see :func:`_split`)."""
-    dim, stride = split
-    blocks = source.chunk(stride * size, dim)  # part j's block r is blocks[j·size + r]
-    return torch.cat(blocks[rank::size], dim) if stride > 1 else blocks[rank]
-
-
-def _tp_full(parts: list[torch.Tensor], split: tuple[int, int]) -> torch.Tensor:
-    """The inverse of :func:`_tp_part`: the full tensor from every rank's part."""
-    dim, stride = split
-    pieces = [p.chunk(stride, dim) for p in parts]
-    return torch.cat([piece[j] for j in range(stride) for piece in pieces], dim)
-
-
-def _gtp_rows(param: nn.Parameter, part: torch.Tensor) -> torch.Tensor:
-    """For a gtp_remat-sharded weight (``is_gtp_weight_remat``, mc-tp-layers'
-    ``shard_weight_for_gtp``): this rank's rows of the TP part, zero-padded to the shard
-    size; ``part`` itself for any other param."""
-    if not getattr(param, "is_gtp_weight_remat", False):
-        return part
-    rows, pad = param.shape[0], int(param.pad_length)  # type: ignore[attr-defined]
-    rank = mg.group_rank(param.group)  # type: ignore[attr-defined]
-    return F.pad(part, (0, 0, 0, pad))[rank * rows : (rank + 1) * rows]
-
-
 def _named(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     yield from model.named_parameters()
 
@@ -143,15 +110,13 @@ def load_full_weights(
     Raises ``ValueError`` naming the parameter when ``full`` lacks it or its shape does not
     split into the param's shape over ``tp_group``.
     """
-    rank, size = mg.group_rank(tp_group), mg.group_size(tp_group)
+    rank = mg.group_rank(tp_group)
     for name, param in _named(model):
         key = _full_name(name)
         if key not in full:
             raise ValueError(f"full weights have no {key!r} (for parameter {name!r})")
         source = full[key]
-        split = _split(param)
-        part = source if split is None else _tp_part(source, split, rank, size)
-        part = _gtp_rows(param, part)
+        part = local_shard(param, source, tp_group)
         if tuple(part.shape) != tuple(param.shape):
             raise ValueError(
                 f"{name}: rank {rank}'s part of the full {tuple(source.shape)} weight has shape "
@@ -164,16 +129,11 @@ def load_full_weights(
 def gather_full_weights(model: nn.Module, tp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
     """The full weights of ``model`` (fp32 clones on CPU), keyed like :func:`full_shapes`.
 
-    Collective over ``tp_group``: one all-gather per split parameter, in registration order.
+    Collective over ``tp_group``: one all-gather per split parameter, in registration order
+    (a gtp_remat shard first one over its gtp_remat group).
     """
-    size = mg.group_size(tp_group)
     out: dict[str, torch.Tensor] = {}
     for name, param in _named(model):
-        split = _split(param)
-        value = param.detach()
-        if split is not None and size > 1:
-            gathered = torch.empty(size * value.numel(), dtype=value.dtype, device=value.device)
-            mg.all_gather(gathered, value.contiguous().view(-1), tp_group, label="gather weights")
-            value = _tp_full(list(gathered.view(size, *value.shape).unbind(0)), split)
+        value = gather_full(param, tp_group, label="gather weights")
         out[_full_name(name)] = value.to(device="cpu", dtype=torch.float32).clone()
     return out

@@ -7,9 +7,14 @@
   :class:`VocabParallelEmbedding`: the layers.
 - :func:`vocab_parallel_cross_entropy`: the loss of a vocabulary-split LM head.
 - :mod:`mc_tp_layers.random`: the RNG tracker for device initialisation and dropout, and
-  activation checkpointing that replays it (``mc_tp_layers.random.checkpoint``: the
-  package's ``checkpoint`` attribute is the DTensor module below, so it is not re-exported).
-- :mod:`mc_tp_layers.checkpoint`: DTensor views for ``torch.distributed.checkpoint``.
+  activation checkpointing that replays it (``mc_tp_layers.random.checkpoint``; not
+  re-exported as ``checkpoint`` while ``mc_tp_layers.checkpoint`` is the deprecated alias
+  of the module below).
+- :mod:`mc_tp_layers.sharded_state`: DTensor views for ``torch.distributed.checkpoint``,
+  per layer and for a whole model (:func:`model_sharded_state_dict`).
+- :mod:`mc_tp_layers.shards`: full tensor ↔ this rank's shard for any param carrying mc's
+  attributes (strided, gtp_remat); :func:`full_state_dict` / :func:`load_full_state_dict`
+  for any mc model.
 - :mod:`mc_tp_layers.layers`: every name of Megatron's ``core.tensor_parallel.layers`` (this
   package takes its layers and attribute helpers from there, as Megatron's
   ``core.tensor_parallel`` does).
@@ -19,9 +24,7 @@
 - :func:`parallelize`: any model (``transformers``, torchtitan, your own ``nn.Linear`` /
   ``nn.Embedding``) gets these layers from a plan with ``transformers``' ``tp_plan`` names,
   built from its existing weights; :func:`sequence_parallel_plan` adds the
-  sequence-parallel entries a decoder needs; :func:`full_state_dict` /
-  :func:`load_full_state_dict` go back to one piece and back; styles in
-  :mod:`mc_tp_layers.tp_plan`.
+  sequence-parallel entries a decoder needs; styles in :mod:`mc_tp_layers.tp_plan`.
 
 Groups are passed explicitly (``tp_group=`` / ``pg_collection=``); every collective goes
 through :mod:`mc_groups`, so :func:`mc_groups.record_collectives` sees it.
@@ -34,7 +37,6 @@ from importlib.metadata import PackageNotFoundError, version
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._gemm import backends
 from mc_tp_layers.agreement import TensorParallelAgreementError, check_tp_agreement
-from mc_tp_layers.checkpoint import gtp_sharded_tensor, tp_sharded_tensor
 from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
 from mc_tp_layers.deferral import drain_embedding_wgrad_compute
 from mc_tp_layers.gtp import shard_weight_for_gtp
@@ -80,9 +82,13 @@ from mc_tp_layers.random import (
     model_parallel_cuda_manual_seed,
     set_cuda_rng_tracker,
 )
+from mc_tp_layers.sharded_state import (
+    gtp_sharded_tensor,
+    model_sharded_state_dict,
+    tp_sharded_tensor,
+)
+from mc_tp_layers.shards import full_state_dict, load_full_state_dict
 from mc_tp_layers.tp_plan import (
-    full_state_dict,
-    load_full_state_dict,
     parallelize,
     sequence_parallel_plan,
     vocab_parallel_causal_lm_loss,
@@ -138,6 +144,7 @@ __all__ = [
     "linear_with_grad_accumulation_and_async_allreduce",
     "load_full_state_dict",
     "model_parallel_cuda_manual_seed",
+    "model_sharded_state_dict",
     "parallelize",
     "param_is_not_gtp_duplicate",
     "param_is_not_tensor_parallel_duplicate",

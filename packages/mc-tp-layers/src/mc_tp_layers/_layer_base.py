@@ -30,7 +30,6 @@ from mc_tp_layers import agreement
 from mc_tp_layers._config import TensorParallelConfig, check_config, uses_expert_groups
 from mc_tp_layers._tp_groups import default_device
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
-from mc_tp_layers.checkpoint import sharded_state_dict_of
 from mc_tp_layers.gtp import shard_weight_for_gtp
 from mc_tp_layers.initialization import WeightInit, check_init
 from mc_tp_layers.linear import (
@@ -38,6 +37,7 @@ from mc_tp_layers.linear import (
     linear_with_grad_accumulation_and_async_allreduce,
 )
 from mc_tp_layers.random import RNGStatesTracker, check_device_name
+from mc_tp_layers.sharded_state import sharded_state_dict_of
 
 __all__: list[str] = []
 
@@ -126,6 +126,22 @@ def default_extra_state(module: torch.nn.Module) -> None:
     module.register_load_state_dict_pre_hook(hook)  # type: ignore[no-untyped-call]
 
 
+def keep_param_attributes(
+    module: torch.nn.Module, before: dict[str, torch.nn.Parameter | None]
+) -> None:
+    """Give each param ``torch.nn.Module._apply`` replaced by a new object (``to_empty``
+    from meta onto a device does) the attributes of the one it replaced: mc's tags
+    (``tensor_model_parallel``, ``partition_dim``, ``sequence_parallel``, ``allreduce``, …,
+    :mod:`mc_groups.param_attrs`) say how the param is split and reduced, and a param that
+    lost them would be gathered, reduced and counted in the norm as a whole one."""
+    for name, old in before.items():
+        new = module._parameters.get(name)
+        if old is None or new is None or new is old:
+            continue
+        for attr, value in vars(old).items():
+            new.__dict__.setdefault(attr, value)
+
+
 def tag_gtp_replica(param: torch.Tensor, gtp_group: dist.ProcessGroup | None) -> None:
     """Mark a parameter replicated over gtp_remat (dedup and checkpoint tags)."""
     if gtp_group is not None:
@@ -202,6 +218,14 @@ class TensorParallelModule(torch.nn.Module):
         self.config = check_config(config)
         self._peers_checked = False  # set by the first forward (see _forward_checks)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``torch.nn.Module._apply`` keeping each param's attributes
+        (:func:`keep_param_attributes`)."""
+        before = dict(self._parameters)
+        applied = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        keep_param_attributes(self, before)
+        return applied
+
     def _record_construction(self, fields: dict[str, object], name: str | None = None) -> None:
         """Record what this layer was built with, for its TP peers to compare (no
         communication here; see :mod:`mc_tp_layers.agreement`)."""
@@ -267,7 +291,7 @@ class TensorParallelModule(torch.nn.Module):
 
         Returns ``{prefix + "weight": DTensor, ...}`` for ``torch.distributed.checkpoint``
         (views of the parameters: loading writes into them). See
-        :mod:`mc_tp_layers.checkpoint`.
+        :mod:`mc_tp_layers.sharded_state`.
         """
         return sharded_state_dict_of(self, self.tp_group, prefix, sharded_offsets, metadata)
 

@@ -36,6 +36,7 @@ from mc_tp_layers.attributes import copy_tensor_model_parallel_attributes
 
 __all__ = [
     "gather_gtp_weight",
+    "gtp_local_rows",
     "gtp_remat_shard_dim0",
     "reduce_scatter_gtp_grad",
     "shard_weight_for_gtp",
@@ -48,6 +49,15 @@ def gtp_remat_shard_dim0(dim0: int, gtp_remat_size: int) -> tuple[int, int]:
     check_int("gtp_remat_size", gtp_remat_size)
     shard = -(-dim0 // gtp_remat_size)
     return shard, shard * gtp_remat_size - dim0
+
+
+def gtp_local_rows(tp_local: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``tp_local`` over ``size`` gtp_remat ranks: ``tp_local``
+    padded with zero rows to ``size · s`` rows, rows ``[rank·s, (rank+1)·s)`` (a view when
+    no padding is needed; see the module notes)."""
+    rows, pad = gtp_remat_shard_dim0(tp_local.shape[0], size)
+    padded = torch.nn.functional.pad(tp_local, (0, 0, 0, pad)) if pad else tp_local
+    return padded[rank * rows : (rank + 1) * rows]
 
 
 def shard_weight_for_gtp(
@@ -74,10 +84,9 @@ def shard_weight_for_gtp(
         )
     check_group("group", group)
     size, rank = int(group.size()), int(group.rank())
-    rows, pad = gtp_remat_shard_dim0(weight.shape[0], size)
-    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight.detach()
+    pad = gtp_remat_shard_dim0(weight.shape[0], size)[1]
     shard = torch.nn.Parameter(
-        padded[rank * rows : (rank + 1) * rows].clone(), requires_grad=weight.requires_grad
+        gtp_local_rows(weight.detach(), rank, size).clone(), requires_grad=weight.requires_grad
     )
     copy_tensor_model_parallel_attributes(shard, weight)
     for name in (param_attrs.ALLREDUCE, param_attrs.SEQUENCE_PARALLEL):

@@ -30,13 +30,14 @@ from mc_tp_layers import _validate
 from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
-from mc_tp_layers.gtp import gtp_remat_shard_dim0
+from mc_tp_layers.gtp import gtp_local_rows
 from mc_tp_layers.random import (
     RNGStatesTracker,
     _default_tracker,
     get_expert_parallel_rng_tracker_name,
     get_model_parallel_rng_tracker_name,
 )
+from mc_tp_layers.shards import split_full
 
 __all__ = ["_initialize_affine_weight_cpu", "_initialize_affine_weight_gpu"]
 
@@ -151,32 +152,12 @@ def _check_cpu_init(
     return rank, world
 
 
-def _my_blocks(
-    master: torch.Tensor,
-    per_partition_size: int,
-    partition_dim: int,
-    stride: int,
-    rank: int,
-    world: int,
-) -> torch.Tensor:
-    if per_partition_size % stride:
-        raise InputValueError(
-            f"per_partition_size={per_partition_size} is not divisible by stride={stride}; "
-            "each rank's part must hold stride equal blocks"
-        )
-    blocks = torch.split(master, per_partition_size // stride, dim=partition_dim)
-    return torch.cat(blocks[rank::world], dim=partition_dim)
-
-
 def _gtp_rows(part: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``part`` cut down to this rank's gtp_remat rows when ``weight`` is a GTP shard."""
     group = param_attrs.gtp_group_of(weight)
     if not param_attrs.is_gtp_weight_remat(weight) or group is None:
         return part
-    rows, pad = gtp_remat_shard_dim0(part.shape[0], int(group.size()))
-    padded = torch.nn.functional.pad(part, (0, 0, 0, pad)) if pad else part
-    start = int(group.rank()) * rows
-    return padded[start : start + rows]
+    return gtp_local_rows(part, int(group.rank()), int(group.size()))
 
 
 def _initialize_affine_weight_cpu(
@@ -219,9 +200,7 @@ def _initialize_affine_weight_cpu(
     with torch.no_grad():
         init_method(master)
     master = master.to(dtype=params_dtype)
-    part = _gtp_rows(
-        _my_blocks(master, per_partition_size, partition_dim, stride, rank, world_size), weight
-    )
+    part = _gtp_rows(split_full(master, partition_dim, rank, world_size, stride), weight)
     if tuple(part.shape) != tuple(weight.shape):
         raise InputValueError(
             f"weight has shape {tuple(weight.shape)} but rank {rank}'s part of the "

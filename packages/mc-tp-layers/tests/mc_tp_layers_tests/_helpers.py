@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 import mc_groups as mg
+import mc_tp_layers as tpl
 
 RTOL = 1e-5
 
@@ -36,6 +37,21 @@ def world(tp: int, **kw: Any) -> mg.ProcessGroupCollection:
     return mg.initialize_model_parallel(
         tensor_model_parallel_size=tp, timeout=timedelta(seconds=20), **kw
     )
+
+
+def row_parallel(
+    input_size: int, output_size: int, cfg: Any, init: Any, **kw: Any
+) -> tpl.RowParallelLinear:
+    """A ``RowParallelLinear`` as most tests build it: the input already split, the bias
+    added (``bias=True, input_is_parallel=True, skip_bias_add=False`` unless ``kw`` says
+    otherwise)."""
+    options: dict[str, Any] = {
+        "bias": True,
+        "input_is_parallel": True,
+        "skip_bias_add": False,
+        **kw,
+    }
+    return tpl.RowParallelLinear(input_size, output_size, config=cfg, init_method=init, **options)
 
 
 def config(tp: int, **kw: Any) -> mg.ModelParallelConfig:

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
-from mc_tp_layers_tests._helpers import config, world
+from mc_tp_layers_tests._helpers import config, row_parallel, world
 
 SEED = 77
 
@@ -38,17 +38,7 @@ def _layers(pgc: mg.ProcessGroupCollection, init: Any) -> dict[str, torch.nn.Mod
     torch.manual_seed(SEED)
     col = tpl.ColumnParallelLinear(8, 16, config=cfg, init_method=init, stride=2, pg_collection=pgc)
     torch.manual_seed(SEED)
-    row = tpl.RowParallelLinear(
-        16,
-        8,
-        config=cfg,
-        init_method=init,
-        bias=True,
-        input_is_parallel=True,
-        skip_bias_add=False,
-        stride=2,
-        pg_collection=pgc,
-    )
+    row = row_parallel(16, 8, cfg, init, stride=2, pg_collection=pgc)
     torch.manual_seed(SEED)
     emb = tpl.VocabParallelEmbedding(16, 8, init_method=init, config=cfg, pg_collection=pgc)
     return {"col.": col, "row.": row, "emb.": emb}
@@ -150,16 +140,7 @@ def _gtp_layers(tp: int, gtp: int, init: Any) -> dict[str, torch.nn.Module]:
     torch.manual_seed(SEED)
     col = tpl.ColumnParallelLinear(8, 6, config=cfg, init_method=init, pg_collection=pgc)
     torch.manual_seed(SEED + 1)
-    row = tpl.RowParallelLinear(
-        6,
-        5,
-        config=cfg,
-        init_method=init,
-        bias=True,
-        input_is_parallel=True,
-        skip_bias_add=False,
-        pg_collection=pgc,
-    )
+    row = row_parallel(6, 5, cfg, init, pg_collection=pgc)
     torch.manual_seed(SEED + 2)
     # 2 rows over tp = gtp = 2: the second gtp rank holds only a padding row (an empty shard)
     small = tpl.ColumnParallelLinear(8, 2, config=cfg, init_method=init, pg_collection=pgc)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
-from mc_tp_layers_tests._helpers import assert_close, config, grad, main_grad, randn
+from mc_tp_layers_tests._helpers import assert_close, config, grad, main_grad, randn, row_parallel
 
 S, B, H, V = 8, 2, 16, 32  # sequence, batch, hidden, vocabulary
 COMPILE_TIMEOUT = timedelta(seconds=300)
@@ -66,16 +66,7 @@ class _MLP(torch.nn.Module):
         self.up = tpl.ColumnParallelLinear(
             H, 4 * H, config=cfg, init_method=init, bias=True, pg_collection=pgc
         )
-        self.down = tpl.RowParallelLinear(
-            4 * H,
-            H,
-            config=cfg,
-            init_method=init,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            pg_collection=pgc,
-        )
+        self.down = row_parallel(4 * H, H, cfg, init, pg_collection=pgc)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.down(F.gelu(self.up(x)[0]))[0]

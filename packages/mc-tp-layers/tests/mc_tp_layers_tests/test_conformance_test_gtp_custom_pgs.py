@@ -23,7 +23,7 @@ import torch.distributed as dist
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
-from mc_tp_layers_tests._helpers import assert_close, backward, config, randn, world
+from mc_tp_layers_tests._helpers import assert_close, backward, config, randn, row_parallel, world
 
 STRIDED = ([0, 2], [1, 3])
 
@@ -37,16 +37,7 @@ def _mlp(pgc: mg.ProcessGroupCollection, d: dict[str, torch.Tensor]) -> dict[str
     col = tpl.ColumnParallelLinear(
         8, 6, config=cfg, init_method=_copy_of(d["w1"]), bias=False, pg_collection=pgc
     )
-    row = tpl.RowParallelLinear(
-        6,
-        8,
-        config=cfg,
-        init_method=_copy_of(d["w2"]),
-        bias=False,
-        input_is_parallel=True,
-        skip_bias_add=False,
-        pg_collection=pgc,
-    )
+    row = row_parallel(6, 8, cfg, _copy_of(d["w2"]), bias=False, pg_collection=pgc)
     assert col.weight is not None
     x = d["x"].clone().requires_grad_()
     with mg.record_collectives() as log:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
-from mc_tp_layers_tests._helpers import assert_close, backward, config, randn, world
+from mc_tp_layers_tests._helpers import assert_close, backward, config, randn, row_parallel, world
 
 G, H, FFN, STEPS, LR = 4, 8, 10, 4, 0.5
 
@@ -47,16 +47,7 @@ def _train_gtp(d: dict[str, torch.Tensor]) -> dict[str, Any]:
         col = tpl.ColumnParallelLinear(
             H, FFN, config=cfg, init_method=_copy_of(d["w1"]), pg_collection=pgc
         )
-        row = tpl.RowParallelLinear(
-            FFN,
-            H,
-            config=cfg,
-            init_method=_copy_of(d["w2"]),
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            pg_collection=pgc,
-        )
+        row = row_parallel(FFN, H, cfg, _copy_of(d["w2"]), pg_collection=pgc)
         params = [*col.parameters(), *row.parameters()]
         losses = []
         for step in range(STEPS):

@@ -27,7 +27,7 @@ import torch
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
-from mc_tp_layers_tests._helpers import config, world
+from mc_tp_layers_tests._helpers import config, row_parallel, world
 
 Z = torch.nn.init.zeros_
 NAMES = ("tensor_model_parallel", "partition_dim", "partition_stride")
@@ -43,15 +43,7 @@ def _layers_without_init_or_groups() -> dict[str, Any]:
             cfg = config(2, use_cpu_initialization=cpu, perform_initialization=False)
             emb = tpl.VocabParallelEmbedding(16, 8, init_method=Z, config=cfg)
             col = tpl.ColumnParallelLinear(8, 8, config=cfg, init_method=Z, bias=True)
-            row = tpl.RowParallelLinear(
-                8,
-                8,
-                config=cfg,
-                init_method=Z,
-                bias=True,
-                input_is_parallel=True,
-                skip_bias_add=False,
-            )
+            row = row_parallel(8, 8, cfg, Z)
             with torch.no_grad():
                 row.weight.zero_()
                 assert row.bias is not None

@@ -26,7 +26,15 @@ import torch
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
-from mc_tp_layers_tests._helpers import assert_close, backward, chunk, config, randn, world
+from mc_tp_layers_tests._helpers import (
+    assert_close,
+    backward,
+    chunk,
+    config,
+    randn,
+    row_parallel,
+    world,
+)
 
 TOKENS = 5
 
@@ -72,16 +80,7 @@ def _tp_gtp(d: dict[str, torch.Tensor]) -> dict[str, Any]:
                 8, w.shape[0], config=cfg, init_method=_copy_of(w), bias=False, pg_collection=pgc
             )
             out[name] = _run(layer, d["x"], chunk(d["dy_" + name], 2, t, -1))
-        row = tpl.RowParallelLinear(
-            8,
-            8,
-            config=cfg,
-            init_method=_copy_of(d["w"]),
-            bias=False,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            pg_collection=pgc,
-        )
+        row = row_parallel(8, 8, cfg, _copy_of(d["w"]), bias=False, pg_collection=pgc)
         out["row"] = _run(row, chunk(d["x"], 2, t, -1), d["dy_column"])
         return out
     finally:

@@ -18,7 +18,7 @@ import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools, gpu_skip_reason
 from mc_tp_layers import _gemm
-from mc_tp_layers_tests._helpers import assert_close, chunk, config, ops, randn, world
+from mc_tp_layers_tests._helpers import assert_close, chunk, config, ops, randn, row_parallel, world
 
 S, B, K, N = 4, 2, 8, 16
 _ONE = gpu_skip_reason(1)
@@ -87,16 +87,7 @@ def _two_devices(d: dict[str, torch.Tensor]) -> dict[str, Any]:
         r = pgc.require("tp", "test").rank()
         cfg = config(2, sequence_parallel=True)
         col = tpl.ColumnParallelLinear(K, N, config=cfg, init_method=_init, pg_collection=pgc)
-        row = tpl.RowParallelLinear(
-            N,
-            K,
-            config=cfg,
-            init_method=_init,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            pg_collection=pgc,
-        )
+        row = row_parallel(N, K, cfg, _init, pg_collection=pgc)
         assert col.weight is not None
         with torch.no_grad():
             col.weight.copy_(chunk(d["w1"], 2, r, 0))

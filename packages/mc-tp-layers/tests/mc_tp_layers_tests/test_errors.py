@@ -18,7 +18,7 @@ import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools, error_kind
 from mc_tp_layers.layers import _initialize_affine_weight_cpu, _initialize_affine_weight_gpu
-from mc_tp_layers_tests._helpers import config, world
+from mc_tp_layers_tests._helpers import config, row_parallel, world
 
 Z = torch.nn.init.zeros_
 _NOT_A_CONFIG: Any = object()
@@ -180,16 +180,7 @@ def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
     cfg, sp = config(2), config(2, sequence_parallel=True)
     fused = config(2, gradient_accumulation_fusion=True)
     col_sp = tpl.ColumnParallelLinear(8, 4, config=sp, init_method=Z, pg_collection=pgc)
-    row_sp = tpl.RowParallelLinear(
-        4,
-        8,
-        config=sp,
-        init_method=Z,
-        bias=False,
-        input_is_parallel=True,
-        skip_bias_add=False,
-        pg_collection=pgc,
-    )
+    row_sp = row_parallel(4, 8, sp, Z, bias=False, pg_collection=pgc)
     emb_rs = tpl.VocabParallelEmbedding(
         8, 4, init_method=Z, reduce_scatter_embeddings=True, config=sp, pg_collection=pgc
     )
@@ -201,28 +192,12 @@ def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
         "output_size": lambda: tpl.ColumnParallelLinear(
             8, 5, config=cfg, init_method=Z, pg_collection=pgc
         ),
-        "input_size": lambda: tpl.RowParallelLinear(
-            5,
-            8,
-            config=cfg,
-            init_method=Z,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            pg_collection=pgc,
-        ),
+        "input_size": lambda: row_parallel(5, 8, cfg, Z, pg_collection=pgc),
         "vocab": lambda: tpl.VocabParallelEmbedding(
             9, 4, init_method=Z, config=cfg, pg_collection=pgc
         ),
-        "sp_not_parallel": lambda: tpl.RowParallelLinear(
-            4,
-            8,
-            config=sp,
-            init_method=Z,
-            bias=True,
-            input_is_parallel=False,
-            skip_bias_add=False,
-            pg_collection=pgc,
+        "sp_not_parallel": lambda: row_parallel(
+            4, 8, sp, Z, input_is_parallel=False, pg_collection=pgc
         ),
         "rank": lambda: col_sp(torch.ones(2, 2, 2, 8)),
         "last_dim": lambda: col_sp(torch.ones(2, 2, 7)),

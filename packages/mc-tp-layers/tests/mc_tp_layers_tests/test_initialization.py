@@ -18,7 +18,7 @@ import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
 from mc_tp_layers.layers import _initialize_affine_weight_cpu
-from mc_tp_layers_tests._helpers import config, world
+from mc_tp_layers_tests._helpers import config, row_parallel, world
 
 SEED = 1234
 
@@ -55,17 +55,7 @@ def _cpu_shards(stride: int) -> dict[str, Any]:
             keep_master_weight_for_test=True,
         )
         torch.manual_seed(SEED)
-        row = tpl.RowParallelLinear(
-            16,
-            8,
-            config=cfg,
-            init_method=_init,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            stride=stride,
-            pg_collection=pgc,
-        )
+        row = row_parallel(16, 8, cfg, _init, stride=stride, pg_collection=pgc)
         torch.manual_seed(SEED)
         emb = tpl.VocabParallelEmbedding(16, 8, init_method=_init, config=cfg, pg_collection=pgc)
         assert col.weight is not None
@@ -129,16 +119,7 @@ def _attributes(perform: bool, sp: bool) -> dict[str, Any]:
         col = tpl.ColumnParallelLinear(
             8, 16, config=cfg, init_method=_init, stride=2, pg_collection=pgc
         )
-        row = tpl.RowParallelLinear(
-            16,
-            8,
-            config=cfg,
-            init_method=_init,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=True,
-            pg_collection=pgc,
-        )
+        row = row_parallel(16, 8, cfg, _init, skip_bias_add=True, pg_collection=pgc)
         emb = tpl.VocabParallelEmbedding(16, 8, init_method=_init, config=cfg, pg_collection=pgc)
         names = (
             "tensor_model_parallel",
@@ -201,16 +182,8 @@ def _expert_tags(ep: int, etp: int) -> dict[str, list[bool]]:
                 col = tpl.ColumnParallelLinear(
                     8, 16, config=cfg, init_method=_init, is_expert=is_expert, pg_collection=pgc
                 )
-            row = tpl.RowParallelLinear(
-                16,
-                8,
-                config=cfg,
-                init_method=_init,
-                bias=True,
-                input_is_parallel=True,
-                skip_bias_add=True,
-                is_expert=is_expert,
-                pg_collection=pgc,
+            row = row_parallel(
+                16, 8, cfg, _init, skip_bias_add=True, is_expert=is_expert, pg_collection=pgc
             )
             params = (col.weight, col.bias, row.weight, row.bias)
             tags[str(is_expert)] = [bool(getattr(p, "allreduce", "unset")) for p in params]

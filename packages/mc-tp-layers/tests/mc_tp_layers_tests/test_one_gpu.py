@@ -44,6 +44,7 @@ from mc_tp_layers_tests._helpers import (
     main_grad,
     ops,
     randn,
+    row_parallel,
     world,
 )
 
@@ -155,17 +156,7 @@ def _bf16_layers(kind: str, d: dict[str, torch.Tensor]) -> dict[str, Any]:
             pg_collection=pgc,
             device=device,
         )
-        row = tpl.RowParallelLinear(
-            N,
-            K,
-            config=cfg,
-            init_method=zeros,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            pg_collection=pgc,
-            device=device,
-        )
+        row = row_parallel(N, K, cfg, zeros, pg_collection=pgc, device=device)
         for layer, w, b in (
             (col, d["w1"], d["b1"]),
             (wide, d["w1"], d["b1"]),
@@ -305,17 +296,7 @@ def _tp2_block(kind: str, d: dict[str, torch.Tensor]) -> dict[str, Any]:
         col = tpl.ColumnParallelLinear(
             K, N, config=cfg, init_method=zeros, pg_collection=pgc, device=device
         )
-        row = tpl.RowParallelLinear(
-            N,
-            K,
-            config=cfg,
-            init_method=zeros,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            pg_collection=pgc,
-            device=device,
-        )
+        row = row_parallel(N, K, cfg, zeros, pg_collection=pgc, device=device)
         assert col.weight is not None
         with torch.no_grad():
             col.weight.copy_(chunk(d["w1"], 2, r, 0))

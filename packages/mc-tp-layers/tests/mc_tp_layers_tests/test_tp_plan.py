@@ -1,6 +1,7 @@
 """``mc_tp_layers.tp_plan`` without a world: the style names (``transformers``' ``tp_plan``
 vocabulary), the plan-entry errors, the argument checks of ``parallelize`` (before any group
-is read), and the shard / unshard index arithmetic against slices written by hand.
+is read), and the shard / unshard index arithmetic (:mod:`mc_tp_layers.shards`, which the converted
+layers cut with) against slices written by hand.
 The conversion itself, sequence parallelism and the bad plans that need a TP group run on
 ranks in integration_tests/test_parallelize_hf.py."""
 
@@ -14,7 +15,8 @@ import torch
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_tp_layers import tp_plan
-from mc_tp_layers.tp_plan import _layers, _styles
+from mc_tp_layers.shards import join_shards, split_full
+from mc_tp_layers.tp_plan import _styles
 
 
 def _loose(value: object) -> Any:
@@ -79,9 +81,9 @@ def test_parallelize_checks_arguments_first() -> None:
 
 def test_shard_rows_of_packed_blocks_and_back() -> None:
     full = torch.arange(24.0).reshape(12, 2)  # [gate (6 rows); up (6 rows)]
-    shards = [_layers.shard_rows(full, r, 3, parts=2) for r in range(3)]
+    shards = [split_full(full, 0, r, 3, stride=2) for r in range(3)]
     # rank r: gate rows [2r, 2r+2) then up rows [6+2r, 6+2r+2)
     assert torch.equal(shards[1], torch.cat([full[2:4], full[8:10]]))
-    assert torch.equal(_layers.unshard_rows(torch.cat(shards), 3, parts=2), full)
-    assert torch.equal(_layers.shard_rows(full, 2, 3), full[8:12])
-    assert torch.equal(_layers.shard_cols(full.T, 1, 2), full.T[:, 6:12])
+    assert torch.equal(join_shards(shards, 0, stride=2), full)
+    assert torch.equal(split_full(full, 0, 2, 3), full[8:12])
+    assert torch.equal(split_full(full.T, 1, 1, 2), full.T[:, 6:12])

@@ -31,7 +31,8 @@ split width; mc does not import ``transformers``.
    ``colwise`` layers.
 3. :func:`sequence_parallel_plan` derives those entries from a decoder's module tree and
    returns the whole plan: ``parallelize(model, sequence_parallel_plan(model), ...)``.
-4. :func:`full_state_dict` / :func:`load_full_state_dict` go back to one piece and back.
+4. :func:`full_state_dict` / :func:`load_full_state_dict` go back to one piece and back
+   (:mod:`mc_tp_layers.shards`: for any mc model, re-exported here).
 5. :func:`vocab_parallel_causal_lm_loss`: the loss of a ``colwise`` LM head without
    gathering the logits.
 
@@ -41,10 +42,10 @@ parallelism.
 
 from __future__ import annotations
 
+from mc_tp_layers.shards import full_state_dict, load_full_state_dict
 from mc_tp_layers.tp_plan._convert import parallelize
 from mc_tp_layers.tp_plan._loss import vocab_parallel_causal_lm_loss
 from mc_tp_layers.tp_plan._sp_plan import sequence_parallel_plan
-from mc_tp_layers.tp_plan._state import full_state_dict, load_full_state_dict
 from mc_tp_layers.tp_plan._styles import (
     Colwise,
     ColwiseRMSNorm,

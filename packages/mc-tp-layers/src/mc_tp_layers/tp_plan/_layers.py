@@ -28,14 +28,12 @@ import torch.distributed as dist
 from mc_groups import ProcessGroupCollection
 from mc_groups.errors import InputValueError
 from mc_tp_layers._config import TensorParallelConfig, check_config
+from mc_tp_layers._layer_base import keep_param_attributes
 from mc_tp_layers.column import ColumnParallelLinear
 from mc_tp_layers.embedding import VocabParallelEmbedding
-from mc_tp_layers.mappings import (
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    scatter_to_tensor_model_parallel_region,
-)
+from mc_tp_layers.mappings import scatter_to_tensor_model_parallel_region
 from mc_tp_layers.row import RowParallelLinear
+from mc_tp_layers.shards import local_shard
 from mc_tp_layers.tp_plan import _sequence
 from mc_tp_layers.tp_plan._styles import Colwise, Rowwise
 
@@ -72,36 +70,18 @@ def _untouched(_weight: torch.Tensor) -> None:
     """The init method of a layer built from existing weights (never called)."""
 
 
-def shard_rows(full: torch.Tensor, rank: int, world: int, parts: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s rows of ``full``: of each of its ``parts`` equal blocks, part ``rank``."""
-    blocks = full.chunk(parts, dim=0)
-    return torch.cat([block.chunk(world, dim=0)[rank] for block in blocks], dim=0)
-
-
-def unshard_rows(gathered: torch.Tensor, world: int, parts: int = 1) -> torch.Tensor:
-    """The inverse of :func:`shard_rows` on the rank-ordered concatenation of every shard."""
-    if parts == 1:
-        return gathered
-    rest = gathered.shape[1:]
-    per_block = gathered.shape[0] // (world * parts)
-    grid = gathered.reshape(world, parts, per_block, *rest).transpose(0, 1)
-    return grid.reshape(gathered.shape[0], *rest)
-
-
-def shard_cols(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rank ``rank``'s part of ``full``'s last dim."""
-    return full.chunk(world, dim=-1)[rank]
-
-
-def _fill(target: torch.Tensor, source: torch.Tensor, requires_grad: bool) -> None:
-    if target.device.type != "meta" and source.device.type != "meta":
+def _fill(target: torch.Tensor, full: torch.Tensor, requires_grad: bool, group: Any) -> None:
+    """``target`` (a split param, its attributes set) takes its piece of ``full``."""
+    if target.device.type != "meta" and full.device.type != "meta":
         with torch.no_grad():
-            target.copy_(source)
+            target.copy_(local_shard(target, full, group))
     target.requires_grad_(requires_grad)
 
 
 class ConvertedModule(torch.nn.Module):
-    """What :mod:`._state` reads from a converted layer (mixed into each of them).
+    """A layer built from an existing module (mixed into each of them): it keeps that
+    module's state-dict keys. Its params carry mc's TP attributes, so
+    :mod:`mc_tp_layers.shards` cuts and joins them like any mc layer's.
 
     The linear layers' base class adds ``_extra_state`` to the state dicts it loads (for
     Transformer-Engine checkpoints); a converted layer keeps ``nn.Linear``'s keys, so that
@@ -109,6 +89,14 @@ class ConvertedModule(torch.nn.Module):
     """
 
     tp_group: dist.ProcessGroup
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``torch.nn.Module._apply`` keeping each param's attributes (``to_empty`` after
+        parallelizing on meta replaces every param)."""
+        before = dict(self._parameters)
+        applied = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        keep_param_attributes(self, before)
+        return applied
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args)
@@ -118,14 +106,6 @@ class ConvertedModule(torch.nn.Module):
             and state_dict.get(prefix + "_extra_state") is None
         ):
             unexpected.remove(prefix + "_extra_state")
-
-    def shard(self, param: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the full (unconverted) tensor ``param``."""
-        raise NotImplementedError
-
-    def unshard(self, param: str, local: torch.Tensor) -> torch.Tensor:
-        """The full tensor ``param`` from every rank's ``local`` (a collective)."""
-        raise NotImplementedError
 
 
 class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
@@ -165,18 +145,9 @@ class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
     def copy_from(self, source: torch.nn.Linear) -> None:
         """This rank's rows of ``source``'s weight and bias."""
         assert self.weight is not None  # built with its weight
-        _fill(self.weight, self.shard("weight", source.weight), source.weight.requires_grad)
+        _fill(self.weight, source.weight, source.weight.requires_grad, self.tp_group)
         if source.bias is not None and self.bias is not None:
-            _fill(self.bias, self.shard("bias", source.bias), source.bias.requires_grad)
-
-    def shard(self, param: str, full: torch.Tensor) -> torch.Tensor:
-        """Rows of each packed block (weight and bias alike)."""
-        return shard_rows(full, int(self.tp_group.rank()), int(self.tp_group.size()), self.parts)
-
-    def unshard(self, param: str, local: torch.Tensor) -> torch.Tensor:
-        """All-gather along dim 0, then undo the packing."""
-        gathered = gather_from_sequence_parallel_region(local, False, self.tp_group)
-        return unshard_rows(gathered, int(self.tp_group.size()), self.parts)
+            _fill(self.bias, source.bias, source.bias.requires_grad, self.tp_group)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``nn.Linear``'s contract: ``[..., out/W]`` (``[..., out]`` when gathering)."""
@@ -221,21 +192,9 @@ class RowwiseLinear(RowParallelLinear, ConvertedModule):
         )
         self.sequence_dim = setup.sequence_dim
         self.split_here = self_split
-        _fill(self.weight, self.shard("weight", weight), weight.requires_grad)
+        _fill(self.weight, weight, weight.requires_grad, self.tp_group)
         if source.bias is not None and self.bias is not None:
-            _fill(self.bias, source.bias, source.bias.requires_grad)
-
-    def shard(self, param: str, full: torch.Tensor) -> torch.Tensor:
-        """The weight's columns; the bias whole."""
-        if param == "bias":
-            return full
-        return shard_cols(full, int(self.tp_group.rank()), int(self.tp_group.size()))
-
-    def unshard(self, param: str, local: torch.Tensor) -> torch.Tensor:
-        """All-gather the weight's last dim; the bias is already whole."""
-        if param == "bias":
-            return local
-        return gather_from_tensor_model_parallel_region(local, self.tp_group)
+            _fill(self.bias, source.bias, source.bias.requires_grad, self.tp_group)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``nn.Linear``'s contract: ``[..., out]`` (this rank's part of the sequence under SP)."""
@@ -276,7 +235,7 @@ class VocabEmbedding(VocabParallelEmbedding, ConvertedModule):
         )
         self.padding_idx = source.padding_idx
         self.scalar_embed_scale = embed_scale
-        _fill(self.weight, self.shard("weight", weight), weight.requires_grad)
+        _fill(self.weight, weight, weight.requires_grad, self.tp_group)
         self.share_weight(self.weight)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
@@ -293,14 +252,6 @@ class VocabEmbedding(VocabParallelEmbedding, ConvertedModule):
         local_pad = None if self.padding_idx is None else self.padding_idx - self.vocab_start_index
         if local_pad is not None and 0 <= local_pad < self.num_embeddings_per_partition:
             weight.register_hook(_zero_row(local_pad))  # type: ignore[no-untyped-call]
-
-    def shard(self, param: str, full: torch.Tensor) -> torch.Tensor:
-        """The table's rows of this rank's vocabulary range."""
-        return shard_rows(full, int(self.tp_group.rank()), int(self.tp_group.size()))
-
-    def unshard(self, param: str, local: torch.Tensor) -> torch.Tensor:
-        """All-gather the rows."""
-        return gather_from_sequence_parallel_region(local, False, self.tp_group)
 
 
 def _zero_row(row: int) -> Any:

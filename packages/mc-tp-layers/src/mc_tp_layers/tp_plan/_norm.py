@@ -24,10 +24,9 @@ from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.mappings import (
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
-from mc_tp_layers.tp_plan._layers import ConvertedModule, Setup, _fill, shard_rows
+from mc_tp_layers.tp_plan._layers import ConvertedModule, Setup, _fill
 
 __all__: list[str] = []
 
@@ -109,16 +108,9 @@ class ColwiseRMSNormLayer(ConvertedModule):
         self.weight = torch.nn.Parameter(
             torch.empty(self.width // world, dtype=weight.dtype, device=weight.device)
         )
-        _fill(self.weight, self.shard("weight", weight), weight.requires_grad)
+        # part r of the weight: the channels the ``colwise`` layer before it keeps
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
-
-    def shard(self, param: str, full: torch.Tensor) -> torch.Tensor:
-        """Part r of the weight (the rows the ``colwise`` layer before it keeps)."""
-        return shard_rows(full, int(self.tp_group.rank()), int(self.tp_group.size()))
-
-    def unshard(self, param: str, local: torch.Tensor) -> torch.Tensor:
-        """All-gather the parts."""
-        return gather_from_sequence_parallel_region(local, False, self.tp_group)
+        _fill(self.weight, weight, weight.requires_grad, self.tp_group)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[..., n/W]`` normalised by the whole row's mean square (one all-reduce)."""

@@ -14,13 +14,11 @@ import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_ddp import DistributedDataParallel, ShardedOptimizer, ensure_params_ready
 from mc_groups import param_attrs
-from mc_groups.argcheck import check_optional_group, check_str, type_name
+from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_tp_layers.checkpoint import sharded_state_dict_of
 
 __all__ = ["load_state", "model_sharded_state_dict", "save_state", "unwrap"]
 
-_TP_LAYERS = (tpl.ColumnParallelLinear, tpl.RowParallelLinear, tpl.VocabParallelEmbedding)
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optimizer."
 
@@ -30,35 +28,17 @@ def unwrap(chunk: nn.Module) -> nn.Module:
     return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
 
 
-def _module_entries(
-    module: nn.Module, own: str, tp_group: dist.ProcessGroup | None, what: str
-) -> dict[str, torch.Tensor]:
-    if isinstance(module, _TP_LAYERS):
-        return module.sharded_state_dict(prefix=own)
-    if tp_group is not None:
-        return sharded_state_dict_of(module, tp_group, own)
-    for name, param in module.named_parameters(recurse=False):
-        if param_attrs.is_tensor_model_parallel(param):
-            raise InputValueError(
-                f"{what}: {own}{name} is a tensor-parallel shard of a {type_name(module)}, "
-                "not one of mc's layers; pass tp_group= (the group it is split over)"
-            )
-    return {own + n: p.detach() for n, p in module.named_parameters(recurse=False)}
-
-
 def _entries(
     module: nn.Module, tp_group: dist.ProcessGroup | None, prefix: str, seen: set[int]
 ) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
     """``(key, param, value)`` for every param of ``module`` not in ``seen`` (by identity)."""
+    params = dict(module.named_parameters())  # each weight under its first name, as the dict
     out: list[tuple[str, nn.Parameter, torch.Tensor]] = []
-    for name, mod in module.named_modules():
-        own = f"{prefix}{name}." if name else prefix
-        params = dict(mod.named_parameters(recurse=False))
-        for key, value in _module_entries(mod, own, tp_group, "model_sharded_state_dict").items():
-            param = params[key[len(own) :]]
-            if id(param) not in seen:
-                seen.add(id(param))
-                out.append((key, param, value))
+    for key, value in tpl.model_sharded_state_dict(module, tp_group, prefix).items():
+        param = params[key[len(prefix) :]]
+        if id(param) not in seen:
+            seen.add(id(param))
+            out.append((key, param, value))
     return out
 
 
@@ -66,14 +46,13 @@ def model_sharded_state_dict(
     module: nn.Module, tp_group: dist.ProcessGroup | None = None, prefix: str = MODEL_PREFIX
 ) -> dict[str, torch.Tensor]:
     """``{prefix + param name: DTensor or tensor}``: views of ``module``'s params for DCP
-    (package notes). mc's layers give their own ``sharded_state_dict``; any other module's
-    tensor-parallel params become DTensors over ``tp_group`` (required when there are
-    such params); a weight held twice is listed once. No communication."""
+    (package notes): :func:`mc_tp_layers.model_sharded_state_dict` of the model inside an
+    mc DDP wrapper, under ``model.``. Split params become DTensors over their layer's TP
+    group, or over ``tp_group`` for a module without one (required when there are such
+    params); a weight held twice is listed once. No communication."""
     if not isinstance(module, nn.Module):
         raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
-    check_optional_group("tp_group", tp_group, what="model_sharded_state_dict")
-    check_str("prefix", prefix)
-    return {k: v for k, _, v in _entries(unwrap(module), tp_group, prefix, set())}
+    return tpl.model_sharded_state_dict(unwrap(module), tp_group, prefix)
 
 
 def _shared_names(modules: Sequence[nn.Module]) -> list[tuple[int, str]]:

@@ -1,0 +1,246 @@
+"""What ``docs/compatibility.md`` says about the names whose signature or behaviour differs
+from Megatron-Core's: :data:`NOTES` (per spec name: a declared status and the note),
+:data:`CONFIG_NOTES` (per ``DistributedDataParallelConfig`` field) and :data:`DELIBERATE`
+(the deliberate differences that hold for every name). Data only: ``gen_compatibility.py``
+checks each note against the code and the spec and renders the document."""
+
+from __future__ import annotations
+
+_DCP = (
+    "returns DTensors for torch.distributed.checkpoint (a (tp) or (tp, gtp_remat) mesh), not "
+    "Megatron's ShardedTensor dist-checkpointing objects: checkpoints load across TP and "
+    "gtp_remat sizes through DCP"
+)
+_RNG = (
+    "adds keyword-only `rng_tracker` (None: the default tracker that "
+    "`model_parallel_cuda_manual_seed` registers, as Megatron reads its global one) and "
+    "`device`"
+)
+_FLAGS = (
+    "flags must be bools and `params_dtype` / `output_dtype` floating point (Megatron reads "
+    "any truthy value: `bias='no'` made a bias)"
+)
+_FIRST_FORWARD = (
+    "The first forward compares how the TP peers built their layers (one 8-byte exchange per "
+    "group for every layer built since; `mc_tp_layers.check_tp_agreement`): a mismatch is "
+    "`TensorParallelAgreementError` on every rank"
+)
+_DEFAULT_GROUPS = (
+    "`pg_collection=None` reads the registered default collection (Megatron: parallel_state "
+    "globals); without one it is an error naming the fix"
+)
+
+NOTES: dict[str, tuple[str | None, str]] = {
+    # name: (declared status or None for the computed one, note)
+    "logger": (None, "a `logging.Logger` named after the module"),
+    "DistributedDataParallel": (
+        None,
+        "`config` is any object with a bool `calculate_per_token_loss`; "
+        + _DEFAULT_GROUPS
+        + "; refuses `average_in_collective` with gtp_remat and with per-token loss; the "
+        "ranks of `dp_cp` (and `expt_dp`) compare how they built it, one 8-byte exchange per "
+        "group before anything is allocated: a mismatch is `DataParallelAgreementError` on "
+        "every rank naming the fields",
+    ),
+    "DistributedDataParallel.offload_grad_buffers": (
+        "differs",
+        "`synchronize` / `empty_cache` are no-ops on CPU; until `restore_grad_buffers()`, "
+        "`main_grad` is an `mc_buffers.OffloadedView` (every op raises) and a backward, a "
+        "forward with autograd on, `zero_grad_buffer`, `scale_gradients` and the grad sync "
+        "are errors (Megatron writes into the freed storage); grads the iteration had "
+        "accumulated are refused until `zero_grad_buffer()`",
+    ),
+    "DistributedDataParallel.scale_gradients": (
+        "differs",
+        "a second call in one iteration is an error (the grads would be scaled twice, e.g. "
+        "after `finalize_model_grads(num_tokens=...)`); NaN/±inf factors are refused",
+    ),
+    "DistributedDataParallel.finish_grad_sync": (
+        None,
+        "`force_all_reduce=True` after a call without it in the same iteration is an error "
+        "under the distributed optimizer (the shards are already final)",
+    ),
+    "DistributedDataParallel.free_overlap_buffers": (
+        None,
+        "also frees the gloo reduce-scatter buffers the bucket groups' communicators keep "
+        "between steps (CPU)",
+    ),
+    "_allreduce_router_grads": (
+        None,
+        "adds `pp_group` (Megatron reads the global pipeline group)",
+    ),
+    "finalize_model_grads": (
+        None,
+        _DEFAULT_GROUPS
+        + "; keyword-only `peer_checks=True`: the per-step status exchange that makes one "
+        "rank's failed check every rank's error (`False` skips it); params marked "
+        "`sum_gradients_across_tp_domain` (mc's mark) are summed over tp with or without "
+        "sequence parallelism",
+    ),
+    "_allreduce_layernorm_grads": (
+        None,
+        "Megatron's alias of `_allreduce_non_tensor_model_parallel_grads`",
+    ),
+    "_update_router_qb_beta": (
+        None,
+        "finalize passes `dp_cp_gtp_remat` under gtp_remat (`dp_cp` otherwise)",
+    ),
+    "_grad_accum_fusion_available": (
+        None,
+        "True when apex's fused wgrad kernel imports; without it mc accumulates through "
+        "torch's mixed-dtype GEMM (same numbers up to summation order) instead of raising",
+    ),
+    "copy_gtp_attributes": (
+        "extended",
+        "copies Megatron's four tags (is_gtp_weight_remat, allreduce, gtp_replica_group, "
+        "pad_length) and mc's gtp_remat_rank, gtp_remat_size, gtp_unsharded_shape and group",
+    ),
+    "param_is_not_tensor_parallel_duplicate": (
+        None,
+        "with neither group given, the default collection's `expt_tp` (expert params) or "
+        "`tp`; Megatron falls back to its global dense TP rank for both",
+    ),
+    "param_is_not_gtp_duplicate": (
+        "differs",
+        "reads the param's `gtp_remat_rank` tag (set by the layers) instead of the global "
+        "gtp_remat rank: mc has no parallel_state globals",
+    ),
+    "set_tensor_model_parallel_attributes": (
+        "differs",
+        "setting the same values again is allowed and different values raise ValueError; "
+        "Megatron asserts that none of its six attributes is set; `is_parallel` must be a "
+        "bool and `dim` a dimension of the tensor",
+    ),
+    "_initialize_affine_weight_gpu": ("extended", _RNG.replace(" and `device`", "")),
+    "_initialize_affine_weight_cpu": (
+        None,
+        "the full master weight is built with the CPU generator and sliced, so TP=N equals "
+        "TP=1 sliced (stride honoured)",
+    ),
+    "VocabParallelEmbedding": ("extended", _RNG + "; " + _FLAGS),
+    "VocabParallelEmbedding.forward": (
+        "differs",
+        "ids outside [0, num_embeddings) are an error at every TP size (CPU: ValueError "
+        "before any collective; CUDA: an asynchronous device assert); Megatron embeds them "
+        "to zeros at TP > 1 and raises torch's IndexError at TP = 1. " + _FIRST_FORWARD,
+    ),
+    "VocabParallelEmbedding.sharded_state_dict": ("differs", _DCP),
+    "LinearWithFrozenWeight": (
+        None,
+        "a bias that requires grad gets `Σ dY` (Megatron returns None for it)",
+    ),
+    "linear_with_grad_accumulation_and_async_allreduce": (
+        None,
+        "gtp_remat wgrads are pre-scaled by 1/gtp_remat (1 under calculate_per_token_loss) "
+        "before their SUM reduce-scatter, as Megatron's `_prescale_wgrads_for_mean_rs`",
+    ),
+    "ColumnParallelLinear": ("extended", _RNG + "; " + _FLAGS),
+    "ColumnParallelLinear.forward": (None, _FIRST_FORWARD),
+    "RowParallelLinear.forward": (None, _FIRST_FORWARD),
+    "RowParallelLinear": (
+        "differs",
+        _RNG + "; " + _FLAGS + "; an expert layer's bias is not tagged `sequence_parallel`: "
+        "Megatron tags it, and "
+        "finalize then sums over the dense TP group an expert-bias grad that DDP already "
+        "reduced (2.0× at TP = 2, ETP = 1; integration_tests/test_parity_experts.py)",
+    ),
+    "ColumnParallelLinear.backward_dw": (
+        "differs",
+        "`delay_wgrad_compute` is not supported by mc's layers: the wgrad is always computed "
+        "in backward and this is a no-op",
+    ),
+    "RowParallelLinear.backward_dw": (
+        "differs",
+        "as `ColumnParallelLinear.backward_dw`",
+    ),
+    "ColumnParallelLinear.sharded_state_dict": ("differs", _DCP),
+    "RowParallelLinear.sharded_state_dict": ("differs", _DCP),
+}
+
+CONFIG_NOTES = {
+    "average_in_collective": "refused (ValueError) with gtp_remat and with per-token loss, "
+    "as Megatron refuses both",
+    "reduce_scatter_with_fp32_accumulation": "distributed optimizer, one instance; on gloo "
+    "an all-to-all plus a local fp32 sum",
+    "disable_symmetric_registration": "accepted at either value: mc never registers NCCL "
+    "buffers, which is what True asks for",
+    "delay_wgrad_compute": "DDP registers hooks through the owning module's "
+    "`register_wgrad_accumulation_and_reduce_hooks`; mc's own layers do not delay wgrads",
+}
+
+DELIBERATE = """\
+## Deliberate differences (all names)
+
+- **Errors that are also asserts.** Bad input is a `TypeError` / `ValueError` naming the
+  argument, the value and the fix, raised before any state changes or any collective
+  (Megatron asserts, or fails later). The types are `mc_groups.InputTypeError` /
+  `InputValueError` (and `InputStateError`, a `RuntimeError`, for a call the object's state
+  forbids), each also an `AssertionError`, so code written for Megatron
+  (`except AssertionError`, `pytest.raises(AssertionError)`) keeps working.
+- **Megatron's objects by what they have.** A `ProcessGroupCollection` of another class
+  (Megatron-Core's) is adopted by its group attributes; a `full_param_layout` / `param_layout`
+  with Megatron-Core's fields (its own `FullParamLayout` from
+  `DistributedOptimizer.compute_full_param_layout`, or main's
+  `LayerWiseDistributedOptimizer.compute_full_param_layout`) is copied into mc's, and
+  `BufferKey`s of either library are equal and hash alike; a group argument that
+  is only read for its rank may be any object with `rank()`; finalize's step helpers take any
+  chunk with `named_parameters()` (plain `nn.Module`s), `finalize_model_grads` also needs
+  `finish_grad_sync`. Megatron's own optimizers build over mc's DDP: its
+  `DistributedOptimizer` (`get_megatron_optimizer`) reads each buffer's `ddp_config`,
+  `data_parallel_group`, layout and buckets, main's `LayerWiseDistributedOptimizer` the
+  chunk's `full_param_layout` (`integration_tests/test_megatron_optimizer.py`, where
+  megatron-core is installed: both train like one process within 1e-6).
+- **No required globals.** Groups are passed explicitly (`tp_group=`, `pg_collection=`);
+  `initialize_model_parallel(..., set_default=True)` and `model_parallel_cuda_manual_seed`
+  register opt-in defaults that `None` arguments read, as Megatron's globals would.
+- **Checkpoints through DCP.** `sharded_state_dict` returns DTensors for
+  `torch.distributed.checkpoint`, not Megatron's `ShardedTensor` / dist_checkpointing.
+- **Expert gtp_remat.** An expert layer's gtp_remat group must have `config.gtp_remat_size`
+  ranks: mc's layers have no separate `expert_gtp_remat_size` (Megatron's
+  `expert_gtp_weight_remat_size`), so the expert tag is
+  `allreduce = not (is_expert and (ep > 1 or etp != tp))` without Megatron's third term.
+- **gtp_remat padding.** A gtp_remat weight is padded to a multiple of the gtp_remat size;
+  Megatron pads dim 0 to a multiple of `pad_for_alignment` (16) × the size (its global
+  `GTP_CONFIG`). Grads and outputs are equal; shard shapes differ, and checkpoints (DCP,
+  without padding) load across both.
+- **Grad sync.** `DistributedDataParallel.finish_grad_sync` reduces once per iteration
+  (a second call, e.g. `finalize_model_grads` after a manual one, returns: reducing again
+  would double-scale the shards under the distributed optimizer); a bucket group's own
+  `finish_grad_sync` is Megatron's (without overlap every call reduces again). Calling it
+  with `overlap_grad_reduce` before a group's last grad is ready is an `InputStateError`
+  (an `AssertionError`, as Megatron's) with one optimizer instance **and with several**:
+  there Megatron returns and marks the sync finished although nothing was reduced, and the
+  reduction the last grad later starts is never waited for (unreduced grads could reach the
+  optimizer). `register_grad_ready` without `overlap_grad_reduce` is an `InputStateError`, as
+  Megatron asserts. `overlap_param_gather` without the distributed optimizer (Megatron's
+  legacy layer-wise setting, without a layout) is accepted: params are replicated, nothing
+  is gathered; that legacy path's per-bucket param lists (`set_layerwise_params_list`,
+  `layerwise_param_flat_sizes`) are a `NotImplementedError` naming the layout path. With
+  the layout Megatron main's `LayerWiseDistributedOptimizer` computes (`full_param_layout=`,
+  distributed optimizer on), its shard-aligned buffers are reduce-scattered and gathered as
+  Megatron does.
+- **Collectives.** Nothing is issued on one-rank groups; vocab-parallel cross-entropy
+  issues two all-reduces (MAX, then one stacked SUM) where Megatron issues three; on gloo,
+  reduce-scatters run as an all-to-all plus a local sum and all-gathers as point-to-point
+  exchanges (recorded as reduce_scatter / all_gather).
+- **Targets and ids out of range.** `vocab_parallel_cross_entropy` refuses a target outside
+  [0, V) at every TP size (Megatron scores it as log Z, torch's -100 included) and takes a
+  keyword-only `ignore_index` (loss 0 and no gradient there, as `F.cross_entropy`);
+  `VocabParallelEmbedding` refuses ids outside [0, num_embeddings) (Megatron: zeros at
+  TP > 1, torch's IndexError at TP = 1). CPU: ValueError; CUDA: asynchronous device assert.
+- **Agreement across the TP group.** The first forward (or `check_tp_agreement`) compares
+  how the TP peers built their layers, one 8-byte exchange per group; the cross-entropy's
+  MAX all-reduce also compares the vocabulary slice, target, `label_smoothing` and
+  `ignore_index`. Megatron compares nothing: disagreeing ranks hang, abort or train on
+  wrong numbers.
+- **Activation checkpointing and 1-D splits.** `checkpoint` is `mc_tp_layers.random.checkpoint`
+  only (`mc_tp_layers.checkpoint`, the old name of the DTensor checkpoint module
+  `mc_tp_layers.sharded_state`, stays its alias for one release);
+  `split_tensor_into_1d_equal_chunks` refuses a size not divisible by the TP size (Megatron
+  floors it and the gather loses the rest); `CheckpointWithoutOutput` copies the recomputed
+  outputs into their freed storage (Megatron shares storage through a C++ extension);
+  `CudaRNGStatesTracker(use_cudagraphable_rng=True)` is a `NotImplementedError`.
+- **No Megatron-FSDP, NCCL user buffers, Transformer Engine fp8/fp4 gathers, TE or
+  CUDA-graph RNG trackers**: their switches exist at Megatron's defaults and any other value
+  raises `NotImplementedError` naming the field.
+"""
