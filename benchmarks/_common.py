@@ -62,6 +62,38 @@ def interleaved_medians(steps: Mapping[str, Step], warmup: int, iters: int) -> d
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def round_medians(
+    steps: Mapping[str, Step], *, warmup: int, rounds: int, steps_per_round: int
+) -> dict[str, dict[str, list[float]]]:
+    """Each step's median time per round on this rank, by clock: ``"wall"``
+    (``perf_counter``) and ``"cpu"`` (``process_time``: this process's CPU time, every
+    thread, which load from other processes inflates far less than wall time).
+
+    Run on every rank at once. A round times every step ``steps_per_round`` times in a
+    row, after a barrier; the order of the steps rotates from round to round, so neither
+    load from other processes nor what ran just before favours one of them.
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    names = list(steps)
+    medians: dict[str, dict[str, list[float]]] = {"wall": {}, "cpu": {}}
+    for clock in medians.values():
+        clock.update({name: [] for name in names})
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            dist.barrier()
+            wall, cpu = [], []
+            for _ in range(steps_per_round):
+                started, started_cpu = time.perf_counter(), time.process_time()
+                steps[name]()
+                wall.append(time.perf_counter() - started)
+                cpu.append(time.process_time() - started_cpu)
+            medians["wall"][name].append(statistics.median(wall))
+            medians["cpu"][name].append(statistics.median(cpu))
+    return medians
+
+
 def slowest_medians(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """Per step, the slower rank's median (``per_rank[r]["medians"]``): what the step costs."""
     return {k: max(r["medians"][k] for r in per_rank) for k in per_rank[0]["medians"]}
