@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import cProfile
 import pstats
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -147,6 +148,17 @@ def rules(by_name: Mapping[str, str], by_file: Mapping[str, str]) -> Classifier:
         return None
 
     return classify
+
+
+def median_phases(
+    step: Callable[[], None], classify: Classifier, *, rounds: int, calls: int
+) -> dict[str, float]:
+    """Per phase, the median over ``rounds`` profiles of ``calls`` steps each (seconds per
+    ``calls`` steps): one profile on a loaded machine can catch a stall in any phase."""
+    cost = calibrate()
+    runs = [phases(profile(step, calls), classify, cost) for _ in range(rounds)]
+    names = {phase for run in runs for phase in run}
+    return {phase: statistics.median(run.get(phase, 0.0) for run in runs) for phase in names}
 
 
 def table(seconds: Mapping[str, float], calls: int, per: int, unit: str) -> list[str]:

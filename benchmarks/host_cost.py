@@ -68,6 +68,7 @@ SIZES = (100, 1000, 5000)
 TARGET_SIZES = (1000, 5000)
 TORCH_LIMIT = 1.2  # mc's per-param cost ≤ 1.2 × torch DDP's
 H, SEQ, TP_BATCH, TP = 32, 16, 2, 2
+PROFILE_ROUNDS, PROFILE_CALLS, TP_PROFILE_CALLS = 5, 3, 40  # profiles: rounds × steps
 LOCAL, TORCH, MEGATRON, MC = "local", "torch DDP", "Megatron DDP", "mc DDP"
 
 DDP_PHASES = _phase_profile.rules(
@@ -209,17 +210,14 @@ def _measure_ddp(params: int, rounds: int, steps: int, warmup: int, prof: bool) 
         )
         profiles: dict[str, dict[str, float]] = {}
         if prof:  # on every rank: the steps communicate
-            cost = _phase_profile.calibrate()
             for name in (MC, MEGATRON):
                 if name in variants:
-                    stats = _phase_profile.profile(variants[name][0], PROFILE_CALLS)
-                    profiles[name] = _phase_profile.phases(stats, DDP_PHASES, cost)
+                    profiles[name] = _phase_profile.median_phases(
+                        variants[name][0], DDP_PHASES, rounds=PROFILE_ROUNDS, calls=PROFILE_CALLS
+                    )
         return {"medians": medians, "diffs": diffs, "megatron": why, "profiles": profiles}
     finally:
         mg.destroy_model_parallel(pgc)
-
-
-PROFILE_CALLS = 5
 
 
 def _per_round_slowest(per_rank: Sequence[dict[str, Any]], clock: str) -> dict[str, list[float]]:
@@ -331,11 +329,11 @@ def _measure_tp(rounds: int, steps: int, warmup: int, prof: bool) -> dict[str, A
         )
         profiles: dict[str, dict[str, float]] = {}
         if prof:  # on every rank: the steps communicate
-            cost = _phase_profile.calibrate()
             for name, step in variants.items():
                 if not name.startswith("DTensor"):
-                    stats = _phase_profile.profile(step, PROFILE_CALLS * 20)
-                    profiles[name] = _phase_profile.phases(stats, TP_PHASES, cost)
+                    profiles[name] = _phase_profile.median_phases(
+                        step, TP_PHASES, rounds=PROFILE_ROUNDS, calls=TP_PROFILE_CALLS
+                    )
         return {"medians": medians, "megatron": why, "profiles": profiles}
     finally:
         mg.destroy_model_parallel(pgc)
@@ -389,7 +387,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _print_profiles(profiles: dict[str, dict[str, float]], calls: int, per: int, unit: str) -> None:
     for name, seconds in profiles.items():
-        print(f"\nwhere {name}'s time goes (cProfile, {calls} steps, rank 0):")
+        print(
+            f"\nwhere {name}'s time goes (cProfile less its own cost per call; median of "
+            f"{PROFILE_ROUNDS} profiles of {calls} steps, rank 0):"
+        )
         print("\n".join(_phase_profile.table(seconds, calls, per, unit)))
 
 
@@ -425,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 module._measure_tp, args.rounds, args.steps * 5, args.warmup, not args.no_profile
             )
             print(per_rank[0]["megatron"])
-            _print_profiles(per_rank[0]["profiles"], PROFILE_CALLS * 20, 1, "call")
+            _print_profiles(per_rank[0]["profiles"], TP_PROFILE_CALLS, 1, "call")
             lines, met = _tp_rows(per_rank)
             ok &= met
             print("\n".join(lines))

@@ -178,12 +178,19 @@ class ParamAndGradBucketGroup:
                 "overlap_grad_reduce is True (without it finish_grad_sync() reduces the "
                 "bucket group synchronously)"
             )
+        self._grad_ready(param, force_all_reduce)
+
+    def _grad_ready(self, param: Param, force_all_reduce: bool) -> None:
+        """:meth:`register_grad_ready` once its arguments are known good: DDP's backward
+        hook calls this directly (its param is in this group, overlap is on), so the checks
+        that hold for the whole run are not repeated once per param per backward."""
         if not self.is_last_microbatch:
             return
-        self._refuse_late_grad(param)
+        if self.grad_reduce_finished:
+            self._refuse_late_grad(param)
         counts = self.per_param_grad_ready_counts
         counts[param] = counts.get(param, 0) + 1
-        if self._dispatches_from_hooks() and counts == self.golden_per_param_grad_ready_counts:
+        if not self.is_first_batch and counts == self.golden_per_param_grad_ready_counts:
             self.start_grad_sync(force_all_reduce=force_all_reduce)
 
     def _refuse_late_grad(self, param: Param) -> None:

@@ -60,7 +60,7 @@ from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, type_name
 from mc_groups.device import is_graph_capturing
 from mc_groups.errors import InputStateError, InputTypeError
-from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr, main_grad_of
+from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr
 
 __all__ = ["DistributedDataParallel", "_BucketParamReadyCallback", "logger"]
 
@@ -313,25 +313,38 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         return BackwardPostHook(self, param)
 
     def _on_grad_ready(self, param: Param) -> None:
+        """The hook's work, once per param per backward (its cost is the host cost per
+        param): every check that holds for the whole run was made at construction, so only
+        state that changes between calls is read here (see the "DDP host cost" section of
+        docs/results.md)."""
         group = self.param_to_bucket_group.get(param)
         if group is None:
             return
-        main_grad = main_grad_of(param)
+        main_grad = param.main_grad  # type: ignore[attr-defined]  # set by the buffer
         if self._iteration.discarded or isinstance(main_grad, OffloadedView):
             param.grad = None  # a retry must not add it twice
             raise RuntimeError(self._no_grad_memory_message(param))
         self._iteration.accumulated = True
         grad = param.grad
         if grad is not None:
-            name = self.param_to_name[param]
-            added = bool_attr(param, GRAD_ADDED_TO_MAIN_GRAD, False, name)
-            if not added or bool_attr(param, ZERO_OUT_WGRAD, False, name):
+            # common case first: one attribute read (a layer that accumulated into
+            # main_grad itself set the flag True; anything but a bool is refused below)
+            added = getattr(param, GRAD_ADDED_TO_MAIN_GRAD, False)
+            if added is False or self._adds_despite_flag(param):
                 main_grad.add_(grad)
-        param.grad = None
+            param.grad = None
         if self.ddp_config.overlap_grad_reduce:
-            group.register_grad_ready(param, self.force_all_reduce)
-        elif group.is_last_microbatch:
+            group._grad_ready(param, self.force_all_reduce)
+        elif group.is_last_microbatch and group.grad_reduce_finished:
             group._refuse_late_grad(param)  # the check register_grad_ready makes
+
+    def _adds_despite_flag(self, param: Param) -> bool:
+        """``grad_added_to_main_grad`` is not False: add ``param.grad`` anyway only with
+        ``zero_out_wgrad``; a flag that is not a bool is a ``TypeError`` naming the param."""
+        name = self.param_to_name[param]
+        return not bool_attr(param, GRAD_ADDED_TO_MAIN_GRAD, False, name) or bool_attr(
+            param, ZERO_OUT_WGRAD, False, name
+        )
 
     def _no_grad_memory_message(self, param: Param) -> str:
         name = self.param_to_name.get(param, "<unnamed>")
@@ -571,8 +584,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         for group in self._all_groups():
             group.check_reset()
         if getattr(self.config, "cuda_graph_impl", "none") != "transformer_engine":
+            clear = param_attrs.clear_grad_added_to_main_grad
             for param in self.params_with_grad:
-                param_attrs.clear_grad_added_to_main_grad(param)
+                clear(param)
         for buffer in self._all_buffers():
             buffer.reset()
         for group in self._all_groups():
