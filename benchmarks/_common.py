@@ -62,36 +62,42 @@ def interleaved_medians(steps: Mapping[str, Step], warmup: int, iters: int) -> d
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def round_medians(
+def round_bests(
     steps: Mapping[str, Step], *, warmup: int, rounds: int, steps_per_round: int
 ) -> dict[str, dict[str, list[float]]]:
-    """Each step's median time per round on this rank, by clock: ``"wall"``
+    """Each step's best time per round on this rank, by clock: ``"wall"``
     (``perf_counter``) and ``"cpu"`` (``process_time``: this process's CPU time, every
     thread, which load from other processes inflates far less than wall time).
 
-    Run on every rank at once. A round times every step ``steps_per_round`` times in a
-    row, after a barrier; the order of the steps rotates from round to round, so neither
-    load from other processes nor what ran just before favours one of them.
+    Run on every rank at once. A round runs ``steps_per_round`` passes; a pass times every
+    step once, each after a barrier, in an order that rotates from pass to pass, so a burst
+    of load from other processes falls on all of them alike. A round's value is the best
+    of its samples (other processes only ever add time: the fastest is the least
+    disturbed measure of what a step costs).
     """
     for step in steps.values():
         for _ in range(warmup):
             step()
     names = list(steps)
-    medians: dict[str, dict[str, list[float]]] = {"wall": {}, "cpu": {}}
-    for clock in medians.values():
+    bests: dict[str, dict[str, list[float]]] = {"wall": {}, "cpu": {}}
+    for clock in bests.values():
         clock.update({name: [] for name in names})
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            dist.barrier()
-            wall, cpu = [], []
-            for _ in range(steps_per_round):
+    turn = 0
+    for _ in range(rounds):
+        wall: dict[str, float] = dict.fromkeys(names, float("inf"))
+        cpu: dict[str, float] = dict.fromkeys(names, float("inf"))
+        for _ in range(steps_per_round):
+            turn += 1
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                dist.barrier()
                 started, started_cpu = time.perf_counter(), time.process_time()
                 steps[name]()
-                wall.append(time.perf_counter() - started)
-                cpu.append(time.process_time() - started_cpu)
-            medians["wall"][name].append(statistics.median(wall))
-            medians["cpu"][name].append(statistics.median(cpu))
-    return medians
+                wall[name] = min(wall[name], time.perf_counter() - started)
+                cpu[name] = min(cpu[name], time.process_time() - started_cpu)
+        for name in names:
+            bests["wall"][name].append(wall[name])
+            bests["cpu"][name].append(cpu[name])
+    return bests
 
 
 def slowest_medians(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:

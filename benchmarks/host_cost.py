@@ -25,12 +25,14 @@ TP: ``Column(h → 4h) → GELU → Row(4h → h)`` at h = 32, seq 16, batch 2, 
 backward (output gradient of ones), sequence parallelism off and on; mc against Megatron-Core
 and DTensor (``torch.distributed.tensor.parallel``). Per-call time in ms.
 
-Timing: ``--rounds`` rounds (≥ 3); each round times every variant ``--steps`` times in a row
-after a barrier, in an order that rotates from round to round; a variant's value is the
-median over rounds of its round medians, the slower rank counting in each round. Ratios are
-taken within the run. Then where mc's time goes: a ``cProfile`` of the mc step on rank 0,
-its time attributed to phases (:mod:`benchmarks._phase_profile`; the profiler inflates
-Python calls, read the shares). Targets: per-param DDP cost of mc ≤ Megatron's and
+Timing: ``--rounds`` rounds (≥ 3) of ``--steps`` passes; a pass times every variant once,
+each after a barrier, in an order that rotates from pass to pass; two clocks: wall time and
+the process's CPU time (which load from other processes on a shared machine disturbs far
+less). A round's value is a variant's fastest step (other processes only ever add time),
+the slower rank's; a variant's value is the median over rounds, shown with the rounds'
+range. Ratios are taken within the run. Then where mc's (and Megatron's) time goes: a
+``cProfile`` of the step on rank 0, its time attributed to phases, less the profiler's own
+cost per call (:mod:`benchmarks._phase_profile`). Targets: per-param DDP cost of mc ≤ Megatron's and
 ≤ 1.2 × torch DDP's at 1,000 and 5,000 params; the TP block ≤ Megatron's, SP off and on.
 Exits 1 when a target that could be measured is missed. From the repository root::
 
@@ -99,22 +101,25 @@ DDP_PHASES = _phase_profile.rules(
 
 TP_PHASES = _phase_profile.rules(
     by_name={
+        "~:_distributed_c10d": "collective (issue + wait for the peer)",
         "~:run_backward": "autograd engine (C++)",
-        "~:linear": "compute",
-        "~:matmul": "compute",
-        "~:gelu": "compute",
-        "~:'mm'": "compute",
-        "~:addmm": "compute",
-        "~:'sum'": "compute",
+        **{f"~:{op}": "compute" for op in ("linear", "matmul", "gelu", "'mm'", "addmm", "'sum'")},
+        "_core.py:describe": "bookkeeping (recorder, labels)",
+        "_layer_base.py:_forward_checks": "checks",
+        "_layer_base.py:_check_agreement": "checks",
+        "linear.py:_check_common": "checks",
+        "_core.py:check_options": "checks",
+        "_core.py:check_op": "checks",
+        "_core.py:check_contiguous": "checks",
     },
     by_file={
         "mc_groups/argcheck.py": "checks",
         "mc_tp_layers/_validate.py": "checks",
-        "mc_groups/recorder.py": "recorder",
-        "mc_groups/schedule_check.py": "recorder",
+        "mc_groups/recorder.py": "bookkeeping (recorder, labels)",
+        "mc_groups/schedule_check.py": "bookkeeping (recorder, labels)",
         "mc_tp_layers/agreement.py": "agreement",
         "mc_groups/together.py": "agreement",
-        "torch/distributed/": "collective",
+        "torch/distributed/": "collective (issue + wait for the peer)",
         "mc_groups/": "mc_groups glue",
         "mc_tp_layers/": "layer glue",
         "megatron/core/": "layer glue",
@@ -202,7 +207,7 @@ def _measure_ddp(params: int, rounds: int, steps: int, warmup: int, prof: bool) 
         mean /= dist.get_world_size()
         diffs = {n: float((_first_grad(n, m) - mean).abs().max()) for n, (_, m) in variants.items()}
         diffs.pop(LOCAL)
-        medians = _common.round_medians(
+        bests = _common.round_bests(
             {n: s for n, (s, _) in variants.items()},
             warmup=warmup,
             rounds=rounds,
@@ -215,16 +220,16 @@ def _measure_ddp(params: int, rounds: int, steps: int, warmup: int, prof: bool) 
                     profiles[name] = _phase_profile.median_phases(
                         variants[name][0], DDP_PHASES, rounds=PROFILE_ROUNDS, calls=PROFILE_CALLS
                     )
-        return {"medians": medians, "diffs": diffs, "megatron": why, "profiles": profiles}
+        return {"bests": bests, "diffs": diffs, "megatron": why, "profiles": profiles}
     finally:
         mg.destroy_model_parallel(pgc)
 
 
 def _per_round_slowest(per_rank: Sequence[dict[str, Any]], clock: str) -> dict[str, list[float]]:
     """Per variant and round, the slower rank's round median on ``clock``."""
-    names = per_rank[0]["medians"][clock]
+    names = per_rank[0]["bests"][clock]
     return {
-        n: [max(v) for v in zip(*(r["medians"][clock][n] for r in per_rank), strict=True)]
+        n: [max(v) for v in zip(*(r["bests"][clock][n] for r in per_rank), strict=True)]
         for n in names
     }
 
@@ -324,9 +329,7 @@ def _measure_tp(rounds: int, steps: int, warmup: int, prof: bool) -> dict[str, A
                 block = _host_peers.megatron_block(core, H, TP, sp, pgc.tp)
                 variants[f"Megatron {tag}"] = _tp_step(*block, sp)
             variants[f"DTensor {tag}"] = _tp_step(*_host_peers.dtensor_block(H, TP, sp), sp)
-        medians = _common.round_medians(
-            variants, warmup=warmup, rounds=rounds, steps_per_round=steps
-        )
+        bests = _common.round_bests(variants, warmup=warmup, rounds=rounds, steps_per_round=steps)
         profiles: dict[str, dict[str, float]] = {}
         if prof:  # on every rank: the steps communicate
             for name, step in variants.items():
@@ -334,7 +337,7 @@ def _measure_tp(rounds: int, steps: int, warmup: int, prof: bool) -> dict[str, A
                     profiles[name] = _phase_profile.median_phases(
                         step, TP_PHASES, rounds=PROFILE_ROUNDS, calls=TP_PROFILE_CALLS
                     )
-        return {"medians": medians, "megatron": why, "profiles": profiles}
+        return {"bests": bests, "megatron": why, "profiles": profiles}
     finally:
         mg.destroy_model_parallel(pgc)
 
