@@ -584,9 +584,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         for group in self._all_groups():
             group.check_reset()
         if getattr(self.config, "cuda_graph_impl", "none") != "transformer_engine":
-            clear = param_attrs.clear_grad_added_to_main_grad
-            for param in self.params_with_grad:
-                clear(param)
+            for param in self.params_with_grad:  # param_attrs.clear_grad_added_to_main_grad,
+                setattr(param, GRAD_ADDED_TO_MAIN_GRAD, False)  # inlined: once per param
         for buffer in self._all_buffers():
             buffer.reset()
         for group in self._all_groups():
