@@ -268,6 +268,14 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         self.param_to_bucket_group: dict[Param, ParamAndGradBucketGroup] = {
             p: g for g in self._all_groups() for p in g.params
         }
+        # what each backward hook needs, by the param's position in params_with_grad: its
+        # bucket group and its slot there (a list read per call, not two dict lookups)
+        self._grad_targets = [
+            (g, g._grad_slot(p))
+            for p in self.params_with_grad
+            for g in [self.param_to_bucket_group[p]]
+        ]
+        self._grad_index = {p: i for i, p in enumerate(self.params_with_grad)}
 
     def _all_groups(self) -> list[ParamAndGradBucketGroup]:
         return self.bucket_groups + self.expert_parallel_bucket_groups
@@ -310,16 +318,16 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         ``param.main_grad`` (unless the layer already did: ``grad_added_to_main_grad``, or
         ``zero_out_wgrad``), drop ``param.grad``, mark the param ready; the completing hook
         of a bucket group dispatches its reduction (overlap, after the first iteration)."""
-        return BackwardPostHook(self, param)
+        return BackwardPostHook(self, param, self._grad_index[param])
 
-    def _on_grad_ready(self, param: Param) -> None:
-        """The hook's work, once per param per backward (its cost is the host cost per
-        param): every check that holds for the whole run was made at construction, so only
-        state that changes between calls is read here (see the "DDP host cost" section of
-        docs/results.md)."""
-        group = self.param_to_bucket_group.get(param)
-        if group is None:
+    def _on_grad_ready(self, param: Param, index: int) -> None:
+        """The backward hook's work, once per param per backward (its cost is DDP's host
+        cost per param, see docs/results.md): what holds for the whole run was checked at
+        construction, so only state that changes between calls is read here. ``index``:
+        the param's position in ``params_with_grad``. Nothing under CUDA-graph capture."""
+        if is_graph_capturing():  # this module's name, read per call (tests patch it)
             return
+        group, slot = self._grad_targets[index]
         main_grad = param.main_grad  # type: ignore[attr-defined]  # set by the buffer
         if self._iteration.discarded or isinstance(main_grad, OffloadedView):
             param.grad = None  # a retry must not add it twice
@@ -334,7 +342,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
                 main_grad.add_(grad)
             param.grad = None
         if self.ddp_config.overlap_grad_reduce:
-            group._grad_ready(param, self.force_all_reduce)
+            group._grad_ready(slot, param, self.force_all_reduce)
         elif group.is_last_microbatch and group.grad_reduce_finished:
             group._refuse_late_grad(param)  # the check register_grad_ready makes
 
