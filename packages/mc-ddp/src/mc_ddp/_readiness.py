@@ -69,6 +69,19 @@ class ReadyCounts:
             (p, n, g) for p, n, g in zip(self.params, self.counts, golden, strict=True) if n != g
         ]
 
+    def not_dispatched(self, group: str, names: Mapping[Param, str]) -> str:
+        """Why ``finish_grad_sync`` finds no reduction the hooks started: which params (up
+        to 3, named) have not become ready as often as in the first iteration."""
+        off = self.off()
+        detail = ", ".join(f"'{names.get(p, '<unnamed>')}' {n}/{g}" for p, n, g in off[:3])
+        return (
+            f"{group}: finish_grad_sync() but the reduction was never started: "
+            f"{len(off)} of {len(self.params)} params have not become ready as often as in "
+            f"the first iteration (seen/expected: {detail}). Finish the backward of the last "
+            "microbatch (outside no_sync()) first, and call zero_grad_buffer() once per "
+            "iteration"
+        )
+
     def as_dict(self, golden: bool = False) -> dict[Param, int]:
         """This iteration's (or the golden) counts as Megatron's dict: param → count, params
         with a zero count left out (a snapshot; changing it changes nothing)."""

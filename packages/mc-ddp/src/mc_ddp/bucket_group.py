@@ -112,9 +112,8 @@ class ParamAndGradBucketGroup:
 
     @property
     def per_param_grad_ready_counts(self) -> dict[Param, int]:
-        """Megatron's state: param → how often it became ready this iteration (last
-        microbatch; params not yet ready left out). A snapshot of mc's per-slot counts
-        (:mod:`mc_ddp._readiness`); assigning a dict replaces them."""
+        """Megatron's state: param → times it became ready this iteration (a snapshot of
+        the per-slot counts, :mod:`mc_ddp._readiness`; assigning a dict replaces them)."""
         return self._ready.as_dict()
 
     @per_param_grad_ready_counts.setter
@@ -123,8 +122,8 @@ class ParamAndGradBucketGroup:
 
     @property
     def golden_per_param_grad_ready_counts(self) -> dict[Param, int]:
-        """Megatron's state: the first iteration's ready counts, which later iterations
-        must reach before the hooks dispatch the reduction (a snapshot, as above)."""
+        """Megatron's state: the first iteration's counts, which later ones must reach
+        before the hooks dispatch the reduction (a snapshot, as above)."""
         return self._ready.as_dict(golden=True)
 
     @golden_per_param_grad_ready_counts.setter
@@ -310,7 +309,7 @@ class ParamAndGradBucketGroup:
         self.param_gather_dispatched = False
         if self.grad_reduce_handle is None:
             if self._dispatches_from_hooks():
-                raise InputStateError(self._not_dispatched_message())
+                raise InputStateError(self._ready.not_dispatched(self.name, self._names))
             self.start_grad_sync(force_all_reduce=force_all_reduce)
         self._complete_grad_sync(force_all_reduce)
 
@@ -359,17 +358,6 @@ class ParamAndGradBucketGroup:
                 "(its storage is freed); call ddp.restore_grad_buffers() (or the buffer's "
                 "reload_from_cpu()) first"
             )
-
-    def _not_dispatched_message(self) -> str:
-        off = self._ready.off()
-        detail = ", ".join(f"'{self._names.get(p, '<unnamed>')}' {n}/{g}" for p, n, g in off[:3])
-        return (
-            f"{self.name}: finish_grad_sync() but the reduction was never started: "
-            f"{len(off)} of {len(self.params)} params have not become ready as often as in "
-            f"the first iteration (seen/expected: {detail}). Finish the backward of the last "
-            "microbatch (outside no_sync()) first, and call zero_grad_buffer() once per "
-            "iteration"
-        )
 
     # -- params (distributed optimizer) -----------------------------------------------
 
