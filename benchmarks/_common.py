@@ -62,6 +62,44 @@ def interleaved_medians(steps: Mapping[str, Step], warmup: int, iters: int) -> d
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def round_bests(
+    steps: Mapping[str, Step], *, warmup: int, rounds: int, steps_per_round: int
+) -> dict[str, dict[str, list[float]]]:
+    """Each step's best time per round on this rank, by clock: ``"wall"``
+    (``perf_counter``) and ``"cpu"`` (``process_time``: this process's CPU time, every
+    thread, which load from other processes inflates far less than wall time).
+
+    Run on every rank at once. A round runs ``steps_per_round`` passes; a pass times every
+    step once, each after a barrier, in an order that rotates from pass to pass, so a burst
+    of load from other processes falls on all of them alike. A round's value is the best
+    of its samples (other processes only ever add time: the fastest is the least
+    disturbed measure of what a step costs).
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    names = list(steps)
+    bests: dict[str, dict[str, list[float]]] = {"wall": {}, "cpu": {}}
+    for clock in bests.values():
+        clock.update({name: [] for name in names})
+    turn = 0
+    for _ in range(rounds):
+        wall: dict[str, float] = dict.fromkeys(names, float("inf"))
+        cpu: dict[str, float] = dict.fromkeys(names, float("inf"))
+        for _ in range(steps_per_round):
+            turn += 1
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                dist.barrier()
+                started, started_cpu = time.perf_counter(), time.process_time()
+                steps[name]()
+                wall[name] = min(wall[name], time.perf_counter() - started)
+                cpu[name] = min(cpu[name], time.process_time() - started_cpu)
+        for name in names:
+            bests["wall"][name].append(wall[name])
+            bests["cpu"][name].append(cpu[name])
+    return bests
+
+
 def slowest_medians(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """Per step, the slower rank's median (``per_rank[r]["medians"]``): what the step costs."""
     return {k: max(r["medians"][k] for r in per_rank) for k in per_rank[0]["medians"]}

@@ -31,6 +31,7 @@ import mc_groups as mg
 from mc_buffers import ParamAndGradBucket, ParamAndGradBuffer
 from mc_ddp import _bucket_collectives as comm
 from mc_ddp._ddp_groups import require_live
+from mc_ddp._readiness import ReadyCounts
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_buckets, check_finite_grads
 from mc_groups.argcheck import check_flag, check_group, check_optional_group, check_str, type_name
@@ -92,8 +93,7 @@ class ParamAndGradBucketGroup:
         self.param_to_bucket = {p: b for b in self.buckets for p in b.params_list}
         self.params: set[Param] = set(self.param_to_bucket)
         self.next_param_gather_bucket_group: ParamAndGradBucketGroup | None = None
-        self.golden_per_param_grad_ready_counts: dict[Param, int] = {}
-        self.per_param_grad_ready_counts: dict[Param, int] = {}
+        self._ready = ReadyCounts([p for b in self.buckets for p in b.params_list])
         self.is_first_batch = True
         self.is_last_microbatch = True
         self.grad_reduce_handle: mg.CollectiveHandle | None = None
@@ -110,6 +110,26 @@ class ParamAndGradBucketGroup:
 
     # -- bookkeeping ------------------------------------------------------------------
 
+    @property
+    def per_param_grad_ready_counts(self) -> dict[Param, int]:
+        """Megatron's state: param → times it became ready this iteration (a snapshot of
+        the per-slot counts, :mod:`mc_ddp._readiness`; assigning a dict replaces them)."""
+        return self._ready.as_dict()
+
+    @per_param_grad_ready_counts.setter
+    def per_param_grad_ready_counts(self, counts: dict[Param, int]) -> None:
+        self._ready.assign(counts)
+
+    @property
+    def golden_per_param_grad_ready_counts(self) -> dict[Param, int]:
+        """Megatron's state: the first iteration's counts, which later ones must reach
+        before the hooks dispatch the reduction (a snapshot, as above)."""
+        return self._ready.as_dict(golden=True)
+
+    @golden_per_param_grad_ready_counts.setter
+    def golden_per_param_grad_ready_counts(self, counts: dict[Param, int]) -> None:
+        self._ready.assign(counts, golden=True)
+
     def check_reset(self) -> None:
         """Raise what :meth:`reset` would refuse (a reduction in flight; under overlap, a
         param without a gradient in the first iteration), changing nothing."""
@@ -118,17 +138,16 @@ class ParamAndGradBucketGroup:
                 f"{self.name}: a gradient reduction is still in flight; call "
                 "finish_grad_sync() before zero_grad_buffer()"
             )
-        if self.is_first_batch and self.per_param_grad_ready_counts:
+        if self.is_first_batch and self._ready.ready:
             self._check_every_param_seen()
 
     def reset(self) -> None:
         """Prepare the next iteration: the first iteration's ready counts become the golden
         counts; clear counts and flags. Refuses while a grad reduction is in flight."""
         self.check_reset()
-        if self.is_first_batch and self.per_param_grad_ready_counts:
-            self.golden_per_param_grad_ready_counts = self.per_param_grad_ready_counts
+        if self.is_first_batch and self._ready.learn():
             self.is_first_batch = False
-        self.per_param_grad_ready_counts = {}
+        self._ready.clear()
         self.is_last_microbatch = True
         self.grad_reduce_finished = False
 
@@ -141,12 +160,12 @@ class ParamAndGradBucketGroup:
         if self.grad_reduce_handle is not None:
             self.grad_reduce_handle.wait()
             self.grad_reduce_handle = None
-        self.per_param_grad_ready_counts = {}
+        self._ready.clear()
         self.is_last_microbatch = True
         self.grad_reduce_finished = False
 
     def _check_every_param_seen(self) -> None:
-        missing = [p for p in self.params if p not in self.per_param_grad_ready_counts]
+        missing = self._ready.missing()
         if missing and self.ddp_config.overlap_grad_reduce:
             raise InputStateError(
                 f"{self.name}: {self._name_list(missing)} got no gradient in the first "
@@ -166,7 +185,8 @@ class ParamAndGradBucketGroup:
 
         Only with ``overlap_grad_reduce`` (as Megatron asserts): without it nothing is
         dispatched from the hooks and ``finish_grad_sync`` reduces synchronously."""
-        if param not in self.params:
+        slot = self._ready.slots.get(param)
+        if slot is None:
             raise InputValueError(
                 f"{self.name}: register_grad_ready() got a param (shape "
                 f"{tuple(getattr(param, 'shape', ()))}) that is not in this bucket group"
@@ -178,12 +198,26 @@ class ParamAndGradBucketGroup:
                 "overlap_grad_reduce is True (without it finish_grad_sync() reduces the "
                 "bucket group synchronously)"
             )
+        self._grad_ready(slot, param, force_all_reduce)
+
+    def _grad_slot(self, param: Param) -> int:
+        """``param``'s slot in this group's ready counts (``KeyError`` for a stranger): what
+        DDP's backward hook passes to :meth:`_grad_ready`."""
+        return self._ready.slots[param]
+
+    def _grad_ready(self, slot: int, param: Param, force_all_reduce: bool) -> None:
+        """:meth:`register_grad_ready` once its arguments are known good: DDP's backward
+        hook calls this directly with the param's slot (its param is in this group, overlap
+        is on), so nothing that holds for the whole run is checked once per param per
+        backward, and the count is a list update, not a dict keyed by a tensor."""
         if not self.is_last_microbatch:
             return
-        self._refuse_late_grad(param)
-        counts = self.per_param_grad_ready_counts
-        counts[param] = counts.get(param, 0) + 1
-        if self._dispatches_from_hooks() and counts == self.golden_per_param_grad_ready_counts:
+        if self.grad_reduce_finished:
+            self._refuse_late_grad(param)
+        ready = self._ready
+        ready.counts[slot] += 1
+        ready.ready += 1
+        if ready.ready == ready.golden_total and not self.is_first_batch and ready.complete():
             self.start_grad_sync(force_all_reduce=force_all_reduce)
 
     def _refuse_late_grad(self, param: Param) -> None:
@@ -275,7 +309,7 @@ class ParamAndGradBucketGroup:
         self.param_gather_dispatched = False
         if self.grad_reduce_handle is None:
             if self._dispatches_from_hooks():
-                raise InputStateError(self._not_dispatched_message())
+                raise InputStateError(self._ready.not_dispatched(self.name, self._names))
             self.start_grad_sync(force_all_reduce=force_all_reduce)
         self._complete_grad_sync(force_all_reduce)
 
@@ -324,21 +358,6 @@ class ParamAndGradBucketGroup:
                 "(its storage is freed); call ddp.restore_grad_buffers() (or the buffer's "
                 "reload_from_cpu()) first"
             )
-
-    def _not_dispatched_message(self) -> str:
-        golden, seen = self.golden_per_param_grad_ready_counts, self.per_param_grad_ready_counts
-        off = [p for p in self.params if seen.get(p, 0) != golden.get(p, 0)]
-        detail = ", ".join(
-            f"'{self._names.get(p, '<unnamed>')}' {seen.get(p, 0)}/{golden.get(p, 0)}"
-            for p in off[:3]
-        )
-        return (
-            f"{self.name}: finish_grad_sync() but the reduction was never started: "
-            f"{len(off)} of {len(self.params)} params have not become ready as often as in "
-            f"the first iteration (seen/expected: {detail}). Finish the backward of the last "
-            "microbatch (outside no_sync()) first, and call zero_grad_buffer() once per "
-            "iteration"
-        )
 
     # -- params (distributed optimizer) -----------------------------------------------
 

@@ -61,7 +61,7 @@ from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, type_name
 from mc_groups.device import is_graph_capturing
 from mc_groups.errors import InputStateError, InputTypeError
-from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr, main_grad_of
+from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr
 
 __all__ = ["DistributedDataParallel", "_BucketParamReadyCallback", "logger"]
 
@@ -270,6 +270,14 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         self.param_to_bucket_group: dict[Param, ParamAndGradBucketGroup] = {
             p: g for g in self._all_groups() for p in g.params
         }
+        # what each backward hook needs, by the param's position in params_with_grad: its
+        # bucket group and its slot there (a list read per call, not two dict lookups)
+        self._grad_targets = [
+            (g, g._grad_slot(p))
+            for p in self.params_with_grad
+            for g in [self.param_to_bucket_group[p]]
+        ]
+        self._grad_index = {p: i for i, p in enumerate(self.params_with_grad)}
 
     def _all_groups(self) -> list[ParamAndGradBucketGroup]:
         return self.bucket_groups + self.expert_parallel_bucket_groups
@@ -312,28 +320,41 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         ``param.main_grad`` (unless the layer already did: ``grad_added_to_main_grad``, or
         ``zero_out_wgrad``), drop ``param.grad``, mark the param ready; the completing hook
         of a bucket group dispatches its reduction (overlap, after the first iteration)."""
-        return BackwardPostHook(self, param)
+        return BackwardPostHook(self, param, self._grad_index[param])
 
-    def _on_grad_ready(self, param: Param) -> None:
-        group = self.param_to_bucket_group.get(param)
-        if group is None:
+    def _on_grad_ready(self, param: Param, index: int) -> None:
+        """The backward hook's work, once per param per backward (its cost is DDP's host
+        cost per param, see docs/results.md): what holds for the whole run was checked at
+        construction, so only state that changes between calls is read here. ``index``:
+        the param's position in ``params_with_grad``. Nothing under CUDA-graph capture."""
+        if is_graph_capturing():  # this module's name, read per call (tests patch it)
             return
-        main_grad = main_grad_of(param)
+        group, slot = self._grad_targets[index]
+        main_grad = param.main_grad  # type: ignore[attr-defined]  # set by the buffer
         if self._iteration.discarded or isinstance(main_grad, OffloadedView):
             param.grad = None  # a retry must not add it twice
             raise RuntimeError(self._no_grad_memory_message(param))
         self._iteration.accumulated = True
         grad = param.grad
         if grad is not None:
-            name = self.param_to_name[param]
-            added = bool_attr(param, GRAD_ADDED_TO_MAIN_GRAD, False, name)
-            if not added or bool_attr(param, ZERO_OUT_WGRAD, False, name):
+            # common case first: one attribute read (a layer that accumulated into
+            # main_grad itself set the flag True; anything but a bool is refused below)
+            added = getattr(param, GRAD_ADDED_TO_MAIN_GRAD, False)
+            if added is False or self._adds_despite_flag(param):
                 main_grad.add_(grad)
-        param.grad = None
+            param.grad = None
         if self.ddp_config.overlap_grad_reduce:
-            group.register_grad_ready(param, self.force_all_reduce)
-        elif group.is_last_microbatch:
+            group._grad_ready(slot, param, self.force_all_reduce)
+        elif group.is_last_microbatch and group.grad_reduce_finished:
             group._refuse_late_grad(param)  # the check register_grad_ready makes
+
+    def _adds_despite_flag(self, param: Param) -> bool:
+        """``grad_added_to_main_grad`` is not False: add ``param.grad`` anyway only with
+        ``zero_out_wgrad``; a flag that is not a bool is a ``TypeError`` naming the param."""
+        name = self.param_to_name[param]
+        return not bool_attr(param, GRAD_ADDED_TO_MAIN_GRAD, False, name) or bool_attr(
+            param, ZERO_OUT_WGRAD, False, name
+        )
 
     def _no_grad_memory_message(self, param: Param) -> str:
         name = self.param_to_name.get(param, "<unnamed>")
@@ -574,8 +595,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         for group in self._all_groups():
             group.check_reset()
         if getattr(self.config, "cuda_graph_impl", "none") != "transformer_engine":
-            for param in self.params_with_grad:
-                param_attrs.clear_grad_added_to_main_grad(param)
+            for param in self.params_with_grad:  # param_attrs.clear_grad_added_to_main_grad,
+                setattr(param, GRAD_ADDED_TO_MAIN_GRAD, False)  # inlined: once per param
         for buffer in self._all_buffers():
             buffer.reset()
         for group in self._all_groups():

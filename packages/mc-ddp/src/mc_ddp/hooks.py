@@ -107,8 +107,7 @@ class _BucketParamReadyCallback:
 
 
 class _GradReadyOwner(Protocol):
-    def _on_grad_ready(self, param: Param) -> None: ...
-    def _graph_capturing(self) -> bool: ...
+    def _on_grad_ready(self, param: Param, index: int) -> None: ...
 
 
 class _ParamSyncOwner(Protocol):
@@ -117,19 +116,22 @@ class _ParamSyncOwner(Protocol):
 
 
 class BackwardPostHook:
-    """Runs after ``param``'s gradient accumulated (``param.grad`` is set): hands the param to
-    its DDP, which moves the grad into ``main_grad`` and marks it ready. No-op under CUDA-graph
-    capture and once the DDP is gone."""
+    """Runs after ``param``'s gradient accumulated (``param.grad`` is set): hands the param
+    (and its position ``index`` in the DDP's ``params_with_grad``) to its DDP, which moves
+    the grad into ``main_grad`` and marks it ready, unless a CUDA graph is being captured.
+    A no-op once the DDP is gone. Called once per param per backward: it does nothing else."""
 
-    def __init__(self, ddp: _GradReadyOwner, param: Param) -> None:
+    __slots__ = ("_ddp", "_index", "_param")
+
+    def __init__(self, ddp: _GradReadyOwner, param: Param, index: int) -> None:
         self._ddp: weakref.ref[_GradReadyOwner] = weakref.ref(ddp)
         self._param = param
+        self._index = index
 
     def __call__(self, *unused: Any) -> None:
         ddp = self._ddp()
-        if ddp is None or ddp._graph_capturing():
-            return
-        ddp._on_grad_ready(self._param)
+        if ddp is not None:
+            ddp._on_grad_ready(self._param, self._index)
 
 
 def runs_compiled(module: torch.nn.Module) -> bool:

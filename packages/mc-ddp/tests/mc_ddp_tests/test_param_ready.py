@@ -1,13 +1,16 @@
-"""ensure_params_ready and DDP's _BucketParamReadyCallback.
+"""ensure_params_ready and DDP's _BucketParamReadyCallback; the hooks under capture.
 
 The in-process tests drive the callback's branches with fake DDP / bucket-group objects
 (no processes): unmarked params, per-group dedup, CUDA-graph capture deferral, idempotence,
 draining an in-flight gather, align_param_gather, removed pre-hooks, collected DDP or group.
 Each test keeps a strong reference to its fake DDP (the callback holds it weakly, so a
-temporary would be collected and make every call vacuous). The 2-rank test checks the real
+temporary would be collected and make every call vacuous). The 2-rank tests check the real
 thing: a read-ahead publishes exactly one group (one all-gather, values equal to the
 single-process reference after one SGD step, fp32 |Δ| ≤ 1e-6 as in the parity matrix), a
-second call communicates nothing, and a collected DDP leaves a harmless callback behind.
+second call communicates nothing, and a collected DDP leaves a harmless callback behind;
+a backward while the probe reads "capturing" leaves every ``main_grad`` at zero and
+autograd's ``param.grad`` in place, and the same backward after it accumulates exactly that
+gradient into ``main_grad``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from mc_ddp import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from mc_ddp import distributed_data_parallel as ddp_module
 from mc_ddp import hooks as param_ready
 from mc_ddp.distributed_data_parallel import DistributedDataParallel, _BucketParamReadyCallback
-from mc_ddp_tests._harness import GATHER_OP, model_parallel
+from mc_ddp_tests._harness import GATHER_OP, ddp_config, main_grad, mlp, model_parallel
 from mc_ddp_tests.test_param_sync import _trained
 from mc_groups.testing import RankPools
 
@@ -46,8 +49,8 @@ class _FakeDDP:
         self.remove_forward_pre_hook_handles = {object(): object()} if hooks_enabled else {}
         self.seen: list[str] = []
 
-    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        self.seen.append("grad")
+    def _on_grad_ready(self, param: torch.nn.Parameter, index: int) -> None:
+        self.seen.append(f"grad {index}")
 
     def _on_module_forward(self, module: torch.nn.Module) -> None:
         self.seen.append("forward")
@@ -101,23 +104,25 @@ def test_graph_capture_defers_publication(monkeypatch: pytest.MonkeyPatch) -> No
     assert group.param_gather_dispatched
 
 
-def test_hooks_do_nothing_under_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backward post-hook and the forward pre-hook ask the same probe."""
+def test_hooks_hand_over_or_do_nothing_under_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward pre-hook asks the probe (patched in the DDP module); the backward hook
+    hands its param and index to the DDP, whose ``_on_grad_ready`` asks the same probe
+    (see ``_backward_under_capture``), and does nothing once the DDP is collected."""
     ddp = _FakeDDP()
     param, module = torch.nn.Parameter(torch.zeros(1)), torch.nn.Linear(1, 1)
-    grad_hook, forward_hook = (
-        param_ready.BackwardPostHook(ddp, param),
-        param_ready.ForwardPreHook(ddp),
-    )
+    grad_hook = param_ready.BackwardPostHook(ddp, param, 7)
+    forward_hook = param_ready.ForwardPreHook(ddp)
     capturing = [True]
     monkeypatch.setattr(ddp_module, "is_graph_capturing", lambda: capturing[0])
-    grad_hook(param)
     forward_hook(module, ())
     assert ddp.seen == []
     capturing[0] = False
     grad_hook(param)
     forward_hook(module, ())
-    assert ddp.seen == ["grad", "forward"]
+    assert ddp.seen == ["grad 7", "forward"]
+    orphan = param_ready.BackwardPostHook(_FakeDDP(), param, 0)
+    gc.collect()
+    orphan(param)
 
 
 def test_publishes_once_then_is_idempotent() -> None:
@@ -186,6 +191,36 @@ def _read_ahead() -> dict[str, Any]:
             "after_collect": len(log),
             "rank": dist.get_rank(),
         }
+
+
+def _backward_under_capture() -> dict[str, Any]:
+    with model_parallel() as pgc:
+        config = ddp_config(overlap_grad_reduce=True)
+        ddp = DistributedDataParallel(mg.ModelParallelConfig(), config, mlp(), pg_collection=pgc)
+        params = list(ddp.module.parameters())
+        x = torch.linspace(-1.0, 1.0, 16).reshape(2, 8)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ddp_module, "is_graph_capturing", lambda: True)
+            ddp(x).square().sum().backward()
+        autograd = [None if p.grad is None else p.grad.clone() for p in params]
+        zero = all(float(main_grad(p).abs().max()) == 0.0 for p in params)
+        for p in params:
+            p.grad = None
+        ddp(x).square().sum().backward()
+        err = max(
+            float((main_grad(p) - g).abs().max()) if g is not None else float("inf")
+            for p, g in zip(params, autograd, strict=True)
+        )
+        left = sum(p.grad is not None for p in params)
+        ddp.finish_grad_sync()
+        return {"zero": zero, "err": err, "left": left}
+
+
+def test_backward_under_capture_leaves_grads_to_autograd(rank_pools: RankPools) -> None:
+    for out in rank_pools.get(2).run(_backward_under_capture):
+        assert out["zero"]  # nothing reached main_grad while "capturing"
+        assert out["err"] == 0.0  # then main_grad = autograd's gradient, bit for bit
+        assert out["left"] == 0  # and param.grad was dropped
 
 
 def test_read_ahead_publishes_one_group_once(rank_pools: RankPools) -> None:

@@ -100,5 +100,10 @@ def empty_cache(device: torch.device | str | None) -> None:
 
 
 def is_graph_capturing() -> bool:
-    """True while a CUDA graph is being captured on the current stream (False on CPU)."""
-    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    """True while a CUDA graph is being captured on the current stream (False on CPU).
+
+    Asked once per parameter per backward by DDP's hooks, so it stays cheap: a capture
+    needs an initialized CUDA context, and ``torch.cuda.is_initialized()`` is one flag read
+    (``is_available()`` would query the driver and the environment at every call)."""
+    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # untyped in torch
+    return bool(initialized and torch.cuda.is_current_stream_capturing())

@@ -1,0 +1,440 @@
+"""Host cost per parameter (DDP) and per layer call (TP): mc against torch and Megatron-Core.
+
+On a GPU the host only launches work; what the Python side spends per parameter (backward
+hooks, readiness counting, accumulation into ``main_grad``) and per layer call (checks,
+recorder bookkeeping, agreement) decides whether the GPU waits. This benchmark makes the
+compute negligible so that host cost is what is timed, on 2 gloo ranks, one thread each.
+
+DDP: a stack of ``Linear(8 → 8)`` layers with 100, 1,000 and 5,000 parameters (two per
+layer), batch 4 per rank. One step: zero the grads, forward, ``mean(y²)``, backward,
+finish the gradient sync. Host cost per parameter = (step time − the same model's step
+without DDP) / parameters. Variants, same init:
+
+- ``local``: the plain model (``param.grad = None``, forward, backward): the baseline;
+- ``torch DDP``: ``DistributedDataParallel(gradient_as_bucket_view=True)`` (C++ reducer;
+  grads zeroed in place by ``SGD.zero_grad(set_to_none=False)``, one fused call);
+- ``Megatron DDP``: Megatron-Core's ``DistributedDataParallel(overlap_grad_reduce=True)``,
+  ``zero_grad_buffer`` / ``finish_grad_sync`` (only when ``megatron.core`` imports; see
+  :mod:`benchmarks._host_peers`);
+- ``mc DDP``: mc's, same config and calls.
+
+Every model fits one bucket (torch's first bucket is 1 MiB, Megatron's and mc's 40 M
+elements), so each step issues one all-reduce and the rest is per-parameter work.
+
+TP: ``Column(h → 4h) → GELU → Row(4h → h)`` at h = 32, seq 16, batch 2, TP = 2, forward +
+backward (output gradient of ones), sequence parallelism off and on; mc against Megatron-Core
+and DTensor (``torch.distributed.tensor.parallel``). Per-call time in ms.
+
+Timing: ``--rounds`` rounds (≥ 3) of ``--steps`` passes; a pass times every variant once,
+each after a barrier, in an order that rotates from pass to pass; two clocks: wall time and
+the process's CPU time (which load from other processes on a shared machine disturbs far
+less). A round's value is a variant's fastest step (other processes only ever add time),
+the slower rank's; a variant's value is the median over rounds, shown with the rounds'
+range. Ratios are taken within the run. Then where mc's (and Megatron's) time goes: a
+``cProfile`` of the step on rank 0, its time attributed to phases, less the profiler's own
+cost per call (:mod:`benchmarks._phase_profile`). Targets: per-param DDP cost of mc ≤ Megatron's and
+≤ 1.2 × torch DDP's at 1,000 and 5,000 params; the TP block ≤ Megatron's, SP off and on.
+Exits 1 when a target that could be measured is missed. From the repository root::
+
+    python -m benchmarks.host_cost [--rounds N] [--steps N] [--part ddp|tp|both]
+    MC_MEGATRON_SHIM=<dir with cpu_shim.py> <python with megatron-core> -m benchmarks.host_cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import mc_groups as mg
+import mc_tp_layers as tpl
+from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig
+
+if not __package__:  # run as a file: the ranks import this module by its package name
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common, _host_peers, _phase_profile
+from benchmarks._common import Step
+
+WIDTH, BATCH = 8, 4
+SIZES = (100, 1000, 5000)
+TARGET_SIZES = (1000, 5000)
+TORCH_LIMIT = 1.2  # mc's per-param cost ≤ 1.2 × torch DDP's
+H, SEQ, TP_BATCH, TP = 32, 16, 2, 2
+PROFILE_ROUNDS, PROFILE_CALLS, TP_PROFILE_CALLS = 5, 3, 40  # profiles: rounds × steps
+LOCAL, TORCH, MEGATRON, MC = "local", "torch DDP", "Megatron DDP", "mc DDP"
+
+DDP_PHASES = _phase_profile.rules(
+    by_name={
+        "param_ready.py:__call__": "hook entry",
+        "distributed_data_parallel.py:hook": "hook entry",  # Megatron's closure
+        "distributed_data_parallel.py:_graph_capturing": "capture probe",
+        "device.py:is_graph_capturing": "capture probe",
+        "cuda_graphs.py:is_graph_capturing": "capture probe",
+        "~:'add_'": "accumulate",
+        "distributed_data_parallel.py:_on_grad_ready": "accumulate",
+        "param_attrs.py:main_grad_of": "accumulate",
+        "param_attrs.py:bool_attr": "checks",
+        "bucket_group.py:_refuse_late_grad": "checks",
+        "bucket_group.py:register_grad_ready": "readiness",
+        "param_and_grad_buffer.py:register_grad_ready": "readiness",
+        "bucket_group.py:_dispatches_from_hooks": "readiness",
+        "bucket_group.py:start_grad_sync": "dispatch",
+        "param_and_grad_buffer.py:start_grad_sync": "dispatch",
+        "distributed_data_parallel.py:zero_grad_buffer": "zero_grad_buffer",
+        "distributed_data_parallel.py:finish_grad_sync": "finish_grad_sync",
+        "~:run_backward": "autograd engine (C++)",
+        "module.py:_call_impl": "forward",
+        "distributed_data_parallel.py:forward": "forward",
+    },
+    by_file={"mc_groups/argcheck.py": "checks"},
+)
+
+TP_PHASES = _phase_profile.rules(
+    by_name={
+        "~:_distributed_c10d": "collective (issue + wait for the peer)",
+        "~:run_backward": "autograd engine (C++)",
+        **{f"~:{op}": "compute" for op in ("linear", "matmul", "gelu", "'mm'", "addmm", "'sum'")},
+        "_core.py:describe": "bookkeeping (recorder, labels)",
+        "_layer_base.py:_forward_checks": "checks",
+        "_layer_base.py:_check_agreement": "checks",
+        "linear.py:_check_common": "checks",
+        "_core.py:check_options": "checks",
+        "_core.py:check_op": "checks",
+        "_core.py:check_contiguous": "checks",
+    },
+    by_file={
+        "mc_groups/argcheck.py": "checks",
+        "mc_tp_layers/_validate.py": "checks",
+        "mc_groups/recorder.py": "bookkeeping (recorder, labels)",
+        "mc_groups/schedule_check.py": "bookkeeping (recorder, labels)",
+        "mc_tp_layers/agreement.py": "agreement",
+        "mc_groups/together.py": "agreement",
+        "torch/distributed/": "collective (issue + wait for the peer)",
+        "mc_groups/": "mc_groups glue",
+        "mc_tp_layers/": "layer glue",
+        "megatron/core/": "layer glue",
+    },
+)
+
+
+# -- DDP ---------------------------------------------------------------------------------
+
+
+def _model(params: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(params // 2)])
+
+
+def _batch() -> torch.Tensor:
+    return torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+
+
+def _local(params: int) -> tuple[Step, nn.Module]:
+    model, x = _model(params), _batch()
+    weights = list(model.parameters())
+
+    def step() -> None:
+        for p in weights:
+            p.grad = None
+        model(x).square().mean().backward()
+
+    return step, model
+
+
+def _torch_ddp(params: int) -> tuple[Step, nn.Module]:
+    model = nn.parallel.DistributedDataParallel(_model(params), gradient_as_bucket_view=True)
+    opt, x = torch.optim.SGD(model.parameters(), lr=0.0), _batch()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+
+    return step, model
+
+
+def _wrapped(ddp: Any) -> Step:
+    x = _batch()
+
+    def step() -> None:
+        ddp.zero_grad_buffer()
+        ddp(x).square().mean().backward()
+        ddp.finish_grad_sync()
+
+    return step
+
+
+def _mc_ddp(params: int, pgc: mg.ProcessGroupCollection) -> tuple[Step, nn.Module]:
+    config = DistributedDataParallelConfig(overlap_grad_reduce=True)
+    ddp = DistributedDataParallel(
+        mg.ModelParallelConfig(), config, _model(params), pg_collection=pgc
+    )
+    return _wrapped(ddp), ddp
+
+
+def _first_grad(name: str, model: nn.Module) -> torch.Tensor:
+    param = next(model.parameters())
+    grad = param.grad if name in (LOCAL, TORCH) else getattr(param, "main_grad", None)
+    assert grad is not None
+    return grad.detach().clone()
+
+
+def _measure_ddp(params: int, rounds: int, steps: int, warmup: int, prof: bool) -> dict[str, Any]:
+    """On every rank: build the variants of one size, check their grads agree, time them."""
+    torch.set_num_threads(1)
+    pgc = mg.initialize_model_parallel()
+    try:
+        core, why = _host_peers.import_megatron()
+        variants = {LOCAL: _local(params), TORCH: _torch_ddp(params), MC: _mc_ddp(params, pgc)}
+        if core is not None:
+            ddp = _host_peers.megatron_ddp(core, pgc, _model(params), overlap_grad_reduce=True)
+            variants[MEGATRON] = (_wrapped(ddp), ddp)
+        for step, _ in variants.values():
+            step()
+        # the local grad is this rank's; the DDP ones are averaged over both ranks
+        local = _first_grad(LOCAL, variants[LOCAL][1])
+        mean = local.clone()
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+        diffs = {n: float((_first_grad(n, m) - mean).abs().max()) for n, (_, m) in variants.items()}
+        diffs.pop(LOCAL)
+        bests = _common.round_bests(
+            {n: s for n, (s, _) in variants.items()},
+            warmup=warmup,
+            rounds=rounds,
+            steps_per_round=steps,
+        )
+        profiles: dict[str, dict[str, float]] = {}
+        if prof:  # on every rank: the steps communicate
+            for name in (MC, MEGATRON):
+                if name in variants:
+                    profiles[name] = _phase_profile.median_phases(
+                        variants[name][0], DDP_PHASES, rounds=PROFILE_ROUNDS, calls=PROFILE_CALLS
+                    )
+        return {"bests": bests, "diffs": diffs, "megatron": why, "profiles": profiles}
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def _per_round_slowest(per_rank: Sequence[dict[str, Any]], clock: str) -> dict[str, list[float]]:
+    """Per variant and round, the slower rank's round median on ``clock``."""
+    names = per_rank[0]["bests"][clock]
+    return {
+        n: [max(v) for v in zip(*(r["bests"][clock][n] for r in per_rank), strict=True)]
+        for n in names
+    }
+
+
+def _ddp_rows(params: int, per_rank: Sequence[dict[str, Any]]) -> tuple[list[str], bool]:
+    """One row per clock; the targets are judged on wall time (the step time)."""
+    rows, ok = [], True
+    for clock in ("wall", "cpu"):
+        slow = _per_round_slowest(per_rank, clock)
+        local = slow[LOCAL]
+        cost = {  # µs per param, per round
+            n: [(v - b) / params * 1e6 for v, b in zip(vals, local, strict=True)]
+            for n, vals in slow.items()
+            if n != LOCAL
+        }
+        med = {n: statistics.median(v) for n, v in cost.items()}
+        shown = {n: f"{med[n]:.1f} ({min(v):.1f} – {max(v):.1f})" for n, v in cost.items()}
+        verdicts = []
+        if params in TARGET_SIZES and clock == "wall":
+            met = med[MC] <= TORCH_LIMIT * med[TORCH]
+            verdicts.append(f"≤ {TORCH_LIMIT}× torch: {'met' if met else 'MISSED'}")
+            ok &= met
+            if MEGATRON in med:
+                met = med[MC] <= med[MEGATRON]
+                verdicts.append(f"≤ Megatron: {'met' if met else 'MISSED'}")
+                ok &= met
+        vs_megatron = f"{med[MC] / med[MEGATRON]:.2f}" if MEGATRON in med else "—"
+        rows.append(
+            f"| {params:,} | {clock} | {statistics.median(local) * 1e3:.1f} | {shown[TORCH]} | "
+            f"{shown.get(MEGATRON, '—')} | {shown[MC]} | {med[MC] / med[TORCH]:.2f} | "
+            f"{vs_megatron} | {'; '.join(verdicts)} |"
+        )
+    return rows, ok
+
+
+DDP_HEADER = [
+    "| params | clock | local step (ms) | torch DDP µs/param | Megatron µs/param | mc µs/param | "
+    "mc / torch | mc / Megatron | targets (wall) |",
+    "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+]
+
+
+# -- TP ----------------------------------------------------------------------------------
+
+
+def _mc_block(sp: bool, pgc: mg.ProcessGroupCollection) -> tuple[_host_peers.Block, list[Any]]:
+    config = mg.ModelParallelConfig(
+        tensor_model_parallel_size=TP, sequence_parallel=sp, use_cpu_initialization=True
+    )
+    torch.manual_seed(0)
+    init = _host_peers._init
+    fc1 = tpl.ColumnParallelLinear(H, 4 * H, config=config, init_method=init, pg_collection=pgc)
+    fc2 = tpl.RowParallelLinear(
+        4 * H,
+        H,
+        config=config,
+        init_method=init,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        pg_collection=pgc,
+    )
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        hidden, _ = fc1(x)
+        out, _ = fc2(F.gelu(hidden))
+        return out  # type: ignore[no-any-return]
+
+    return block, [*fc1.parameters(), *fc2.parameters()]
+
+
+def _tp_step(block: _host_peers.Block, params: Sequence[torch.Tensor], sp: bool) -> Step:
+    full = torch.randn(SEQ, TP_BATCH, H, generator=torch.Generator().manual_seed(1))
+    x = (full.chunk(TP, dim=0)[dist.get_rank()] if sp else full).contiguous().requires_grad_()
+
+    def step() -> None:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        y = block(x)
+        y.backward(torch.ones_like(y))  # type: ignore[no-untyped-call]
+
+    return step
+
+
+def _measure_tp(rounds: int, steps: int, warmup: int, prof: bool) -> dict[str, Any]:
+    """On every rank: the TP block of every library, SP off and on, timed in rounds."""
+    torch.set_num_threads(1)
+    pgc = mg.initialize_model_parallel(tensor_model_parallel_size=TP)
+    try:
+        core, why = _host_peers.import_megatron()
+        variants: dict[str, Step] = {}
+        for sp in (False, True):
+            tag = f"SP {'on' if sp else 'off'}"
+            variants[f"mc {tag}"] = _tp_step(*_mc_block(sp, pgc), sp)
+            if core is not None:
+                block = _host_peers.megatron_block(core, H, TP, sp, pgc.tp)
+                variants[f"Megatron {tag}"] = _tp_step(*block, sp)
+            variants[f"DTensor {tag}"] = _tp_step(*_host_peers.dtensor_block(H, TP, sp), sp)
+        bests = _common.round_bests(variants, warmup=warmup, rounds=rounds, steps_per_round=steps)
+        profiles: dict[str, dict[str, float]] = {}
+        if prof:  # on every rank: the steps communicate
+            for name, step in variants.items():
+                if not name.startswith("DTensor"):
+                    profiles[name] = _phase_profile.median_phases(
+                        step, TP_PHASES, rounds=PROFILE_ROUNDS, calls=TP_PROFILE_CALLS
+                    )
+        return {"bests": bests, "megatron": why, "profiles": profiles}
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def _tp_rows(per_rank: Sequence[dict[str, Any]]) -> tuple[list[str], bool]:
+    """One row per SP setting and clock; the target is judged on wall time."""
+    lines = [
+        "| SP | clock | mc (ms) | Megatron (ms) | DTensor (ms) | mc / Megatron | mc / DTensor "
+        "| target (wall) |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    ok = True
+    for tag in ("SP off", "SP on"):
+        for clock in ("wall", "cpu"):
+            slow = {n: statistics.median(v) for n, v in _per_round_slowest(per_rank, clock).items()}
+            mc, dt = slow[f"mc {tag}"], slow[f"DTensor {tag}"]
+            meg = slow.get(f"Megatron {tag}")
+            verdict = ""
+            if meg is not None and clock == "wall":
+                met = mc <= meg
+                ok &= met
+                verdict = f"≤ Megatron: {'met' if met else 'MISSED'}"
+            meg_ms = "—" if meg is None else f"{meg * 1e3:.2f}"
+            ratio = "—" if meg is None else f"{mc / meg:.2f}"
+            lines.append(
+                f"| {tag[3:]} | {clock} | {mc * 1e3:.2f} | {meg_ms} | {dt * 1e3:.2f} | {ratio} "
+                f"| {mc / dt:.2f} | {verdict} |"
+            )
+    return lines, ok
+
+
+# -- main --------------------------------------------------------------------------------
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (>= 3)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    parser.add_argument("--part", choices=("ddp", "tp", "both"), default="both")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=list(SIZES), help="DDP params per model"
+    )
+    parser.add_argument("--no-profile", action="store_true", help="skip the phase profiles")
+    args = parser.parse_args(argv)
+    if args.rounds < 3:
+        parser.error("--rounds must be >= 3 (a ratio from fewer rounds is noise)")
+    return args
+
+
+def _print_profiles(profiles: dict[str, dict[str, float]], calls: int, per: int, unit: str) -> None:
+    for name, seconds in profiles.items():
+        print(
+            f"\nwhere {name}'s time goes (cProfile less its own cost per call; median of "
+            f"{PROFILE_ROUNDS} profiles of {calls} steps, rank 0):"
+        )
+        print("\n".join(_phase_profile.table(seconds, calls, per, unit)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    ok = True
+    module = importlib.import_module("benchmarks.host_cost")  # the ranks import it by name
+    with _common.rank_pool(2) as pool:
+        if args.part in ("ddp", "both"):
+            lines = list(DDP_HEADER)
+            for params in args.sizes:
+                per_rank = pool.run(
+                    module._measure_ddp,
+                    params,
+                    args.rounds,
+                    args.steps,
+                    args.warmup,
+                    not args.no_profile,
+                )
+                if params == args.sizes[0]:
+                    print(per_rank[0]["megatron"], flush=True)
+                print(
+                    f"{params:,} params: max |grad - mean of local grads| {per_rank[0]['diffs']}",
+                    flush=True,
+                )
+                rows, met = _ddp_rows(params, per_rank)
+                lines += rows
+                ok &= met
+                _print_profiles(per_rank[0]["profiles"], PROFILE_CALLS, params, "param")
+            print("\n".join(lines), flush=True)
+        if args.part in ("tp", "both"):
+            per_rank = pool.run(
+                module._measure_tp, args.rounds, args.steps * 5, args.warmup, not args.no_profile
+            )
+            print(per_rank[0]["megatron"])
+            _print_profiles(per_rank[0]["profiles"], TP_PROFILE_CALLS, 1, "call")
+            lines, met = _tp_rows(per_rank)
+            ok &= met
+            print("\n".join(lines))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
