@@ -75,7 +75,7 @@ LOCAL, TORCH, MEGATRON, MC = "local", "torch DDP", "Megatron DDP", "mc DDP"
 
 DDP_PHASES = _phase_profile.rules(
     by_name={
-        "param_ready.py:__call__": "hook entry",
+        "hooks.py:__call__": "hook entry",
         "distributed_data_parallel.py:hook": "hook entry",  # Megatron's closure
         "distributed_data_parallel.py:_graph_capturing": "capture probe",
         "device.py:is_graph_capturing": "capture probe",
