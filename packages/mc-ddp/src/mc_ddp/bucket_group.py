@@ -112,7 +112,7 @@ class ParamAndGradBucketGroup:
 
     @property
     def per_param_grad_ready_counts(self) -> dict[Param, int]:
-        """Megatron's state: param → times it became ready this iteration (a snapshot of
+        """Param → times it became ready this iteration (Megatron's state; a snapshot of
         the per-slot counts, :mod:`mc_ddp._readiness`; assigning a dict replaces them)."""
         return self._ready.as_dict()
 
@@ -122,7 +122,7 @@ class ParamAndGradBucketGroup:
 
     @property
     def golden_per_param_grad_ready_counts(self) -> dict[Param, int]:
-        """Megatron's state: the first iteration's counts, which later ones must reach
+        """The first iteration's counts (Megatron's state), which later ones must reach
         before the hooks dispatch the reduction (a snapshot, as above)."""
         return self._ready.as_dict(golden=True)
 

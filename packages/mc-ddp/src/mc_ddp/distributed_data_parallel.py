@@ -61,7 +61,7 @@ from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, type_name
 from mc_groups.device import is_graph_capturing
 from mc_groups.errors import InputStateError, InputTypeError
-from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr
+from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr
 
 __all__ = ["DistributedDataParallel", "_BucketParamReadyCallback", "logger"]
 
@@ -330,7 +330,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         if is_graph_capturing():  # this module's name, read per call (tests patch it)
             return
         group, slot = self._grad_targets[index]
-        main_grad = param.main_grad  # type: ignore[attr-defined]  # set by the buffer
+        main_grad: torch.Tensor = getattr(param, MAIN_GRAD)  # set by the buffer
         if self._iteration.discarded or isinstance(main_grad, OffloadedView):
             param.grad = None  # a retry must not add it twice
             raise RuntimeError(self._no_grad_memory_message(param))
