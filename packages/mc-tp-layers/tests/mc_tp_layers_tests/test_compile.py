@@ -16,9 +16,13 @@ Cases: Column → GELU → Row with sequence parallelism off, and on with
 ``gradient_accumulation_fusion`` (the wgrads accumulate into ``main_grad`` inside the
 compiled backward); ``VocabParallelEmbedding`` → Column head → ``vocab_parallel_cross_entropy``,
 whose range checks hold in compiled code (an id or target out of range raises when the
-compiled step runs). And a check that fails on one rank only at a fresh layer's first
+compiled step runs). A check that fails on one rank only at a fresh layer's first
 (traced) forward stops both ranks: the failing rank raises its own error, its peer the
-``PeerCheckError`` of the status exchange that ran while tracing.
+``PeerCheckError`` of the status exchange that ran while tracing. And more MLP blocks than
+Dynamo's recompile limit (8), each compiled with ``fullgraph=True`` as torchtitan compiles
+every block, compile once and share the graph (before, the first-forward exchange guarded
+on each layer's identity: a recompile per block, and ``FailOnRecompileLimitHit`` past 8),
+with the eager blocks' output.
 """
 
 from __future__ import annotations
@@ -192,6 +196,35 @@ def _one_rank_fails(pgc: mg.ProcessGroupCollection) -> str:
     return "no error"
 
 
+def _many_blocks(pgc: mg.ProcessGroupCollection) -> dict[str, Any]:
+    """More residual MLP blocks than Dynamo's recompile limit, each compiled as torchtitan
+    does (``fullgraph=True``): they share one graph (backend ``eager``: Dynamo only)."""
+    from torch._dynamo.utils import counters
+
+    cfg = config(2)
+    blocks = 2 + int(torch._dynamo.config.recompile_limit)
+
+    def build() -> list[_MLP]:
+        torch.manual_seed(0)
+        return [_MLP(cfg, pgc) for _ in range(blocks)]
+
+    eager, compiled = build(), build()
+    for mlp in compiled:
+        mlp.forward = torch.compile(mlp.forward, fullgraph=True, backend="eager")  # type: ignore[method-assign]
+    x = randn(S, B, H, seed=2).requires_grad_()
+    expected, out = x, x
+    counters.clear()
+    for eager_mlp, compiled_mlp in zip(eager, compiled, strict=True):
+        expected = expected + eager_mlp(expected)
+        out = out + compiled_mlp(out)
+    return {
+        "blocks": blocks,
+        "graphs": counters["stats"]["unique_graphs"],
+        "out": out.detach(),
+        "expected": expected.detach(),
+    }
+
+
 def _cases(which: str) -> dict[str, Any]:
     _quiet_inductor()
     # a long timeout: a rank waits in the first compiled collective while its peer compiles
@@ -199,7 +232,11 @@ def _cases(which: str) -> dict[str, Any]:
     try:
         if which == "mlp":
             return {"sp off": _mlp_case(pgc, False), "sp on": _mlp_case(pgc, True)}
-        return {"lm": _lm_case(pgc), "one rank fails": _one_rank_fails(pgc)}
+        return {
+            "lm": _lm_case(pgc),
+            "one rank fails": _one_rank_fails(pgc),
+            "many blocks": _many_blocks(pgc),
+        }
     finally:
         torch._dynamo.reset()
         mg.destroy_model_parallel(pgc)
@@ -244,3 +281,7 @@ def test_embedding_and_vocab_parallel_loss_compile_whole(rank_pools: RankPools) 
         else:
             assert "PeerCheckError" in failed, failed
             assert "rank(s) [1]" in failed, failed
+        many = res["many blocks"]
+        assert many["blocks"] > 8
+        assert many["graphs"] == 1  # the blocks share one graph: no recompile per block
+        assert_close(many["out"], many["expected"], f"rank {rank}: {many['blocks']} blocks")
