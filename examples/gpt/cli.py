@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from examples.gpt.config import GPTConfig, OptimizerConfig, ParallelLayout
+from examples.gpt.config import COMPILE_BACKENDS, GPTConfig, OptimizerConfig, ParallelLayout
 from examples.gpt.data import global_batch
 from examples.gpt.pipeline_demo import add_pipeline_flags, check_pipeline_flags
 
@@ -62,7 +62,14 @@ def parse_args(
     p.add_argument(
         "--compile",
         action="store_true",
-        help="compile each transformer block with torch.compile(fullgraph=True) (Inductor)",
+        help="compile each transformer block with torch.compile(fullgraph=True)",
+    )
+    p.add_argument(
+        "--compile-backend",
+        choices=COMPILE_BACKENDS,
+        default="inductor",
+        help="torch.compile's backend for --compile (default inductor; aot_eager traces "
+        "the same graphs, forward and backward, without generating code)",
     )
     p.add_argument("--steps", type=int, default=500, help="optimizer steps (default 500)")
     p.add_argument("--output", default="out/demo", help="folder for loss.png, metrics.json")
@@ -168,6 +175,9 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
         raise ValueError(f"--parity-steps={args.parity_steps} must be >= 0")
     if getattr(args, "timeout", 120.0) <= 0:
         raise ValueError(f"--timeout={args.timeout} must be > 0 seconds")
+    backend_flag = getattr(args, "compile_backend", "inductor")
+    if backend_flag != "inductor" and not getattr(args, "compile", False):
+        raise ValueError(f"--compile-backend {backend_flag} needs --compile (add it)")
     if args.tp < 1 or args.dp < 1:
         raise ValueError(f"--tp={args.tp} and --dp={args.dp} must both be >= 1")
     pp = getattr(args, "pp", 1)
@@ -196,6 +206,7 @@ def plan(args: argparse.Namespace, world_size: int) -> DemoRun:
         distributed_optimizer=args.distributed_optimizer,
         microbatches=args.microbatches,
         compile_blocks=getattr(args, "compile", False),
+        compile_backend=getattr(args, "compile_backend", "inductor"),
     )
     schedule = check_pipeline_flags(args, model, layout)
     layout.check(model, world_size, args.global_batch)

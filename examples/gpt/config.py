@@ -20,7 +20,10 @@ import torch
 import mc_groups as mg
 from mc_ddp import DistributedDataParallelConfig
 
-__all__ = ["GPTConfig", "OptimizerConfig", "ParallelLayout"]
+__all__ = ["COMPILE_BACKENDS", "GPTConfig", "OptimizerConfig", "ParallelLayout"]
+
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+"""``torch.compile`` backends :attr:`ParallelLayout.compile_backend` takes."""
 
 
 _FIELDS = {
@@ -212,8 +215,12 @@ class ParallelLayout:
             They shape the expert groups only: the GPT is dense, so no param is
             expert-parallel and nothing moves on those groups.
         compile_blocks: each transformer block's forward runs compiled
-            (``torch.compile(block.forward, fullgraph=True)``, Inductor; parameter names
+            (``torch.compile(block.forward, fullgraph=True)``; parameter names
             unchanged); the embedding, final LN and LM head stay eager.
+        compile_backend: ``torch.compile``'s backend for ``compile_blocks``: one of
+            :data:`COMPILE_BACKENDS` (``inductor``, generated code; ``aot_eager``, the
+            same Dynamo and AOTAutograd graphs run by eager kernels, as torchtitan's
+            ``compile.backend`` allows).
     """
 
     tp: int = 1
@@ -236,6 +243,7 @@ class ParallelLayout:
     ep: int = 1
     etp: int | None = None
     compile_blocks: bool = False
+    compile_backend: str = "inductor"
 
     @property
     def world_size(self) -> int:
@@ -254,6 +262,11 @@ class ParallelLayout:
         for name in ("dp", "microbatches"):
             _positive(name, getattr(self, name))
         _positive("global_batch", global_batch)
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(
+                f"compile_backend={self.compile_backend!r} must be one of "
+                f"{', '.join(COMPILE_BACKENDS)}"
+            )
         self._check_instances()  # the demo's rule (k divides dp), before mc's (k divides dp·cp)
         self._validate_sizes(world_size)
         if self.world_size != world_size:
@@ -412,4 +425,6 @@ class ParallelLayout:
             gather = " and param gather" if self.distributed_optimizer else ""
             parts.append(f"overlapped grad reduce{gather}")
         parts.append(str(self.params_dtype).removeprefix("torch.") + " params")
+        if self.compile_blocks:
+            parts.append(f"blocks compiled ({self.compile_backend})")
         return ", ".join(parts)

@@ -93,7 +93,9 @@ def build_model(
     load_full_weights(model, full, pgc.require("tp", "build_model"))
     if layout.compile_blocks:  # each block one graph; DDP's pre-hook on it stays eager
         for block in model.decoder.layers.values():
-            block.forward = torch.compile(block.forward, fullgraph=True)
+            block.forward = torch.compile(
+                block.forward, fullgraph=True, backend=layout.compile_backend
+            )
     return model
 
 

@@ -161,35 +161,39 @@ class _TracedCheckFailed(Exception):
     """This rank's first-forward check failed while tracing (its own error follows)."""
 
 
-def _first_forward_exchanges(
-    entry: agreement.LayerFingerprint, where: str, failure: str | None
-) -> bool:
-    """A layer's first-forward exchanges, run natively while Dynamo traces the layer
-    (as ``_first_forward_at_trace``).
+def _first_forward_exchanges(group_name: str, where: str, failure: str | None) -> bool:
+    """A TP layer's first-forward exchanges over its group (``group_name``), run natively
+    while Dynamo traces the layer (as ``_first_forward_at_trace``).
 
     Marked as ``torch.compiler.assume_constant_result`` does: Dynamo calls it as plain Python
-    when it meets it and keeps only its (constant) result, so the exchanges happen once,
-    at trace time, outside any graph, and the compiled graph has no break. Every rank
-    traces a layer's first call, so the exchanges pair up across the TP group as the eager
-    first forward's do: the status exchange (:func:`mc_groups.fail_together`; a rank
-    whose traced checks failed passes its error text, its peers raise
-    :class:`~mc_groups.PeerCheckError`, wrapped by Dynamo, and the failing rank its own
-    error) and the agreement of the group's pending constructions. A retrace (new shapes)
-    after that checks locally only, as later eager forwards do. Returns whether this rank
-    passed.
+    when it meets it and keeps only its (constant) result, so the exchanges happen at trace
+    time, outside any graph, and the compiled graph has no break. Every rank traces the
+    same frames, so the exchanges pair up across the TP group as the eager first forward's
+    do: the status exchange (:func:`mc_groups.fail_together`; a rank whose traced checks
+    failed passes its error text, its peers raise :class:`~mc_groups.PeerCheckError`,
+    wrapped by Dynamo, and the failing rank its own error), then the agreement of the
+    group's pending constructions. Returns whether this rank passed.
+
+    It takes the group's name, never the layer or its fingerprint: Dynamo guards on what
+    it passes here (a per-layer object by identity), and a per-layer argument would make
+    every block of a model (one code object) compile again, up to Dynamo's recompile
+    limit (8), past which ``fullgraph=True`` fails. (The group object itself reaches
+    this function as a fake while tracing, hence its name.) Keyed by the group, the
+    blocks share one graph; a block that reuses it traces nothing and exchanges nothing
+    (its constructions were settled with the group's by the first trace, and its traced
+    checks are the first block's, under the same guards). Each trace exchanges (one
+    small message per traced layer, at trace time only).
     """
-    if entry.first_forward_done:
-        return failure is None
-    group = entry.group()
-    if group is not None:
+    resolve: Any = getattr(dist.distributed_c10d, "_resolve_process_group")  # noqa: B009
+    group: dist.ProcessGroup = resolve(group_name)
+    if group.size() > 1:
         try:
             with mg.fail_together(group, where):
                 if failure is not None:
                     raise _TracedCheckFailed(failure)
         except _TracedCheckFailed:
             return False
-        agreement.settle(entry)
-    entry.first_forward_done = failure is None
+        agreement.settle_group(group)
     return failure is None
 
 
@@ -198,9 +202,7 @@ def _first_forward_exchanges(
 # torch.distributed.tensor, about a second) into every process that imports mc_tp_layers.
 # The compile tests fail (a graph break) if torch stops honouring it.
 _first_forward_exchanges._dynamo_marked_constant = True  # type: ignore[attr-defined]
-_first_forward_at_trace: Callable[[agreement.LayerFingerprint, str, str | None], bool] = (
-    _first_forward_exchanges
-)
+_first_forward_at_trace: Callable[[str, str, str | None], bool] = _first_forward_exchanges
 
 
 class TensorParallelModule(torch.nn.Module):
@@ -257,7 +259,7 @@ class TensorParallelModule(torch.nn.Module):
             except Exception as err:
                 failure = err
             _first_forward_at_trace(
-                self._tp_agreement, where, None if failure is None else str(failure)
+                self.tp_group.group_name, where, None if failure is None else str(failure)
             )
             if failure is not None:
                 raise failure
@@ -265,16 +267,10 @@ class TensorParallelModule(torch.nn.Module):
         if self._peers_checked:
             yield
             return
-        entry = self._tp_agreement
-        if entry.first_forward_done:  # compiled code ran this layer's first forward
-            self._peers_checked = True
-            yield
-            return
         with mg.fail_together(self.tp_group, f"{type(self).__name__}'s first forward"):
             yield
         self._check_agreement()
         self._peers_checked = True
-        entry.first_forward_done = True
 
     def sharded_state_dict(
         self,

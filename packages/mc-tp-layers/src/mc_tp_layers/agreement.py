@@ -36,9 +36,10 @@ exchange per TP group per batch of newly built layers (a model built before its 
 step: one exchange per group); per step, none. Call :func:`check_tp_agreement`
 before capturing a CUDA graph (the first forward would otherwise exchange inside the
 capture). Under ``torch.compile`` the first forward's exchanges run while Dynamo traces
-the layer (natively, outside the graph, once per layer; see
-:mod:`mc_tp_layers._layer_base`): the compiled graph holds no exchange and no graph
-break (every rank traces at its first call, so the exchanges pair up).
+the layer (natively, outside the graph, at each trace, keyed by the group so that
+blocks compiled alike share one graph; see :mod:`mc_tp_layers._layer_base`): the
+compiled graph holds no exchange and no graph break (every rank traces the same frames,
+so the exchanges pair up).
 
 Compared fields: Column ``input_size``, ``output_size``, ``bias``, ``gather_output``,
 ``skip_bias_add``, ``sequence_parallel``, ``params_dtype``, ``stride``, ``is_expert``,
@@ -102,7 +103,7 @@ class LayerFingerprint:
     :func:`check_tp_agreement` saw it in a model; never compared).
     """
 
-    __slots__ = ("checked", "fields", "first_forward_done", "kind", "ledger", "name")
+    __slots__ = ("checked", "fields", "kind", "ledger", "name")
 
     def __init__(
         self,
@@ -113,7 +114,6 @@ class LayerFingerprint:
     ) -> None:
         self.kind, self.fields, self.name, self.ledger = kind, fields, name, ledger
         self.checked = ledger is None
-        self.first_forward_done = False  # the layer's first forward checks ran (either mode)
 
     def group(self) -> dist.ProcessGroup | None:
         """The TP group this fingerprint is compared over (None: a group of one rank, or
@@ -161,6 +161,14 @@ def settle(entry: LayerFingerprint) -> None:
     """Compare every pending fingerprint of ``entry``'s group (a no-op once checked)."""
     if not entry.checked and entry.ledger is not None:
         _settle(entry.ledger)
+
+
+def settle_group(group: dist.ProcessGroup) -> None:
+    """Compare every pending fingerprint of ``group``'s ledger (a no-op when none is
+    pending or the group has no ledger)."""
+    for ref in weakref.getweakrefs(group):
+        if isinstance(ref, _Ledger):
+            _settle(ref)
 
 
 def check_tp_agreement(model: torch.nn.Module | Sequence[torch.nn.Module]) -> int:
