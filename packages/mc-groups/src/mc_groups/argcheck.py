@@ -70,6 +70,8 @@ def check_flag(name: str, value: object) -> bool:
 def check_int(name: str, value: object, *, minimum: int = 1, maximum: int | None = None) -> int:
     """``value`` as an int ``>= minimum`` (and ``<= maximum`` when given); bools and floats
     are ``TypeError``."""
+    if type(value) is int and type(minimum) is int and maximum is None and value >= minimum:
+        return value  # the common case, without the ``Integral`` ABC check (per-call paths)
     _check_bound("minimum", minimum)
     if maximum is not None:
         _check_bound("maximum", maximum)
