@@ -177,6 +177,8 @@ def check_group(name: str, value: object, *, what: str = "") -> dist.ProcessGrou
     ``TypeError``, a group destroyed since (``destroy_model_parallel()``,
     ``torch.distributed.destroy_process_group()``) a ``RuntimeError``. ``what`` names the
     caller (``"embedding grads: embd_group=..."``)."""
+    if isinstance(value, dist.ProcessGroup) and is_group_live(value):
+        return value  # the common case in one call (layers and collectives check per call)
     return _live_group(name, value, what, "")
 
 

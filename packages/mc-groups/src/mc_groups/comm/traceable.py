@@ -50,7 +50,6 @@ scattered one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -122,7 +121,8 @@ def _checked(tensor: object, group: object) -> tuple[torch.Tensor, dist.ProcessG
         check_group("group", group)
     elif torch.compiler.is_compiling():
         check_group("group", group)
-    x, g = cast(torch.Tensor, tensor), cast(dist.ProcessGroup, group)  # checked above
+    x: torch.Tensor = tensor  # type: ignore[assignment]  # checked above (no cast() calls:
+    g: dist.ProcessGroup = group  # type: ignore[assignment]  # this runs per collective)
     return x, g, int(g.size())
 
 
@@ -252,15 +252,14 @@ def _reduce_target(x: torch.Tensor, inplace: bool) -> torch.Tensor:
 
 
 def _eager_all_reduce(
-    out: torch.Tensor, group: dist.ProcessGroup, op: ReduceOp, label: str, *, async_op: bool
+    out: torch.Tensor, group: dist.ProcessGroup, op: ReduceOp, label: object, *, async_op: bool
 ) -> CollectiveHandle:
     """The in-place all-reduce of ``out`` (contiguous: :func:`_reduce_target` made it so)
     over ``group`` (more than one rank, ``op`` checked): what :func:`mc_groups.all_reduce`
     checks beyond that (the group alive, the label), then it is issued."""
     check_group("group", group)
-    if not isinstance(label, str):
-        check_str("label", label)
-    return _issue_all_reduce(out, group, op, async_op, label)
+    text = label if isinstance(label, str) else check_str("label", label)
+    return _issue_all_reduce(out, group, op, async_op, text)
 
 
 def all_reduce_tensor(
