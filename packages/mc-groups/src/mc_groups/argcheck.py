@@ -70,6 +70,8 @@ def check_flag(name: str, value: object) -> bool:
 def check_int(name: str, value: object, *, minimum: int = 1, maximum: int | None = None) -> int:
     """``value`` as an int ``>= minimum`` (and ``<= maximum`` when given); bools and floats
     are ``TypeError``."""
+    if type(value) is int and type(minimum) is int and maximum is None and value >= minimum:
+        return value  # the common case, without the ``Integral`` ABC check (per-call paths)
     _check_bound("minimum", minimum)
     if maximum is not None:
         _check_bound("maximum", maximum)
@@ -175,6 +177,8 @@ def check_group(name: str, value: object, *, what: str = "") -> dist.ProcessGrou
     ``TypeError``, a group destroyed since (``destroy_model_parallel()``,
     ``torch.distributed.destroy_process_group()``) a ``RuntimeError``. ``what`` names the
     caller (``"embedding grads: embd_group=..."``)."""
+    if isinstance(value, dist.ProcessGroup) and is_group_live(value):
+        return value  # the common case in one call (layers and collectives check per call)
     return _live_group(name, value, what, "")
 
 

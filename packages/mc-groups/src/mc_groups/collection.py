@@ -9,7 +9,6 @@ written against ``megatron.core.process_groups_config`` ports by changing the im
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch.distributed as dist
 
@@ -185,20 +184,13 @@ def is_group_live(group: dist.ProcessGroup) -> bool:
     """False once ``group`` was destroyed (:func:`~mc_groups.destroy_model_parallel`,
     ``torch.distributed.destroy_process_group``) or when ``torch.distributed`` is not
     initialised: a dictionary lookup in torch's group registry, no communication."""
-    registry = _group_registry()
-    if registry is not None:
+    # torch's map of live process groups (``_world.pg_map``: every group leaves it when
+    # destroyed), read per call: it is replaced when torch.distributed is re-initialised.
+    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    if isinstance(registry, dict):
         return group in registry
     try:  # torch without the registry attribute: its public lookup, which is slower
         dist.get_backend(group)
     except (ValueError, RuntimeError):
         return False
     return True
-
-
-def _group_registry() -> dict[Any, Any] | None:
-    """torch's map of live process groups (``_world.pg_map``: every group leaves it when
-    destroyed), or None on a torch without it. Read per call: it is replaced when
-    ``torch.distributed`` is re-initialised."""
-    world = getattr(dist.distributed_c10d, "_world", None)
-    registry = getattr(world, "pg_map", None)
-    return registry if isinstance(registry, dict) else None

@@ -133,11 +133,12 @@ def reduce_scatter_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.
     return out.view(stacked.shape[1:])
 
 
-def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum ``x`` over ranks into a new tensor (``x`` may be saved by autograd elsewhere)."""
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, inplace: bool = False) -> torch.Tensor:
+    """Sum ``x`` over ranks into a new tensor (``x`` may be saved by autograd elsewhere);
+    ``inplace``: into ``x`` itself (eager), for a tensor nothing else holds."""
     if group.size() == 1:
         return x
-    return traceable.all_reduce_tensor(x, group, label="tp all-reduce")
+    return traceable.all_reduce_tensor(x, group, label="tp all-reduce", inplace=inplace)
 
 
 def all_to_all(

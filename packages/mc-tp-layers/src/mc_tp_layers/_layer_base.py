@@ -16,7 +16,7 @@ weight initialisation in :mod:`.initialization`, the shape checks in :mod:`._val
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -242,15 +242,22 @@ class TensorParallelModule(torch.nn.Module):
         if not self._tp_agreement.checked:
             agreement.settle(self._tp_agreement)
 
-    @contextmanager
-    def _forward_checks(self) -> Iterator[None]:
+    def _forward_checks(self) -> AbstractContextManager[None]:
         """Around a forward's input checks: on this layer's first forward, a check failing
         on one TP rank is an error on every rank of the TP group (one status exchange,
         :func:`mc_groups.fail_together`, before the agreement's); later forwards check
-        locally only (no per-step exchange). While ``torch.compile`` traces, the checks
+        locally only (no per-step exchange): the steady state gets a context that does
+        nothing (no generator set up per call). While ``torch.compile`` traces, the checks
         are traced (Dynamo guards what they read) and the exchanges run natively at trace
         time (:func:`_first_forward_at_trace`)."""
         check_group(f"{type(self).__name__}'s tp_group", self.tp_group)
+        if self._peers_checked and not torch.compiler.is_compiling():
+            return nullcontext()
+        return self._first_forward_checks()
+
+    @contextmanager
+    def _first_forward_checks(self) -> Iterator[None]:
+        """:meth:`_forward_checks` until this layer's peers were checked, and while tracing."""
         if torch.compiler.is_compiling():
             where = f"{type(self).__name__}'s first forward"
             failure = None

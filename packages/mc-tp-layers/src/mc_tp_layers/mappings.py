@@ -123,6 +123,17 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
         return grad_output, None
 
 
+class _ReduceLayerOutput(_ReduceFromModelParallelRegion):
+    """``g`` on a row-parallel layer's fresh GEMM output, which nothing else holds (its
+    Function saved its input and weight, not its output): reduced in place, as Megatron's
+    ``_reduce`` does, which saves a copy per call."""
+
+    @staticmethod
+    def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        del ctx
+        return _comm.all_reduce(input_, group, inplace=True)
+
+
 class _ScatterToModelParallelRegion(torch.autograd.Function):
     """Keep chunk ``rank`` of the last dim (no communication); backward all-gathers the
     gradient along the last dim."""
@@ -393,6 +404,12 @@ def reduce_from_tensor_model_parallel_region(
     """``g``: forward all-reduces (sums) over ``group`` into a new tensor; backward identity."""
     x, g = _prepare(input_, group, "reduce_from_tensor_model_parallel_region")
     return _tp_region(x, g, _ReduceFromModelParallelRegion)
+
+
+def reduce_layer_output(output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """:func:`reduce_from_tensor_model_parallel_region` of a layer's own GEMM output over
+    its checked TP group, summed in place (see :class:`_ReduceLayerOutput`)."""
+    return _tp_region(output, group, _ReduceLayerOutput)
 
 
 def scatter_to_tensor_model_parallel_region(

@@ -36,7 +36,7 @@ from mc_tp_layers._tp_groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, check_input, check_sequence, main_grad
 from mc_tp_layers.initialization import InitMethod, WeightInit
 from mc_tp_layers.mappings import (
-    reduce_from_tensor_model_parallel_region,
+    reduce_layer_output,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
@@ -195,7 +195,7 @@ class RowParallelLinear(ParallelLinear):
             return output_parallel
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
-        return reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        return reduce_layer_output(output_parallel, self.tp_group)
 
     def extra_repr(self) -> str:
         """Sizes, bias and TP degree, e.g. ``in_features=16, out_features=8, bias=True, TP=2``."""

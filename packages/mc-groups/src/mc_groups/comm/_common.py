@@ -5,6 +5,7 @@ schedule check. No collective is defined here (see :mod:`mc_groups.comm.collecti
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -65,7 +66,7 @@ class CollectiveHandle:
     def __init__(
         self,
         works: Sequence[Any] = (),
-        description: str = "completed",
+        description: str | Callable[[], str] = "completed",
         finishers: Sequence[Callable[[], None]] = (),
         *,
         children: Sequence[CollectiveHandle] = (),
@@ -78,7 +79,14 @@ class CollectiveHandle:
     @property
     def description(self) -> str:
         """What this handle waits for, e.g. ``all_reduce on group ranks [0, 1]
-        (8 × float32) for 'grad reduce dense bucket group 0'``."""
+        (8 × float32) for 'grad reduce dense bucket group 0'``.
+
+        Given as a function (``description=describe_later(...)``) it is built on first
+        read: a collective's text is needed only when it fails or is asked for, and
+        formatting it (the group's ranks, the payload) costs more host time than issuing
+        a small collective's bookkeeping."""
+        if not isinstance(self._description, str):
+            self._description = self._description()
         return self._description
 
     def is_completed(self) -> bool:
@@ -109,7 +117,7 @@ class CollectiveHandle:
                 else:
                     work.wait(timedelta(seconds=timeout))
             except RuntimeError as err:
-                raise CollectiveError(f"{self._description} failed: {err}") from err
+                raise CollectiveError(f"{self.description} failed: {err}") from err
         finishers, self._finishers = self._finishers, []
         for finish in finishers:
             finish()
@@ -162,6 +170,18 @@ def describe(
     return text
 
 
+def describe_later(
+    op: str,
+    group: dist.ProcessGroup,
+    tensor: torch.Tensor | None,
+    label: str = "",
+    detail: str = "",
+) -> Callable[[], str]:
+    """:func:`describe` of these arguments, built when called (only on failure or when a
+    handle's ``description`` is read): the steady-state path formats no text."""
+    return functools.partial(describe, op, group, tensor, label, detail)
+
+
 def record(
     op: str,
     group: dist.ProcessGroup,
@@ -193,12 +213,16 @@ def record(
     )
 
 
-def issue(description: str, call: Callable[[], Any], *, async_op: bool) -> CollectiveHandle:
-    """Run a torch.distributed call; wrap its failure; wrap its work in a handle."""
+def issue(
+    description: str | Callable[[], str], call: Callable[[], Any], *, async_op: bool
+) -> CollectiveHandle:
+    """Run a torch.distributed call; wrap its failure; wrap its work in a handle.
+    ``description``: the text, or a function building it (:func:`describe_later`)."""
     try:
         work = call()
     except RuntimeError as err:
-        raise CollectiveError(f"{description} failed: {err}") from err
+        text = description if isinstance(description, str) else description()
+        raise CollectiveError(f"{text} failed: {err}") from err
     if not async_op or work is None:
         return DONE
     return CollectiveHandle([work], description)

@@ -37,7 +37,7 @@ from mc_groups.comm._common import (
     CollectiveHandle,
     ReduceOp,
     check_schedule,
-    describe,
+    describe_later,
     dtype_name,
     issue,
     record,
@@ -175,7 +175,7 @@ def issue_reduce_scatter(
     ``reduce_scatter``.
     """
     if accumulate_dtype is None and not is_gloo(group):
-        description = describe("reduce_scatter", group, input, label, detail)
+        description = describe_later("reduce_scatter", group, input, label, detail)
         check_schedule("reduce_scatter", group, input, reduce_op=op, label=label, detail=detail)
         record("reduce_scatter", group, input, reduce_op=op, async_op=async_op, label=label)
         return issue(
@@ -189,14 +189,14 @@ def issue_reduce_scatter(
         kind, reduce_op = "reduce_scatter", op
     else:
         kind, reduce_op = "all_to_all", None
-    description = describe(kind, group, input, label, detail)
+    description = describe_later(kind, group, input, label, detail)
     check_schedule(kind, group, input, reduce_op=reduce_op, label=label, detail=detail)
     record(kind, group, input, reduce_op=reduce_op, async_op=async_op, label=label)
     accumulate = accumulation_dtype(output, accumulate_dtype)
     try:
         work, finish = by_all_to_all(output, input, group, op, async_op, accumulate, allocate)
     except RuntimeError as err:
-        raise CollectiveError(f"{description} failed: {err}") from err
+        raise CollectiveError(f"{description()} failed: {err}") from err
     if not async_op:
         finish()
         return DONE

@@ -57,7 +57,7 @@ from mc_groups.comm._common import (
     check_reduce_scatter,
     check_schedule,
     copy_unless_alias,
-    describe,
+    describe_later,
     dtype_name,
     group_rank,
     group_ranks,
@@ -110,10 +110,24 @@ def all_reduce(
     check_options(async_op, label, detail, group=group)
     if group.size() == 1:
         return DONE
+    return _issue_all_reduce(tensor, group, op, async_op, label, detail)
+
+
+def _issue_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: ReduceOp,
+    async_op: bool,
+    label: str,
+    detail: str = "",
+) -> CollectiveHandle:
+    """:func:`all_reduce` once its arguments are known good (a contiguous tensor, a live
+    group of more than one rank, a checked op, a bool and strings): schedule check, record,
+    issue. The eager path of :func:`mc_groups.all_reduce_tensor`, which checked them."""
     check_schedule("all_reduce", group, tensor, reduce_op=op, label=label, detail=detail)
     record("all_reduce", group, tensor, reduce_op=op, async_op=async_op, label=label)
     return issue(
-        describe("all_reduce", group, tensor, label, detail),
+        describe_later("all_reduce", group, tensor, label, detail),
         lambda: dist.all_reduce(tensor, op=TORCH_OPS[op], group=group, async_op=async_op),
         async_op=async_op,
     )
@@ -187,14 +201,14 @@ def all_gather(
     if size == 1:
         copy_unless_alias(output, input)
         return DONE
-    description = describe("all_gather", group, input, label, detail)
+    description = describe_later("all_gather", group, input, label, detail)
     if gloo.is_gloo(group):
         check_schedule("all_gather", group, input, label=label, detail=detail)
         record("all_gather", group, input, reduce_op=None, async_op=async_op, label=label)
         try:
             works = gloo.all_gather_works(output, input, group)
         except RuntimeError as err:
-            raise CollectiveError(f"{description} failed: {err}") from err
+            raise CollectiveError(f"{description()} failed: {err}") from err
         handle = CollectiveHandle(works, description)
         if async_op:
             return handle
@@ -230,7 +244,7 @@ def broadcast(
     check_schedule(op, group, tensor, label=label, detail=detail)
     record("broadcast", group, tensor, reduce_op=None, async_op=async_op, label=label)
     return issue(
-        describe("broadcast", group, tensor, label, detail),
+        describe_later("broadcast", group, tensor, label, detail),
         lambda: dist.broadcast(tensor, group=group, group_src=group_src, async_op=async_op),
         async_op=async_op,
     )
@@ -316,7 +330,7 @@ def all_to_all(
     out_splits = None if output_split_sizes is None else list(output_split_sizes)
     in_splits = None if input_split_sizes is None else list(input_split_sizes)
     return issue(
-        describe("all_to_all", group, input, label, detail),
+        describe_later("all_to_all", group, input, label, detail),
         lambda: dist.all_to_all_single(
             output, input, out_splits, in_splits, group=group, async_op=async_op
         ),
@@ -335,7 +349,7 @@ def send(
     _check_peer(group, group_dst, "group_dst")
     record("send", group, tensor, reduce_op=None, async_op=False, label=label)
     issue(
-        describe(f"send to group rank {group_dst}", group, tensor, label),
+        describe_later(f"send to group rank {group_dst}", group, tensor, label),
         lambda: dist.send(tensor, group=group, group_dst=group_dst),
         async_op=False,
     )
@@ -352,7 +366,7 @@ def recv(
     _check_peer(group, group_src, "group_src")
     record("recv", group, tensor, reduce_op=None, async_op=False, label=label)
     issue(
-        describe(f"recv from group rank {group_src}", group, tensor, label),
+        describe_later(f"recv from group rank {group_src}", group, tensor, label),
         lambda: dist.recv(tensor, group=group, group_src=group_src),
         async_op=False,
     )
@@ -401,7 +415,9 @@ def barrier(group: dist.ProcessGroup, *, label: str = "") -> None:
     check_schedule("barrier", group, None, label=label)
     record("barrier", group, None, reduce_op=None, async_op=False, label=label)
     issue(
-        describe("barrier", group, None, label), lambda: dist.barrier(group=group), async_op=False
+        describe_later("barrier", group, None, label),
+        lambda: dist.barrier(group=group),
+        async_op=False,
     )
 
 
@@ -416,7 +432,7 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup, *, label: str = ""
     check_schedule("all_gather_object", group, None, label=label)
     record("all_gather_object", group, None, reduce_op=None, async_op=False, label=label)
     issue(
-        describe("all_gather_object", group, None, label),
+        describe_later("all_gather_object", group, None, label),
         lambda: dist.all_gather_object(out, obj, group=group),
         async_op=False,
     )

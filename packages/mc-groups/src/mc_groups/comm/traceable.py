@@ -50,17 +50,16 @@ scattered one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from mc_groups.argcheck import check_flag, check_group, check_tensor
+from mc_groups.argcheck import check_flag, check_group, check_str, check_tensor
 from mc_groups.comm import _compiled
 from mc_groups.comm._common import CollectiveHandle, ReduceOp, check_op
 from mc_groups.comm._gloo import is_gloo
 from mc_groups.comm._reduce_scatter import accumulation_dtype
-from mc_groups.comm.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from mc_groups.comm.collectives import _issue_all_reduce, all_gather, all_to_all, reduce_scatter
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
@@ -122,7 +121,8 @@ def _checked(tensor: object, group: object) -> tuple[torch.Tensor, dist.ProcessG
         check_group("group", group)
     elif torch.compiler.is_compiling():
         check_group("group", group)
-    x, g = cast(torch.Tensor, tensor), cast(dist.ProcessGroup, group)  # checked above
+    x: torch.Tensor = tensor  # type: ignore[assignment]  # checked above (no cast() calls:
+    g: dist.ProcessGroup = group  # type: ignore[assignment]  # this runs per collective)
     return x, g, int(g.size())
 
 
@@ -251,6 +251,17 @@ def _reduce_target(x: torch.Tensor, inplace: bool) -> torch.Tensor:
     return torch.clone(x, memory_format=torch.contiguous_format)
 
 
+def _eager_all_reduce(
+    out: torch.Tensor, group: dist.ProcessGroup, op: ReduceOp, label: object, *, async_op: bool
+) -> CollectiveHandle:
+    """The in-place all-reduce of ``out`` (contiguous: :func:`_reduce_target` made it so)
+    over ``group`` (more than one rank, ``op`` checked): what :func:`mc_groups.all_reduce`
+    checks beyond that (the group alive, the label), then it is issued."""
+    check_group("group", group)
+    text = label if isinstance(label, str) else check_str("label", label)
+    return _issue_all_reduce(out, group, op, async_op, text)
+
+
 def all_reduce_tensor(
     tensor: torch.Tensor,
     group: dist.ProcessGroup,
@@ -272,7 +283,7 @@ def all_reduce_tensor(
     if torch.compiler.is_compiling():
         return _traced_all_reduce(x, g, reduce, label, False).wait()
     out = _reduce_target(x, check_flag("inplace", inplace))
-    all_reduce(out, g, op=reduce, label=label)
+    _eager_all_reduce(out, g, reduce, label, async_op=False)
     return out
 
 
@@ -292,7 +303,7 @@ def start_all_reduce(
     if torch.compiler.is_compiling():
         return _traced_all_reduce(x, g, reduce, label, True)
     out = _reduce_target(x, check_flag("inplace", inplace))
-    return PendingTensor(out, all_reduce(out, g, op=reduce, async_op=True, label=label))
+    return PendingTensor(out, _eager_all_reduce(out, g, reduce, label, async_op=True))
 
 
 def _gather_output(x: torch.Tensor, size: int) -> torch.Tensor:
