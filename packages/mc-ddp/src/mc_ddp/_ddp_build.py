@@ -18,6 +18,7 @@ from mc_buffers import (
     build_param_and_grad_buffers,
     compute_full_param_layout,
 )
+from mc_ddp import _agreement as agreement
 from mc_ddp._ddp_groups import DDPGroups
 from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
 from mc_ddp.config import DistributedDataParallelConfig
@@ -209,3 +210,32 @@ def build_bucket_groups(
     for later, earlier in zip(groups[1:], groups[:-1], strict=True):
         later.next_param_gather_bucket_group = earlier
     return groups
+
+
+def agree_across_ranks(
+    config: TransformerConfigLike,
+    ddp_config: DistributedDataParallelConfig,
+    groups: DDPGroups,
+    disable_bucketing: bool,
+    plan: LayoutPlan,
+    named: Sequence[tuple[str, Param]],
+    experts: int,
+) -> None:
+    """The construction-time agreement (:mod:`mc_ddp._agreement`): dense over ``dp_cp``,
+    then, with expert params, expert over ``expt_dp``."""
+
+    def record(expert: bool) -> agreement.Record:
+        return agreement.build_record(
+            calculate_per_token_loss=config.calculate_per_token_loss,
+            ddp_config=ddp_config,
+            disable_bucketing=disable_bucketing,
+            bucket_size=plan.bucket_size,
+            named=named,
+            layout=plan.layout,
+            expert=expert,
+            expert_count=experts,
+        )
+
+    agreement.agree(groups.dp_cp, "dp_cp", record(expert=False))
+    if experts and groups.expt_dp is not None:
+        agreement.agree(groups.expt_dp, "expt_dp", record(expert=True))

@@ -25,9 +25,8 @@ them): dense grads over ``intra_dp_cp``, expert grads (``param.allreduce = False
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Generic
 
 import torch
@@ -42,10 +41,10 @@ from mc_buffers import (
     ParamAndGradBuffer,
     is_expert_parallel_param,
 )
-from mc_ddp import _agreement as agreement
 from mc_ddp import _ddp_build as build
 from mc_ddp import _ddp_checks as checks
 from mc_ddp._ddp_groups import DDPGroups, require_live, resolve_groups
+from mc_ddp._iteration import IterationState
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.hooks import (
@@ -74,61 +73,6 @@ ConfigT_co = TypeVar(
     "ConfigT_co", bound=TransformerConfigLike, default=TransformerConfigLike, covariant=True
 )
 """The wrapped config's type, kept so consumers (mc_finalize) can read more of it."""
-
-
-def _agree_across_ranks(
-    config: TransformerConfigLike,
-    ddp_config: DistributedDataParallelConfig,
-    groups: DDPGroups,
-    disable_bucketing: bool,
-    plan: build.LayoutPlan,
-    named: Sequence[tuple[str, Param]],
-    experts: int,
-) -> None:
-    """The construction-time agreement (:mod:`mc_ddp._agreement`): dense over ``dp_cp``,
-    then, with expert params, expert over ``expt_dp``."""
-
-    def record(expert: bool) -> agreement.Record:
-        return agreement.build_record(
-            calculate_per_token_loss=config.calculate_per_token_loss,
-            ddp_config=ddp_config,
-            disable_bucketing=disable_bucketing,
-            bucket_size=plan.bucket_size,
-            named=named,
-            layout=plan.layout,
-            expert=expert,
-            expert_count=experts,
-        )
-
-    agreement.agree(groups.dp_cp, "dp_cp", record(expert=False))
-    if experts and groups.expt_dp is not None:
-        agreement.agree(groups.expt_dp, "expt_dp", record(expert=True))
-
-
-@dataclass
-class _IterationState:
-    """What DDP knows about this iteration's gradients; ``zero_grad_buffer`` starts the
-    next iteration (``generation + 1``, every other field cleared)."""
-
-    generation: int = 0
-    """``zero_grad_buffer()`` calls so far: an optimizer compares it to refuse a second
-    step on the same gradients."""
-    scaled_by: str | None = None
-    """The factor ``scale_gradients`` applied this iteration (shown in the error)."""
-    accumulated: bool = False
-    """A backward hook added a gradient this iteration."""
-    finalized: bool = False
-    """``mark_grads_finalized()`` was called (``finalize_model_grads`` ran)."""
-    discarded: bool = False
-    """``offload_grad_buffers()`` dropped gradients this iteration had accumulated."""
-    force_all_reduce: bool | None = None
-    """How ``finish_grad_sync`` completed this iteration (None: not yet)."""
-
-    def next(self) -> None:
-        """Start the next iteration."""
-        self.generation += 1
-        self.scaled_by, self.accumulated, self.finalized, self.discarded = None, False, False, False
-        self.force_all_reduce = None
 
 
 class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
@@ -191,7 +135,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             plan = build.plan_layout(
                 [p for _, p in named], ddp_config, groups, single, full_param_layout
             )
-        _agree_across_ranks(config, ddp_config, groups, single, plan, named, experts)
+        build.agree_across_ranks(config, ddp_config, groups, single, plan, named, experts)
         super().__init__()
         self.module = module
         self._config = config
@@ -205,7 +149,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         # Megatron's LayerWiseDistributedOptimizer reads it to find each rank's params.
         use_layout = full_param_layout is not None or ddp_config.use_distributed_optimizer
         self.full_param_layout: FullParamLayout | None = plan.layout if use_layout else None
-        self._iteration = _IterationState()
+        self._iteration = IterationState()
         self.force_all_reduce = False
         self.overlap_param_gather_with_optimizer_step = False
         self.use_forward_hook = ddp_config.use_distributed_optimizer and (
