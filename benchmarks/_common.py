@@ -14,7 +14,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from mc_groups.testing import RankPool
 
@@ -126,3 +128,38 @@ def rank_worker(module: str) -> Callable[..., dict[str, Any]]:
     ``__main__``."""
     measure: Callable[..., dict[str, Any]] = importlib.import_module(module)._measure
     return measure
+
+
+def normal_init(weight: torch.Tensor) -> None:
+    """The TP benchmarks' weight init: normal, std 0.02."""
+    torch.nn.init.normal_(weight, std=0.02)
+
+
+def column_row_block(
+    layers: Any, h: int, config: Any, **group: Any
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.nn.Parameter]]:
+    """``Column(h → 4h) → GELU → Row(4h → h)`` built from ``layers`` (mc_tp_layers or
+    Megatron-Core's ``tensor_parallel``: the same constructor arguments), seeded 0, biases
+    on, the row layer adding its bias; ``group``: the layers' group argument
+    (``pg_collection=`` or ``tp_group=``). Returns the block's forward and its params."""
+    torch.manual_seed(0)
+    fc1 = layers.ColumnParallelLinear(
+        h, 4 * h, config=config, init_method=normal_init, bias=True, **group
+    )
+    fc2 = layers.RowParallelLinear(
+        4 * h,
+        h,
+        config=config,
+        init_method=normal_init,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        **group,
+    )
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        hidden, _ = fc1(x)
+        out, _ = fc2(F.gelu(hidden))
+        return out  # type: ignore[no-any-return]
+
+    return block, [*fc1.parameters(), *fc2.parameters()]

@@ -22,13 +22,13 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import mc_groups as mg
+from benchmarks import _common
 
 SHIM_VARIABLE = "MC_MEGATRON_SHIM"
 
@@ -75,10 +75,6 @@ def megatron_ddp(
     )
 
 
-def _init(weight: torch.Tensor) -> None:
-    torch.nn.init.normal_(weight, std=0.02)
-
-
 def megatron_block(core: ModuleType, h: int, tp: int, sp: bool, group: Any) -> tuple[Block, list]:  # type: ignore[type-arg]
     """Megatron-Core's ``Column(h → 4h) → GELU → Row(4h → h)`` over ``group`` and its params."""
     tpl, state = core.tensor_parallel, core.parallel_state
@@ -87,27 +83,7 @@ def megatron_block(core: ModuleType, h: int, tp: int, sp: bool, group: Any) -> t
     config = core.model_parallel_config.ModelParallelConfig(
         tensor_model_parallel_size=tp, sequence_parallel=sp, use_cpu_initialization=True
     )
-    torch.manual_seed(0)
-    fc1 = tpl.ColumnParallelLinear(
-        h, 4 * h, config=config, init_method=_init, bias=True, tp_group=group
-    )
-    fc2 = tpl.RowParallelLinear(
-        4 * h,
-        h,
-        config=config,
-        init_method=_init,
-        bias=True,
-        input_is_parallel=True,
-        skip_bias_add=False,
-        tp_group=group,
-    )
-
-    def block(x: torch.Tensor) -> torch.Tensor:
-        hidden, _ = fc1(x)
-        out, _ = fc2(F.gelu(hidden))
-        return out  # type: ignore[no-any-return]
-
-    return block, [*fc1.parameters(), *fc2.parameters()]
+    return _common.column_row_block(tpl, h, config, tp_group=group)
 
 
 def dtensor_block(h: int, tp: int, sp: bool) -> tuple[Block, list[torch.Tensor]]:

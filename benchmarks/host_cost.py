@@ -52,7 +52,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import mc_groups as mg
@@ -279,26 +278,7 @@ def _mc_block(sp: bool, pgc: mg.ProcessGroupCollection) -> tuple[_host_peers.Blo
     config = mg.ModelParallelConfig(
         tensor_model_parallel_size=TP, sequence_parallel=sp, use_cpu_initialization=True
     )
-    torch.manual_seed(0)
-    init = _host_peers._init
-    fc1 = tpl.ColumnParallelLinear(H, 4 * H, config=config, init_method=init, pg_collection=pgc)
-    fc2 = tpl.RowParallelLinear(
-        4 * H,
-        H,
-        config=config,
-        init_method=init,
-        bias=True,
-        input_is_parallel=True,
-        skip_bias_add=False,
-        pg_collection=pgc,
-    )
-
-    def block(x: torch.Tensor) -> torch.Tensor:
-        hidden, _ = fc1(x)
-        out, _ = fc2(F.gelu(hidden))
-        return out  # type: ignore[no-any-return]
-
-    return block, [*fc1.parameters(), *fc2.parameters()]
+    return _common.column_row_block(tpl, H, config, pg_collection=pgc)
 
 
 def _tp_step(block: _host_peers.Block, params: Sequence[torch.Tensor], sp: bool) -> Step:

@@ -60,10 +60,6 @@ TARGETS: dict[str, tuple[float, float]] = {  # (max mc/torch, max mc/ideal)
 TP = 2
 
 
-def _init(weight: torch.Tensor) -> None:
-    torch.nn.init.normal_(weight, std=0.02)
-
-
 def _reference_block(h: int) -> torch.nn.Sequential:
     """The unsharded block, with the weights mc's CPU init draws (same seed, same order)."""
     fc1, fc2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
@@ -71,7 +67,7 @@ def _reference_block(h: int) -> torch.nn.Sequential:
     with torch.no_grad():
         for layer in (fc1, fc2):
             master = torch.empty(layer.weight.shape)
-            _init(master)
+            _common.normal_init(master)
             layer.weight.copy_(master)
             layer.bias.zero_()
     return torch.nn.Sequential(fc1, torch.nn.GELU(), fc2)
@@ -103,28 +99,9 @@ def _mc_step(h: int, seq: int, batch: int, sp: bool) -> tuple[Step, Callable[[],
     cfg = mg.ModelParallelConfig(
         tensor_model_parallel_size=TP, sequence_parallel=sp, use_cpu_initialization=True
     )
-    torch.manual_seed(0)
-    fc1 = tpl.ColumnParallelLinear(
-        h, 4 * h, config=cfg, init_method=_init, pg_collection=pgc_default
-    )
-    fc2 = tpl.RowParallelLinear(
-        4 * h,
-        h,
-        config=cfg,
-        init_method=_init,
-        bias=True,
-        input_is_parallel=True,
-        skip_bias_add=False,
-        pg_collection=pgc_default,
-    )
-
-    def block(x: torch.Tensor) -> torch.Tensor:
-        hidden, _ = fc1(x)
-        out, _ = fc2(F.gelu(hidden))
-        return out  # type: ignore[no-any-return]
+    block, params = _common.column_row_block(tpl, h, cfg, pg_collection=pgc_default)
 
     x = _inputs(h, seq, batch, sp)
-    params = [p for m in (fc1, fc2) for p in m.parameters()]
     return _step(block, x, params), lambda: block(x).detach()
 
 
