@@ -467,6 +467,36 @@ def linear_with_grad_accumulation_and_async_allreduce(
     )
 
 
+def _apply_checked(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    tp_group: dist.ProcessGroup,
+    output_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """:func:`linear_with_grad_accumulation_and_async_allreduce` on arguments it checked
+    before (a layer's steady-state forward, see ``ParallelLinear._steady_state``), without
+    wgrad deferral or a gtp_remat shard: the same autograd function, the checks skipped."""
+    _warn_device_connections(input, sequence_parallel or allreduce_dgrad)
+    return apply(
+        LinearWithGradAccumulationAndAsyncCommunication,
+        input,
+        weight,
+        bias,
+        gradient_accumulation_fusion,
+        allreduce_dgrad,
+        sequence_parallel,
+        None,
+        0,
+        tp_group,
+        1,
+        output_dtype,
+    )
+
+
 def linear_with_frozen_weight(
     input: torch.Tensor,
     weight: torch.Tensor,
