@@ -318,7 +318,9 @@ class ParallelLinear(TensorParallelModule):
     def _steady_state(self, key: tuple[object, ...] | None) -> bool:
         """Whether a forward whose call signature is ``key`` may skip its checks: the
         last forward of this layer checked (and passed) the same signature, its TP peers
-        were checked, nothing is being traced, and the TP group is still alive.
+        were checked, and the TP group is still alive. While ``torch.compile`` traces
+        there is no signature (``key`` None: the layers' ``_key`` reads nothing then, so
+        Dynamo guards on none of it) and the checks are traced.
 
         The signature holds everything the forward's checks read (the input's dtype,
         device, rank and checked sizes; the weight and bias objects, their dtype, device,
@@ -333,7 +335,6 @@ class ParallelLinear(TensorParallelModule):
             key is not None
             and steady is not None
             and steady[0] == key
-            and not torch.compiler.is_compiling()
             and mg.is_group_live(self.tp_group)
         )
 
