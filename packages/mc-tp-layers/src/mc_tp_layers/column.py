@@ -301,7 +301,7 @@ class ColumnParallelLinear(ParallelLinear):
 
     def _key(self, input_: object) -> tuple[object, ...] | None:
         """What this forward's checks read, for ``_steady_state``; None for a call that
-        always takes the checked path (while compiling, a weight that does not require grad, wgrad
+        always takes the checked path (while compiling; a weight that does not require grad, wgrad
         deferral, a gtp_remat shard, an overridden ``_forward_impl``, an input that is not
         a plain 2-D or 3-D tensor)."""
         w, b = self.weight, self.bias

@@ -213,7 +213,7 @@ def _new_wgrad(
     (operands of that dtype: the GEMM's own output, without allocating one first)."""
     flat_grad, flat_input = _flat(grad_output), _flat(total_input)
     if flat_grad.dtype == like.dtype and flat_input.dtype == like.dtype:
-        return flat_grad.t().mm(flat_input)
+        return _wgrad_gemm(None, flat_grad, flat_input)
     out = torch.empty(shape, dtype=like.dtype, device=like.device)
     return _wgrad_gemm(out, flat_grad, flat_input)
 

@@ -213,9 +213,10 @@ class RowParallelLinear(ParallelLinear):
 
     def _key(self, input_: object) -> tuple[object, ...] | None:
         """What this forward's checks read, for ``_steady_state``; None for a call that
-        always takes the checked path (while compiling, a weight that does not require grad, a gtp_remat
-        shard, an overridden ``_forward_impl``, an input that is not a plain 2-D or 3-D
-        tensor). The bias is added after the reduction, unchecked by the linear function."""
+        always takes the checked path (while compiling; a weight that does not require
+        grad, a gtp_remat shard, an overridden ``_forward_impl``, an input that is not a
+        plain 2-D or 3-D tensor). The bias is added after the reduction, unchecked by the
+        linear function."""
         w = self.weight
         if (
             torch.compiler.is_compiling()  # first: Dynamo would guard on what follows
