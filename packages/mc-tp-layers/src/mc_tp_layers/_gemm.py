@@ -259,14 +259,17 @@ def _te_linear_forward(
 
 
 def _wgrad_gemm(
-    out: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor
+    out: torch.Tensor | None, grad_output: torch.Tensor, total_input: torch.Tensor
 ) -> torch.Tensor:
-    """``out ← grad_outputᵀ · total_input`` (2-D operands); return ``out``.
+    """``out ← grad_outputᵀ · total_input`` (2-D operands); return ``out``. ``out`` None:
+    into a new tensor (operands of one dtype; no output allocated before the GEMM).
 
     ``out`` may be wider than the operands (bf16 in, fp32 out): on CUDA torch's
     mixed-dtype GEMM writes fp32 from bf16 operands; elsewhere they are converted to
     ``out.dtype`` first (exact), so the products and the sum are in ``out.dtype``.
     """
+    if out is None:
+        return grad_output.t().mm(total_input)
     if grad_output.dtype == out.dtype and total_input.dtype == out.dtype:
         return torch.mm(grad_output.t(), total_input, out=out)
     if _mixed_operands(out.dtype, grad_output, total_input) != "none":

@@ -39,6 +39,7 @@ from mc_tp_layers._tp_groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, check_input, main_grad
 from mc_tp_layers.gtp import unsharded_shape
 from mc_tp_layers.initialization import InitMethod, WeightInit
+from mc_tp_layers.linear import _apply_checked
 from mc_tp_layers.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -237,13 +238,20 @@ class ColumnParallelLinear(ParallelLinear):
         The first forward first compares this TP group's pending layer constructions (see
         :mod:`mc_tp_layers.agreement`).
         """
-        with self._forward_checks():
-            w = self._resolve_weight(weight)
-            x = check_input(input_, self.input_size, "ColumnParallelLinear")
-            if runtime_gather_output is not None:
-                check_flag("runtime_gather_output", runtime_gather_output)
-            if self.gradient_accumulation_fusion and w.requires_grad:
+        key = None if weight is not None or runtime_gather_output is not None else self._key(input_)
+        steady = self._steady_state(key)
+        if steady:
+            w, x = self._steady_weight(), input_
+            if self.gradient_accumulation_fusion:
                 main_grad(w)
+        else:
+            with self._forward_checks():
+                w = self._resolve_weight(weight)
+                x = check_input(input_, self.input_size, "ColumnParallelLinear")
+                if runtime_gather_output is not None:
+                    check_flag("runtime_gather_output", runtime_gather_output)
+                if self.gradient_accumulation_fusion and w.requires_grad:
+                    main_grad(w)
         deferring = self.config.defer_embedding_wgrad_compute and w.requires_grad
         bias = None if self.skip_bias_add else self.bias
         if (
@@ -258,25 +266,84 @@ class ColumnParallelLinear(ParallelLinear):
         if deferring:
             self._defer_activation(input_parallel)
         expert = self.explicit_expert_comm
-        output_parallel = self._forward_impl(
-            input=input_parallel,
-            weight=w,
-            bias=bias,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=False if expert else self.allreduce_dgrad,
-            sequence_parallel=False if expert else self.sequence_parallel,
-            grad_output_buffer=self.grad_output_buffer if deferring else None,
-            wgrad_deferral_limit=self.config.wgrad_deferral_limit if deferring else None,
-            tp_group=self.tp_group,
-            gtp_remat_size=self.gtp_remat_size,
-            output_dtype=self.output_dtype,
-        )
+        if steady:
+            output_parallel = _apply_checked(
+                input_parallel,
+                w,
+                bias,
+                self.gradient_accumulation_fusion,
+                False if expert else self.allreduce_dgrad,
+                False if expert else self.sequence_parallel,
+                self.tp_group,
+                self.output_dtype,
+            )
+        else:
+            output_parallel = self._forward_impl(
+                input=input_parallel,
+                weight=w,
+                bias=bias,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                allreduce_dgrad=False if expert else self.allreduce_dgrad,
+                sequence_parallel=False if expert else self.sequence_parallel,
+                grad_output_buffer=self.grad_output_buffer if deferring else None,
+                wgrad_deferral_limit=self.config.wgrad_deferral_limit if deferring else None,
+                tp_group=self.tp_group,
+                gtp_remat_size=self.gtp_remat_size,
+                output_dtype=self.output_dtype,
+            )
+            self._remember_steady(key, w, self.bias, self.tp_group)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
         else:
             output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
+
+    def _key(self, input_: object) -> tuple[object, ...] | None:
+        """What this forward's checks read, for ``_steady_state``; None for a call that
+        always takes the checked path (while compiling; a weight that does not require grad, wgrad
+        deferral, a gtp_remat shard, an overridden ``_forward_impl``, an input that is not
+        a plain 2-D or 3-D tensor)."""
+        w, b = self.weight, self.bias
+        if (
+            torch.compiler.is_compiling()  # first: Dynamo would guard on what follows
+            or type(input_) is not torch.Tensor
+            or w is None
+            or not w.requires_grad
+            or self.gtp_remat_size != 1
+            or self.config.defer_embedding_wgrad_compute
+            or not self._steady_linear()
+        ):
+            return None
+        ndim = input_.dim()
+        if ndim not in (2, 3):
+            return None
+        return (
+            input_.dtype,
+            input_.device,
+            ndim,
+            input_.shape[-1],
+            id(w),
+            w.dtype,
+            w.device,
+            w.shape,
+            id(b),
+            None if b is None else (b.dtype, b.device, b.shape),
+            self.input_size,
+            self.gradient_accumulation_fusion,
+            self.allreduce_dgrad,
+            self.sequence_parallel,
+            self.explicit_expert_comm,
+            self.disable_grad_reduce,
+            self.skip_bias_add,
+            self.output_dtype,
+            id(self.tp_group),
+        )
+
+    def _steady_weight(self) -> torch.Tensor:
+        w = self.weight
+        assert w is not None  # in the steady state's signature
+        return w
 
     def extra_repr(self) -> str:
         """Sizes, bias and TP degree, e.g. ``in_features=8, out_features=16, bias=True, TP=2``."""

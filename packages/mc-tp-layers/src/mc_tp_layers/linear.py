@@ -128,7 +128,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         """dgrad, overlapped reductions, wgrad (see the module notes for the order)."""
         input, weight = ctx.saved_tensors
         opts: _Options = ctx.opts
-        grad_output = grad_output.to(input.dtype).contiguous()
+        if grad_output.dtype != input.dtype:
+            grad_output = grad_output.to(input.dtype)
+        grad_output = grad_output.contiguous()
         wgrad_now = _claim_wgrad(opts, grad_output)
         gather = (
             _comm.start_gather_first_dim(input, opts.tp_group)
@@ -207,9 +209,13 @@ def _accumulate_into_main_grad(
 def _new_wgrad(
     like: torch.Tensor, shape: Sequence[int], grad_output: torch.Tensor, total_input: torch.Tensor
 ) -> torch.Tensor:
-    """``dW = dYᵀ · X_tot`` into a new ``shape`` tensor with ``like``'s dtype and device."""
+    """``dW = dYᵀ · X_tot`` into a new ``shape`` tensor with ``like``'s dtype and device
+    (operands of that dtype: the GEMM's own output, without allocating one first)."""
+    flat_grad, flat_input = _flat(grad_output), _flat(total_input)
+    if flat_grad.dtype == like.dtype and flat_input.dtype == like.dtype:
+        return _wgrad_gemm(None, flat_grad, flat_input)
     out = torch.empty(shape, dtype=like.dtype, device=like.device)
-    return _wgrad_gemm(out, _flat(grad_output), _flat(total_input))
+    return _wgrad_gemm(out, flat_grad, flat_input)
 
 
 def _gtp_wgrad(
@@ -458,6 +464,36 @@ def linear_with_grad_accumulation_and_async_allreduce(
         group,
         gtp_remat_size,
         out_dtype,
+    )
+
+
+def _apply_checked(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    tp_group: dist.ProcessGroup,
+    output_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """:func:`linear_with_grad_accumulation_and_async_allreduce` on arguments it checked
+    before (a layer's steady-state forward, see ``ParallelLinear._steady_state``), without
+    wgrad deferral or a gtp_remat shard: the same autograd function, the checks skipped."""
+    _warn_device_connections(input, sequence_parallel or allreduce_dgrad)
+    return apply(
+        LinearWithGradAccumulationAndAsyncCommunication,
+        input,
+        weight,
+        bias,
+        gradient_accumulation_fusion,
+        allreduce_dgrad,
+        sequence_parallel,
+        None,
+        0,
+        tp_group,
+        1,
+        output_dtype,
     )
 
 

@@ -35,6 +35,7 @@ from mc_tp_layers._layer_base import ParallelLinear
 from mc_tp_layers._tp_groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, check_input, check_sequence, main_grad
 from mc_tp_layers.initialization import InitMethod, WeightInit
+from mc_tp_layers.linear import _apply_checked
 from mc_tp_layers.mappings import (
     reduce_layer_output,
     reduce_scatter_to_sequence_parallel_region,
@@ -163,32 +164,90 @@ class RowParallelLinear(ParallelLinear):
         The first forward first compares this TP group's pending layer constructions (see
         :mod:`mc_tp_layers.agreement`).
         """
-        with self._forward_checks():
-            world = int(self.tp_group.size())
-            last = self.input_size_per_partition if self.input_is_parallel else self.input_size
-            x = check_input(input_, last, "RowParallelLinear")
-            if self.sequence_parallel and not self.explicit_expert_comm:
-                check_sequence(x, world)
-            if self.gradient_accumulation_fusion and self.weight.requires_grad:
+        key = self._key(input_)
+        steady = self._steady_state(key)
+        if steady:
+            x = input_
+            if self.gradient_accumulation_fusion:
                 main_grad(self.weight)
+        else:
+            with self._forward_checks():
+                world = int(self.tp_group.size())
+                last = self.input_size_per_partition if self.input_is_parallel else self.input_size
+                x = check_input(input_, last, "RowParallelLinear")
+                if self.sequence_parallel and not self.explicit_expert_comm:
+                    check_sequence(x, world)
+                if self.gradient_accumulation_fusion and self.weight.requires_grad:
+                    main_grad(self.weight)
         if self.input_is_parallel or self.explicit_expert_comm:
             input_parallel = x
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
-        output_parallel = self._forward_impl(
-            input=input_parallel,
-            weight=self.weight,
-            bias=None,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=False,
-            sequence_parallel=False,
-            tp_group=self.tp_group,
-            gtp_remat_size=self.gtp_remat_size,
-        )
+        if steady:
+            output_parallel = _apply_checked(
+                input_parallel,
+                self.weight,
+                None,
+                self.gradient_accumulation_fusion,
+                False,
+                False,
+                self.tp_group,
+                None,
+            )
+        else:
+            output_parallel = self._forward_impl(
+                input=input_parallel,
+                weight=self.weight,
+                bias=None,
+                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                allreduce_dgrad=False,
+                sequence_parallel=False,
+                tp_group=self.tp_group,
+                gtp_remat_size=self.gtp_remat_size,
+            )
+            self._remember_steady(key, self.weight, self.tp_group)
         output = self._reduce(output_parallel)
         if self.skip_bias_add or self.bias is None:
             return output, self.bias if self.skip_bias_add else None
         return output + self.bias, None
+
+    def _key(self, input_: object) -> tuple[object, ...] | None:
+        """What this forward's checks read, for ``_steady_state``; None for a call that
+        always takes the checked path (while compiling; a weight that does not require
+        grad, a gtp_remat shard, an overridden ``_forward_impl``, an input that is not a
+        plain 2-D or 3-D tensor). The bias is added after the reduction, unchecked by the
+        linear function."""
+        w = self.weight
+        if (
+            torch.compiler.is_compiling()  # first: Dynamo would guard on what follows
+            or type(input_) is not torch.Tensor
+            or not w.requires_grad
+            or self.gtp_remat_size != 1
+            or not self._steady_linear()
+        ):
+            return None
+        ndim = input_.dim()
+        if ndim not in (2, 3):
+            return None
+        sequence = self.sequence_parallel and not self.explicit_expert_comm
+        return (
+            input_.dtype,
+            input_.device,
+            ndim,
+            input_.shape[-1],
+            input_.shape[0] % self.tp_group.size() if sequence else 0,
+            id(w),
+            w.dtype,
+            w.device,
+            w.shape,
+            self.input_size,
+            self.input_size_per_partition,
+            self.input_is_parallel,
+            self.gradient_accumulation_fusion,
+            self.sequence_parallel,
+            self.explicit_expert_comm,
+            id(self.tp_group),
+        )
 
     def _reduce(self, output_parallel: torch.Tensor) -> torch.Tensor:
         if self.explicit_expert_comm:
