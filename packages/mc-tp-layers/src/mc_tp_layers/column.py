@@ -253,10 +253,8 @@ class ColumnParallelLinear(ParallelLinear):
                 if self.gradient_accumulation_fusion and w.requires_grad:
                     main_grad(w)
         deferring = self.config.defer_embedding_wgrad_compute and w.requires_grad
-        if self.skip_bias_add:
-            bias = None
-        else:
-            bias = self.bias if steady is None else steady.bias
+        held = self.bias if steady is None else steady.bias  # pinned: no Module lookup
+        bias = None if self.skip_bias_add else held
         if (
             self.allreduce_dgrad
             or self.sequence_parallel
