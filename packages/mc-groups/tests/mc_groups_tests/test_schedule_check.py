@@ -269,3 +269,16 @@ def test_fingerprints_are_stable_and_distinguish_fields() -> None:
 def test_off_values(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(schedule_check.SCHEDULE_CHECK_ENV, value)
     assert mg.schedule_check_enabled() is False
+
+
+@pytest.mark.parametrize("value", [None, "1", " YES ", "off", "", "maybe", "jä"])
+def test_switch_reads_what_os_environ_holds(
+    value: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the per-collective read (the byte mapping behind os.environ on POSIX) sees every
+    # write through os.environ, set or unset, as os.environ.get does
+    if value is None:
+        monkeypatch.delenv(schedule_check.SCHEDULE_CHECK_ENV, raising=False)
+    else:
+        monkeypatch.setenv(schedule_check.SCHEDULE_CHECK_ENV, value)
+    assert schedule_check._switch() == os.environ.get(schedule_check.SCHEDULE_CHECK_ENV) == value

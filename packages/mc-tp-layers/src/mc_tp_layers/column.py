@@ -240,8 +240,8 @@ class ColumnParallelLinear(ParallelLinear):
         """
         key = None if weight is not None or runtime_gather_output is not None else self._key(input_)
         steady = self._steady_state(key)
-        if steady:
-            w, x = self._steady_weight(), input_
+        if steady is not None:
+            w, x = steady.weight, input_
             if self.gradient_accumulation_fusion:
                 main_grad(w)
         else:
@@ -253,7 +253,8 @@ class ColumnParallelLinear(ParallelLinear):
                 if self.gradient_accumulation_fusion and w.requires_grad:
                     main_grad(w)
         deferring = self.config.defer_embedding_wgrad_compute and w.requires_grad
-        bias = None if self.skip_bias_add else self.bias
+        held = self.bias if steady is None else steady.bias  # pinned: no Module lookup
+        bias = None if self.skip_bias_add else held
         if (
             self.allreduce_dgrad
             or self.sequence_parallel
@@ -266,7 +267,7 @@ class ColumnParallelLinear(ParallelLinear):
         if deferring:
             self._defer_activation(input_parallel)
         expert = self.explicit_expert_comm
-        if steady:
+        if steady is not None:
             output_parallel = _apply_checked(
                 input_parallel,
                 w,
@@ -339,11 +340,6 @@ class ColumnParallelLinear(ParallelLinear):
             self.output_dtype,
             id(self.tp_group),
         )
-
-    def _steady_weight(self) -> torch.Tensor:
-        w = self.weight
-        assert w is not None  # in the steady state's signature
-        return w
 
     def extra_repr(self) -> str:
         """Sizes, bias and TP degree, e.g. ``in_features=8, out_features=16, bias=True, TP=2``."""

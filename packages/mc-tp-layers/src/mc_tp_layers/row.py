@@ -166,10 +166,10 @@ class RowParallelLinear(ParallelLinear):
         """
         key = self._key(input_)
         steady = self._steady_state(key)
-        if steady:
+        if steady is not None:
             x = input_
             if self.gradient_accumulation_fusion:
-                main_grad(self.weight)
+                main_grad(steady.weight)
         else:
             with self._forward_checks():
                 world = int(self.tp_group.size())
@@ -183,10 +183,10 @@ class RowParallelLinear(ParallelLinear):
             input_parallel = x
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
-        if steady:
+        if steady is not None:
             output_parallel = _apply_checked(
                 input_parallel,
-                self.weight,
+                steady.weight,
                 None,
                 self.gradient_accumulation_fusion,
                 False,
@@ -205,11 +205,12 @@ class RowParallelLinear(ParallelLinear):
                 tp_group=self.tp_group,
                 gtp_remat_size=self.gtp_remat_size,
             )
-            self._remember_steady(key, self.weight, self.tp_group)
+            self._remember_steady(key, self.weight, None, self.tp_group)
         output = self._reduce(output_parallel)
-        if self.skip_bias_add or self.bias is None:
-            return output, self.bias if self.skip_bias_add else None
-        return output + self.bias, None
+        bias = self.bias  # one read: a Module attribute lookup costs ~0.6 µs
+        if self.skip_bias_add or bias is None:
+            return output, bias if self.skip_bias_add else None
+        return output + bias, None
 
     def _key(self, input_: object) -> tuple[object, ...] | None:
         """What this forward's checks read, for ``_steady_state``; None for a call that

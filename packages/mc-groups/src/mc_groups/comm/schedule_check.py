@@ -77,6 +77,9 @@ __all__ = [
 SCHEDULE_CHECK_ENV = "MC_CHECK_COLLECTIVE_SCHEDULE"
 """Environment variable that turns the check on (``1``/``true``/``yes``/``on``)."""
 
+_ENV_KEY = os.fsencode(SCHEDULE_CHECK_ENV)
+"""The variable's name as POSIX ``os.environ`` keys its byte mapping (see :func:`_switch`)."""
+
 _ON = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"", "0", "false", "no", "off"})
 
@@ -87,7 +90,7 @@ def schedule_check_enabled() -> bool:
     Raises ``ValueError`` for a value that is neither on nor off, so a typo does not
     silently disable the check.
     """
-    value = os.environ.get(SCHEDULE_CHECK_ENV)
+    value = _switch()
     if not value:
         return False
     word = value.strip().lower()
@@ -99,6 +102,18 @@ def schedule_check_enabled() -> bool:
         f"{SCHEDULE_CHECK_ENV}={value!r} is not a switch: use 1/true/yes/on to check "
         "collective schedules, 0/false/no/off (or unset it) not to"
     )
+
+
+def _switch() -> str | None:
+    """``os.environ.get(SCHEDULE_CHECK_ENV)``, read per collective. On POSIX CPython from
+    the byte mapping behind ``os.environ`` (``os.environ._data``, which every write through
+    ``os.environ`` updates): the same value, without ``Mapping.get``'s ``KeyError`` for an
+    unset variable (~0.7 µs, the common case, against ~0.05 µs)."""
+    data = getattr(os.environ, "_data", None)
+    if os.name == "posix" and type(data) is dict:
+        raw = data.get(_ENV_KEY)
+        return None if raw is None else os.fsdecode(raw)
+    return os.environ.get(SCHEDULE_CHECK_ENV)
 
 
 @contextmanager
