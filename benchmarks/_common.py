@@ -135,13 +135,11 @@ def normal_init(weight: torch.Tensor) -> None:
     torch.nn.init.normal_(weight, std=0.02)
 
 
-def column_row_block(
-    layers: Any, h: int, config: Any, **group: Any
-) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.nn.Parameter]]:
-    """``Column(h → 4h) → GELU → Row(4h → h)`` built from ``layers`` (mc_tp_layers or
-    Megatron-Core's ``tensor_parallel``: the same constructor arguments), seeded 0, biases
-    on, the row layer adding its bias; ``group``: the layers' group argument
-    (``pg_collection=`` or ``tp_group=``). Returns the block's forward and its params."""
+def column_row_layers(layers: Any, h: int, config: Any, **group: Any) -> tuple[Any, Any]:
+    """``Column(h → 4h)`` and ``Row(4h → h)`` of ``layers`` (mc_tp_layers or Megatron-Core's
+    ``tensor_parallel``: the same constructor arguments), seeded 0, biases on, the row layer
+    adding its bias; ``group``: the layers' group argument (``pg_collection=`` or
+    ``tp_group=``)."""
     torch.manual_seed(0)
     fc1 = layers.ColumnParallelLinear(
         h, 4 * h, config=config, init_method=normal_init, bias=True, **group
@@ -156,6 +154,15 @@ def column_row_block(
         skip_bias_add=False,
         **group,
     )
+    return fc1, fc2
+
+
+def column_row_block(
+    layers: Any, h: int, config: Any, **group: Any
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.nn.Parameter]]:
+    """``Column(h → 4h) → GELU → Row(4h → h)`` (:func:`column_row_layers`): the block's
+    forward and its params."""
+    fc1, fc2 = column_row_layers(layers, h, config, **group)
 
     def block(x: torch.Tensor) -> torch.Tensor:
         hidden, _ = fc1(x)
@@ -163,3 +170,40 @@ def column_row_block(
         return out  # type: ignore[no-any-return]
 
     return block, [*fc1.parameters(), *fc2.parameters()]
+
+
+def dtensor_llama_layer_plan(sp: bool) -> dict[str, Any]:
+    """torch DTensor's plan for one ``transformers`` Llama decoder layer at TP (the peer of
+    ``mc_tp_layers.sequence_parallel_plan``'s layer entries): attention and MLP projections
+    column / row parallel; with ``sp`` the norms sequence-parallel on dim 1 and the attention
+    and MLP inputs gathered from it."""
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
+    from torch.distributed.tensor.parallel import (  # noqa: PLC0415
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    out = Shard(1) if sp else Replicate()
+    plan: dict[str, Any] = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=out),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=out),
+    }
+    if sp:
+        plan["input_layernorm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+        plan["post_attention_layernorm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+        plan["self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        )
+        plan["mlp"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+    return plan

@@ -62,10 +62,6 @@ TARGETS = {"mc compiled / mc eager": 1.0, "mc compiled / DTensor compiled": 0.90
 Block = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _init(weight: torch.Tensor) -> None:
-    torch.nn.init.normal_(weight, std=0.02)
-
-
 def _mlp_mc(sp: bool) -> Block:
     import mc_groups as mg  # noqa: PLC0415
     import mc_tp_layers as tpl  # noqa: PLC0415
@@ -76,18 +72,7 @@ def _mlp_mc(sp: bool) -> Block:
     cfg = mg.ModelParallelConfig(
         tensor_model_parallel_size=TP, sequence_parallel=sp, use_cpu_initialization=True
     )
-    torch.manual_seed(0)
-    fc1 = tpl.ColumnParallelLinear(h, 4 * h, config=cfg, init_method=_init, pg_collection=pgc)
-    fc2 = tpl.RowParallelLinear(
-        4 * h,
-        h,
-        config=cfg,
-        init_method=_init,
-        bias=True,
-        input_is_parallel=True,
-        skip_bias_add=False,
-        pg_collection=pgc,
-    )
+    fc1, fc2 = _common.column_row_layers(tpl, h, cfg, pg_collection=pgc)
 
     class _Block(torch.nn.Module):
         def __init__(self) -> None:
@@ -116,7 +101,7 @@ def _mlp_dtensor(sp: bool) -> Block:
     with torch.no_grad():
         for layer in (fc1, fc2):
             master = torch.empty(layer.weight.shape)
-            _init(master)
+            _common.normal_init(master)
             layer.weight.copy_(master)
             layer.bias.zero_()
     block = torch.nn.Sequential(fc1, torch.nn.GELU(), fc2)
@@ -178,39 +163,12 @@ def _llama_mc(sp: bool) -> Block:
 
 def _llama_dtensor(sp: bool) -> Block:
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
-    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
-    from torch.distributed.tensor.parallel import (  # noqa: PLC0415
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
 
     mesh = init_device_mesh("cpu", (TP,))
     model = _llama_model()
-    plan: dict[str, Any] = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
-    }
-    if sp:
-        plan["input_layernorm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
-        plan["post_attention_layernorm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
-        plan["self_attn"] = PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)},
-            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            use_local_output=True,
-        )
-        plan["mlp"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        )
     layer = model.model.layers[1]
-    parallelize_module(layer, mesh, plan)
+    parallelize_module(layer, mesh, _common.dtensor_llama_layer_plan(sp))
     return _Layer(layer, model.model.rotary_emb)
 
 

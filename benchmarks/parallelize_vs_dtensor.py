@@ -90,15 +90,7 @@ def _torch(sp: bool) -> torch.nn.Module:
 
     mesh = init_device_mesh("cpu", (TP,))
     model = _model()
-    layer: dict[str, Any] = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
-    }
+    layer = _common.dtensor_llama_layer_plan(sp)
     top: dict[str, Any] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(
@@ -106,16 +98,6 @@ def _torch(sp: bool) -> torch.nn.Module:
         ),
     }
     if sp:
-        layer["input_layernorm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
-        layer["post_attention_layernorm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
-        layer["self_attn"] = PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)},
-            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            use_local_output=True,
-        )
-        layer["mlp"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        )
         top["model.layers.0"] = PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
         )
