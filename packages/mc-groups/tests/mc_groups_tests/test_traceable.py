@@ -225,3 +225,73 @@ def test_eager_inplace_one_rank_groups_and_bad_inputs(rank_pools: RankPools) -> 
         ], res["errors"]
         assert "group size 2" in res["errors"][2]
         assert "input_split_sizes=[1, 1]" in res["errors"][3]
+
+
+def _torch_op(name: str) -> Any:
+    """torch's ``ReduceOp`` member (accepted at run time, outside the annotated type)."""
+    return getattr(dist.ReduceOp, name)
+
+
+def _fast_and_general_paths() -> dict[str, Any]:
+    """The same all-reduces through the eager fast path (plain tensor, mc op, str label,
+    bool flag) and the general checks (a Parameter, torch's op), recorded; then what each
+    path raises for a failing backend call, a bad label and a destroyed group."""
+    group, dead = dist.new_group([0, 1]), dist.new_group([0, 1])
+    x = _inputs(dist.get_rank())
+    param = torch.nn.Parameter(x.clone(), requires_grad=False)
+    with mg.record_collectives() as log:
+        values = [
+            traceable.all_reduce_tensor(x, group, label="fast"),
+            traceable.all_reduce_tensor(param, group, op=_torch_op("SUM"), label="general"),
+            traceable.start_all_reduce(x, group, op=mg.ReduceOp.MAX, label="fast").wait(),
+            traceable.start_all_reduce(param, group, op=_torch_op("MAX"), label="general").wait(),
+        ]
+    handle_text = mg.all_reduce(x.clone(), group, async_op=True, label="text").description
+    errors = []
+    calls: tuple[Callable[[], object], ...] = (
+        lambda: traceable.all_reduce_tensor(torch.ones(4, dtype=torch.uint16), group, label="u"),
+        lambda: traceable.start_all_reduce(x, group, label=3),  # type: ignore[arg-type]
+        lambda: traceable.all_reduce_tensor(x, group, op="sum"),  # type: ignore[arg-type]
+    )
+    dist.destroy_process_group(dead)
+    calls += (lambda: traceable.start_all_reduce(x, dead),)
+    for call in calls:
+        try:
+            call()
+            errors.append("no error")
+        except Exception as err:
+            errors.append(f"{error_kind(err)}: {err}")
+    return {
+        "values": values,
+        "records": [(r.op, r.reduce_op, r.numel, r.dtype, r.async_op, r.label) for r in log],
+        "handle text": handle_text,
+        "errors": errors,
+    }
+
+
+def test_fast_path_matches_general_path_values_records_and_errors(
+    rank_pools: RankPools,
+) -> None:
+    """The eager all-reduce's one-test-per-argument path (``traceable._eager_all_reduce``)
+    against the general checks: equal values (by hand), equal records but the label, and
+    the same errors the general path raises."""
+    results = rank_pools.get(2).run(_fast_and_general_paths)
+    x0, x1 = _inputs(0), _inputs(1)
+    wanted = [x0 + x1] * 2 + [torch.maximum(x0, x1)] * 2
+    for res in results:
+        for value, want in zip(res["values"], wanted, strict=True):
+            assert torch.equal(value, want)
+        assert res["records"] == [
+            ("all_reduce", "sum", 12, torch.float32, False, "fast"),
+            ("all_reduce", "sum", 12, torch.float32, False, "general"),
+            ("all_reduce", "max", 12, torch.float32, True, "fast"),
+            ("all_reduce", "max", 12, torch.float32, True, "general"),
+        ]
+        assert res["handle text"] == "all_reduce on group ranks [0, 1] (12 × float32) for 'text'"
+        failed, label, op, dead = res["errors"]
+        assert failed.startswith(
+            "CollectiveError: all_reduce on group ranks [0, 1] (4 × uint16) for 'u' failed:"
+        ), failed
+        assert label.startswith("TypeError: label=3"), label
+        assert op.startswith("TypeError: op='sum'"), op
+        assert dead.startswith("RuntimeError: group (a process group of 2 rank(s)) was destroyed")

@@ -5,7 +5,6 @@ schedule check. No collective is defined here (see :mod:`mc_groups.comm.collecti
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -45,6 +44,14 @@ TORCH_OPS = {
 }
 
 
+Planned = tuple[str, dist.ProcessGroup, torch.Tensor | None, str, str]
+"""The arguments of :func:`describe` (op, group, tensor, label, detail): a collective's
+description before it is formatted."""
+
+Description = str | Planned | Callable[[], str]
+"""A collective's text, or what builds it on first read (:func:`text_of`)."""
+
+
 class CollectiveHandle:
     """Work in flight: issued collectives, the handles they depend on, and the local steps
     that complete them. ``wait()`` blocks until all of it is done, bounded by a timeout.
@@ -63,10 +70,12 @@ class CollectiveHandle:
     calls and single-rank groups return one (``CollectiveHandle()``).
     """
 
+    __slots__ = ("_children", "_description", "_finishers", "_works")
+
     def __init__(
         self,
         works: Sequence[Any] = (),
-        description: str | Callable[[], str] = "completed",
+        description: Description = "completed",
         finishers: Sequence[Callable[[], None]] = (),
         *,
         children: Sequence[CollectiveHandle] = (),
@@ -76,17 +85,29 @@ class CollectiveHandle:
         self._finishers = list(finishers)
         self._description = description
 
+    @classmethod
+    def of_work(cls, work: Any, description: Description) -> CollectiveHandle:
+        """A handle of one work object and nothing else: what a single collective returns
+        (the same object ``CollectiveHandle([work], description)`` builds, without the
+        three list copies: this runs once per collective)."""
+        handle = cls.__new__(cls)
+        handle._works = [work]
+        handle._children = []
+        handle._finishers = []
+        handle._description = description
+        return handle
+
     @property
     def description(self) -> str:
         """What this handle waits for, e.g. ``all_reduce on group ranks [0, 1]
         (8 × float32) for 'grad reduce dense bucket group 0'``.
 
-        Given as a function (``description=describe_later(...)``) it is built on first
-        read: a collective's text is needed only when it fails or is asked for, and
-        formatting it (the group's ranks, the payload) costs more host time than issuing
-        a small collective's bookkeeping."""
+        Given as the arguments of :func:`describe` (``describe_later(...)``) or a function,
+        it is built on first read: a collective's text is needed only when it fails or is
+        asked for, and formatting it (the group's ranks, the payload) costs more host time
+        than issuing a small collective's bookkeeping."""
         if not isinstance(self._description, str):
-            self._description = self._description()
+            self._description = text_of(self._description)
         return self._description
 
     def is_completed(self) -> bool:
@@ -106,21 +127,24 @@ class CollectiveHandle:
         """
         if timeout is not None:
             check_real("timeout", timeout, positive=True, allow_zero=False)
-        children, self._children = self._children, []
-        for child in children:
-            child.wait(timeout)
-        works, self._works = self._works, []
-        for work in works:
-            try:
-                if timeout is None:
-                    work.wait()
-                else:
-                    work.wait(timedelta(seconds=timeout))
-            except RuntimeError as err:
-                raise CollectiveError(f"{self.description} failed: {err}") from err
-        finishers, self._finishers = self._finishers, []
-        for finish in finishers:
-            finish()
+        if self._children:
+            children, self._children = self._children, []
+            for child in children:
+                child.wait(timeout)
+        if self._works:
+            works, self._works = self._works, []
+            for work in works:
+                try:
+                    if timeout is None:
+                        work.wait()
+                    else:
+                        work.wait(timedelta(seconds=timeout))
+                except RuntimeError as err:
+                    raise failed(self.description, err) from err
+        if self._finishers:
+            finishers, self._finishers = self._finishers, []
+            for finish in finishers:
+                finish()
 
 
 DONE = CollectiveHandle()
@@ -176,10 +200,25 @@ def describe_later(
     tensor: torch.Tensor | None,
     label: str = "",
     detail: str = "",
-) -> Callable[[], str]:
-    """:func:`describe` of these arguments, built when called (only on failure or when a
-    handle's ``description`` is read): the steady-state path formats no text."""
-    return functools.partial(describe, op, group, tensor, label, detail)
+) -> Planned:
+    """:func:`describe`'s arguments, formatted only on failure or when a handle's
+    ``description`` is read (:func:`text_of`): the steady-state path formats no text."""
+    return (op, group, tensor, label, detail)
+
+
+def text_of(description: Description) -> str:
+    """The text of a :data:`Description`."""
+    if isinstance(description, str):
+        return description
+    if isinstance(description, tuple):
+        return describe(*description)
+    return description()
+
+
+def failed(description: Description, err: BaseException) -> CollectiveError:
+    """The error a failed collective raises: ``<description> failed: <backend error>``
+    (raise it ``from err``)."""
+    return CollectiveError(f"{text_of(description)} failed: {err}")
 
 
 def record(
@@ -213,19 +252,16 @@ def record(
     )
 
 
-def issue(
-    description: str | Callable[[], str], call: Callable[[], Any], *, async_op: bool
-) -> CollectiveHandle:
+def issue(description: Description, call: Callable[[], Any], *, async_op: bool) -> CollectiveHandle:
     """Run a torch.distributed call; wrap its failure; wrap its work in a handle.
-    ``description``: the text, or a function building it (:func:`describe_later`)."""
+    ``description``: the text, or what builds it (:func:`describe_later`)."""
     try:
         work = call()
     except RuntimeError as err:
-        text = description if isinstance(description, str) else description()
-        raise CollectiveError(f"{text} failed: {err}") from err
+        raise failed(description, err) from err
     if not async_op or work is None:
         return DONE
-    return CollectiveHandle([work], description)
+    return CollectiveHandle.of_work(work, description)
 
 
 def check_options(

@@ -39,10 +39,10 @@ from mc_groups.comm._common import (
     check_schedule,
     describe_later,
     dtype_name,
+    failed,
     issue,
     record,
 )
-from mc_groups.comm._errors import CollectiveError
 from mc_groups.comm._gloo import is_gloo
 from mc_groups.comm._shims import reduce_scatter_flat
 from mc_groups.errors import InputTypeError, InputValueError
@@ -196,7 +196,7 @@ def issue_reduce_scatter(
     try:
         work, finish = by_all_to_all(output, input, group, op, async_op, accumulate, allocate)
     except RuntimeError as err:
-        raise CollectiveError(f"{description()} failed: {err}") from err
+        raise failed(description, err) from err
     if not async_op:
         finish()
         return DONE

@@ -59,6 +59,7 @@ from mc_groups.comm._common import (
     copy_unless_alias,
     describe_later,
     dtype_name,
+    failed,
     group_rank,
     group_ranks,
     group_size,
@@ -67,7 +68,8 @@ from mc_groups.comm._common import (
 )
 from mc_groups.comm._errors import CollectiveError
 from mc_groups.comm._shims import all_gather_flat
-from mc_groups.comm.schedule_check import CollectiveScheduleError
+from mc_groups.comm.recorder import _recording
+from mc_groups.comm.schedule_check import CollectiveScheduleError, schedule_check_enabled
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
@@ -122,15 +124,26 @@ def _issue_all_reduce(
     detail: str = "",
 ) -> CollectiveHandle:
     """:func:`all_reduce` once its arguments are known good (a contiguous tensor, a live
-    group of more than one rank, a checked op, a bool and strings): schedule check, record,
-    issue. The eager path of :func:`mc_groups.all_reduce_tensor`, which checked them."""
-    check_schedule("all_reduce", group, tensor, reduce_op=op, label=label, detail=detail)
-    record("all_reduce", group, tensor, reduce_op=op, async_op=async_op, label=label)
-    return issue(
-        describe_later("all_reduce", group, tensor, label, detail),
-        lambda: dist.all_reduce(tensor, op=TORCH_OPS[op], group=group, async_op=async_op),
-        async_op=async_op,
-    )
+    group of more than one rank, a checked op, a bool and strings): the schedule check,
+    the record, the call, its failure named, its work on a handle. Also the eager path of
+    :func:`mc_groups.all_reduce_tensor` and :func:`mc_groups.start_all_reduce`, which
+    checked them.
+
+    The steps of :func:`issue` (and of :func:`check_schedule` and :func:`record`) written
+    out in one function: the TP layers run two all-reduces per block per step, and on a
+    small block the Python calls around ``torch.distributed.all_reduce`` cost as much as
+    the call itself (``benchmarks/host_cost.py``). What runs is the same."""
+    if schedule_check_enabled():
+        check_schedule("all_reduce", group, tensor, reduce_op=op, label=label, detail=detail)
+    if _recording():
+        record("all_reduce", group, tensor, reduce_op=op, async_op=async_op, label=label)
+    try:
+        work = dist.all_reduce(tensor, op=TORCH_OPS[op], group=group, async_op=async_op)
+    except RuntimeError as err:
+        raise failed(("all_reduce", group, tensor, label, detail), err) from err
+    if not async_op or work is None:
+        return DONE
+    return CollectiveHandle.of_work(work, ("all_reduce", group, tensor, label, detail))
 
 
 def reduce_scatter(
@@ -208,7 +221,7 @@ def all_gather(
         try:
             works = gloo.all_gather_works(output, input, group)
         except RuntimeError as err:
-            raise CollectiveError(f"{description()} failed: {err}") from err
+            raise failed(description, err) from err
         handle = CollectiveHandle(works, description)
         if async_op:
             return handle

@@ -55,8 +55,9 @@ import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_flag, check_group, check_str, check_tensor
+from mc_groups.collection import is_group_live
 from mc_groups.comm import _compiled
-from mc_groups.comm._common import CollectiveHandle, ReduceOp, check_op
+from mc_groups.comm._common import DONE, CollectiveHandle, ReduceOp, check_op
 from mc_groups.comm._gloo import is_gloo
 from mc_groups.comm._reduce_scatter import accumulation_dtype
 from mc_groups.comm.collectives import _issue_all_reduce, all_gather, all_to_all, reduce_scatter
@@ -252,14 +253,34 @@ def _reduce_target(x: torch.Tensor, inplace: bool) -> torch.Tensor:
 
 
 def _eager_all_reduce(
-    out: torch.Tensor, group: dist.ProcessGroup, op: ReduceOp, label: object, *, async_op: bool
-) -> CollectiveHandle:
-    """The in-place all-reduce of ``out`` (contiguous: :func:`_reduce_target` made it so)
-    over ``group`` (more than one rank, ``op`` checked): what :func:`mc_groups.all_reduce`
-    checks beyond that (the group alive, the label), then it is issued."""
-    check_group("group", group)
-    text = label if isinstance(label, str) else check_str("label", label)
-    return _issue_all_reduce(out, group, op, async_op, text)
+    tensor: object, group: object, op: object, label: object, inplace: object, async_op: bool
+) -> tuple[torch.Tensor, CollectiveHandle]:
+    """The eager path of :func:`all_reduce_tensor` and :func:`start_all_reduce`: the reduced
+    tensor and its handle (complete on a one-rank group, and when ``async_op`` is False).
+
+    Exact types (a plain tensor, a live :class:`~torch.distributed.ProcessGroup`, a
+    :class:`ReduceOp`, a ``str`` label, a ``bool``) go straight to
+    :func:`mc_groups.comm.collectives._issue_all_reduce`: the checks below are what the
+    general path's would find, done with one test each (a small TP block runs this twice
+    per step). Anything else (a torch ``ReduceOp``, a subclass, a wrong type) takes the
+    general checks and is converted or refused as before."""
+    if (
+        type(tensor) is not torch.Tensor
+        or type(op) is not ReduceOp
+        or type(label) is not str
+        or type(inplace) is not bool
+        or not isinstance(group, dist.ProcessGroup)
+    ):
+        tensor, group, _ = _checked(tensor, group)
+        op = check_op(op)
+        label = label if isinstance(label, str) else check_str("label", label)
+        inplace = check_flag("inplace", inplace)
+    if group.size() == 1:
+        return tensor, DONE
+    if not is_group_live(group):
+        check_group("group", group)  # raises: the group was destroyed
+    out = _reduce_target(tensor, inplace)
+    return out, _issue_all_reduce(out, group, op, async_op, label)
 
 
 def all_reduce_tensor(
@@ -276,15 +297,13 @@ def all_reduce_tensor(
     in place (when contiguous: no copy) and returns it; compiled code returns a new tensor
     either way (Inductor reuses buffers itself).
     """
+    if not torch.compiler.is_compiling():
+        return _eager_all_reduce(tensor, group, op, label, inplace, False)[0]
     x, g, size = _checked(tensor, group)
     reduce = check_op(op)
     if size == 1:
         return x
-    if torch.compiler.is_compiling():
-        return _traced_all_reduce(x, g, reduce, label, False).wait()
-    out = _reduce_target(x, check_flag("inplace", inplace))
-    _eager_all_reduce(out, g, reduce, label, async_op=False)
-    return out
+    return _traced_all_reduce(x, g, reduce, label, False).wait()
 
 
 def start_all_reduce(
@@ -296,14 +315,13 @@ def start_all_reduce(
     inplace: bool = False,
 ) -> PendingTensor:
     """Start :func:`all_reduce_tensor` (asynchronous: compute may run until ``wait()``)."""
+    if not torch.compiler.is_compiling():
+        return PendingTensor(*_eager_all_reduce(tensor, group, op, label, inplace, True))
     x, g, size = _checked(tensor, group)
     reduce = check_op(op)
     if size == 1:
         return PendingTensor(x)
-    if torch.compiler.is_compiling():
-        return _traced_all_reduce(x, g, reduce, label, True)
-    out = _reduce_target(x, check_flag("inplace", inplace))
-    return PendingTensor(out, _eager_all_reduce(out, g, reduce, label, async_op=True))
+    return _traced_all_reduce(x, g, reduce, label, True)
 
 
 def _gather_output(x: torch.Tensor, size: int) -> torch.Tensor:
