@@ -245,6 +245,10 @@ def _fast_and_general_paths() -> dict[str, Any]:
             traceable.all_reduce_tensor(param, group, op=_torch_op("SUM"), label="general"),
             traceable.start_all_reduce(x, group, op=mg.ReduceOp.MAX, label="fast").wait(),
             traceable.start_all_reduce(param, group, op=_torch_op("MAX"), label="general").wait(),
+            traceable.all_gather_tensor(x, group, label="fast"),
+            traceable.start_all_gather(param, group, label="general").wait(),
+            traceable.reduce_scatter_tensor(x, group, label="fast"),
+            traceable.start_reduce_scatter(param, group, op=_torch_op("SUM"), label="all").wait(),
         ]
     handle_text = mg.all_reduce(x.clone(), group, async_op=True, label="text").description
     errors = []
@@ -252,6 +256,8 @@ def _fast_and_general_paths() -> dict[str, Any]:
         lambda: traceable.all_reduce_tensor(torch.ones(4, dtype=torch.uint16), group, label="u"),
         lambda: traceable.start_all_reduce(x, group, label=3),  # type: ignore[arg-type]
         lambda: traceable.all_reduce_tensor(x, group, op="sum"),  # type: ignore[arg-type]
+        lambda: traceable.start_all_gather(x, group, label=None),  # type: ignore[arg-type]
+        lambda: traceable.reduce_scatter_tensor(x[:3], group),
     )
     dist.destroy_process_group(dead)
     calls += (lambda: traceable.start_all_reduce(x, dead),)
@@ -277,21 +283,28 @@ def test_fast_path_matches_general_path_values_records_and_errors(
     the same errors the general path raises."""
     results = rank_pools.get(2).run(_fast_and_general_paths)
     x0, x1 = _inputs(0), _inputs(1)
-    wanted = [x0 + x1] * 2 + [torch.maximum(x0, x1)] * 2
-    for res in results:
-        for value, want in zip(res["values"], wanted, strict=True):
+    wanted = [x0 + x1] * 2 + [torch.maximum(x0, x1)] * 2 + [torch.cat([x0, x1])] * 2
+    for rank, res in enumerate(results):
+        mine = (x0 + x1)[2 * rank : 2 * rank + 2]
+        for value, want in zip(res["values"], [*wanted, mine, mine], strict=True):
             assert torch.equal(value, want)
         assert res["records"] == [
             ("all_reduce", "sum", 12, torch.float32, False, "fast"),
             ("all_reduce", "sum", 12, torch.float32, False, "general"),
             ("all_reduce", "max", 12, torch.float32, True, "fast"),
             ("all_reduce", "max", 12, torch.float32, True, "general"),
+            ("all_gather", None, 12, torch.float32, False, "fast"),
+            ("all_gather", None, 12, torch.float32, True, "general"),
+            ("reduce_scatter", "sum", 12, torch.float32, False, "fast"),
+            ("reduce_scatter", "sum", 12, torch.float32, True, "all"),
         ]
         assert res["handle text"] == "all_reduce on group ranks [0, 1] (12 × float32) for 'text'"
-        failed, label, op, dead = res["errors"]
+        failed, label, op, gather_label, rows, dead = res["errors"]
         assert failed.startswith(
             "CollectiveError: all_reduce on group ranks [0, 1] (4 × uint16) for 'u' failed:"
         ), failed
         assert label.startswith("TypeError: label=3"), label
         assert op.startswith("TypeError: op='sum'"), op
+        assert gather_label.startswith("TypeError: label=None"), gather_label
+        assert rows.startswith("ValueError: reduce_scatter_tensor: tensor has shape (3, 3)"), rows
         assert dead.startswith("RuntimeError: group (a process group of 2 rank(s)) was destroyed")

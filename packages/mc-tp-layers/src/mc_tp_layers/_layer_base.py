@@ -367,6 +367,16 @@ class ParallelLinear(TensorParallelModule):
         if key is not None and self._peers_checked and not torch.compiler.is_compiling():
             self._steady = (key, _Pins(weight, bias, group))
 
+    def _held(self, name: str) -> Any:
+        """``getattr(self, name)`` for the weight or the bias, read from ``_parameters``
+        when registered there: where ``Module.__getattr__`` finds it, at a tenth of its
+        cost (~0.6 µs a read, several per forward of a small layer). Anything else (a
+        plain attribute, a parametrization's property) by ``getattr``."""
+        params = self._parameters
+        if name in params:
+            return params[name]
+        return getattr(self, name)
+
     def _steady_linear(self) -> bool:
         """The layer uses the full linear function (``_forward_impl`` not overridden)."""
         return type(self)._forward_impl is ParallelLinear._forward_impl

@@ -305,7 +305,7 @@ class ColumnParallelLinear(ParallelLinear):
         always takes the checked path (while compiling; a weight that does not require grad, wgrad
         deferral, a gtp_remat shard, an overridden ``_forward_impl``, an input that is not
         a plain 2-D or 3-D tensor)."""
-        w, b = self.weight, self.bias
+        w, b = self._held("weight"), self._held("bias")
         if (
             torch.compiler.is_compiling()  # first: Dynamo would guard on what follows
             or type(input_) is not torch.Tensor

@@ -79,7 +79,8 @@ def _full_weight(weight: torch.Tensor, gtp_remat_size: int) -> torch.Tensor:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
+    """``t`` as rows ``[-1, last dim]`` (itself when 2-D: a view costs ~0.5 µs)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -135,13 +136,14 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         gather = (
             _comm.start_gather_first_dim(input, opts.tp_group)
             if wgrad_now and opts.sequence_parallel
-            else traceable.PendingTensor(input)
+            else None
         )
         grad_input = grad_output.matmul(_full_weight(weight, opts.gtp_remat_size))
-        total_input = gather.wait()
+        total_input = input if gather is None else gather.wait()
         dgrad_reduction = _start_dgrad_reduction(grad_input, opts)
-        grad_weight = _weight_grad(weight, ctx.main_grad, grad_output, total_input, opts, wgrad_now)
-        grad_bias = _flat(grad_output).sum(dim=0) if ctx.use_bias else None
+        rows = _flat(grad_output)  # once: for dW and db
+        grad_weight = _weight_grad(weight, ctx.main_grad, rows, total_input, opts, wgrad_now)
+        grad_bias = rows.sum(dim=0) if ctx.use_bias else None
         return (dgrad_reduction.wait(), grad_weight, grad_bias, *([None] * 8))
 
 

@@ -207,7 +207,7 @@ class RowParallelLinear(ParallelLinear):
             )
             self._remember_steady(key, self.weight, None, self.tp_group)
         output = self._reduce(output_parallel)
-        bias = self.bias  # one read: a Module attribute lookup costs ~0.6 µs
+        bias = self._held("bias")
         if self.skip_bias_add or bias is None:
             return output, bias if self.skip_bias_add else None
         return output + bias, None
@@ -218,7 +218,7 @@ class RowParallelLinear(ParallelLinear):
         grad, a gtp_remat shard, an overridden ``_forward_impl``, an input that is not a
         plain 2-D or 3-D tensor). The bias is added after the reduction, unchecked by the
         linear function."""
-        w = self.weight
+        w = self._held("weight")
         if (
             torch.compiler.is_compiling()  # first: Dynamo would guard on what follows
             or type(input_) is not torch.Tensor

@@ -35,16 +35,18 @@ from mc_groups.comm._common import (
     DONE,
     TORCH_OPS,
     CollectiveHandle,
+    Planned,
     ReduceOp,
     check_schedule,
     describe_later,
     dtype_name,
     failed,
-    issue,
     record,
 )
 from mc_groups.comm._gloo import is_gloo
 from mc_groups.comm._shims import reduce_scatter_flat
+from mc_groups.comm.recorder import _recording
+from mc_groups.comm.schedule_check import schedule_check_enabled
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__: list[str] = []
@@ -175,16 +177,22 @@ def issue_reduce_scatter(
     ``reduce_scatter``.
     """
     if accumulate_dtype is None and not is_gloo(group):
-        description = describe_later("reduce_scatter", group, input, label, detail)
-        check_schedule("reduce_scatter", group, input, reduce_op=op, label=label, detail=detail)
-        record("reduce_scatter", group, input, reduce_op=op, async_op=async_op, label=label)
-        return issue(
-            description,
-            lambda: reduce_scatter_flat(
+        # the common case written out (as mc_groups.comm.collectives._issue_all_reduce):
+        # sequence-parallel layers run it per call
+        if schedule_check_enabled():
+            check_schedule("reduce_scatter", group, input, reduce_op=op, label=label, detail=detail)
+        if _recording():
+            record("reduce_scatter", group, input, reduce_op=op, async_op=async_op, label=label)
+        about: Planned = ("reduce_scatter", group, input, label, detail)
+        try:
+            work = reduce_scatter_flat(
                 output, input, op=TORCH_OPS[op], group=group, async_op=async_op
-            ),
-            async_op=async_op,
-        )
+            )
+        except RuntimeError as err:
+            raise failed(about, err) from err
+        if not async_op or work is None:
+            return DONE
+        return CollectiveHandle.of_work(work, about)
     if accumulate_dtype is None:
         kind, reduce_op = "reduce_scatter", op
     else:

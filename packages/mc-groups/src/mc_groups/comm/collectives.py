@@ -48,6 +48,7 @@ from mc_groups.comm._common import (
     DONE,
     TORCH_OPS,
     CollectiveHandle,
+    Planned,
     ReduceOp,
     check_all_gather,
     check_contiguous,
@@ -214,26 +215,44 @@ def all_gather(
     if size == 1:
         copy_unless_alias(output, input)
         return DONE
-    description = describe_later("all_gather", group, input, label, detail)
-    if gloo.is_gloo(group):
+    return _issue_all_gather(output, input, group, async_op, label, detail)
+
+
+def _issue_all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    async_op: bool,
+    label: str,
+    detail: str = "",
+) -> CollectiveHandle:
+    """:func:`all_gather` once its arguments are known good (contiguous tensors alike in
+    dtype and device, ``output`` the group size times ``input``, a live group of more than
+    one rank, a bool and strings), written out as :func:`_issue_all_reduce` is (also the
+    eager path of :func:`mc_groups.all_gather_tensor` and :func:`mc_groups.start_all_gather`,
+    which run per sequence-parallel layer call)."""
+    if schedule_check_enabled():
         check_schedule("all_gather", group, input, label=label, detail=detail)
+    if _recording():
         record("all_gather", group, input, reduce_op=None, async_op=async_op, label=label)
+    about: Planned = ("all_gather", group, input, label, detail)
+    if gloo.is_gloo(group):
         try:
             works = gloo.all_gather_works(output, input, group)
         except RuntimeError as err:
-            raise failed(description, err) from err
-        handle = CollectiveHandle(works, description)
+            raise failed(about, err) from err
+        handle = CollectiveHandle(works, about)
         if async_op:
             return handle
         handle.wait()
         return DONE
-    check_schedule("all_gather", group, input, label=label, detail=detail)
-    record("all_gather", group, input, reduce_op=None, async_op=async_op, label=label)
-    return issue(
-        description,
-        lambda: all_gather_flat(output, input, group=group, async_op=async_op),
-        async_op=async_op,
-    )
+    try:
+        work = all_gather_flat(output, input, group=group, async_op=async_op)
+    except RuntimeError as err:
+        raise failed(about, err) from err
+    if not async_op or work is None:
+        return DONE
+    return CollectiveHandle.of_work(work, about)
 
 
 def broadcast(

@@ -59,8 +59,8 @@ from mc_groups.collection import is_group_live
 from mc_groups.comm import _compiled
 from mc_groups.comm._common import DONE, CollectiveHandle, ReduceOp, check_op
 from mc_groups.comm._gloo import is_gloo
-from mc_groups.comm._reduce_scatter import accumulation_dtype
-from mc_groups.comm.collectives import _issue_all_reduce, all_gather, all_to_all, reduce_scatter
+from mc_groups.comm._reduce_scatter import accumulation_dtype, fresh, issue_reduce_scatter
+from mc_groups.comm.collectives import _issue_all_gather, _issue_all_reduce, all_to_all
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
@@ -325,38 +325,94 @@ def start_all_reduce(
 
 
 def _gather_output(x: torch.Tensor, size: int) -> torch.Tensor:
-    return torch.empty((size * _rows(x), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return x.new_empty((size * _rows(x), *x.shape[1:]))
+
+
+def _exact(tensor: object, group: object, label: object) -> bool:
+    """A plain tensor, a process group and a ``str`` label: what the eager fast paths take
+    (anything else takes the general checks)."""
+    return (
+        type(tensor) is torch.Tensor and type(label) is str and isinstance(group, dist.ProcessGroup)
+    )
+
+
+def _eager_all_gather(
+    tensor: object, group: object, label: object, async_op: bool
+) -> tuple[torch.Tensor, CollectiveHandle]:
+    """The eager path of :func:`all_gather_tensor` and :func:`start_all_gather` (as
+    :func:`_eager_all_reduce`: exact types go straight to the issuing step; the output is
+    built here, so the in-place all-gather's pair checks hold by construction). The tensors
+    keep their shapes (flat views cost ~1 µs each; the collectives take any contiguous
+    shape with the right sizes)."""
+    if (
+        type(tensor) is not torch.Tensor
+        or type(label) is not str
+        or not isinstance(group, dist.ProcessGroup)
+    ):
+        tensor, group, _ = _checked(tensor, group)
+        label = check_str("label", label)
+    size = group.size()
+    if size == 1:
+        return tensor, DONE
+    if not is_group_live(group):
+        check_group("group", group)  # raises: the group was destroyed
+    out = _gather_output(tensor, size)
+    return out, _issue_all_gather(out, tensor.contiguous(), group, async_op, label)
 
 
 def all_gather_tensor(
     tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
 ) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along dim 0 in group-rank order (a new tensor)."""
+    if not torch.compiler.is_compiling():
+        return _eager_all_gather(tensor, group, label, False)[0]
     x, g, size = _checked(tensor, group)
     if size == 1:
         return x
-    if torch.compiler.is_compiling():
-        return _traced_all_gather(x, g, size, label, False).wait()
-    out = _gather_output(x, size)
-    all_gather(out.view(-1), _flat(x), g, label=label)
-    return out
+    return _traced_all_gather(x, g, size, label, False).wait()
 
 
 def start_all_gather(
     tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
 ) -> PendingTensor:
     """Start :func:`all_gather_tensor` (asynchronous: compute may run until ``wait()``)."""
+    if not torch.compiler.is_compiling():
+        return PendingTensor(*_eager_all_gather(tensor, group, label, True))
     x, g, size = _checked(tensor, group)
     if size == 1:
         return PendingTensor(x)
-    if torch.compiler.is_compiling():
-        return _traced_all_gather(x, g, size, label, True)
-    out = _gather_output(x, size)
-    return PendingTensor(out, all_gather(out.view(-1), _flat(x), g, async_op=True, label=label))
+    return _traced_all_gather(x, g, size, label, True)
 
 
 def _scatter_output(x: torch.Tensor, size: int) -> torch.Tensor:
     return x.new_empty((_rows(x) // size, *x.shape[1:]))
+
+
+def _eager_reduce_scatter(
+    tensor: object, group: object, op: object, label: object, async_op: bool, who: str
+) -> tuple[torch.Tensor, CollectiveHandle]:
+    """The eager path of :func:`reduce_scatter_tensor` and :func:`start_reduce_scatter`
+    (``who``: the public name, for the error), as :func:`_eager_all_gather`."""
+    if (
+        type(tensor) is not torch.Tensor
+        or type(op) is not ReduceOp
+        or type(label) is not str
+        or not isinstance(group, dist.ProcessGroup)
+    ):
+        tensor, group, _ = _checked(tensor, group)
+        op = check_op(op)
+        label = check_str("label", label)
+    size = group.size()
+    _divisible(tensor, size, who)
+    if size == 1:
+        return tensor, DONE
+    if not is_group_live(group):
+        check_group("group", group)  # raises: the group was destroyed
+    out = _scatter_output(tensor, size)
+    handle = issue_reduce_scatter(
+        out, tensor.contiguous(), group, op, async_op, label, "", None, fresh
+    )
+    return out, handle
 
 
 def reduce_scatter_tensor(
@@ -368,16 +424,14 @@ def reduce_scatter_tensor(
 ) -> torch.Tensor:
     """``op`` over ranks; group rank r keeps part r of dim 0 (a new tensor; dim 0 must
     divide by the group size)."""
+    if not torch.compiler.is_compiling():
+        return _eager_reduce_scatter(tensor, group, op, label, False, "reduce_scatter_tensor")[0]
     x, g, size = _checked(tensor, group)
     reduce = check_op(op)
     _divisible(x, size, "reduce_scatter_tensor")
     if size == 1:
         return x
-    if torch.compiler.is_compiling():
-        return _traced_reduce_scatter(x, g, size, reduce, label, False).wait()
-    out = _scatter_output(x, size)
-    reduce_scatter(out.view(-1), _flat(x), g, op=reduce, label=label)
-    return out
+    return _traced_reduce_scatter(x, g, size, reduce, label, False).wait()
 
 
 def start_reduce_scatter(
@@ -388,16 +442,15 @@ def start_reduce_scatter(
     label: str = "",
 ) -> PendingTensor:
     """Start :func:`reduce_scatter_tensor` (asynchronous: compute may run until ``wait()``)."""
+    if not torch.compiler.is_compiling():
+        out, handle = _eager_reduce_scatter(tensor, group, op, label, True, "start_reduce_scatter")
+        return PendingTensor(out, handle)
     x, g, size = _checked(tensor, group)
     reduce = check_op(op)
     _divisible(x, size, "start_reduce_scatter")
     if size == 1:
         return PendingTensor(x)
-    if torch.compiler.is_compiling():
-        return _traced_reduce_scatter(x, g, size, reduce, label, True)
-    out = _scatter_output(x, size)
-    handle = reduce_scatter(out.view(-1), _flat(x), g, op=reduce, async_op=True, label=label)
-    return PendingTensor(out, handle)
+    return _traced_reduce_scatter(x, g, size, reduce, label, True)
 
 
 def all_to_all_tensor(
