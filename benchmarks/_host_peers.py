@@ -17,11 +17,13 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
@@ -100,3 +102,20 @@ def dtensor_block(h: int, tp: int, sp: bool) -> tuple[Block, list[torch.Tensor]]
         plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     parallelize_module(block, mesh, plan)
     return block, list(block.parameters())
+
+
+@contextmanager
+def fake_world(world_size: int) -> Iterator[str | None]:
+    """This process as rank 0 of ``world_size`` over torch's fake process group (every
+    collective returns at once and moves nothing: what is left is host time); yields None,
+    or why it is not available (it lives in ``torch.testing._internal``)."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC0415
+    except ImportError as error:
+        yield f"torch's fake process group not importable: {error}"
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield None
+    finally:
+        dist.destroy_process_group()

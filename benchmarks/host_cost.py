@@ -25,6 +25,14 @@ TP: ``Column(h → 4h) → GELU → Row(4h → h)`` at h = 32, seq 16, batch 2, 
 backward (output gradient of ones), sequence parallelism off and on; mc against Megatron-Core
 and DTensor (``torch.distributed.tensor.parallel``). Per-call time in ms.
 
+TP host time alone (``--part tp-host``): the same block in one process, rank 0 of 2 over
+torch's fake process group (its collectives return at once), so what is timed is the
+Python and dispatch work (checks, autograd functions, collective wrappers, GEMM calls) and
+not gloo's latency, whose run-to-run spread on 2 ranks (±5 %) is larger than the
+differences between the libraries. ``--rounds`` × 6 rounds of ``--steps`` × 2 passes,
+rotating order, CPU clock, a round's fastest pass; the ratio is that of the medians, shown
+with the quartiles of the per-round ratios. Target: mc ≤ Megatron (median ratio ≤ 1).
+
 Timing: ``--rounds`` rounds (≥ 3) of ``--steps`` passes; a pass times every variant once,
 each after a barrier, in an order that rotates from pass to pass; two clocks: wall time and
 the process's CPU time (which load from other processes on a shared machine disturbs far
@@ -36,7 +44,7 @@ cost per call (:mod:`benchmarks._phase_profile`). Targets: per-param DDP cost of
 ≤ 1.2 × torch DDP's at 1,000 and 5,000 params; the TP block ≤ Megatron's, SP off and on.
 Exits 1 when a target that could be measured is missed. From the repository root::
 
-    python -m benchmarks.host_cost [--rounds N] [--steps N] [--part ddp|tp|both]
+    python -m benchmarks.host_cost [--rounds N] [--steps N] [--part ddp|tp|tp-host|both]
     MC_MEGATRON_SHIM=<dir with cpu_shim.py> <python with megatron-core> -m benchmarks.host_cost
 """
 
@@ -349,6 +357,38 @@ def _tp_rows(per_rank: Sequence[dict[str, Any]]) -> tuple[list[str], bool]:
     return lines, ok
 
 
+def _host_only_rows(rounds: int, steps: int, warmup: int) -> tuple[list[str], bool]:
+    """The TP block's host time alone (module notes), in this process; table and verdict."""
+    with _host_peers.fake_world(TP) as why_not:
+        if why_not is not None:
+            return [f"TP host time alone: skipped ({why_not})"], True
+        result = _measure_tp(rounds * 6, steps * 2, warmup, False)
+    cpu = result["bests"]["cpu"]
+    lines = [
+        "| SP | mc (µs) | Megatron (µs) | DTensor (µs) | mc / Megatron (quartiles) | target |",
+        "|---|---:|---:|---:|---|---|",
+    ]
+    ok = True
+    for tag in ("SP off", "SP on"):
+        mc, dt = cpu[f"mc {tag}"], cpu[f"DTensor {tag}"]
+        meg = cpu.get(f"Megatron {tag}")
+        shown, verdict = "—", ""
+        if meg is not None:
+            ratio = statistics.median(mc) / statistics.median(meg)
+            per_round = statistics.quantiles(
+                [a / b for a, b in zip(mc, meg, strict=True)], n=4, method="inclusive"
+            )
+            shown = f"{ratio:.3f} ({per_round[0]:.3f} – {per_round[2]:.3f})"
+            verdict = f"≤ Megatron: {'met' if ratio <= 1.0 else 'MISSED'}"
+            ok &= ratio <= 1.0
+        meg_us = "—" if meg is None else f"{statistics.median(meg) * 1e6:.0f}"
+        lines.append(
+            f"| {tag[3:]} | {statistics.median(mc) * 1e6:.0f} | {meg_us} | "
+            f"{statistics.median(dt) * 1e6:.0f} | {shown} | {verdict} |"
+        )
+    return [result["megatron"], *lines], ok
+
+
 # -- main --------------------------------------------------------------------------------
 
 
@@ -357,7 +397,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (>= 3)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
-    parser.add_argument("--part", choices=("ddp", "tp", "both"), default="both")
+    parser.add_argument("--part", choices=("ddp", "tp", "tp-host", "both"), default="both")
     parser.add_argument(
         "--sizes", type=int, nargs="+", default=list(SIZES), help="DDP params per model"
     )
@@ -379,6 +419,10 @@ def _print_profiles(profiles: dict[str, dict[str, float]], calls: int, per: int,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    if args.part == "tp-host":
+        lines, ok = _host_only_rows(args.rounds, args.steps, args.warmup)
+        print("\n".join(lines))
+        return 0 if ok else 1
     ok = True
     module = importlib.import_module("benchmarks.host_cost")  # the ranks import it by name
     with _common.rank_pool(2) as pool:

@@ -75,6 +75,8 @@ class _Options(NamedTuple):
 
 
 def _full_weight(weight: torch.Tensor, gtp_remat_size: int) -> torch.Tensor:
+    """The whole weight: ``weight`` itself, or its gtp_remat shards gathered. (Callers
+    test ``gtp_remat_size > 1`` first: the common case costs no call.)"""
     return gather_gtp_weight(weight) if gtp_remat_size > 1 else weight
 
 
@@ -121,7 +123,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.use_bias = bias is not None
         total_input = _comm.gather_first_dim(input, tp_group) if sequence_parallel else input
         return _linear_forward(
-            total_input, _full_weight(weight, gtp_remat_size), bias, output_dtype
+            total_input,
+            _full_weight(weight, gtp_remat_size) if gtp_remat_size > 1 else weight,
+            bias,
+            output_dtype,
         )
 
     @staticmethod
@@ -132,17 +137,18 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if grad_output.dtype != input.dtype:
             grad_output = grad_output.to(input.dtype)
         grad_output = grad_output.contiguous()
-        wgrad_now = _claim_wgrad(opts, grad_output)
+        wgrad_now = opts.grad_output_buffer is None or _claim_wgrad(opts, grad_output)
         gather = (
             _comm.start_gather_first_dim(input, opts.tp_group)
             if wgrad_now and opts.sequence_parallel
             else None
         )
-        grad_input = grad_output.matmul(_full_weight(weight, opts.gtp_remat_size))
+        gtp = opts.gtp_remat_size
+        grad_input = grad_output.matmul(_full_weight(weight, gtp) if gtp > 1 else weight)
         total_input = input if gather is None else gather.wait()
         dgrad_reduction = _start_dgrad_reduction(grad_input, opts)
         rows = _flat(grad_output)  # once: for dW and db
-        grad_weight = _weight_grad(weight, ctx.main_grad, rows, total_input, opts, wgrad_now)
+        grad_weight = _weight_grad(weight, ctx.main_grad, rows, _flat(total_input), opts, wgrad_now)
         grad_bias = rows.sum(dim=0) if ctx.use_bias else None
         return (dgrad_reduction.wait(), grad_weight, grad_bias, *([None] * 8))
 
@@ -185,6 +191,8 @@ def _weight_grad(
     opts: _Options,
     wgrad_now: bool,
 ) -> torch.Tensor | None:
+    """``dW`` for autograd (or accumulated into ``main_grad``); ``grad_output`` and
+    ``total_input`` as rows (2-D, :func:`_flat`), as every helper below takes them."""
     if opts.gradient_accumulation_fusion:
         if wgrad_now:
             assert main_grad is not None  # checked before forward
@@ -203,7 +211,7 @@ def _accumulate_into_main_grad(
     opts: _Options,
 ) -> None:
     if opts.gtp_remat_size == 1:
-        accumulate_wgrad(main_grad, _flat(grad_output), _flat(total_input))
+        accumulate_wgrad(main_grad, grad_output, total_input)
         return
     main_grad.add_(_gtp_wgrad(weight, main_grad, grad_output, total_input))
 
@@ -211,13 +219,12 @@ def _accumulate_into_main_grad(
 def _new_wgrad(
     like: torch.Tensor, shape: Sequence[int], grad_output: torch.Tensor, total_input: torch.Tensor
 ) -> torch.Tensor:
-    """``dW = dYᵀ · X_tot`` into a new ``shape`` tensor with ``like``'s dtype and device
-    (operands of that dtype: the GEMM's own output, without allocating one first)."""
-    flat_grad, flat_input = _flat(grad_output), _flat(total_input)
-    if flat_grad.dtype == like.dtype and flat_input.dtype == like.dtype:
-        return _wgrad_gemm(None, flat_grad, flat_input)
+    """``dW = dYᵀ · X_tot`` (rows) into a new ``shape`` tensor with ``like``'s dtype and
+    device (operands of that dtype: the GEMM's own output, without allocating one first)."""
+    if grad_output.dtype == like.dtype and total_input.dtype == like.dtype:
+        return _wgrad_gemm(None, grad_output, total_input)
     out = torch.empty(shape, dtype=like.dtype, device=like.device)
-    return _wgrad_gemm(out, flat_grad, flat_input)
+    return _wgrad_gemm(out, grad_output, total_input)
 
 
 def _gtp_wgrad(
@@ -482,9 +489,10 @@ def _apply_checked(
     """:func:`linear_with_grad_accumulation_and_async_allreduce` on arguments it checked
     before (a layer's steady-state forward, see ``ParallelLinear._steady_state``), without
     wgrad deferral or a gtp_remat shard: the same autograd function, the checks skipped."""
-    _warn_device_connections(input, sequence_parallel or allreduce_dgrad)
-    return apply(
-        LinearWithGradAccumulationAndAsyncCommunication,
+    if input.is_cuda:
+        _warn_device_connections(input, sequence_parallel or allreduce_dgrad)
+    # Function.apply called directly (not through the typed ``apply``): once per layer call
+    out: torch.Tensor = LinearWithGradAccumulationAndAsyncCommunication.apply(  # type: ignore[no-untyped-call]
         input,
         weight,
         bias,
@@ -497,6 +505,7 @@ def _apply_checked(
         1,
         output_dtype,
     )
+    return out
 
 
 def linear_with_frozen_weight(

@@ -80,20 +80,19 @@ class _RecorderRegistry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._logs: list[tuple[list[CollectiveRecord], bool]] = []
-
-    @property
-    def active(self) -> bool:
-        return bool(self._logs)
+        self.active = False  # any log open: read before every collective, kept as a plain bool
 
     def open(self, status_exchanges: bool) -> list[CollectiveRecord]:
         log: list[CollectiveRecord] = []
         with self._lock:
             self._logs.append((log, status_exchanges))
+            self.active = True
         return log
 
     def close(self, log: list[CollectiveRecord]) -> None:
         with self._lock:
             self._logs = [entry for entry in self._logs if entry[0] is not log]
+            self.active = bool(self._logs)
 
     def emit(self, record: CollectiveRecord) -> None:
         status = record.op == STATUS_EXCHANGE

@@ -245,13 +245,6 @@ def _traced_all_to_all(
 # -- the public functions ---------------------------------------------------------------
 
 
-def _reduce_target(x: torch.Tensor, inplace: bool) -> torch.Tensor:
-    """Eager: what the in-place all-reduce overwrites (``x`` itself when allowed)."""
-    if inplace and x.is_contiguous():
-        return x
-    return torch.clone(x, memory_format=torch.contiguous_format)
-
-
 def _eager_all_reduce(
     tensor: object, group: object, op: object, label: object, inplace: object, async_op: bool
 ) -> tuple[torch.Tensor, CollectiveHandle]:
@@ -279,7 +272,11 @@ def _eager_all_reduce(
         return tensor, DONE
     if not is_group_live(group):
         check_group("group", group)  # raises: the group was destroyed
-    out = _reduce_target(tensor, inplace)
+    # what the in-place all-reduce overwrites: the tensor itself when allowed
+    if inplace and tensor.is_contiguous():
+        out = tensor
+    else:
+        out = torch.clone(tensor, memory_format=torch.contiguous_format)
     return out, _issue_all_reduce(out, group, op, async_op, label)
 
 
