@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
 
 from mc_groups.errors import InputTypeError, InputValueError
 
@@ -186,10 +187,11 @@ def is_group_live(group: dist.ProcessGroup) -> bool:
     initialised: a dictionary lookup in torch's group registry, no communication."""
     # torch's map of live process groups (``_world.pg_map``: every group leaves it when
     # destroyed), read per call: it is replaced when torch.distributed is re-initialised.
-    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
-    if isinstance(registry, dict):
-        return group in registry
-    try:  # torch without the registry attribute: its public lookup, which is slower
+    try:
+        return group in _c10d._world.pg_map
+    except AttributeError:  # torch without the registry attribute: its public lookup
+        pass
+    try:
         dist.get_backend(group)
     except (ValueError, RuntimeError):
         return False

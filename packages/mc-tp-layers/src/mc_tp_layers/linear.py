@@ -74,6 +74,10 @@ class _Options(NamedTuple):
     output_dtype: torch.dtype | None
 
 
+_NO_GRADS = (None,) * 8
+"""The gradients of the function's eight non-tensor arguments."""
+
+
 def _full_weight(weight: torch.Tensor, gtp_remat_size: int) -> torch.Tensor:
     """The whole weight: ``weight`` itself, or its gtp_remat shards gathered. (Callers
     test ``gtp_remat_size > 1`` first: the common case costs no call.)"""
@@ -147,10 +151,19 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_input = grad_output.matmul(_full_weight(weight, gtp) if gtp > 1 else weight)
         total_input = input if gather is None else gather.wait()
         dgrad_reduction = _start_dgrad_reduction(grad_input, opts)
-        rows = _flat(grad_output)  # once: for dW and db
-        grad_weight = _weight_grad(weight, ctx.main_grad, rows, _flat(total_input), opts, wgrad_now)
+        rows, total_rows = _flat(grad_output), _flat(total_input)  # once: for dW and db
+        if (
+            opts.gradient_accumulation_fusion
+            or gtp > 1
+            or rows.dtype != weight.dtype
+            or total_rows.dtype != weight.dtype
+        ):
+            grad_weight = _weight_grad(weight, ctx.main_grad, rows, total_rows, opts, wgrad_now)
+        else:  # the common case of _weight_grad, without its two calls
+            grad_weight = _wgrad_gemm(None, rows, total_rows)
         grad_bias = rows.sum(dim=0) if ctx.use_bias else None
-        return (dgrad_reduction.wait(), grad_weight, grad_bias, *([None] * 8))
+        grad_input = grad_input if dgrad_reduction is None else dgrad_reduction.wait()
+        return (grad_input, grad_weight, grad_bias, *_NO_GRADS)
 
 
 def _hand_wgrad_to_autograd(weight: torch.Tensor) -> bool:
@@ -172,15 +185,18 @@ def _claim_wgrad(opts: _Options, grad_output: torch.Tensor) -> bool:
     return True
 
 
-def _start_dgrad_reduction(grad_input: torch.Tensor, opts: _Options) -> traceable.PendingTensor:
-    """Issue the dgrad's reduction; ``wait()`` returns the reduced dgrad."""
+def _start_dgrad_reduction(
+    grad_input: torch.Tensor, opts: _Options
+) -> traceable.PendingTensor | None:
+    """Issue the dgrad's reduction; ``wait()`` returns the reduced dgrad. None: there is
+    none (the dgrad is final)."""
     if opts.sequence_parallel:
         return _comm.start_reduce_scatter_first_dim(grad_input, opts.tp_group)
     if opts.allreduce_dgrad and opts.tp_group.size() > 1:
         return traceable.start_all_reduce(
             grad_input, opts.tp_group, label="tp dgrad all-reduce", inplace=True
         )
-    return traceable.PendingTensor(grad_input)
+    return None
 
 
 def _weight_grad(
