@@ -31,7 +31,9 @@ Python and dispatch work (checks, autograd functions, collective wrappers, GEMM 
 not gloo's latency, whose run-to-run spread on 2 ranks (±5 %) is larger than the
 differences between the libraries. ``--rounds`` × 6 rounds of ``--steps`` × 2 passes,
 rotating order, CPU clock, a round's fastest pass; the ratio is that of the medians, shown
-with the quartiles of the per-round ratios. Target: mc ≤ Megatron (median ratio ≤ 1).
+with the quartiles of the per-round ratios. Target: mc ≤ Megatron (median ratio ≤ 1). Then
+the Python each block runs per step, counted (:mod:`benchmarks._python_work`): a figure that
+does not move with the load.
 
 Timing: ``--rounds`` rounds (≥ 3) of ``--steps`` passes; a pass times every variant once,
 each after a barrier, in an order that rotates from pass to pass; two clocks: wall time and
@@ -69,7 +71,7 @@ from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig
 if not __package__:  # run as a file: the ranks import this module by its package name
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import _common, _host_peers, _phase_profile
+from benchmarks import _common, _host_peers, _phase_profile, _python_work
 from benchmarks._common import Step
 
 WIDTH, BATCH = 8, 4
@@ -363,6 +365,7 @@ def _host_only_rows(rounds: int, steps: int, warmup: int) -> tuple[list[str], bo
         if why_not is not None:
             return [f"TP host time alone: skipped ({why_not})"], True
         result = _measure_tp(rounds * 6, steps * 2, warmup, False)
+        work = _tp_python_work()
     cpu = result["bests"]["cpu"]
     lines = [
         "| SP | mc (µs) | Megatron (µs) | DTensor (µs) | mc / Megatron (quartiles) | target |",
@@ -386,7 +389,27 @@ def _host_only_rows(rounds: int, steps: int, warmup: int) -> tuple[list[str], bo
             f"| {tag[3:]} | {statistics.median(mc) * 1e6:.0f} | {meg_us} | "
             f"{statistics.median(dt) * 1e6:.0f} | {shown} | {verdict} |"
         )
+    lines += ["", "Python run per step (bytecode instructions / Python-level calls, counted):"]
+    lines += [f"- {name}: {ops:,.0f} / {calls:,.0f}" for name, (ops, calls) in work.items()]
     return [result["megatron"], *lines], ok
+
+
+def _tp_python_work() -> dict[str, tuple[float, float]]:
+    """Per TP block variant, the Python it runs per step (:mod:`benchmarks._python_work`),
+    mc and Megatron-Core, SP off and on, in the fake world of :func:`_host_only_rows`."""
+    pgc = mg.initialize_model_parallel(tensor_model_parallel_size=TP)
+    try:
+        core, _ = _host_peers.import_megatron()
+        work = {}
+        for sp in (False, True):
+            tag = f"SP {'on' if sp else 'off'}"
+            work[f"mc {tag}"] = _python_work.per_step(_tp_step(*_mc_block(sp, pgc), sp))
+            if core is not None:
+                block = _host_peers.megatron_block(core, H, TP, sp, pgc.tp)
+                work[f"Megatron {tag}"] = _python_work.per_step(_tp_step(*block, sp))
+        return work
+    finally:
+        mg.destroy_model_parallel(pgc)
 
 
 # -- main --------------------------------------------------------------------------------
