@@ -102,7 +102,7 @@ class CollectiveHandle:
         """What this handle waits for, e.g. ``all_reduce on group ranks [0, 1]
         (8 × float32) for 'grad reduce dense bucket group 0'``.
 
-        Given as the arguments of :func:`describe` (``describe_later(...)``) or a function,
+        Given as the arguments of ``describe`` (``describe_later(...)``) or a function,
         it is built on first read: a collective's text is needed only when it fails or is
         asked for, and formatting it (the group's ranks, the payload) costs more host time
         than issuing a small collective's bookkeeping."""
