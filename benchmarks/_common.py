@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -72,10 +73,14 @@ def round_bests(
     thread, which load from other processes inflates far less than wall time).
 
     Run on every rank at once. A round runs ``steps_per_round`` passes; a pass times every
-    step once, each after a barrier, in an order that rotates from pass to pass, so a burst
-    of load from other processes falls on all of them alike. A round's value is the best
-    of its samples (other processes only ever add time: the fastest is the least
-    disturbed measure of what a step costs).
+    step once, each after a barrier, in an order shuffled from pass to pass (seeded by the
+    pass, so the same on every rank), so a burst of load from other processes falls on all
+    of them alike and no step always follows the same other one: the step before leaves
+    the CPU caches holding its own code and data, and the rotation used before (a fixed
+    cyclic order) charged the step that always ran after DTensor's 10–15 % more (measured
+    on the TP block, issue 30). A round's value is the best of its samples (other
+    processes only ever add time: the fastest is the least disturbed measure of what a
+    step costs).
     """
     for step in steps.values():
         for _ in range(warmup):
@@ -90,7 +95,9 @@ def round_bests(
         cpu: dict[str, float] = dict.fromkeys(names, float("inf"))
         for _ in range(steps_per_round):
             turn += 1
-            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            order = list(names)
+            random.Random(turn).shuffle(order)
+            for name in order:
                 dist.barrier()
                 started, started_cpu = time.perf_counter(), time.process_time()
                 steps[name]()
