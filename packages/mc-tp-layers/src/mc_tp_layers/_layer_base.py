@@ -377,6 +377,10 @@ class ParallelLinear(TensorParallelModule):
             return params[name]
         return getattr(self, name)
 
+    def _steady_linear(self) -> bool:
+        """The layer uses the full linear function (``_forward_impl`` not overridden)."""
+        return type(self)._forward_impl is ParallelLinear._forward_impl
+
     def _forward_impl(
         self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
     ) -> torch.Tensor:

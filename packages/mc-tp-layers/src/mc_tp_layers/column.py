@@ -313,7 +313,7 @@ class ColumnParallelLinear(ParallelLinear):
             or not w.requires_grad
             or self.gtp_remat_size != 1
             or self.config.defer_embedding_wgrad_compute
-            or type(self)._forward_impl is not ParallelLinear._forward_impl  # not overridden
+            or not self._steady_linear()
         ):
             return None
         ndim = input_.dim()

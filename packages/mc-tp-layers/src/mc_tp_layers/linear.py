@@ -79,8 +79,7 @@ _NO_GRADS = (None,) * 8
 
 
 def _full_weight(weight: torch.Tensor, gtp_remat_size: int) -> torch.Tensor:
-    """The whole weight: ``weight`` itself, or its gtp_remat shards gathered. (Callers
-    test ``gtp_remat_size > 1`` first: the common case costs no call.)"""
+    """The whole weight: ``weight`` itself, or its gtp_remat shards gathered."""
     return gather_gtp_weight(weight) if gtp_remat_size > 1 else weight
 
 
@@ -127,10 +126,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.use_bias = bias is not None
         total_input = _comm.gather_first_dim(input, tp_group) if sequence_parallel else input
         return _linear_forward(
-            total_input,
-            _full_weight(weight, gtp_remat_size) if gtp_remat_size > 1 else weight,
-            bias,
-            output_dtype,
+            total_input, _full_weight(weight, gtp_remat_size), bias, output_dtype
         )
 
     @staticmethod
@@ -141,26 +137,17 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if grad_output.dtype != input.dtype:
             grad_output = grad_output.to(input.dtype)
         grad_output = grad_output.contiguous()
-        wgrad_now = opts.grad_output_buffer is None or _claim_wgrad(opts, grad_output)
+        wgrad_now = _claim_wgrad(opts, grad_output)
         gather = (
             _comm.start_gather_first_dim(input, opts.tp_group)
             if wgrad_now and opts.sequence_parallel
             else None
         )
-        gtp = opts.gtp_remat_size
-        grad_input = grad_output.matmul(_full_weight(weight, gtp) if gtp > 1 else weight)
+        grad_input = grad_output.matmul(_full_weight(weight, opts.gtp_remat_size))
         total_input = input if gather is None else gather.wait()
         dgrad_reduction = _start_dgrad_reduction(grad_input, opts)
         rows, total_rows = _flat(grad_output), _flat(total_input)  # once: for dW and db
-        if (
-            opts.gradient_accumulation_fusion
-            or gtp > 1
-            or rows.dtype != weight.dtype
-            or total_rows.dtype != weight.dtype
-        ):
-            grad_weight = _weight_grad(weight, ctx.main_grad, rows, total_rows, opts, wgrad_now)
-        else:  # the common case of _weight_grad, without its two calls
-            grad_weight = _wgrad_gemm(None, rows, total_rows)
+        grad_weight = _weight_grad(weight, ctx.main_grad, rows, total_rows, opts, wgrad_now)
         grad_bias = rows.sum(dim=0) if ctx.use_bias else None
         grad_input = grad_input if dgrad_reduction is None else dgrad_reduction.wait()
         return (grad_input, grad_weight, grad_bias, *_NO_GRADS)
@@ -505,10 +492,9 @@ def _apply_checked(
     """:func:`linear_with_grad_accumulation_and_async_allreduce` on arguments it checked
     before (a layer's steady-state forward, see ``ParallelLinear._steady_state``), without
     wgrad deferral or a gtp_remat shard: the same autograd function, the checks skipped."""
-    if input.is_cuda:
-        _warn_device_connections(input, sequence_parallel or allreduce_dgrad)
-    # Function.apply called directly (not through the typed ``apply``): once per layer call
-    out: torch.Tensor = LinearWithGradAccumulationAndAsyncCommunication.apply(  # type: ignore[no-untyped-call]
+    _warn_device_connections(input, sequence_parallel or allreduce_dgrad)
+    return apply(
+        LinearWithGradAccumulationAndAsyncCommunication,
         input,
         weight,
         bias,
@@ -521,7 +507,6 @@ def _apply_checked(
         1,
         output_dtype,
     )
-    return out
 
 
 def linear_with_frozen_weight(

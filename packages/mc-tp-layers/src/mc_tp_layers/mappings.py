@@ -408,12 +408,8 @@ def reduce_from_tensor_model_parallel_region(
 
 def reduce_layer_output(output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """:func:`reduce_from_tensor_model_parallel_region` of a layer's own GEMM output over
-    its checked TP group, summed in place (see :class:`_ReduceLayerOutput`). Per row
-    layer call: ``_tp_region`` written out (two calls fewer)."""
-    if group.size() == 1:
-        return output
-    reduced: torch.Tensor = _ReduceLayerOutput.apply(output, group)  # type: ignore[no-untyped-call]
-    return reduced
+    its checked TP group, summed in place (see :class:`_ReduceLayerOutput`)."""
+    return _tp_region(output, group, _ReduceLayerOutput)
 
 
 def scatter_to_tensor_model_parallel_region(

@@ -224,7 +224,7 @@ class RowParallelLinear(ParallelLinear):
             or type(input_) is not torch.Tensor
             or not w.requires_grad
             or self.gtp_remat_size != 1
-            or type(self)._forward_impl is not ParallelLinear._forward_impl  # not overridden
+            or not self._steady_linear()
         ):
             return None
         ndim = input_.dim()
