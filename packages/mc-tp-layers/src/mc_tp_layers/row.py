@@ -16,6 +16,10 @@ Collectives (W > 1)::
     sequence_parallel on:  forward  one reduce-scatter of Y      backward one all-gather
                                     along dim 0                           of dY along dim 0
 
+A forward whose arguments an earlier forward checked (the steady state) applies the GEMM
+and the reduction as one autograd node (:mod:`mc_tp_layers._reduced_linear`: same
+collectives, same values, one Python node less per call than two Functions).
+
 With ``input_is_parallel=False`` the input ``[.., k]`` is first split along its last dim
 (no communication; backward all-gathers dX). Experts (``is_expert`` with TP or EP > 1)
 return the partial sums: the MoE layer reduces them.
@@ -32,6 +36,7 @@ from mc_groups.errors import InputValueError
 from mc_tp_layers import _layer_base as base
 from mc_tp_layers._config import TensorParallelConfig, expert_parallel, gtp_remat_size
 from mc_tp_layers._layer_base import ParallelLinear
+from mc_tp_layers._reduced_linear import linear_then_reduce
 from mc_tp_layers._tp_groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, check_input, check_sequence, main_grad
 from mc_tp_layers.initialization import InitMethod, WeightInit
@@ -184,16 +189,7 @@ class RowParallelLinear(ParallelLinear):
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
         if steady is not None:
-            output_parallel = _apply_checked(
-                input_parallel,
-                steady.weight,
-                None,
-                self.gradient_accumulation_fusion,
-                False,
-                False,
-                self.tp_group,
-                None,
-            )
+            output = self._steady_linear_forward(input_parallel, steady.weight)
         else:
             output_parallel = self._forward_impl(
                 input=input_parallel,
@@ -206,7 +202,7 @@ class RowParallelLinear(ParallelLinear):
                 gtp_remat_size=self.gtp_remat_size,
             )
             self._remember_steady(key, self.weight, None, self.tp_group)
-        output = self._reduce(output_parallel)
+            output = self._reduce(output_parallel)
         bias = self._held("bias")
         if self.skip_bias_add or bias is None:
             return output, bias if self.skip_bias_add else None
@@ -248,6 +244,18 @@ class RowParallelLinear(ParallelLinear):
             self.sequence_parallel,
             self.explicit_expert_comm,
             id(self.tp_group),
+        )
+
+    def _steady_linear_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The linear and the output reduction of a checked signature: one autograd node
+        (:mod:`mc_tp_layers._reduced_linear`), or an expert's partial sums."""
+        if self.explicit_expert_comm:
+            return _apply_checked(
+                x, weight, None, self.gradient_accumulation_fusion, False, False,
+                self.tp_group, None,
+            )  # fmt: skip
+        return linear_then_reduce(
+            x, weight, self.gradient_accumulation_fusion, self.tp_group, self.sequence_parallel
         )
 
     def _reduce(self, output_parallel: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,19 @@ checked forward would: on 2 gloo ranks, ``ColumnParallelLinear(8 → 6)`` and
   as the full-matrix reference ``x · Wᵀ + b`` computed here in one process says;
 - a wrong input width raises the checked path's ``ValueError`` after steady forwards too;
 - the collectives recorded are the same for the checked and the steady forward.
+
+The row layer's steady forward applies its linear and the output reduction as one autograd
+node (``mc_tp_layers._reduced_linear``): with sequence parallelism off and on and with
+``gradient_accumulation_fusion``, three forward + backward calls give bitwise the checked
+call's output, dX, dW (or main_grad) and db, and its collectives, and match the one-process
+``x · Wᵀ + b`` and its gradients.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch.nn.utils import parametrize
 
@@ -21,7 +28,17 @@ import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools, error_kind
 
-from ._helpers import assert_close, chunk, config, randn, row_parallel, world
+from ._helpers import (
+    assert_close,
+    backward,
+    chunk,
+    config,
+    grad,
+    main_grad,
+    randn,
+    row_parallel,
+    world,
+)
 
 
 class _Double(torch.nn.Module):
@@ -94,3 +111,93 @@ def test_steady_forward_sees_new_params_parametrizations_and_bad_input(
         for key in ("row parametrized", "row parametrized again"):
             assert_close(res[key], h_full @ (6 * row_w).T - 4.0, key)
         assert res["bad width"].startswith("ValueError"), res["bad width"]
+
+
+def _graph_names(y: torch.Tensor) -> set[str]:
+    """The names of every autograd node behind ``y``."""
+    names, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None:
+            names.add(type(node).__name__)
+            todo.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+def _row_backward(sp: bool, fusion: bool) -> dict[str, Any]:
+    pgc = world(2)
+    assert pgc.tp is not None
+    rank = mg.group_rank(pgc.tp)
+    row = row_parallel(6, 8, config(2, sequence_parallel=sp), _init, pg_collection=pgc)
+    if fusion:
+        row.gradient_accumulation_fusion = True
+        row.weight.main_grad = torch.zeros_like(row.weight)  # type: ignore[attr-defined]
+    x = chunk(randn(4, 2, 6, seed=2), 2, rank, dim=-1).requires_grad_()
+    dy = randn(4, 2, 8, seed=5)
+    if sp:
+        dy = chunk(dy, 2, rank, dim=0)
+    out: dict[str, Any] = {"w": row.weight.detach().clone(), "calls": []}
+    for _ in range(3):  # the first forward checks, the others are steady
+        x.grad, row.weight.grad = None, None
+        assert row.bias is not None
+        row.bias.grad = None
+        with mg.record_collectives() as log:
+            y = row(x)[0]
+            names = _graph_names(y)
+            backward(y, dy)
+        out["calls"].append(
+            {
+                "y": y.detach(),
+                "dx": grad(x),
+                "dw": None if fusion else grad(row.weight),
+                "db": grad(row.bias),
+                "log": [(r.op, r.numel, r.label) for r in log],
+                "fused": "_LinearThenReduceBackward" in names,
+            }
+        )
+    out["main_grad"] = main_grad(row.weight).clone() if fusion else None
+    return out
+
+
+@pytest.mark.parametrize(("sp", "fusion"), [(False, False), (True, False), (False, True)])
+def test_steady_row_forward_is_one_node_with_the_checked_values_and_schedule(
+    rank_pools: RankPools, sp: bool, fusion: bool
+) -> None:
+    """The row layer's steady forward applies the linear and the output reduction as one
+    autograd node; output, dX, dW (or main_grad), db and the recorded collectives are
+    those of the checked forward (bitwise) and of ``x · Wᵀ + b`` in one process."""
+    results = rank_pools.get(2).run(_row_backward, sp, fusion)
+    x = randn(4, 2, 6, seed=2)
+    w = torch.cat([r["w"] for r in results], dim=1)  # [8, 6]: rank r holds columns 3r..3r+2
+    dy = randn(4, 2, 8, seed=5)
+    y_ref, dx_ref = x @ w.T, dy @ w
+    dw_ref = dy.reshape(-1, 8).T @ x.reshape(-1, 6)
+    for rank, res in enumerate(results):
+        mine, rows = (
+            slice(3 * rank, 3 * rank + 3),
+            slice(2 * rank, 2 * rank + 2) if sp else slice(None),
+        )
+        first, *steady = res["calls"]
+        assert [first["fused"], *(c["fused"] for c in steady)] == [False, True, True]
+        for call in steady:
+            for key in ("y", "dx", "dw", "db"):
+                assert (first[key] is None and call[key] is None) or torch.equal(
+                    first[key], call[key]
+                ), key
+            assert call["log"] == first["log"], (first["log"], call["log"])
+        assert_close(first["y"], y_ref[rows], "y")
+        assert_close(first["dx"], dx_ref[..., mine], "dX")
+        assert_close(first["db"], dy[rows].sum(dim=(0, 1)), "db")
+        if fusion:
+            assert_close(res["main_grad"], 3 * dw_ref[:, mine], "main_grad after 3 calls")
+        else:
+            assert_close(first["dw"], dw_ref[:, mine], "dW")
+        expected = (
+            [
+                ("reduce_scatter", 4 * 2 * 8, "tp reduce-scatter dim 0"),
+                ("all_gather", 4 * 2 * 8 // 2, "tp gather dim 0"),  # this rank's part,
+            ]
+            if sp
+            else [("all_reduce", 4 * 2 * 8, "tp all-reduce")]
+        )
+        assert first["log"] == expected, first["log"]
