@@ -109,6 +109,28 @@ def round_bests(
     return bests
 
 
+def pass_cpu_times(
+    steps: Mapping[str, Step], *, warmup: int, passes: int
+) -> dict[str, list[float]]:
+    """Each step's CPU time (``process_time``) in every pass, on this process alone (no
+    barrier: for one process over torch's fake process group). A pass times every step
+    once, in an order shuffled from pass to pass as in :func:`round_bests`. For steps long
+    enough (tens of ms) that the fastest of a few samples is itself noisy on a shared
+    machine: the caller takes medians over many passes, or pairs the steps of one pass."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for turn in range(passes):
+        order = list(steps)
+        random.Random(turn).shuffle(order)
+        for name in order:
+            started = time.process_time()
+            steps[name]()
+            times[name].append(time.process_time() - started)
+    return times
+
+
 def slowest_medians(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """Per step, the slower rank's median (``per_rank[r]["medians"]``): what the step costs."""
     return {k: max(r["medians"][k] for r in per_rank) for k in per_rank[0]["medians"]}

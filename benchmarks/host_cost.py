@@ -35,6 +35,18 @@ with the quartiles of the per-round ratios. Target: mc ≤ Megatron (median rati
 the Python each block runs per step, counted (:mod:`benchmarks._python_work`): a figure that
 does not move with the load.
 
+DDP host cost alone (``--part ddp-host``): the DDP models of ``--sizes`` in one process,
+rank 0 of 2 over the fake process group, so gloo's all-reduce and the wait for the other
+rank (whose run-to-run spread on 2 ranks is larger than the difference between the
+libraries' hooks) are not timed; mc and Megatron-Core only (torch DDP's C++ reducer does
+not run over the fake group). A step of 1,000 params takes ~25 ms, 5,000 ~120 ms: the
+fastest of a few such steps moves by more than the libraries differ on a shared machine,
+so this part times ``--rounds`` × ``--steps`` passes (each variant once per pass, order
+shuffled per pass, CPU clock) and takes medians over all passes: host cost per param =
+(median DDP step − median local step) / params; also the paired per-pass difference
+mc − Megatron (median and quartiles), and the Python each DDP runs per param per step,
+counted. Target: mc ≤ Megatron at 1,000 and 5,000 params.
+
 Timing: ``--rounds`` rounds (≥ 3) of ``--steps`` passes; a pass times every variant once,
 each after a barrier, in an order that rotates from pass to pass; two clocks: wall time and
 the process's CPU time (which load from other processes on a shared machine disturbs far
@@ -46,7 +58,7 @@ cost per call (:mod:`benchmarks._phase_profile`). Targets: per-param DDP cost of
 ≤ 1.2 × torch DDP's at 1,000 and 5,000 params; the TP block ≤ Megatron's, SP off and on.
 Exits 1 when a target that could be measured is missed. From the repository root::
 
-    python -m benchmarks.host_cost [--rounds N] [--steps N] [--part ddp|tp|tp-host|both]
+    python -m benchmarks.host_cost [--rounds N] [--steps N] [--part ddp|ddp-host|tp|tp-host|both]
     MC_MEGATRON_SHIM=<dir with cpu_shim.py> <python with megatron-core> -m benchmarks.host_cost
 """
 
@@ -232,6 +244,71 @@ def _measure_ddp(params: int, rounds: int, steps: int, warmup: int, prof: bool) 
         return {"bests": bests, "diffs": diffs, "megatron": why, "profiles": profiles}
     finally:
         mg.destroy_model_parallel(pgc)
+
+
+def _ddp_host_only(params: int, passes: int, warmup: int) -> dict[str, Any]:
+    """In the fake world (rank 0 of 2, module notes): the local model, mc's and
+    Megatron-Core's DDP of one size, CPU time per pass and Python per step."""
+    pgc = mg.initialize_model_parallel()
+    try:
+        core, why = _host_peers.import_megatron()
+        variants = {LOCAL: _local(params)[0], MC: _mc_ddp(params, pgc)[0]}
+        if core is not None:
+            ddp = _host_peers.megatron_ddp(core, pgc, _model(params), overlap_grad_reduce=True)
+            variants[MEGATRON] = _wrapped(ddp)
+        times = _common.pass_cpu_times(variants, warmup=warmup, passes=passes)
+        work = {n: _python_work.per_step(s, steps=2) for n, s in variants.items() if n != LOCAL}
+        return {"times": times, "megatron": why, "work": work}
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def _ddp_host_rows(sizes: Sequence[int], passes: int, warmup: int) -> tuple[list[str], bool]:
+    """DDP's host cost per param alone (``--part ddp-host``): table and verdict."""
+    with _host_peers.fake_world(2) as why_not:
+        if why_not is not None:
+            return [f"DDP host cost alone: skipped ({why_not})"], True
+        results = {n: _ddp_host_only(n, passes, warmup) for n in sizes}
+    lines = [
+        next(iter(results.values()))["megatron"],
+        "| params | local step (ms) | Megatron µs/param | mc µs/param | mc / Megatron | "
+        "mc − Megatron per pass, µs/param (quartiles) | Python per param: instructions / "
+        "calls, mc; Megatron | target |",
+        "|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    ok = True
+    for params, result in results.items():
+        times, work = result["times"], result["work"]
+        med = {n: statistics.median(v) for n, v in times.items()}
+        cost = {n: (med[n] - med[LOCAL]) / params * 1e6 for n in med if n != LOCAL}
+        python = _per_param(work[MC], params)
+        ratio = paired = meg = verdict = "—"
+        if MEGATRON in cost:
+            diffs = [
+                (a - b) / params * 1e6 for a, b in zip(times[MC], times[MEGATRON], strict=True)
+            ]
+            q = statistics.quantiles(diffs, n=4, method="inclusive")
+            paired = f"{q[1]:+.2f} ({q[0]:+.2f} – {q[2]:+.2f})"
+            ratio, meg = f"{cost[MC] / cost[MEGATRON]:.3f}", f"{cost[MEGATRON]:.2f}"
+            python += f"; {_per_param(work[MEGATRON], params)}"
+            if params in TARGET_SIZES:
+                met = cost[MC] <= cost[MEGATRON]
+                verdict = f"≤ Megatron: {'met' if met else 'MISSED'}"
+                ok &= met
+        lines.append(
+            f"| {params:,} | {med[LOCAL] * 1e3:.1f} | {meg} | {cost[MC]:.2f} | {ratio} | "
+            f"{paired} | {python} | {verdict} |"
+        )
+    lines.append(
+        "(torch DDP is not in this table: its C++ reducer does not run over the fake process "
+        "group; it is in `--part ddp`.)"
+    )
+    return lines, ok
+
+
+def _per_param(work: tuple[float, float], params: int) -> str:
+    """Counted Python per step as instructions / calls per param."""
+    return f"{work[0] / params:.0f} / {work[1] / params:.1f}"
 
 
 def _per_round_slowest(per_rank: Sequence[dict[str, Any]], clock: str) -> dict[str, list[float]]:
@@ -420,7 +497,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (>= 3)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
-    parser.add_argument("--part", choices=("ddp", "tp", "tp-host", "both"), default="both")
+    parser.add_argument(
+        "--part", choices=("ddp", "ddp-host", "tp", "tp-host", "both"), default="both"
+    )
     parser.add_argument(
         "--sizes", type=int, nargs="+", default=list(SIZES), help="DDP params per model"
     )
@@ -442,6 +521,10 @@ def _print_profiles(profiles: dict[str, dict[str, float]], calls: int, per: int,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    if args.part == "ddp-host":
+        lines, ok = _ddp_host_rows(args.sizes, args.rounds * args.steps, args.warmup)
+        print("\n".join(lines))
+        return 0 if ok else 1
     if args.part == "tp-host":
         lines, ok = _host_only_rows(args.rounds, args.steps, args.warmup)
         print("\n".join(lines))
