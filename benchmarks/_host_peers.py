@@ -119,3 +119,16 @@ def fake_world(world_size: int) -> Iterator[str | None]:
         yield None
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def one_rank_world() -> Iterator[None]:
+    """This process as the only rank of a gloo world (an in-memory store): every library's
+    DDP runs as it does on more ranks (hooks, buckets, one collective per bucket), but no
+    peer is waited for and a collective is a local copy."""
+    store = dist.HashStore()  # type: ignore[attr-defined]  # not re-exported in the stubs
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
