@@ -30,8 +30,10 @@ torch's fake process group (its collectives return at once), so what is timed is
 Python and dispatch work (checks, autograd functions, collective wrappers, GEMM calls) and
 not gloo's latency, whose run-to-run spread on 2 ranks (±5 %) is larger than the
 differences between the libraries. ``--rounds`` × 6 rounds of ``--steps`` × 2 passes,
-rotating order, CPU clock, a round's fastest pass; the ratio is that of the medians, shown
-with the quartiles of the per-round ratios. Target: mc ≤ Megatron (median ratio ≤ 1). Then
+order shuffled per pass, CPU clock, a round's fastest pass; the ratio is that of the
+medians, shown with the quartiles of the per-round ratios. Target: mc ≤ Megatron (median
+ratio ≤ 1). ``--no-dtensor`` leaves DTensor's blocks out, so mc's and Megatron's steps run
+after each other (warm caches) rather than after DTensor's 2–3 ms steps. Then
 the Python each block runs per step, counted (:mod:`benchmarks._python_work`): a figure that
 does not move with the load.
 
@@ -387,7 +389,9 @@ def _tp_step(block: _host_peers.Block, params: Sequence[torch.Tensor], sp: bool)
     return step
 
 
-def _measure_tp(rounds: int, steps: int, warmup: int, prof: bool) -> dict[str, Any]:
+def _measure_tp(
+    rounds: int, steps: int, warmup: int, prof: bool, dtensor: bool = True
+) -> dict[str, Any]:
     """On every rank: the TP block of every library, SP off and on, timed in rounds."""
     torch.set_num_threads(1)
     pgc = mg.initialize_model_parallel(tensor_model_parallel_size=TP)
@@ -400,7 +404,9 @@ def _measure_tp(rounds: int, steps: int, warmup: int, prof: bool) -> dict[str, A
             if core is not None:
                 block = _host_peers.megatron_block(core, H, TP, sp, pgc.tp)
                 variants[f"Megatron {tag}"] = _tp_step(*block, sp)
-            variants[f"DTensor {tag}"] = _tp_step(*_host_peers.dtensor_block(H, TP, sp), sp)
+            if dtensor:
+                block = _host_peers.dtensor_block(H, TP, sp)
+                variants[f"DTensor {tag}"] = _tp_step(*block, sp)
         bests = _common.round_bests(variants, warmup=warmup, rounds=rounds, steps_per_round=steps)
         profiles: dict[str, dict[str, float]] = {}
         if prof:  # on every rank: the steps communicate
@@ -441,12 +447,12 @@ def _tp_rows(per_rank: Sequence[dict[str, Any]]) -> tuple[list[str], bool]:
     return lines, ok
 
 
-def _host_only_rows(rounds: int, steps: int, warmup: int) -> tuple[list[str], bool]:
+def _host_only_rows(rounds: int, steps: int, warmup: int, dtensor: bool) -> tuple[list[str], bool]:
     """The TP block's host time alone (module notes), in this process; table and verdict."""
     with _host_peers.fake_world(TP) as why_not:
         if why_not is not None:
             return [f"TP host time alone: skipped ({why_not})"], True
-        result = _measure_tp(rounds * 6, steps * 2, warmup, False)
+        result = _measure_tp(rounds * 6, steps * 2, warmup, False, dtensor)
         work = _tp_python_work()
     cpu = result["bests"]["cpu"]
     lines = [
@@ -455,7 +461,7 @@ def _host_only_rows(rounds: int, steps: int, warmup: int) -> tuple[list[str], bo
     ]
     ok = True
     for tag in ("SP off", "SP on"):
-        mc, dt = cpu[f"mc {tag}"], cpu[f"DTensor {tag}"]
+        mc, dt = cpu[f"mc {tag}"], cpu.get(f"DTensor {tag}")
         meg = cpu.get(f"Megatron {tag}")
         shown, verdict = "—", ""
         if meg is not None:
@@ -467,9 +473,10 @@ def _host_only_rows(rounds: int, steps: int, warmup: int) -> tuple[list[str], bo
             verdict = f"≤ Megatron: {'met' if ratio <= 1.0 else 'MISSED'}"
             ok &= ratio <= 1.0
         meg_us = "—" if meg is None else f"{statistics.median(meg) * 1e6:.0f}"
+        dt_us = "—" if dt is None else f"{statistics.median(dt) * 1e6:.0f}"
         lines.append(
-            f"| {tag[3:]} | {statistics.median(mc) * 1e6:.0f} | {meg_us} | "
-            f"{statistics.median(dt) * 1e6:.0f} | {shown} | {verdict} |"
+            f"| {tag[3:]} | {statistics.median(mc) * 1e6:.0f} | {meg_us} | {dt_us} | {shown} "
+            f"| {verdict} |"
         )
     lines += ["", "Python run per step (bytecode instructions / Python-level calls, counted):"]
     lines += [f"- {name}: {ops:,.0f} / {calls:,.0f}" for name, (ops, calls) in work.items()]
@@ -509,6 +516,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--sizes", type=int, nargs="+", default=list(SIZES), help="DDP params per model"
     )
     parser.add_argument("--no-profile", action="store_true", help="skip the phase profiles")
+    parser.add_argument(
+        "--no-dtensor",
+        action="store_true",
+        help="tp-host: time mc and Megatron only (each right after the other or itself)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 3:
         parser.error("--rounds must be >= 3 (a ratio from fewer rounds is noise)")
@@ -531,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(lines))
         return 0 if ok else 1
     if args.part == "tp-host":
-        lines, ok = _host_only_rows(args.rounds, args.steps, args.warmup)
+        lines, ok = _host_only_rows(args.rounds, args.steps, args.warmup, not args.no_dtensor)
         print("\n".join(lines))
         return 0 if ok else 1
     ok = True
