@@ -214,16 +214,25 @@ def _first_grad(name: str, model: nn.Module) -> torch.Tensor:
     return grad.detach().clone()
 
 
+def _ddp_variants(
+    params: int, pgc: mg.ProcessGroupCollection
+) -> tuple[dict[str, tuple[Step, nn.Module]], str]:
+    """The local model and every library's DDP of ``params`` params (Megatron-Core's when it
+    imports), each as (step, module), and the line saying which Megatron-Core ran."""
+    core, why = _host_peers.import_megatron()
+    variants = {LOCAL: _local(params), TORCH: _torch_ddp(params), MC: _mc_ddp(params, pgc)}
+    if core is not None:
+        ddp = _host_peers.megatron_ddp(core, pgc, _model(params), overlap_grad_reduce=True)
+        variants[MEGATRON] = (_wrapped(ddp), ddp)
+    return variants, why
+
+
 def _measure_ddp(params: int, rounds: int, steps: int, warmup: int, prof: bool) -> dict[str, Any]:
     """On every rank: build the variants of one size, check their grads agree, time them."""
     torch.set_num_threads(1)
     pgc = mg.initialize_model_parallel()
     try:
-        core, why = _host_peers.import_megatron()
-        variants = {LOCAL: _local(params), TORCH: _torch_ddp(params), MC: _mc_ddp(params, pgc)}
-        if core is not None:
-            ddp = _host_peers.megatron_ddp(core, pgc, _model(params), overlap_grad_reduce=True)
-            variants[MEGATRON] = (_wrapped(ddp), ddp)
+        variants, why = _ddp_variants(params, pgc)
         for step, _ in variants.values():
             step()
         # the local grad is this rank's; the DDP ones are averaged over both ranks
@@ -257,11 +266,7 @@ def _ddp_host_only(params: int, passes: int, warmup: int) -> dict[str, Any]:
     torch.set_num_threads(1)  # as on the ranks (the CPU clock counts every thread)
     pgc = mg.initialize_model_parallel()
     try:
-        core, why = _host_peers.import_megatron()
-        variants = {LOCAL: _local(params), TORCH: _torch_ddp(params), MC: _mc_ddp(params, pgc)}
-        if core is not None:
-            ddp = _host_peers.megatron_ddp(core, pgc, _model(params), overlap_grad_reduce=True)
-            variants[MEGATRON] = (_wrapped(ddp), ddp)
+        variants, why = _ddp_variants(params, pgc)
         steps = {n: s for n, (s, _) in variants.items()}
         times = _common.pass_cpu_times(steps, warmup=warmup, passes=passes)
         work = {n: _python_work.per_step(steps[n], steps=2) for n in (MC, MEGATRON) if n in steps}
