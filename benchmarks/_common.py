@@ -109,14 +109,19 @@ def round_bests(
     return bests
 
 
-def pass_cpu_times(
-    steps: Mapping[str, Step], *, warmup: int, passes: int
+def pass_times(
+    steps: Mapping[str, Step],
+    *,
+    warmup: int,
+    passes: int,
+    clock: Callable[[], float] = time.process_time,
 ) -> dict[str, list[float]]:
-    """Each step's CPU time (``process_time``) in every pass, on this process alone (no
-    barrier: for one process over torch's fake process group). A pass times every step
-    once, in an order shuffled from pass to pass as in :func:`round_bests`. For steps long
-    enough (tens of ms) that the fastest of a few samples is itself noisy on a shared
-    machine: the caller takes medians over many passes, or pairs the steps of one pass."""
+    """Each step's time on ``clock`` (default: this process's CPU time) in every pass, on
+    this process alone (no barrier: for one process as the only rank, or over torch's fake
+    process group). A pass times every step once, in an order shuffled from pass to pass
+    as in :func:`round_bests`. For steps long enough (tens of ms) that the fastest of a few
+    samples is itself noisy on a shared machine: the caller takes medians over many passes,
+    or pairs the steps of one pass."""
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -125,9 +130,9 @@ def pass_cpu_times(
         order = list(steps)
         random.Random(turn).shuffle(order)
         for name in order:
-            started = time.process_time()
+            started = clock()
             steps[name]()
-            times[name].append(time.process_time() - started)
+            times[name].append(clock() - started)
     return times
 
 

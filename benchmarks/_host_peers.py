@@ -32,6 +32,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import mc_groups as mg
 from benchmarks import _common
 
+CPU = torch.device("cpu")
+
 SHIM_VARIABLE = "MC_MEGATRON_SHIM"
 
 Block = Callable[[torch.Tensor], torch.Tensor]
@@ -77,22 +79,29 @@ def megatron_ddp(
     )
 
 
-def megatron_block(core: ModuleType, h: int, tp: int, sp: bool, group: Any) -> tuple[Block, list]:  # type: ignore[type-arg]
-    """Megatron-Core's ``Column(h → 4h) → GELU → Row(4h → h)`` over ``group`` and its params."""
+def megatron_block(
+    core: ModuleType, h: int, tp: int, sp: bool, group: Any, device: torch.device = CPU
+) -> tuple[Block, list]:  # type: ignore[type-arg]
+    """Megatron-Core's ``Column(h → 4h) → GELU → Row(4h → h)`` over ``group`` and its params
+    (on ``device``: CPU initialisation on CPU, else Megatron's own on the current GPU)."""
     tpl, state = core.tensor_parallel, core.parallel_state
     if state._GLOBAL_MEMORY_BUFFER is None:  # SP's all-gather staging (parallel_state's)
         state._set_global_memory_buffer()
     config = core.model_parallel_config.ModelParallelConfig(
-        tensor_model_parallel_size=tp, sequence_parallel=sp, use_cpu_initialization=True
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sp,
+        use_cpu_initialization=device.type == "cpu",
     )
     return _common.column_row_block(tpl, h, config, tp_group=group)
 
 
-def dtensor_block(h: int, tp: int, sp: bool) -> tuple[Block, list[torch.Tensor]]:
+def dtensor_block(
+    h: int, tp: int, sp: bool, device: torch.device = CPU
+) -> tuple[Block, list[torch.Tensor]]:
     """The same block as ``nn.Sequential`` parallelised by ``torch.distributed.tensor``."""
-    mesh = init_device_mesh("cpu", (tp,))
+    mesh = init_device_mesh(device.type, (tp,))
     torch.manual_seed(0)
-    block = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+    block = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)).to(device)
     if sp:
         plan = {
             "0": ColwiseParallel(input_layouts=Shard(0)),
@@ -122,12 +131,15 @@ def fake_world(world_size: int) -> Iterator[str | None]:
 
 
 @contextmanager
-def one_rank_world() -> Iterator[None]:
-    """This process as the only rank of a gloo world (an in-memory store): every library's
-    DDP runs as it does on more ranks (hooks, buckets, one collective per bucket), but no
-    peer is waited for and a collective is a local copy."""
+def one_rank_world(device: torch.device) -> Iterator[None]:
+    """This process as the only rank of a world (an in-memory store; gloo on CPU, NCCL on
+    a GPU): every library's DDP runs as it does on more ranks (hooks, buckets, one
+    collective per bucket), but no peer is waited for and a collective is a local copy."""
     store = dist.HashStore()  # type: ignore[attr-defined]  # not re-exported in the stubs
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
     try:
         yield
     finally:

@@ -71,9 +71,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import statistics
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,7 @@ TORCH_LIMIT = 1.2  # mc's per-param cost ≤ 1.2 × torch DDP's
 H, SEQ, TP_BATCH, TP = 32, 16, 2, 2
 PROFILE_ROUNDS, PROFILE_CALLS, TP_PROFILE_CALLS = 5, 3, 40  # profiles: rounds × steps
 LOCAL, TORCH, MEGATRON, MC = "local", "torch DDP", "Megatron DDP", "mc DDP"
+CPU = torch.device("cpu")
 
 DDP_PHASES = _phase_profile.rules(
     by_name={
@@ -156,17 +159,18 @@ TP_PHASES = _phase_profile.rules(
 # -- DDP ---------------------------------------------------------------------------------
 
 
-def _model(params: int) -> nn.Sequential:
+def _model(params: int, device: torch.device = CPU) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(params // 2)])
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(params // 2)]).to(device)
 
 
-def _batch() -> torch.Tensor:
-    return torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+def _batch(device: torch.device = CPU) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    return torch.randn(BATCH, WIDTH, generator=gen).to(device)
 
 
-def _local(params: int) -> tuple[Step, nn.Module]:
-    model, x = _model(params), _batch()
+def _local(params: int, device: torch.device = CPU) -> tuple[Step, nn.Module]:
+    model, x = _model(params, device), _batch(device)
     weights = list(model.parameters())
 
     def step() -> None:
@@ -177,9 +181,11 @@ def _local(params: int) -> tuple[Step, nn.Module]:
     return step, model
 
 
-def _torch_ddp(params: int) -> tuple[Step, nn.Module]:
-    model = nn.parallel.DistributedDataParallel(_model(params), gradient_as_bucket_view=True)
-    opt, x = torch.optim.SGD(model.parameters(), lr=0.0), _batch()
+def _torch_ddp(params: int, device: torch.device = CPU) -> tuple[Step, nn.Module]:
+    model = nn.parallel.DistributedDataParallel(
+        _model(params, device), gradient_as_bucket_view=True
+    )
+    opt, x = torch.optim.SGD(model.parameters(), lr=0.0), _batch(device)
 
     def step() -> None:
         opt.zero_grad(set_to_none=False)
@@ -188,8 +194,8 @@ def _torch_ddp(params: int) -> tuple[Step, nn.Module]:
     return step, model
 
 
-def _wrapped(ddp: Any) -> Step:
-    x = _batch()
+def _wrapped(ddp: Any, device: torch.device = CPU) -> Step:
+    x = _batch(device)
 
     def step() -> None:
         ddp.zero_grad_buffer()
@@ -199,12 +205,14 @@ def _wrapped(ddp: Any) -> Step:
     return step
 
 
-def _mc_ddp(params: int, pgc: mg.ProcessGroupCollection) -> tuple[Step, nn.Module]:
+def _mc_ddp(
+    params: int, pgc: mg.ProcessGroupCollection, device: torch.device = CPU
+) -> tuple[Step, nn.Module]:
     config = DistributedDataParallelConfig(overlap_grad_reduce=True)
     ddp = DistributedDataParallel(
-        mg.ModelParallelConfig(), config, _model(params), pg_collection=pgc
+        mg.ModelParallelConfig(), config, _model(params, device), pg_collection=pgc
     )
-    return _wrapped(ddp), ddp
+    return _wrapped(ddp, device), ddp
 
 
 def _first_grad(name: str, model: nn.Module) -> torch.Tensor:
@@ -215,15 +223,20 @@ def _first_grad(name: str, model: nn.Module) -> torch.Tensor:
 
 
 def _ddp_variants(
-    params: int, pgc: mg.ProcessGroupCollection
+    params: int, pgc: mg.ProcessGroupCollection, device: torch.device = CPU
 ) -> tuple[dict[str, tuple[Step, nn.Module]], str]:
     """The local model and every library's DDP of ``params`` params (Megatron-Core's when it
     imports), each as (step, module), and the line saying which Megatron-Core ran."""
     core, why = _host_peers.import_megatron()
-    variants = {LOCAL: _local(params), TORCH: _torch_ddp(params), MC: _mc_ddp(params, pgc)}
+    variants = {
+        LOCAL: _local(params, device),
+        TORCH: _torch_ddp(params, device),
+        MC: _mc_ddp(params, pgc, device),
+    }
     if core is not None:
-        ddp = _host_peers.megatron_ddp(core, pgc, _model(params), overlap_grad_reduce=True)
-        variants[MEGATRON] = (_wrapped(ddp), ddp)
+        model = _model(params, device)
+        ddp = _host_peers.megatron_ddp(core, pgc, model, overlap_grad_reduce=True)
+        variants[MEGATRON] = (_wrapped(ddp, device), ddp)
     return variants, why
 
 
@@ -260,27 +273,48 @@ def _measure_ddp(params: int, rounds: int, steps: int, warmup: int, prof: bool) 
         mg.destroy_model_parallel(pgc)
 
 
-def _ddp_host_only(params: int, passes: int, warmup: int) -> dict[str, Any]:
+def _ddp_host_only(params: int, passes: int, warmup: int, device: torch.device) -> dict[str, Any]:
     """In a one-rank world (module notes): the local model and every library's DDP of one
-    size, CPU time per pass, and the Python mc's and Megatron-Core's DDP run per step."""
+    size, time per pass (:func:`_clock`), and the Python mc's and Megatron-Core's DDP run
+    per step."""
     torch.set_num_threads(1)  # as on the ranks (the CPU clock counts every thread)
     pgc = mg.initialize_model_parallel()
     try:
-        variants, why = _ddp_variants(params, pgc)
-        steps = {n: s for n, (s, _) in variants.items()}
-        times = _common.pass_cpu_times(steps, warmup=warmup, passes=passes)
+        variants, why = _ddp_variants(params, pgc, device)
+        steps = {n: _synced(s, device) for n, (s, _) in variants.items()}
+        times = _common.pass_times(steps, warmup=warmup, passes=passes, clock=_clock(device))
         work = {n: _python_work.per_step(steps[n], steps=2) for n in (MC, MEGATRON) if n in steps}
         return {"times": times, "megatron": why, "work": work}
     finally:
         mg.destroy_model_parallel(pgc)
 
 
-def _ddp_host_rows(sizes: Sequence[int], passes: int, warmup: int) -> tuple[list[str], bool]:
+def _clock(device: torch.device) -> Callable[[], float]:
+    """CPU time on CPU; on a GPU wall time of a step that ends synchronised (a CUDA sync
+    spins on the CPU, so CPU time would count the GPU's work as host work)."""
+    return time.perf_counter if device.type == "cuda" else time.process_time
+
+
+def _synced(step: Step, device: torch.device) -> Step:
+    """``step``, followed on a GPU by a device synchronisation (the GPU's work counted)."""
+    if device.type != "cuda":
+        return step
+
+    def synced() -> None:
+        step()
+        torch.cuda.synchronize(device)
+
+    return synced
+
+
+def _ddp_host_rows(
+    sizes: Sequence[int], passes: int, warmup: int, device: torch.device
+) -> tuple[list[str], bool]:
     """DDP's host cost per param alone (``--part ddp-host``): table and verdicts."""
-    with _host_peers.one_rank_world():
-        results = {n: _ddp_host_only(n, passes, warmup) for n in sizes}
+    with _host_peers.one_rank_world(device):
+        results = {n: _ddp_host_only(n, passes, warmup, device) for n in sizes}
     lines = [
-        next(iter(results.values()))["megatron"],
+        f"{next(iter(results.values()))['megatron']}; {device.type}, {_clock(device).__name__}",
         "| params | local step (ms) | torch DDP µs/param | Megatron µs/param | mc µs/param | "
         "mc / torch | mc / Megatron | mc − Megatron per pass, µs/param (quartiles) | "
         "Python per param: instructions / calls, mc; Megatron | targets |",
@@ -373,16 +407,26 @@ DDP_HEADER = [
 # -- TP ----------------------------------------------------------------------------------
 
 
-def _mc_block(sp: bool, pgc: mg.ProcessGroupCollection) -> tuple[_host_peers.Block, list[Any]]:
+def _mc_block(
+    sp: bool, pgc: mg.ProcessGroupCollection, device: torch.device = CPU
+) -> tuple[_host_peers.Block, list[Any]]:
     config = mg.ModelParallelConfig(
-        tensor_model_parallel_size=TP, sequence_parallel=sp, use_cpu_initialization=True
+        tensor_model_parallel_size=TP,
+        sequence_parallel=sp,
+        use_cpu_initialization=device.type == "cpu",  # else on the current CUDA device
     )
     return _common.column_row_block(tpl, H, config, pg_collection=pgc)
 
 
-def _tp_step(block: _host_peers.Block, params: Sequence[torch.Tensor], sp: bool) -> Step:
+def _tp_step(
+    block: _host_peers.Block,
+    params: Sequence[torch.Tensor],
+    sp: bool,
+    device: torch.device = CPU,
+) -> Step:
     full = torch.randn(SEQ, TP_BATCH, H, generator=torch.Generator().manual_seed(1))
-    x = (full.chunk(TP, dim=0)[dist.get_rank()] if sp else full).contiguous().requires_grad_()
+    x = (full.chunk(TP, dim=0)[dist.get_rank()] if sp else full).contiguous().to(device)
+    x.requires_grad_()
 
     def step() -> None:
         x.grad = None
@@ -394,8 +438,27 @@ def _tp_step(block: _host_peers.Block, params: Sequence[torch.Tensor], sp: bool)
     return step
 
 
+def _tp_blocks(
+    sp: bool, pgc: mg.ProcessGroupCollection, core: Any, dtensor: bool, device: torch.device
+) -> dict[str, Step]:
+    """The TP block of mc, Megatron-Core (when ``core`` imported) and DTensor (when
+    ``dtensor``) for one SP setting, as steps named ``"<library> SP on|off"``."""
+    tag = f"SP {'on' if sp else 'off'}"
+    blocks = {f"mc {tag}": _mc_block(sp, pgc, device)}
+    if core is not None:
+        blocks[f"Megatron {tag}"] = _host_peers.megatron_block(core, H, TP, sp, pgc.tp, device)
+    if dtensor:
+        blocks[f"DTensor {tag}"] = _host_peers.dtensor_block(H, TP, sp, device)
+    return {name: _synced(_tp_step(*b, sp, device), device) for name, b in blocks.items()}
+
+
 def _measure_tp(
-    rounds: int, steps: int, warmup: int, prof: bool, dtensor: bool = True
+    rounds: int,
+    steps: int,
+    warmup: int,
+    prof: bool,
+    dtensor: bool = True,
+    device: torch.device = CPU,
 ) -> dict[str, Any]:
     """On every rank: the TP block of every library, SP off and on, timed in rounds."""
     torch.set_num_threads(1)
@@ -404,14 +467,7 @@ def _measure_tp(
         core, why = _host_peers.import_megatron()
         variants: dict[str, Step] = {}
         for sp in (False, True):
-            tag = f"SP {'on' if sp else 'off'}"
-            variants[f"mc {tag}"] = _tp_step(*_mc_block(sp, pgc), sp)
-            if core is not None:
-                block = _host_peers.megatron_block(core, H, TP, sp, pgc.tp)
-                variants[f"Megatron {tag}"] = _tp_step(*block, sp)
-            if dtensor:
-                block = _host_peers.dtensor_block(H, TP, sp)
-                variants[f"DTensor {tag}"] = _tp_step(*block, sp)
+            variants |= _tp_blocks(sp, pgc, core, dtensor, device)
         bests = _common.round_bests(variants, warmup=warmup, rounds=rounds, steps_per_round=steps)
         profiles: dict[str, dict[str, float]] = {}
         if prof:  # on every rank: the steps communicate
@@ -452,17 +508,22 @@ def _tp_rows(per_rank: Sequence[dict[str, Any]]) -> tuple[list[str], bool]:
     return lines, ok
 
 
-def _host_only_rows(rounds: int, steps: int, warmup: int, dtensor: bool) -> tuple[list[str], bool]:
+def _host_only_rows(
+    rounds: int, steps: int, warmup: int, dtensor: bool, device: torch.device
+) -> tuple[list[str], bool]:
     """The TP block's host time alone (module notes), in this process; table and verdict."""
     with _host_peers.fake_world(TP) as why_not:
         if why_not is not None:
             return [f"TP host time alone: skipped ({why_not})"], True
-        result = _measure_tp(rounds * 6, steps * 2, warmup, False, dtensor)
-        work = _tp_python_work()
-    cpu = result["bests"]["cpu"]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        result = _measure_tp(rounds * 6, steps * 2, warmup, False, dtensor, device)
+        work = _tp_python_work(device)
+    cpu = result["bests"]["wall" if device.type == "cuda" else "cpu"]  # see _clock
     lines = [
-        "| SP | mc (µs) | Megatron (µs) | DTensor (µs) | mc / Megatron (quartiles) | target |",
-        "|---|---:|---:|---:|---|---|",
+        "| SP | mc (µs) | Megatron (µs) | DTensor (µs) | mc / Megatron (quartiles) | "
+        "mc / DTensor | target |",
+        "|---|---:|---:|---:|---|---:|---|",
     ]
     ok = True
     for tag in ("SP off", "SP on"):
@@ -479,29 +540,26 @@ def _host_only_rows(rounds: int, steps: int, warmup: int, dtensor: bool) -> tupl
             ok &= ratio <= 1.0
         meg_us = "—" if meg is None else f"{statistics.median(meg) * 1e6:.0f}"
         dt_us = "—" if dt is None else f"{statistics.median(dt) * 1e6:.0f}"
+        vs_dt = "—" if dt is None else f"{statistics.median(mc) / statistics.median(dt):.3f}"
         lines.append(
             f"| {tag[3:]} | {statistics.median(mc) * 1e6:.0f} | {meg_us} | {dt_us} | {shown} "
-            f"| {verdict} |"
+            f"| {vs_dt} | {verdict} |"
         )
     lines += ["", "Python run per step (bytecode instructions / Python-level calls, counted):"]
     lines += [f"- {name}: {ops:,.0f} / {calls:,.0f}" for name, (ops, calls) in work.items()]
-    return [result["megatron"], *lines], ok
+    return [f"{result['megatron']}; {device.type}, {_clock(device).__name__}", *lines], ok
 
 
-def _tp_python_work() -> dict[str, tuple[float, float]]:
+def _tp_python_work(device: torch.device) -> dict[str, tuple[float, float]]:
     """Per TP block variant, the Python it runs per step (:mod:`benchmarks._python_work`),
     mc and Megatron-Core, SP off and on, in the fake world of :func:`_host_only_rows`."""
     pgc = mg.initialize_model_parallel(tensor_model_parallel_size=TP)
     try:
         core, _ = _host_peers.import_megatron()
-        work = {}
+        steps: dict[str, Step] = {}
         for sp in (False, True):
-            tag = f"SP {'on' if sp else 'off'}"
-            work[f"mc {tag}"] = _python_work.per_step(_tp_step(*_mc_block(sp, pgc), sp))
-            if core is not None:
-                block = _host_peers.megatron_block(core, H, TP, sp, pgc.tp)
-                work[f"Megatron {tag}"] = _python_work.per_step(_tp_step(*block, sp))
-        return work
+            steps |= _tp_blocks(sp, pgc, core, False, device)
+        return {name: _python_work.per_step(step) for name, step in steps.items()}
     finally:
         mg.destroy_model_parallel(pgc)
 
@@ -526,9 +584,23 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="tp-host: time mc and Megatron only (each right after the other or itself)",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="ddp-host / tp-host: where the models run (cuda: the current GPU, wall clock)",
+    )
+    parser.add_argument(
+        "--json", type=Path, help="ddp-host / tp-host: also write the table and verdict here"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 3:
         parser.error("--rounds must be >= 3 (a ratio from fewer rounds is noise)")
+    host_only = args.part in ("ddp-host", "tp-host")
+    if not host_only and (args.device != "cpu" or args.json is not None):
+        parser.error("--device and --json go with --part ddp-host or tp-host (one process)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch")
     return args
 
 
@@ -543,13 +615,17 @@ def _print_profiles(profiles: dict[str, dict[str, float]], calls: int, per: int,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    if args.part == "ddp-host":
-        lines, ok = _ddp_host_rows(args.sizes, args.rounds * args.steps, args.warmup)
+    if args.part in ("ddp-host", "tp-host"):
+        device = torch.device(args.device, 0) if args.device == "cuda" else CPU
+        if args.part == "ddp-host":
+            lines, ok = _ddp_host_rows(args.sizes, args.rounds * args.steps, args.warmup, device)
+        else:
+            dtensor = not args.no_dtensor
+            lines, ok = _host_only_rows(args.rounds, args.steps, args.warmup, dtensor, device)
         print("\n".join(lines))
-        return 0 if ok else 1
-    if args.part == "tp-host":
-        lines, ok = _host_only_rows(args.rounds, args.steps, args.warmup, not args.no_dtensor)
-        print("\n".join(lines))
+        if args.json is not None:
+            record = {"part": args.part, "device": str(device), "lines": lines, "targets_met": ok}
+            args.json.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         return 0 if ok else 1
     ok = True
     module = importlib.import_module("benchmarks.host_cost")  # the ranks import it by name

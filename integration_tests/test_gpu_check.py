@@ -86,6 +86,40 @@ def test_dry_run_reports_the_tier_and_the_benchmark(dry_run: tuple[Path, dict[st
     assert "OK: wrote" in log
 
 
+def test_dry_run_reports_the_host_cost_parts(dry_run: tuple[Path, dict[str, Any]]) -> None:
+    """Issue 30's host-cost parts ran (on CPU here, ``--device cuda`` on a GPU) and their
+    tables are in the record: DDP per param against torch DDP, the TP block against
+    DTensor (Megatron-Core is not importable in this environment)."""
+    out, report = dry_run
+    host = report["host_cost"]
+    assert set(host) == {"ddp-host", "tp-host"}
+    for part, entry in host.items():
+        assert entry["ran"] is True, entry
+        assert entry["exit_code"] == 0  # no Megatron here: only the torch target is judged
+        assert entry["command"][entry["command"].index("--device") + 1] == "cpu"
+        assert entry["result"]["part"] == part
+        assert entry["result"]["device"] == "cpu"
+    ddp_rows = [r for r in host["ddp-host"]["result"]["lines"] if r.startswith("| 100 |")]
+    assert len(ddp_rows) == 1, host["ddp-host"]["result"]["lines"]
+    tp_rows = [r for r in host["tp-host"]["result"]["lines"] if r.startswith(("| off", "| on"))]
+    assert len(tp_rows) == 2
+    assert all(row.split("|")[6].strip() != "—" for row in tp_rows)  # mc / DTensor shown
+    log = (out / "gpu_check.log").read_text(encoding="utf-8")
+    assert "host cost ddp-host:" in log
+    assert "host cost tp-host:" in log
+
+
+def test_host_cost_commands() -> None:
+    gpu = gpu_check.host_cost_command("ddp-host", False, Path("/o/d.json"))
+    assert gpu[1:] == [
+        "-m", "benchmarks.host_cost", "--part", "ddp-host", "--rounds", "3",
+        "--device", "cuda", "--json", "/o/d.json", "--sizes", "1000", "5000",
+    ]  # fmt: skip
+    dry = gpu_check.host_cost_command("tp-host", True, Path("/o/t.json"))
+    assert dry[dry.index("--device") + 1] == "cpu"
+    assert dry[-2:] == ["--steps", "2"]
+
+
 def test_tier_is_every_file_that_marks_gpu_tests() -> None:
     files = {str(p.relative_to(ROOT)) for p in gpu_check.gpu_test_files(ROOT)}
     assert files >= ONE_GPU_FILES  # later files that mark gpu tests join the tier
@@ -199,6 +233,15 @@ def test_without_pytest_the_tier_is_reported_not_run(tmp_path: Path) -> None:
 )
 def test_verdict(tests: dict[str, Any], bench: dict[str, Any], dry: bool, ok: bool) -> None:
     assert gpu_check.overall_ok(tests, bench, dry) is ok
+
+
+def test_verdict_needs_every_host_cost_part_finished() -> None:
+    tests = {"ran": True, "failed": 0, "errors": 0, "passed": 5}
+    bench = {"ran": True, "exit_code": 0}
+    finished = {"ddp-host": {"ran": True}, "tp-host": {"ran": True}}
+    assert gpu_check.overall_ok(tests, bench, False, finished) is True
+    crashed = {"ddp-host": {"ran": True}, "tp-host": {"ran": False}}
+    assert gpu_check.overall_ok(tests, bench, False, crashed) is False
 
 
 def test_benchmark_arithmetic() -> None:

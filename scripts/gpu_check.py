@@ -16,14 +16,18 @@ network, mc not installed. It:
    not exist; plugin autoloading is switched off so an installed one cannot register
    twice). Without pytest it says so and goes on;
 3. runs ``benchmarks.gpu_step`` (mc DDP + TP layers against torch DDP, interleaved);
-4. writes ``OUT_DIR/gpu_check.json`` (environment, test counts and failures, benchmark
-   results, overall ``ok``) and ``OUT_DIR/gpu_check.log`` (everything printed), and prints
-   progress as it goes.
+4. runs ``benchmarks.host_cost --part ddp-host`` and ``--part tp-host`` on the GPU
+   (``--device cuda``: DDP's host cost per param at 1,000 and 5,000 params against torch
+   DDP, and the tiny TP block against DTensor; Megatron-Core too where it imports);
+5. writes ``OUT_DIR/gpu_check.json`` (environment, test counts and failures, benchmark
+   and host-cost results, overall ``ok``) and ``OUT_DIR/gpu_check.log`` (everything
+   printed), and prints progress as it goes.
 
-Each child has a deadline (tests 240 s, benchmark 100 s by default), so the check ends in
-under 6 minutes whatever hangs. Exit status: 0 when every selected test passed (skips
-allowed: a one-GPU machine skips the two-GPU NCCL tests), the benchmark ran and its sanity
-checks held (a missed speed target is reported, not a failure), else 1.
+Each child has a deadline (tests 240 s, benchmark 100 s, the host-cost parts 60 s each by
+default), so the check ends in under 8 minutes whatever hangs. Exit status: 0 when every
+selected test passed (skips allowed: a one-GPU machine skips the two-GPU NCCL tests), the
+benchmark ran and its sanity checks held, and both host-cost parts finished (a missed
+speed target is reported, not a failure), else 1.
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 __all__ = [
+    "HOST_COST_PARTS",
     "Outcome",
     "TestCounts",
     "gpu_test_files",
+    "host_cost_command",
     "main",
     "parse_junit",
     "pytest_command",
@@ -264,9 +270,50 @@ def check_benchmark(out: Path, dry_run: bool, timeout_s: float, report: Reporter
     return record
 
 
-def overall_ok(tests: dict[str, Any], bench: dict[str, Any], dry_run: bool) -> bool:
-    """Tests ran without failures or errors (on a GPU: and some passed), and the benchmark
-    ran with its sanity checks holding."""
+HOST_COST_PARTS = (  # part, its flags on a GPU, its flags in the CPU dry run (tiny, fast)
+    ("ddp-host", ("--sizes", "1000", "5000"), ("--sizes", "100", "--steps", "2")),
+    ("tp-host", (), ("--steps", "2")),
+)
+
+
+def host_cost_command(part: str, dry_run: bool, json_path: Path) -> list[str]:
+    """``benchmarks.host_cost --part PART`` on this machine's GPU (the CPU in a dry run)."""
+    gpu_flags, dry_flags = next(flags for name, *flags in HOST_COST_PARTS if name == part)
+    command = [sys.executable, "-m", "benchmarks.host_cost", "--part", part, "--rounds", "3"]
+    command += ["--device", "cpu" if dry_run else "cuda", "--json", str(json_path)]
+    return command + list(dry_flags if dry_run else gpu_flags)
+
+
+def check_host_cost(out: Path, dry_run: bool, timeout_s: float, report: Reporter) -> dict[str, Any]:
+    """Run issue 30's host-cost parts on the device (DDP per param, the tiny TP block; see
+    ``benchmarks.host_cost``); the ``host_cost`` record, one entry per part. A missed
+    target is exit code 1 and reported; only a part that did not finish fails the check."""
+    record: dict[str, Any] = {}
+    for part, *_ in HOST_COST_PARTS:
+        result_path = out / f"host_cost_{part}.json"
+        command = host_cost_command(part, dry_run, result_path)
+        deadline = timeout_s / len(HOST_COST_PARTS)
+        report.say(f"host cost: benchmarks.host_cost --part {part} (deadline {deadline:.0f} s)")
+        outcome = run_child(command, child_env(ROOT, disable_autoload=False), deadline, report)
+        entry: dict[str, Any] = {"command": command, "exit_code": outcome.returncode}
+        entry |= {"seconds": round(outcome.seconds, 1), "timed_out": outcome.timed_out}
+        finished = result_path.is_file() and not outcome.timed_out
+        entry["ran"] = finished and outcome.returncode in (0, 1)
+        if finished:
+            entry["result"] = json.loads(result_path.read_text(encoding="utf-8"))
+        report.say(f"host cost {part}: exit {outcome.returncode} in {outcome.seconds:.1f} s")
+        record[part] = entry
+    return record
+
+
+def overall_ok(
+    tests: dict[str, Any],
+    bench: dict[str, Any],
+    dry_run: bool,
+    host_cost: dict[str, Any] | None = None,
+) -> bool:
+    """Tests ran without failures or errors (on a GPU: and some passed), the benchmark
+    ran with its sanity checks holding, and every host-cost part (when given) finished."""
     tests_ok = bool(
         tests.get("ran")
         and not tests.get("timed_out")
@@ -275,7 +322,8 @@ def overall_ok(tests: dict[str, Any], bench: dict[str, Any], dry_run: bool) -> b
         and (dry_run or tests.get("passed", 0) > 0)
     )
     bench_ok = bool(bench.get("ran") and bench.get("exit_code") == 0)
-    return tests_ok and bench_ok
+    host_ok = all(entry.get("ran") for entry in (host_cost or {}).values())
+    return tests_ok and bench_ok and host_ok
 
 
 def environment(dry_run: bool) -> dict[str, Any]:
@@ -301,6 +349,11 @@ def _summary(result: dict[str, Any], report: Reporter) -> None:
             f"(target ≤ {bench['target']}: {'met' if bench['target_met'] else 'MISSED'}); "
             + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in flops.items())
         )
+    for part, entry in result["host_cost"].items():
+        lines = entry.get("result", {}).get(
+            "lines", [f"did not finish (exit {entry['exit_code']})"]
+        )
+        report.say(f"host cost {part}:\n" + "\n".join(lines))
     for failure in result["tests"].get("failures", []):
         report.say(f"FAILED {failure}")
     report.say(f"{'OK' if result['ok'] else 'NOT OK'}: wrote {result['json']}")
@@ -313,6 +366,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-dry-run", action="store_true", help="run on CPU with tiny sizes")
     p.add_argument("--tests-timeout", type=float, default=240.0, help="seconds (default 240)")
     p.add_argument("--bench-timeout", type=float, default=100.0, help="seconds (default 100)")
+    p.add_argument(
+        "--host-timeout", type=float, default=120.0, help="seconds, both parts (default 120)"
+    )
     return p.parse_args(argv)
 
 
@@ -327,7 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: dict[str, Any] = {"schema": SCHEMA, **environment(args.cpu_dry_run)}
         result["tests"] = check_tests(out, args.tests_timeout, report)
         result["benchmark"] = check_benchmark(out, args.cpu_dry_run, args.bench_timeout, report)
-        result["ok"] = overall_ok(result["tests"], result["benchmark"], args.cpu_dry_run)
+        result["host_cost"] = check_host_cost(out, args.cpu_dry_run, args.host_timeout, report)
+        result["ok"] = overall_ok(
+            result["tests"], result["benchmark"], args.cpu_dry_run, result["host_cost"]
+        )
         result["seconds"] = round(report.elapsed(), 1)
         result["json"] = str(out / "gpu_check.json")
         (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
