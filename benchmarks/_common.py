@@ -192,11 +192,14 @@ def column_row_layers(layers: Any, h: int, config: Any, **group: Any) -> tuple[A
 
 
 def column_row_block(
-    layers: Any, h: int, config: Any, **group: Any
+    layers: Any, h: int, config: Any, device: torch.device | None = None, **group: Any
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.nn.Parameter]]:
     """``Column(h → 4h) → GELU → Row(4h → h)`` (:func:`column_row_layers`): the block's
-    forward and its params."""
+    forward and its params, moved to ``device`` when given (built where ``config`` says)."""
     fc1, fc2 = column_row_layers(layers, h, config, **group)
+    if device is not None:
+        fc1.to(device)
+        fc2.to(device)
 
     def block(x: torch.Tensor) -> torch.Tensor:
         hidden, _ = fc1(x)

@@ -83,16 +83,14 @@ def megatron_block(
     core: ModuleType, h: int, tp: int, sp: bool, group: Any, device: torch.device = CPU
 ) -> tuple[Block, list]:  # type: ignore[type-arg]
     """Megatron-Core's ``Column(h → 4h) → GELU → Row(4h → h)`` over ``group`` and its params
-    (on ``device``: CPU initialisation on CPU, else Megatron's own on the current GPU)."""
+    (initialised on CPU, then moved to ``device``)."""
     tpl, state = core.tensor_parallel, core.parallel_state
     if state._GLOBAL_MEMORY_BUFFER is None:  # SP's all-gather staging (parallel_state's)
         state._set_global_memory_buffer()
     config = core.model_parallel_config.ModelParallelConfig(
-        tensor_model_parallel_size=tp,
-        sequence_parallel=sp,
-        use_cpu_initialization=device.type == "cpu",
+        tensor_model_parallel_size=tp, sequence_parallel=sp, use_cpu_initialization=True
     )
-    return _common.column_row_block(tpl, h, config, tp_group=group)
+    return _common.column_row_block(tpl, h, config, device, tp_group=group)
 
 
 def dtensor_block(

@@ -411,11 +411,9 @@ def _mc_block(
     sp: bool, pgc: mg.ProcessGroupCollection, device: torch.device = CPU
 ) -> tuple[_host_peers.Block, list[Any]]:
     config = mg.ModelParallelConfig(
-        tensor_model_parallel_size=TP,
-        sequence_parallel=sp,
-        use_cpu_initialization=device.type == "cpu",  # else on the current CUDA device
+        tensor_model_parallel_size=TP, sequence_parallel=sp, use_cpu_initialization=True
     )
-    return _common.column_row_block(tpl, H, config, pg_collection=pgc)
+    return _common.column_row_block(tpl, H, config, device, pg_collection=pgc)
 
 
 def _tp_step(
