@@ -19,6 +19,9 @@ Localizes what each architecture adds:
   ``finalize_model_grads``, so no collective of theirs in forward or backward);
 - Qwen2's q/k/v biases, Mistral as Llama.
 
+A bare ``LlamaModel`` (no head) trained at TP=2 × DP=2 with SP through public API only:
+its plan gathers the hidden states after the final norm, so it returns them whole.
+
 Then the collectives of one forward and one backward per model at TP=2 (op, group, bytes,
 counted from the plan by hand below), the plans themselves, Qwen3 with its norm entries
 dropped from the plan, which the helper refuses by name, and the plans ``parallelize``
@@ -215,6 +218,100 @@ def _check(run: Run, kind: str, tie: bool, lr: float) -> str:
     worst = max(float((run.weights[k] - v).abs().max()) for k, v in ref.weights.items())
     assert worst <= 1e-6, (kind, worst)
     return f"{kind}: loss rel {rel:.1e}, weights {worst:.1e}, smallest move {moved:.1e}"
+
+
+BARE_LR = 0.1  # the loss is linear in normed states: at lr=1 the embedding grows to |w| 14
+# and fp32 rounding in its update reaches 6e-6 (4e-7 relative); at 0.1 every weight stays
+# within 7e-7 of one process's
+
+
+def _bare_loss(hidden: torch.Tensor, rows: slice) -> torch.Tensor:
+    """A loss on the hidden states ``[rows, SEQ, 32]`` a bare ``LlamaModel`` returns: their
+    mean dot product with fixed random directions (every token and feature gets a grad)."""
+    direction = torch.randn(BATCH, SEQ, 32, generator=torch.Generator().manual_seed(7))
+    return (hidden * direction[rows]).sum(-1).mean()
+
+
+def _bare_reference(steps: int, lr: float) -> Run:
+    model = build_model("llama").model  # the bare LlamaModel: no LM head
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        loss = _bare_loss(model(input_ids=global_batch(step)).last_hidden_state, slice(None))
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        losses.append(loss.item())
+    return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def _bare(steps: int, lr: float) -> tuple[Run, tuple[int, int], bool] | None:
+    """A bare ``LlamaModel`` at TP=2 × DP=2 with SP through public API only: the plan
+    gathers the hidden states after the final norm; mc DDP, finalize, SGD."""
+    import mc_groups as mg
+    from mc_ddp import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        ShardedOptimizer,
+        ensure_params_ready,
+    )
+    from mc_finalize import finalize_model_grads
+    from mc_tp_layers import full_state_dict, parallelize, sequence_parallel_plan
+
+    torch.set_num_threads(1)
+    pgc = mg.initialize_model_parallel(tensor_model_parallel_size=2)
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    model = build_model("llama").model
+    parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), model, pg_collection=pgc)
+    opt = ShardedOptimizer(torch.optim.SGD(ddp.parameters(), lr=lr), ddp)
+    dp = pgc.require("dp", "data")
+    per = BATCH // dp.size()
+    rows = slice(dp.rank() * per, (dp.rank() + 1) * per)
+    losses, shape = [], (0, 0)
+    for step in range(steps):
+        ddp.zero_grad_buffer()
+        ids = global_batch(step)[rows]
+        hidden = ddp(input_ids=ids).last_hidden_state
+        shape = (hidden.shape[0], hidden.shape[1])
+        loss = _bare_loss(hidden, rows)
+        loss.backward()  # type: ignore[no-untyped-call]
+        finalize_model_grads([ddp], pg_collection=pgc)
+        opt.step()
+        mean = loss.detach().clone()
+        mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+        losses.append(float(mean))
+    ensure_params_ready(ddp.parameters())
+    weights = full_state_dict(model)
+    tagged = all(
+        mg.param_attrs.is_sequence_parallel_param(p)
+        for n, p in model.named_parameters()
+        if "norm" in n
+    )
+    mg.destroy_model_parallel(pgc)
+    return (Run(losses, weights), shape, tagged) if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_bare_llama_model_returns_whole_hidden_states(rank_pools: RankPools) -> None:
+    """``transformers``' ``LlamaModel`` without a head: ``sequence_parallel_plan`` gathers
+    its hidden states after the final norm, so at TP=2 × DP=2 with SP it returns
+    ``[rows, SEQ, h]`` (not ``SEQ / 2``) and trains equal to one process (loss per step
+    ≤ 1e-5 relative, final weights ≤ 2e-6)."""
+    result = rank_pools.get(4).run(_bare, STEPS, BARE_LR)[0]
+    assert result is not None
+    run, shape, tagged = result
+    assert shape == (BATCH // 2, SEQ)
+    assert tagged  # every norm's grad is summed over TP by finalize
+    ref = _bare_reference(STEPS, BARE_LR)
+    start = build_model("llama").model.state_dict()
+    moved = min(float((ref.weights[k] - start[k]).abs().max()) for k in ref.weights)
+    assert moved >= 1e-4, moved
+    rel = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
+    assert rel <= 1e-5, (run.losses, ref.losses)
+    assert sorted(run.weights) == sorted(ref.weights)
+    worst = max(float((run.weights[k] - v).abs().max()) for k, v in ref.weights.items())
+    assert worst <= 2e-6, worst  # measured 6.9e-7 (the embedding, |w| up to 1.0)
 
 
 @pytest.mark.timeout(300)

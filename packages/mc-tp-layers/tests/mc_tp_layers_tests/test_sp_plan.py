@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mc_tp_layers import sequence_parallel_plan
-from mc_tp_layers.tp_plan import ColwiseRMSNorm, SequenceGather
+from mc_tp_layers.tp_plan import ColwiseRMSNorm, SequenceGather, SequenceParallelNorm
 
 
 class _RMSNorm(nn.Module):
@@ -126,6 +126,18 @@ def test_full_width_qk_norms_keep_the_heads_split() -> None:
     assert ColwiseRMSNorm() not in per_head.values()
 
 
+def test_a_model_without_head_gathers_after_its_final_norm() -> None:
+    """A bare decoder (no LM head after the layers, as ``transformers``' ``LlamaModel``):
+    the hidden states leave whole, gathered along the sequence after the final norm."""
+    body = _Decoder().model
+    base = {k.removeprefix("model."): v for k, v in TP_PLAN.items() if k != "head"}
+    plan = sequence_parallel_plan(body, base)
+    with_head = sequence_parallel_plan(_Decoder(), TP_PLAN)
+    expected = {k.removeprefix("model."): v for k, v in with_head.items() if k != "head"}
+    assert plan == {**expected, "norm": SequenceParallelNorm(gather_output=True)}
+    assert SequenceParallelNorm(gather_output=True) not in with_head.values()
+
+
 def _with(change: str) -> tuple[nn.Module, dict[str, Any]]:
     model, plan = _Decoder(), dict(TP_PLAN)
     if change == "no list":
@@ -143,8 +155,9 @@ def _with(change: str) -> tuple[nn.Module, dict[str, Any]]:
         plan.pop("head")
     elif change == "per-head norm":
         model = _Decoder(qk_norm=2)
-    elif change == "base model":
+    elif change == "base model without norm":
         model = _Decoder().model  # type: ignore[assignment]
+        del model.norm
         plan = {k.removeprefix("model."): v for k, v in plan.items() if k != "head"}
     elif change == "after":
         model.score = nn.Linear(8, 2)
@@ -168,7 +181,10 @@ def _with(change: str) -> tuple[nn.Module, dict[str, Any]]:
         ("own parameter", ["model.layers.1", "parameters of its own"]),
         ("no rowwise", ["model.layers.0.mlp", "no rowwise output layer"]),
         ("no head", ["head (torch.nn.modules.linear.Linear)", "no plan entry", "'colwise_ga"]),
-        ("base model", ["no colwise layer", "after layers", "split along the sequence"]),
+        (
+            "base model without norm",
+            ["neither a colwise layer", "nor a final norm", "after layers", "split along"],
+        ),
         ("per-head norm", ["q_norm", "heads split", "give them 'replicated_with_grad_all"]),
         ("after", ["score (torch.nn.modules.linear.Linear)", "registered after model.layers"]),
         ("sequence base", ["model.norm", "sequence style already"]),

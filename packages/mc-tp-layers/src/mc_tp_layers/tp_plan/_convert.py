@@ -395,6 +395,10 @@ def _attach(mod: torch.nn.Module, style: Style, setup: Setup, name: str) -> None
     elif isinstance(style, SequenceParallelNorm):
         for param in mod.parameters():
             param_attrs.mark_sequence_parallel(param, True)
+        if style.gather_output:
+            mod.register_forward_hook(
+                _sequence.output_hook(name, lambda x: _sequence.leave(x, group, dim))
+            )
     elif isinstance(style, SequenceScatter):
         hook = _sequence.input_hook(name, style.kwarg, lambda x: _sequence.scatter(x, group, dim))
         mod.register_forward_pre_hook(hook, with_kwargs=True)

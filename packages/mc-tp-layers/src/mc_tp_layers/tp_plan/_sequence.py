@@ -6,6 +6,8 @@ and back, so one mechanism serves both layouts::
 
     gather  [b, s/W, h] --all-gather(seq)-->  [b, s, h]    backward: reduce-scatter (sum of
                                                            the TP ranks' partial grads)
+    leave   [b, s/W, h] --all-gather(seq)-->  [b, s, h]    backward: keep rank r's part of
+                                                           the (replicated) grad
     scatter [b, s, h]   --keep rank r's part--> [b, s/W, h]   backward: all-gather
 
 Without sequence parallelism the same plan entry is Megatron's ``f`` for the whole block
@@ -53,6 +55,28 @@ def enter(
         out = copy_to_tensor_model_parallel_region(x, group)
     setattr(out, _ENTERED, True)
     return out
+
+
+def leave(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """``x`` leaving the split residual stream whole: all-gathered along ``dim``; backward
+    keeps this rank's part of the (replicated) gradient, without communicating."""
+    return along(dim, lambda t: gather_from_sequence_parallel_region(t, False, group), x)
+
+
+def output_hook(name: str, transform: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
+    """A ``register_forward_hook`` hook that applies ``transform`` to the module's output,
+    which must be a tensor."""
+
+    def hook(_module: torch.nn.Module, _args: tuple[Any, ...], output: Any) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor):
+            raise InputValueError(
+                f"{name} returned {type(output).__name__}, not a tensor: "
+                "SequenceParallelNorm(gather_output=True) gathers one output tensor; put it on "
+                "the module that returns the hidden states"
+            )
+        return transform(output)
+
+    return hook
 
 
 def scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

@@ -95,7 +95,10 @@ def sequence_parallel_plan(
     Collectives of the returned plan per step (W = TP size, ``[b, s, h]`` activations):
     per block, forward one all-gather of ``[b, s/W, h]`` on entry and one reduce-scatter
     of ``[b, s, h]`` at its ``rowwise`` output, backward the same two the other way; the
-    scatter at ``P.0`` all-gathers its grad once; the LM head gathers like a block. A
+    scatter at ``P.0`` all-gathers its grad once; the LM head gathers like a block (a model
+    without a head, such as a bare ``LlamaModel``, gathers its final norm's output
+    instead: ``SequenceParallelNorm(gather_output=True)``, one all-gather forward, none
+    backward; hidden states it returns from inside the layers stay split). A
     block run whole (Phi-3) adds, per ``colwise_gather_output`` layer, a forward
     all-gather of its output's last dim and, per ``rowwise_split_input`` layer, a backward
     all-gather of its input grad's last dim; a ``colwise_rmsnorm`` adds one all-reduce of
@@ -106,8 +109,8 @@ def sequence_parallel_plan(
             matches nothing or holds sequence styles, or a structure it cannot read
             (no or several layer lists, a layer child that is neither a block nor a norm,
             a block without a ``rowwise`` output layer or with parameters outside the plan
-            in its split part, no ``colwise`` head after the layers), naming what it
-            looked for.
+            in its split part, neither a ``colwise`` head nor a norm after the layers),
+            naming what it looked for.
     """
     if not isinstance(model, torch.nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type_name(model)}")
@@ -297,7 +300,7 @@ def _after_layers(
     targets: list[_Target],
     entries: dict[str, list[Style]],
 ) -> None:
-    heads = 0
+    heads, norms = 0, []
     for full, child in _registered_after(model, list_name):
         inside = _inside(full, targets)
         if inside:
@@ -312,6 +315,7 @@ def _after_layers(
                 heads += 1
         elif _is_norm(child):
             entries[full] = [SequenceParallelNorm()]
+            norms.append(full)
         elif list(child.parameters()):
             raise InputValueError(
                 f"{full} ({type_name(child)}) is registered after {list_name} with parameters, "
@@ -319,13 +323,18 @@ def _after_layers(
                 "sequence; if it is the LM head, give it 'colwise_gather_output' (or 'colwise') "
                 f"in the base plan, else {_HOW}"
             )
-    if not heads:
+    if heads:
+        return
+    if not norms:
         raise InputValueError(
-            f"sequence_parallel_plan found no colwise layer of the plan registered after "
-            f"{list_name} (such as lm_head): the hidden states would leave the model split "
-            f"along the sequence; add the head to the base plan ('colwise_gather_output') or "
-            f"{_HOW}"
+            f"sequence_parallel_plan found neither a colwise layer of the plan (such as "
+            f"lm_head) nor a final norm registered after {list_name}: the hidden states "
+            f"would leave the model split along the sequence; add the head to the base plan "
+            f"('colwise_gather_output') or {_HOW}"
         )
+    # a model without a head (a bare decoder): its hidden states leave whole after the
+    # last norm, gathered along the sequence there
+    entries[norms[-1]] = [SequenceParallelNorm(gather_output=True)]
 
 
 def _registered_after(model: torch.nn.Module, list_name: str) -> list[tuple[str, torch.nn.Module]]:

@@ -108,7 +108,20 @@ class SequenceParallelNorm:
     """A module that works token by token (a norm) and runs on this rank's part of the
     sequence under sequence parallelism: its parameters are tagged ``sequence_parallel`` so
     ``mc_finalize.finalize_model_grads`` sums their grads over the TP group. No-op with
-    sequence parallelism off."""
+    sequence parallelism off.
+
+    ``gather_output``: where the hidden states leave the model after this module (the
+    final norm of a decoder without a head, e.g. a bare ``transformers`` ``LlamaModel``),
+    its output ``[.., s/W, ..]`` is all-gathered along the sequence, so the model returns
+    whole hidden states as one process would. Backward keeps this rank's part of the
+    gradient without communicating: whatever follows runs replicated over the TP ranks
+    (each computes the same from the same whole states), so every rank holds the full
+    gradient already (Megatron's ``gather_from_sequence_parallel_region`` with
+    ``tensor_parallel_output_grad=False``). Collectives: one all-gather of the module's
+    output per forward, none in backward.
+    """
+
+    gather_output: bool = False
 
 
 @dataclass(frozen=True)
