@@ -457,8 +457,11 @@ def _measure_tp(
     prof: bool,
     dtensor: bool = True,
     device: torch.device = CPU,
+    count: bool = False,
 ) -> dict[str, Any]:
-    """On every rank: the TP block of every library, SP off and on, timed in rounds."""
+    """On every rank: the TP block of every library, SP off and on, timed in rounds; with
+    ``count``, the Python mc's and Megatron-Core's blocks run per step (``"work"``,
+    :mod:`benchmarks._python_work`)."""
     torch.set_num_threads(1)
     pgc = mg.initialize_model_parallel(tensor_model_parallel_size=TP)
     try:
@@ -474,7 +477,12 @@ def _measure_tp(
                     profiles[name] = _phase_profile.median_phases(
                         step, TP_PHASES, rounds=PROFILE_ROUNDS, calls=TP_PROFILE_CALLS
                     )
-        return {"bests": bests, "megatron": why, "profiles": profiles}
+        work = {
+            name: _python_work.per_step(step)
+            for name, step in variants.items()
+            if count and not name.startswith("DTensor")
+        }
+        return {"bests": bests, "megatron": why, "profiles": profiles, "work": work}
     finally:
         mg.destroy_model_parallel(pgc)
 
@@ -515,8 +523,8 @@ def _host_only_rows(
             return [f"TP host time alone: skipped ({why_not})"], True
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        result = _measure_tp(rounds * 6, steps * 2, warmup, False, dtensor, device)
-        work = _tp_python_work(device)
+        result = _measure_tp(rounds * 6, steps * 2, warmup, False, dtensor, device, count=True)
+        work = result["work"]
     cpu = result["bests"]["wall" if device.type == "cuda" else "cpu"]  # see _clock
     lines = [
         "| SP | mc (µs) | Megatron (µs) | DTensor (µs) | mc / Megatron (quartiles) | "
@@ -546,20 +554,6 @@ def _host_only_rows(
     lines += ["", "Python run per step (bytecode instructions / Python-level calls, counted):"]
     lines += [f"- {name}: {ops:,.0f} / {calls:,.0f}" for name, (ops, calls) in work.items()]
     return [f"{result['megatron']}; {device.type}, {_clock(device).__name__}", *lines], ok
-
-
-def _tp_python_work(device: torch.device) -> dict[str, tuple[float, float]]:
-    """Per TP block variant, the Python it runs per step (:mod:`benchmarks._python_work`),
-    mc and Megatron-Core, SP off and on, in the fake world of :func:`_host_only_rows`."""
-    pgc = mg.initialize_model_parallel(tensor_model_parallel_size=TP)
-    try:
-        core, _ = _host_peers.import_megatron()
-        steps: dict[str, Step] = {}
-        for sp in (False, True):
-            steps |= _tp_blocks(sp, pgc, core, False, device)
-        return {name: _python_work.per_step(step) for name, step in steps.items()}
-    finally:
-        mg.destroy_model_parallel(pgc)
 
 
 # -- main --------------------------------------------------------------------------------

@@ -27,14 +27,15 @@ import torch
 import torch.distributed as dist
 
 from mc_tp_layers import _comm
-from mc_tp_layers._autograd import apply
 from mc_tp_layers.linear import LinearWithGradAccumulationAndAsyncCommunication as _Linear
 
 __all__: list[str] = []
 
 
 class _LinearThenReduce(torch.autograd.Function):
-    """``reduce(X·Wᵀ)`` as one node (see the module notes); no bias (added after)."""
+    """``reduce(X·Wᵀ)`` as one node (see the module notes); no bias (added after). Applied
+    by the row layer's steady-state forward on arguments a checked forward of the same
+    layer passed, without wgrad deferral or a gtp_remat shard."""
 
     @staticmethod
     def forward(
@@ -45,11 +46,22 @@ class _LinearThenReduce(torch.autograd.Function):
         tp_group: dist.ProcessGroup,
         scatter: bool,
     ) -> torch.Tensor:
-        """``P = X·Wᵀ`` (nothing else holds it), then its reduction over ``tp_group``."""
+        """``P = X·Wᵀ`` (nothing else holds it), then its reduction over ``tp_group``
+        (reduce-scatter along dim 0 when ``scatter``, else all-reduce in place)."""
         partial = _Linear.forward(
-            ctx, input, weight, None, gradient_accumulation_fusion, False, False, None, 0,
-            tp_group, 1, None,
-        )  # fmt: skip
+            ctx,
+            input,
+            weight,
+            bias=None,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
+            allreduce_dgrad=False,
+            sequence_parallel=False,
+            grad_output_buffer=None,
+            wgrad_deferral_limit=0,
+            tp_group=tp_group,
+            gtp_remat_size=1,
+            output_dtype=None,
+        )
         ctx.scatter = scatter
         if scatter:
             return _comm.reduce_scatter_first_dim(partial, tp_group)
@@ -62,16 +74,3 @@ class _LinearThenReduce(torch.autograd.Function):
             grad_output = _comm.gather_first_dim(grad_output, ctx.opts.tp_group)
         grads = _Linear.backward(ctx, grad_output)
         return grads[0], grads[1], None, None, None
-
-
-def linear_then_reduce(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    gradient_accumulation_fusion: bool,
-    tp_group: dist.ProcessGroup,
-    scatter: bool,
-) -> torch.Tensor:
-    """``reduce(input·weightᵀ)`` over ``tp_group`` (reduce-scatter along dim 0 when
-    ``scatter``), on arguments a checked forward of the same layer passed: a row layer's
-    steady state, without wgrad deferral or a gtp_remat shard."""
-    return apply(_LinearThenReduce, input, weight, gradient_accumulation_fusion, tp_group, scatter)

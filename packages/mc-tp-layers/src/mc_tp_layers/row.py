@@ -34,9 +34,10 @@ from mc_groups import ProcessGroupCollection, param_attrs
 from mc_groups.argcheck import check_flag, check_optional_str
 from mc_groups.errors import InputValueError
 from mc_tp_layers import _layer_base as base
+from mc_tp_layers._autograd import apply
 from mc_tp_layers._config import TensorParallelConfig, expert_parallel, gtp_remat_size
 from mc_tp_layers._layer_base import ParallelLinear
-from mc_tp_layers._reduced_linear import linear_then_reduce
+from mc_tp_layers._reduced_linear import _LinearThenReduce
 from mc_tp_layers._tp_groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, check_input, check_sequence, main_grad
 from mc_tp_layers.initialization import InitMethod, WeightInit
@@ -254,9 +255,8 @@ class RowParallelLinear(ParallelLinear):
                 x, weight, None, self.gradient_accumulation_fusion, False, False,
                 self.tp_group, None,
             )  # fmt: skip
-        return linear_then_reduce(
-            x, weight, self.gradient_accumulation_fusion, self.tp_group, self.sequence_parallel
-        )
+        fusion = self.gradient_accumulation_fusion
+        return apply(_LinearThenReduce, x, weight, fusion, self.tp_group, self.sequence_parallel)
 
     def _reduce(self, output_parallel: torch.Tensor) -> torch.Tensor:
         if self.explicit_expert_comm:
