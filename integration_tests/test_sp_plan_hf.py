@@ -245,7 +245,7 @@ def _bare_reference(steps: int, lr: float) -> Run:
     return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
-def _bare(steps: int, lr: float) -> tuple[Run, tuple[int, int], bool] | None:
+def _bare(steps: int, lr: float) -> tuple[Run, tuple[int, int], bool, dict[str, Any]] | None:
     """A bare ``LlamaModel`` at TP=2 × DP=2 with SP through public API only: the plan
     gathers the hidden states after the final norm; mc DDP, finalize, SGD."""
     import mc_groups as mg
@@ -268,14 +268,20 @@ def _bare(steps: int, lr: float) -> tuple[Run, tuple[int, int], bool] | None:
     dp = pgc.require("dp", "data")
     per = BATCH // dp.size()
     rows = slice(dp.rank() * per, (dp.rank() + 1) * per)
-    losses, shape = [], (0, 0)
+    tp = mg.group_ranks(pgc.require("tp", "test"))
+    losses, shape, schedule = [], (0, 0), {}
     for step in range(steps):
         ddp.zero_grad_buffer()
         ids = global_batch(step)[rows]
-        hidden = ddp(input_ids=ids).last_hidden_state
-        shape = (hidden.shape[0], hidden.shape[1])
-        loss = _bare_loss(hidden, rows)
-        loss.backward()  # type: ignore[no-untyped-call]
+        with mg.record_collectives() as log:  # step 1: after the first forward's agreement
+            hidden = ddp(input_ids=ids).last_hidden_state
+            forward = Counter((r.op, r.bytes) for r in log if r.group_ranks == tp)
+            shape = (hidden.shape[0], hidden.shape[1])
+            loss = _bare_loss(hidden, rows)
+            loss.backward()  # type: ignore[no-untyped-call]
+        if step == 1:
+            on_tp = Counter((r.op, r.bytes) for r in log if r.group_ranks == tp)
+            schedule = {"forward": forward, "backward": on_tp - forward}
         finalize_model_grads([ddp], pg_collection=pgc)
         opt.step()
         mean = loss.detach().clone()
@@ -289,7 +295,8 @@ def _bare(steps: int, lr: float) -> tuple[Run, tuple[int, int], bool] | None:
         if "norm" in n
     )
     mg.destroy_model_parallel(pgc)
-    return (Run(losses, weights), shape, tagged) if torch.distributed.get_rank() == 0 else None
+    result = (Run(losses, weights), shape, tagged, schedule)
+    return result if torch.distributed.get_rank() == 0 else None
 
 
 @pytest.mark.timeout(120)
@@ -297,12 +304,28 @@ def test_bare_llama_model_returns_whole_hidden_states(rank_pools: RankPools) -> 
     """``transformers``' ``LlamaModel`` without a head: ``sequence_parallel_plan`` gathers
     its hidden states after the final norm, so at TP=2 × DP=2 with SP it returns
     ``[rows, SEQ, h]`` (not ``SEQ / 2``) and trains equal to one process (loss per step
-    ≤ 1e-5 relative, final weights ≤ 2e-6)."""
+    ≤ 1e-5 relative, final weights ≤ 2e-6); its TP collectives of one step counted."""
     result = rank_pools.get(4).run(_bare, STEPS, BARE_LR)[0]
     assert result is not None
-    run, shape, tagged = result
+    run, shape, tagged, schedule = result
     assert shape == (BATCH // 2, SEQ)
     assert tagged  # every norm's grad is summed over TP by finalize
+    # on the TP group, one step (W=2, fp32 bytes; an all-gather counts the shard it sends,
+    # a reduce-scatter its whole input), by hand: the causal LM's schedule (_expected)
+    # without its head, plus the final norm's gather, which has no backward collective
+    layers, hidden, w = 2, 32, 2
+    act = BATCH // 2 * SEQ * hidden * 4  # this DP rank's rows
+    part = act // w
+    assert schedule["forward"] == Counter(
+        {
+            ("all_reduce", act): 1,
+            ("all_gather", part): 2 * layers + 1,
+            ("reduce_scatter", act): 2 * layers,
+        }
+    ), schedule["forward"]
+    assert schedule["backward"] == Counter(
+        {("all_gather", part): 2 * layers + 1, ("reduce_scatter", act): 2 * layers}
+    ), schedule["backward"]
     ref = _bare_reference(STEPS, BARE_LR)
     start = build_model("llama").model.state_dict()
     moved = min(float((ref.weights[k] - start[k]).abs().max()) for k in ref.weights)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mc_tp_layers import sequence_parallel_plan
-from mc_tp_layers.tp_plan import ColwiseRMSNorm, SequenceGather, SequenceParallelNorm
+from mc_tp_layers.tp_plan import ColwiseRMSNorm, SequenceGather, SequenceParallelNorm, _sequence
 
 
 class _RMSNorm(nn.Module):
@@ -136,6 +136,25 @@ def test_a_model_without_head_gathers_after_its_final_norm() -> None:
     expected = {k.removeprefix("model."): v for k, v in with_head.items() if k != "head"}
     assert plan == {**expected, "norm": SequenceParallelNorm(gather_output=True)}
     assert SequenceParallelNorm(gather_output=True) not in with_head.values()
+
+
+def test_gather_output_is_checked() -> None:
+    """A non-bool ``gather_output`` is refused when the style is built; a module under
+    ``gather_output=True`` that returns no tensor is refused by name before any
+    collective (the gather is never called)."""
+    with pytest.raises(TypeError, match="gather_output='yes' must be a bool"):
+        SequenceParallelNorm(gather_output="yes")  # type: ignore[arg-type]
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the gather ran on a non-tensor output")
+
+    hook = _sequence.output_hook("model.norm", gather)
+    with pytest.raises(ValueError, match=r"model\.norm returned tuple, not a tensor"):
+        hook(nn.Identity(), (), (torch.ones(2),))
+    assert torch.equal(
+        _sequence.output_hook("n", lambda x: 2 * x)(nn.Identity(), (), torch.ones(2)),
+        2 * torch.ones(2),
+    )
 
 
 def _with(change: str) -> tuple[nn.Module, dict[str, Any]]:

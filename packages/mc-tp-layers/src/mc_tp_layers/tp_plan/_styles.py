@@ -123,6 +123,9 @@ class SequenceParallelNorm:
 
     gather_output: bool = False
 
+    def __post_init__(self) -> None:
+        check_flag("gather_output", self.gather_output)
+
 
 @dataclass(frozen=True)
 class SequenceGather:
