@@ -167,14 +167,14 @@ UPSTREAM: tuple[tuple[str, tuple[str, ...], str], ...] = (
 
 
 _NVFP4 = (
-    "not applicable (no user code can depend on it): builds Megatron's private "
-    "`_ParamAndGradBuffer(ddp_config=, params_with_names=, data_parallel_group=, ...)` and fakes "
-    "NVFP4 params by patching `megatron.core.distributed.param_and_grad_buffer.is_nvfp4tensor` "
-    "and friends. Only Megatron's own DDP constructs that class (Megatron main's optimizer/ and "
-    "dist_checkpointing/ never do; they read a built buffer's fields, which mc's buffer has), so "
-    "code that uses mc's DDP never reaches the constructor, and mc has no NVFP4 params for the "
-    "patched functions to describe. The index values of plain params it checks are held by "
-    "`mc_buffers_tests/test_layout_examples.py`"
+    "not applicable (mc has no NVFP4 params): builds the buffer with Megatron main's keywords "
+    "(`ddp_config=`, `params_with_names=`, `data_parallel_group=`, `nccl_ub=`, `pg_collection=`: "
+    "mc's `ParamAndGradBuffer` accepts them) and fakes NVFP4 params by patching "
+    "`megatron.core.distributed.param_and_grad_buffer.is_nvfp4tensor` and friends, with a "
+    "packed `param_dtype=torch.uint8` that mc refuses by name (a buffer's params are floating "
+    "point). The index values of plain params it checks are held by "
+    "`mc_buffers_tests/test_conformance_test_param_and_grad_buffer.py` (Megatron's keywords) "
+    "and `mc_buffers_tests/test_layout_examples.py`"
 )
 
 UPSTREAM_FAILING: dict[str, str] = {

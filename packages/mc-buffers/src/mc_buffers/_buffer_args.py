@@ -171,3 +171,124 @@ def check_buffer_args(
         param_indices=_indices(param_indices, len(plist)),
         gradient_scaling_factor=scale,
     )
+
+
+@dataclass(frozen=True)
+class GivenArgs:
+    """The arguments that Megatron-Core's keywords can also carry, in mc's form."""
+
+    params: Iterable[Param]
+    use_distributed_optimizer: object
+    data_parallel_size: object
+    pad_buckets_for_high_nccl_busbw: object
+    param_to_name: object
+    patterns: object
+
+
+_FROM_DDP_CONFIG = (
+    ("use_distributed_optimizer", False),
+    ("pad_buckets_for_high_nccl_busbw", False),
+    ("param_name_patterns_for_fp32_local_accumulation", ()),
+)
+"""What a Megatron ``ddp_config`` sets, with mc's default for each (a value passed to the
+buffer directly must be that default or equal the config's)."""
+
+
+def megatron_form(
+    params: object,
+    *,
+    ddp_config: object,
+    params_with_names: object,
+    data_parallel_group: object,
+    nccl_ub: object,
+    use_distributed_optimizer: object,
+    data_parallel_size: object,
+    pad_buckets_for_high_nccl_busbw: object,
+    param_to_name: object,
+    patterns: object,
+) -> GivenArgs:
+    """mc's arguments from Megatron-Core main's ``_ParamAndGradBuffer`` keywords
+    (``ddp_config``, ``params_with_names``, ``data_parallel_group``, ``nccl_ub``) where they
+    are given; a setting given both ways must agree (``InputValueError`` otherwise)."""
+    if check_flag("nccl_ub", nccl_ub):
+        raise InputValueError(
+            "nccl_ub=True asks for NCCL user-buffer registration, which mc's buffers do not "
+            "do; pass nccl_ub=False"
+        )
+    given = {
+        "use_distributed_optimizer": use_distributed_optimizer,
+        "pad_buckets_for_high_nccl_busbw": pad_buckets_for_high_nccl_busbw,
+        "param_name_patterns_for_fp32_local_accumulation": patterns,
+    }
+    if ddp_config is not None:
+        for field, default in _FROM_DDP_CONFIG:
+            if not hasattr(ddp_config, field):
+                raise InputTypeError(
+                    f"ddp_config={type_name(ddp_config)} has no field {field!r}; pass a "
+                    "DistributedDataParallelConfig (mc's or Megatron-Core's)"
+                )
+            value = getattr(ddp_config, field)
+            passed = given[field]
+            if passed != default and _plain(passed) != _plain(value):
+                raise InputValueError(
+                    f"{field}={passed!r} differs from ddp_config.{field}={value!r}; give it one way"
+                )
+            given[field] = value
+    if data_parallel_group is not None:
+        size = getattr(data_parallel_group, "size", None)
+        if not callable(size):
+            raise InputTypeError(
+                f"data_parallel_group={type_name(data_parallel_group)} must be a process "
+                "group (its size() is the number of shards)"
+            )
+        group_size = size()
+        if data_parallel_size not in (1, group_size):
+            raise InputValueError(
+                f"data_parallel_size={data_parallel_size!r} differs from the "
+                f"data_parallel_group's size {group_size!r}; give it one way"
+            )
+        data_parallel_size = group_size
+    return GivenArgs(
+        params=_params_of(params, params_with_names),
+        use_distributed_optimizer=given["use_distributed_optimizer"],
+        data_parallel_size=data_parallel_size,
+        pad_buckets_for_high_nccl_busbw=given["pad_buckets_for_high_nccl_busbw"],
+        param_to_name=_names_of(param_to_name, params_with_names),
+        patterns=given["param_name_patterns_for_fp32_local_accumulation"],
+    )
+
+
+def _plain(value: object) -> object:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _pairs(params_with_names: object) -> list[tuple[Param, str]]:
+    if isinstance(params_with_names, str) or not isinstance(params_with_names, Sequence):
+        raise InputTypeError(
+            f"params_with_names={type_name(params_with_names)} must be a list of "
+            "(param, name) pairs"
+        )
+    pairs = list(params_with_names)
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[1], str):
+            raise InputTypeError(f"params_with_names[{i}]={pair!r} must be a (param, name) pair")
+    return pairs
+
+
+def _params_of(params: object, params_with_names: object) -> Iterable[Param]:
+    if params_with_names is None:
+        if params is None:
+            raise InputTypeError(
+                "ParamAndGradBuffer needs params (an iterable of params) or "
+                "params_with_names ((param, name) pairs, Megatron-Core's keyword)"
+            )
+        return params  # type: ignore[return-value]  # checked by check_buffer_args
+    if params is not None:
+        raise InputValueError("params and params_with_names name the same params: pass one")
+    return [param for param, _ in _pairs(params_with_names)]
+
+
+def _names_of(param_to_name: object, params_with_names: object) -> object:
+    if params_with_names is None or param_to_name is not None:
+        return param_to_name
+    return dict(_pairs(params_with_names))

@@ -10,7 +10,13 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from mc_buffers._buffer_args import BufferArgs, Scale, check_buffer_args, check_scale
+from mc_buffers._buffer_args import (
+    BufferArgs,
+    Scale,
+    check_buffer_args,
+    check_scale,
+    megatron_form,
+)
 from mc_buffers._caller_layout import check_layout
 from mc_buffers._param_checks import BUFFER_VIEW_ATTR, Param, buffer_slot, describe
 from mc_buffers.adopt import PerBufferParamLayoutLike
@@ -67,6 +73,15 @@ class ParamAndGradBuffer:
     ``data_parallel_world_size``, ``gradient_scaling_factor``, :meth:`reset`,
     :meth:`scale_gradients`, :meth:`offload_to_cpu`, :meth:`reload_from_cpu`.
 
+    Megatron-Core main's keywords are accepted too (its ``_ParamAndGradBuffer``):
+    ``ddp_config`` (any object with Megatron's fields: ``use_distributed_optimizer``,
+    ``pad_buckets_for_high_nccl_busbw`` and ``param_name_patterns_for_fp32_local_accumulation``
+    are read from it), ``params_with_names`` (``(param, name)`` pairs, instead of
+    ``params``), ``data_parallel_group`` (its ``size()`` is the shard count; kept as the
+    buffer's field), ``nccl_ub`` (False: mc allocates no NCCL user buffers) and
+    ``pg_collection`` (Megatron reads logging groups from it; ignored). A setting given
+    both ways must agree.
+
     Params must require grad, appear once, share one device and ``param_dtype``, have
     elements, and own their memory (a param that is a view into a larger tensor is
     rejected in both modes, so switching ``use_distributed_optimizer`` never changes which
@@ -76,7 +91,7 @@ class ParamAndGradBuffer:
 
     def __init__(
         self,
-        params: Iterable[Param],
+        params: Iterable[Param] | None = None,
         *,
         param_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
@@ -89,17 +104,35 @@ class ParamAndGradBuffer:
         param_name_patterns_for_fp32_local_accumulation: Sequence[str] = (),
         param_indices: Sequence[int] | None = None,
         gradient_scaling_factor: float = 1.0,
+        ddp_config: object | None = None,
+        params_with_names: Sequence[tuple[Param, str]] | None = None,
+        data_parallel_group: object | None = None,
+        nccl_ub: bool = False,
+        pg_collection: object | None = None,
     ) -> None:
-        args = check_buffer_args(
+        given = megatron_form(
             params,
-            param_dtype=param_dtype,
-            grad_dtype=grad_dtype,
-            bucket_size=bucket_size,
+            ddp_config=ddp_config,
+            params_with_names=params_with_names,
+            data_parallel_group=data_parallel_group,
+            nccl_ub=nccl_ub,
             use_distributed_optimizer=use_distributed_optimizer,
             data_parallel_size=data_parallel_size,
             pad_buckets_for_high_nccl_busbw=pad_buckets_for_high_nccl_busbw,
             param_to_name=param_to_name,
             patterns=param_name_patterns_for_fp32_local_accumulation,
+        )
+        del pg_collection  # Megatron's buffer reads logging groups from it; this one logs nothing
+        args = check_buffer_args(
+            given.params,
+            param_dtype=param_dtype,
+            grad_dtype=grad_dtype,
+            bucket_size=bucket_size,
+            use_distributed_optimizer=given.use_distributed_optimizer,
+            data_parallel_size=given.data_parallel_size,
+            pad_buckets_for_high_nccl_busbw=given.pad_buckets_for_high_nccl_busbw,
+            param_to_name=given.param_to_name,
+            patterns=given.patterns,
             param_indices=param_indices,
             gradient_scaling_factor=gradient_scaling_factor,
         )
@@ -115,8 +148,8 @@ class ParamAndGradBuffer:
         # the group it reduces (and shards) the buffer over, and its config. Megatron's
         # DistributedOptimizer reads both (its partition_buckets builds bucket groups
         # from them).
-        self.data_parallel_group: object | None = None
-        self.ddp_config: object | None = None
+        self.data_parallel_group: object | None = data_parallel_group
+        self.ddp_config: object | None = ddp_config
         self.param_index_map = layout.param_index_map
         self.bucket_indices = layout.bucket_indices
         self.param_indices = _param_indices(args, layout)

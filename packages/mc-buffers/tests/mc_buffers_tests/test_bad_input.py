@@ -172,6 +172,17 @@ def _bucket(**changes: object) -> object:
     return ParamAndGradBucket(**fields)  # type: ignore[arg-type]
 
 
+def _ddp_config(**fields: object) -> object:
+    """An object with the fields of a DistributedDataParallelConfig the buffer reads."""
+    values: dict[str, object] = {
+        "use_distributed_optimizer": False,
+        "pad_buckets_for_high_nccl_busbw": False,
+        "param_name_patterns_for_fp32_local_accumulation": [],
+    }
+    values.update(fields)
+    return type("DDPConfig", (), values)()
+
+
 class Case(NamedTuple):
     """``call()`` must raise ``error`` with a message matching the regex ``pattern``;
     ``doc_call`` and ``doc_input`` are the catalogue's "call" and "bad input" cells
@@ -310,6 +321,31 @@ CASES: dict[str, Case] = {
         "params\\[1\\]",
         doc_call="`ParamAndGradBuffer(params)`",
         doc_input="an int among the params",
+    ),
+    "params twice": Case(
+        lambda: ParamAndGradBuffer([param(3)], params_with_names=[(param(3), "w")]),
+        ValueError,
+        "params and params_with_names",
+        doc_call="`ParamAndGradBuffer(params, params_with_names=)`",
+        doc_input="both (Megatron's keyword and mc's)",
+    ),
+    "nccl_ub": Case(
+        lambda: ParamAndGradBuffer([param(3)], nccl_ub=True),
+        ValueError,
+        "nccl_ub=True",
+        doc_call="`ParamAndGradBuffer(..., nccl_ub=)`",
+        doc_input="`True` (NCCL user buffers)",
+    ),
+    "ddp_config disagrees": Case(
+        lambda: ParamAndGradBuffer(
+            [param(3)],
+            use_distributed_optimizer=True,
+            ddp_config=_ddp_config(use_distributed_optimizer=False),
+        ),
+        ValueError,
+        "use_distributed_optimizer=True differs from ddp_config",
+        doc_call="`ParamAndGradBuffer(..., ddp_config=, use_distributed_optimizer=)`",
+        doc_input="`True` with a config holding `False`",
     ),
     "bucket_size 0": Case(
         lambda: ParamAndGradBuffer([param(3)], bucket_size=0),
