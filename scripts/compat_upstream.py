@@ -203,8 +203,6 @@ UPSTREAM_FAILING: dict[str, str] = {
     "distributed/test_param_and_grad_buffer.py::TestNVFP4IndexMaps::"
     "test_exact_index_values_no_padding": _NVFP4,
     "distributed/test_param_and_grad_buffer.py::TestNVFP4IndexMaps::"
-    "test_non_nvfp4_exact_values_match_original": _NVFP4,
-    "distributed/test_param_and_grad_buffer.py::TestNVFP4IndexMaps::"
     "test_nvfp4_multi_bucket_param_to_index": _NVFP4,
     "distributed/test_param_and_grad_buffer.py::TestNVFP4IndexMaps::"
     "test_nvfp4_with_distributed_optimizer[1]": _NVFP4,
