@@ -142,6 +142,7 @@ def _run_case(case: str, bad: bool, pgc: mg.ProcessGroupCollection, tp: int) -> 
         return out
     finalize_model_grads([model], None, pgc)
     if case == "step":
+        opt.peer_checks = True  # opt-in: an unguarded step exchanges nothing by default
         before = _params(model)
         if bad:
             model.offload_grad_buffers()  # a step is refused with offloaded grads

@@ -451,3 +451,39 @@ def test_guard_adds_no_collective(rank_pools: RankPools) -> None:
             ("status_exchange", "ShardedOptimizer.step"),
         ]
     )
+
+
+def _default_step_records(clip: bool) -> list[tuple[str, tuple[int, ...], str, int]]:
+    """What ``opt.step()`` alone issues at the third step, default arguments (distributed
+    optimizer, no overlap: the step gathers the params itself)."""
+    pgc = mg.initialize_model_parallel()
+    try:
+        ddp = _ddp(pgc, torch.float32, dist_opt=True)
+        clip_at = CLIP if clip else None
+        opt = ShardedOptimizer(_sgd(ddp), ddp, max_grad_norm=clip_at, pg_collection=pgc)
+        for step in range(3):
+            _backward(ddp, opt, step)
+            finalize_model_grads([ddp], pg_collection=pgc)
+            with mg.record_collectives(status_exchanges=True) as log:
+                opt.step()
+        return [(r.op, r.group_ranks, str(r.dtype), r.numel) for r in log]
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def test_default_step_issues_megatrons_collectives(rank_pools: RankPools) -> None:
+    """``ShardedOptimizer.step()`` with default arguments issues what Megatron's
+    ``DistributedOptimizer.step()`` does and nothing else: no status exchange, no host
+    sync of its own; the param all-gather per bucket, plus one all-reduce of the grad norm
+    when it clips.
+
+    Layout by hand (fp32, DP = 2, no ``overlap_grad_reduce``: one bucket; params start at
+    multiples of 64, the bucket ends at a multiple of lcm(2, 128) = 128, backprop order):
+    2.bias [0, 4), 2.weight [64, 128), 0.bias [128, 144), 0.weight [192, 320), end 384.
+    Each rank gathers its half: 192 elements. The norm's all-reduce carries [Σ‖g‖², status,
+    overflow] in fp64."""
+    pool = rank_pools.get(2)
+    gathers = [("all_gather", (0, 1), "torch.float32", 192)]
+    norm = ("all_reduce", (0, 1), "torch.float64", 3)
+    assert pool.run(_default_step_records, False) == [gathers, gathers]
+    assert pool.run(_default_step_records, True) == [[norm, *gathers], [norm, *gathers]]

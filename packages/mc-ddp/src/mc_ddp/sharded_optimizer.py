@@ -83,13 +83,14 @@ class ShardedOptimizer:
     - A non-finite norm skips the step on every rank (``StepResult.skipped``), or with
       ``error_if_nonfinite=True`` raises ``FloatingPointError`` on every rank.
 
-    **Status exchange.** ``step()`` checks its preconditions on every rank (finished grad
-    sync, not stepped twice, grads resident); a check failing on one rank is an error on
-    every rank. A guarded step carries that status in its norm / overflow all-reduce (one
-    more element: no extra collective); an unguarded step runs one
-    :func:`mc_groups.fail_together` exchange per step, which ``peer_checks=False`` turns
-    off (a check failing on one rank then raises there alone, and its peers wait in their
-    next collective until the group's timeout).
+    **One rank's failed check.** ``step()`` checks its preconditions on every rank
+    (finished grad sync, not stepped twice, grads resident). A guarded step carries that
+    status in its norm / overflow all-reduce (one more element: no extra collective), so a
+    check failing on one rank is an error on every rank. An unguarded step issues what
+    Megatron's does (the param all-gather) and nothing else: a check failing on one rank
+    raises there, and its peers fail in their next collective within the group's timeout.
+    ``peer_checks=True`` adds one :func:`mc_groups.fail_together` exchange per unguarded
+    step (a world collective and, on GPUs, a host sync) so that every rank raises at once.
 
     Args:
         optimizer: a ``torch.optim`` optimizer built over the chunks' params.
@@ -100,7 +101,7 @@ class ShardedOptimizer:
         norm_type: the norm's order (2.0, p >= 1, ``float('inf')`` or ``"inf"``).
         grad_scaler: fp16 dynamic loss scaling; None: none.
         error_if_nonfinite: raise instead of skipping when the norm is not finite.
-        peer_checks: the per-step status exchange of an unguarded step (see above).
+        peer_checks: a status exchange per unguarded step (opt-in, see above).
         pg_collection: the groups the norm reads ranks from (``tp``, ``expt_tp``,
             ``gtp_remat``, ``expt_gtp_remat``, ``embd``, ``pp``); None: the registered
             default collection, looked up at the first norm.
@@ -116,7 +117,7 @@ class ShardedOptimizer:
         norm_type: float | str = 2.0,
         grad_scaler: DynamicGradScaler | None = None,
         error_if_nonfinite: bool = False,
-        peer_checks: bool = True,
+        peer_checks: bool = False,
         pg_collection: mg.ProcessGroupCollection | None = None,
     ) -> None:
         self.optimizer = checks.check_optimizer(optimizer)
