@@ -36,7 +36,6 @@ from mc_ddp.grad_checks import LargeGradMonitor, NonFiniteGradError, check_finit
 from mc_ddp.grad_norm import GradNormRanks, counts_in_grad_norm
 from mc_ddp.grad_scaler import DynamicGradScaler
 from mc_ddp.hooks import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
-from mc_ddp.protocols import TransformerConfigLike
 from mc_ddp.sharded_optimizer import OwnedSlice, ShardedOptimizer, StepResult
 
 try:  # one source of the version: the distribution's pyproject.toml
@@ -58,7 +57,6 @@ __all__ = [
     "ParamAndGradBucketGroup",
     "ShardedOptimizer",
     "StepResult",
-    "TransformerConfigLike",
     "check_finite_grads",
     "counts_in_grad_norm",
     "ensure_params_ready",

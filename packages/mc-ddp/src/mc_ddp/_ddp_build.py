@@ -22,7 +22,7 @@ from mc_ddp import _agreement as agreement
 from mc_ddp._ddp_groups import DDPGroups
 from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
 from mc_ddp.config import DistributedDataParallelConfig
-from mc_ddp.protocols import TransformerConfigLike
+from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputValueError
 
 Param = torch.nn.Parameter

@@ -6,22 +6,20 @@ from __future__ import annotations
 import torch
 
 from mc_ddp.config import DistributedDataParallelConfig
+from mc_groups import config as mc_config
 from mc_groups import param_attrs
 from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
 Param = torch.nn.Parameter
+# What DDP cannot do without (the grads' scaling before the collective).
+_CONFIG_FIELDS = ("calculate_per_token_loss",)
 
 
 def check_config(config: object) -> None:
-    """``config`` must carry a bool ``calculate_per_token_loss`` (the Protocol)."""
-    value = getattr(config, "calculate_per_token_loss", None)
-    if not isinstance(value, bool):
-        raise InputTypeError(
-            f"config={type_name(config)} must have a bool attribute "
-            f"calculate_per_token_loss (got {value!r}); pass a TransformerConfig or a "
-            "mc_groups.ModelParallelConfig"
-        )
+    """``config`` must carry a bool ``calculate_per_token_loss``; every other field mc
+    reads that it has must have the field's type (:func:`mc_groups.config.check_config`)."""
+    mc_config.check_config(config, "DistributedDataParallel", required=_CONFIG_FIELDS)
 
 
 def check_ddp_config(ddp_config: object) -> DistributedDataParallelConfig:

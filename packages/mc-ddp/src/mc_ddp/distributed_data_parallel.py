@@ -54,10 +54,10 @@ from mc_ddp.hooks import (
     _BucketParamReadyCallback,
     runs_compiled,
 )
-from mc_ddp.protocols import TransformerConfigLike
 from mc_groups import device as mg_device
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, type_name
+from mc_groups.config import TransformerConfigLike, config_value
 from mc_groups.device import is_graph_capturing
 from mc_groups.errors import InputStateError, InputTypeError
 from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr
@@ -85,7 +85,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
     attribute a consumer such as ``mc_finalize.finalize_model_grads`` reads.
 
     Args:
-        config: any object with ``calculate_per_token_loss`` (:class:`TransformerConfigLike`).
+        config: Megatron's ``TransformerConfig``, a ``mc_groups.ModelParallelConfig`` or any
+            object with ``calculate_per_token_loss`` (:class:`mc_groups.TransformerConfigLike`;
+            ``cuda_graph_impl`` is read with Megatron's default ``"none"``).
         ddp_config: the :class:`DistributedDataParallelConfig`.
         module: the model (chunk) to wrap; at least one param must require grad, all on
             one device.
@@ -538,7 +540,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         self._require_resident_grads("zero_grad_buffer()")
         for group in self._all_groups():
             group.check_reset()
-        if getattr(self.config, "cuda_graph_impl", "none") != "transformer_engine":
+        if config_value(self.config, "cuda_graph_impl") != "transformer_engine":
             for param in self.params_with_grad:  # param_attrs.clear_grad_added_to_main_grad,
                 setattr(param, GRAD_ADDED_TO_MAIN_GRAD, False)  # inlined: once per param
         for buffer in self._all_buffers():

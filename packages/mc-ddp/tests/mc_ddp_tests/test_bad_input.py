@@ -171,8 +171,9 @@ CONSTRUCTION = {
         doc_input="a process group",
     ),
     "config": Expect(
-        "TypeError: config=mc_ddp_tests.test_bad_input._NoConfig must have a bool attribute "
-        "calculate_per_token_loss",
+        "TypeError: config=mc_ddp_tests.test_bad_input._NoConfig lacks "
+        "['calculate_per_token_loss']: DistributedDataParallel reads "
+        "config.calculate_per_token_loss",
         doc_call="`DistributedDataParallel(config, ...)`",
         doc_input="config without `calculate_per_token_loss`",
     ),

@@ -19,7 +19,10 @@
   run the same collective (:func:`check_collective_schedule`,
   ``MC_CHECK_COLLECTIVE_SCHEDULE=1``).
 - :mod:`mc_groups.device`: stream/synchronise helpers that are no-ops on CPU.
-- :class:`ModelParallelConfig`: the validated parallel config (Megatron field names).
+- :class:`ModelParallelConfig`: the validated parallel config (Megatron field names);
+  :class:`TransformerConfigLike`: what every package reads from a config (Megatron's
+  configs qualify), with :mod:`mc_groups.config` the one home of the fields' types and
+  Megatron's defaults.
 - :mod:`mc_groups.argcheck`: the argument checks every mc package shares (bools are bools,
   ints >= a minimum, finite reals, float dtypes, strs, live process groups, collections
   not destroyed), one message shape.
@@ -83,7 +86,7 @@ from mc_groups.comm.schedule_check import (
     check_collective_schedule,
     schedule_check_enabled,
 )
-from mc_groups.config import ModelParallelConfig
+from mc_groups.config import ModelParallelConfig, TransformerConfigLike
 from mc_groups.default_collection import (
     NoDefaultCollectionError,
     clear_default_collection,
@@ -138,6 +141,7 @@ __all__ = [
     "ProcessGroupCollection",
     "RankGenerator",
     "ReduceOp",
+    "TransformerConfigLike",
     "agree",
     "all_gather",
     "all_gather_objects",

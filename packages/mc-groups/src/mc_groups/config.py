@@ -1,41 +1,248 @@
-"""``ModelParallelConfig``: the parallelism settings the layers and DDP read.
+"""The one config protocol of mc: the config fields the packages read, their types and
+Megatron-Core's defaults, and the one check and the one reader every package uses.
 
-Field names and defaults are Megatron-Core's so a ``megatron.core.ModelParallelConfig`` or
-``TransformerConfig`` can be passed wherever mc reads a config: mc functions accept any
-object with the attributes they read (each package declares a ``Protocol`` of them), and
-this dataclass is the validated default for users without Megatron.
+Field names are Megatron-Core's, so Megatron's ``ModelParallelConfig`` and
+``TransformerConfig`` work wherever mc takes a config, and so does any object with the
+fields a function reads (a ``types.SimpleNamespace`` in a test). :class:`ModelParallelConfig`
+below is the validated default for users without Megatron. The rules, the same in every
+package::
+
+    a field the config lacks        reads Megatron-Core's default (config_value)
+    a field the config has          must have the field's type (None only where
+                                    Megatron's type allows it), checked by check_config
+    a field a caller cannot do      listed in check_config(..., required=): a config
+    without                         without it is a TypeError naming it
+
+A package checks a config once where it receives it (:func:`check_config`: a layer and DDP
+at construction, ``finalize_model_grads`` at each call) and reads fields with
+:func:`config_value`. :class:`TransformerConfigLike` is the static type of such a config:
+the fields some package requires. Who reads what (the table ``_FIELDS`` holds each field's
+check and default)::
+
+    field                                   default      read by
+    sequence_parallel                       False        tp-layers (required), finalize (required)
+    params_dtype                            float32      tp-layers (required)
+    use_cpu_initialization                  False        tp-layers (required)
+    perform_initialization                  True         tp-layers (required)
+    gradient_accumulation_fusion            False        tp-layers (required)
+    defer_embedding_wgrad_compute           False        tp-layers (required)
+    wgrad_deferral_limit                    0            tp-layers (required)
+    calculate_per_token_loss                False        ddp (required), finalize (required),
+                                                         tp-layers (gtp_remat wgrad SUM)
+    tensor_model_parallel_size              1            tp-layers (expert groups)
+    expert_model_parallel_size              1            tp-layers (expert groups)
+    expert_tensor_parallel_size             None (= tp)  tp-layers (expert groups)
+    gtp_remat_size                          1            tp-layers, finalize
+    expert_gtp_remat_size                   1            finalize
+    cuda_graph_impl                         "none"       ddp (keeps grad_added_to_main_grad)
+    qk_layernorm                            False        finalize (q/k norm grads over tp)
+    has_cond_embedder                       False        finalize (conditional embedders)
+    flextron                                False        finalize (Flextron routers)
+    mtp_num_layers                          None (= 0)   finalize (embedding chunk)
+    moe_router_enable_expert_bias           False        finalize (router expert bias)
+    moe_router_bias_update_rate             1e-3         finalize
+    moe_router_load_balancing_type          "aux_loss"   finalize (str or list of str)
+    moe_router_quantile_balancing_ema       0.0          finalize (in [0, 1])
+
+plus the fields only :class:`ModelParallelConfig` validates (pipeline and context sizes,
+fp16 / bf16, ...). A new field goes into ``_FIELDS`` with Megatron's name and default.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
+from typing import Any, Protocol, cast
 
 import torch
 
-from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_optional_int
-from mc_groups.errors import InputValueError
-
-__all__ = ["ModelParallelConfig"]
-
-_INT_FIELDS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-    "gtp_remat_size",
+from mc_groups.argcheck import (
+    check_flag,
+    check_float_dtype,
+    check_int,
+    check_optional_int,
+    check_real,
+    check_str,
+    type_name,
 )
-_BOOL_FIELDS = (
-    "sequence_parallel",
-    "perform_initialization",
-    "use_cpu_initialization",
-    "fp16",
-    "bf16",
-    "gradient_accumulation_fusion",
-    "defer_embedding_wgrad_compute",
-    "calculate_per_token_loss",
-    "delay_wgrad_compute",
-    "tp_comm_overlap",
-)
+from mc_groups.errors import InputTypeError, InputValueError
+
+__all__ = ["ModelParallelConfig", "TransformerConfigLike", "check_config", "config_value"]
+
+
+class TransformerConfigLike(Protocol):
+    """What mc reads from a config, as a static type: the fields some package requires.
+
+    Megatron-Core's ``TransformerConfig``, :class:`ModelParallelConfig` or any object with
+    these attributes qualifies (a ``ModelParallelConfig`` of Megatron's, which has no
+    ``calculate_per_token_loss``, works everywhere that field is not required: the layers
+    and finalize's step helpers). Every other field is optional and read with Megatron's
+    default (module notes).
+    """
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Activations outside the TP region are split along the sequence (dim 0); the
+        grads of params marked ``sequence_parallel`` are partial sums over tp."""
+        ...
+
+    @property
+    def calculate_per_token_loss(self) -> bool:
+        """Losses are summed per token and divided by the global token count in
+        ``finalize_model_grads``: DDP does not average over data-parallel ranks."""
+        ...
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """dtype of the weights and biases the layers allocate."""
+        ...
+
+    @property
+    def use_cpu_initialization(self) -> bool:
+        """Build the full fp32 master weight on CPU and keep this rank's slice."""
+        ...
+
+    @property
+    def perform_initialization(self) -> bool:
+        """Run ``init_method`` on new weights (False leaves them uninitialised)."""
+        ...
+
+    @property
+    def gradient_accumulation_fusion(self) -> bool:
+        """Accumulate weight gradients straight into ``weight.main_grad``."""
+        ...
+
+    @property
+    def defer_embedding_wgrad_compute(self) -> bool:
+        """Defer the LM head's weight-gradient GEMM of the last pipeline stage."""
+        ...
+
+    @property
+    def wgrad_deferral_limit(self) -> int:
+        """How many micro-batches to defer (0: all of them)."""
+        ...
+
+
+def _size(name: str, value: object) -> int:
+    return check_int(name, value, minimum=1)
+
+
+def _optional_size(name: str, value: object) -> int | None:
+    return check_optional_int(name, value, minimum=1)
+
+
+def _count(name: str, value: object) -> int:
+    return check_int(name, value, minimum=0)
+
+
+def _optional_count(name: str, value: object) -> int | None:
+    return check_optional_int(name, value, minimum=0)
+
+
+def _rate(name: str, value: object) -> float:
+    return check_real(name, value, positive=True)
+
+
+def _fraction(name: str, value: object) -> float:
+    number = check_real(name, value, positive=True)
+    if number > 1.0:
+        raise InputValueError(f"{name}={value!r} must be >= 0 and <= 1.0")
+    return number
+
+
+def _dtype(name: str, value: object) -> torch.dtype:
+    dtype = check_float_dtype(name, value)
+    assert dtype is not None  # allow_none=False
+    return dtype
+
+
+def _balancing_types(name: str, value: object) -> tuple[str, ...]:
+    # Megatron accepts one type or a list of them (one per layer group).
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise InputTypeError(
+        f"{name}={value!r} must be a str or a list of str "
+        "(e.g. 'aux_loss', 'global_aux_loss', 'quantile_balancing')"
+    )
+
+
+@dataclass(frozen=True)
+class _Field:
+    check: Callable[[str, object], Any]
+    default: Any
+
+
+# Every field mc reads or ModelParallelConfig holds: its check and Megatron-Core's default.
+_FIELDS: dict[str, _Field] = {
+    "tensor_model_parallel_size": _Field(_size, 1),
+    "pipeline_model_parallel_size": _Field(_size, 1),
+    "virtual_pipeline_model_parallel_size": _Field(_optional_size, None),
+    "sequence_parallel": _Field(check_flag, False),
+    "context_parallel_size": _Field(_size, 1),
+    "expert_model_parallel_size": _Field(_size, 1),
+    "expert_tensor_parallel_size": _Field(_optional_size, None),
+    "gtp_remat_size": _Field(_size, 1),
+    "expert_gtp_remat_size": _Field(_size, 1),
+    "perform_initialization": _Field(check_flag, True),
+    "use_cpu_initialization": _Field(check_flag, False),
+    "params_dtype": _Field(_dtype, torch.float32),
+    "fp16": _Field(check_flag, False),
+    "bf16": _Field(check_flag, False),
+    "gradient_accumulation_fusion": _Field(check_flag, False),
+    "defer_embedding_wgrad_compute": _Field(check_flag, False),
+    "wgrad_deferral_limit": _Field(_count, 0),
+    "calculate_per_token_loss": _Field(check_flag, False),
+    "delay_wgrad_compute": _Field(check_flag, False),
+    "tp_comm_overlap": _Field(check_flag, False),
+    "cuda_graph_impl": _Field(check_str, "none"),
+    "qk_layernorm": _Field(check_flag, False),
+    "has_cond_embedder": _Field(check_flag, False),
+    "flextron": _Field(check_flag, False),
+    "mtp_num_layers": _Field(_optional_count, None),
+    "moe_router_enable_expert_bias": _Field(check_flag, False),
+    "moe_router_bias_update_rate": _Field(_rate, 1e-3),
+    "moe_router_load_balancing_type": _Field(_balancing_types, ("aux_loss",)),
+    "moe_router_quantile_balancing_ema": _Field(_fraction, 0.0),
+}
+
+
+def check_config(
+    config: object, what: str, *, required: Iterable[str] = ()
+) -> TransformerConfigLike:
+    """``config`` when it has every field of ``required`` and each field of the module's
+    table that it has holds the field's type; else an error before anything happens.
+
+    A missing required field is a ``TypeError`` naming the fields and ``what`` (the
+    caller); a field of the wrong type a ``TypeError`` naming ``config.<field>`` and the
+    value (``'yes'`` is not a bool); a value out of range (a size of 0) a ``ValueError``.
+    Returns the config itself.
+    """
+    missing = [name for name in required if not hasattr(config, name)]
+    if missing:
+        raise InputTypeError(
+            f"config={type_name(config)} lacks {missing}: {what} reads config."
+            f"{missing[0]}; pass Megatron-Core's TransformerConfig, a "
+            "mc_groups.ModelParallelConfig, or any object with these attributes "
+            "(mc_groups.TransformerConfigLike)"
+        )
+    for name, field in _FIELDS.items():
+        if hasattr(config, name):
+            field.check(f"config.{name}", getattr(config, name))
+    return cast(TransformerConfigLike, config)
+
+
+def config_value(config: object, name: str) -> Any:
+    """``config.<name>`` checked, or Megatron-Core's default when the config lacks it.
+
+    ``name`` must be a field of the module's table (a ``KeyError`` otherwise: a typo in
+    mc, not in the user's config). A ``moe_router_load_balancing_type`` reads as a tuple.
+    """
+    field = _FIELDS[name]
+    if not hasattr(config, name):
+        return field.default
+    return field.check(f"config.{name}", getattr(config, name))
 
 
 @dataclass
@@ -64,6 +271,8 @@ class ModelParallelConfig:
             finalize_model_grads instead of averaged per micro-batch.
         delay_wgrad_compute: weight gradients computed in ``backward_dw``.
         tp_comm_overlap: userbuffer overlap (Transformer Engine only; rejected here).
+
+    Fields are checked by :func:`check_config` at construction and by :meth:`replace`.
     """
 
     tensor_model_parallel_size: int = 1
@@ -87,18 +296,8 @@ class ModelParallelConfig:
     tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
-        self._check_types()
+        check_config(self, "ModelParallelConfig")
         self._check_combinations()
-
-    def _check_types(self) -> None:
-        for name in _INT_FIELDS:
-            check_int(name, getattr(self, name))
-        for name in ("virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size"):
-            check_optional_int(name, getattr(self, name))
-        for name in _BOOL_FIELDS:
-            check_flag(name, getattr(self, name))
-        check_float_dtype("params_dtype", self.params_dtype)
-        check_int("wgrad_deferral_limit", self.wgrad_deferral_limit, minimum=0)
 
     def _check_combinations(self) -> None:
         if self.sequence_parallel and self.tensor_model_parallel_size <= 1:

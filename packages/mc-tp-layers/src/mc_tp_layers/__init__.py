@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._gemm import backends
 from mc_tp_layers.agreement import TensorParallelAgreementError, check_tp_agreement
 from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
@@ -115,7 +114,6 @@ __all__ = [
     "RNGStatesTracker",
     "RowParallelLinear",
     "TensorParallelAgreementError",
-    "TensorParallelConfig",
     "VocabParallelEmbedding",
     "VocabUtility",
     "all_gather_last_dim_from_tensor_parallel_region",

@@ -25,9 +25,10 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_group, check_int, type_name
+from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import agreement
-from mc_tp_layers._config import TensorParallelConfig, check_config, uses_expert_groups
+from mc_tp_layers._config import check_layer_config, uses_expert_groups
 from mc_tp_layers._tp_groups import default_device
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.gtp import shard_weight_for_gtp
@@ -66,7 +67,7 @@ def check_tracker(rng_tracker: object) -> RNGStatesTracker | None:
 
 
 def layer_device(
-    device: torch.device | None, config: TensorParallelConfig, group: dist.ProcessGroup
+    device: torch.device | None, config: TransformerConfigLike, group: dist.ProcessGroup
 ) -> torch.device:
     """The explicit ``device``, else the default for the config and group."""
     if device is not None:
@@ -75,7 +76,7 @@ def layer_device(
 
 
 def new_parameter(
-    shape: tuple[int, ...], config: TensorParallelConfig, device: torch.device, what: str
+    shape: tuple[int, ...], config: TransformerConfigLike, device: torch.device, what: str
 ) -> torch.nn.Parameter:
     """An uninitialised ``config.params_dtype`` parameter on ``device``.
 
@@ -105,7 +106,7 @@ def allocate(
         ) from None
 
 
-def zero_bias(bias: torch.Tensor, config: TensorParallelConfig) -> None:
+def zero_bias(bias: torch.Tensor, config: TransformerConfigLike) -> None:
     """Biases start at zero (when initialisation is performed)."""
     if config.perform_initialization:
         with torch.no_grad():
@@ -217,7 +218,7 @@ class TensorParallelModule(torch.nn.Module):
 
     def __init__(self, config: object) -> None:
         super().__init__()
-        self.config = check_config(config)
+        self.config = check_layer_config(config)
         self._peers_checked = False  # set by the first forward (see _forward_checks)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:

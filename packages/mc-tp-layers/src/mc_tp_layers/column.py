@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection
 from mc_groups.argcheck import check_flag, check_float_dtype, check_optional_str, check_tensor
+from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputValueError
 from mc_tp_layers import _layer_base as base
 from mc_tp_layers._config import (
-    TensorParallelConfig,
     expert_parallel,
     gtp_remat_size,
     sequence_parallel,
@@ -55,7 +55,7 @@ class ColumnParallelLinear(ParallelLinear):
     Args:
         input_size: k, the first dimension of A (the input features).
         output_size: n, the second dimension of A; must divide by the TP size.
-        config: the layer config (:class:`mc_tp_layers.TensorParallelConfig`).
+        config: the layer config (:class:`mc_groups.TransformerConfigLike`).
         init_method: fills a weight tensor in place; the bias always starts at zero.
         bias: allocate a bias ``[n/W]`` (TP-sharded like the weight).
         gather_output: all-gather Y so every rank holds ``[s, b, n]``.
@@ -88,7 +88,7 @@ class ColumnParallelLinear(ParallelLinear):
         input_size: int,
         output_size: int,
         *,
-        config: TensorParallelConfig,
+        config: TransformerConfigLike,
         init_method: InitMethod,
         bias: bool = True,
         gather_output: bool = False,

@@ -16,9 +16,9 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_groups.argcheck import check_flag, check_tensor, type_name
 from mc_groups.comm import traceable
+from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _comm
-from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._gemm import accumulate_wgrad
 from mc_tp_layers._tp_groups import resolve_tp_group
 
@@ -93,7 +93,7 @@ def _check_pair(index: int, x: object, dy: object, w: torch.Tensor, rows_factor:
 
 
 def drain_embedding_wgrad_compute(
-    config: TensorParallelConfig,
+    config: TransformerConfigLike,
     embedding_activation_buffer: list[torch.Tensor],
     grad_output_buffer: list[torch.Tensor],
     weight: torch.Tensor,

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 from mc_groups import ProcessGroupCollection, param_attrs
 from mc_groups.argcheck import check_flag, check_int, type_name
+from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _layer_base as base
-from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._index_range import check_index_range
 from mc_tp_layers._layer_base import TensorParallelModule
 from mc_tp_layers._tp_groups import resolve_tp_group
@@ -52,7 +52,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         init_method: fills the table in place.
         reduce_scatter_embeddings: reduce-scatter the ``[s, b, h]`` output along the
             sequence (sequence parallelism) instead of all-reducing ``[b, s, h]``.
-        config: the layer config (:class:`mc_tp_layers.TensorParallelConfig`).
+        config: the layer config (:class:`mc_groups.TransformerConfigLike`).
         tp_group: the tensor-parallel group (default: ``pg_collection``'s, then the
             default collection's).
         pg_collection: groups to read ``tp`` from.
@@ -67,7 +67,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         *,
         init_method: InitMethod,
         reduce_scatter_embeddings: bool = False,
-        config: TensorParallelConfig,
+        config: TransformerConfigLike,
         tp_group: dist.ProcessGroup | None = None,
         pg_collection: ProcessGroupCollection | None = None,
         rng_tracker: RNGStatesTracker | None = None,

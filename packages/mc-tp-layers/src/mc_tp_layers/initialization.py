@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor
+from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _validate
-from mc_tp_layers._config import TensorParallelConfig
 from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.gtp import gtp_local_rows
@@ -218,7 +218,7 @@ class WeightInit:
 
     def __init__(
         self,
-        config: TensorParallelConfig,
+        config: TransformerConfigLike,
         init_method: InitMethod,
         rng_tracker: RNGStatesTracker | None,
         group: dist.ProcessGroup,

@@ -32,10 +32,11 @@ import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection, param_attrs
 from mc_groups.argcheck import check_flag, check_optional_str
+from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputValueError
 from mc_tp_layers import _layer_base as base
 from mc_tp_layers._autograd import apply
-from mc_tp_layers._config import TensorParallelConfig, expert_parallel, gtp_remat_size
+from mc_tp_layers._config import expert_parallel, gtp_remat_size
 from mc_tp_layers._layer_base import ParallelLinear
 from mc_tp_layers._reduced_linear import _LinearThenReduce
 from mc_tp_layers._tp_groups import resolve_gtp_group, resolve_tp_group
@@ -58,7 +59,7 @@ class RowParallelLinear(ParallelLinear):
     Args:
         input_size: k, the first dimension of A; must divide by the TP size.
         output_size: n, the second dimension of A.
-        config: the layer config (:class:`mc_tp_layers.TensorParallelConfig`).
+        config: the layer config (:class:`mc_groups.TransformerConfigLike`).
         init_method: fills a weight tensor in place; the bias always starts at zero.
         bias: allocate a replicated bias ``[n]``.
         input_is_parallel: the input is already split along its last dim (required under
@@ -81,7 +82,7 @@ class RowParallelLinear(ParallelLinear):
         input_size: int,
         output_size: int,
         *,
-        config: TensorParallelConfig,
+        config: TransformerConfigLike,
         init_method: InitMethod,
         bias: bool,
         input_is_parallel: bool,

@@ -60,9 +60,9 @@ import torch
 from torch import nn
 
 import mc_groups as mg
-from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig, TransformerConfigLike
+from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig
 from mc_finalize import finalize_model_grads
-from mc_groups import param_attrs
+from mc_groups import TransformerConfigLike, param_attrs
 from mc_groups.argcheck import check_int, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_train.loss import IGNORE_INDEX, TokenLoss, _type_check

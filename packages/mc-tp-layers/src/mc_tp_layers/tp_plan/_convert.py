@@ -11,7 +11,7 @@ import torch
 from mc_groups import ProcessGroupCollection, param_attrs
 from mc_groups.argcheck import check_int, type_name
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_tp_layers._config import check_config
+from mc_tp_layers._config import check_layer_config
 from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.tp_plan import _sequence
 from mc_tp_layers.tp_plan._layers import ColwiseLinear, RowwiseLinear, Setup, VocabEmbedding
@@ -77,7 +77,7 @@ def parallelize(
             A ``transformers`` model's ``model.tp_plan`` can be passed as it is;
             :func:`~mc_tp_layers.tp_plan.sequence_parallel_plan` adds the sequence-parallel
             entries to it.
-        config: the layers' config (:class:`mc_tp_layers.TensorParallelConfig`, e.g.
+        config: the layers' config (:class:`mc_groups.TransformerConfigLike`, e.g.
             :class:`mc_groups.ModelParallelConfig`); ``config.sequence_parallel`` switches
             the sequence styles on.
         pg_collection: the groups; the layers split over ``pg_collection.tp``.
@@ -140,7 +140,7 @@ def _check(
             "pg_collection must be a mc_groups.ProcessGroupCollection (its tp group splits the "
             f"layers), got {type_name(pg_collection)}"
         )
-    cfg = check_config(config)
+    cfg = check_layer_config(config)
     dim = check_int("sequence_dim", sequence_dim, minimum=0)
     if dim > 1:
         raise InputValueError(

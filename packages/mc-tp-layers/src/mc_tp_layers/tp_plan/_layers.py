@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection
+from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputValueError
-from mc_tp_layers._config import TensorParallelConfig, check_config
+from mc_tp_layers._config import check_layer_config
 from mc_tp_layers._layer_base import keep_param_attributes
 from mc_tp_layers.column import ColumnParallelLinear
 from mc_tp_layers.embedding import VocabParallelEmbedding
@@ -44,26 +45,26 @@ __all__: list[str] = []
 class Setup:
     """What every converted layer of one ``parallelize`` call shares."""
 
-    config: TensorParallelConfig
+    config: TransformerConfigLike
     pg_collection: ProcessGroupCollection
     tp_group: dist.ProcessGroup
     sequence_parallel: bool
     sequence_dim: int
 
-    def layer_config(self, dtype: torch.dtype, sequence_parallel: bool) -> TensorParallelConfig:
+    def layer_config(self, dtype: torch.dtype, sequence_parallel: bool) -> TransformerConfigLike:
         """The user's config with the source's dtype, no init and ``sequence_parallel``."""
         changes: dict[str, Any] = {
             "params_dtype": dtype,
             "perform_initialization": False,
             "sequence_parallel": sequence_parallel,
         }
-        config: Any = self.config  # any object with the attributes (see TensorParallelConfig)
+        config: Any = self.config  # any object with the attributes (see TransformerConfigLike)
         if dataclasses.is_dataclass(config) and not isinstance(config, type):
-            return check_config(dataclasses.replace(config, **changes))
+            return check_layer_config(dataclasses.replace(config, **changes))
         derived = copy.copy(config)
         for field, value in changes.items():
             setattr(derived, field, value)
-        return check_config(derived)
+        return check_layer_config(derived)
 
 
 def _untouched(_weight: torch.Tensor) -> None:
