@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -41,26 +42,26 @@ class _Chunk(torch.nn.Module):
         raise AssertionError("finalize must refuse the config before any step runs")
 
 
-def _layer(config: object) -> object:
+def _layer(config: Any) -> object:
     return mc_tp_layers.ColumnParallelLinear(
         4, 4, config=config, init_method=torch.nn.init.zeros_, bias=False
     )
 
 
-def _ddp(config: object) -> object:
+def _ddp(config: Any) -> object:
     return mc_ddp.DistributedDataParallel(
-        config,  # type: ignore[arg-type]
+        config,
         mc_ddp.DistributedDataParallelConfig(),
         torch.nn.Linear(2, 2),
     )
 
 
-def _finalize(config: object) -> object:
+def _finalize(config: Any) -> object:
     mc_finalize.finalize_model_grads([_Chunk(config)])  # type: ignore[list-item]
     return None
 
 
-_ENTRY_POINTS: dict[str, Callable[[object], object]] = {
+_ENTRY_POINTS: dict[str, Callable[[Any], object]] = {
     "layer": _layer,
     "ddp": _ddp,
     "finalize": _finalize,
