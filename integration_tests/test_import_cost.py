@@ -15,7 +15,15 @@ import subprocess
 import sys
 
 HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor")
-PACKAGES = ("mc_groups", "mc_buffers", "mc_ddp", "mc_tp_layers", "mc_finalize", "mc_train")
+PACKAGES = (
+    "mc_groups",
+    "mc_buffers",
+    "mc_ddp",
+    "mc_tp_layers",
+    "mc_finalize",
+    "mc_moe",
+    "mc_train",
+)
 
 
 def test_importing_the_packages_leaves_dcp_and_dtensor_unimported() -> None:

@@ -41,12 +41,13 @@ def _table(readme: Path) -> list[str]:
     return [m[1] for line in section.splitlines() if (m := _ROW.match(line))]
 
 
-def test_six_packages() -> None:
+def test_seven_packages() -> None:
     assert [p.name for p in PACKAGES] == [
         "mc-buffers",
         "mc-ddp",
         "mc-finalize",
         "mc-groups",
+        "mc-moe",
         "mc-tp-layers",
         "mc-train",
     ]

@@ -89,6 +89,17 @@ def after_backward(chunks: Sequence[ModelChunk], tokens: torch.Tensor,
                    pgc: mg.ProcessGroupCollection) -> None:
     finalize_model_grads(chunks, num_tokens=tokens, pg_collection=pgc)
 """,
+    "mc-moe": """
+import torch
+import mc_groups as mg
+from mc_moe import full_state_dict, parallelize
+
+def split(model: torch.nn.Module, pgc: mg.ProcessGroupCollection) -> dict[str, torch.Tensor]:
+    cfg = mg.ModelParallelConfig(expert_model_parallel_size=2)
+    parallelize(model, {}, ep_plan={"layers.*.experts": "ep_dispatch_experts"}, config=cfg,
+                pg_collection=pgc)
+    return full_state_dict(model, pgc)
+""",
     "mc-train": """
 import torch
 import mc_groups as mg

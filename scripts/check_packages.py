@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ROOT / "packages"
-_MC_MODULE = re.compile(r"^mc_(groups|buffers|ddp|tp_layers|finalize|train)(?:_pytest)?$")
+_MC_MODULE = re.compile(r"^mc_(groups|buffers|ddp|tp_layers|finalize|moe|train)(?:_pytest)?$")
 _RELATIVE_LINK = re.compile(r"\]\((?!https?://|#|mailto:)([^)]+)\)")
 
 

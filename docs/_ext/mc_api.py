@@ -46,13 +46,22 @@ from sphinx.util import logging
 
 ROOT = Path(__file__).resolve().parents[2]
 API_DIR = ROOT / "docs" / "api"
-PACKAGES = ("mc_groups", "mc_buffers", "mc_ddp", "mc_tp_layers", "mc_finalize", "mc_train")
+PACKAGES = (
+    "mc_groups",
+    "mc_buffers",
+    "mc_ddp",
+    "mc_tp_layers",
+    "mc_finalize",
+    "mc_moe",
+    "mc_train",
+)
 DISTRIBUTIONS = {
     "mc_groups": "mc-groups",
     "mc_buffers": "mc-buffers",
     "mc_ddp": "mc-ddp",
     "mc_tp_layers": "mc-tp-layers",
     "mc_finalize": "mc-finalize",
+    "mc_moe": "mc-moe",
     "mc_train": "mc-train",
 }
 COMPATIBILITY_PAGE = "compatibility"

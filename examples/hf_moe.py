@@ -1,0 +1,202 @@
+"""A tiny ``transformers`` mixture-of-experts model (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3
+or gpt-oss) trained with mc at EP × DP (× TP with sequence parallelism), beside one process.
+
+The model comes from a config (random weights, no hub access); ``mc_moe.parallelize``
+splits it by its own ``tp_plan`` and ``ep_plan`` (experts over the expert-parallel ranks,
+dense layers over TP); mc DDP (expert params in their own buffers, reduced over the
+expert data-parallel group), ``finalize_model_grads`` and SGD train it; the script prints
+each step's loss beside the one-process loss of the same model on the same global batch.
+
+Run it with ``torchrun --standalone --nproc-per-node 4 -m examples.hf_moe [--kind qwen3_moe]``;
+``integration_tests/test_parity_moe.py`` runs ``train`` on 2 and 4 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+import mc_groups as mg
+import mc_moe
+from mc_ddp import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    ShardedOptimizer,
+    ensure_params_ready,
+)
+from mc_finalize import finalize_model_grads
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["KINDS", "Layout", "Run", "build_model", "global_batch", "reference", "train"]
+
+SEQ, BATCH, LR, VOCAB = 16, 8, 1.0, 64
+KINDS = {  # kind → its transformers config and model classes
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+}
+
+
+def _sizes(kind: str) -> dict[str, Any]:
+    """Hidden 64, 2 layers, 4 experts of width 32, top-2 (every layer MoE)."""
+    sizes: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts_per_tok": 2,
+        "pad_token_id": None,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    experts = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts"}
+    sizes[experts.get(kind, "n_routed_experts" if kind == "deepseek_v3" else "num_experts")] = 4
+    if kind in ("qwen3_moe", "deepseek_v3"):
+        sizes.update(intermediate_size=64, moe_intermediate_size=32)
+    else:
+        sizes["intermediate_size"] = 32
+    if kind != "olmoe":
+        sizes["head_dim"] = 16
+    if kind == "deepseek_v3":
+        sizes.update(
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            n_group=2,
+            topk_group=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+        )
+        del sizes["head_dim"]
+    return sizes
+
+
+def build_model(kind: str = "mixtral", seed: int = 0) -> PreTrainedModel:
+    """A tiny MoE causal LM of ``kind`` (a key of ``KINDS``) from a config, seeded."""
+    import transformers  # noqa: PLC0415  (collecting the tests stays cheap)
+
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: choose one of {sorted(KINDS)}")
+    config_class, model_class = KINDS[kind]
+    config = getattr(transformers, config_class)(**_sizes(kind))
+    torch.manual_seed(seed)
+    model: PreTrainedModel = getattr(transformers, model_class)(config)
+    with torch.no_grad():  # routers start at zero in some models: give them a direction
+        for name, param in model.named_parameters():
+            if name.endswith(("gate.weight", "router.weight")):
+                param.normal_(0.0, 0.2)
+    return model
+
+
+def global_batch(step: int) -> torch.Tensor:
+    """``[BATCH, SEQ]`` token ids of ``step``, the same on every rank."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: TP, EP and expert TP sizes (DP is what the world leaves)."""
+
+    tp: int = 1
+    ep: int = 2
+    etp: int = 1
+    distributed_optimizer: bool = False
+
+
+@dataclass
+class Run:
+    """Per-step losses (averaged over DP) and the final full, original-named weights."""
+
+    losses: list[float]
+    weights: dict[str, torch.Tensor]
+
+
+def reference(kind: str = "mixtral", steps: int = 3, *, lr: float = LR) -> Run:
+    """One process, plain PyTorch: SGD on the whole global batch."""
+    model = build_model(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        ids = global_batch(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+# --8<-- [start:train]
+def train(kind: str = "mixtral", layout: Layout | None = None, *, steps: int = 3) -> Run:
+    """Train the tiny model on every rank of the world at ``layout``; DP = world / TP."""
+    layout = layout or Layout()
+    pgc = mg.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    cfg = mg.ModelParallelConfig(
+        tensor_model_parallel_size=layout.tp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.tp > 1,
+    )
+    model = build_model(kind)  # the same weights on every rank (same seed)
+    mc_moe.parallelize(model, model.tp_plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
+    ddp_cfg = DistributedDataParallelConfig(
+        use_distributed_optimizer=layout.distributed_optimizer, overlap_grad_reduce=True
+    )
+    ddp = DistributedDataParallel(cfg, ddp_cfg, model, pg_collection=pgc)
+    opt = ShardedOptimizer(torch.optim.SGD(ddp.parameters(), lr=LR), ddp)
+    dp = pgc.require("dp", "data")
+    rows = BATCH // dp.size()
+    losses = []
+    for step in range(steps):
+        ids = global_batch(step)[dp.rank() * rows : (dp.rank() + 1) * rows]  # this DP rank's
+        ddp.zero_grad_buffer()
+        loss = ddp(input_ids=ids, labels=ids).loss
+        loss.backward()
+        finalize_model_grads([ddp], pg_collection=pgc)
+        opt.step()
+        mean = loss.detach().clone()
+        mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+        losses.append(float(mean))
+    ensure_params_ready(ddp.parameters())
+    weights = mc_moe.full_state_dict(model, pg_collection=pgc)
+    mg.destroy_model_parallel(pgc)
+    return Run(losses, weights)
+
+
+# --8<-- [end:train]
+
+
+def main() -> None:
+    """Train at EP=2 × DP=(world / 2) and print the parity with one process."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=sorted(KINDS), default="mixtral")
+    kind = parser.parse_args().kind
+    dist.init_process_group("gloo")
+    run = train(kind)
+    if dist.get_rank() == 0:
+        ref = reference(kind)
+        for step, (a, b) in enumerate(zip(run.losses, ref.losses, strict=True)):
+            print(f"step {step}: mc {a:.6f}  one process {b:.6f}  rel {abs(a - b) / b:.1e}")
+        worst = max(float((run.weights[k] - v).abs().max()) for k, v in ref.weights.items())
+        print(f"max |weight - one process| after {len(ref.losses)} SGD steps: {worst:.1e}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+r"""``parallelize`` for mixture-of-experts models: the model's own ``tp_plan`` and
+``ep_plan`` (``transformers``' style names), experts split over ``ep`` and ``expt_tp``, the
+dense entries handed to :func:`mc_tp_layers.parallelize`.
+
+Why here and not a style protocol in ``mc_tp_layers``: the dependency points
+``mc_moe → mc_tp_layers``; the experts need the EP groups and the token dispatcher, which
+live here; ``mc_tp_layers.parallelize`` stays the one route for dense layers, and this
+function splits a plan in two and calls it. A user calls one function either way.
+
+The plan entries it reads (the others are dense and go to ``mc_tp_layers.parallelize``)::
+
+    entry                                style                   what mc does
+    ───────────────────────────────────  ──────────────────────  ─────────────────────────────
+    layers.*.mlp.experts                 ep_dispatch_experts     the experts module: split over
+                                         (ep_plan)               ep, its forward dispatches the
+                                         moe_tp_experts          tokens (mc_moe.experts); over
+                                         (tp_plan)               expt_tp as well when Q > 1
+    layers.*.mlp.experts.gate_up_proj    grouped_gemm (ep_plan)  parameters of such a module:
+    layers.*.mlp.experts.down_proj       packed_colwise, colwise checked to belong to one (the
+    (…_bias)                             rowwise (tp_plan)       module's layout decides the split)
+    ep_router                            —                       refused (removed from
+                                                                 transformers; route with the
+                                                                 model's own router)
+
+Sizes come from ``pg_collection``: P = |ep|, Q = |expt_tp|. With P = 1 the experts stay whole
+over ep; with Q = 1 whole over expt_tp; an ``ep_plan`` at P = 1 is no error.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+import torch
+
+import mc_groups as mg
+from mc_groups.argcheck import check_int, type_name
+from mc_groups.errors import InputTypeError, InputValueError
+from mc_moe.experts import ExpertWeights, read_experts, shard_experts
+from mc_tp_layers import parallelize as parallelize_dense
+
+__all__ = ["MoEPlanWarning", "moe_entries", "parallelize"]
+
+EXPERTS_STYLES = frozenset({"ep_dispatch_experts", "moe_tp_experts"})
+PARAM_STYLES = frozenset({"grouped_gemm", "packed_colwise", "colwise", "rowwise"})
+REMOVED_STYLES = frozenset({"ep_router"})
+
+
+class MoEPlanWarning(UserWarning):
+    """Dense plan entries matched no module because the layers they name are MoE layers
+    (``transformers`` skips them the same way)."""
+
+
+@dataclass(frozen=True)
+class _Experts:
+    name: str
+    module: torch.nn.Module
+    layout: ExpertWeights
+
+
+def moe_entries(plan: Mapping[str, object], model: torch.nn.Module) -> dict[str, object]:
+    """The entries of ``plan`` that name an experts module or one of its parameters (by
+    style: ``ep_dispatch_experts`` / ``moe_tp_experts`` / ``grouped_gemm``, or a pattern
+    that matches a parameter, not a module, of ``model``)."""
+    modules = {n for n, _ in model.named_modules() if n}
+    params = [n for n, _ in model.named_parameters()]
+    out: dict[str, object] = {}
+    for pattern, value in plan.items():
+        if not isinstance(pattern, str):
+            raise InputTypeError(f"plan key {pattern!r} must be a str (an fnmatch pattern)")
+        names_param = not any(fnmatchcase(m, pattern) for m in modules) and any(
+            fnmatchcase(p, pattern) for p in params
+        )
+        if value in EXPERTS_STYLES or value == "grouped_gemm" or names_param:
+            out[pattern] = value
+    return out
+
+
+def parallelize(
+    module: torch.nn.Module,
+    plan: Mapping[str, object] | None,
+    *,
+    ep_plan: Mapping[str, object] | None = None,
+    config: object,
+    pg_collection: mg.ProcessGroupCollection,
+    sequence_dim: int = 1,
+) -> torch.nn.Module:
+    """Split a MoE model over ``tp``, ``ep`` and ``expt_tp``, in place.
+
+    ``parallelize(model, model.tp_plan, ep_plan=model.ep_plan, config=cfg,
+    pg_collection=pgc)`` (or the plan :func:`mc_moe.sequence_parallel_plan` derives).
+
+    Args:
+        module: a model whose MoE layers hold ``transformers``' experts modules (3-D
+            ``gate_up_proj`` / ``down_proj``; Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3,
+            gpt-oss), on CPU or a device.
+        plan: the tensor-parallel plan (``model.tp_plan``): dense entries go to
+            :func:`mc_tp_layers.parallelize`, expert entries split the experts over
+            ``expt_tp``. ``None`` or ``{}``: no dense layer is split.
+        ep_plan: the expert-parallel plan (``model.ep_plan``): its experts modules are split
+            over ``ep``. Required when ``ep`` has more than one rank.
+        config: the layers' config (``mc_groups.ModelParallelConfig``); under tensor
+            parallelism MoE layers need ``config.sequence_parallel`` (as Megatron-Core:
+            each TP rank routes its own part of the sequence).
+        pg_collection: the groups (``tp``, ``ep``, ``expt_tp``, ``tp_ep``).
+        sequence_dim: as :func:`mc_tp_layers.parallelize`.
+
+    Every check runs before any module changes and before any collective: an unknown or
+    removed style, an entry matching nothing (dense entries that match nothing in a model
+    whose layers are MoE are skipped with one :class:`MoEPlanWarning`, as ``transformers``
+    skips them), a number of experts the EP size does not divide, an expert width the
+    expert-TP size does not divide, EP > 1 without an ``ep_plan``, TP > 1 without sequence
+    parallelism. Nothing here communicates; collectives per MoE layer and step are
+    :mod:`mc_moe.dispatcher`'s.
+    """
+    dense, experts = _check(module, plan, ep_plan, config, pg_collection, sequence_dim)
+    if dense:
+        parallelize_dense(
+            module,
+            dense,  # type: ignore[arg-type]  # values checked by mc_tp_layers.parallelize
+            config=config,
+            pg_collection=pg_collection,
+            sequence_dim=sequence_dim,
+        )
+    tp_size = mg.group_size(pg_collection.require("tp", "parallelize"))
+    for found in experts:
+        shard_experts(found.module, found.layout, pg_collection, tp_size=tp_size)
+    return module
+
+
+def _check(
+    module: object,
+    plan: object,
+    ep_plan: object,
+    config: object,
+    pgc: object,
+    sequence_dim: object,
+) -> tuple[dict[str, object], list[_Experts]]:
+    if not isinstance(module, torch.nn.Module):
+        raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
+    if not isinstance(pgc, mg.ProcessGroupCollection):
+        raise InputTypeError(
+            "pg_collection must be a mc_groups.ProcessGroupCollection (its ep / expt_tp groups "
+            f"split the experts), got {type_name(pgc)}"
+        )
+    check_int("sequence_dim", sequence_dim, minimum=0)
+    tp_plan = _mapping("plan", plan)
+    eps = _mapping("ep_plan", ep_plan)
+    for name, entries in (("plan", tp_plan), ("ep_plan", eps)):
+        for pattern, value in entries.items():
+            if value in REMOVED_STYLES:
+                raise InputValueError(
+                    f"{name}[{pattern!r}] = {value!r}: transformers removed this style; the "
+                    "model's own router routes the tokens. Drop the entry and split the experts "
+                    "with 'ep_dispatch_experts' (ep_plan)"
+                )
+    tp_moe, ep_moe = moe_entries(tp_plan, module), moe_entries(eps, module)
+    not_moe = {p: v for p, v in eps.items() if p not in ep_moe}
+    if not_moe:
+        raise InputValueError(
+            f"ep_plan entries {not_moe} name no experts module or expert parameter; an "
+            "ep_plan holds 'ep_dispatch_experts' (the experts module) and 'grouped_gemm' (its "
+            "3-D parameters)"
+        )
+    ep_size = mg.group_size(pgc.require("ep", "parallelize (expert parallelism)"))
+    etp_size = mg.group_size(pgc.require("expt_tp", "parallelize (expert parallelism)"))
+    tp_size = mg.group_size(pgc.require("tp", "parallelize"))
+    by_ep = _experts_of(module, ep_moe, "ep_plan")
+    by_tp = _experts_of(module, tp_moe, "plan")
+    if ep_size > 1 and not by_ep:
+        raise InputValueError(
+            f"pg_collection.ep has {ep_size} ranks but ep_plan={ep_plan!r} splits no experts "
+            "module over it; pass ep_plan=model.ep_plan (transformers' expert plan), or build "
+            "the groups with expert_model_parallel_size=1"
+        )
+    found = {**by_tp, **by_ep}
+    experts = [_read(name, mod, ep_size, etp_size) for name, mod in found.items()]
+    if experts and tp_size > 1 and not getattr(config, "sequence_parallel", False):
+        raise InputValueError(
+            f"{experts[0].name}: MoE layers under tensor parallelism (tp={tp_size}) need "
+            "config.sequence_parallel=True (as Megatron-Core: each TP rank routes its part of the "
+            "sequence) and the plan of mc_moe.sequence_parallel_plan(model)"
+        )
+    dense = {p: v for p, v in tp_plan.items() if p not in tp_moe}
+    return _drop_unmatched(module, dense, bool(experts)), experts
+
+
+def _mapping(name: str, plan: object) -> dict[str, object]:
+    if plan is None:
+        return {}
+    if not isinstance(plan, Mapping):
+        raise InputTypeError(
+            f"{name} must be a mapping of module-name patterns to styles (model.tp_plan / "
+            f"model.ep_plan) or None, got {type_name(plan)}"
+        )
+    return dict(plan)
+
+
+def _experts_of(
+    module: torch.nn.Module, entries: Mapping[str, object], plan_name: str
+) -> dict[str, torch.nn.Module]:
+    """The experts modules ``entries`` name (a module entry, or the owner of a parameter
+    entry), by name; an entry matching nothing or a style on the wrong kind is an error."""
+    modules = dict(module.named_modules())
+    params = [n for n, _ in module.named_parameters()]
+    found: dict[str, torch.nn.Module] = {}
+    for pattern, value in entries.items():
+        if value in EXPERTS_STYLES:
+            hits = [n for n in modules if n and fnmatchcase(n, pattern)]
+            for name in hits:
+                found[name] = modules[name]
+        elif value in PARAM_STYLES:
+            hits = [p for p in params if fnmatchcase(p, pattern)]
+            for name in hits:
+                owner = name.rpartition(".")[0]
+                found.setdefault(owner, modules[owner])
+        else:
+            raise InputValueError(
+                f"{plan_name}[{pattern!r}] = {value!r} names an expert parameter; expert "
+                f"parameters take {sorted(PARAM_STYLES)} (the experts module: "
+                f"{sorted(EXPERTS_STYLES)})"
+            )
+        if not hits:
+            raise InputValueError(
+                f"{plan_name}[{pattern!r}] = {value!r} matches nothing in {type_name(module)}; "
+                "fix the pattern or drop the entry"
+            )
+    return found
+
+
+def _read(name: str, mod: torch.nn.Module, ep: int, etp: int) -> _Experts:
+    layout = read_experts(mod, name)
+    if layout.num_experts % ep:
+        raise InputValueError(
+            f"{name}: {layout.num_experts} experts cannot be split over an EP group of {ep} "
+            "ranks (whole experts per rank); choose expert_model_parallel_size dividing "
+            f"{layout.num_experts}"
+        )
+    if layout.intermediate % etp:
+        raise InputValueError(
+            f"{name}: expert width {layout.intermediate} is not divisible by the expert TP "
+            f"size {etp}; choose expert_tensor_parallel_size dividing it"
+        )
+    return _Experts(name, mod, layout)
+
+
+def _drop_unmatched(
+    module: torch.nn.Module, dense: dict[str, object], has_experts: bool
+) -> dict[str, object]:
+    """Dense entries matching no module are dropped with one warning in a MoE model (their
+    layers are MoE layers); elsewhere ``mc_tp_layers.parallelize`` refuses them."""
+    if not has_experts:
+        return dense
+    names = [n for n, _ in module.named_modules() if n]
+    unmatched = [p for p in dense if not any(fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        warnings.warn(
+            f"plan entries {unmatched} match no module of {type_name(module)}: its layers are "
+            "MoE layers; skipped, as transformers skips them",
+            MoEPlanWarning,
+            stacklevel=3,
+        )
+    return {p: v for p, v in dense.items() if p not in unmatched}
