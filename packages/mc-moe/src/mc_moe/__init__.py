@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from mc_moe.dispatcher import ExpertCompute, TokenDispatcher
+from mc_moe.dispatcher import TokenDispatcher
 from mc_moe.experts import ExpertWeights, is_converted, read_experts, shard_experts
-from mc_moe.parallelize import MoEPlanWarning, moe_entries, parallelize
 from mc_moe.permutation import (
     Permuted,
     permute,
@@ -30,6 +29,7 @@ from mc_moe.permutation import (
     sort_chunks_by_idxs,
     unpermute,
 )
+from mc_moe.plan import MoEPlanWarning, moe_entries, parallelize
 from mc_moe.state import expert_params, full_state_dict, load_full_state_dict
 
 try:  # one source of the version: the distribution's pyproject.toml
@@ -38,7 +38,6 @@ except PackageNotFoundError:  # a checkout on sys.path, not installed
     __version__ = "0+unknown"
 
 __all__ = [
-    "ExpertCompute",
     "ExpertWeights",
     "MoEPlanWarning",
     "Permuted",

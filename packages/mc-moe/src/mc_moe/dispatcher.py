@@ -58,11 +58,11 @@ from mc_tp_layers import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-__all__ = ["ExpertCompute", "TokenDispatcher"]
+__all__ = ["TokenDispatcher"]
 
-ExpertCompute = Callable[[torch.Tensor, Sequence[int]], torch.Tensor]
-"""The local experts: ``(rows [N, H] grouped by local expert, rows per local expert [L])
-→ outputs [N, H]`` in the same order (at Q > 1 each etp peer returns its partial sum)."""
+# The local experts: (rows [N, H] grouped by local expert, rows per local expert [L]) →
+# outputs [N, H] in the same order (at Q > 1 each etp peer returns its partial sum).
+_ExpertCompute = Callable[[torch.Tensor, Sequence[int]], torch.Tensor]
 
 COUNTS_LABEL = "moe token counts"
 
@@ -83,7 +83,7 @@ class TokenDispatcher:
 
     Args:
         num_experts: ``E``, a multiple of the EP size (checked by the caller).
-        ep: the expert-parallel group (this rank holds ``E / |ep|`` experts).
+        ep: the expert-parallel group (this rank holds E / P experts, P its size).
         expt_tp: the expert tensor-parallel group (each expert split over it).
         tp_ep: the group of both (``expt_tp`` fastest, as ``mc_groups`` builds it).
     """
@@ -110,11 +110,13 @@ class TokenDispatcher:
         hidden_states: torch.Tensor,
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
-        experts: ExpertCompute,
+        experts: _ExpertCompute,
     ) -> torch.Tensor:
         """``Σ_j w_tj · expert_{e_tj}(x_t)`` for each of this rank's tokens ``x_t``
         (``hidden_states`` ``[T, H]``; ``top_k_index`` / ``top_k_weights`` ``[T, k]``, global
-        expert ids), with the experts wherever they live (module notes)."""
+        expert ids), with the experts wherever they live (module notes). ``experts`` computes the
+        local experts: ``(rows [N, H] grouped by local expert, rows per local expert)`` →
+        their outputs in the same order (at expert TP > 1, this rank's partial sums)."""
         routing_map, probs = routing_map_from_top_k(top_k_index, top_k_weights, self.num_experts)
         permuted = permute(hidden_states, routing_map)
         splits = self._splits(routing_map.sum(dim=0))

@@ -22,8 +22,9 @@ The plan entries it reads (the others are dense and go to ``mc_tp_layers.paralle
                                                                  transformers; route with the
                                                                  model's own router)
 
-Sizes come from ``pg_collection``: P = |ep|, Q = |expt_tp|. With P = 1 the experts stay whole
-over ep; with Q = 1 whole over expt_tp; an ``ep_plan`` at P = 1 is no error.
+Sizes come from ``pg_collection``: P ranks in ``ep``, Q in ``expt_tp``. With P = 1 the
+experts stay whole over ep; with Q = 1 whole over expt_tp; an ``ep_plan`` at P = 1 is no
+error.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def parallelize(
     """Split a MoE model over ``tp``, ``ep`` and ``expt_tp``, in place.
 
     ``parallelize(model, model.tp_plan, ep_plan=model.ep_plan, config=cfg,
-    pg_collection=pgc)`` (or the plan :func:`mc_moe.sequence_parallel_plan` derives).
+    pg_collection=pgc)``.
 
     Args:
         module: a model whose MoE layers hold ``transformers``' experts modules (3-D
