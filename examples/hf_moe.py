@@ -154,7 +154,9 @@ def train(kind: str = "mixtral", layout: Layout | None = None, *, steps: int = 3
         sequence_parallel=layout.tp > 1,
     )
     model = build_model(kind)  # the same weights on every rank (same seed)
-    mc_moe.parallelize(model, model.tp_plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
+    # under TP the MoE blocks run on each rank's part of the sequence (Megatron's layout)
+    plan = mc_moe.sequence_parallel_plan(model) if layout.tp > 1 else model.tp_plan
+    mc_moe.parallelize(model, plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
     ddp_cfg = DistributedDataParallelConfig(
         use_distributed_optimizer=layout.distributed_optimizer, overlap_grad_reduce=True
     )

@@ -11,8 +11,14 @@ rank, a lost routing weight, a combine out of order), the expert split (wrong ex
 the tag (an expert grad averaged over ranks that hold other experts), the backward of both
 exchanges.
 
-Layouts: EP = 2 on 2 ranks (expt_dp of one rank); EP = 2 × DP = 2 on 4 ranks (expert grads
-summed over expt_dp of 2 and scaled by 1/|dp|, dense over dp).
+Layouts (each model at EP = 2 on 2 ranks, then one layout per model on 4 ranks): EP = 2
+(expt_dp of one rank); EP = 2 × DP = 2 (expert grads summed over expt_dp of 2 and scaled by
+1/|dp|, dense over dp); TP = 2 × EP = 2 with sequence parallelism
+(``mc_moe.sequence_parallel_plan``: each TP rank routes its part of the sequence, the
+router's grads summed over TP) with expert TP 1 (Qwen3-MoE) and 2 (OLMoE: its experts split
+over expt_tp, tokens all-gathered and reduce-scattered there); DeepSeek-V3 there with its
+latent attention split by heads, its shared experts and the distributed optimizer; gpt-oss
+at EP = 2 × expert TP = 2 (interleaved gate/up split by pairs, the down bias added once).
 
 Tolerances (fp32, gloo): loss per step ≤ 1e-5 relative, final weights ≤ 1e-6 absolute.
 Measured here: loss ≤ 1.2e-7 relative, weights ≤ 1.7e-7 in every case.
@@ -20,19 +26,29 @@ Measured here: loss ≤ 1.2e-7 relative, weights ≤ 1.7e-7 in every case.
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 import torch
 
-from examples.hf_moe import Layout, Run, reference
+from examples.hf_moe import Layout, Run
+from examples.hf_moe import reference as _reference
 from mc_groups.testing import RankPools
 
 pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
 
 STEPS = 3
-CASES_2 = [("mixtral", Layout(ep=2))]
+KINDS = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+CASES_2 = [(kind, Layout(ep=2)) for kind in KINDS]  # EP = 2, expt_dp of one rank
 CASES_4 = [
-    (kind, Layout(ep=2)) for kind in ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+    ("mixtral", Layout(ep=2)),  # EP = 2 × DP = 2
+    ("qwen3_moe", Layout(tp=2, ep=2, etp=1)),  # TP = 2 × EP = 2, SP; experts whole over etp
+    ("olmoe", Layout(tp=2, ep=2, etp=2)),  # TP = 2 × EP = 2 × expert TP = 2, SP
+    ("deepseek_v3", Layout(tp=2, ep=2, etp=2, distributed_optimizer=True)),  # + MLA, dist. opt
+    ("gpt_oss", Layout(ep=2, etp=2)),  # EP = 2 × expert TP = 2: interleaved gate/up, down bias
 ]
+
+reference = cache(_reference)  # each model's one-process run once
 
 
 def _train_cases(cases: list[tuple[str, Layout]]) -> list[Run] | None:

@@ -29,7 +29,7 @@ from mc_moe.permutation import (
     sort_chunks_by_idxs,
     unpermute,
 )
-from mc_moe.plan import MoEPlanWarning, moe_entries, parallelize
+from mc_moe.plan import MoEPlanWarning, moe_entries, parallelize, sequence_parallel_plan
 from mc_moe.state import expert_params, full_state_dict, load_full_state_dict
 
 try:  # one source of the version: the distribution's pyproject.toml
@@ -51,6 +51,7 @@ __all__ = [
     "permute",
     "read_experts",
     "routing_map_from_top_k",
+    "sequence_parallel_plan",
     "shard_experts",
     "sort_chunks_by_idxs",
     "unpermute",

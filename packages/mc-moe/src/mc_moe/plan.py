@@ -41,8 +41,9 @@ from mc_groups.argcheck import check_int, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_moe.experts import ExpertWeights, read_experts, shard_experts
 from mc_tp_layers import parallelize as parallelize_dense
+from mc_tp_layers import sequence_parallel_plan as dense_sequence_parallel_plan
 
-__all__ = ["MoEPlanWarning", "moe_entries", "parallelize"]
+__all__ = ["MoEPlanWarning", "moe_entries", "parallelize", "sequence_parallel_plan"]
 
 EXPERTS_STYLES = frozenset({"ep_dispatch_experts", "moe_tp_experts"})
 PARAM_STYLES = frozenset({"grouped_gemm", "packed_colwise", "colwise", "rowwise"})
@@ -74,7 +75,8 @@ def moe_entries(plan: Mapping[str, object], model: torch.nn.Module) -> dict[str,
         names_param = not any(fnmatchcase(m, pattern) for m in modules) and any(
             fnmatchcase(p, pattern) for p in params
         )
-        if value in EXPERTS_STYLES or value == "grouped_gemm" or names_param:
+        named = isinstance(value, str) and (value in EXPERTS_STYLES or value == "grouped_gemm")
+        if named or names_param:
             out[pattern] = value
     return out
 
@@ -151,7 +153,7 @@ def _check(
     eps = _mapping("ep_plan", ep_plan)
     for name, entries in (("plan", tp_plan), ("ep_plan", eps)):
         for pattern, value in entries.items():
-            if value in REMOVED_STYLES:
+            if isinstance(value, str) and value in REMOVED_STYLES:
                 raise InputValueError(
                     f"{name}[{pattern!r}] = {value!r}: transformers removed this style; the "
                     "model's own router routes the tokens. Drop the entry and split the experts "
@@ -208,11 +210,11 @@ def _experts_of(
     params = [n for n, _ in module.named_parameters()]
     found: dict[str, torch.nn.Module] = {}
     for pattern, value in entries.items():
-        if value in EXPERTS_STYLES:
+        if isinstance(value, str) and value in EXPERTS_STYLES:
             hits = [n for n in modules if n and fnmatchcase(n, pattern)]
             for name in hits:
                 found[name] = modules[name]
-        elif value in PARAM_STYLES:
+        elif isinstance(value, str) and value in PARAM_STYLES:
             hits = [p for p in params if fnmatchcase(p, pattern)]
             for name in hits:
                 owner = name.rpartition(".")[0]
@@ -264,3 +266,64 @@ def _drop_unmatched(
             stacklevel=3,
         )
     return {p: v for p, v in dense.items() if p not in unmatched}
+
+
+def sequence_parallel_plan(
+    model: torch.nn.Module,
+    base: Mapping[str, object] | None = None,
+    *,
+    ep_plan: Mapping[str, object] | None = None,
+    layers: str | None = None,
+    split_qk_norms: bool = True,
+) -> dict[str, object]:
+    """The plan that runs a MoE model tensor-parallel with sequence parallelism:
+    ``parallelize(model, sequence_parallel_plan(model), ep_plan=model.ep_plan, config=cfg,
+    pg_collection=pgc)`` with ``config.sequence_parallel=True``.
+
+    The dense entries of ``base`` (default ``model.tp_plan``; entries matching nothing in a
+    model whose layers are MoE dropped with one :class:`MoEPlanWarning`) go through
+    :func:`mc_tp_layers.sequence_parallel_plan` with the experts modules (named by ``base``
+    or ``ep_plan``, default ``model.ep_plan``) as ``sequence_local``: each MoE block runs on
+    this rank's part of the sequence (as Megatron-Core's MoE layer under sequence
+    parallelism), its router tagged ``sequence_parallel`` (grads summed over TP by
+    ``finalize_model_grads``), its shared experts gathered like an MLP; attention and
+    norms as in a dense decoder (DeepSeek-V3's latent attention split by heads). The expert
+    entries of ``base`` are returned unchanged. No communication; the model is untouched.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise InputTypeError(f"model must be a torch.nn.Module, got {type_name(model)}")
+    _refuse_attention_sinks(model)
+    tp_plan = _mapping("base", base if base is not None else getattr(model, "tp_plan", None))
+    eps = _mapping("ep_plan", ep_plan if ep_plan is not None else getattr(model, "ep_plan", None))
+    tp_moe = moe_entries(tp_plan, model)
+    experts = {
+        **_experts_of(model, tp_moe, "base"),
+        **_experts_of(model, moe_entries(eps, model), "ep_plan"),
+    }
+    dense = {p: v for p, v in tp_plan.items() if p not in tp_moe}
+    dense = _drop_unmatched(model, dense, bool(experts))
+    plan: dict[str, object] = dict(
+        dense_sequence_parallel_plan(
+            model,
+            dense,  # type: ignore[arg-type]  # values checked by mc_tp_layers
+            layers=layers,
+            split_qk_norms=split_qk_norms,
+            sequence_local=sorted(experts),
+        )
+    )
+    plan.update(tp_moe)
+    return plan
+
+
+def _refuse_attention_sinks(model: torch.nn.Module) -> None:
+    """gpt-oss's attention holds one learned sink per head (``sinks``) and its ``tp_plan``
+    keeps attention whole: splitting the heads would need that parameter split too."""
+    for name, param in model.named_parameters():
+        if name.endswith(".sinks"):
+            raise InputValueError(
+                f"{name} ({tuple(param.shape)}) is one value per attention head of "
+                f"{type_name(model)} (gpt-oss), whose tp_plan keeps attention whole: mc splits "
+                "no per-head parameter, so this model runs at tensor-parallel size 1 (experts "
+                "over ep and expt_tp, data parallelism): build the groups with "
+                "tensor_model_parallel_size=1"
+            )

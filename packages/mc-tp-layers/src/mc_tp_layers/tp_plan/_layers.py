@@ -140,7 +140,7 @@ class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
         )
         self.parts = style.parts
         self.qualified_name = name
-        self.needs_block_input = in_block
+        self.needs_block_input = in_block and style.block_input
         self.copy_from(source)
 
     def copy_from(self, source: torch.nn.Linear) -> None:
@@ -159,6 +159,9 @@ class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
                 "something before calling it); move the 'sequence_gather' entry onto this "
                 "module: ('sequence_gather', <its colwise style>)"
             )
+        if input_.dim() > 3:  # nn.Linear takes any leading dims (MLA's [b, 1, s, latent])
+            output, _ = super().forward(input_.reshape(-1, input_.shape[-1]))
+            return output.view(*input_.shape[:-1], output.shape[-1])
         output, _ = super().forward(input_)
         return output
 

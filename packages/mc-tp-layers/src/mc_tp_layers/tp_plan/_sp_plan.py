@@ -32,7 +32,7 @@ Anything else it cannot read is an error naming what it looked for.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from fnmatch import fnmatchcase
 
 import torch
@@ -40,6 +40,11 @@ import torch
 from mc_groups.argcheck import check_flag, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers.tp_plan._convert import _match, _Target
+from mc_tp_layers.tp_plan._sp_blocks import (
+    check_sequence_local,
+    mla_entries,
+    sequence_local_block,
+)
 from mc_tp_layers.tp_plan._styles import (
     Colwise,
     ColwiseRMSNorm,
@@ -67,6 +72,7 @@ def sequence_parallel_plan(
     *,
     layers: str | None = None,
     split_qk_norms: bool = True,
+    sequence_local: Collection[str] = (),
 ) -> dict[str, PlanValue]:
     """The full plan that runs ``model`` tensor-parallel with sequence parallelism.
 
@@ -87,6 +93,14 @@ def sequence_parallel_plan(
         split_qk_norms: keep the heads split in a block that the base plan gathers only for
             full-width norms (OLMo-2), with ``colwise_rmsnorm`` on the norms; ``False``
             keeps the base plan's styles there.
+        sequence_local: names of modules that run on this rank's part of the sequence and
+            exchange their tokens themselves (a MoE layer's experts modules, which
+            ``mc_moe.sequence_parallel_plan`` passes): the layer child holding them runs
+            split, its router gets ``sequence_parallel`` and its plan blocks (shared
+            experts) ``sequence_gather`` (``mc_tp_layers.tp_plan._sp_blocks``).
+
+    Multi-head latent attention (DeepSeek-V3's, whose ``tp_plan`` names none of its layers)
+    is split by heads as Megatron-Core splits it (``_sp_blocks``).
 
     Returns:
         A new plan holding the base entries (rewritten only by ``split_qk_norms``) and the
@@ -114,8 +128,10 @@ def sequence_parallel_plan(
     """
     if not isinstance(model, torch.nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type_name(model)}")
-    plan = _base(model, base)
+    plan: dict[object, object] = dict(_base(model, base))
     check_flag("split_qk_norms", split_qk_norms)
+    local = check_sequence_local(model, sequence_local)
+    plan.update(mla_entries(model, lambda n: any(_hits(n, p) for p in plan)))
     targets = _match(model, plan)
     for target in targets:
         if any(isinstance(s, _SEQUENCE) for s in target.styles):
@@ -127,7 +143,7 @@ def sequence_parallel_plan(
     entries = {t.name: list(t.styles) for t in targets}
     list_name = _layer_list(model, targets, layers)
     for index, layer in enumerate(model.get_submodule(list_name).children()):
-        _layer(f"{list_name}.{index}", layer, targets, entries, split_qk_norms)
+        _layer(f"{list_name}.{index}", layer, targets, entries, split_qk_norms, local)
     first = model.get_submodule(f"{list_name}.0")
     entries[f"{list_name}.0"] = [SequenceScatter(_first_arg(first))]
     _after_layers(model, list_name, targets, entries)
@@ -174,6 +190,10 @@ def _layer_list(model: torch.nn.Module, targets: list[_Target], layers: object) 
     )
 
 
+def _hits(name: str, pattern: object) -> bool:
+    return isinstance(pattern, str) and fnmatchcase(name, pattern)
+
+
 def _inside(name: str, targets: list[_Target]) -> list[_Target]:
     return [t for t in targets if t.name == name or t.name.startswith(name + ".")]
 
@@ -189,6 +209,7 @@ def _layer(
     targets: list[_Target],
     entries: dict[str, list[Style]],
     split_qk_norms: bool,
+    local: tuple[str, ...] = (),
 ) -> None:
     if list(layer.parameters(recurse=False)):
         raise InputValueError(
@@ -199,6 +220,18 @@ def _layer(
     for child_name, child in layer.named_children():
         full = f"{name}.{child_name}"
         inside = _inside(full, targets)
+        held = [n for n in local if n.startswith(full + ".")]
+        if held:
+            sequence_local_block(
+                full,
+                child,
+                held,
+                lambda n: bool(_inside(n, targets)),
+                lambda n, m: _block(n, m, _inside(n, targets), entries, split_qk_norms),
+                entries,
+            )
+            blocks += 1
+            continue
         if any(t.name == full for t in inside):
             raise InputValueError(
                 f"{full} is converted by the plan itself; sequence_parallel_plan reads layers "

@@ -38,15 +38,22 @@ class Colwise:
     each rank returns its ``[..., out/W]`` part (``colwise``). ``parts`` > 1: the weight
     packs ``parts`` equal blocks along its rows (``[gate; up]``, ``[q; k; v]`` of equal
     sizes); each block is split, rank r keeps ``[block_1,r; …; block_parts,r]`` (the
-    partition stride of :mod:`mc_tp_layers.initialization`).
+    partition stride of :mod:`mc_tp_layers.initialization`). ``block_input``: in a block with
+    ``sequence_gather`` the layer checks that its input is the tensor that entered the
+    block; ``False`` for a layer whose input the block first computes from that tensor with
+    replicated modules tagged ``replicated_with_grad_allreduce`` (MLA's ``q_b_proj`` /
+    ``kv_b_proj`` after the latent down projections): the block entry still sums its input
+    grad.
     """
 
     gather_output: bool = False
     parts: int = 1
+    block_input: bool = True
 
     def __post_init__(self) -> None:
         check_flag("gather_output", self.gather_output)
         check_int("parts", self.parts)
+        check_flag("block_input", self.block_input)
 
 
 @dataclass(frozen=True)
