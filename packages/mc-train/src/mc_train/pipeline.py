@@ -80,6 +80,10 @@ Chunk = DistributedDataParallel[Any]
 StageShapes = Callable[[StageInfo], tuple[torch.Tensor, torch.Tensor]]
 """``stage_shapes(stage) -> (input, output)``: meta tensors of one micro-batch's input and
 output of ``stage`` (module notes)."""
+FinalizeGrads = Callable[..., None]
+"""``finalize(chunks, num_tokens=..., pg_collection=...)``: what a step runs after its last
+backward, :func:`mc_finalize.finalize_model_grads`'s signature (Megatron's
+``config.finalize_model_grads_func``)."""
 
 
 class Pipeline:
@@ -96,6 +100,8 @@ class Pipeline:
             the most alive at once in the last step.
         per_token_loss: the loss is summed per token (``config.calculate_per_token_loss``).
         ignore_index: the target of a position that does not count.
+        finalize_model_grads_func: what runs after the last backward
+            (:func:`mc_finalize.finalize_model_grads` by default; None: nothing).
         device: where the chunks' params live (inputs are moved there).
     """
 
@@ -111,6 +117,7 @@ class Pipeline:
         *,
         per_token_loss: bool,
         ignore_index: int,
+        finalize_model_grads_func: FinalizeGrads | None = finalize_model_grads,
     ) -> None:
         self.chunks = chunks
         self.stages = list(stages)
@@ -120,6 +127,7 @@ class Pipeline:
         self.in_flight = in_flight
         self.per_token_loss = per_token_loss
         self.ignore_index = ignore_index
+        self.finalize_model_grads_func = finalize_model_grads_func
         self.device = next(chunks[0].parameters()).device
         self._rows: int | None = None
 
@@ -156,7 +164,10 @@ class Pipeline:
         if labels is not None:
             count = (labels != self.ignore_index).sum()
         tokens = count if self.per_token_loss else None
-        finalize_model_grads(self.chunks, num_tokens=tokens, pg_collection=self.pg_collection)
+        if self.finalize_model_grads_func is not None:
+            self.finalize_model_grads_func(
+                self.chunks, num_tokens=tokens, pg_collection=self.pg_collection
+            )
         return self._step_loss(losses, count)
 
     def _check_batch(self, inputs: object, target: object) -> None:
@@ -279,6 +290,7 @@ def build_pipeline(
     forward: StageForward = call_module,
     stage_shapes: StageShapes | None = None,
     ignore_index: int = IGNORE_INDEX,
+    finalize_model_grads_func: FinalizeGrads | None = finalize_model_grads,
 ) -> Pipeline:
     """This rank's pipeline (module notes): each of ``chunks`` (global stages ``v·P + p``)
     in mc DDP, a ``PipelineStage`` per chunk and ``schedule`` over ``microbatches``
@@ -300,6 +312,12 @@ def build_pipeline(
             ``config.gradient_accumulation_fusion``, whose layers would add the inference
             backward's weight grads to ``main_grad``).
         ignore_index: the target of a position that does not count.
+        finalize_model_grads_func: what :meth:`Pipeline.forward_backward` runs after the
+            last backward (Megatron's ``config.finalize_model_grads_func``): by default
+            :func:`mc_finalize.finalize_model_grads`; your own with its signature (e.g. one
+            that also reports); None runs nothing (a loop that finalizes by itself; without
+            it DP grads are not waited for, tied embeddings and sequence-parallel grads not
+            summed).
     """
     parts = _check_chunks(chunks)
     with mg.fail_together(None, "build_pipeline"):
@@ -314,6 +332,11 @@ def build_pipeline(
         loss = _type_check(loss_fn)
         if not callable(forward) or (stage_shapes is not None and not callable(stage_shapes)):
             raise InputTypeError("forward and stage_shapes must be callables (module notes)")
+        if finalize_model_grads_func is not None and not callable(finalize_model_grads_func):
+            raise InputTypeError(
+                "finalize_model_grads_func must be callable as finalize(chunks, num_tokens=, "
+                f"pg_collection=) or None, got {type_name(finalize_model_grads_func)}"
+            )
         check_int("ignore_index", ignore_index, minimum=-(2**63))
         if stage_shapes is None and getattr(config, "gradient_accumulation_fusion", False):
             raise InputValueError(
@@ -362,6 +385,7 @@ def build_pipeline(
         in_flight,
         per_token_loss=per_token,
         ignore_index=ignore_index,
+        finalize_model_grads_func=finalize_model_grads_func,
     )
 
 
