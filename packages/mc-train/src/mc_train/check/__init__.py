@@ -67,7 +67,13 @@ __all__ = [
 ]
 
 _DEFAULT_ROWS = 8
-_PEER_ERRORS = ("PeerCheckError", "CollectiveError", "timed out", "Connection closed", "DistBackendError")
+_PEER_ERRORS = (
+    "PeerCheckError",
+    "CollectiveError",
+    "timed out",
+    "Connection closed",
+    "DistBackendError",
+)
 
 
 def default_rows(layout: Layout) -> int:
@@ -85,7 +91,9 @@ def reference_run(
     here). Give it to :func:`check_layout` (``reference=``) to check several layouts of
     one workload against one run."""
     if not isinstance(workload, Workload):
-        raise InputTypeError(f"workload must be a mc_train.check.Workload, got {type_name(workload)}")
+        raise InputTypeError(
+            f"workload must be a mc_train.check.Workload, got {type_name(workload)}"
+        )
     owned = pool is None
     runner = RankPool(1, pg_timeout_s=120.0, call_deadline_s=600.0) if pool is None else pool
     if runner.world_size != 1:
@@ -178,7 +186,11 @@ def check_layout(
         )
     rows = default_rows(layout)
     if reference is None:
-        reference = reference_run(work, rows, pool=reference_pool)
+        try:
+            reference = reference_run(work, rows, pool=reference_pool)
+        except RankFailure as err:
+            failed = RankFailureReport(0, (0, 0, 0), "the one-process run", _last_error(str(err)))
+            return LayoutReport(layout, work, failure=(failed,), seconds=time.monotonic() - start)
     elif reference.workload != work or (work.batch is None and reference.rows != rows):
         raise InputValueError(
             "reference= was run for another workload (model, batch, forward, steps, lr or "
@@ -190,7 +202,9 @@ def check_layout(
         return LayoutReport(layout, work, failure=tuple(failure), seconds=time.monotonic() - start)
     losses = runs[0].losses
     note = loss_note(losses, reference.losses, layout, max(rtol, 1e-5))
-    params, extra = compare_params(reference, runs, layout, work.lr, rtol, forward_differs=bool(note))
+    params, extra = compare_params(
+        reference, runs, layout, work.lr, rtol, forward_differs=bool(note)
+    )
     firsts = {}
     for run in runs:
         stage = run.coords[2]
@@ -214,6 +228,15 @@ def _ref(name: str, value: object) -> str:
     ref = function_ref(name, value)
     assert ref is not None
     return ref
+
+
+def _last_error(text: str) -> str:
+    """The exception line of a rank's traceback (the last line that names an error)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]:
+            return line.strip()
+    return lines[-1].strip() if lines else text
 
 
 def _check_batch(reference: ReferenceRun, layout: Layout) -> None:
@@ -276,7 +299,9 @@ def _failures(diag_dir: str, layout: Layout, text: str) -> list[RankFailureRepor
             found.append(json.load(f))
     if not found:
         return [RankFailureReport(-1, (0, 0, 0), "the ranks' run", text[-3000:])]
-    found.sort(key=lambda d: (any(p in d["error"] for p in _PEER_ERRORS), d["where"] is None, d["rank"]))
+    found.sort(
+        key=lambda d: (any(p in d["error"] for p in _PEER_ERRORS), d["where"] is None, d["rank"])
+    )
     out, seen = [], set()
     for d in found:
         key = (d["phase"], d["error"][:200])
@@ -287,7 +312,7 @@ def _failures(diag_dir: str, layout: Layout, text: str) -> list[RankFailureRepor
         out.append(
             RankFailureReport(
                 d["rank"],
-                tuple(d["coords"]),  # type: ignore[arg-type]
+                tuple(d["coords"]),
                 d["phase"],
                 d["error"][:2000],
                 where.get("module"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from dataclasses import replace
 
 import torch
 
@@ -75,57 +76,73 @@ class _Param:
         return num / den if den > 0 else math.nan
 
 
-def _ratio_names(layout: Layout) -> list[tuple[float, str, str]]:
-    """(value, name, cause) of the ratios a layout's mistakes produce."""
+_TP_MARKS = ("sum_gradients_across_tp_domain", "sequence_parallel")
+
+
+def _ratio_names(
+    layout: Layout, marks: tuple[str, ...], everywhere: bool
+) -> list[tuple[float, str, str]]:
+    """(value, name, cause) of the ratios a layout's mistakes produce. ``everywhere``: every
+    parameter shows the same ratio, which points at the loss's scale rather than at one
+    parameter's reduction."""
     tp, dp, m = layout.tp, layout.dp, layout.micro
     out: list[tuple[float, str, str]] = []
-    if tp > 1:
-        out += [
+    marked = [mark for mark in _TP_MARKS if mark in marks]
+    if tp > 1 and marked:
+        out.append(
             (
                 tp,
                 "TP",
-                "summed over TP although every TP rank already held the whole gradient: a "
-                "sum_gradients_across_tp_domain / replicated_with_grad_allreduce mark (or "
-                "sequence_parallel under SP) on a param outside the split region, or two "
-                "reductions over TP",
-            ),
+                f"it carries {marked[0]}, so finalize_model_grads summed its gradient over TP, "
+                "but every TP rank already held the whole gradient (the param is outside the "
+                "split region, or SP does not split its input): drop the mark or its plan entry",
+            )
+        )
+    elif tp > 1:
+        out.append(
+            (
+                tp,
+                "TP",
+                "summed over TP although every TP rank already held the whole gradient: two "
+                "reductions over TP, or a mark (sum_gradients_across_tp_domain, or "
+                "sequence_parallel under SP) set by code outside the plan",
+            )
+        )
+    if tp > 1:
+        out.append(
             (
                 1 / tp,
                 "1/TP",
-                "each TP rank kept 1/TP of the gradient: averaged over TP where it should "
-                "be summed (average_gradients_across_tp_domain), or the loss divided by TP",
-            ),
-        ]
+                "each TP rank kept 1/TP of the gradient: averaged over TP where it should be "
+                "summed (average_gradients_across_tp_domain)",
+            )
+        )
     if dp > 1:
         out += [
-            (
-                dp,
-                "DP",
-                "summed over DP instead of averaged: a reduction without DDP's 1/DP "
-                "(average_in_collective / gradient_predivide_factor) or a loss not divided "
-                "by DP",
-            ),
+            (dp, "DP", "summed over DP instead of averaged (a reduction without DDP's 1/DP)"),
             (1 / dp, "1/DP", "divided by DP twice, or only one DP rank's rows reached it"),
         ]
-    if m > 1:
+    if everywhere:
         out += [
             (m, "micro-batches", "each micro-batch's loss not divided by the micro-batch count"),
             (1 / m, "1/micro-batches", "the loss divided by the micro-batch count twice"),
+            (dp, "DP", "the loss not divided by DP (a sum over DP ranks where DDP averages)"),
         ]
-    out += [
-        (
-            2.0,
-            "2",
-            "counted twice: a weight used twice (tied embedding and head) whose grad was "
-            "summed again, or a grad added both to .grad and main_grad",
-        ),
-        (0.5, "1/2", "half the gradient: one of a weight's two uses lost"),
-    ]
     return out
 
 
-def _name_ratio(c: float, layout: Layout) -> tuple[str, str]:
-    hits = [(name, cause) for v, name, cause in _ratio_names(layout) if abs(c / v - 1) < 0.02]
+def _name_ratio(
+    c: float, layout: Layout, marks: tuple[str, ...], everywhere: bool
+) -> tuple[str, str]:
+    hits = [
+        (name, cause)
+        for v, name, cause in _ratio_names(layout, marks, everywhere)
+        if abs(c / v - 1) < 0.02
+    ]
+    if not hits and abs(c / 2 - 1) < 0.02:
+        hits = [
+            ("2", "counted twice: a weight used twice (a tied embedding and head) summed again")
+        ]
     if not hits:
         return f"×{c:.4g}", ""
     names = " = ".join(dict.fromkeys(n for n, _ in hits))
@@ -192,20 +209,33 @@ _SLICES = (
     "layer along a dimension, or with a stride, the forward does not use that way (a fused "
     "weight needs 'packed_colwise'), or only some ranks' part of the gradient was reduced"
 )
+_LATER = "final weights differ"
+_CONSEQUENCE = "later steps differ"
+_AFTER = (
+    "a consequence of the parameters above: once one weight differs after the first step, "
+    "every later step differs"
+)
 _FORWARD = (
     "the forward already differs from one process (see the loss), so the gradients behind "
     "the first differing module differ too; fix the loss first"
 )
 
 
-def _classify(p: _Param, layout: Layout, marks: tuple[str, ...], forward_differs: bool) -> tuple[str, str, str, tuple[int, ...]]:
+def _classify(
+    p: _Param, layout: Layout, marks: tuple[str, ...], forward_differs: bool
+) -> tuple[str, str, str, tuple[int, ...]]:
     """(verdict, pattern, cause, ranks off) of a parameter whose gradient is off somewhere."""
     ok = [p.close(g, p.r) for g in p.grads]
     off = _ranks(p.holders, [not k for k in ok])
     if p.r_norm <= p.floor:
         return "differs", "one process leaves it unchanged, the layout moves it", _NEVER, off
     if all(_norm(g) <= p.floor for g in p.grads):
-        return "never updated", f"unchanged on every rank (one process: ‖g‖ = {p.r_norm:.3g})", _NEVER, off
+        return (
+            "never updated",
+            f"unchanged on every rank (one process: ‖g‖ = {p.r_norm:.3g})",
+            _NEVER,
+            off,
+        )
     first = p.grads[0]
     agree = all(_norm(g - first) <= p.rtol * _norm(first) + p.floor for g in p.grads)
     if not agree:
@@ -234,7 +264,7 @@ def _classify(p: _Param, layout: Layout, marks: tuple[str, ...], forward_differs
         )
     c = p.ratio()
     if math.isfinite(c) and abs(c - 1) > 1e-3 and all(p.close(g, c * p.r) for g in p.grads):
-        pattern, cause = _name_ratio(c, layout)
+        pattern, cause = _name_ratio(c, layout, marks, everywhere=False)
         return "ratio", f"{pattern} on every rank holding it", cause, off
     _, record = p.holders[0]
     if record.split is not None and layout.tp > 1:
@@ -243,17 +273,28 @@ def _classify(p: _Param, layout: Layout, marks: tuple[str, ...], forward_differs
             t
             for t in range(layout.tp)
             if not p.close(
-                split_full(first, dim, t, layout.tp, stride), split_full(p.r, dim, t, layout.tp, stride)
+                split_full(first, dim, t, layout.tp, stride),
+                split_full(p.r, dim, t, layout.tp, stride),
             )
         ]
         if 0 < len(bad) < layout.tp:
-            return "some TP slices differ", f"only the slices of TP rank(s) {bad} differ", _SLICES, off
+            return (
+                "some TP slices differ",
+                f"only the slices of TP rank(s) {bad} differ",
+                _SLICES,
+                off,
+            )
     pattern = f"differs (best-fit ratio {c:.4g})" if math.isfinite(c) else "differs"
     return "differs", pattern, _FORWARD if forward_differs else "", off
 
 
 def compare_params(
-    ref: ReferenceRun, runs: list[RankRun], layout: Layout, lr: float, rtol: float, forward_differs: bool
+    ref: ReferenceRun,
+    runs: list[RankRun],
+    layout: Layout,
+    lr: float,
+    rtol: float,
+    forward_differs: bool,
 ) -> tuple[list[ParamFinding], list[str]]:
     """One finding per one-process parameter, and the names a rank holds that one process
     does not (``"name (rank r)"``)."""
@@ -289,40 +330,70 @@ def compare_params(
         final_error = max(p.final_errors)
         ratio = p.ratio()
         before_off = [
-            run.rank for run, rec in found if not torch.allclose(rec.before, ref.before[name], rtol=1e-6, atol=1e-7)
+            run.rank
+            for run, rec in found
+            if not torch.allclose(rec.before, ref.before[name], rtol=1e-6, atol=1e-7)
         ]
-        base = {"ratio": ratio, "error": error, "final_error": final_error, "marks": marks}
+        base = ParamFinding(
+            name, EQUAL, ratio=ratio, error=error, final_error=final_error, marks=marks
+        )
         if before_off:
             findings.append(
-                ParamFinding(
-                    name,
-                    "differs before training",
-                    f"the weights differ from one process's before any step on ranks {before_off}",
-                    "the model builder must return the same weights on every call (seed it), "
-                    "and a conversion must keep them (a plan style that re-initialises)",
+                replace(
+                    base,
+                    verdict="differs before training",
+                    pattern=f"the weights differ from one process's before any step on ranks "
+                    f"{before_off}",
+                    cause="the model builder must return the same weights on every call (seed "
+                    "it), and a conversion must keep them (a plan style that re-initialises)",
                     ranks=tuple(before_off),
-                    **base,
                 )
             )
         elif all(p.close(g, p.r) for g in p.grads):
             if final_error <= 100 * rtol + p.final_floor:
-                findings.append(ParamFinding(name, EQUAL, **base))
+                findings.append(base)
             else:
                 findings.append(
-                    ParamFinding(
-                        name,
-                        "final weights differ",
-                        f"the first step's gradient matches, the weights after step "
+                    replace(
+                        base,
+                        verdict=_LATER,
+                        pattern=f"the first step's gradient matches, the weights after step "
                         f"{len(ref.losses)} differ by {final_error:.2e} of their movement",
-                        "a later step differs: the optimizer state, the param all-gather of "
-                        "the distributed optimizer, or a gradient right only in the first step",
-                        **base,
+                        cause="a later step differs: the optimizer state, the param all-gather "
+                        "of the distributed optimizer, or a gradient right only in the first step",
                     )
                 )
         else:
             verdict, pattern, cause, off = _classify(p, layout, marks, forward_differs)
-            findings.append(ParamFinding(name, verdict, pattern, cause, ranks=off, **base))
-    return findings, extra
+            findings.append(replace(base, verdict=verdict, pattern=pattern, cause=cause, ranks=off))
+    return _loss_scale(_consequences(findings), layout), extra
+
+
+def _loss_scale(findings: list[ParamFinding], layout: Layout) -> list[ParamFinding]:
+    """Every parameter off by one ratio: the loss's scale, not a reduction (named again)."""
+    ratios = [f.ratio for f in findings if f.verdict == "ratio" and f.ratio is not None]
+    if len(ratios) != len(findings) or max(ratios) > min(ratios) * 1.01:
+        return findings
+    out = []
+    for f in findings:
+        pattern, cause = _name_ratio(ratios[0], layout, f.marks, everywhere=True)
+        out.append(replace(f, pattern=f"{pattern} on every rank and every parameter", cause=cause))
+    return out
+
+
+def _consequences(findings: list[ParamFinding]) -> list[ParamFinding]:
+    """Once one parameter's first step differs, every later step differs everywhere: the
+    params whose first step matched are then reported as a consequence, not a finding."""
+    if all(f.verdict in (EQUAL, _LATER) for f in findings):
+        return findings
+    return [
+        replace(
+            f, verdict=_CONSEQUENCE, pattern="first step equal, later steps differ", cause=_AFTER
+        )
+        if f.verdict == _LATER
+        else f
+        for f in findings
+    ]
 
 
 def loss_note(losses: list[float], reference: list[float], layout: Layout, rtol: float) -> str:

@@ -35,7 +35,7 @@ from mc_groups import param_attrs
 from mc_tp_layers import full_state_dict, parallelize, sequence_parallel_plan
 from mc_train.check._spec import Layout, Workload, resolve, takes_layout
 from mc_train.loss import IGNORE_INDEX, causal_targets, token_cross_entropy
-from mc_train.pipeline import build_pipeline
+from mc_train.pipeline import Pipeline, build_pipeline
 from mc_train.split import decoder_stages, split_model, stage_plan
 from mc_train.stages import HFCausalLMForward, StageForward, StageInfo, call_module
 
@@ -134,7 +134,9 @@ def _build(work: Workload, config: mg.ModelParallelConfig, pgc: mg.ProcessGroupC
     builder = resolve(work.model)
     model = builder(config, pgc) if takes_layout(builder) else builder()
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model builder {work.model!r} returned {type(model).__name__}, not a module")
+        raise TypeError(
+            f"model builder {work.model!r} returned {type(model).__name__}, not a module"
+        )
     return model
 
 
@@ -143,7 +145,11 @@ def _forward(work: Workload, model: nn.Module, sp_size: int) -> StageForward:
         fn: StageForward = resolve(work.forward)
         return fn
     config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "vocab_size") and hasattr(model, "get_input_embeddings"):
+    if (
+        config is not None
+        and hasattr(config, "vocab_size")
+        and hasattr(model, "get_input_embeddings")
+    ):
         return HFCausalLMForward(sequence_parallel_size=sp_size)
     return call_module
 
@@ -185,6 +191,18 @@ def _mean_ce(logits: torch.Tensor, target: torch.Tensor, sequence_first: bool) -
     return F.cross_entropy(flat, target.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
+def layout_config(tp: int, pp: int, sequence_parallel: bool) -> mg.ModelParallelConfig:
+    """The config both runs give a builder and mc's parts: the layout, and
+    ``use_cpu_initialization`` so that a model built from mc's layers draws every full
+    weight on CPU and keeps its piece (the same numbers at every layout, given a seed)."""
+    return mg.ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=True,
+    )
+
+
 def run_reference(work: Workload, rows: int) -> ReferenceRun:
     """The one-process run (a world of one rank): the model as built, called on the whole
     global batch with the workload's forward, the mean cross-entropy of the next token,
@@ -192,7 +210,7 @@ def run_reference(work: Workload, rows: int) -> ReferenceRun:
     torch.set_num_threads(1)
     pgc = mg.initialize_model_parallel(1)
     try:
-        model = _build(work, mg.ModelParallelConfig(), pgc)
+        model = _build(work, layout_config(1, 1, False), pgc)
         return _train_reference(work, model, rows)
     finally:
         mg.destroy_model_parallel(pgc)
@@ -219,11 +237,11 @@ def _train_reference(work: Workload, model: nn.Module, rows: int) -> ReferenceRu
     for step in range(work.steps):
         ids = global_batch(work, step, rows, _vocab_of(model))
         shape = (int(ids.shape[0]), int(ids.shape[1]))
-        logits = forward(model, ids, StageInfo(0, 1, 0))
+        logits: torch.Tensor = forward(model, ids, StageInfo(0, 1, 0))
         vocab = int(logits.shape[-1])
         loss = _mean_ce(logits, causal_targets(ids), work.sequence_first)
         opt.zero_grad()
-        loss.backward()
+        torch.autograd.backward(loss)
         if step == 0:
             grad = {n: _zero_if_none(p) for n, p in params.items()}
         opt.step()
@@ -259,7 +277,7 @@ class _Tracker:
             if not name:
                 continue
             sub.register_forward_pre_hook(self._enter(name))
-            sub.register_forward_hook(self._leave, always_call=True)
+            sub.register_forward_hook(self._leave)  # not on error: the stack keeps the culprit
 
     def _enter(self, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -278,7 +296,11 @@ class _Tracker:
         name, module, shapes = self.stack[-1]
         entries = [str(p) for p in self.plan if fnmatchcase(name, str(p))]
         weight = getattr(module, "weight", None)
-        expects = int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+        expects = (
+            int(weight.shape[-1])
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2
+            else None
+        )
         return {
             "module": name,
             "type": type(module).__name__,
@@ -362,6 +384,18 @@ def _group_names(pgc: mg.ProcessGroupCollection) -> dict[tuple[int, ...], str]:
     return names
 
 
+@dataclass
+class _Rank:
+    """What one rank of the layout works with."""
+
+    work: Workload
+    layout: Layout
+    pgc: mg.ProcessGroupCollection
+    cfg: mg.ModelParallelConfig
+    tracker: _Tracker
+    coords: tuple[int, int, int]
+
+
 def run_layout(
     work: Workload,
     layout: Layout,
@@ -382,59 +416,52 @@ def run_layout(
         tracker.phase = "initialize_model_parallel"
         pgc = mg.initialize_model_parallel(tp, pp)
         try:
-            return _train_layout(
-                work, layout, plan, after_parallelize, finalize, reference, pgc, tracker, coords
+            me = _Rank(
+                work, layout, pgc, layout_config(tp, pp, layout.sequence_parallel), tracker, coords
             )
+            chunks, forward_model = _chunks(me, plan, after_parallelize)
+            pipe, opt = _pipeline(me, chunks, forward_model, finalize, reference[0])
+            return _train(me, pipe, opt, *reference)
         finally:
             mg.destroy_model_parallel(pgc)
 
 
-def _train_layout(
-    work: Workload,
-    layout: Layout,
-    plan: Mapping[str, Any] | str | None,
-    after_parallelize: str | None,
-    finalize: str | None,
-    reference: tuple[int, int],
-    pgc: mg.ProcessGroupCollection,
-    tracker: _Tracker,
-    coords: tuple[int, int, int],
-) -> RankRun:
-    vocab, rows = reference
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    cfg = mg.ModelParallelConfig(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        sequence_parallel=layout.sequence_parallel,
-    )
+def _chunks(
+    me: _Rank, plan: Mapping[str, Any] | str | None, after_parallelize: str | None
+) -> tuple[list[nn.Module], nn.Module]:
+    """This rank's chunks, converted, and the module the default forward is chosen by."""
+    tp, pp, tracker = me.layout.tp, me.layout.pp, me.tracker
     tracker.phase = "building the model"
-    builder = resolve(work.model)
+    builder = resolve(me.work.model)
+    model = _build(me.work, me.cfg, me.pgc)
     if takes_layout(builder):
-        chunks: list[nn.Module] = [_build(work, cfg, pgc)]
-        stage_infos = [StageInfo(coords[2], pp, 0)]
-        forward_model = chunks[0]
+        chunks: list[nn.Module] = [model]
     else:
-        model = _build(work, cfg, pgc)
-        forward_model = model
         if tp > 1:
             tracker.phase = "reading the plan"
-            tracker.plan = _plan_of(plan, model, layout)
+            tracker.plan = _plan_of(plan, model, me.layout)
         tracker.phase = "splitting pipeline stages"
-        chunks = split_model(model, decoder_stages(model, pp), pgc) if pp > 1 else [model]
-        stage_infos = [StageInfo(coords[2], pp, 0)]
+        chunks = split_model(model, decoder_stages(model, pp), me.pgc) if pp > 1 else [model]
         if tp > 1:
             tracker.phase = "parallelize"
             for chunk in chunks:
                 entries = stage_plan(tracker.plan, chunk) if pp > 1 else tracker.plan
-                parallelize(chunk, entries, config=cfg, pg_collection=pgc)
+                parallelize(chunk, entries, config=me.cfg, pg_collection=me.pgc)
     if after_parallelize is not None:
         tracker.phase = f"after_parallelize ({after_parallelize})"
         hook = resolve(after_parallelize)
-        for chunk, info in zip(chunks, stage_infos, strict=True):
-            hook(chunk, info)
+        for chunk in chunks:
+            hook(chunk, StageInfo(me.coords[2], pp, 0))
     for chunk in chunks:
         tracker.watch(chunk)
-    tracker.phase = "build_pipeline"
+    return chunks, model
+
+
+def _pipeline(
+    me: _Rank, chunks: list[nn.Module], model: nn.Module, finalize: str | None, vocab: int
+) -> tuple[Pipeline, ShardedOptimizer]:
+    layout = me.layout
+    me.tracker.phase = "build_pipeline"
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=layout.distributed_optimizer,
         overlap_grad_reduce=layout.overlap,
@@ -443,29 +470,33 @@ def _train_layout(
     extra: dict[str, Any] = {}
     if finalize is not None:
         extra["finalize_model_grads_func"] = resolve(finalize)
-    sp_size = tp if layout.sequence_parallel else 1
     pipe = build_pipeline(
         chunks,
-        config=cfg,
+        config=me.cfg,
         ddp_config=ddp_config,
-        pg_collection=pgc,
+        pg_collection=me.pgc,
         microbatches=layout.micro,
-        loss_fn=_loss(layout, pgc, vocab, work.sequence_first),
-        forward=_forward(work, forward_model, sp_size),
+        loss_fn=_loss(layout, me.pgc, vocab, me.work.sequence_first),
+        forward=_forward(me.work, model, layout.tp if layout.sequence_parallel else 1),
         **extra,
     )
-    opt = ShardedOptimizer(torch.optim.SGD(pipe.parameters(), lr=work.lr), pipe.chunks, pg_collection=pgc)
+    sgd = torch.optim.SGD(pipe.parameters(), lr=me.work.lr)
+    return pipe, ShardedOptimizer(sgd, pipe.chunks, pg_collection=me.pgc)
+
+
+def _train(me: _Rank, pipe: Pipeline, opt: ShardedOptimizer, vocab: int, rows: int) -> RankRun:
+    tracker, work = me.tracker, me.work
     modules = [chunk.module for chunk in pipe.chunks]
     tracker.phase = "gathering the weights before training"
     before = _whole_params(modules)
-    after_first: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+    after_first = before
     losses: list[float] = []
     log: list[tuple[str, str, str, int]] = []
-    names = _group_names(pgc)
-    per_rank = rows // dp
+    names = _group_names(me.pgc)
+    per_rank = rows // me.layout.dp
     for step in range(work.steps):
         ids = global_batch(work, step, rows, vocab)
-        mine = ids[coords[1] * per_rank : (coords[1] + 1) * per_rank]
+        mine = ids[me.coords[1] * per_rank : (me.coords[1] + 1) * per_rank]
         tracker.phase = f"step {step + 1}: forward and backward"
         with mg.record_collectives() as records:
             losses.append(pipe.forward_backward(mine, causal_targets(mine)))
@@ -483,11 +514,16 @@ def _train_layout(
     tracker.phase = "gathering the final weights"
     ensure_params_ready(pipe.parameters())
     final = _whole_params(modules)
-    params = {}
-    for name, (param, start) in before.items():
-        split = None
-        if param_attrs.is_tensor_model_parallel(param):
-            split = (param_attrs.partition_dim_of(param) % param.dim(), param_attrs.partition_stride_of(param))
-        params[name] = ParamRecord(split, _marks(param), start, after_first[name][1], final[name][1])
-    stages = [s.index for s in stage_infos]
-    return RankRun(torch.distributed.get_rank(), coords, stages, params, losses, log)
+    params = {
+        name: ParamRecord(
+            _split_of(param), _marks(param), start, after_first[name][1], final[name][1]
+        )
+        for name, (param, start) in before.items()
+    }
+    return RankRun(torch.distributed.get_rank(), me.coords, [me.coords[2]], params, losses, log)
+
+
+def _split_of(param: torch.Tensor) -> tuple[int, int] | None:
+    if not param_attrs.is_tensor_model_parallel(param):
+        return None
+    return param_attrs.partition_dim_of(param) % param.dim(), param_attrs.partition_stride_of(param)

@@ -21,7 +21,8 @@ class ParamFinding:
         verdict: ``"equal"`` or the pattern's short name: ``"ratio"``, ``"partial sum over
             TP"``, ``"tied copies not summed"``, ``"DP replicas differ"``, ``"never
             updated"``, ``"some TP slices differ"``, ``"replicas differ"``, ``"differs"``,
-            ``"final weights differ"``, ``"differs before training"``, ``"missing"``.
+            ``"final weights differ"``, ``"later steps differ"`` (a consequence of another
+            parameter's first step), ``"differs before training"``, ``"missing"``.
         pattern: the difference in words (``"×2 (= TP) on every rank"``).
         cause: the likely cause in words, with the fix.
         ratio: the first step's update on the layout over one process's (the ratio of the
@@ -161,19 +162,32 @@ class LayoutReport:
         lines.append("")
         equal = sum(f.ok for f in self.params)
         lines.append(f"parameters: {equal} of {len(self.params)} equal to one process")
+        groups: dict[tuple[str, str], list[ParamFinding]] = {}
         for f in self.params:
-            if f.ok:
-                continue
-            lines.append(f"  {f.name}: {f.verdict}: {f.pattern}")
-            lines.append(f"      first-step grad rel err {f.error:.2e}, final weights {f.final_error:.2e}")
-            if f.cause:
-                lines.append(f"      likely cause: {f.cause}")
+            if not f.ok:
+                groups.setdefault((f.verdict, f.cause), []).append(f)
+        for (verdict, cause), found in groups.items():
+            patterns = {f.pattern for f in found}
+            shared = patterns.pop() if len(patterns) == 1 else ""
+            lines.append(f"  {verdict} ({len(found)}){': ' + shared if shared else ''}")
+            for f in found[:5] if len(found) > 8 else found:
+                ranks = f" on ranks {list(f.ranks)}" if f.ranks else ""
+                lines.append(
+                    f"    {f.name}{'' if shared else ': ' + f.pattern}{ranks} (first-step grad "
+                    f"rel err {f.error:.2e}, final weights {f.final_error:.2e})"
+                )
+            if len(found) > 8:
+                lines.append(f"    ... and {len(found) - 5} more (--json lists every one)")
+            if cause:
+                lines.append(f"    likely cause: {cause}")
         for name in self.extra:
             lines.append(f"  {name}: held by the layout, not by one process")
         lines.append("")
         for rank, counts in self.collectives.items():
-            step = "2" if self.workload.steps > 1 else "1"
-            lines.append(f"collectives of step {step} on rank {rank} (count × op on group: label, bytes):")
+            which = "2" if self.workload.steps > 1 else "1"
+            lines.append(
+                f"collectives of step {which} on rank {rank} (count × op on group: label, bytes):"
+            )
             for c in counts:
                 lines.append(f"  {c.count:3d} × {c.op} on {c.group}: {c.label} ({c.bytes} B)")
         lines.append("")

@@ -44,22 +44,22 @@ def function_ref(name: str, value: object, *, optional: bool = False) -> str | N
             )
         return value
     if callable(value):
-        module = getattr(value, "__module__", None)
-        qualname = getattr(value, "__qualname__", None)
-        if module is None or qualname is None or "<" in qualname:
+        where = getattr(value, "__module__", None)
+        what = getattr(value, "__qualname__", None)
+        if not isinstance(where, str) or not isinstance(what, str) or "<" in what:
             raise InputTypeError(
                 f"{name}={value!r} must be a module-level function (the ranks import it by "
                 "name); lambdas and nested functions cannot be sent"
             )
-        if module == "__main__":
+        if where == "__main__":
             path = getattr(sys.modules["__main__"], "__file__", None)
             if path is None:
                 raise InputTypeError(
                     f"{name}={value!r} is defined in an interactive session; define it in a "
                     "module the ranks can import"
                 )
-            return f"{module}:{qualname}@{path}"
-        return f"{module}:{qualname}"
+            return f"{where}:{what}@{path}"
+        return f"{where}:{what}"
     what = "'module:function' or a module-level function"
     raise InputTypeError(f"{name} must be {what}, got {type_name(value)}")
 
