@@ -16,6 +16,7 @@ read the way ``.ci/run`` reads it.
 
 from __future__ import annotations
 
+import importlib
 import re
 import shlex
 import shutil
@@ -27,6 +28,8 @@ import pytest
 
 from examples import hf_3d, train_gpt
 from examples.dry_run import cli as dry_run_cli
+from mc_train.check import Layout
+from mc_train.check import __main__ as check_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 # Generated pages (tables of cases, not guides) and the API pages hold no commands to run.
@@ -111,6 +114,15 @@ def _check_torchrun(words: list[str], block: str) -> None:
         _check_demo(argv, world)
 
 
+def _check_layout_check(argv: list[str]) -> None:
+    """``python -m mc_train.check``: its flags parse and its layout is one ``Layout``
+    accepts; the model builder imports."""
+    args = check_cli.parse_args(argv)
+    Layout(tp=args.tp, pp=args.pp, dp=args.dp, sequence_parallel=args.sp)
+    module, _, function = args.model.partition(":")
+    assert callable(getattr(importlib.import_module(module), function)), args.model
+
+
 def _check(command: str, block: str, scripts: set[str]) -> None:
     if command in SETUP:
         return
@@ -125,10 +137,14 @@ def _check(command: str, block: str, scripts: set[str]) -> None:
             _check_demo(argv, int(env.get("MC_DEMO_NPROC", "4")))
         elif name == "dry-run":
             dry_run_cli.spec_from_args(dry_run_cli.parse_args(argv))
+        elif name == "python" and argv[:2] == ["-m", "mc_train.check"]:
+            _check_layout_check(argv[2:])
         else:
             assert name in scripts, f"`hatch run {name}`: no such script in hatch.toml"
     elif words[0] == "torchrun":
         _check_torchrun(words, block)
+    elif words[:3] == ["python", "-m", "mc_train.check"]:
+        _check_layout_check(words[3:])
     elif words[:3] == ["python", "-m", "examples.dry_run"]:
         dry_run_cli.spec_from_args(dry_run_cli.parse_args(words[3:]))
     elif words[0] in ("python", "python3") and words[1].endswith(".py"):
@@ -170,6 +186,10 @@ def test_a_bad_documented_command_would_fail() -> None:
         _check("hatch run no-such-script", "", _scripts())
     with pytest.raises(ValueError):
         _check("python -m examples.dry_run --world-size 4000 --tp 8 --pp 8", "", _scripts())
+    with pytest.raises(ValueError, match="sequence_parallel=True with tp=1"):
+        _check("python -m mc_train.check examples.hf_3d:build_model --sp", "", set())
+    with pytest.raises(ImportError):
+        _check("python -m mc_train.check no_such_module:build --tp 2", "", set())
     with pytest.raises(SystemExit):  # 4 ranks started for TP=2 × PP=2 × DP=2
         _check("torchrun --nproc-per-node 4 -m examples.hf_3d --tp 2 --pp 2 --dp 2", "", set())
 

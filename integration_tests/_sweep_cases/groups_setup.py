@@ -360,6 +360,16 @@ def _harness_slots() -> None:
         good={"A": "1"},
     )
     arg(
+        G,
+        "RankPool(preload=)",
+        "misuse",
+        lambda c, v: pool(1, preload=v),
+        ("preload",),
+        values=("transformers", [1], [""]),
+        only=True,
+        good=["json"],
+    )
+    arg(
         G, "RankPools(pg_timeout_s=)", "real", lambda c, v: testing.RankPools(pg_timeout_s=v).get(1)
     )
     arg(

@@ -793,6 +793,13 @@ CASES: dict[str, Case] = {
         doc_call="`RankPool(..., pg_timeout_s=)`",
         doc_input="`pg_timeout_s=0`",
     ),
+    "pool preload": Case(
+        lambda g, r: RankPool(2, preload="transformers"),
+        "TypeError",
+        ("preload='transformers' must be a list or tuple of module names",),
+        doc_call="`RankPool(..., preload=)`",
+        doc_input="`preload='transformers'`",
+    ),
     "pool deadline": Case(
         lambda g, r: RankPool(2).run_with_deadline(-1.0, Loose(_batch_after_block)),
         "ValueError",

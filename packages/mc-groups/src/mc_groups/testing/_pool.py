@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext, SpawnContext
@@ -37,6 +37,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, ParamSpec, TypeVar
 
 from mc_groups.argcheck import check_int, check_real
+from mc_groups.errors import InputTypeError
 from mc_groups.testing._worker import worker_main
 
 __all__ = ["RankFailure", "RankOutcome", "RankPool", "RankTimeout"]
@@ -95,18 +96,30 @@ _PRELOAD = (
 )
 
 
-def _context() -> ForkServerContext | SpawnContext:
+def _context(preload: tuple[str, ...] = ()) -> ForkServerContext | SpawnContext:
     """The fork server (torch imported there once) on Linux, spawn elsewhere (macOS system
     libraries that torch loads may start threads, which makes forking unsafe there).
 
-    The preload list is the process's (multiprocessing keeps one fork server per process)
-    and only takes effect when the fork server starts; if the process already runs one,
-    the ranks import what that one did not (slower, same behaviour)."""
+    The preload list (``_PRELOAD`` and the pool's ``preload``) is the process's
+    (multiprocessing keeps one fork server per process) and only takes effect when the
+    fork server starts; if the process already runs one, the ranks import what that one did
+    not (slower, same behaviour)."""
     if not sys.platform.startswith("linux"):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(_PRELOAD))
+    ctx.set_forkserver_preload(list(dict.fromkeys((*_PRELOAD, *preload))))
     return ctx
+
+
+def check_preload(preload: object) -> tuple[str, ...]:
+    """``preload`` as a tuple of module names (a ``TypeError`` for anything else)."""
+    if isinstance(preload, str) or not isinstance(preload, (list, tuple)):
+        raise InputTypeError(
+            f"preload={preload!r} must be a list or tuple of module names, e.g. ['transformers']"
+        )
+    if not all(isinstance(m, str) and m for m in preload):
+        raise InputTypeError(f"preload={preload!r} must hold module names (non-empty str)")
+    return tuple(preload)
 
 
 def check_times(
@@ -160,6 +173,10 @@ class RankPool:
         start_deadline_s: how long spawning and joining the world may take.
         failure_grace_s: after the first rank fails, how long the others may still finish.
         env: extra environment variables for the ranks.
+        preload: modules the fork server imports once before forking the ranks (on Linux,
+            when this pool starts the process's fork server): each rank then starts with
+            them imported instead of importing them itself (``transformers`` costs seconds
+            per rank).
 
     Use as a context manager or call :meth:`close`.
     """
@@ -174,12 +191,14 @@ class RankPool:
         start_deadline_s: float = 90.0,
         failure_grace_s: float = 2.0,
         env: dict[str, str] | None = None,
+        preload: Sequence[str] = (),
     ) -> None:
         check_int("world_size", world_size)
         if backend not in _BACKENDS:
             raise ValueError(f"backend={backend!r} must be one of {_BACKENDS}")
         check_times(pg_timeout_s, call_deadline_s, start_deadline_s, failure_grace_s)
         self._env = {**_default_env(), **check_env(env)}
+        self._preload = check_preload(preload)
         self.world_size = world_size
         self.backend = backend
         self.pg_timeout_s = pg_timeout_s
@@ -201,7 +220,7 @@ class RankPool:
         """Spawn the ranks and wait until each joined the world (idempotent)."""
         if self._procs:
             return
-        ctx = _context()
+        ctx = _context(self._preload)
         env = {**os.environ, **self._env}
         self._tmpdir = tempfile.mkdtemp(prefix="mc-rank-pool-")
         store = os.path.join(self._tmpdir, "store")

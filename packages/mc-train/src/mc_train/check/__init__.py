@@ -48,9 +48,18 @@ from mc_groups.argcheck import check_real, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_groups.testing import RankFailure, RankPool
 from mc_train.check._compare import collective_counts, compare_params, loss_note
-from mc_train.check._rank import RankRun, ReferenceRun, run_layout, run_reference
+from mc_train.check._rank import RankRun, ReferenceRun, reference_here, run_layout, run_reference
 from mc_train.check._report import CollectiveCount, LayoutReport, ParamFinding, RankFailureReport
-from mc_train.check._spec import LOSSES, Layout, Ref, Workload, check_plan, function_ref
+from mc_train.check._spec import (
+    LOSSES,
+    Layout,
+    Ref,
+    Workload,
+    check_plan,
+    function_ref,
+    resolve,
+    takes_layout,
+)
 
 __all__ = [
     "LOSSES",
@@ -86,14 +95,18 @@ def default_rows(layout: Layout) -> int:
 def reference_run(
     workload: Workload, rows: int = _DEFAULT_ROWS, *, pool: RankPool | None = None
 ) -> ReferenceRun:
-    """One process's run of ``workload`` (``rows``: the default batch's rows), in a world of
-    one rank (``pool``: a :class:`~mc_groups.testing.RankPool` of 1, else one started
-    here). Give it to :func:`check_layout` (``reference=``) to check several layouts of
-    one workload against one run."""
+    """One process's run of ``workload`` (``rows``: the default batch's rows). A whole
+    model (``build()``) runs in this process, plain PyTorch with no process group (the
+    builder's seeding and imports happen here); a model built from mc's layers
+    (``build(config, pg_collection)``) in a world of one rank (``pool``: a
+    :class:`~mc_groups.testing.RankPool` of 1, else one started here). Give the result to
+    :func:`check_layout` (``reference=``) to check several layouts against one run."""
     if not isinstance(workload, Workload):
         raise InputTypeError(
             f"workload must be a mc_train.check.Workload, got {type_name(workload)}"
         )
+    if not takes_layout(resolve(workload.model)):
+        return reference_here(workload, rows)
     owned = pool is None
     runner = RankPool(1, pg_timeout_s=120.0, call_deadline_s=600.0) if pool is None else pool
     if runner.world_size != 1:
@@ -122,6 +135,8 @@ def check_layout(
     overlap: bool = True,
     microbatches: int | None = None,
     loss: str = "auto",
+    data_parallel: str = "ddp",
+    expert_parallel: int = 1,
     after_parallelize: Ref | None = None,
     finalize: Ref | None = None,
     rtol: float = 1e-4,
@@ -138,7 +153,8 @@ def check_layout(
             splits, ``build(config, pg_collection)`` for one built from mc's layers
             (:class:`Workload`).
         tp, pp, dp, sequence_parallel, distributed_optimizer, overlap, microbatches,
-            loss: the layout (:class:`Layout`).
+            loss, data_parallel, expert_parallel: the layout (:class:`Layout`; FSDP2 and
+            expert parallelism are refused until mc ships them).
         plan: the ``parallelize`` plan: a mapping, or a function of the model returning
             one; None: ``sequence_parallel_plan(model)`` with ``sequence_parallel``, else
             the model's own ``tp_plan``.
@@ -167,6 +183,8 @@ def check_layout(
         overlap=overlap,
         microbatches=microbatches,
         loss=loss,
+        data_parallel=data_parallel,
+        expert_parallel=expert_parallel,
     )
     work = Workload(
         model=_ref("model", model),
@@ -189,7 +207,11 @@ def check_layout(
         try:
             reference = reference_run(work, rows, pool=reference_pool)
         except RankFailure as err:
-            failed = RankFailureReport(0, (0, 0, 0), "the one-process run", _last_error(str(err)))
+            failed = RankFailureReport(-1, (0, 0, 0), "the one-process run", _last_error(str(err)))
+            return LayoutReport(layout, work, failure=(failed,), seconds=time.monotonic() - start)
+        except Exception as err:  # the user's builder, forward or batch, in this process
+            what = f"{type(err).__name__}: {err}"
+            failed = RankFailureReport(-1, (0, 0, 0), "the one-process run (this process)", what)
             return LayoutReport(layout, work, failure=(failed,), seconds=time.monotonic() - start)
     elif reference.workload != work or (work.batch is None and reference.rows != rows):
         raise InputValueError(
@@ -264,8 +286,12 @@ def _run_ranks(
     pool: RankPool | None,
 ) -> tuple[list[RankRun], list[RankFailureReport]]:
     owned = pool is None
+    builder_module = work.model.partition(":")[0]
+    preload = ["mc_train.check._rank", *reference.imports]
+    if "@" not in work.model and builder_module != "__main__":
+        preload.append(builder_module)
     runner = (
-        RankPool(layout.world_size, pg_timeout_s=60.0, call_deadline_s=600.0)
+        RankPool(layout.world_size, pg_timeout_s=60.0, call_deadline_s=600.0, preload=preload)
         if pool is None
         else pool
     )

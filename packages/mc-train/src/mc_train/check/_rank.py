@@ -62,6 +62,9 @@ class ReferenceRun:
             where a later stage's copy has a name of its own.
         batch_shape: the global batch's ``[B, S]``.
         modules: the model's module names in registration order.
+        workload / rows: what was run (the default batch's rows).
+        imports: the modules defining the model's classes (what the layout's ranks
+            preload: ``transformers`` costs seconds per rank otherwise).
     """
 
     losses: list[float]
@@ -76,6 +79,7 @@ class ReferenceRun:
     modules: list[str] = field(default_factory=list)
     workload: Workload | None = None
     rows: int = 0
+    imports: tuple[str, ...] = ()
 
 
 @dataclass
@@ -204,9 +208,8 @@ def layout_config(tp: int, pp: int, sequence_parallel: bool) -> mg.ModelParallel
 
 
 def run_reference(work: Workload, rows: int) -> ReferenceRun:
-    """The one-process run (a world of one rank): the model as built, called on the whole
-    global batch with the workload's forward, the mean cross-entropy of the next token,
-    ``torch.optim.SGD``."""
+    """The one-process run of a model built from mc's layers, in a world of one rank (see
+    :func:`reference_here`)."""
     torch.set_num_threads(1)
     pgc = mg.initialize_model_parallel(1)
     try:
@@ -214,6 +217,18 @@ def run_reference(work: Workload, rows: int) -> ReferenceRun:
         return _train_reference(work, model, rows)
     finally:
         mg.destroy_model_parallel(pgc)
+
+
+def reference_here(work: Workload, rows: int) -> ReferenceRun:
+    """The one-process run in this process (a whole model needs no process group): the
+    model as built, called on each step's whole global batch with the workload's forward,
+    the mean cross-entropy of the next token, ``torch.optim.SGD``."""
+    model = resolve(work.model)()
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model builder {work.model!r} returned {type(model).__name__}, not a module"
+        )
+    return _train_reference(work, model, rows)
 
 
 def _train_reference(work: Workload, model: nn.Module, rows: int) -> ReferenceRun:
@@ -250,8 +265,21 @@ def _train_reference(work: Workload, model: nn.Module, rows: int) -> ReferenceRu
             after_first = {n: p.detach().clone() for n, p in params.items()}
     final = {n: p.detach().clone() for n, p in params.items()}
     modules = [name for name, _ in model.named_modules() if name]
+    imports = tuple(sorted({type(m).__module__ for m in model.modules()}))
     return ReferenceRun(
-        losses, names, before, grad, after_first, final, vocab, shared, shape, modules, work, rows
+        losses,
+        names,
+        before,
+        grad,
+        after_first,
+        final,
+        vocab,
+        shared,
+        shape,
+        modules,
+        work,
+        rows,
+        imports,
     )
 
 

@@ -67,7 +67,8 @@ class CollectiveCount:
 @dataclass(frozen=True)
 class RankFailureReport:
     """A rank that raised: where (``phase``, the module whose forward was running, its
-    input shapes and plan entries) and what, with the likely cause."""
+    input shapes and plan entries) and what, with the likely cause. ``rank`` is -1 for the
+    one-process run and for a failure no rank described."""
 
     rank: int
     coords: tuple[int, int, int]
@@ -82,7 +83,8 @@ class RankFailureReport:
     def text(self) -> str:
         """The failure in a few lines."""
         t, d, p = self.coords
-        lines = [f"rank {self.rank} (tp {t}, dp {d}, stage {p}) failed in {self.phase}:"]
+        who = f"rank {self.rank} (tp {t}, dp {d}, stage {p})" if self.rank >= 0 else "the check"
+        lines = [f"{who} failed in {self.phase}:"]
         if self.module is not None:
             entries = ", ".join(repr(e) for e in self.plan_entries) or "no plan entry"
             shapes = ", ".join(str(list(s)) for s in self.inputs) or "none"
