@@ -1,16 +1,14 @@
 """The packages show their layers (issue 31): each README's module table lists exactly the
-files under its ``src/``, no module imports another that imports it back (even for types
-only), and every module that moved keeps a deprecated alias for one release.
+files under its ``src/``, and no module imports another that imports it back (even for
+types only).
 
-No processes: READMEs and sources are read as text and syntax trees, the aliases imported.
-Independent reference: the file system (``src/**/*.py``) for the tables; for the aliases,
-the moved-to module itself (the same objects under the same public names).
+No processes: READMEs and sources are read as text and syntax trees. Independent
+reference: the file system (``src/**/*.py``) for the tables.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
 import re
 from pathlib import Path
 
@@ -18,16 +16,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p for p in (ROOT / "packages").iterdir() if (p / "src").is_dir())
-
-MOVED = {  # deprecated alias -> where the module lives now (issue 31)
-    "mc_groups.collectives": "mc_groups.comm.collectives",
-    "mc_groups.communicator": "mc_groups.comm.communicator",
-    "mc_groups.recorder": "mc_groups.comm.recorder",
-    "mc_groups.schedule_check": "mc_groups.comm.schedule_check",
-    "mc_groups.traceable": "mc_groups.comm.traceable",
-    "mc_groups.together": "mc_groups.comm.peer_checks",
-    "mc_ddp.param_ready": "mc_ddp.hooks",
-}
 
 _ROW = re.compile(r"^\| `([^`]+\.py)` \| .+ \|$")
 
@@ -105,12 +93,3 @@ def test_no_two_modules_import_each_other() -> None:
                 elif nxt not in path and nxt > start:  # each cycle once, from its least name
                     stack.append((nxt, [*path, nxt]))
     assert cycles == []
-
-
-@pytest.mark.parametrize(("old", "new"), MOVED.items())
-def test_moved_modules_keep_an_alias_for_one_release(old: str, new: str) -> None:
-    alias, moved = importlib.import_module(old), importlib.import_module(new)
-    assert "Deprecated alias" in (alias.__doc__ or "")
-    assert alias.__all__ == moved.__all__
-    for name in moved.__all__:
-        assert getattr(alias, name) is getattr(moved, name), name

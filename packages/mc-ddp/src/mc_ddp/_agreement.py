@@ -17,10 +17,22 @@ What is compared (each a field of the record; values are short strings):
   ``dp_cp``, expert ones over ``expt_dp``), and the number of expert params (so that the
   ranks of ``dp_cp`` agree on whether an expert exchange follows);
 - per buffer: its key (param dtype → grad dtype), buckets, elements (padded and unpadded)
-  and a digest of every param's ``(start, end, bucket)``: the layout the collectives use.
+  and a digest of every param's ``(start, end, bucket)``: the layout the collectives use;
+- the params' **values** (a checksum of each param's bits): a param whose values differ
+  across the ranks that average its gradient would train each replica away from the
+  others with no error. The common case is an expert weight left untagged: its shards
+  differ across the expert-parallel ranks, and untagged it counts as dense and is averaged
+  over ``dp_cp``; tagged ``allreduce=False`` it is compared (and reduced) over ``expt_dp``,
+  where the shards are the same expert. The checksum of a param of ``n`` elements whose
+  bits read as integers ``b_i`` is ``(Σ b_i, Σ (i + 1) · b_i) mod 2^64``, computed on the
+  param's device in chunks, read back once for all params. Params on the meta device and
+  DTensors (sharded by design) are not compared. ``check_param_values=False`` turns the
+  comparison off (a model initialised differently per rank on purpose and made equal by
+  ``broadcast_params()`` after wrapping, as Megatron's ``data_parallel_random_init``).
 
-Mechanism: :func:`mc_groups.agree` over ``dp_cp``, then, with expert params, over
-``expt_dp``: one exchange of an 8-byte fingerprint of the whole record each (not recorded by
+Mechanism: :func:`mc_groups.cross_check` over ``dp_cp``, then, with expert params, over
+``expt_dp``: one exchange of an 8-byte fingerprint of the whole record each (the values'
+checksums ride in it: no exchange of their own) (not recorded by
 :func:`mc_groups.record_collectives`, so the collective counts of a run do not change).
 When the fingerprints differ the ranks exchange their records (only then) and every rank
 raises the same :class:`DataParallelAgreementError` (an :class:`mc_groups.AgreementError`),
@@ -89,6 +101,33 @@ def _layout(layout: PerBufferParamLayout, names: Mapping[Param, str]) -> str:
     )
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 22  # elements per step of the checksum (64 MiB of int64 temporaries)
+
+
+def value_checksums(params: Sequence[Param]) -> list[str | None]:
+    """One checksum per param (module notes), None for a param that is not compared (meta
+    device, DTensor, an element size without an integer view). One device-to-host read."""
+    sums: list[torch.Tensor | None] = []
+    for param in params:
+        data = param.detach()
+        kind = _INT_OF_SIZE.get(data.element_size())
+        if data.device.type == "meta" or type(data) is not torch.Tensor or kind is None:
+            sums.append(None)
+            continue
+        bits = data.reshape(-1).view(kind)
+        total = torch.zeros(2, dtype=torch.int64, device=bits.device)
+        for start in range(0, bits.numel(), _CHUNK):
+            chunk = bits[start : start + _CHUNK].to(torch.int64)
+            weight = torch.arange(start + 1, start + 1 + chunk.numel(), device=chunk.device)
+            total[0] += chunk.sum()
+            total[1] += (chunk * weight).sum()
+        sums.append(total)
+    present = [t.cpu() for t in sums if t is not None]
+    host = iter(torch.stack(present).tolist()) if present else iter(())
+    return [None if t is None else "%016x%016x" % tuple(v % 2**64 for v in next(host)) for t in sums]
+
+
 def build_record(
     *,
     calculate_per_token_loss: bool,
@@ -99,6 +138,7 @@ def build_record(
     layout: FullParamLayout,
     expert: bool,
     expert_count: int,
+    checksums: Mapping[Param, str | None] | None = None,
 ) -> Record:
     """What the ranks of one reduction group must agree on (``expert`` selects the buffers
     and params of that kind); see the module notes."""
@@ -118,14 +158,22 @@ def build_record(
         f"{_dtype(k.param_dtype)} -> {_dtype(k.grad_dtype)}" for k in keys
     )
     record[f"{kind} buffer layouts"] = tuple(_layout(layout.layouts[k], names) for k in keys)
+    for name, param in members if checksums is not None else ():
+        value = checksums.get(param) if checksums is not None else None
+        if value is not None:
+            record[f"{_VALUES}'{name}'"] = value
     return record
+
+
+_VALUES = "values of "
+"""The prefix of a param's checksum field (the error names the param by it)."""
 
 
 def agree(group: dist.ProcessGroup, group_name: str, record: Record) -> None:
     """Every rank of ``group`` holds the same ``record``, else every rank raises
     :class:`DataParallelAgreementError` (see the module notes)."""
     try:
-        mg.agree(group, f"DistributedDataParallel over {group_name}", record)
+        mg.cross_check(group, f"DistributedDataParallel over {group_name}", record)
     except mg.AgreementError as err:
         raise DataParallelAgreementError(
             _message(group_name, err), err.what, err.group_ranks, err.differences
@@ -133,9 +181,31 @@ def agree(group: dist.ProcessGroup, group_name: str, record: Record) -> None:
 
 
 def _message(group_name: str, err: mg.AgreementError) -> str:
-    lines = [f"  {difference.describe()}" for difference in err.differences]
+    values = [d.field.removeprefix(_VALUES) for d in err.differences if d.field.startswith(_VALUES)]
+    others = [d for d in err.differences if not d.field.startswith(_VALUES)]
+    lines = [f"  {difference.describe()}" for difference in others]
+    if values:
+        lines.append(
+            f"  the values of {len(values)} param(s) differ across the ranks: "
+            f"{', '.join(values[:_MAX_LINES])}{' and more' if len(values) > _MAX_LINES else ''}"
+        )
     if len(lines) > _MAX_LINES:
         lines = [*lines[:_MAX_LINES], f"  ... and {len(lines) - _MAX_LINES} more"]
+    fix = []
+    if values:
+        fix.append(
+            f"Their gradients would be averaged over {group_name} while the params differ: "
+            "tag an expert param (its shards differ across expert-parallel ranks) with "
+            "mc_groups.param_attrs.mark_allreduce(param, False) so that DDP reduces it over "
+            "expt_dp; otherwise initialise the params alike on every rank (the same seed), or "
+            "pass check_param_values=False when they are made equal after wrapping "
+            "(ddp.broadcast_params())."
+        )
+    fix.append(
+        "Build the DistributedDataParallel alike on every rank of the group: the same "
+        "config, ddp_config, disable_bucketing and module (the same params, registered "
+        "in the same order, with the same shapes and dtypes)."
+    )
     return "\n".join(
         [
             f"DistributedDataParallel: the ranks {list(err.group_ranks)} of group {group_name} "
@@ -143,8 +213,6 @@ def _message(group_name: str, err: mg.AgreementError) -> str:
             "an abort inside the backend, or silently wrong gradients); nothing was allocated "
             "and no gradient reduced. Fields that differ:",
             *lines,
-            "Build the DistributedDataParallel alike on every rank of the group: the same "
-            "config, ddp_config, disable_bucketing and module (the same params, registered "
-            "in the same order, with the same shapes and dtypes).",
+            *fix,
         ]
     )

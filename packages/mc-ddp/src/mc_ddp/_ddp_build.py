@@ -220,9 +220,20 @@ def agree_across_ranks(
     plan: LayoutPlan,
     named: Sequence[tuple[str, Param]],
     experts: int,
+    check_param_values: bool = True,
 ) -> None:
     """The construction-time agreement (:mod:`mc_ddp._agreement`): dense over ``dp_cp``,
-    then, with expert params, expert over ``expt_dp``."""
+    then, with expert params, expert over ``expt_dp``; the params' values are compared in
+    the same exchanges unless ``check_param_values=False``."""
+    params = [p for _, p in named]
+    compared = mg.group_size(groups.dp_cp) > 1 or (
+        experts > 0 and groups.expt_dp is not None and mg.group_size(groups.expt_dp) > 1
+    )
+    checksums = (
+        dict(zip(params, agreement.value_checksums(params), strict=True))
+        if check_param_values and compared
+        else None
+    )
 
     def record(expert: bool) -> agreement.Record:
         return agreement.build_record(
@@ -234,6 +245,7 @@ def agree_across_ranks(
             layout=plan.layout,
             expert=expert,
             expert_count=experts,
+            checksums=checksums,
         )
 
     agreement.agree(groups.dp_cp, "dp_cp", record(expert=False))

@@ -104,6 +104,13 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             distributed-optimizer buffer, each rank's shard holding whole params). Kept as
             ``self.full_param_layout`` (mc's copy; computed with the distributed optimizer,
             None otherwise), as Megatron keeps it.
+        check_param_values: compare, at construction and in the agreement's one exchange,
+            a checksum of every param's values over the ranks that average its gradient
+            (dense over ``dp_cp``, expert params over ``expt_dp``): a param that differs
+            (e.g. an expert weight not tagged ``allreduce=False``) is a
+            :class:`DataParallelAgreementError` naming it. False: a model initialised
+            differently per rank on purpose and made equal by :meth:`broadcast_params`
+            (mc's keyword; Megatron compares nothing).
 
     Bucket size: ``ddp_config.bucket_size``, ``num_buckets`` → total // num_buckets, or
     ``max(40M, 1M · |dp_cp|)``; one bucket without overlap_grad_reduce, on pipeline stages
@@ -121,6 +128,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         disable_bucketing: bool = False,
         pg_collection: mg.ProcessGroupCollection | None = None,
         full_param_layout: FullParamLayout | FullParamLayoutLike | None = None,
+        *,
+        check_param_values: bool = True,
     ) -> None:
         # A check failing on one rank stops every rank of the world here (one exchange).
         with mg.fail_together(None, "DistributedDataParallel"):
@@ -130,6 +139,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             checks.check_param_flags(named)
             checks.check_compiled_modules(module, ddp_config)
             single = check_flag("disable_bucketing", disable_bucketing)
+            check_values = check_flag("check_param_values", check_param_values)
             experts = sum(is_expert_parallel_param(p) for _, p in named)
             pgc = mg.collection_or_default(pg_collection, "DistributedDataParallel")
             groups = resolve_groups(pgc, ddp_config, experts > 0)
@@ -137,7 +147,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             plan = build.plan_layout(
                 [p for _, p in named], ddp_config, groups, single, full_param_layout
             )
-        build.agree_across_ranks(config, ddp_config, groups, single, plan, named, experts)
+        build.agree_across_ranks(
+            config, ddp_config, groups, single, plan, named, experts, check_values
+        )
         super().__init__()
         self.module = module
         self._config = config

@@ -33,7 +33,7 @@ from mc_ddp_tests._harness import (
     mlp,
     model_parallel,
 )
-from mc_groups.comm.schedule_check import exchange_plans
+from mc_groups.comm import cross_rank
 from mc_groups.testing import RankPools
 
 MP = mg.ModelParallelConfig()
@@ -219,12 +219,14 @@ def test_every_rank_names_the_field_that_differs(rank_pools: RankPools) -> None:
 def _agreeing() -> dict[str, Any]:
     calls: list[str] = []
 
-    def counted(group: dist.ProcessGroup, mine: Any, device: torch.device) -> Any:
-        calls.append(mine.planned.label)
-        return exchange_plans(group, mine, device)
+    def counted(group: dist.ProcessGroup, where: str, *args: Any, **kwargs: Any) -> None:
+        calls.append(where)
+        cross_check(group, where, *args, **kwargs)
 
+    cross_check = cross_rank.cross_check
     out: dict[str, Any] = {}
-    with model_parallel() as pgc, mock.patch("mc_groups.comm.agreement.exchange_plans", counted):
+    patched = mock.patch.object(cross_rank, "cross_check", counted)
+    with model_parallel() as pgc, patched, mock.patch.object(mg, "cross_check", counted):
         with mg.record_collectives() as log:
             cfg = ddp_config(overlap_grad_reduce=True, use_distributed_optimizer=True)
             ddp = DistributedDataParallel(MP, cfg, mlp(), pg_collection=pgc)
@@ -250,7 +252,90 @@ def test_matching_ranks_exchange_one_fingerprint_per_group_and_none_per_step(
     rank_pools: RankPools,
 ) -> None:
     for out in rank_pools.get(2).run(_agreeing):
-        # dense DDP: dp_cp; the expert model: dp_cp, then expt_dp; nothing recorded
-        labels = [f"DistributedDataParallel over {g}" for g in ("dp_cp", "dp_cp", "expt_dp")]
+        # each DDP: its checks over the world, then dense over dp_cp; the expert model also
+        # expt_dp; nothing recorded; no exchange in the steps (the optimizer's defaults)
+        labels = [
+            f"DistributedDataParallel{over}"
+            for over in ("", " over dp_cp", "", " over dp_cp", " over expt_dp")
+        ]
         assert out["construction"] == (labels, 0)
         assert out["steps"] == []
+
+
+# -- the params' values (issue 40 item 3) ---------------------------------------------------
+
+
+class _ExpertShard(nn.Module):
+    """A dense Linear(8, 16), the same on every rank (seed 0), then this rank's expert
+    Linear(16, 4): at EP = 2 each rank holds another expert (seed 100 + EP rank)."""
+
+    def __init__(self, ep_rank: int, tagged: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dense = nn.Linear(8, 16)
+        torch.manual_seed(100 + ep_rank)
+        self.expert = nn.Linear(16, 4)
+        if tagged:
+            for p in self.expert.parameters():
+                mg.param_attrs.mark_allreduce(p, False)
+
+
+def _values() -> dict[str, str]:
+    out: dict[str, str] = {}
+    with model_parallel(expert_model_parallel_size=2) as pgc:
+        ep_rank = mg.group_rank(pgc.require("ep", "test"))
+        for case, tagged, check in (
+            ("untagged", False, True),
+            ("tagged", True, True),
+            ("unchecked", False, False),
+        ):
+            module = _ExpertShard(ep_rank, tagged)
+            try:
+                DistributedDataParallel(
+                    MP, ddp_config(), module, pg_collection=pgc, check_param_values=check
+                )
+                out[case] = "built"
+            except DataParallelAgreementError as err:
+                out[case] = str(err)
+    return out
+
+
+def test_a_param_that_differs_across_its_reduction_group_is_refused_by_name(
+    rank_pools: RankPools,
+) -> None:
+    """2 ranks at EP = 2: ``dp_cp`` = {0, 1}, ``expt_dp`` = {r}. The expert Linear differs
+    across the EP ranks by construction (another seed per rank). Untagged, it counts as
+    dense and would be averaged over ``dp_cp`` with the other rank's expert: refused on
+    both ranks, naming both of its params and the fix; tagged ``allreduce=False`` it is
+    compared over ``expt_dp`` (one rank) and the dense Linear, equal by construction, over
+    ``dp_cp``: built. ``check_param_values=False`` builds the untagged model (the caller
+    vouches for it)."""
+    outs = rank_pools.get(2).run(_values)
+    assert outs[0]["untagged"] == outs[1]["untagged"]  # the same error on every rank
+    message = outs[0]["untagged"]
+    assert message.startswith(_HEAD.format(group="dp_cp")), message
+    assert (
+        "  the values of 2 param(s) differ across the ranks: 'expert.weight', 'expert.bias'"
+        in message.splitlines()
+    ), message
+    assert "'dense." not in message  # the dense params are equal
+    assert "mark_allreduce(param, False)" in message
+    assert [(o["tagged"], o["unchecked"]) for o in outs] == [("built", "built")] * 2
+
+
+def test_value_checksums_by_hand() -> None:
+    """The checksum of bits ``b_i`` is ``(Σ b_i, Σ (i + 1) b_i) mod 2^64`` as 32 hex digits:
+    int32 params [1, 2, 3] give (6, 1 + 4 + 9 = 14); a permutation of the same values has
+    the same sum and another weighted sum; meta params are not compared."""
+    from mc_ddp._agreement import value_checksums
+
+    ints = nn.Parameter(torch.tensor([1, 2, 3], dtype=torch.int32), requires_grad=False)
+    swapped = nn.Parameter(torch.tensor([3, 2, 1], dtype=torch.int32), requires_grad=False)
+    meta = nn.Parameter(torch.empty(3, device="meta"))
+    assert value_checksums([ints, swapped, meta]) == [
+        f"{6:016x}{14:016x}",
+        f"{6:016x}{3 + 4 + 3:016x}",
+        None,
+    ]
+    one = nn.Parameter(torch.tensor([-1.0]))  # bits 0xbf800000 as int32: negative
+    assert value_checksums([one]) == [f"{(0xBF800000 - 2**32) % 2**64:016x}" * 2]

@@ -257,9 +257,10 @@ def test_large_grads_warn(rank_pools: RankPools) -> None:
 def _offload_broadcast() -> dict[str, Any]:
     rank = dist.get_rank()
     with model_parallel() as pgc:
-        model = mlp(seed=rank)  # different params per rank
+        model = mlp(seed=rank)  # different params per rank, made equal by broadcast_params
         rank0 = [p.detach().clone() for p in mlp(seed=0).parameters()]
-        ddp = _wrap(pgc, model, use_distributed_optimizer=True)
+        cfg = ddp_config(use_distributed_optimizer=True)
+        ddp = DistributedDataParallel(MP, cfg, model, pg_collection=pgc, check_param_values=False)
         with mg.record_collectives() as log:
             ddp.broadcast_params()
         broadcast = [(r.op, r.numel, r.group_ranks) for r in log]

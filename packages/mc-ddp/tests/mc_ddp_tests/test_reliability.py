@@ -225,16 +225,16 @@ def test_params_registered_in_another_order_are_caught_by_the_schedule_check(
         message = out["message"]
         assert message.startswith(
             "collective schedule mismatch on group ranks [0, 1]: the ranks were about to run "
-            "2 different collectives (none was issued):"
+            "2 different collectives or checks (none was issued):"
         )
         assert (
-            "rank(s) [0]: all_reduce(sum) 'grad reduce dense bucket group 0' of 484 × float32, "
-            "shape (484,) [bucket 0: 6 params 'l2.bias' (4,), 'l2.weight' (4, 16), 'l1.bias' "
+            "rank(s) [0]: all_reduce(sum) 'grad reduce dense bucket group 0' of 484 × float32 "
+            "[bucket 0: 6 params 'l2.bias' (4,), 'l2.weight' (4, 16), 'l1.bias' "
             "(16,) and 3 more; layout "
         ) in message
         assert (
-            "rank(s) [1]: all_reduce(sum) 'grad reduce dense bucket group 0' of 484 × float32, "
-            "shape (484,) [bucket 0: 6 params 'l0.bias' (16,), 'l0.weight' (16, 8), 'l1.bias' "
+            "rank(s) [1]: all_reduce(sum) 'grad reduce dense bucket group 0' of 484 × float32 "
+            "[bucket 0: 6 params 'l0.bias' (16,), 'l0.weight' (16, 8), 'l1.bias' "
             "(16,) and 3 more; layout "
         ) in message
 

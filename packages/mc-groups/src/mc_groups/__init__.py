@@ -15,9 +15,13 @@
   recorded when the compiled graph runs them).
 - :class:`Communicator`: one caller's batched collectives on one group, keeping their
   temporaries between calls (a DDP bucket group holds one).
-- :mod:`mc_groups.comm.schedule_check`: the opt-in check that every rank of a group is about to
-  run the same collective (:func:`check_collective_schedule`,
-  ``MC_CHECK_COLLECTIVE_SCHEDULE=1``).
+- :mod:`mc_groups.comm.cross_rank`: cross-rank verification with one primitive,
+  :func:`cross_check` (one 8-byte exchange: the ranks of a group are at the same point,
+  passed their checks and hold the same values, else every rank raises the same error);
+  :func:`fail_together` (an entry point's local checks, then the exchange),
+  :class:`CarriedStatus` (the status riding in a reduction the entry point runs anyway) and
+  the per-collective check behind ``MC_CHECK_COLLECTIVE_SCHEDULE``
+  (:func:`check_collective_schedule`).
 - :mod:`mc_groups.device`: stream/synchronise helpers that are no-ops on CPU.
 - :class:`ModelParallelConfig`: the validated parallel config (Megatron field names);
   :class:`TransformerConfigLike`: what every package reads from a config (Megatron's
@@ -34,15 +38,9 @@
 - :mod:`mc_groups.elastic`: :func:`~mc_groups.elastic.init_process_group` joins the world
   in a key space of the restart attempt's own, so ``torchrun --max-restarts`` restarts
   with torchrun's shared store.
-- :func:`fail_together` (:mod:`mc_groups.comm.peer_checks`): an entry point's local checks end in
-  one status exchange, so a check failing on one rank is an error on every rank
-  (:class:`PeerCheckError` naming it) instead of a wait until the group's timeout;
-  :class:`CarriedStatus`: the same outcome carried by a reduction the entry point runs
-  anyway (one more element) instead of an exchange of its own.
-- :func:`agree` (:mod:`mc_groups.comm.agreement`): the ranks of a group compare named values
-  once (one 8-byte exchange); a difference is the same :class:`AgreementError` on every
-  rank, its differing fields and rank sets attributes (DDP's and the TP layers' checks at
-  construction are built on it).
+- :mod:`mc_groups.errors`: the error types (bad input, :class:`CollectiveError`, and the
+  errors of ranks that disagree: :class:`PeerCheckError`, :class:`AgreementError`,
+  :class:`CollectiveScheduleError`).
 - :mod:`mc_groups.testing`: a reusable multi-process CPU harness for tests.
 """
 
@@ -55,12 +53,9 @@ from mc_groups import elastic as elastic
 from mc_groups import param_attrs as param_attrs
 from mc_groups.collection import GROUP_FIELDS, MissingGroupError, ProcessGroupCollection
 from mc_groups.comm import traceable as traceable
-from mc_groups.comm.agreement import AgreementError, agree
 from mc_groups.comm.collectives import (
     CoalescedBatch,
-    CollectiveError,
     CollectiveHandle,
-    CollectiveScheduleError,
     ReduceOp,
     all_gather,
     all_gather_objects,
@@ -79,13 +74,15 @@ from mc_groups.comm.collectives import (
     send,
 )
 from mc_groups.comm.communicator import Communicator
-from mc_groups.comm.peer_checks import CarriedStatus, PeerCheckError, fail_together
-from mc_groups.comm.recorder import CollectiveRecord, record_collectives
-from mc_groups.comm.schedule_check import (
+from mc_groups.comm.cross_rank import (
     SCHEDULE_CHECK_ENV,
+    CarriedStatus,
     check_collective_schedule,
+    cross_check,
+    fail_together,
     schedule_check_enabled,
 )
+from mc_groups.comm.recorder import CollectiveRecord, record_collectives
 from mc_groups.config import ModelParallelConfig, TransformerConfigLike
 from mc_groups.default_collection import (
     NoDefaultCollectionError,
@@ -94,7 +91,15 @@ from mc_groups.default_collection import (
     get_default_collection,
     set_default_collection,
 )
-from mc_groups.errors import InputStateError, InputTypeError, InputValueError
+from mc_groups.errors import (
+    AgreementError,
+    CollectiveError,
+    CollectiveScheduleError,
+    InputStateError,
+    InputTypeError,
+    InputValueError,
+    PeerCheckError,
+)
 from mc_groups.initialize import (
     DistributedNotInitializedError,
     destroy_model_parallel,
@@ -142,7 +147,6 @@ __all__ = [
     "RankGenerator",
     "ReduceOp",
     "TransformerConfigLike",
-    "agree",
     "all_gather",
     "all_gather_objects",
     "all_reduce",
@@ -153,6 +157,7 @@ __all__ = [
     "clear_default_collection",
     "coalesced",
     "collection_or_default",
+    "cross_check",
     "destroy_model_parallel",
     "fail_together",
     "get_default_collection",

@@ -25,9 +25,8 @@ import torch.distributed as dist
 
 from mc_groups.argcheck import check_flag
 from mc_groups.collection import ProcessGroupCollection, is_group_live
-from mc_groups.comm._common import key_device
 from mc_groups.comm.collectives import all_gather, all_gather_objects, barrier
-from mc_groups.comm.peer_checks import fail_together
+from mc_groups.comm.cross_rank import fail_together, key_device
 from mc_groups.default_collection import (
     clear_default_collection,
     get_default_collection,

@@ -263,19 +263,19 @@ CASES: dict[str, Case] = {
         doc_call="`check_collective_schedule(enabled)`",
         doc_input="`enabled='yes'`",
     ),
-    # -- agree (issue 31) ----------------------------------------------------------------
-    "agree value": Case(
-        lambda g, r: mg.agree(g, "sizes", {"hidden": 8, "weight": Loose(torch.zeros(2))}),
+    # -- cross_check (issue 38) --------------------------------------------------------------
+    "cross_check value": Case(
+        lambda g, r: mg.cross_check(g, "sizes", {"hidden": 8, "weight": Loose(torch.zeros(2))}),
         "TypeError",
         ("fields['weight']=tensor([0., 0.])", "pass its text instead"),
-        doc_call="`agree(group, what, fields)`",
+        doc_call="`cross_check(group, where, fields)`",
         doc_input="a tensor as a field's value",
     ),
-    "agree fields": Case(
-        lambda g, r: mg.agree(g, "sizes", Loose([("hidden", 8)])),
+    "cross_check fields": Case(
+        lambda g, r: mg.cross_check(g, "sizes", Loose([("hidden", 8)])),
         "TypeError",
         ("fields must be a mapping of names to values, got list",),
-        doc_call="`agree(group, what, fields)`",
+        doc_call="`cross_check(group, where, fields)`",
         doc_input="a list of pairs instead of a mapping",
     ),
     # -- layout sizes and initialize_model_parallel --------------------------------------

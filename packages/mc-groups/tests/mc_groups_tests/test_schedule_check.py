@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import ReduceOp
-from mc_groups.comm import schedule_check
+from mc_groups.comm import cross_rank
 from mc_groups.testing import RankPools, error_kind
 
 
@@ -39,9 +39,7 @@ def _records(log: list[mg.CollectiveRecord]) -> list[tuple[Any, ...]]:
 def _every_op(check: bool) -> dict[str, Any]:
     """Each collective once, with values derivable by hand (rank r contributes r + 1)."""
     g, r, w = _world(), dist.get_rank(), dist.get_world_size()
-    counter = mock.patch.object(
-        schedule_check, "_exchange_keys", wraps=schedule_check._exchange_keys
-    )
+    counter = mock.patch.object(cross_rank, "_exchange_keys", wraps=cross_rank._exchange_keys)
     with mg.check_collective_schedule(check), counter as exchanges, mg.record_collectives() as log:
         s = torch.full((3,), float(r + 1))
         mg.all_reduce(s, g, label="sum", detail="three ones")
@@ -174,7 +172,7 @@ _EXPECTED_LINES = {
     "reduce_op": ["rank(s) [0]: all_reduce(sum)", "rank(s) [1]: all_reduce(avg)"],
     "op": ["rank(s) [0]: all_reduce(sum) 'grads' of 4 × float32", "rank(s) [1]: all_gather"],
     "label": ["rank(s) [0]: all_reduce(sum) 'layer 0'", "rank(s) [1]: all_reduce(sum) 'layer 1'"],
-    "detail": ["of 4 × float32, shape (4,) ['a' (4,)]", "of 4 × float32, shape (4,) ['b' (4,)]"],
+    "detail": ["of 4 × float32 ['a' (4,)], shape (4,)", "of 4 × float32 ['b' (4,)], shape (4,)"],
     "broadcast_src": ["broadcast from group rank 0", "broadcast from group rank 1"],
     "batch": [
         "rank(s) [0]: coalesced 2 × all_reduce(sum) 'bucket group 0' of 3 × float32, 3 × float32",
@@ -191,7 +189,7 @@ def test_every_mismatch_is_one_error_on_every_rank(rank_pools: RankPools) -> Non
             assert (kind, issued) == ("CollectiveScheduleError", 0), (name, message)
             assert message.startswith(
                 "collective schedule mismatch on group ranks [0, 1]: the ranks were about to "
-                "run 2 different collectives (none was issued):"
+                "run 2 different collectives or checks (none was issued):"
             ), name
             for line in lines:
                 assert line in message, (name, line, message)
@@ -216,7 +214,7 @@ def test_the_disagreeing_rank_is_named_among_four(rank_pools: RankPools) -> None
 
 def _switches() -> dict[str, Any]:
     g = _world()
-    env = schedule_check.SCHEDULE_CHECK_ENV
+    env = cross_rank.SCHEDULE_CHECK_ENV
     out: dict[str, Any] = {"start": os.environ.get(env)}
     os.environ[env] = "maybe"
     try:
@@ -257,28 +255,41 @@ def test_the_switch_is_read_at_call_time(rank_pools: RankPools) -> None:
 
 
 def test_fingerprints_are_stable_and_distinguish_fields() -> None:
-    planned = schedule_check.PlannedCollective("all_reduce(sum)", "4 × float32", "a", "d")
-    # BLAKE2b, not hash(): the same text gives the same key in every process
-    assert planned.key() == schedule_check.PlannedCollective(*planned).key()
-    variants = {planned._replace(**{field: "x"}).key() for field in planned._fields[:4]}
-    assert len(variants | {planned.key()}) == 5
-    assert planned._replace(shape="(2, 2)").key() == planned.key()  # shape is only shown
+    entry = cross_rank._Entry("all_reduce(sum) 'a' of 4 × float32 [d]", "", {"n": 4})
+    # BLAKE2b, not hash(): the same entry gives the same key in every process
+    assert entry.key() == cross_rank._Entry(*entry).key()
+    changed = [
+        entry._replace(where="all_reduce(sum) 'b' of 4 × float32 [d]"),
+        entry._replace(failure="TypeError: x"),
+        entry._replace(fields={"n": 5}),
+        entry._replace(fields={"n": 4, "m": 1}),
+    ]
+    assert len({e.key() for e in changed} | {entry.key()}) == 5
+    assert entry._replace(shown=", shape (2, 2)").key() == entry.key()  # shape is only shown
+    assert entry._replace(failure="ValueError: y").key() == changed[1].key()  # failed or not
 
 
 @pytest.mark.parametrize("value", ["", "0", "off", "False", " no "])
 def test_off_values(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(schedule_check.SCHEDULE_CHECK_ENV, value)
+    monkeypatch.setenv(cross_rank.SCHEDULE_CHECK_ENV, value)
     assert mg.schedule_check_enabled() is False
 
 
-@pytest.mark.parametrize("value", [None, "1", " YES ", "off", "", "maybe", "jä"])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, False), ("1", True), (" YES ", True), ("off", False), ("", False), ("maybe", None)],
+)
 def test_switch_reads_what_os_environ_holds(
-    value: str | None, monkeypatch: pytest.MonkeyPatch
+    value: str | None, expected: bool | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the per-collective read (the byte mapping behind os.environ on POSIX) sees every
-    # write through os.environ, set or unset, as os.environ.get does
+    # write through os.environ, set or unset
     if value is None:
-        monkeypatch.delenv(schedule_check.SCHEDULE_CHECK_ENV, raising=False)
+        monkeypatch.delenv(cross_rank.SCHEDULE_CHECK_ENV, raising=False)
     else:
-        monkeypatch.setenv(schedule_check.SCHEDULE_CHECK_ENV, value)
-    assert schedule_check._switch() == os.environ.get(schedule_check.SCHEDULE_CHECK_ENV) == value
+        monkeypatch.setenv(cross_rank.SCHEDULE_CHECK_ENV, value)
+    if expected is None:
+        with pytest.raises(ValueError, match="is not a switch"):
+            mg.schedule_check_enabled()
+    else:
+        assert mg.schedule_check_enabled() is expected

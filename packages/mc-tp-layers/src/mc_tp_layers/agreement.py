@@ -27,7 +27,7 @@ ledger with it. Fingerprints are small tuples, never the layers themselves, so a
 dropped before its first forward is still compared (every rank built it) and never kept
 alive.
 
-The comparison is :func:`mc_groups.agree` over the group (its fingerprint exchange is
+The comparison is :func:`mc_groups.cross_check` over the group (its fingerprint exchange is
 point to point on its own tag on gloo, one all-gather on NCCL, followed by a device-to-host
 read there), with one field per layer's class and per compared setting: it is not recorded
 by :func:`mc_groups.record_collectives`, so collective counts do not change. Cost: at
@@ -71,8 +71,8 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups.comm.agreement import ABSENT, Difference, Value
-from mc_groups.errors import InputTypeError
+from mc_groups.comm.cross_rank import Value
+from mc_groups.errors import ABSENT, Difference, InputTypeError
 
 __all__ = ["LayerFingerprint", "TensorParallelAgreementError", "check_tp_agreement"]
 
@@ -251,7 +251,7 @@ def _fields(batch: list[LayerFingerprint]) -> dict[str, Value]:
 
 def _compare(group: dist.ProcessGroup, batch: list[LayerFingerprint]) -> None:
     try:
-        mg.agree(group, _WHAT, _fields(batch))
+        mg.cross_check(group, _WHAT, _fields(batch))
     except mg.AgreementError as err:
         raise TensorParallelAgreementError(
             _message(err, batch), err.what, err.group_ranks, err.differences

@@ -60,7 +60,7 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_groups.argcheck import check_int, check_tensor
 from mc_groups.comm import traceable
-from mc_groups.comm.agreement import differences
+from mc_groups.comm.cross_rank import differences
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers._autograd import apply
 from mc_tp_layers._index_range import check_index_range

@@ -27,7 +27,7 @@ import torch
 
 import mc_groups as mg
 import mc_tp_layers as tpl
-from mc_groups.comm import agreement, schedule_check
+from mc_groups.comm import cross_rank
 from mc_groups.testing import RankPools, error_kind
 from mc_tp_layers_tests._helpers import config, randn, world
 
@@ -166,7 +166,7 @@ def test_ranks_built_differently_fail_alike_naming_field_layer_and_ranks(
 
 def _agree() -> dict[str, Any]:
     pgc = world(2)
-    spy = mock.patch.object(agreement, "exchange_plans", wraps=schedule_check.exchange_plans)
+    spy = mock.patch.object(mg, "cross_check", wraps=cross_rank.cross_check)
     try:
         with spy as calls:
             torch.manual_seed(0)
@@ -312,7 +312,7 @@ def test_a_peer_running_another_collective_gets_the_schedule_error(rank_pools: R
     assert [o["kind"] for o in outs] == ["CollectiveScheduleError"] * 2
     assert outs[0]["message"] == outs[1]["message"]
     # rank 0 is at its first forward's status exchange (mc_groups.fail_together)
-    assert "rank(s) [0]: status after the local checks" in outs[0]["message"]
+    assert "rank(s) [0]: ColumnParallelLinear's first forward" in outs[0]["message"]
     assert "rank(s) [1]: all_reduce(sum) 'elsewhere' of 3 × float32" in outs[0]["message"]
 
 

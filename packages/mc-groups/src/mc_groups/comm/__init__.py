@@ -17,11 +17,9 @@ module                              what it holds
 :mod:`.communicator`                ``Communicator``: one caller's batched collectives on one
                                     group, keeping their temporaries
 :mod:`.recorder`                    ``record_collectives()``: the log of what was issued
-:mod:`.schedule_check`              the opt-in check that every rank is about to run the same
-                                    collective; its exchange under every cross-rank check
-:mod:`.peer_checks`                 ``fail_together`` / ``CarriedStatus``: a check failing on
-                                    one rank is an error on every rank
-:mod:`.agreement`                   ``agree``: the ranks compare named values once
+:mod:`.cross_rank`                  cross-rank verification, one primitive (``cross_check``):
+                                    ``fail_together``, ``CarriedStatus``, the per-collective
+                                    check behind ``MC_CHECK_COLLECTIVE_SCHEDULE``
 ``_common``                         what every collective shares: ``ReduceOp``, the handle,
                                     checks, descriptions, recording, issuing
 ``_coalesced``                      coalesced batches (one kind of collective per batch)
@@ -30,13 +28,8 @@ module                              what it holds
 ``_p2p_all_gather``                 an all-gather made of point-to-point sends on a tag
 ``_compiled``                       the custom op ``mc_groups::collective`` compiled graphs
                                     call before each collective
-``_shims``, ``_errors``             torch-version names; ``CollectiveError``
+``_shims``                          torch-version names
 ==================================  ===========================================================
-
-Until issue 31 these modules sat flat in :mod:`mc_groups`; ``mc_groups.collectives``,
-``mc_groups.communicator``, ``mc_groups.recorder``, ``mc_groups.schedule_check``,
-``mc_groups.traceable`` and ``mc_groups.together`` (now :mod:`.peer_checks`) still
-re-export their public names for one release.
 """
 
 __all__: list[str] = []

@@ -24,15 +24,14 @@ from mc_groups.comm._common import (
     check_reduce_scatter,
     copy_unless_alias,
     dtype_name,
-    key_device,
     kind_text,
+    planned_text,
     ranks_of,
     record,
 )
-from mc_groups.comm._errors import CollectiveError
 from mc_groups.comm._shims import all_gather_flat, coalescing_manager, reduce_scatter_flat
-from mc_groups.comm.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
-from mc_groups.errors import InputTypeError, InputValueError
+from mc_groups.comm.cross_rank import cross_check, key_device, schedule_check_enabled
+from mc_groups.errors import CollectiveError, InputTypeError, InputValueError
 
 __all__ = ["CoalescedBatch", "coalesced"]
 
@@ -53,7 +52,7 @@ class CoalescedBatch:
     as it is added (reduce-scatters as all-to-all + local reduction, all-gathers as
     point-to-point exchanges or all-to-alls by size, see :func:`~mc_groups.reduce_scatter` and
     :func:`~mc_groups.all_gather`) and the batch's handle waits for all of them. With
-    the schedule check on (:mod:`mc_groups.comm.schedule_check`) the collectives are queued and
+    the schedule check on (:mod:`mc_groups.comm.cross_rank`) the collectives are queued and
     issued when the block closes, after the batch as a whole was checked.
     """
 
@@ -209,19 +208,18 @@ class CoalescedBatch:
             text += f" [{self._detail}]"
         return text
 
-    def _planned(self) -> PlannedCollective:
+    def _planned(self) -> str:
         kind = "nothing" if self._kind is None else kind_text(*self._kind)
         sizes = ", ".join(f"{t.numel()} × {dtype_name(t.dtype)}" for t in self._payload)
-        return PlannedCollective(
-            f"coalesced {len(self._payload)} × {kind}", sizes, self._label, self._detail
-        )
+        batch = f"coalesced {len(self._payload)} × {kind}"
+        return planned_text(batch, sizes, self._label, self._detail)
 
     def _flush(self, device: torch.device | None) -> None:
         """Deferred mode: check the whole batch, then issue it (and close it)."""
         if not self._queued:
             return
         first = self._payload[0]
-        verify_schedule(self._group, self._planned(), key_device(self._group, first))
+        cross_check(self._group, self._planned(), device=key_device(self._group, first))
         queued, self._queued = self._queued, []
         if self._per_op:
             for issue in queued:

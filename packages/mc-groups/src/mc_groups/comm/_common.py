@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_flag, check_group, check_real, check_str, check_tensor
-from mc_groups.comm._errors import CollectiveError
+from mc_groups.comm.cross_rank import cross_check, key_device, schedule_check_enabled
 from mc_groups.comm.recorder import CollectiveRecord, _emit, _recording
-from mc_groups.comm.schedule_check import PlannedCollective, schedule_check_enabled, verify_schedule
-from mc_groups.errors import InputTypeError, InputValueError
+from mc_groups.errors import CollectiveError, InputTypeError, InputValueError
 
 __all__ = [
     "CollectiveHandle",
@@ -353,16 +352,6 @@ def kind_text(op: str, reduce_op: ReduceOp | None) -> str:
     return op if reduce_op is None else f"{op}({reduce_op.value})"
 
 
-def key_device(group: dist.ProcessGroup, tensor: torch.Tensor | None) -> torch.device:
-    """Where the schedule check's fingerprint travels: the host on gloo, else the
-    collective's device (NCCL takes device tensors only)."""
-    if tensor is not None and dist.get_backend(group) != "gloo":
-        return tensor.device
-    if dist.get_backend(group) in ("gloo", "mpi") or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def check_schedule(
     op: str,
     group: dist.ProcessGroup,
@@ -373,17 +362,26 @@ def check_schedule(
     detail: str = "",
     payload: str | None = None,
 ) -> None:
-    """The opt-in schedule check (see :mod:`mc_groups.comm.schedule_check`); a no-op unless
-    enabled. ``payload`` overrides the compared ``numel × dtype`` text."""
+    """The per-collective check behind ``MC_CHECK_COLLECTIVE_SCHEDULE`` (a
+    :func:`~mc_groups.cross_check` whose point is the collective, see
+    :mod:`mc_groups.comm.cross_rank`); a no-op unless enabled. ``payload`` overrides the
+    compared ``numel × dtype`` text."""
     if not schedule_check_enabled():
         return
     if payload is None:
         payload = "nothing" if tensor is None else f"{tensor.numel()} × {dtype_name(tensor.dtype)}"
-    planned = PlannedCollective(
-        kind_text(op, reduce_op),
-        payload,
-        label,
-        detail,
-        "" if tensor is None else str(tuple(tensor.shape)),
+    cross_check(
+        group,
+        planned_text(kind_text(op, reduce_op), payload, label, detail),
+        shown="" if tensor is None else f", shape {tuple(tensor.shape)}",
+        device=key_device(group, tensor),
     )
-    verify_schedule(group, planned, key_device(group, tensor))
+
+
+def planned_text(kind: str, payload: str, label: str, detail: str) -> str:
+    """``all_reduce(sum) 'label' of 8 × float32 [detail]``: a collective as the schedule
+    check compares it (the shape is shown apart: the ranks of an uneven all-to-all differ
+    there)."""
+    text = f"{kind} '{label}'" if label else kind
+    text += f" of {payload}"
+    return f"{text} [{detail}]" if detail else text

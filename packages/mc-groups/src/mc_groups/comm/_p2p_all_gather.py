@@ -1,6 +1,5 @@
 """All-gather by point-to-point exchange: the gloo all-gather for large outputs (see
-:mod:`mc_groups.comm._gloo`) and the schedule check's fingerprint exchange (see
-:mod:`mc_groups.comm.schedule_check`). Kept apart from both so neither imports the other.
+:mod:`mc_groups.comm._gloo`).
 
 Point-to-point messages do not wait in the process group's work queue: on gloo an
 exchange progresses while collectives issued earlier on the same group are still

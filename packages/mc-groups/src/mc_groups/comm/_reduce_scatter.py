@@ -45,8 +45,8 @@ from mc_groups.comm._common import (
 )
 from mc_groups.comm._gloo import is_gloo
 from mc_groups.comm._shims import reduce_scatter_flat
+from mc_groups.comm.cross_rank import schedule_check_enabled
 from mc_groups.comm.recorder import _recording
-from mc_groups.comm.schedule_check import schedule_check_enabled
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__: list[str] = []

@@ -17,7 +17,7 @@ Why one layer:
   group 0' failed: … Connection closed by peer" rather than a gloo socket error far from
   the cause;
 - an opt-in schedule check compares every collective across the group's ranks before it
-  is issued (:mod:`mc_groups.comm.schedule_check`);
+  is issued (:mod:`mc_groups.comm.cross_rank`);
 - torch-version shims live here (``reduce_scatter_single``/``all_gather_single`` replace
   the deprecated ``*_tensor`` names in torch 2.13).
 
@@ -67,11 +67,15 @@ from mc_groups.comm._common import (
     issue,
     record,
 )
-from mc_groups.comm._errors import CollectiveError
 from mc_groups.comm._shims import all_gather_flat
+from mc_groups.comm.cross_rank import schedule_check_enabled
 from mc_groups.comm.recorder import _recording
-from mc_groups.comm.schedule_check import CollectiveScheduleError, schedule_check_enabled
-from mc_groups.errors import InputTypeError, InputValueError
+from mc_groups.errors import (
+    CollectiveError,
+    CollectiveScheduleError,
+    InputTypeError,
+    InputValueError,
+)
 
 __all__ = [
     "CoalescedBatch",

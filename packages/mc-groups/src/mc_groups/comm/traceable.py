@@ -31,9 +31,10 @@ Both paths send the same bytes with the same algorithm::
 preceded by the custom op ``mc_groups::collective`` (see :mod:`mc_groups.comm._compiled`): an
 ordered side effect, which Inductor keeps in program order among mc's collectives. When
 the compiled code runs, it does in Python what the eager path does before issuing: the
-opt-in schedule check (:mod:`mc_groups.comm.schedule_check`) and a
-:class:`~mc_groups.CollectiveRecord` with ``compiled=True`` (same op, group, dtype, size,
-``async_op`` and label as the eager call) in every open
+per-collective check behind ``MC_CHECK_COLLECTIVE_SCHEDULE``
+(:mod:`mc_groups.comm.cross_rank`) and a :class:`~mc_groups.CollectiveRecord` with
+``compiled=True`` (same op, group, dtype, size, ``async_op`` and label as the eager call)
+in every open
 :func:`~mc_groups.record_collectives` log. So a compiled step records its collectives
 when they run, as an eager step does. Differences: the collective may be placed before
 its record by Inductor (nothing orders them); a backend failure in a compiled graph is

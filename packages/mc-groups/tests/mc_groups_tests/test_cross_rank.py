@@ -1,23 +1,38 @@
-"""``mc_groups.fail_together``: a check that fails on one rank is an error on every rank of
-the group, at once, instead of a wait until the group's timeout.
+"""``mc_groups.cross_check``, the one cross-rank primitive, and its two call forms
+(``fail_together``: an entry point's local checks, then the exchange; ``CarriedStatus``: the
+status riding in a reduction the entry point runs anyway).
 
-Localizes the status exchange (a block raising on one rank of 2, and on one rank of 4;
-the passing case changes nothing) and its use by ``initialize_model_parallel`` (a bad
-size on one rank: no group created on any rank). The timing bound is the issue's (5 s);
-the pools' group timeout is 20 s, so a rank left waiting in a collective would take 20 s.
-Independent reference: which ranks failed is known by construction, and the world still
-reduces ``sum(1) = world size`` afterwards (the exchange left it usable).
+- **fields**: agreeing ranks exchange one fingerprint per call and nothing else; ranks that
+  differ in a scalar, in one entry of a tuple, in a tuple's length or in a field one rank
+  lacks all raise the same ``AgreementError``, whose ``differences`` name the field, each
+  value and the global ranks holding it (read as attributes, not parsed from the text); a
+  peer at another point gets ``CollectiveScheduleError``, whose ``variants`` say what each
+  rank was about to run.
+- **failures**: a check failing on one rank of 2, one of 4 or two of 4 is an error on every
+  rank within the issue's bound (5 s; the pools' group timeout is 20 s, so a rank left
+  waiting in a collective would take 20 s); its use by ``initialize_model_parallel`` (a bad
+  size on one rank: no group created on any rank); the carried form (no exchange at all).
+- **records**: the exchanges are recorded only when asked (``status_exchanges=True``).
+
+Independent reference: which rank holds or fails what is known by construction, and the
+world still reduces ``sum(1) = world size`` afterwards (the exchange left it usable).
+``differences`` alone is checked without processes against hand-written rows.
 """
 
 from __future__ import annotations
 
+import pickle
 import time
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups.comm import cross_rank
+from mc_groups.errors import ABSENT, Difference, ScheduleVariant
 from mc_groups.testing import RankPools, error_kind
 
 BOUND_S = 5.0
@@ -89,8 +104,8 @@ def test_ranks_at_different_entry_points(rank_pools: RankPools) -> None:
     assert "rank 1: (at B) ValueError: y=-1 must be >= 0" in failing[0][1]
     passing = rank_pools.get(2).run(_different_entry_points, False)
     assert [kind for kind, _ in passing] == ["CollectiveScheduleError"] * 2
-    assert "rank(s) [0]: status after the local checks of A [passed]" in passing[0][1]
-    assert "rank(s) [1]: status after the local checks of B [passed]" in passing[0][1]
+    assert "  rank(s) [0]: A" in passing[0][1].splitlines()
+    assert "  rank(s) [1]: B" in passing[0][1].splitlines()
 
 
 def _initialize(kw_by_rank: list[dict[str, object]]) -> tuple[str, str, float, int]:
@@ -176,3 +191,107 @@ def test_status_exchanges_are_recorded_on_request(rank_pools: RankPools) -> None
     for plain, full in rank_pools.get(2).run(_recorded_exchanges):
         assert plain == ["all_reduce"]
         assert full == ["status_exchange the test's entry point 8", "all_reduce work 4"]
+
+
+BASE: dict[str, Any] = {"hidden": 8, "dtype": "float32", "params": ("a (2,)", "b (3,)")}
+
+CASES: dict[str, dict[str, Any]] = {  # rank 1's fields; rank 0 always holds BASE
+    "same": BASE,
+    "scalar": {**BASE, "hidden": 16},
+    "entry": {**BASE, "params": ("a (2,)", "b (4,)")},
+    "length": {**BASE, "params": ("a (2,)",)},
+    "absent": {"hidden": 8, "params": BASE["params"]},
+}
+
+
+def _grid() -> dict[str, Any]:
+    """Every case on this rank (rank 1 passes the case's fields), then a peer comparing
+    another ``what``; what each raised, as attributes and text."""
+    group, me = _world(), dist.get_rank()
+    out: dict[str, Any] = {}
+    spy = mock.patch.object(cross_rank, "_exchange_keys", wraps=cross_rank._exchange_keys)
+    with spy as exchanges, mg.record_collectives() as log:
+        for case, theirs in CASES.items():
+            try:
+                mg.cross_check(group, "the test's sizes", BASE if me == 0 else theirs)
+                out[case] = ("no error", "", ())
+            except mg.AgreementError as err:
+                out[case] = (error_kind(err), str(err), err.differences)
+                out[f"{case} attributes"] = (err.what, err.group_ranks)
+        try:
+            mg.cross_check(group, "A" if me == 0 else "B", BASE)
+            out["other what"] = ("no error", "", ())
+        except mg.CollectiveScheduleError as err:
+            out["other what"] = (error_kind(err), str(err), (err.group_ranks, err.variants))
+    out["exchanges"], out["recorded"] = exchanges.call_count, len(log)
+    total = torch.ones(1)
+    mg.all_reduce(total, group)
+    out["usable"] = total.item()
+    return out
+
+
+def test_ranks_agree_or_raise_the_same_structured_error(rank_pools: RankPools) -> None:
+    outs = rank_pools.get(2).run(_grid)
+    for out in outs:
+        assert out["same"] == ("no error", "", ())
+        assert out["exchanges"] == len(CASES) + 1  # one fingerprint exchange per call
+        assert out["recorded"] == 0  # not a collective of the run's schedule (not asked)
+        assert out["usable"] == 2.0
+    expected = {
+        "scalar": (Difference("hidden", (("8", (0,)), ("16", (1,)))),),
+        "entry": (Difference("params", (("b (3,)", (0,)), ("b (4,)", (1,))), 1),),
+        "length": (Difference("params", (("2 entries", (0,)), ("1 entries", (1,)))),),
+        "absent": (Difference("dtype", (("float32", (0,)), (ABSENT, (1,)))),),
+    }
+    for case, differences in expected.items():
+        kinds, texts, found = zip(*(out[case] for out in outs), strict=True)
+        assert kinds == ("AgreementError", "AgreementError"), texts[0]
+        assert texts[0] == texts[1]  # the same message on every rank
+        assert found == (differences, differences)
+        assert texts[0].startswith("the test's sizes: the ranks [0, 1] of the group hold")
+        for out in outs:
+            assert out[f"{case} attributes"] == ("the test's sizes", (0, 1))
+        assert f"  {differences[0].describe()}" in texts[0].splitlines()
+    assert "  params, entry #1: b (3,) on rank(s) [0]; b (4,) on rank(s) [1]" in (
+        outs[0]["entry"][1].splitlines()
+    )
+    for out in outs:
+        kind, text, (ranks, variants) = out["other what"]
+        assert kind == "CollectiveScheduleError"
+        assert ranks == (0, 1)
+        assert variants == (ScheduleVariant((0,), "A"), ScheduleVariant((1,), "B"))
+        assert "  rank(s) [1]: B" in text.splitlines()
+
+
+def test_differences_by_hand() -> None:
+    rows = [
+        {"tp": 2, "order": "tp-dp", "sizes": (1, 2)},
+        {"tp": 2, "order": "dp-tp", "sizes": (1, 2)},
+        {"tp": 4, "order": "tp-dp", "sizes": (1, 3), "extra": None},
+    ]
+    assert cross_rank.differences([4, 5, 6], rows) == (
+        Difference("tp", (("2", (4, 5)), ("4", (6,)))),
+        Difference("order", (("tp-dp", (4, 6)), ("dp-tp", (5,)))),
+        Difference("sizes", (("2", (4, 5)), ("3", (6,))), 1),
+        Difference("extra", ((ABSENT, (4, 5)), ("None", (6,)))),
+    )
+    assert cross_rank.differences([0, 1], [rows[0], dict(rows[0])]) == ()
+
+
+def test_the_error_keeps_its_attributes_across_processes() -> None:
+    found = (Difference("hidden", (("8", (0,)), ("16", (1,)))),)
+    err = mg.AgreementError("text", "sizes", [0, 1], found)
+    back = pickle.loads(pickle.dumps(err))
+    assert (str(back), back.what, back.group_ranks, back.differences) == (
+        "text",
+        "sizes",
+        (0, 1),
+        found,
+    )
+    assert isinstance(back, mg.InputValueError)
+    for other in (
+        mg.PeerCheckError("text", {1: "TypeError: x"}),
+        mg.CollectiveScheduleError("text", [0, 1], [ScheduleVariant((0,), "A")]),
+    ):
+        again = pickle.loads(pickle.dumps(other))
+        assert (type(again), str(again), vars(again)) == (type(other), str(other), vars(other))
