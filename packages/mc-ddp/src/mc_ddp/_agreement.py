@@ -125,7 +125,7 @@ def value_checksums(params: Sequence[Param]) -> list[str | None]:
         sums.append(total)
     present = [t.cpu() for t in sums if t is not None]
     host = iter(torch.stack(present).tolist()) if present else iter(())
-    return [None if t is None else "%016x%016x" % tuple(v % 2**64 for v in next(host)) for t in sums]
+    return [None if t is None else "".join(f"{v % 2**64:016x}" for v in next(host)) for t in sums]
 
 
 def build_record(
