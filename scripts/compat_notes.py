@@ -40,7 +40,10 @@ NOTES: dict[str, tuple[str | None, str]] = {
         + "; refuses `average_in_collective` with gtp_remat and with per-token loss; the "
         "ranks of `dp_cp` (and `expt_dp`) compare how they built it, one 8-byte exchange per "
         "group before anything is allocated: a mismatch is `DataParallelAgreementError` on "
-        "every rank naming the fields",
+        "every rank naming the fields; the same exchange compares a checksum of each param's "
+        "values (an expert shard left without `allreduce=False` is refused by name), which "
+        "keyword-only `check_param_values=False` skips (a model made equal by "
+        "`broadcast_params()` after wrapping, Megatron's `data_parallel_random_init`)",
     ),
     "DistributedDataParallel.offload_grad_buffers": (
         "differs",
