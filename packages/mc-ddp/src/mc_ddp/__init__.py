@@ -14,6 +14,10 @@
   :class:`GradNormRanks`, :func:`counts_in_grad_norm`), fp16 loss scaling
   (:class:`DynamicGradScaler`) and skipped steps, reported by ``step()`` as a
   :class:`StepResult`.
+- :class:`TorchFullyShardedDataParallel`, :class:`TorchFullyShardedDataParallelConfig`:
+  PyTorch's FSDP2 (``fully_shard``) over a tensor-parallel model, mc's param marks kept;
+  :func:`clip_grad_norm`: the global grad norm, clipping and fp16 overflow agreement for
+  grads in ``param.grad`` (FSDP2's DTensors, torchtitan's layout).
 - :func:`ensure_params_ready`, :data:`PARAM_READY_CALLBACK_ATTR`: publish params on demand.
 - :func:`reduce_scatter_with_fp32_accumulation`: all-to-all + local fp32 sum.
 - :class:`NonFiniteGradError`, :class:`LargeGradMonitor`, :func:`check_finite_grads`: the
@@ -29,6 +33,7 @@ from importlib.metadata import PackageNotFoundError, version
 from mc_ddp._agreement import DataParallelAgreementError
 from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
 from mc_ddp.checkpoint_pieces import CheckpointPieces
+from mc_ddp.clip_grads import clip_grad_norm
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
 from mc_ddp.fp32_reduce_scatter import reduce_scatter_with_fp32_accumulation
@@ -37,6 +42,10 @@ from mc_ddp.grad_norm import GradNormRanks, counts_in_grad_norm
 from mc_ddp.grad_scaler import DynamicGradScaler
 from mc_ddp.hooks import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
 from mc_ddp.sharded_optimizer import OwnedSlice, ShardedOptimizer, StepResult
+from mc_ddp.torch_fully_sharded_data_parallel import (
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
+)
 
 try:  # one source of the version: the distribution's pyproject.toml
     __version__ = version("mc-ddp")
@@ -57,7 +66,10 @@ __all__ = [
     "ParamAndGradBucketGroup",
     "ShardedOptimizer",
     "StepResult",
+    "TorchFullyShardedDataParallel",
+    "TorchFullyShardedDataParallelConfig",
     "check_finite_grads",
+    "clip_grad_norm",
     "counts_in_grad_norm",
     "ensure_params_ready",
     "partition_buckets",

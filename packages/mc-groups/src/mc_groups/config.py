@@ -55,6 +55,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol, cast
 
 import torch
+from torch import nn
 
 from mc_groups.argcheck import (
     check_flag,
@@ -67,7 +68,18 @@ from mc_groups.argcheck import (
 )
 from mc_groups.errors import InputTypeError, InputValueError
 
-__all__ = ["ModelParallelConfig", "TransformerConfigLike", "check_config", "config_value"]
+__all__ = [
+    "CONFIG_RECORD",
+    "ModelParallelConfig",
+    "TransformerConfigLike",
+    "check_config",
+    "config_value",
+    "record_config",
+    "recorded_config",
+]
+
+CONFIG_RECORD = "_mc_parallel_config"
+"""The module attribute holding the config a model was made tensor-parallel with."""
 
 
 class TransformerConfigLike(Protocol):
@@ -329,3 +341,24 @@ class ModelParallelConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return ModelParallelConfig(**values)
+
+
+def record_config(module: nn.Module, config: object) -> None:
+    """Record on ``module`` the parallel config it was converted with
+    (``mc_tp_layers.parallelize`` does), for readers that get the model but not the config:
+    a ``transformers`` or torchtitan model's own ``.config`` is its library's, so
+    ``mc_finalize.finalize_model_grads`` reads mc's settings (``sequence_parallel``, …) from
+    this record (see :func:`recorded_config`)."""
+    module.__dict__[CONFIG_RECORD] = config
+
+
+def recorded_config(module: object) -> object | None:
+    """The config :func:`record_config` recorded on ``module`` or, when a wrapper holds it
+    (``.module``), on the module inside; None when there is none."""
+    current: object = module
+    while current is not None:
+        found: object = getattr(current, "__dict__", {}).get(CONFIG_RECORD)
+        if found is not None:
+            return found
+        current = getattr(current, "module", None)
+    return None

@@ -68,6 +68,15 @@ Each attribute: its value (and what absent means); who sets it; who reads it.
   ProcessGroup (0, absent), a param replicated over gtp_remat. Set: mc-tp-layers.
   Read: mc-tp-layers (dedup), checkpoint code.
 
+**Records on the owning module.** A wrapper that replaces parameters (FSDP2's
+``fully_shard`` swaps each for a new DTensor parameter, pytorch #136929) drops every
+attribute above. :func:`record_marks` keeps, on each module (``_mc_param_marks``,
+MARK_RECORD), its own params' attribute dicts by name (the live ``__dict__``: marks set
+later are seen); :func:`restore_marks` copies them onto whatever parameter holds the name now. Set:
+``mc_tp_layers.parallelize``, ``mc_ddp.TorchFullyShardedDataParallel``, users (before
+their own ``fully_shard``). Read: mc-finalize, ``mc_ddp.clip_grad_norm``, mc-tp-layers'
+full-state and checkpoint functions (each calls :func:`restore_marks` first).
+
 Private tags of one package stay with it: mc-buffers' param-data slot
 (``mc_buffers._param_checks.BUFFER_VIEW_ATTR``) and mc-ddp's ready callback
 (``mc_ddp.PARAM_READY_CALLBACK_ATTR``).
@@ -83,7 +92,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mc_groups.errors import InputTypeError
+from mc_groups.errors import InputStateError, InputTypeError
 
 __all__ = [
     "ALLREDUCE",
@@ -102,6 +111,7 @@ __all__ = [
     "IS_QKV",
     "MAIN_GRAD",
     "MAIN_GRAD_COPY",
+    "MARK_RECORD",
     "PAD_LENGTH",
     "PARTITION_DIM",
     "PARTITION_STRIDE",
@@ -146,6 +156,8 @@ __all__ = [
     "pad_length_of",
     "partition_dim_of",
     "partition_stride_of",
+    "record_marks",
+    "restore_marks",
     "set_main_grad",
     "set_main_grad_copy",
     "sums_grad_across_tp",
@@ -180,6 +192,7 @@ GTP_UNSHARDED_SHAPE = "gtp_unsharded_shape"
 GTP_WGRAD_SCALE = "gtp_wgrad_scale"
 GTP_REMAT_RANK = "gtp_remat_rank"
 GTP_REPLICA_GROUP = "gtp_replica_group"
+MARK_RECORD = "_mc_param_marks"
 
 
 def bool_attr(param: torch.Tensor, attr: str, default: bool, name: str | None = None) -> bool:
@@ -421,3 +434,65 @@ def mark_gtp_replica(param: torch.Tensor, group: dist.ProcessGroup) -> None:
     group holding the identical copies: dedup and checkpoints)."""
     param.gtp_remat_rank = int(group.rank())  # type: ignore[attr-defined]
     param.gtp_replica_group = group  # type: ignore[attr-defined]
+
+
+# -- records on the owning module (marks that survive a parameter swap) --------------------
+
+# Per-step state, not marks: a swapped-in parameter starts without a grad of its own.
+_NOT_KEPT = frozenset({MAIN_GRAD, MAIN_GRAD_COPY, GRAD_ADDED_TO_MAIN_GRAD})
+
+
+def record_marks(module: torch.nn.Module) -> int:
+    """Record, on every submodule of ``module``, its own parameters' attribute dicts by
+    name, so :func:`restore_marks` can put the marks back after a wrapper replaced the
+    parameters (FSDP2's ``fully_shard``). Idempotent; the record holds each parameter's
+    live ``__dict__`` and shape, not the tensor. Returns the number of parameters recorded."""
+    if not isinstance(module, torch.nn.Module):
+        raise InputTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    restore_marks(module)  # a record made before an earlier swap: put its marks back first
+    count = 0
+    for sub in module.modules():
+        own = {n: p for n, p in sub._parameters.items() if p is not None}
+        if own:
+            sub.__dict__[MARK_RECORD] = {n: (tuple(p.shape), vars(p)) for n, p in own.items()}
+            count += len(own)
+    return count
+
+
+def restore_marks(module: torch.nn.Module) -> int:
+    """Copy the recorded marks (:func:`record_marks`) onto the parameters that hold each
+    recorded name now, where they lack them (a parameter's own attributes win); per-step
+    state (``main_grad``, ``grad_added_to_main_grad``) and ``_``-names are not copied.
+    Cheap when nothing was swapped (one identity check per recorded parameter). Returns the
+    number of parameters that got marks back.
+
+    Raises ``InputStateError`` naming the parameter when a recorded name is gone or now
+    holds a tensor of another shape: its marks cannot be kept, and reading it unmarked would
+    reduce or save it wrongly."""
+    if not isinstance(module, torch.nn.Module):
+        raise InputTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    restored = 0
+    for prefix, sub in module.named_modules():
+        record = sub.__dict__.get(MARK_RECORD)
+        if not record:
+            continue
+        for name, (shape, marks) in record.items():
+            param = sub._parameters.get(name)
+            current = None if param is None else vars(param)
+            if current is marks:
+                continue
+            where = f"{prefix}.{name}" if prefix else name
+            if param is None or current is None or tuple(param.shape) != shape:
+                now = "is gone" if param is None else f"has shape {tuple(param.shape)}"
+                raise InputStateError(
+                    f"parameter '{where}' {now}, but mc recorded its marks at shape {shape}: "
+                    "the module was changed after mc_tp_layers.parallelize / record_marks, so "
+                    "its tensor-parallel marks cannot be kept; change the module before "
+                    "parallelize, or call mc_groups.param_attrs.record_marks(model) again"
+                )
+            for key, value in marks.items():
+                if key not in _NOT_KEPT and not key.startswith("_") and key not in current:
+                    setattr(param, key, value)
+            record[name] = (shape, current)
+            restored += 1
+    return restored

@@ -126,9 +126,53 @@ def test_layer_wise_tag_is_a_strict_bool_absent_false() -> None:
 def test_every_name_is_documented_and_exported() -> None:
     doc = pa.__doc__ or ""
     constants = {k: v for k, v in vars(pa).items() if k.isupper() and isinstance(v, str)}
-    assert len(constants) == 28  # + SHARED, SUM_GRADIENTS_ACROSS_TP_DOMAIN (issue 32)
+    assert len(constants) == 29  # + SHARED, SUM_GRADIENTS_ACROSS_TP_DOMAIN (issue 32), MARK_RECORD
     for key, name in constants.items():
         assert f"``{name}``" in doc, name
         assert key in pa.__all__
     functions = [k for k, v in vars(pa).items() if callable(v) and v.__module__ == pa.__name__]
     assert sorted(functions) == sorted(k for k in pa.__all__ if not k.isupper())
+
+
+def _swap(module: torch.nn.Module, name: str) -> torch.nn.Parameter:
+    """What FSDP2's ``fully_shard`` does to a param: a new Parameter object (no attributes)
+    under the same name."""
+    new = torch.nn.Parameter(getattr(module, name).detach().clone())
+    module._parameters[name] = new
+    return new
+
+
+def test_marks_recorded_on_the_module_survive_a_parameter_swap() -> None:
+    """The marks come back on the new parameter, per-step state does not; a mark set after
+    ``record_marks`` (on the old param) is seen (the record is the live dict); the param's
+    own attributes win; a second restore is a no-op."""
+    linear, layer_norm = torch.nn.Linear(4, 6), torch.nn.LayerNorm(6)
+    model = torch.nn.Sequential(linear, layer_norm)
+    weight, norm = linear.weight, layer_norm.weight
+    weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+    weight.partition_dim = 0  # type: ignore[attr-defined]
+    pa.set_main_grad(weight, torch.zeros(6, 4))
+    pa.clear_grad_added_to_main_grad(weight)
+    assert pa.record_marks(model) == 4
+    pa.mark_sequence_parallel(norm, True)  # after the record: still kept
+    new_weight, new_norm = _swap(linear, "weight"), _swap(layer_norm, "weight")
+    new_norm.sequence_parallel = False  # type: ignore[attr-defined]  # its own value wins
+    assert not pa.is_tensor_model_parallel(new_weight)
+    assert pa.restore_marks(model) == 2  # the two swapped (the biases were not)
+    assert pa.is_tensor_model_parallel(new_weight)
+    assert pa.partition_dim_of(new_weight) == 0
+    assert not pa.has_main_grad(new_weight)
+    assert not pa.has_grad_added_flag(new_weight)
+    assert not pa.is_sequence_parallel_param(new_norm)
+    assert pa.restore_marks(model) == 0
+
+
+def test_a_recorded_parameter_gone_or_reshaped_is_an_error_naming_it() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6))
+    pa.record_marks(model)
+    model[0]._parameters["weight"] = torch.nn.Parameter(torch.zeros(3, 4))
+    with pytest.raises(RuntimeError, match=r"'0\.weight' has shape \(3, 4\).*\(6, 4\)"):
+        pa.restore_marks(model)
+    del model[0]._parameters["weight"]
+    with pytest.raises(RuntimeError, match=r"'0\.weight' is gone"):
+        pa.restore_marks(model)

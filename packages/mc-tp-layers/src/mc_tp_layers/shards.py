@@ -32,12 +32,13 @@ these to every split parameter, with the group of the module that owns it (its
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import param_attrs
+from mc_groups import dtensors, param_attrs
 from mc_groups.argcheck import check_optional_group, check_tensor, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _validate
@@ -143,7 +144,7 @@ def gather_full(
     shard, then one over ``tp_group`` for a TP shard; none on a one-rank group. Every rank
     of the groups must call it, for the same parameters in the same order."""
     check_tensor("param", param)
-    local = param.detach()
+    local = dtensors.full_tensor(param.detach(), label)  # an FSDP2 param: its TP shard
     if param_attrs.is_gtp_weight_remat(param):
         local = gather_gtp_weight(param)
     split = _split_of(param)
@@ -162,29 +163,38 @@ def _group_of(
     return own if isinstance(own, dist.ProcessGroup) else tp_group
 
 
-def _split_params(
-    module: object, tp_group: dist.ProcessGroup | None, what: str
-) -> list[tuple[str, torch.nn.Parameter, dist.ProcessGroup | None]]:
-    """``(state-dict key, param, its TP group)`` for every split param, in module order (a
-    module's own params, modules as ``named_modules`` lists them); a TP shard of a module
-    without a ``tp_group`` needs the argument."""
+# (module, [(param name in the module, param, its TP group, split)]): the params whose
+# state-dict entry mc rewrites, by the module that holds them (module order)
+_Owned = list[
+    tuple[torch.nn.Module, list[tuple[str, torch.nn.Parameter, "dist.ProcessGroup | None", bool]]]
+]
+
+
+def _owned_params(module: object, tp_group: dist.ProcessGroup | None, what: str) -> _Owned:
+    """Every split param (and, under FSDP2, every DTensor param) by the module that holds
+    it; a TP shard of a module without a ``tp_group`` needs the argument."""
     if not isinstance(module, torch.nn.Module):
         raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
     check_optional_group("tp_group", tp_group, what=what)
-    out = []
+    param_attrs.restore_marks(module)  # after FSDP2's fully_shard replaced the params
+    out: _Owned = []
     for name, sub in module.named_modules():
         prefix = f"{name}." if name else ""
         group = _group_of(sub, tp_group)
+        entries = []
         for pname, param in sub.named_parameters(recurse=False):
-            if not _is_split(param):
+            split = _is_split(param)
+            if not split and not dtensors.is_dtensor(param):
                 continue
-            if group is None and param_attrs.is_tensor_model_parallel(param):
+            if split and group is None and param_attrs.is_tensor_model_parallel(param):
                 raise InputValueError(
                     f"{what}: {prefix}{pname} is a tensor-parallel shard of a "
                     f"{type_name(sub)}, which has no tp_group; pass tp_group= (the group "
                     "it is split over)"
                 )
-            out.append((prefix + pname, param, group))
+            entries.append((pname, param, group, split))
+        if entries:
+            out.append((sub, entries))
     return out
 
 
@@ -199,18 +209,44 @@ def full_state_dict(
     one-process twin (``load_state_dict``, then ``save_pretrained``). Each split param is
     gathered over its module's ``tp_group`` (``tp_group``: for a module that has none).
 
+    Each param is gathered by a state-dict hook of the module that holds it, so the
+    model's own hooks on the modules around it see whole tensors: torchtitan's fused
+    ``wqkv``, split into ``wq`` / ``wk`` / ``wv`` by a hook of its parent, is split whole.
+
     Collectives: :func:`gather_full` per split param (one all-gather over TP; a gtp_remat
     shard first one over its gtp_remat group), in module order, on every rank (call it on
     all TP ranks). Under mc DDP with ``overlap_param_gather`` the last step's parameters
     arrive with the next forward: call ``mc_ddp.ensure_params_ready(model.parameters())``
-    first.
+    first. Under FSDP2 (``fully_shard``) each DTensor param is first gathered over its
+    data-parallel mesh (:func:`mc_groups.dtensors.full_tensor`: one all-gather), and the
+    marks ``fully_shard`` dropped are restored from the record
+    :func:`~mc_tp_layers.parallelize` left (:func:`mc_groups.param_attrs.restore_marks`).
     """
-    split = _split_params(module, tp_group, "full_state_dict")
-    state = module.state_dict()
-    with torch.no_grad():
-        for key, param, group in split:
-            state[key] = gather_full(param, group, label="full_state_dict")
+    owned = _owned_params(module, tp_group, "full_state_dict")
+    handles = [sub.register_state_dict_post_hook(_gathering(e)) for sub, e in owned]  # type: ignore[no-untyped-call]
+    try:
+        with torch.no_grad():
+            state: dict[str, torch.Tensor] = module.state_dict()
+    finally:
+        for handle in handles:
+            handle.remove()
     return state
+
+
+def _gathering(
+    entries: list[tuple[str, torch.nn.Parameter, dist.ProcessGroup | None, bool]],
+) -> Any:
+    def hook(_module: torch.nn.Module, state: dict[str, Any], prefix: str, _meta: object) -> None:
+        for pname, param, group, split in entries:
+            key = prefix + pname
+            if key not in state:
+                continue
+            if split:
+                state[key] = gather_full(param, group, label="full_state_dict")
+            else:
+                state[key] = dtensors.full_tensor(state[key].detach(), "full_state_dict")
+
+    return hook
 
 
 def load_full_state_dict(
@@ -224,14 +260,42 @@ def load_full_state_dict(
     on the meta device gets its weights (``module.to_empty(device=...)`` first), and how a
     model built from mc's layers takes a one-process model's weights.
 
+    Each piece is cut by a load pre-hook of the module that holds the param, after the
+    model's own pre-hooks of the modules around it (torchtitan's ``wq`` / ``wk`` / ``wv``
+    merged into ``wqkv`` first). Under FSDP2, each DTensor param gets its data-parallel
+    piece of this rank's TP shard (:func:`mc_groups.dtensors.distribute_like`).
+
     ``strict`` as in ``torch.nn.Module.load_state_dict`` (missing/unexpected keys and shape
-    mismatches raise there); ``tp_group`` as in :func:`full_state_dict`.
+    mismatches raise there); ``tp_group`` as in :func:`full_state_dict`. Entries named as
+    the params are checked against the full shapes before anything loads.
     """
-    split = _split_params(module, tp_group, "load_full_state_dict")
+    owned = _owned_params(module, tp_group, "load_full_state_dict")
     if not isinstance(state_dict, Mapping):
         raise InputTypeError(f"state_dict must be a mapping, got {type_name(state_dict)}")
-    local = dict(state_dict)
-    for key, param, group in split:
-        if key in local:
-            local[key] = local_shard(param, local[key], group)
-    module.load_state_dict(local, strict=strict)
+    names = {id(sub): name for name, sub in module.named_modules()}
+    for sub, entries in owned:  # direct keys: cut once now, so a bad shape fails first
+        prefix = f"{names[id(sub)]}." if names[id(sub)] else ""
+        for pname, param, group, split in entries:
+            value = state_dict.get(prefix + pname)
+            if split and isinstance(value, torch.Tensor):
+                local_shard(param, value, group)
+    handles = [sub.register_load_state_dict_pre_hook(_cutting(e)) for sub, e in owned]  # type: ignore[no-untyped-call]
+    try:
+        module.load_state_dict(dict(state_dict), strict=strict)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _cutting(entries: list[tuple[str, torch.nn.Parameter, dist.ProcessGroup | None, bool]]) -> Any:
+    def hook(_module: torch.nn.Module, state: dict[str, Any], prefix: str, *_: object) -> None:
+        for pname, param, group, split in entries:
+            key = prefix + pname
+            value = state.get(key)
+            if not isinstance(value, torch.Tensor) or dtensors.is_dtensor(value):
+                continue
+            if split:
+                value = local_shard(param, value, group)
+            state[key] = dtensors.distribute_like(value, param)
+
+    return hook

@@ -10,6 +10,7 @@ import torch
 
 from mc_groups import ProcessGroupCollection, param_attrs
 from mc_groups.argcheck import check_int, type_name
+from mc_groups.config import record_config
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers._config import check_layer_config
 from mc_tp_layers._tp_groups import resolve_tp_group
@@ -108,6 +109,12 @@ def parallelize(
         sequence_scatter      —                                  all-gather of its grad
         ====================  =================================  =================================
 
+    The marks of every parameter and ``config`` are recorded on the modules
+    (:func:`mc_groups.param_attrs.record_marks`, :func:`mc_groups.config.record_config`):
+    a ``fully_shard`` applied afterwards replaces the parameters, and mc's readers
+    (``finalize_model_grads``, ``clip_grad_norm``, :func:`full_state_dict`) put the marks
+    back from there.
+
     Every check runs before any module changes: a pattern matching nothing, a module matched
     twice, an unknown style, a style on the wrong kind of module, sizes or attention heads
     (a parent's ``head_dim``) not divisible by W, a tied weight the plan splits differently
@@ -119,6 +126,10 @@ def parallelize(
     converted: dict[int, torch.nn.Parameter] = {}
     for target in targets:
         _apply(module, target, setup, converted, _in_block(target, targets))
+    # Kept on the modules, where FSDP2's fully_shard (which replaces every parameter)
+    # cannot drop them: the params' marks by name, and the config for finalize_model_grads.
+    param_attrs.record_marks(module)
+    record_config(module, config)
     return module
 
 

@@ -5,7 +5,11 @@ extra step, so each is either understood or refused.
 Understood: a scaled word embedding (Gemma's ``GemmaTextScaledWordEmbedding``: the lookup
 times ``embed_scale`` cast to the table's dtype). Its scale is read from the float
 ``scalar_embed_scale`` or the one-element ``embed_scale`` and, when the table is not on
-``meta``, checked against the module's own output on a few ids (no communication).
+``meta``, checked against the module's own output on a few ids (no communication). An
+embedding without a scale whose ``forward`` is a plain lookup (torchtitan's ``Embedding``
+before its own parallelization: ``F.embedding`` of the whole table) is checked the same
+way, with scale 1: its output on the first ids must equal the table's rows exactly (on
+``meta`` there is nothing to compare, and it is refused).
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ def embedding_scale(label: str, module: torch.nn.Embedding) -> float | None:
     if type(module).forward is torch.nn.Embedding.forward:
         return None
     scale = _read_scale(module)
+    plain = scale is None and module.weight.device.type != "meta"
+    if plain and _scaled_lookup_matches(module, 1.0):  # its forward is a plain lookup
+        return None
     if scale is None or not _scaled_lookup_matches(module, scale):
         raise InputTypeError(
             f"{label}: {type_name(module)} overrides nn.Embedding.forward, and mc understands "
             "only a scaled lookup (a float scalar_embed_scale or a one-element embed_scale "
-            "multiplying the rows), which this is not; keep the module replicated (drop the "
-            "entry)"
+            "multiplying the rows) or a plain lookup (checked on its first ids, off the meta "
+            "device), which this is not; keep the module replicated (drop the entry)"
         )
     return scale
 

@@ -2,8 +2,9 @@ r"""``sequence_parallel_plan``: a decoder's tensor-parallel plan plus the entrie
 it with sequence parallelism, read from the model's module tree (no forward, no
 communication, the model untouched).
 
-What it reads (``P``: the ``nn.ModuleList`` of decoder layers, found as the one list
-whose layers hold the base plan's ``colwise`` / ``rowwise`` layers, or ``layers=``):
+What it reads (``P``: the ``nn.ModuleList`` or ``nn.ModuleDict`` of decoder layers, found
+as the one container whose layers hold the base plan's ``colwise`` / ``rowwise`` layers, or
+``layers=``):
 
 1. Each layer's children. A child holding converted layers is a *block* (attention, MLP):
    it gets ``sequence_gather`` (its input all-gathered along the sequence on entry; its
@@ -25,6 +26,11 @@ whose layers hold the base plan's ``colwise`` / ``rowwise`` layers, or ``layers=
    each way per norm instead of gathering ``[b, s, n]``). A block gathered for another
    reason (Phi-3's fused ``qkv_proj`` sliced by global sizes) keeps the base plan's styles:
    each rank then runs that block's attention whole.
+
+The base plan is ``model.tp_plan`` (``transformers``' own) or, for a model without one
+laid out as torchtitan's Llama-3 (``tok_embeddings``, ``layers`` of blocks with
+``attention`` / ``feed_forward``, ``lm_head``; :func:`_torchtitan_base`), torchtitan's own
+tensor-parallel plan for it.
 
 Anything else it cannot read is an error naming what it looked for.
 """
@@ -78,18 +84,21 @@ def sequence_parallel_plan(
 
     ``parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)``
     is one call for a ``transformers`` Llama, Qwen2, Qwen3, Mistral, Phi-3, OLMo-2, Gemma
-    or Gemma-3 (tested), or any decoder whose layers are an ``nn.ModuleList`` of blocks (attention,
-    MLP) and norms. The same plan serves ``config.sequence_parallel=False``: the entries
-    then make each block share one all-reduce of its input grad (Megatron's ``f``).
+    or Gemma-3, a torchtitan-laid-out Llama-3 (fused ``wqkv`` or separate ``wq`` / ``wk`` /
+    ``wv``; tested), or any decoder whose layers are an ``nn.ModuleList`` /
+    ``nn.ModuleDict`` of blocks (attention, MLP) and norms. The same plan serves
+    ``config.sequence_parallel=False``: the entries then make each block share one
+    all-reduce of its input grad (Megatron's ``f``).
 
     Args:
         model: the model, before ``parallelize`` (on any device, ``meta`` included).
         base: the tensor-parallel plan to extend (patterns → styles, as ``parallelize``
-            takes); default ``model.tp_plan`` (``transformers``' own). It must not hold
-            sequence styles already.
-        layers: the qualified name of the ``nn.ModuleList`` of decoder layers (e.g.
-            ``"model.layers"``); default: the one list whose layers hold the base plan's
-            layers.
+            takes); default ``model.tp_plan`` (``transformers``' own), or torchtitan's plan
+            for a model laid out as its Llama-3 (module notes). It must not hold sequence
+            styles already.
+        layers: the qualified name of the ``nn.ModuleList`` / ``nn.ModuleDict`` of decoder
+            layers (e.g. ``"model.layers"``); default: the one container whose layers hold
+            the base plan's layers.
         split_qk_norms: keep the heads split in a block that the base plan gathers only for
             full-width norms (OLMo-2), with ``colwise_rmsnorm`` on the norms; ``False``
             keeps the base plan's styles there.
@@ -152,10 +161,11 @@ def sequence_parallel_plan(
 
 def _base(model: torch.nn.Module, base: object) -> Mapping[object, object]:
     if base is None:
-        base = getattr(model, "tp_plan", None)
+        base = getattr(model, "tp_plan", None) or _torchtitan_base(model)
         if not isinstance(base, Mapping) or not base:
             raise InputValueError(
-                f"{type_name(model)} has no tp_plan (transformers models carry model.tp_plan); "
+                f"{type_name(model)} has no tp_plan (transformers models carry model.tp_plan) "
+                "and is not laid out as torchtitan's Llama-3 (tok_embeddings, layers, lm_head); "
                 "pass base= the tensor-parallel plan to extend"
             )
     if not isinstance(base, Mapping) or not base:
@@ -165,28 +175,61 @@ def _base(model: torch.nn.Module, base: object) -> Mapping[object, object]:
     return base
 
 
+_COLWISE_LEAVES = ("wq", "wk", "wv", "wqkv", "w1", "w3")
+_ROWWISE_LEAVES = ("wo", "w2")
+
+
+def _torchtitan_base(model: torch.nn.Module) -> dict[str, str] | None:
+    """torchtitan's Llama-3 tensor-parallel plan, in ``parallelize``'s style names, for a
+    model laid out as torchtitan 0.3.0's (``tok_embeddings``; ``layers`` whose blocks hold
+    ``attention`` and ``feed_forward``; ``lm_head``), else None. Its linear leaves by
+    torchtitan's names: ``wq`` / ``wk`` / ``wv`` / ``wqkv`` and ``w1`` / ``w3`` colwise,
+    ``wo`` / ``w2`` rowwise (its ``ColwiseParallel`` / ``RowwiseParallel``). The fused
+    ``wqkv`` is a plain ``colwise``, not ``packed_colwise``: torchtitan lays its rows out per
+    key/value head (each group's query heads, then its key, then its value), so a rank's
+    contiguous rows are whole groups."""
+    children = dict(model.named_children())
+    layers = children.get("layers")
+    if not isinstance(layers, (torch.nn.ModuleList, torch.nn.ModuleDict)) or not len(layers):
+        return None
+    if not all(isinstance(children.get(n), torch.nn.Module) for n in ("tok_embeddings", "lm_head")):
+        return None
+    first = next(iter(layers.children()))
+    if not all(hasattr(first, n) for n in ("attention", "feed_forward")):
+        return None
+    plan = {"tok_embeddings": "embedding_rowwise"}
+    for name, module in first.named_modules():
+        leaf = name.rpartition(".")[2]
+        if isinstance(module, torch.nn.Linear) and leaf in _COLWISE_LEAVES + _ROWWISE_LEAVES:
+            plan[f"layers.*.{name}"] = "colwise" if leaf in _COLWISE_LEAVES else "rowwise"
+    plan["lm_head"] = "colwise_gather_output"
+    return plan
+
+
 def _layer_list(model: torch.nn.Module, targets: list[_Target], layers: object) -> str:
     lists: list[str] = [
-        n for n, m in model.named_modules() if n and isinstance(m, torch.nn.ModuleList)
+        n
+        for n, m in model.named_modules()
+        if n and isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
     ]
     if layers is not None:
         if not isinstance(layers, str):
             raise InputTypeError(f"layers must be a str (a module name), got {type_name(layers)}")
         if layers not in lists:
             raise InputValueError(
-                f"layers={layers!r} is not an nn.ModuleList of {type_name(model)}; its "
-                f"nn.ModuleLists: {lists}"
+                f"layers={layers!r} is not an nn.ModuleList or nn.ModuleDict of "
+                f"{type_name(model)}; its containers: {lists}"
             )
         return layers
     holding = [n for n in lists if any(t.name.startswith(n + ".") for t in targets)]
     outer = [n for n in holding if not any(n.startswith(o + ".") for o in holding)]
     if len(outer) == 1:
         return outer[0]
-    found = f"found {outer}" if outer else f"found none (its nn.ModuleLists: {lists})"
+    found = f"found {outer}" if outer else f"found none (its containers: {lists})"
     raise InputValueError(
         f"sequence_parallel_plan cannot read {type_name(model)}: it looks for one "
-        f"nn.ModuleList of decoder layers holding the plan's colwise/rowwise layers (such as "
-        f"'model.layers'), {found}; pass layers='<that list>' or {_HOW}"
+        f"nn.ModuleList or nn.ModuleDict of decoder layers holding the plan's colwise/rowwise "
+        f"layers (such as 'model.layers'), {found}; pass layers='<that container>' or {_HOW}"
     )
 
 

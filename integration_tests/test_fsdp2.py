@@ -1,0 +1,362 @@
+"""mc's tensor parallelism under PyTorch's FSDP2 (``fully_shard``), against one process.
+
+A ``transformers`` Llama and a torchtitan-laid-out Llama-3 (``examples/titan_llama.py``:
+fused ``wqkv`` and separate ``wq`` / ``wk`` / ``wv``), converted by
+``parallelize(model, sequence_parallel_plan(model), ...)`` and trained at TP=2 × FSDP DP=2
+(4 gloo ranks, one world for the whole grid) with sequence parallelism off and on, through
+both entry points:
+
+- ``wrapper``: ``mc_ddp.TorchFullyShardedDataParallel`` (Megatron's wrapper);
+- ``direct``: torchtitan's way, ``fully_shard`` on each decoder layer and the root by the
+  user, the FSDP2 module passed to ``finalize_model_grads([model], pg_collection=pgc)`` as
+  it is (mc's marks come back from the record ``parallelize`` left on the modules).
+
+Each run: 3 SGD steps (lr 1) on the global batch split over DP, ``finalize_model_grads``
+every step; the losses (averaged over DP) against one process's per step (≤ 1e-5
+relative), the final weights gathered by ``full_state_dict`` (one-process names and
+shapes; torchtitan's fused ``wqkv`` saved as ``wq`` / ``wk`` / ``wv`` by its own hook)
+against one process's after SGD (≤ 1e-6), every reference weight moving ≥ 1e-4.
+
+Then the collectives of one step, counted by hand: FSDP2 issues its all-gathers and
+reduce-scatters through ``torch.distributed`` directly (counted by wrapping
+``dist.all_gather_single`` / ``dist.reduce_scatter_single`` around the step), mc's over TP
+through ``mc_groups.record_collectives``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from mc_groups.testing import RankPools
+
+pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
+
+STEPS, LR = 3, 1.0
+KINDS = ("hf", "titan_fused", "titan")
+Case = tuple[str, bool, str]  # (model kind, sequence parallel, entry point)
+CASES: list[Case] = [
+    (kind, sp, entry) for kind in KINDS for sp in (False, True) for entry in ("wrapper",)
+]
+
+
+def _build(kind: str) -> torch.nn.Module:
+    if kind == "hf":
+        from examples.hf_llama import build_model
+
+        return build_model("llama")
+    from examples.titan_llama import build_model as build_titan
+
+    return build_titan(fused=kind == "titan_fused")
+
+
+def _batch(kind: str, step: int) -> torch.Tensor:
+    if kind == "hf":
+        from examples.hf_llama import global_batch
+
+        return global_batch(step)
+    from examples.titan_llama import global_batch as titan_batch
+
+    return titan_batch(step)
+
+
+def _loss(kind: str, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    if kind == "hf":
+        loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
+        return loss
+    logits = model(ids[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _build(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(kind, model, _batch(kind, step))
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _shard(model: Any, entry: str, cfg: Any, pgc: Any) -> Any:
+    """The model under FSDP2 through ``entry`` (the chunk to train and finalize)."""
+    if entry == "wrapper":
+        from mc_ddp import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+
+        config = TorchFullyShardedDataParallelConfig()
+        return TorchFullyShardedDataParallel(cfg, config, model, pg_collection=pgc)
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(pgc.dp_cp, "cpu")
+    layers = model.model.layers if hasattr(model, "model") else model.layers
+    for layer in layers.children() if not isinstance(layers, torch.nn.ModuleList) else layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train(case: Case, pgc: Any) -> tuple[list[float], dict[str, torch.Tensor], bool]:
+    """One case on every rank: parallelize, shard, 3 SGD steps, gather the weights."""
+    import mc_groups as mg
+    from mc_finalize import finalize_model_grads
+    from mc_tp_layers import full_state_dict, parallelize, sequence_parallel_plan
+
+    kind, sp, entry = case
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp)
+    model = _build(kind)
+    parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
+    chunk = _shard(model, entry, cfg, pgc)
+    opt = torch.optim.SGD(chunk.parameters(), lr=LR)
+    dp = pgc.require("dp", "data")
+    rows = _batch(kind, 0).shape[0] // dp.size()
+    losses = []
+    for step in range(STEPS):
+        ids = _batch(kind, step)[dp.rank() * rows : (dp.rank() + 1) * rows]
+        opt.zero_grad()
+        loss = _loss(kind, chunk, ids)
+        loss.backward()  # type: ignore[no-untyped-call]
+        finalize_model_grads([chunk], pg_collection=pgc)
+        opt.step()
+        mean = loss.detach().clone()
+        mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+        losses.append(float(mean))
+    weights = full_state_dict(model)
+    marked = any(mg.param_attrs.is_tensor_model_parallel(p) for p in model.parameters())
+    return losses, weights, marked
+
+
+def _fresh_groups() -> Any:
+    """The groups of a call, with DTensor's sharding-propagation cache emptied first: torch
+    2.13 caches output specs by mesh layout, so after groups were destroyed and built again
+    in one process (the pool's earlier calls) a new FSDP2 param would get a mesh of the
+    destroyed groups ("Could not resolve the process group registered under the name N")."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    import mc_groups as mg
+
+    torch.set_num_threads(1)
+    _clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
+    return mg.initialize_model_parallel(tensor_model_parallel_size=2)
+
+
+def _grid() -> list[tuple[list[float], dict[str, torch.Tensor], bool]] | None:
+    """Every case in one world, on one set of groups."""
+    import torch.distributed as dist
+
+    import mc_groups as mg
+
+    pgc = _fresh_groups()
+    results = [_train(case, pgc) for case in CASES]
+    mg.destroy_model_parallel(pgc)
+    return results if dist.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_with_mc_tp_matches_one_process(rank_pools: RankPools) -> None:
+    results = rank_pools.get(4).run(_grid)[0]
+    assert results is not None
+    references = {kind: _reference(kind) for kind in KINDS}
+    for case, (losses, weights, marked) in zip(CASES, results, strict=True):
+        kind = case[0]
+        ref_losses, ref_weights = references[kind]
+        start = _build(kind).state_dict()
+        moved = min(float((ref_weights[k] - start[k]).abs().max()) for k in ref_weights)
+        assert moved >= 1e-4, (case, moved)
+        assert marked, case  # the marks are on the FSDP2 params
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+        assert rel <= 1e-5, (case, losses, ref_losses)
+        assert sorted(weights) == sorted(ref_weights), case
+        worst = max(float((weights[k] - v).abs().max()) for k, v in ref_weights.items())
+        assert worst <= 1e-6, (case, worst)
+        print(f"{case}: loss rel {rel:.1e}, weights {worst:.1e}")
+
+
+@contextmanager
+def _counting_dist() -> Iterator[list[tuple[str, tuple[int, ...], int]]]:
+    """``(op, group ranks, numel)`` of every ``dist.all_gather_single`` /
+    ``dist.reduce_scatter_single`` issued inside (FSDP2's collectives)."""
+    import torch.distributed as dist
+
+    seen: list[tuple[str, tuple[int, ...], int]] = []
+    names = ("all_gather_single", "reduce_scatter_single")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            tensor = (list(args) or list(kwargs.values()))[0]
+            group = tuple(dist.get_process_group_ranks(kwargs["group"]))
+            seen.append((name, group, int(tensor.numel())))
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield seen
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _one_step_collectives(entry: str) -> dict[str, Any] | None:
+    """The second step of the ``transformers`` Llama at TP=2 × DP=2 with SP (the first
+    holds the one-off agreement exchanges): FSDP2's collectives and mc's."""
+    import torch.distributed as dist
+
+    import mc_groups as mg
+    from mc_finalize import finalize_model_grads
+    from mc_tp_layers import parallelize, sequence_parallel_plan
+
+    pgc = _fresh_groups()
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    model = _build("hf")
+    parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
+    chunk = _shard(model, entry, cfg, pgc)
+    dp = pgc.require("dp", "data")
+    rows = _batch("hf", 0).shape[0] // dp.size()
+    for step in range(2):
+        ids = _batch("hf", step)[dp.rank() * rows : (dp.rank() + 1) * rows]
+        chunk.zero_grad()
+        with _counting_dist() as fsdp, mg.record_collectives() as log:
+            loss = _loss("hf", chunk, ids)
+            forward = Counter(fsdp)
+            loss.backward()  # type: ignore[no-untyped-call]
+            finalize_model_grads([chunk], pg_collection=pgc)
+    result = {
+        "fsdp_forward": forward,
+        "fsdp_backward": Counter(fsdp) - forward,
+        "mc": Counter((r.op, r.label, r.group_ranks, r.bytes) for r in log),
+        "dp": mg.group_ranks(dp),
+        "tp": mg.group_ranks(pgc.require("tp", "test")),
+    }
+    mg.destroy_model_parallel(pgc)
+    return result if dist.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_one_step_collectives_counted(rank_pools: RankPools) -> None:
+    """FSDP2's over DP and mc's over TP in one step of the ``transformers`` Llama (hidden
+    32, 2 layers, vocabulary 64, 4 heads of 8, 2 key/value heads, MLP 64) at TP=2 × DP=2
+    with SP, through the wrapper (default: each layer, the embedding and the head wrapped,
+    the final norm with the root; torch's automatic resharding keeps the root gathered).
+
+    By hand, this rank's TP-local numel: embedding and head 64·32/2 = 1024 each; a layer
+    q 512, k 256, v 256, o 512, gate / up / down 1024 each, two norms 32 each = 4672; the
+    root's final norm 32. FSDP2 all-gathers each group's flat TP-local params (the output
+    numel counted) in forward (5), again in backward for the 4 resharded ones, and
+    reduce-scatters each group's grads into this rank's half (5). mc's over TP per step
+    (``B = 2`` rows, ``S = 16``, ``h = 32``, fp32): the schedule of
+    ``test_sp_plan_hf._expected`` (an all-reduce of the embedding output, 5 all-gathers of
+    ``[B, S/2, h]`` and 4 reduce-scatters of ``[B, S, h]`` forward, 5 and 5 the other way
+    in backward, the head's output gathered ``[B, S, V/2]``) plus finalize's one
+    all-reduce of the 5 norms' grads over TP (160 fp32)."""
+    result = rank_pools.get(4).run(_one_step_collectives, "wrapper")[0]
+    assert result is not None
+    dp, tp = result["dp"], result["tp"]
+    assert result["fsdp_forward"] == Counter(
+        {
+            ("all_gather_single", dp, 4672): 2,
+            ("all_gather_single", dp, 1024): 2,
+            ("all_gather_single", dp, 32): 1,
+        }
+    ), result["fsdp_forward"]
+    assert result["fsdp_backward"] == Counter(
+        {
+            ("all_gather_single", dp, 4672): 2,
+            ("all_gather_single", dp, 1024): 2,
+            ("reduce_scatter_single", dp, 2336): 2,
+            ("reduce_scatter_single", dp, 512): 2,
+            ("reduce_scatter_single", dp, 16): 1,
+        }
+    ), result["fsdp_backward"]
+    act, part, logits = 2 * 16 * 32 * 4, 2 * 16 * 32 * 4 // 2, 2 * 16 * 64 // 2 * 4
+    on_tp = Counter(
+        {
+            ("all_reduce", "tp all-reduce", tp, act): 1,
+            ("all_gather", "tp gather dim 0", tp, part): 10,
+            ("reduce_scatter", "tp reduce-scatter dim 0", tp, act): 9,
+            ("all_gather", "tp gather last dim", tp, logits): 1,
+            ("all_reduce", "non-tensor-parallel grads", tp, 160 * 4): 1,
+        }
+    )
+    mc = result["mc"]
+    assert Counter({k: v for k, v in mc.items() if k[2] == tp}) == on_tp, mc
+    print({k: v for k, v in mc.items() if k[2] != tp})
+
+
+def _clip_reference(norm_type: float, max_norm: float) -> tuple[float, dict[str, torch.Tensor]]:
+    """One process: the first step's grads, ``torch.nn.utils.clip_grad_norm_``, one SGD step."""
+    model = _build("hf")
+    _loss("hf", model, _batch("hf", 0)).backward()  # type: ignore[no-untyped-call]
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return float(norm), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _clip_cases(norm_types: list[float], max_norm: float) -> list[Any] | None:
+    """Per norm type, the ``transformers`` Llama at TP=2 × FSDP DP=2 with SP (wrapper):
+    one step, ``finalize_model_grads``, ``mc_ddp.clip_grad_norm``, SGD; then an fp16-style
+    overflow on one rank under a ``DynamicGradScaler``."""
+    import torch.distributed as dist
+
+    import mc_groups as mg
+    from mc_ddp import DynamicGradScaler, clip_grad_norm
+    from mc_finalize import finalize_model_grads
+    from mc_tp_layers import full_state_dict, parallelize, sequence_parallel_plan
+
+    pgc = _fresh_groups()
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    dp = pgc.require("dp", "data")
+    rows = _batch("hf", 0).shape[0] // dp.size()
+    ids = _batch("hf", 0)[dp.rank() * rows : (dp.rank() + 1) * rows]
+    out: list[Any] = []
+    for norm_type in [*norm_types, None]:
+        model = _build("hf")
+        parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
+        chunk = _shard(model, "wrapper", cfg, pgc)
+        _loss("hf", chunk, ids).backward()
+        finalize_model_grads([chunk], pg_collection=pgc)
+        if norm_type is None:  # an overflow on the last rank only, under loss scaling
+            if dist.get_rank() == dist.get_world_size() - 1:
+                next(iter(chunk.parameters())).grad.to_local().view(-1)[0] = float("inf")
+            scaler = DynamicGradScaler(initial_scale=8.0)
+            result = clip_grad_norm([chunk], max_norm, grad_scaler=scaler, pg_collection=pgc)
+            out.append((result.skipped, result.found_inf, scaler.scale))
+            continue
+        result = clip_grad_norm(chunk, max_norm, norm_type, pg_collection=pgc)
+        torch.optim.SGD(chunk.parameters(), lr=LR).step()
+        out.append((result.grad_norm, result.skipped, full_state_dict(model)))
+    mg.destroy_model_parallel(pgc)
+    return out if dist.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_clip_grad_norm_equals_one_process(rank_pools: RankPools) -> None:
+    """``mc_ddp.clip_grad_norm`` over FSDP2 DTensor grads and mc's TP shards (SP on: the
+    norms' grads are replicated over TP after finalize, counted once; the embedding and
+    head's shards on every TP rank; every DP shard once): the L2 and inf norms equal
+    ``torch.nn.utils.clip_grad_norm_`` of one process on the global batch (1e-5 relative),
+    and the clipped step's weights equal one process's (1e-6). An inf in one rank's grad
+    under a ``DynamicGradScaler`` skips the step on every rank and halves the scale."""
+    max_norm = 0.05  # below the norm (about 1.6): the clip acts
+    norm_types = [2.0, float("inf")]
+    results = rank_pools.get(4).run(_clip_cases, norm_types, max_norm)[0]
+    assert results is not None
+    for norm_type, (norm, skipped, weights) in zip(norm_types, results, strict=False):
+        ref_norm, ref_weights = _clip_reference(norm_type, max_norm)
+        assert ref_norm > 10 * max_norm, ref_norm
+        assert not skipped
+        assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm_type, norm, ref_norm)
+        worst = max(float((weights[k] - v).abs().max()) for k, v in ref_weights.items())
+        assert worst <= 1e-6, (norm_type, worst)
+    assert results[-1] == (True, True, 4.0)

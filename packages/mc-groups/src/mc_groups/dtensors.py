@@ -1,0 +1,181 @@
+"""A DTensor (FSDP2's sharded parameters and grads) as a whole tensor and back, through mc's
+collective layer, so :func:`mc_groups.record_collectives` sees the gathers.
+
+::
+
+    full_tensor:  local shards ──all_gather per Shard mesh dim──▶ full tensor
+    local_piece:  full tensor ──keep this rank's torch.chunk slice──▶ local tensor
+
+:func:`full_tensor` issues one ``all_gather`` per mesh dimension that shards, innermost mesh
+dimension first (the split order undone), with uneven ``torch.chunk`` shards padded to the
+largest shard and trimmed after; ``Replicate`` needs no gather; ``Partial`` (pending
+reductions) is refused. :func:`local_piece` communicates nothing: every rank holds the full
+tensor and keeps its own slice. ``torch.distributed.tensor`` is imported only once a DTensor
+exists (importing it costs over a second).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, TypeGuard, cast
+
+import torch
+
+from mc_groups.argcheck import check_tensor
+from mc_groups.comm.collectives import all_gather, group_size
+from mc_groups.errors import InputTypeError, InputValueError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Placement, Shard
+
+__all__ = [
+    "check_placements",
+    "distribute_like",
+    "first_replica_local",
+    "full_tensor",
+    "is_dtensor",
+    "local_piece",
+]
+
+
+def is_dtensor(tensor: object) -> bool:
+    """``tensor`` is a DTensor (False, without importing DTensor, when none can exist)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def _is_shard(placement: object) -> TypeGuard[Shard]:
+    from torch.distributed.tensor import Shard  # noqa: PLC0415 (loaded: a DTensor exists)
+
+    return isinstance(placement, Shard)
+
+
+def check_placements(placements: tuple[Placement, ...], what: str = "DTensor") -> None:
+    """``Shard`` and ``Replicate`` only (a ``TypeError`` for ``Partial``)."""
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415 (loaded)
+
+    for placement in placements:
+        if not isinstance(placement, Shard | Replicate):
+            raise InputTypeError(
+                f"{what} placement {placement!r} is not supported: a Partial tensor has pending "
+                "reductions; redistribute it to Shard or Replicate first"
+            )
+
+
+def full_tensor(tensor: torch.Tensor, label: str = "full DTensor") -> torch.Tensor:
+    """The whole tensor of a DTensor (gathered over its mesh, module notes); any other tensor
+    unchanged. Collective over the mesh's groups: every rank of the mesh calls it."""
+    check_tensor("tensor", tensor)
+    if not is_dtensor(tensor):
+        return tensor
+    dtensor = cast("DTensor", tensor)
+    placements = tuple(dtensor.placements)
+    check_placements(placements)
+    mesh = dtensor.device_mesh
+    sizes = _sizes_before_split(dtensor.shape, mesh, placements)
+    with torch.no_grad():
+        full = dtensor.to_local()
+        for mesh_dim in reversed(range(len(placements))):  # mesh dim 0 split first
+            placement = placements[mesh_dim]
+            if _is_shard(placement):
+                dim = placement.dim % dtensor.ndim
+                full = _gather_dim(full, dim, sizes[mesh_dim], mesh.get_group(mesh_dim), label)
+    return full
+
+
+def local_piece(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of ``full`` split as the DTensor ``like`` is (a contiguous
+    copy; no communication); ``full`` itself when ``like`` is no DTensor."""
+    check_tensor("full", full)
+    check_tensor("like", like)
+    if not is_dtensor(like):
+        return full
+    reference = cast("DTensor", like)
+    mesh, placements = reference.device_mesh, tuple(reference.placements)
+    check_placements(placements)
+    local, coords = full, _coordinates(mesh)
+    for mesh_dim, placement in enumerate(placements):
+        if _is_shard(placement):
+            dim = placement.dim % full.ndim
+            length, parts = local.shape[dim], mesh.size(mesh_dim)
+            start = coords[mesh_dim] * -(-length // parts)
+            local = local.narrow(
+                dim, min(start, length), _chunk_len(length, parts, coords[mesh_dim])
+            )
+    return local.clone(memory_format=torch.contiguous_format)
+
+
+def distribute_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` as a DTensor placed as ``like`` is (same mesh, placements, global shape and
+    stride), holding this rank's :func:`local_piece` (no communication); ``full`` itself
+    when ``like`` is no DTensor."""
+    if not is_dtensor(like):
+        return full
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (loaded: a DTensor exists)
+
+    reference = cast("DTensor", like)
+    return DTensor.from_local(
+        local_piece(full, like),
+        reference.device_mesh,
+        tuple(reference.placements),
+        run_check=False,
+        shape=reference.shape,
+        stride=reference.stride(),
+    )
+
+
+def first_replica_local(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A DTensor's local tensor, and whether this rank holds the first copy of it: at
+    coordinate 0 of every mesh dim the DTensor is ``Replicate`` over (its ``Shard`` dims hold
+    disjoint pieces). Counting only first copies counts every element once (a global norm).
+    No communication."""
+    check_tensor("tensor", tensor)
+    dtensor = cast("DTensor", tensor)
+    placements = tuple(dtensor.placements)
+    check_placements(placements)
+    coords = _coordinates(dtensor.device_mesh)
+    first = all(_is_shard(p) or coords[dim] == 0 for dim, p in enumerate(placements))
+    return dtensor.to_local(), first
+
+
+def _chunk_len(n: int, parts: int, index: int) -> int:
+    """Length of piece ``index`` when ``torch.chunk`` splits ``n`` rows into ``parts``."""
+    size = -(-n // parts)
+    return max(0, min(size, n - index * size))
+
+
+def _coordinates(mesh: DeviceMesh) -> list[int]:
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise InputValueError(f"this rank is not in the DTensor's device mesh {mesh!r}")
+    return list(coordinate)
+
+
+def _sizes_before_split(
+    shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> list[int]:
+    """For each mesh dim, the length of its sharded tensor dim just before it splits."""
+    current, coords, sizes = list(shape), _coordinates(mesh), []
+    for mesh_dim, placement in enumerate(placements):
+        if not _is_shard(placement):
+            sizes.append(0)
+            continue
+        dim = placement.dim % len(current)
+        sizes.append(current[dim])
+        current[dim] = _chunk_len(current[dim], mesh.size(mesh_dim), coords[mesh_dim])
+    return sizes
+
+
+def _gather_dim(
+    local: torch.Tensor, dim: int, length: int, group: torch.distributed.ProcessGroup, label: str
+) -> torch.Tensor:
+    parts = group_size(group)
+    piece = -(-length // parts)
+    rows = local.movedim(dim, 0)
+    send = torch.zeros((piece, *rows.shape[1:]), dtype=local.dtype, device=local.device)
+    send[: rows.shape[0]].copy_(rows)
+    out = torch.empty((parts * piece, *rows.shape[1:]), dtype=local.dtype, device=local.device)
+    all_gather(out, send, group, label=label)
+    kept = [out[i * piece : i * piece + _chunk_len(length, parts, i)] for i in range(parts)]
+    return torch.cat(kept).movedim(0, dim).contiguous()
