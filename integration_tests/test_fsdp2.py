@@ -324,7 +324,7 @@ def _clip_cases(norm_types: list[float], max_norm: float) -> list[Any] | None:
         model = _build("hf")
         parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
         chunk = _shard(model, "wrapper", cfg, pgc)
-        _loss("hf", chunk, ids).backward()
+        _loss("hf", chunk, ids).backward()  # type: ignore[no-untyped-call]
         finalize_model_grads([chunk], pg_collection=pgc)
         if norm_type is None:  # an overflow on the last rank only, under loss scaling
             if dist.get_rank() == dist.get_world_size() - 1:
@@ -348,13 +348,14 @@ def test_clip_grad_norm_equals_one_process(rank_pools: RankPools) -> None:
     ``torch.nn.utils.clip_grad_norm_`` of one process on the global batch (1e-5 relative),
     and the clipped step's weights equal one process's (1e-6). An inf in one rank's grad
     under a ``DynamicGradScaler`` skips the step on every rank and halves the scale."""
-    max_norm = 0.05  # below the norm (about 1.6): the clip acts
+    max_norm = 0.02  # below both norms: the clip acts
     norm_types = [2.0, float("inf")]
     results = rank_pools.get(4).run(_clip_cases, norm_types, max_norm)[0]
     assert results is not None
     for norm_type, (norm, skipped, weights) in zip(norm_types, results, strict=False):
         ref_norm, ref_weights = _clip_reference(norm_type, max_norm)
-        assert ref_norm > 10 * max_norm, ref_norm
+        assert ref_norm > 2 * max_norm, ref_norm
+        print(f"norm_type {norm_type}: {norm} vs one process {ref_norm}")
         assert not skipped
         assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm_type, norm, ref_norm)
         worst = max(float((weights[k] - v).abs().max()) for k, v in ref_weights.items())

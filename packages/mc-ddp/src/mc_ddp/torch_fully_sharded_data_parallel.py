@@ -66,6 +66,7 @@ from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import NonFiniteGradError
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_optional_group, type_name
+from mc_groups.config import check_config, config_value
 from mc_groups.errors import InputTypeError, InputValueError
 
 if TYPE_CHECKING:  # importing FSDP2 imports DTensor (over a second): done where used
@@ -332,12 +333,8 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
 
 
 def _check_config(config: object) -> None:
-    if config is None:
-        raise InputTypeError(
-            "config is None; pass the transformer config (Megatron's TransformerConfig or "
-            "mc_groups.ModelParallelConfig): finalize_model_grads reads it as model.config"
-        )
-    if getattr(config, "gradient_accumulation_fusion", False):
+    check_config(config, "TorchFullyShardedDataParallel", required=("sequence_parallel",))
+    if config_value(config, "gradient_accumulation_fusion"):
         raise InputValueError(
             "config.gradient_accumulation_fusion=True: mc's layers would accumulate weight "
             "grads into param.main_grad, which FSDP2 does not have (it reduces param.grad); "
@@ -449,9 +446,9 @@ def _policy(
             )
         return mp_policy
     param_dtype = None
-    if getattr(config, "bf16", False):
+    if config_value(config, "bf16"):
         param_dtype = torch.bfloat16
-    elif getattr(config, "fp16", False):
+    elif config_value(config, "fp16"):
         param_dtype = torch.float16
     reduce_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else None
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
