@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import mc_groups as mg
+import mc_moe
 from examples import hf_3d
 from mc_groups import param_attrs
 from mc_tp_layers import sequence_parallel_plan
@@ -132,3 +133,17 @@ def mark_final_norm_summed(chunk: nn.Module, stage: StageInfo) -> None:
     for name, param in chunk.named_parameters():
         if name == "model.norm.weight":
             param_attrs.mark_sum_gradients_across_tp_domain(param)
+
+
+def mixtral() -> nn.Module:
+    """The tiny Mixtral of ``examples/hf_moe.py`` (4 experts, top-2, every layer MoE)."""
+    from examples.hf_moe import build_model
+
+    return build_model("mixtral")
+
+
+def untag_experts(chunk: nn.Module, stage: StageInfo) -> None:
+    """An ``after_parallelize`` hook: the expert params lose their ``allreduce=False`` tag
+    (what a hand-rolled expert split forgets)."""
+    for _, param, _ in mc_moe.expert_params(chunk):
+        param_attrs.mark_allreduce(param, True)

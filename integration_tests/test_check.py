@@ -207,7 +207,7 @@ def test_hf_3d_example_every_param_equal(rank_pools: RankPools, llama_ref: Refer
     assert set(report.collectives) == {0, 4}
     for counts in report.collectives.values():
         kinds = {(c.op, c.group, c.label): c.count for c in counts}
-        assert kinds["all_reduce", "pp", "embedding grads"] == 1  # the tied table
+        assert kinds["all_reduce", "pp=embd", "embedding grads"] == 1  # the tied table
         assert kinds["all_reduce", "tp", "non-tensor-parallel grads"] == 1  # SP norms
         dp_reductions = [n for (op, g, _), n in kinds.items() if (op, g) == ("all_reduce", "dp")]
         assert sum(dp_reductions) == 2  # the grads' bucket and the logged loss
@@ -303,3 +303,32 @@ def test_demo_gpt_every_param_equal(rank_pools: RankPools) -> None:
     assert report.ok, report.text()
     kinds = {(c.op, c.group, c.label) for c in report.collectives[0]}
     assert ("reduce_scatter", "dp", "grad reduce dense bucket group 0") in kinds
+
+
+def test_moe_at_ep_and_an_untagged_expert(rank_pools: RankPools) -> None:
+    """A ``transformers`` Mixtral at EP = 2 (``mc_moe.parallelize`` with its ``ep_plan``):
+    every parameter equal; with the experts' ``allreduce=False`` tag stripped after
+    ``parallelize`` (the hook), each expert weight is named, with the tag as the cause."""
+    ref = reference_run(Workload(model="integration_tests._check_setups:mixtral", steps=STEPS))
+    pool = rank_pools.get(2)
+    report = check_layout(
+        setups.mixtral, dp=2, expert_parallel=2, steps=STEPS, reference=ref, pool=pool
+    )
+    assert report.ok, report.text()
+    kinds = {(c.op, c.group) for c in report.collectives[0]}
+    assert ("all_to_all", "dp=ep") in kinds  # the token dispatch
+    untagged = check_layout(
+        setups.mixtral,
+        dp=2,
+        expert_parallel=2,
+        after_parallelize=setups.untag_experts,
+        steps=STEPS,
+        reference=ref,
+        pool=pool,
+    )
+    print(untagged.text())
+    off = {f.name: f for f in untagged.params if not f.ok}
+    assert sorted(off) == sorted(n for n in ref.before if ".experts." in n), sorted(off)
+    for found in off.values():
+        assert found.verdict == "untagged expert param", found
+        assert "allreduce=False" in found.cause

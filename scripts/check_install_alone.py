@@ -105,6 +105,7 @@ import torch
 import mc_groups as mg
 import mc_train
 from mc_ddp import DistributedDataParallelConfig
+from mc_train.check import LayoutReport, check_layout
 from mc_train.checkpoint import Checkpointer
 
 def pipeline(model: torch.nn.Module, pgc: mg.ProcessGroupCollection) -> mc_train.Pipeline:
@@ -119,6 +120,10 @@ def resume(pipe: mc_train.Pipeline, pgc: mg.ProcessGroupCollection) -> int:
     ckpt = Checkpointer("ckpt", pipe.chunks, None, pg_collection=pgc, interval=10)
     step: int = ckpt.load("auto").step
     return step
+
+def checked() -> bool:
+    report: LayoutReport = check_layout("mypkg.model:build", tp=2, pp=2, dp=2)
+    return report.ok and all(f.ok for f in report.params)
 """,
 }
 

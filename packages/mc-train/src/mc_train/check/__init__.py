@@ -137,6 +137,7 @@ def check_layout(
     loss: str = "auto",
     data_parallel: str = "ddp",
     expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
     after_parallelize: Ref | None = None,
     finalize: Ref | None = None,
     rtol: float = 1e-4,
@@ -153,8 +154,10 @@ def check_layout(
             splits, ``build(config, pg_collection)`` for one built from mc's layers
             (:class:`Workload`).
         tp, pp, dp, sequence_parallel, distributed_optimizer, overlap, microbatches,
-            loss, data_parallel, expert_parallel: the layout (:class:`Layout`; FSDP2 and
-            expert parallelism are refused until mc ships them).
+            loss, data_parallel, expert_parallel, expert_tensor_parallel: the layout
+            (:class:`Layout`; FSDP2 is refused until mc ships it). With expert
+            parallelism a MoE model is converted by :func:`mc_moe.parallelize` with its
+            ``ep_plan``.
         plan: the ``parallelize`` plan: a mapping, or a function of the model returning
             one; None: ``sequence_parallel_plan(model)`` with ``sequence_parallel``, else
             the model's own ``tp_plan``.
@@ -185,6 +188,7 @@ def check_layout(
         loss=loss,
         data_parallel=data_parallel,
         expert_parallel=expert_parallel,
+        expert_tensor_parallel=expert_tensor_parallel,
     )
     work = Workload(
         model=_ref("model", model),

@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--distributed-optimizer", action="store_true", help="shard the optimizer over DP"
     )
     p.add_argument("--no-overlap", action="store_true", help="reduce grads after backward")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (once mc-moe ships)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--etp", type=int, help="expert tensor-parallel size (default: --tp)")
     p.add_argument("--fsdp2", action="store_true", help="FSDP2 over mc's TP (once mc ships it)")
     p.add_argument("--loss", choices=LOSSES, default="auto", help="how logits are read")
     p.add_argument("--sequence-first", action="store_true", help="logits are [s, b, V]")
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             loss=args.loss,
             data_parallel="fsdp2" if args.fsdp2 else "ddp",
             expert_parallel=args.ep,
+            expert_tensor_parallel=args.etp,
             after_parallelize=args.after_parallelize,
             finalize=args.finalize,
             rtol=args.rtol,

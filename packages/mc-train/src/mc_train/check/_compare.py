@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from mc_tp_layers.shards import split_full
-from mc_train.check._rank import ParamRecord, RankRun, ReferenceRun
+from mc_train.check._rank import IN_EXPERTS, ParamRecord, RankRun, ReferenceRun
 from mc_train.check._report import EQUAL, CollectiveCount, ParamFinding
 from mc_train.check._spec import Layout
 
@@ -209,6 +209,14 @@ _SLICES = (
     "layer along a dimension, or with a stride, the forward does not use that way (a fused "
     "weight needs 'packed_colwise'), or only some ranks' part of the gradient was reduced"
 )
+_EXPERT_TAG = "expert (allreduce=False)"
+_UNTAGGED = (
+    "a param of an experts module without the expert tag (allreduce=False): mc DDP put it "
+    "in the dense buffers and averaged it over the whole DP group, whose ranks hold other "
+    "experts at the same place, instead of over the expert data-parallel group; tag it "
+    "(mc_groups.param_attrs.mark_allreduce(param, False), as mc_moe.parallelize does) "
+    "before DDP is built"
+)
 _LATER = "final weights differ"
 _CONSEQUENCE = "later steps differ"
 _AFTER = (
@@ -363,6 +371,17 @@ def compare_params(
                         "of the distributed optimizer, or a gradient right only in the first step",
                     )
                 )
+        elif IN_EXPERTS in marks and _EXPERT_TAG not in marks and layout.expert_parallel > 1:
+            _, pattern, _, off = _classify(p, layout, marks, forward_differs)
+            findings.append(
+                replace(
+                    base,
+                    verdict="untagged expert param",
+                    pattern=pattern,
+                    cause=_UNTAGGED,
+                    ranks=off,
+                )
+            )
         else:
             verdict, pattern, cause, off = _classify(p, layout, marks, forward_differs)
             findings.append(replace(base, verdict=verdict, pattern=pattern, cause=cause, ranks=off))

@@ -30,9 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import mc_groups as mg
+import mc_moe
 from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
 from mc_groups import param_attrs
-from mc_tp_layers import full_state_dict, parallelize, sequence_parallel_plan
+from mc_tp_layers import parallelize, sequence_parallel_plan
 from mc_train.check._spec import Layout, Workload, resolve, takes_layout
 from mc_train.loss import IGNORE_INDEX, causal_targets, token_cross_entropy
 from mc_train.pipeline import Pipeline, build_pipeline
@@ -41,9 +42,9 @@ from mc_train.stages import HFCausalLMForward, StageForward, StageInfo, call_mod
 
 __all__ = ["ParamRecord", "RankRun", "ReferenceRun", "run_layout", "run_reference"]
 
-# The groups a collective's ranks are named by, in order of preference (several fields of a
-# collection can hold the same ranks: dp and dp_cp without CP).
-_GROUP_NAMES = ("tp", "dp", "pp", "embd", "cp", "ep", "tp_dp_cp", "mp", "world")
+# The groups a collective's group is named by (several can hold the same ranks: then all).
+_GROUP_NAMES = ("tp", "dp", "pp", "embd")
+_EXPERT_GROUPS = ("ep", "expt_tp", "expt_dp")
 
 
 @dataclass
@@ -128,6 +129,9 @@ _MARKS: tuple[tuple[str, Callable[[torch.Tensor], bool]], ...] = (
     ("shared_embedding", param_attrs.is_shared_embedding),
     ("expert (allreduce=False)", param_attrs.is_expert_param),
 )
+IN_EXPERTS = "in an experts module"
+"""The mark of a param that :func:`mc_moe.expert_params` lists (a converted experts
+module's), whatever its tags say."""
 
 
 def _marks(param: torch.Tensor) -> tuple[str, ...]:
@@ -195,15 +199,24 @@ def _mean_ce(logits: torch.Tensor, target: torch.Tensor, sequence_first: bool) -
     return F.cross_entropy(flat, target.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
-def layout_config(tp: int, pp: int, sequence_parallel: bool) -> mg.ModelParallelConfig:
+def layout_config(
+    tp: int, pp: int, sequence_parallel: bool, layout: Layout | None = None
+) -> mg.ModelParallelConfig:
     """The config both runs give a builder and mc's parts: the layout, and
     ``use_cpu_initialization`` so that a model built from mc's layers draws every full
     weight on CPU and keeps its piece (the same numbers at every layout, given a seed)."""
+    experts: dict[str, Any] = {}
+    if layout is not None:
+        experts = {
+            "expert_model_parallel_size": layout.expert_parallel,
+            "expert_tensor_parallel_size": layout.expert_tensor_parallel,
+        }
     return mg.ModelParallelConfig(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel,
         use_cpu_initialization=True,
+        **experts,
     )
 
 
@@ -357,6 +370,11 @@ def _diagnosed(tracker: _Tracker, diag_dir: str, coords: tuple[int, int, int]) -
         raise
 
 
+def _is_moe(model: nn.Module, layout: Layout) -> bool:
+    """A mixture-of-experts model (a ``transformers`` ``ep_plan``), or a layout with EP."""
+    return layout.expert_parallel > 1 or isinstance(getattr(model, "ep_plan", None), Mapping)
+
+
 def _plan_of(
     plan: Mapping[str, Any] | str | None, model: nn.Module, layout: Layout
 ) -> Mapping[str, Any]:
@@ -368,6 +386,8 @@ def _plan_of(
     if plan is not None:
         return plan
     if layout.sequence_parallel:
+        if _is_moe(model, layout):
+            return mc_moe.sequence_parallel_plan(model)
         return sequence_parallel_plan(model)
     own = getattr(model, "tp_plan", None)
     if not isinstance(own, Mapping) or not own:
@@ -392,24 +412,33 @@ def _loss(layout: Layout, pgc: mg.ProcessGroupCollection, vocab: int, sequence_f
     return losses
 
 
-def _whole_params(chunks: list[nn.Module]) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
+def _whole_params(
+    chunks: list[nn.Module], pgc: mg.ProcessGroupCollection
+) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
     """Every param of this rank's chunks by name, with its whole tensor (collective over
-    TP: :func:`mc_tp_layers.full_state_dict`)."""
+    TP and EP: :func:`mc_moe.full_state_dict`, which is :func:`mc_tp_layers.full_state_dict`
+    plus one all-gather over ``ep`` per expert param)."""
     out: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
     for chunk in chunks:
-        state = full_state_dict(chunk)
+        state = mc_moe.full_state_dict(chunk, pg_collection=pgc)
         for name, param in chunk.named_parameters(remove_duplicate=False):
             out[name] = (param, state[name].detach().clone())
     return out
 
 
-def _group_names(pgc: mg.ProcessGroupCollection) -> dict[tuple[int, ...], str]:
-    names: dict[tuple[int, ...], str] = {}
-    for name in reversed(_GROUP_NAMES):
+def _group_names(pgc: mg.ProcessGroupCollection, layout: Layout) -> dict[tuple[int, ...], str]:
+    """Each group's ranks → its names, joined where several hold the same ranks
+    (``dp=ep`` when the experts are split over the whole DP group); ``world`` where no
+    other group has its ranks; the expert groups only with expert parallelism."""
+    experts = layout.expert_parallel > 1 or layout.expert_tensor_parallel is not None
+    names: dict[tuple[int, ...], list[str]] = {}
+    for name in (*_GROUP_NAMES, *(_EXPERT_GROUPS if experts else ()), "world"):
         group = getattr(pgc, name, None)
         if group is not None:
-            names[tuple(mg.group_ranks(group))] = name
-    return names
+            ranks = tuple(mg.group_ranks(group))
+            if name != "world" or ranks not in names:
+                names.setdefault(ranks, []).append(name)
+    return {ranks: "=".join(found) for ranks, found in names.items()}
 
 
 @dataclass
@@ -442,10 +471,20 @@ def run_layout(
     coords = (rank % tp, rank // tp % dp, rank // (tp * dp))
     with _diagnosed(tracker, diag_dir, coords):
         tracker.phase = "initialize_model_parallel"
-        pgc = mg.initialize_model_parallel(tp, pp)
+        pgc = mg.initialize_model_parallel(
+            tp,
+            pp,
+            expert_model_parallel_size=layout.expert_parallel,
+            expert_tensor_parallel_size=layout.expert_tensor_parallel,
+        )
         try:
             me = _Rank(
-                work, layout, pgc, layout_config(tp, pp, layout.sequence_parallel), tracker, coords
+                work,
+                layout,
+                pgc,
+                layout_config(tp, pp, layout.sequence_parallel, layout),
+                tracker,
+                coords,
             )
             chunks, forward_model = _chunks(me, plan, after_parallelize)
             pipe, opt = _pipeline(me, chunks, forward_model, finalize, reference[0])
@@ -465,16 +504,25 @@ def _chunks(
     if takes_layout(builder):
         chunks: list[nn.Module] = [model]
     else:
+        moe = _is_moe(model, me.layout)
+        convert = tp > 1 or me.layout.expert_parallel > 1
         if tp > 1:
             tracker.phase = "reading the plan"
             tracker.plan = _plan_of(plan, model, me.layout)
+        ep_plan = getattr(model, "ep_plan", None) if me.layout.expert_parallel > 1 else None
         tracker.phase = "splitting pipeline stages"
         chunks = split_model(model, decoder_stages(model, pp), me.pgc) if pp > 1 else [model]
-        if tp > 1:
+        if convert:
             tracker.phase = "parallelize"
             for chunk in chunks:
                 entries = stage_plan(tracker.plan, chunk) if pp > 1 else tracker.plan
-                parallelize(chunk, entries, config=me.cfg, pg_collection=me.pgc)
+                if moe:
+                    experts = stage_plan(ep_plan, chunk) if pp > 1 and ep_plan else ep_plan
+                    mc_moe.parallelize(
+                        chunk, entries, ep_plan=experts, config=me.cfg, pg_collection=me.pgc
+                    )
+                else:
+                    parallelize(chunk, entries, config=me.cfg, pg_collection=me.pgc)
     if after_parallelize is not None:
         tracker.phase = f"after_parallelize ({after_parallelize})"
         hook = resolve(after_parallelize)
@@ -516,11 +564,11 @@ def _train(me: _Rank, pipe: Pipeline, opt: ShardedOptimizer, vocab: int, rows: i
     tracker, work = me.tracker, me.work
     modules = [chunk.module for chunk in pipe.chunks]
     tracker.phase = "gathering the weights before training"
-    before = _whole_params(modules)
+    before = _whole_params(modules, me.pgc)
     after_first = before
     losses: list[float] = []
     log: list[tuple[str, str, str, int]] = []
-    names = _group_names(me.pgc)
+    names = _group_names(me.pgc, me.layout)
     per_rank = rows // me.layout.dp
     for step in range(work.steps):
         ids = global_batch(work, step, rows, vocab)
@@ -538,13 +586,18 @@ def _train(me: _Rank, pipe: Pipeline, opt: ShardedOptimizer, vocab: int, rows: i
         if step == 0:
             tracker.phase = "gathering the weights after step 1"
             ensure_params_ready(pipe.parameters())
-            after_first = _whole_params(modules)
+            after_first = _whole_params(modules, me.pgc)
     tracker.phase = "gathering the final weights"
     ensure_params_ready(pipe.parameters())
-    final = _whole_params(modules)
+    final = _whole_params(modules, me.pgc)
+    in_experts = {name for chunk in modules for name, _, _ in mc_moe.expert_params(chunk)}
     params = {
         name: ParamRecord(
-            _split_of(param), _marks(param), start, after_first[name][1], final[name][1]
+            _split_of(param),
+            _marks(param) + ((IN_EXPERTS,) if name in in_experts else ()),
+            start,
+            after_first[name][1],
+            final[name][1],
         )
         for name, (param, start) in before.items()
     }

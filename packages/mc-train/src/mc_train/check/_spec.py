@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mc_groups import validate_sizes
 from mc_groups.argcheck import check_flag, check_int, check_real, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
@@ -171,7 +172,10 @@ class Layout:
         microbatches: micro-batches per step and DP rank (None: ``2 · pp``).
         loss: one of :data:`LOSSES`.
         data_parallel: one of ``DATA_PARALLEL`` (``"ddp"``; FSDP2 once mc ships it).
-        expert_parallel: expert-parallel size (1; more once mc-moe ships).
+        expert_parallel: expert-parallel size (a MoE model's experts split over ``ep``
+            ranks by :func:`mc_moe.parallelize` with the model's ``ep_plan``).
+        expert_tensor_parallel: expert tensor-parallel size (None: ``tp``, Megatron's
+            default).
     """
 
     tp: int = 1
@@ -184,6 +188,7 @@ class Layout:
     loss: str = "auto"
     data_parallel: str = "ddp"
     expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
@@ -205,11 +210,13 @@ class Layout:
                 "(FSDP2 over mc's TP is issue 39: the check takes it once mc_ddp ships it)"
             )
         check_int("expert_parallel", self.expert_parallel)
-        if self.expert_parallel != 1:
-            raise InputValueError(
-                f"expert_parallel={self.expert_parallel}: this mc has no expert parallelism "
-                "yet (mc-moe, issue 40); the check takes it once mc-moe ships"
-            )
+        validate_sizes(
+            self.world_size,
+            self.tp,
+            self.pp,
+            expert_model_parallel_size=self.expert_parallel,
+            expert_tensor_parallel_size=self.expert_tensor_parallel,
+        )
         if self.sequence_parallel and self.tp == 1:
             raise InputValueError(
                 "sequence_parallel=True with tp=1: sequence parallelism splits activations "
@@ -229,6 +236,9 @@ class Layout:
     def describe(self) -> str:
         """One line: ``TP=2 × PP=2 × DP=2, SP, distributed optimizer, 4 micro-batches``."""
         parts = [f"TP={self.tp} × PP={self.pp} × DP={self.dp}"]
+        if self.expert_parallel > 1 or self.expert_tensor_parallel is not None:
+            etp = self.tp if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+            parts.append(f"EP={self.expert_parallel} (expert TP={etp})")
         parts.append("SP" if self.sequence_parallel else "no SP")
         if self.distributed_optimizer:
             parts.append("distributed optimizer")
