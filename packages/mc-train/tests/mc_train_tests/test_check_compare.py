@@ -121,6 +121,18 @@ def test_never_updated_and_before_training() -> None:
     assert "seed" in cause
 
 
+def test_untagged_expert_param() -> None:
+    """An experts module's param (by structure) without ``allreduce=False`` under EP: DDP
+    averaged it with other experts' gradients (a DDP built with check_param_values=False)."""
+    marks = ("in an experts module",)
+    runs = [_run(r, (0, r, 0), (0.5 + r) * G, marks=marks) for r in range(2)]
+    verdict, _, cause = _verdict(runs, Layout(dp=2, expert_parallel=2))
+    assert verdict == "untagged expert param"
+    assert "allreduce=False" in cause
+    tagged = [_run(r, (0, r, 0), G, marks=(*marks, "expert (allreduce=False)")) for r in range(2)]
+    assert _verdict(tagged, Layout(dp=2, expert_parallel=2))[0] == "equal"
+
+
 def test_loss_note_names_gathered_logits() -> None:
     layout = Layout(tp=4)
     assert loss_note([2.0, 1.9], [2.0, 1.9], layout, 1e-5) == ""
