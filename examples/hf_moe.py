@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["KINDS", "Layout", "Run", "build_model", "global_batch", "reference", "train"]
 
 SEQ, BATCH, LR, VOCAB = 16, 8, 1.0, 64
+RATE = 0.01  # moe_router_bias_update_rate (Megatron's default 1e-3; larger so 3 steps show)
 KINDS = {  # kind → its transformers config and model classes
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -123,24 +124,56 @@ class Run:
     weights: dict[str, torch.Tensor]
 
 
-def reference(kind: str = "mixtral", steps: int = 3, *, lr: float = LR) -> Run:
-    """One process, plain PyTorch: SGD on the whole global batch."""
+def reference(
+    kind: str = "mixtral", steps: int = 3, *, expert_bias: bool = False, lr: float = LR
+) -> Run:
+    """One process, plain PyTorch: SGD on the whole global batch, with the model's own
+    load-balancing loss; ``expert_bias``: after each step every DeepSeek-V3 router's
+    ``e_score_correction_bias`` moves by Megatron's rule, ``bias += RATE · sign(mean − t)``
+    (t: the step's routed tokens per expert)."""
     model = build_model(kind)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
+    routed: dict[torch.nn.Module, torch.Tensor] = {}
+    if expert_bias:
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.register_forward_hook(
+                    lambda m, _a, out: routed.__setitem__(
+                        m,
+                        routed.get(m, 0)
+                        + torch.bincount(
+                            out[2].reshape(-1), minlength=m.e_score_correction_bias.numel()
+                        ),
+                    )
+                )
     losses = []
     for step in range(steps):
         ids = global_batch(step)
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, output_router_logits=True).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
+        with torch.no_grad():
+            for router, tokens in routed.items():
+                counts = tokens.to(torch.float64)
+                bias: Any = router.e_score_correction_bias
+                bias += (RATE * torch.sign(counts.mean() - counts)).to(bias.dtype)
+        routed.clear()
         losses.append(loss.item())
     return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
 # --8<-- [start:train]
-def train(kind: str = "mixtral", layout: Layout | None = None, *, steps: int = 3) -> Run:
-    """Train the tiny model on every rank of the world at ``layout``; DP = world / TP."""
+def train(
+    kind: str = "mixtral",
+    layout: Layout | None = None,
+    *,
+    steps: int = 3,
+    expert_bias: bool = False,
+) -> Run:
+    """Train the tiny model on every rank of the world at ``layout``; DP = world / TP; the
+    model's own load-balancing loss on (over the global batch); ``expert_bias``:
+    Megatron's aux-loss-free balancing of DeepSeek-V3's routers."""
     layout = layout or Layout()
     pgc = mg.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
@@ -152,6 +185,8 @@ def train(kind: str = "mixtral", layout: Layout | None = None, *, steps: int = 3
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         sequence_parallel=layout.tp > 1,
+        moe_router_enable_expert_bias=expert_bias,
+        moe_router_bias_update_rate=RATE,
     )
     model = build_model(kind)  # the same weights on every rank (same seed)
     # under TP the MoE blocks run on each rank's part of the sequence (Megatron's layout)
@@ -168,7 +203,7 @@ def train(kind: str = "mixtral", layout: Layout | None = None, *, steps: int = 3
     for step in range(steps):
         ids = global_batch(step)[dp.rank() * rows : (dp.rank() + 1) * rows]  # this DP rank's
         ddp.zero_grad_buffer()
-        loss = ddp(input_ids=ids, labels=ids).loss
+        loss = ddp(input_ids=ids, labels=ids, output_router_logits=True).loss
         loss.backward()
         finalize_model_grads([ddp], pg_collection=pgc)
         opt.step()

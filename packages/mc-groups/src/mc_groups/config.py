@@ -39,7 +39,8 @@ check and default)::
     has_cond_embedder                       False        finalize (conditional embedders)
     flextron                                False        finalize (Flextron routers)
     mtp_num_layers                          None (= 0)   finalize (embedding chunk)
-    moe_router_enable_expert_bias           False        finalize (router expert bias)
+    moe_router_enable_expert_bias           False        finalize (router expert bias), moe
+                                                         (wires transformers routers)
     moe_router_bias_update_rate             1e-3         finalize
     moe_router_load_balancing_type          "aux_loss"   finalize (str or list of str)
     moe_router_quantile_balancing_ema       0.0          finalize (in [0, 1])
@@ -168,16 +169,34 @@ def _dtype(name: str, value: object) -> torch.dtype:
     return dtype
 
 
+_BALANCING_TYPES = (
+    "aux_loss",
+    "seq_aux_loss",
+    "global_aux_loss",
+    "sinkhorn",
+    "quantile_balancing",
+    "none",
+)
+
+
 def _balancing_types(name: str, value: object) -> tuple[str, ...]:
     # Megatron accepts one type or a list of them (one per layer group).
     if isinstance(value, str):
-        return (value,)
-    if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise InputTypeError(
-        f"{name}={value!r} must be a str or a list of str "
-        "(e.g. 'aux_loss', 'global_aux_loss', 'quantile_balancing')"
-    )
+        types: tuple[str, ...] = (value,)
+    elif isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
+        types = tuple(value)
+    else:
+        raise InputTypeError(
+            f"{name}={value!r} must be a str or a list of str "
+            "(e.g. 'aux_loss', 'global_aux_loss', 'quantile_balancing')"
+        )
+    unknown = [t for t in types if t not in _BALANCING_TYPES]
+    if unknown:
+        raise InputValueError(
+            f"{name}={value!r}: {unknown[0]!r} is not a load-balancing type; use one of "
+            f"{list(_BALANCING_TYPES)} (Megatron-Core's names)"
+        )
+    return types
 
 
 @dataclass(frozen=True)
@@ -283,6 +302,15 @@ class ModelParallelConfig:
             finalize_model_grads instead of averaged per micro-batch.
         delay_wgrad_compute: weight gradients computed in ``backward_dw``.
         tp_comm_overlap: userbuffer overlap (Transformer Engine only; rejected here).
+        moe_router_load_balancing_type: Megatron's router balancing (``"aux_loss"``,
+            ``"seq_aux_loss"``, ``"global_aux_loss"``, ``"sinkhorn"``,
+            ``"quantile_balancing"``, ``"none"``, or a list of them); finalize resets the
+            global aux-loss trackers and updates ``qb_beta`` by it.
+        moe_router_enable_expert_bias / moe_router_bias_update_rate: aux-loss-free
+            balancing: ``finalize_model_grads`` moves each router's ``expert_bias`` by the
+            rate towards balance once per global batch (``mc_moe.parallelize`` wires
+            ``transformers`` routers that have such a bias).
+        moe_router_quantile_balancing_ema: EMA of the quantile-balancing bias ``qb_beta``.
 
     Fields are checked by :func:`check_config` at construction and by :meth:`replace`.
     """
@@ -306,6 +334,10 @@ class ModelParallelConfig:
     calculate_per_token_loss: bool = False
     delay_wgrad_compute: bool = False
     tp_comm_overlap: bool = False
+    moe_router_load_balancing_type: str | list[str] = "aux_loss"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_quantile_balancing_ema: float = 0.0
 
     def __post_init__(self) -> None:
         check_config(self, "ModelParallelConfig")

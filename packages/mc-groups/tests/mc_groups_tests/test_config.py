@@ -23,6 +23,20 @@ def test_defaults_match_megatron() -> None:
     assert c.use_cpu_initialization is False
     assert c.gradient_accumulation_fusion is False
     assert c.wgrad_deferral_limit == 0
+    # Megatron-Core's TransformerConfig router fields and defaults
+    assert c.moe_router_load_balancing_type == "aux_loss"
+    assert c.moe_router_enable_expert_bias is False
+    assert c.moe_router_bias_update_rate == 1e-3
+    assert c.moe_router_quantile_balancing_ema == 0.0
+
+
+def test_router_fields_are_checked() -> None:
+    cfg = ModelParallelConfig(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.5)
+    assert config_value(cfg, "moe_router_bias_update_rate") == 0.5
+    with pytest.raises(ValueError, match="'seq_aux' is not a load-balancing type"):
+        ModelParallelConfig(moe_router_load_balancing_type="seq_aux")
+    with pytest.raises(TypeError, match=r"config\.moe_router_enable_expert_bias=1 must be a bool"):
+        ModelParallelConfig(moe_router_enable_expert_bias=1)  # type: ignore[arg-type]
 
 
 def test_sequence_parallel_with_tp() -> None:
@@ -90,6 +104,11 @@ def test_a_present_field_is_checked_and_read() -> None:
         ({"moe_router_quantile_balancing_ema": 1.5}, ValueError, "<= 1.0"),
         ({"moe_router_bias_update_rate": float("nan")}, ValueError, "must be finite"),
         ({"moe_router_load_balancing_type": 3}, TypeError, "a str or a list of str"),
+        (
+            {"moe_router_load_balancing_type": ["aux_loss", "global_aux_los"]},
+            ValueError,
+            "'global_aux_los' is not a load-balancing type; use one of ['aux_loss'",
+        ),
     ],
 )
 def test_check_config_names_the_field_and_the_fix(

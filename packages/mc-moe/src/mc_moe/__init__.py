@@ -7,6 +7,9 @@
   dispatch (dropless) over ``ep`` and ``expt_tp``.
 - :mod:`mc_moe.experts`: a ``transformers`` experts module (3-D expert weights) converted
   in place: its experts and expert-TP shards, tagged for mc DDP's expert buffers.
+- :mod:`mc_moe.router`: Megatron's aux-loss-free expert bias for routers that have one
+  (updated by ``mc_finalize.finalize_model_grads``) and ``transformers``' load-balancing
+  loss on the global batch.
 - :func:`full_state_dict` / :func:`load_full_state_dict`: one piece (the unsplit model's
   names and shapes) and back.
 - :mod:`mc_moe.permutation`: Megatron's ``permute`` / ``unpermute`` (tokens grouped by
@@ -30,6 +33,12 @@ from mc_moe.permutation import (
     unpermute,
 )
 from mc_moe.plan import MoEPlanWarning, moe_entries, parallelize, sequence_parallel_plan
+from mc_moe.router import (
+    enable_expert_bias,
+    global_load_balancing_loss,
+    routers_with_bias,
+    use_global_aux_loss,
+)
 from mc_moe.state import expert_params, full_state_dict, load_full_state_dict
 
 try:  # one source of the version: the distribution's pyproject.toml
@@ -42,17 +51,21 @@ __all__ = [
     "MoEPlanWarning",
     "Permuted",
     "TokenDispatcher",
+    "enable_expert_bias",
     "expert_params",
     "full_state_dict",
+    "global_load_balancing_loss",
     "is_converted",
     "load_full_state_dict",
     "moe_entries",
     "parallelize",
     "permute",
     "read_experts",
+    "routers_with_bias",
     "routing_map_from_top_k",
     "sequence_parallel_plan",
     "shard_experts",
     "sort_chunks_by_idxs",
     "unpermute",
+    "use_global_aux_loss",
 ]

@@ -37,9 +37,11 @@ from fnmatch import fnmatchcase
 import torch
 
 import mc_groups as mg
-from mc_groups.argcheck import check_int, type_name
+from mc_groups.argcheck import check_flag, check_int, type_name
+from mc_groups.config import config_value
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_moe.experts import ExpertWeights, read_experts, shard_experts
+from mc_moe.router import enable_expert_bias, routers_with_bias, use_global_aux_loss
 from mc_tp_layers import parallelize as parallelize_dense
 from mc_tp_layers import sequence_parallel_plan as dense_sequence_parallel_plan
 
@@ -89,8 +91,9 @@ def parallelize(
     config: object,
     pg_collection: mg.ProcessGroupCollection,
     sequence_dim: int = 1,
+    global_aux_loss: bool = True,
 ) -> torch.nn.Module:
-    """Split a MoE model over ``tp``, ``ep`` and ``expt_tp``, in place.
+    """Split a MoE model over ``tp``, ``ep`` and ``expt_tp``, in place; wire its routers.
 
     ``parallelize(model, model.tp_plan, ep_plan=model.ep_plan, config=cfg,
     pg_collection=pgc)``.
@@ -109,6 +112,16 @@ def parallelize(
             each TP rank routes its own part of the sequence).
         pg_collection: the groups (``tp``, ``ep``, ``expt_tp``, ``tp_ep``).
         sequence_dim: as :func:`mc_tp_layers.parallelize`.
+        global_aux_loss: a model that adds ``transformers``' load-balancing loss
+            (``router_aux_loss_coef``, with ``output_router_logits``) computes it on the
+            global batch (:mod:`mc_moe.router`), so every layout trains what one process
+            does; ``False`` keeps each rank's own (mc addition).
+
+    With ``config.moe_router_enable_expert_bias`` (Megatron's field) every router with a
+    per-expert ``e_score_correction_bias`` (DeepSeek-V3) gets Megatron's ``expert_bias`` /
+    ``local_tokens_per_expert``, and ``mc_finalize.finalize_model_grads`` updates the bias
+    once per global batch (:mod:`mc_moe.router`); a model without such a router is an error
+    naming the flag.
 
     Every check runs before any module changes and before any collective: an unknown or
     removed style, an entry matching nothing (dense entries that match nothing in a model
@@ -119,6 +132,11 @@ def parallelize(
     :mod:`mc_moe.dispatcher`'s.
     """
     dense, experts = _check(module, plan, ep_plan, config, pg_collection, sequence_dim)
+    check_flag("global_aux_loss", global_aux_loss)
+    expert_bias = bool(config_value(config, "moe_router_enable_expert_bias"))
+    if expert_bias and not routers_with_bias(module):
+        enable_expert_bias(module)  # raises, naming the flag, before anything changed
+    aux_routers = _aux_routers(module, experts, pg_collection) if global_aux_loss else None
     if dense:
         parallelize_dense(
             module,
@@ -130,7 +148,43 @@ def parallelize(
     tp_size = mg.group_size(pg_collection.require("tp", "parallelize"))
     for found in experts:
         shard_experts(found.module, found.layout, pg_collection, tp_size=tp_size)
+    if expert_bias:
+        enable_expert_bias(module)
+    if aux_routers:
+        use_global_aux_loss(module, aux_routers, pg_collection, sequence_dim)
     return module
+
+
+def _aux_routers(
+    module: torch.nn.Module, experts: list[_Experts], pgc: mg.ProcessGroupCollection
+) -> list[torch.nn.Module] | None:
+    """The router of each MoE layer when ``module`` adds ``transformers``' load-balancing
+    loss (``router_aux_loss_coef``) and a one-stage pipeline computes it; else None. A
+    router is the sibling of the experts module whose ``weight`` is ``[E, H]``."""
+    if not experts or not hasattr(module, "router_aux_loss_coef"):
+        return None
+    if pgc.pp is not None and mg.group_size(pgc.pp) > 1:
+        return None  # a pipeline stage does not compute the model's loss
+    routers = []
+    for found in experts:
+        parent_name = found.name.rpartition(".")[0]
+        parent = module.get_submodule(parent_name) if parent_name else module
+        shape = (found.layout.num_experts, found.layout.hidden)
+        near = [
+            child
+            for child in parent.children()
+            if child is not found.module
+            and isinstance(getattr(child, "weight", None), torch.Tensor)
+            and tuple(getattr(child, "weight").shape) == shape  # noqa: B009
+        ]
+        if len(near) != 1:
+            raise InputValueError(
+                f"{parent_name} holds {len(near)} modules with a router weight of shape "
+                f"{shape} beside {found.name}; the global-batch load-balancing loss reads the "
+                "one router's logits: pass global_aux_loss=False"
+            )
+        routers.append(near[0])
+    return routers
 
 
 def _check(
