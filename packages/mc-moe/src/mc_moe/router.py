@@ -7,7 +7,8 @@ scores that choose the experts, not to the weights) gets what Megatron's
 ``expert_bias`` (the same tensor, a buffer not saved: the state dict keeps the model's own
 name; the hook below re-points it after ``module.to()`` copied the buffers apart) and
 ``local_tokens_per_expert`` (a float32 buffer, not saved), which a forward hook adds each
-training forward's routed tokens to (with gradients enabled, as Megatron counts them). Finalize then, once per global batch::
+training forward's routed tokens to (with gradients enabled, as Megatron counts them).
+Finalize then, once per global batch::
 
     t    ← Σ_{tp·dp·cp} local_tokens_per_expert        (one all-reduce, all routers stacked)
     bias ← bias + rate · sign(mean_e(t) − t)            rate = moe_router_bias_update_rate
