@@ -205,6 +205,9 @@ def shard_experts(
         if dim is not None and etp > 1:
             set_tensor_model_parallel_attributes(new, True, dim, layout.stride(pname))
         setattr(module, pname, new)
+    # the shards replace the whole experts on purpose: a mark record made before (by
+    # mc_tp_layers.parallelize) would refuse their shapes; mc_moe.parallelize records anew
+    module.__dict__.pop(param_attrs.MARK_RECORD, None)
     setattr(module, "tp_group", expt_tp)  # noqa: B010  (mc_tp_layers.full_state_dict: its group)
     setattr(module, DISPATCHER_ATTR, dispatcher)
     module.forward = types.MethodType(_forward, module)

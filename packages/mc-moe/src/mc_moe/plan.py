@@ -37,8 +37,9 @@ from fnmatch import fnmatchcase
 import torch
 
 import mc_groups as mg
+from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_int, type_name
-from mc_groups.config import config_value
+from mc_groups.config import config_value, record_config
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_moe.experts import ExpertWeights, read_experts, shard_experts
 from mc_moe.router import enable_expert_bias, routers_with_bias, use_global_aux_loss
@@ -152,6 +153,8 @@ def parallelize(
         enable_expert_bias(module)
     if aux_routers:
         use_global_aux_loss(module, aux_routers, pg_collection, sequence_dim)
+    param_attrs.record_marks(module)  # readers after FSDP2's fully_shard find the marks
+    record_config(module, config)
     return module
 
 
