@@ -147,3 +147,11 @@ def untag_experts(chunk: nn.Module, stage: StageInfo) -> None:
     (what a hand-rolled expert split forgets)."""
     for _, param, _ in mc_moe.expert_params(chunk):
         param_attrs.mark_allreduce(param, True)
+
+
+def strip_marks(chunk: nn.Module, stage: StageInfo) -> None:
+    """An ``after_parallelize`` hook: every param loses its Python attributes, mc's marks
+    included (what ``fully_shard`` did to them before mc recorded the marks: pytorch
+    #136929)."""
+    for param in chunk.parameters():
+        vars(param).clear()

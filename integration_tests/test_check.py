@@ -273,6 +273,25 @@ def test_injected_mark_doubles_a_replicated_grad(
     assert found.marks == ("sum_gradients_across_tp_domain",)
 
 
+def test_fsdp2_and_fsdp2_with_the_marks_stripped(
+    rank_pools: RankPools, llama_ref: ReferenceRun
+) -> None:
+    """TP=2 × FSDP2 DP=2 with SP (``mc_ddp.TorchFullyShardedDataParallel``): every
+    parameter equal. With every param's attributes cleared after ``parallelize`` (what
+    ``fully_shard`` did before mc recorded the marks, pytorch #136929): the split params
+    come back in their TP shapes and the norms as partial sums over TP, each named."""
+    layout = {"tp": 2, "dp": 2, "sequence_parallel": True, "data_parallel": "fsdp2"}
+    report = _llama(rank_pools, llama_ref, **layout)
+    assert report.ok, report.text()
+    stripped = _llama(rank_pools, llama_ref, after_parallelize=setups.strip_marks, **layout)
+    print(stripped.text())
+    verdicts = _verdicts(stripped)
+    norms = {n for n in verdicts if "norm" in n}
+    assert {verdicts[n] for n in norms} == {"partial sum over TP"}
+    assert {v for n, v in verdicts.items() if n not in norms} == {"shape differs"}
+    assert "partition_dim" in stripped.finding("model.embed_tokens.weight").cause
+
+
 def test_qwen2_every_param_equal(rank_pools: RankPools) -> None:
     report = check_layout(
         setups.qwen2,

@@ -142,6 +142,15 @@ def test_loss_note_names_gathered_logits() -> None:
     assert "later update" in loss_note([2.0, 2.5], [2.0, 1.9], layout, 1e-5)
 
 
+def test_shape_differs() -> None:
+    """A split param gathered as if whole (its marks lost) comes back in its shard's shape."""
+    run = _run(0, (0, 0, 0), G[:2], before=W0[:2])
+    verdict, pattern, cause = _verdict([run], Layout(tp=2))
+    assert verdict == "shape differs"
+    assert "(2, 6)" in pattern
+    assert "partition_dim" in cause
+
+
 def test_missing_and_extra_names() -> None:
     run = _run(0, (0, 0, 0), G, name="other")
     found, extra = compare_params(_ref(), [run], Layout(), LR, 1e-4, forward_differs=False)

@@ -217,6 +217,13 @@ _UNTAGGED = (
     "(mc_groups.param_attrs.mark_allreduce(param, False), as mc_moe.parallelize does) "
     "before DDP is built"
 )
+_SHAPE = (
+    "a split param that does not say how it is split: without its tensor_model_parallel / "
+    "partition_dim marks (lost when a wrapper replaced the params, e.g. fully_shard "
+    "without mc's record) it is gathered as if whole, and finalize and the grad norm "
+    "misread it too; keep the marks (mc_groups.param_attrs.record_marks before the wrapper, "
+    "restore_marks after)"
+)
 _LATER = "final weights differ"
 _CONSEQUENCE = "later steps differ"
 _AFTER = (
@@ -329,6 +336,20 @@ def compare_params(
                     "missing",
                     "no rank holds it",
                     "the stage split or the model built for the layout leaves it out",
+                )
+            )
+            continue
+        shapes = {tuple(rec.before.shape) for _, rec in found}
+        if shapes != {tuple(ref.before[name].shape)}:
+            findings.append(
+                ParamFinding(
+                    name,
+                    "shape differs",
+                    f"the layout's gathered param has shape(s) {sorted(shapes)}, one "
+                    f"process's {tuple(ref.before[name].shape)}",
+                    _SHAPE,
+                    marks=tuple(sorted({m for _, rec in found for m in rec.marks})),
+                    ranks=tuple(run.rank for run, _ in found),
                 )
             )
             continue

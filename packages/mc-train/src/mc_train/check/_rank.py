@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +32,13 @@ from torch import nn
 import mc_groups as mg
 import mc_moe
 from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
+from mc_finalize import finalize_model_grads
 from mc_groups import param_attrs
 from mc_tp_layers import parallelize, sequence_parallel_plan
+from mc_train.check._fsdp2 import Fsdp2Step
 from mc_train.check._spec import Layout, Workload, resolve, takes_layout
 from mc_train.loss import IGNORE_INDEX, causal_targets, token_cross_entropy
-from mc_train.pipeline import Pipeline, build_pipeline
+from mc_train.pipeline import build_pipeline
 from mc_train.split import decoder_stages, split_model, stage_plan
 from mc_train.stages import HFCausalLMForward, StageForward, StageInfo, call_module
 
@@ -533,10 +535,34 @@ def _chunks(
     return chunks, model
 
 
+class _Steps(Protocol):
+    """What the loop drives: :class:`mc_train.Pipeline`, or the FSDP2 step."""
+
+    @property
+    def chunks(self) -> Sequence[Any]:
+        """This rank's wrapped chunks (their ``.module`` is the converted model)."""
+        ...
+
+    def parameters(self) -> list[nn.Parameter]:
+        """What the optimizer steps."""
+        ...
+
+    def forward_backward(self, inputs: torch.Tensor, target: torch.Tensor) -> float:
+        """One step's forwards, backwards and finalize; the step's loss."""
+        ...
+
+
 def _pipeline(
     me: _Rank, chunks: list[nn.Module], model: nn.Module, finalize: str | None, vocab: int
-) -> tuple[Pipeline, ShardedOptimizer]:
+) -> tuple[_Steps, Any]:
     layout = me.layout
+    loss = _loss(layout, me.pgc, vocab, me.work.sequence_first)
+    forward = _forward(me.work, model, layout.tp if layout.sequence_parallel else 1)
+    if layout.data_parallel == "fsdp2":
+        me.tracker.phase = "TorchFullyShardedDataParallel"
+        fin = resolve(finalize) if finalize is not None else finalize_model_grads
+        step = Fsdp2Step(chunks[0], me.cfg, me.pgc, layout.micro, loss, forward, fin)
+        return step, torch.optim.SGD(step.parameters(), lr=me.work.lr)
     me.tracker.phase = "build_pipeline"
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=layout.distributed_optimizer,
@@ -552,15 +578,15 @@ def _pipeline(
         ddp_config=ddp_config,
         pg_collection=me.pgc,
         microbatches=layout.micro,
-        loss_fn=_loss(layout, me.pgc, vocab, me.work.sequence_first),
-        forward=_forward(me.work, model, layout.tp if layout.sequence_parallel else 1),
+        loss_fn=loss,
+        forward=forward,
         **extra,
     )
     sgd = torch.optim.SGD(pipe.parameters(), lr=me.work.lr)
     return pipe, ShardedOptimizer(sgd, pipe.chunks, pg_collection=me.pgc)
 
 
-def _train(me: _Rank, pipe: Pipeline, opt: ShardedOptimizer, vocab: int, rows: int) -> RankRun:
+def _train(me: _Rank, pipe: _Steps, opt: Any, vocab: int, rows: int) -> RankRun:
     tracker, work = me.tracker, me.work
     modules = [chunk.module for chunk in pipe.chunks]
     tracker.phase = "gathering the weights before training"

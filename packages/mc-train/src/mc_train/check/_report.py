@@ -21,6 +21,7 @@ class ParamFinding:
         verdict: ``"equal"`` or the pattern's short name: ``"ratio"``, ``"partial sum over
             TP"``, ``"tied copies not summed"``, ``"DP replicas differ"``, ``"never
             updated"``, ``"some TP slices differ"``, ``"replicas differ"``, ``"differs"``,
+            ``"untagged expert param"``, ``"shape differs"``,
             ``"final weights differ"``, ``"later steps differ"`` (a consequence of another
             parameter's first step), ``"differs before training"``, ``"missing"``.
         pattern: the difference in words (``"×2 (= TP) on every rank"``).
@@ -174,10 +175,12 @@ class LayoutReport:
             lines.append(f"  {verdict} ({len(found)}){': ' + shared if shared else ''}")
             for f in found[:5] if len(found) > 8 else found:
                 ranks = f" on ranks {list(f.ranks)}" if f.ranks else ""
-                lines.append(
-                    f"    {f.name}{'' if shared else ': ' + f.pattern}{ranks} (first-step grad "
-                    f"rel err {f.error:.2e}, final weights {f.final_error:.2e})"
+                numbers = (
+                    f" (first-step grad rel err {f.error:.2e}, final weights {f.final_error:.2e})"
+                    if f.verdict not in ("shape differs", "missing")
+                    else ""
                 )
+                lines.append(f"    {f.name}{'' if shared else ': ' + f.pattern}{ranks}{numbers}")
             if len(found) > 8:
                 lines.append(f"    ... and {len(found) - 5} more (--json lists every one)")
             if cause:

@@ -23,9 +23,10 @@ vocabulary when they are ``V/TP`` wide, whole when ``V`` wide), ``vocab_parallel
 (:func:`mc_tp_layers.vocab_parallel_cross_entropy`, always), ``whole``
 (``F.cross_entropy``, always)."""
 
-DATA_PARALLEL = ("ddp",)
-"""The data-parallel wrappers the check drives: mc DDP. FSDP2 (issue 39) joins when
-``mc_ddp`` ships it."""
+DATA_PARALLEL = ("ddp", "fsdp2")
+"""The data-parallel wrappers the check drives: mc DDP (``mc_ddp.DistributedDataParallel``
+through ``build_pipeline``) or FSDP2 (``mc_ddp.TorchFullyShardedDataParallel``, one
+stage)."""
 
 Ref = str | Callable[..., Any]
 """A function the ranks import by name: ``"module:function"`` or a module-level callable."""
@@ -171,7 +172,7 @@ class Layout:
             ``overlap_param_gather``).
         microbatches: micro-batches per step and DP rank (None: ``2 · pp``).
         loss: one of :data:`LOSSES`.
-        data_parallel: one of ``DATA_PARALLEL`` (``"ddp"``; FSDP2 once mc ships it).
+        data_parallel: one of ``DATA_PARALLEL``: ``"ddp"`` or ``"fsdp2"`` (one stage).
         expert_parallel: expert-parallel size (a MoE model's experts split over ``ep``
             ranks by :func:`mc_moe.parallelize` with the model's ``ep_plan``).
         expert_tensor_parallel: expert tensor-parallel size (None: ``tp``, Megatron's
@@ -206,8 +207,14 @@ class Layout:
             raise InputValueError(f"loss={self.loss!r} must be one of {LOSSES}")
         if self.data_parallel not in DATA_PARALLEL:
             raise InputValueError(
-                f"data_parallel={self.data_parallel!r}: this mc checks {DATA_PARALLEL} only "
-                "(FSDP2 over mc's TP is issue 39: the check takes it once mc_ddp ships it)"
+                f"data_parallel={self.data_parallel!r} must be one of {DATA_PARALLEL}"
+            )
+        if self.data_parallel == "fsdp2" and (self.pp > 1 or self.distributed_optimizer):
+            raise InputValueError(
+                f"data_parallel='fsdp2' with pp={self.pp}, distributed_optimizer="
+                f"{self.distributed_optimizer}: FSDP2 runs one stage (build_pipeline wraps "
+                "stages in mc DDP) and shards the optimizer state itself; use pp=1 without "
+                "the distributed optimizer"
             )
         check_int("expert_parallel", self.expert_parallel)
         validate_sizes(
@@ -240,6 +247,8 @@ class Layout:
             etp = self.tp if self.expert_tensor_parallel is None else self.expert_tensor_parallel
             parts.append(f"EP={self.expert_parallel} (expert TP={etp})")
         parts.append("SP" if self.sequence_parallel else "no SP")
+        if self.data_parallel == "fsdp2":
+            parts.append("FSDP2")
         if self.distributed_optimizer:
             parts.append("distributed optimizer")
         parts.append(f"overlap {'on' if self.overlap else 'off'}")
