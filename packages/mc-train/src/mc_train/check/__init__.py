@@ -30,7 +30,8 @@ What runs (``docs/check.md``):
    likely cause (:mod:`mc_train.check._compare`).
 
 A rank that raises is reported with the phase and the module whose forward was running,
-its inputs' shapes and plan entries, instead of a bare traceback.
+its inputs' shapes and plan entries, instead of a bare traceback. The loss takes one of
+the LOSSES (``auto``: vocabulary-parallel when the logits are ``V/TP`` wide).
 """
 
 from __future__ import annotations
@@ -153,15 +154,16 @@ def check_layout(
             with fixed weights: ``build()`` for a whole model the check converts and
             splits, ``build(config, pg_collection)`` for one built from mc's layers
             (:class:`Workload`).
-        tp, pp, dp, sequence_parallel, distributed_optimizer, overlap, microbatches,
-            loss, data_parallel, expert_parallel, expert_tensor_parallel: the layout
-            (:class:`Layout`; FSDP2 is refused until mc ships it). With expert
-            parallelism a MoE model is converted by :func:`mc_moe.parallelize` with its
-            ``ep_plan``.
+        tp: the layout, with ``pp``, ``dp``, ``sequence_parallel``,
+            ``distributed_optimizer``, ``overlap``, ``microbatches``, ``loss``,
+            ``data_parallel`` (``"ddp"`` or ``"fsdp2"``), ``expert_parallel`` and
+            ``expert_tensor_parallel`` (:class:`Layout`). With expert parallelism a MoE
+            model is converted by :func:`mc_moe.parallelize` with its ``ep_plan``.
         plan: the ``parallelize`` plan: a mapping, or a function of the model returning
             one; None: ``sequence_parallel_plan(model)`` with ``sequence_parallel``, else
             the model's own ``tp_plan``.
-        batch, forward, sequence_first, steps, lr: the workload (:class:`Workload`).
+        batch: the workload, with ``forward``, ``sequence_first``, ``steps`` and ``lr``
+            (:class:`Workload`).
         after_parallelize: ``hook(chunk, stage)`` run on each of a rank's chunks after
             ``parallelize`` (and for a model built from mc's layers, after building),
             before mc DDP wraps it: e.g. tags your own code sets; also how the tests inject
@@ -173,8 +175,10 @@ def check_layout(
             rounding of the weights); final weights get 100 × that.
         reference: one process's run from :func:`reference_run` (its workload must be
             this one); None: run here.
-        pool, reference_pool: :class:`~mc_groups.testing.RankPool` s of ``tp · pp · dp``
-            and of 1 rank to run in (tests reuse theirs); None: started and closed here.
+        pool: a :class:`~mc_groups.testing.RankPool` of ``tp · pp · dp`` ranks to run in
+            (tests reuse theirs); None: one started and closed here.
+        reference_pool: a pool of 1 rank for the one-process run of a model built from
+            mc's layers; None: one started and closed here.
     """
     start = time.monotonic()
     layout = Layout(

@@ -232,7 +232,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        """Ranks the layout needs: ``tp · pp · dp``."""
+        """The number of ranks the layout needs, ``tp · pp · dp``."""
         return self.tp * self.pp * self.dp
 
     @property
