@@ -125,10 +125,15 @@ class Run:
 
 
 def reference(
-    kind: str = "mixtral", steps: int = 3, *, expert_bias: bool = False, lr: float = LR
+    kind: str = "mixtral",
+    steps: int = 3,
+    *,
+    expert_bias: bool = False,
+    aux: bool = True,
+    lr: float = LR,
 ) -> Run:
     """One process, plain PyTorch: SGD on the whole global batch, with the model's own
-    load-balancing loss; ``expert_bias``: after each step every DeepSeek-V3 router's
+    load-balancing loss (``aux``); ``expert_bias``: after each step every DeepSeek-V3 router's
     ``e_score_correction_bias`` moves by Megatron's rule, ``bias += RATE · sign(mean − t)``
     (t: the step's routed tokens per expert)."""
     model = build_model(kind)
@@ -149,7 +154,7 @@ def reference(
     losses = []
     for step in range(steps):
         ids = global_batch(step)
-        loss = model(input_ids=ids, labels=ids, output_router_logits=True).loss
+        loss = model(input_ids=ids, labels=ids, output_router_logits=aux).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -36,6 +36,7 @@ Measured here: loss ≤ 1.2e-7 relative, weights ≤ 1.7e-7 in every case.
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 import pytest
 import torch
@@ -92,3 +93,164 @@ def test_moe_models_match_one_process(rank_pools: RankPools) -> None:
         assert runs is not None
         for run, case in zip(runs, cases, strict=True):
             _check(run, case)
+
+
+def _schedule() -> dict[str, Any]:
+    """Mixtral at EP = 2 × DP = 2 (aux loss on): the collectives of its second training
+    step (forward, backward, finalize) as this rank records them, with the sizes to check
+    them against; then the untagged-expert refusal."""
+    import torch.distributed as dist
+
+    import mc_groups as mg
+    import mc_moe
+    from examples.hf_moe import build_model, global_batch
+    from mc_ddp import DataParallelAgreementError, DistributedDataParallel
+    from mc_ddp import DistributedDataParallelConfig as DDPConfig
+    from mc_finalize import finalize_model_grads
+
+    torch.set_num_threads(1)
+    pgc = mg.initialize_model_parallel(expert_model_parallel_size=2)
+    cfg = mg.ModelParallelConfig(expert_model_parallel_size=2)
+    model = build_model("mixtral")
+    mc_moe.parallelize(model, model.tp_plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
+    ddp = DistributedDataParallel(
+        cfg, DDPConfig(overlap_grad_reduce=True), model, pg_collection=pgc
+    )
+    dp = pgc.require("dp", "test")
+    ids = global_batch(0)[2 * dp.rank() : 2 * dp.rank() + 2]  # this DP rank's 2 sequences
+    records = []
+    for step in range(2):
+        ddp.zero_grad_buffer()
+        with mg.record_collectives() as log:
+            ddp(input_ids=ids, labels=ids, output_router_logits=True).loss.backward()
+            finalize_model_grads([ddp], pg_collection=pgc)
+        records = [(r.op, r.group_ranks, r.dtype, r.bytes, r.label) for r in log]
+        del step
+    experts = sum(p.numel() for _, p, _ in mc_moe.expert_params(model))
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    ranks = {n: mg.group_ranks(pgc.require(n, "test")) for n in ("ep", "dp", "expt_dp", "tp_ep")}
+    ranks["tp_dp_cp"] = mg.group_ranks(pgc.require("tp_dp_cp", "test"))
+    # an expert shard tagged dense (allreduce=True) is refused by DDP's build, by name
+    other = build_model("mixtral")
+    mc_moe.parallelize(other, other.tp_plan, ep_plan=other.ep_plan, config=cfg, pg_collection=pgc)
+    untagged = other.get_parameter("model.layers.1.mlp.experts.down_proj")
+    mg.param_attrs.mark_allreduce(untagged, True)
+    try:
+        DistributedDataParallel(cfg, DDPConfig(), other, pg_collection=pgc)
+        refused = ""
+    except DataParallelAgreementError as err:
+        refused = str(err)
+    mg.destroy_model_parallel(pgc)
+    return {
+        "records": records,
+        "ranks": ranks,
+        "tokens": int(ids.numel()),
+        "experts": experts,
+        "dense": dense,
+        "refused": refused,
+        "rank": dist.get_rank(),
+    }
+
+
+@pytest.mark.timeout(180)
+def test_one_step_collectives(rank_pools: RankPools) -> None:
+    """One step's collectives, counted by hand: per MoE layer (2) one all-gather of E = 4
+    int64 token counts over tp_ep (= ep here), and on ep four all-to-alls: forward the
+    dispatch of this rank's T·k routed rows (T = 32 tokens, k = 2) and the combine of the
+    rows it received, backward the same two the other way; the routed rows × H = 64 × 4
+    bytes, every row sent and received once over the group. One all-reduce of 2E + 1 floats
+    over tp_dp_cp (the global aux loss). DDP: every expert param's grad over expt_dp, every
+    dense one over dp, each element once. Nothing else."""
+    outcomes = rank_pools.get(4).run(_schedule)
+    h, k, e, layers = 64, 2, 4, 2
+    sent: dict[tuple[int, ...], int] = {}
+    for out in outcomes:
+        ranks, records, rows = out["ranks"], out["records"], out["tokens"] * k
+        a2a = [(g, b) for op, g, _, b, _ in records if op == "all_to_all"]
+        assert len(a2a) == 4 * layers
+        assert {g for g, _ in a2a} == {ranks["ep"]}
+        forward = [b for _, b in a2a[: 2 * layers]]
+        assert forward[0::2] == [rows * h * 4] * layers  # each layer's dispatch
+        assert sorted(b for _, b in a2a[2 * layers :]) == sorted(forward)  # the reverse
+        sent[ranks["ep"]] = sent.get(ranks["ep"], 0) + sum(forward[1::2]) - rows * h * 4 * layers
+        counts = [r[:4] for r in records if r[0] == "all_gather"]
+        assert counts == [("all_gather", ranks["tp_ep"], torch.int64, e * 8)] * layers
+        aux = [r[:4] for r in records if r[4] == "moe aux loss statistics"]
+        assert aux == [("all_reduce", ranks["tp_dp_cp"], torch.float32, (2 * e + 1) * 4)]
+        grads = [r for r in records if r[0] == "all_reduce" and r[4] != "moe aux loss statistics"]
+        by_group: dict[tuple[int, ...], int] = {}
+        for _, group, _, size, _ in grads:
+            by_group[group] = by_group.get(group, 0) + size
+        assert by_group == {ranks["expt_dp"]: out["experts"] * 4, ranks["dp"]: out["dense"] * 4}
+        assert len(records) == len(a2a) + len(counts) + len(aux) + len(grads)
+        assert "model.layers.1.mlp.experts.down_proj" in out["refused"]
+    # the combine sends back, over each ep group, exactly the rows its dispatch sent
+    assert set(sent.values()) == {0}
+
+
+def _pipeline() -> dict[str, Any] | None:
+    """Mixtral (2 layers) at PP = 2 × EP = 2 through ``mc_train``: split into stages, each
+    stage's experts split over ep by ``mc_moe.parallelize`` with the stage's entries of the
+    model's plans, 1F1B over 4 micro-batches of one sequence per DP rank, SGD, 3 steps."""
+    import torch.distributed as dist
+
+    import mc_groups as mg
+    import mc_moe
+    import mc_train
+    from examples.hf_moe import LR, build_model, global_batch
+    from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
+
+    torch.set_num_threads(1)
+    pgc = mg.initialize_model_parallel(pipeline_model_parallel_size=2, expert_model_parallel_size=2)
+    cfg = mg.ModelParallelConfig(pipeline_model_parallel_size=2, expert_model_parallel_size=2)
+    model = build_model("mixtral")
+    chunks = mc_train.split_model(model, mc_train.decoder_stages(model, 2), pgc)
+    for chunk in chunks:
+        mc_moe.parallelize(
+            chunk,
+            mc_train.stage_plan(model.tp_plan, chunk),
+            ep_plan=mc_train.stage_plan(model.ep_plan, chunk),
+            config=cfg,
+            pg_collection=pgc,
+        )
+    pipe = mc_train.build_pipeline(
+        chunks,
+        config=cfg,
+        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True),
+        pg_collection=pgc,
+        microbatches=4,
+        loss_fn=mc_train.token_cross_entropy(),
+        forward=mc_train.HFCausalLMForward(sequence_parallel_size=1),
+    )
+    opt = ShardedOptimizer(
+        torch.optim.SGD(pipe.parameters(), lr=LR), pipe.chunks, pg_collection=pgc
+    )
+    dp = pgc.require("dp", "data")
+    losses = []
+    for step in range(STEPS):
+        ids = global_batch(step)[4 * dp.rank() : 4 * dp.rank() + 4]
+        losses.append(pipe.forward_backward(ids, mc_train.causal_targets(ids)))
+        opt.step()
+    ensure_params_ready(pipe.parameters())
+    weights = {n: w for c in pipe.chunks for n, w in mc_moe.full_state_dict(c.module, pgc).items()}
+    mg.destroy_model_parallel(pgc)
+    return {"losses": losses, "weights": weights} if dist.get_rank() in (0, 2) else None
+
+
+@pytest.mark.timeout(180)
+def test_pipeline_stages_with_experts(rank_pools: RankPools) -> None:
+    """PP = 2 × EP = 2 (4 ranks) against one process (no aux loss: a pipeline stage does
+    not compute the model's loss): losses 1e-5 relative, every weight 1e-6, each weight
+    from the stage that holds it (stage 0: ranks 0, 1; stage 1: ranks 2, 3)."""
+    outcomes = rank_pools.get(4).run(_pipeline)
+    first, last = outcomes[0], outcomes[2]
+    assert first is not None
+    assert last is not None
+    ref = reference("mixtral", STEPS, aux=False)
+    rel = max(abs(a - b) / b for a, b in zip(last["losses"], ref.losses, strict=True))
+    assert rel <= 1e-5, (last["losses"], ref.losses)
+    weights = {**first["weights"], **last["weights"]}
+    assert sorted(weights) == sorted(ref.weights)
+    worst = max(float((weights[k] - v).abs().max()) for k, v in ref.weights.items())
+    assert worst <= 1e-6
+    print(f"PP=2 x EP=2: loss rel {rel:.1e}, weights {worst:.1e}")
