@@ -149,7 +149,7 @@ def _fresh_groups() -> Any:
 
 
 def _grid() -> list[tuple[list[float], dict[str, torch.Tensor], bool]] | None:
-    """Every case in one world, on one set of groups."""
+    """Every case in one world, on one set of groups (built once: less set-up)."""
     import torch.distributed as dist
 
     import mc_groups as mg

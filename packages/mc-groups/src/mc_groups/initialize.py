@@ -18,6 +18,7 @@ order (a collective requirement of ``new_group``); a rank list needed by several
 from __future__ import annotations
 
 import hashlib
+import sys
 from datetime import timedelta
 
 import torch
@@ -265,7 +266,9 @@ def destroy_model_parallel(collection: ProcessGroupCollection) -> None:
     ``None`` or a dict is an error on the calling rank, not a failure after its peers
     entered the barrier). The world group is never destroyed. Afterwards the collection is
     marked destroyed: :meth:`ProcessGroupCollection.require` refuses it and every collective
-    on its groups raises a ``RuntimeError`` naming the destroyed group.
+    on its groups raises a ``RuntimeError`` naming the destroyed group. DTensor's cached
+    device meshes of these groups are forgotten (a DTensor built on groups made afterwards
+    gets their mesh).
     """
     if not isinstance(collection, ProcessGroupCollection):
         raise InputTypeError(
@@ -295,3 +298,16 @@ def destroy_model_parallel(collection: ProcessGroupCollection) -> None:
     collection._mark_destroyed()
     if get_default_collection() is collection:
         clear_default_collection()
+    _forget_dtensor_meshes()
+
+
+def _forget_dtensor_meshes() -> None:
+    """Empty DTensor's sharding-propagation cache once DTensor is loaded: torch 2.13 caches
+    output specs by device-mesh layout, so after these groups are destroyed and built again
+    in this process a new DTensor (an FSDP2 param) would get a cached mesh of the destroyed
+    groups ("Could not resolve the process group registered under the name N")."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # noqa: PLC0415
+
+    _clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
