@@ -30,7 +30,11 @@ def _as_chunks(model: object, methods: Sequence[str] = STEP_METHODS) -> list[Mod
         )
     if not model:
         raise InputValueError("model=[] holds no model chunk; pass the chunks this rank owns")
-    _check_methods(model, methods)
+    from mc_finalize._fsdp2 import is_fsdp2  # noqa: PLC0415 (a sibling importing this one)
+
+    for index, chunk in enumerate(model):  # FSDP2 reduced in backward: no finish_grad_sync
+        own = [m for m in methods if m != "finish_grad_sync"] if is_fsdp2(chunk) else methods
+        _check_methods([chunk], own, index)
     for index, chunk in enumerate(model):
         first = next(i for i, other in enumerate(model) if other is chunk)
         if first != index:
@@ -41,26 +45,30 @@ def _as_chunks(model: object, methods: Sequence[str] = STEP_METHODS) -> list[Mod
     return list(model)
 
 
-def _check_methods(chunks: Sequence[object], methods: Sequence[str]) -> None:
+def _check_methods(chunks: Sequence[object], methods: Sequence[str], first: int = 0) -> None:
     """Every chunk has every method of ``methods`` (``scale_gradients`` is needed only with
-    per-token loss)."""
-    for index, chunk in enumerate(chunks):
+    per-token loss); ``first``: the index of ``chunks[0]`` in the model list."""
+    for index, chunk in enumerate(chunks, start=first):
         missing = [m for m in methods if not callable(getattr(chunk, m, None))]
         if missing:
             raise InputTypeError(
                 f"model[{index}] ({type_name(chunk)}) lacks {missing}; a model chunk is a "
                 "torch.nn.Module (finalize_model_grads: DDP-wrapped, e.g. "
-                "mc_ddp.DistributedDataParallel, or any object with finish_grad_sync, "
+                "mc_ddp.DistributedDataParallel, a module under FSDP2's fully_shard, or any "
+                "object with finish_grad_sync, "
                 "named_parameters and parameters; scale_gradients with per-token loss)"
             )
 
 
 def _config_of(chunks: Sequence[ModelChunk]) -> object:
-    config = getattr(chunks[0], "config", None)
+    from mc_finalize._fsdp2 import config_of  # noqa: PLC0415 (a sibling importing this one)
+
+    config = config_of(chunks)
     if config is None:
         raise InputTypeError(
             f"model[0] ({type_name(chunks[0])}) has no config; finalize_model_grads "
-            "reads the config from model[0].config"
+            "reads the config from model[0].config, or the one mc_tp_layers.parallelize "
+            "recorded on the model"
         )
     return config
 

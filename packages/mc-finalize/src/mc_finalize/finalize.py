@@ -7,6 +7,7 @@ the checked inputs: each Megatron-named step is a wrapper that checks its own ar
 over a core, and this function calls the cores. In order::
 
      1. ``finish_grad_sync(force_all_reduce)`` on every chunk       data-parallel reduction
+        (none for a module under FSDP2's ``fully_shard``: reduced in backward)
      2. conditional-embedder grads      SUM over pp          (has_cond_embedder, pp > 1)
      3. Flextron router grads           SUM over pp          (flextron, pp > 1)
      4. non-tensor-parallel grads       SUM / AVG over tp    (tp > 1)
@@ -36,6 +37,12 @@ its next ``zero_grad_buffer()``) is refused before anything runs, and each chunk
 ``mark_grads_finalized()`` (when it has one) is called at the end. Hand-made chunks without
 the two attributes are not protected. The same chunk twice in ``model`` is refused.
 
+A chunk under FSDP2 (``fully_shard``) is taken as it is (``mc_finalize._fsdp2``): its
+marks come back from the record ``mc_tp_layers.parallelize`` left on its modules, its
+config is the one ``parallelize`` recorded when ``model[0].config`` is its library's, its
+DTensor grads are reduced over ``tp`` shard by shard (every TP peer holds the same
+data-parallel shard: no gather).
+
 Groups come from ``pg_collection`` (or the registered default collection). Needed always:
 ``tp``. Needed when their step runs: ``pp`` (steps 2, 3, 6, 7 with a multi-rank group, 11),
 ``dp_cp`` (9, 11; ``dp_cp_gtp_remat`` for both under gtp_remat), ``tp_dp_cp`` (8),
@@ -56,6 +63,8 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_finalize._fsdp2 import check_chunk as check_fsdp2_chunk
+from mc_finalize._fsdp2 import is_fsdp2
 from mc_finalize._inputs import (
     FINALIZE_METHODS,
     _as_chunks,
@@ -130,6 +139,9 @@ def finalize_model_grads(
         word = _stage_embedding_weight(chunks, settings, groups.embd, groups.pp, word=True)
         position = _stage_embedding_weight(chunks, settings, groups.pos_embd, groups.pp, word=False)
         _check_not_finalized(chunks)
+        for index, chunk in enumerate(chunks):
+            if is_fsdp2(chunk):  # marks back from parallelize's record, mesh checked
+                check_fsdp2_chunk(index, cast(torch.nn.Module, chunk), groups.tp)
         if mg.group_size(groups.tp) > 1:
             _check_tp_marks(chunks)
     _run_steps(chunks, settings, groups, force, word, position)
@@ -246,7 +258,8 @@ def _run_steps(
     cores of the Megatron-named steps (each step's public function checks its own
     arguments, then calls the same core)."""
     for chunk in chunks:
-        chunk.finish_grad_sync(force_all_reduce=force)
+        if not is_fsdp2(chunk):  # FSDP2 reduce-scattered in backward
+            chunk.finish_grad_sync(force_all_reduce=force)
     _reduce_replicated_over_pp(_CONDITIONAL_EMBEDDERS, chunks, settings, groups.pp)
     _reduce_replicated_over_pp(_FLEXTRON_ROUTERS, chunks, settings, groups.pp)
     _reduce_non_tensor_parallel_grads(chunks, settings, groups.tp)

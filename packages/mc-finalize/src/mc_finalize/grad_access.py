@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mc_finalize._fsdp2 import local_reduction
 from mc_groups import dtensors, param_attrs
 from mc_groups.argcheck import check_tensor, type_name
 from mc_groups.errors import InputTypeError
@@ -92,15 +93,21 @@ class _GradView:
     attr: str
     original: torch.Tensor
     full: torch.Tensor
+    local: bool = False
 
     def commit(self) -> None:
-        """Write the reduced grad back to ``param.<attr>`` (resharded when it was a DTensor)."""
-        if self.full is not self.original:
+        """Write the reduced grad back to ``param.<attr>`` (resharded when it was a DTensor
+        gathered whole; a DTensor reduced shard by shard was reduced in place)."""
+        if self.full is not self.original and not self.local:
             setattr(self.param, self.attr, _reshard_if_dtensor(self.full, self.original))
 
 
-def _grad_view(param: torch.nn.Parameter) -> _GradView | None:
-    """The param's grad (``main_grad`` or ``grad``), unsharded; ``None`` when it has none."""
+def _grad_view(
+    param: torch.nn.Parameter, group: torch.distributed.ProcessGroup | None = None
+) -> _GradView | None:
+    """The param's grad (``main_grad`` or ``grad``), unsharded; ``None`` when it has none.
+    An FSDP2 grad whose mesh meets ``group`` (the group it is reduced over next) only at
+    this rank is viewed as its local shard instead: every peer holds the same shard."""
     attr = _get_main_grad_attr(param)
     original = getattr(param, attr)
     if original is None:
@@ -109,4 +116,6 @@ def _grad_view(param: torch.nn.Parameter) -> _GradView | None:
         raise InputTypeError(
             f"param.{attr} is {type_name(original)}, expected a torch.Tensor or None"
         )
+    if group is not None and local_reduction(original, group):
+        return _GradView(param, attr, original, original.to_local(), local=True)  # type: ignore[attr-defined]
     return _GradView(param, attr, original, _unshard_if_dtensor(original))

@@ -86,7 +86,7 @@ def _reduce_non_tensor_parallel_grads(
     """The core of :func:`_allreduce_non_tensor_model_parallel_grads` on checked inputs."""
     if mg.group_size(tp) <= 1:
         return
-    sums, avgs = _split_by_reduction(chunks, settings)
+    sums, avgs = _split_by_reduction(chunks, settings, tp)
     _allreduce_views(sums, tp, mg.ReduceOp.SUM, _LABEL)
     _allreduce_views(avgs, tp, mg.ReduceOp.AVG, _LABEL)
 
@@ -96,7 +96,7 @@ _allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
 
 
 def _split_by_reduction(
-    chunks: Sequence[ModelChunk], settings: _Settings
+    chunks: Sequence[ModelChunk], settings: _Settings, tp: dist.ProcessGroup
 ) -> tuple[list[_GradView], list[_GradView]]:
     sums: list[_GradView] = []
     avgs: list[_GradView] = []
@@ -110,7 +110,7 @@ def _split_by_reduction(
                 target = sums
             else:
                 continue
-            view = _grad_view(param)
+            view = _grad_view(param, tp)
             if view is not None:
                 target.append(view)
     return sums, avgs

@@ -5,7 +5,8 @@ a TP shard, before any collective).
 
 Localizes which params each config switch selects, the ``main_grad``/``grad`` fallback,
 the per-dtype flat buffers, the SUM-then-AVG schedule on the tp group only, and a DTensor
-grad (sharded over dp) unsharded before and resharded after the tp reduction. Grads are
+grad (sharded over dp, FSDP2's) reduced over tp shard by shard: each TP peer holds the same
+dp shard, so no gather over dp (test_grad_access.py holds the gather round trip). Grads are
 ``2**rank`` (exact sums and halves), so results are compared exactly.
 
 Layout: 4 ranks, tp = 2 × dp = 2, rank = tp_rank + 2·dp_rank; tp groups {0, 1}, {2, 3}, so
@@ -170,7 +171,7 @@ def test_tp2_sum_avg_fallbacks_and_dtensor(rank_pools: RankPools) -> None:
         assert out["tp1"]["log"] == []
 
 
-def test_dtensor_grad_unsharded_reduced_resharded(rank_pools: RankPools) -> None:
+def test_dtensor_grad_reduced_shard_by_shard(rank_pools: RankPools) -> None:
     for r, dt in enumerate(rank_pools.get(4).run(_dtensor_case)):
         tp, dp = (r & ~1, r | 1), (r % 2, r % 2 + 2)
         dp_rank = r // 2
@@ -179,7 +180,7 @@ def test_dtensor_grad_unsharded_reduced_resharded(rank_pools: RankPools) -> None
         assert dt["local"] == expected
         assert dt["placements"] == ["S(0)"]
         assert dt["tag"] == "kept"
-        assert dt["log"] == [
-            ("all_gather", None, dp, "float32", 3, "unshard DTensor grad"),  # 3-row pieces
-            ("all_reduce", "sum", tp, "float32", 5, LABEL),
-        ]
+        # the mesh (dp) meets tp only at this rank: each TP peer holds the same dp chunk,
+        # reduced as it is (3 rows on dp rank 0, 2 on dp rank 1), no gather over dp
+        assert dt["log"] == [("all_reduce", "sum", tp, "float32", 3 - dp_rank, LABEL)]
+        assert all(group != dp for _, _, group, *_ in dt["log"])
