@@ -57,7 +57,7 @@ def _ddp(config: Any) -> object:
 
 
 def _finalize(config: Any) -> object:
-    mc_finalize.finalize_model_grads([_Chunk(config)])  # type: ignore[list-item]
+    mc_finalize.finalize_model_grads([_Chunk(config)])
     return None
 
 

@@ -360,3 +360,104 @@ def test_clip_grad_norm_equals_one_process(rank_pools: RankPools) -> None:
         worst = max(float((weights[k] - v).abs().max()) for k, v in ref_weights.items())
         assert worst <= 1e-6, (norm_type, worst)
     assert results[-1] == (True, True, 4.0)
+
+
+class _Block(torch.nn.Module):
+    """``Column(8 → 16) → Row(16 → 8)`` of mc's layers, built directly (no ``parallelize``)."""
+
+    def __init__(self, cfg: Any, pgc: Any) -> None:
+        super().__init__()
+        from mc_tp_layers import ColumnParallelLinear, RowParallelLinear
+
+        init = torch.nn.init.ones_
+        self.fc1 = ColumnParallelLinear(8, 16, config=cfg, init_method=init, pg_collection=pgc)
+        self.fc2 = RowParallelLinear(
+            16,
+            8,
+            config=cfg,
+            init_method=init,
+            bias=True,
+            skip_bias_add=False,
+            input_is_parallel=True,
+            pg_collection=pgc,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.fc1(x)
+        out, _ = self.fc2(hidden)
+        return out  # type: ignore[no-any-return]
+
+
+def _refusals() -> list[tuple[str, str]]:
+    """What each entry point refuses before any collective, as (error type, message)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    import mc_groups as mg
+    from mc_ddp import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from mc_finalize import finalize_model_grads
+    from mc_groups.testing import error_kind
+
+    pgc = _fresh_groups()
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True)
+    out: list[tuple[str, str]] = []
+
+    def attempt(action: Callable[[], object]) -> None:
+        try:
+            action()
+            out.append(("", "no error"))
+        except (ValueError, TypeError, RuntimeError, NotImplementedError) as err:
+            out.append((error_kind(err), str(err)))
+
+    fsdp_config = TorchFullyShardedDataParallelConfig
+    world = pgc.require("world", "test")
+    attempt(
+        lambda: TorchFullyShardedDataParallel(
+            cfg, fsdp_config(), _Block(cfg, pgc), None, False, world, pg_collection=pgc
+        )
+    )
+    fused = cfg.replace(gradient_accumulation_fusion=True)
+    attempt(
+        lambda: TorchFullyShardedDataParallel(
+            fused, fsdp_config(), _Block(cfg, pgc), pg_collection=pgc
+        )
+    )
+    attempt(
+        lambda: TorchFullyShardedDataParallel(
+            cfg, fsdp_config(delay_wgrad_compute=True), _Block(cfg, pgc), pg_collection=pgc
+        )
+    )
+    attempt(lambda: fsdp_config(clone_output_views=True))
+    # torchtitan's way on a model of mc's layers built directly: no record of its marks
+    block = _Block(cfg, pgc)
+    block.config = cfg  # type: ignore[assignment]
+    fully_shard(block, mesh=DeviceMesh.from_group(pgc.dp_cp, "cpu"))
+    block(torch.ones(2, 8)).sum().backward()
+    attempt(lambda: finalize_model_grads([block], pg_collection=pgc))
+    mg.destroy_model_parallel(pgc)
+    return out
+
+
+REFUSALS = [
+    ("ValueError", ["process_group", "tensor-parallel peers", "dp_cp"]),
+    ("ValueError", ["gradient_accumulation_fusion=True", "main_grad"]),
+    ("ValueError", ["delay_wgrad_compute=True", "no counterpart under FSDP2"]),
+    ("NotImplementedError", ["clone_output_views=True"]),
+    (
+        "RuntimeError",
+        ["under fully_shard", "fc1", "record_marks", "TorchFullyShardedDataParallel"],
+    ),
+]
+
+
+@pytest.mark.timeout(120)
+def test_refusals_name_the_argument_and_the_fix(rank_pools: RankPools) -> None:
+    """The wrapper refuses a group holding TP peers, the fused wgrad path, DDP settings
+    FSDP2 has no counterpart for and Megatron's unimplemented ``clone_output_views``;
+    finalize refuses, before any collective, an FSDP2 module of mc's layers whose marks
+    were never recorded (``fully_shard`` dropped them)."""
+    for outcomes in rank_pools.get(4).run(_refusals):
+        for (kind, message), (want, words) in zip(outcomes, REFUSALS, strict=True):
+            assert kind == want, message
+            for word in words:
+                assert word in message, (word, message)

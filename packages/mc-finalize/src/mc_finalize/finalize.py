@@ -95,7 +95,7 @@ __all__ = ["finalize_model_grads"]
 
 
 def finalize_model_grads(
-    model: Sequence[ModelChunk],
+    model: Sequence[ModelChunk | torch.nn.Module],
     num_tokens: torch.Tensor | None = None,
     pg_collection: mg.ProcessGroupCollection | None = None,
     force_all_reduce: bool | None = False,
@@ -112,7 +112,9 @@ def finalize_model_grads(
     global count. The module docstring lists the steps, their groups and when each runs.
 
     Args:
-        model: this rank's model chunks (one per virtual pipeline stage), in order.
+        model: this rank's model chunks (one per virtual pipeline stage), in order: DDP
+            wrappers (:class:`ModelChunk`), or modules under FSDP2's ``fully_shard`` as they
+            are (see the module notes).
         num_tokens: one-element int32/int64/float32/float64 tensor on the model's device,
             given exactly when ``config.calculate_per_token_loss`` (see the module notes).
         pg_collection: the groups; None uses ``mc_groups.get_default_collection()``.
