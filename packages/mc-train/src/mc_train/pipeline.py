@@ -60,7 +60,12 @@ import torch
 from torch import nn
 
 import mc_groups as mg
-from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig
+from mc_ddp import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
+)
 from mc_finalize import finalize_model_grads
 from mc_groups import TransformerConfigLike, param_attrs
 from mc_groups.argcheck import check_int, type_name
@@ -301,7 +306,11 @@ def build_pipeline(
             or your own, e.g. Megatron-style ``GPTModel(pre_process=..., vp_stage=v)``).
         config: the model's parallel config (DDP reads it; ``calculate_per_token_loss``
             picks the loss reduction).
-        ddp_config: mc DDP's settings for every chunk.
+        ddp_config: mc DDP's settings for every chunk; a
+            :class:`~mc_ddp.TorchFullyShardedDataParallelConfig` wraps each chunk in
+            :class:`~mc_ddp.TorchFullyShardedDataParallel` instead (FSDP2 under PP, as
+            torchtitan does it: every backward but a chunk's last inside its ``no_sync``;
+            step with any ``torch.optim`` optimizer and :func:`mc_ddp.clip_grad_norm`).
         pg_collection: the groups (``pp`` orders the stages; ``dp``, ``tp``, ``embd`` as
             DDP and ``finalize_model_grads`` read them).
         microbatches: ``M``, micro-batches per step and DP rank.
@@ -347,7 +356,9 @@ def build_pipeline(
     for v, chunk in enumerate(parts):
         _mark_tied(chunk, v)
     wrapped: list[Chunk] = [
-        DistributedDataParallel(
+        TorchFullyShardedDataParallel(config, ddp_config, chunk, pg_collection=pg_collection)  # type: ignore[misc]
+        if isinstance(ddp_config, TorchFullyShardedDataParallelConfig)
+        else DistributedDataParallel(
             config, ddp_config, chunk, disable_bucketing=v > 0, pg_collection=pg_collection
         )
         for v, chunk in enumerate(parts)
