@@ -27,7 +27,7 @@ shard, and FSDP2 splits that along dim 0 over ``dp``)::
                embedding over embd, …) run on the DTensor grads
 
 FSDP2 issues its collectives through ``torch.distributed`` directly, not through
-:mod:`mc_groups.collectives`: :func:`mc_groups.record_collectives` sees the tensor-parallel
+mc_groups' collective layer: :func:`mc_groups.record_collectives` sees the tensor-parallel
 and finalize collectives, not FSDP2's all-gathers and reduce-scatters (count those with
 torch's ``CommDebugMode``).
 

@@ -13,7 +13,7 @@ package::
     a field a caller cannot do      listed in check_config(..., required=): a config
     without                         without it is a TypeError naming it
 
-A package checks a config once where it receives it (:func:`check_config`: a layer and DDP
+A package checks a config once where it receives it (``check_config``: a layer and DDP
 at construction, ``finalize_model_grads`` at each call) and reads fields with
 :func:`config_value`. :class:`TransformerConfigLike` is the static type of such a config:
 the fields some package requires. Who reads what (the table ``_FIELDS`` holds each field's
@@ -132,7 +132,7 @@ class TransformerConfigLike(Protocol):
 
     @property
     def wgrad_deferral_limit(self) -> int:
-        """How many micro-batches to defer (0: all of them)."""
+        """How many micro-batches to defer; 0 defers all of them."""
         ...
 
 
@@ -312,7 +312,7 @@ class ModelParallelConfig:
             ``transformers`` routers that have such a bias).
         moe_router_quantile_balancing_ema: EMA of the quantile-balancing bias ``qb_beta``.
 
-    Fields are checked by :func:`check_config` at construction and by :meth:`replace`.
+    Fields are checked by ``check_config`` at construction and by :meth:`replace`.
     """
 
     tensor_model_parallel_size: int = 1
