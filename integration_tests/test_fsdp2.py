@@ -9,7 +9,10 @@ both entry points:
 - ``wrapper``: ``mc_ddp.TorchFullyShardedDataParallel`` (Megatron's wrapper);
 - ``direct``: torchtitan's way, ``fully_shard`` on each decoder layer and the root by the
   user, the FSDP2 module passed to ``finalize_model_grads([model], pg_collection=pgc)`` as
-  it is (mc's marks come back from the record ``parallelize`` left on the modules).
+  it is (mc's marks come back from the record ``parallelize`` left on the modules);
+- ``compiled`` (torchtitan's fused Llama, SP on): as ``direct`` with each block compiled in
+  place first (``block.compile(fullgraph=True)``, backend ``aot_eager``: Dynamo and
+  AOTAutograd without C++ code generation), 0 graph breaks (Dynamo's counter).
 
 Each run: 3 SGD steps (lr 1) on the global batch split over DP, ``finalize_model_grads``
 every step; the losses (averaged over DP) against one process's per step (≤ 1e-5
@@ -42,7 +45,7 @@ KINDS = ("hf", "titan_fused", "titan")
 Case = tuple[str, bool, str]  # (model kind, sequence parallel, entry point)
 CASES: list[Case] = [
     (kind, sp, entry) for kind in KINDS for sp in (False, True) for entry in ("wrapper", "direct")
-]
+] + [("titan_fused", True, "compiled")]  # torchtitan's blocks compiled in place, then direct
 
 
 def _build(kind: str) -> torch.nn.Module:
@@ -99,16 +102,26 @@ def _shard(model: Any, entry: str, cfg: Any, pgc: Any) -> Any:
     mesh = DeviceMesh.from_group(pgc.dp_cp, "cpu")
     layers = model.model.layers if hasattr(model, "model") else model.layers
     for layer in layers.children() if not isinstance(layers, torch.nn.ModuleList) else layers:
+        if entry == "compiled":  # torchtitan: block.compile() in place, before fully_shard
+            layer.compile(backend="aot_eager", fullgraph=True)
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def _train(case: Case, pgc: Any) -> tuple[list[float], dict[str, torch.Tensor], bool]:
-    """One case on every rank: parallelize, shard, 3 SGD steps, gather the weights."""
+Result = tuple[list[float], dict[str, torch.Tensor], bool, int]
+
+
+def _train(case: Case, pgc: Any) -> Result:
+    """One case on every rank: parallelize, shard, 3 SGD steps, gather the weights; the
+    marks' presence after ``fully_shard`` and Dynamo's graph-break count."""
+    from torch._dynamo.utils import counters
+
     import mc_groups as mg
     from mc_finalize import finalize_model_grads
     from mc_tp_layers import full_state_dict, parallelize, sequence_parallel_plan
+
+    counters.clear()
 
     kind, sp, entry = case
     cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp)
@@ -131,24 +144,19 @@ def _train(case: Case, pgc: Any) -> tuple[list[float], dict[str, torch.Tensor], 
         losses.append(float(mean))
     weights = full_state_dict(model)
     marked = any(mg.param_attrs.is_tensor_model_parallel(p) for p in model.parameters())
-    return losses, weights, marked
+    return losses, weights, marked, sum(counters["graph_break"].values())
 
 
 def _fresh_groups() -> Any:
-    """The groups of a call, with DTensor's sharding-propagation cache emptied first: torch
-    2.13 caches output specs by mesh layout, so after groups were destroyed and built again
-    in one process (the pool's earlier calls) a new FSDP2 param would get a mesh of the
-    destroyed groups ("Could not resolve the process group registered under the name N")."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
+    """TP=2 × DP=2 groups (``destroy_model_parallel`` of the pool's earlier calls forgot
+    DTensor's cached meshes of theirs)."""
     import mc_groups as mg
 
     torch.set_num_threads(1)
-    _clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
     return mg.initialize_model_parallel(tensor_model_parallel_size=2)
 
 
-def _grid() -> list[tuple[list[float], dict[str, torch.Tensor], bool]] | None:
+def _grid() -> list[Result] | None:
     """Every case in one world, on one set of groups (built once: less set-up)."""
     import torch.distributed as dist
 
@@ -165,8 +173,9 @@ def test_fsdp2_with_mc_tp_matches_one_process(rank_pools: RankPools) -> None:
     results = rank_pools.get(4).run(_grid)[0]
     assert results is not None
     references = {kind: _reference(kind) for kind in KINDS}
-    for case, (losses, weights, marked) in zip(CASES, results, strict=True):
+    for case, (losses, weights, marked, breaks) in zip(CASES, results, strict=True):
         kind = case[0]
+        assert breaks == 0, (case, breaks)
         ref_losses, ref_weights = references[kind]
         start = _build(kind).state_dict()
         moved = min(float((ref_weights[k] - start[k]).abs().max()) for k in ref_weights)
@@ -428,6 +437,11 @@ def _refusals() -> list[tuple[str, str]]:
         )
     )
     attempt(lambda: fsdp_config(clone_output_views=True))
+    from mc_tp_layers import model_sharded_state_dict
+
+    sharded = _Block(cfg, pgc)
+    TorchFullyShardedDataParallel(cfg, fsdp_config(), sharded, pg_collection=pgc)
+    attempt(lambda: model_sharded_state_dict(sharded))
     # torchtitan's way on a model of mc's layers built directly: no record of its marks
     block = _Block(cfg, pgc)
     block.config = cfg  # type: ignore[assignment]
@@ -443,6 +457,7 @@ REFUSALS = [
     ("ValueError", ["gradient_accumulation_fusion=True", "main_grad"]),
     ("ValueError", ["delay_wgrad_compute=True", "no counterpart under FSDP2"]),
     ("NotImplementedError", ["clone_output_views=True"]),
+    ("NotImplementedError", ["fc1.weight is a DTensor", "full_state_dict", "load_full_state_dict"]),
     (
         "RuntimeError",
         ["under fully_shard", "fc1", "record_marks", "TorchFullyShardedDataParallel"],

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import param_attrs
+from mc_groups import dtensors, param_attrs
 from mc_groups.argcheck import (
     check_group,
     check_int,
@@ -257,6 +257,14 @@ def model_sharded_state_dict(
         raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
     check_optional_group("tp_group", tp_group, what="model_sharded_state_dict")
     check_str("prefix", prefix)
+    for name, param in module.named_parameters():
+        if dtensors.is_dtensor(param):
+            raise NotImplementedError(
+                f"model_sharded_state_dict: {prefix}{name} is a DTensor (the model is under "
+                "FSDP2's fully_shard): mc's DCP views of FSDP2 params are not implemented; "
+                "save mc_tp_layers.full_state_dict(model) (whole tensors, one-process names) "
+                "and load it with load_full_state_dict at any layout"
+            )
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, sub in module.named_modules():
