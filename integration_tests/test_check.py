@@ -122,7 +122,7 @@ def test_command_line_on_a_user_module(
 def failing_pool() -> Iterator[RankPool]:
     """2 ranks of its own for the set-ups that make a rank raise (a failed call restarts
     its pool; the shared one keeps its ranks, with ``transformers`` imported)."""
-    with RankPool(2) as pool:
+    with RankPool(2, failure_grace_s=0.5) as pool:  # both ranks raise at once in these cases
         yield pool
 
 

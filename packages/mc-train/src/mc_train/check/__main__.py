@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-overlap", action="store_true", help="reduce grads after backward")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--etp", type=int, help="expert tensor-parallel size (default: --tp)")
-    p.add_argument("--fsdp2", action="store_true", help="FSDP2 instead of mc DDP (one stage)")
+    p.add_argument("--fsdp2", action="store_true", help="FSDP2 instead of mc DDP")
     p.add_argument("--loss", choices=LOSSES, default="auto", help="how logits are read")
     p.add_argument("--sequence-first", action="store_true", help="logits are [s, b, V]")
     p.add_argument("--after-parallelize", help="MODULE:FUNCTION hook(chunk, stage)")

@@ -320,7 +320,7 @@ def compare_params(
         for name, record in run.params.items():
             canonical = ref.names.get(name)
             if canonical is None and "shared_embedding" in record.marks:
-                canonical = ref.shared_embedding
+                canonical = ref.tied_table
             if canonical is None:
                 extra.append(f"{name} (rank {run.rank})")
             elif canonical not in seen:  # a tied weight's aliases on one rank: one copy

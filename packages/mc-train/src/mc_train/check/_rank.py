@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,14 +31,17 @@ from torch import nn
 
 import mc_groups as mg
 import mc_moe
-from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
-from mc_finalize import finalize_model_grads
+from mc_ddp import (
+    DistributedDataParallelConfig,
+    ShardedOptimizer,
+    TorchFullyShardedDataParallelConfig,
+    ensure_params_ready,
+)
 from mc_groups import param_attrs
 from mc_tp_layers import parallelize, sequence_parallel_plan
-from mc_train.check._fsdp2 import Fsdp2Step
 from mc_train.check._spec import Layout, Workload, resolve, takes_layout
 from mc_train.loss import IGNORE_INDEX, causal_targets, token_cross_entropy
-from mc_train.pipeline import build_pipeline
+from mc_train.pipeline import Pipeline, build_pipeline
 from mc_train.split import decoder_stages, split_model, stage_plan
 from mc_train.stages import HFCausalLMForward, StageForward, StageInfo, call_module
 
@@ -60,7 +63,7 @@ class ReferenceRun:
         before / grad / after_first / final: canonical name → weight before training,
             gradient of step 1, weight after step 1, weight after the last step.
         vocab: the logits' last dimension ``V``.
-        shared_embedding: canonical name of the weight a Megatron-style model shares
+        tied_table: canonical name of the weight a Megatron-style model shares
             between embedding and output layer (``shared_embedding_or_output_weight()``),
             where a later stage's copy has a name of its own.
         batch_shape: the global batch's ``[B, S]``.
@@ -77,7 +80,7 @@ class ReferenceRun:
     after_first: dict[str, torch.Tensor]
     final: dict[str, torch.Tensor]
     vocab: int
-    shared_embedding: str | None
+    tied_table: str | None
     batch_shape: tuple[int, int]
     modules: list[str] = field(default_factory=list)
     workload: Workload | None = None
@@ -535,39 +538,22 @@ def _chunks(
     return chunks, model
 
 
-class _Steps(Protocol):
-    """What the loop drives: :class:`mc_train.Pipeline`, or the FSDP2 step."""
-
-    @property
-    def chunks(self) -> Sequence[Any]:
-        """This rank's wrapped chunks (their ``.module`` is the converted model)."""
-        ...
-
-    def parameters(self) -> list[nn.Parameter]:
-        """What the optimizer steps."""
-        ...
-
-    def forward_backward(self, inputs: torch.Tensor, target: torch.Tensor) -> float:
-        """One step's forwards, backwards and finalize; the step's loss."""
-        ...
-
-
 def _pipeline(
     me: _Rank, chunks: list[nn.Module], model: nn.Module, finalize: str | None, vocab: int
-) -> tuple[_Steps, Any]:
+) -> tuple[Pipeline, Any]:
     layout = me.layout
     loss = _loss(layout, me.pgc, vocab, me.work.sequence_first)
     forward = _forward(me.work, model, layout.tp if layout.sequence_parallel else 1)
-    if layout.data_parallel == "fsdp2":
-        me.tracker.phase = "TorchFullyShardedDataParallel"
-        fin = resolve(finalize) if finalize is not None else finalize_model_grads
-        step = Fsdp2Step(chunks[0], me.cfg, me.pgc, layout.micro, loss, forward, fin)
-        return step, torch.optim.SGD(step.parameters(), lr=me.work.lr)
     me.tracker.phase = "build_pipeline"
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=layout.distributed_optimizer,
-        overlap_grad_reduce=layout.overlap,
-        overlap_param_gather=layout.overlap and layout.distributed_optimizer,
+    fsdp2 = layout.data_parallel == "fsdp2"
+    ddp_config = (
+        TorchFullyShardedDataParallelConfig()
+        if fsdp2
+        else DistributedDataParallelConfig(
+            use_distributed_optimizer=layout.distributed_optimizer,
+            overlap_grad_reduce=layout.overlap,
+            overlap_param_gather=layout.overlap and layout.distributed_optimizer,
+        )
     )
     extra: dict[str, Any] = {}
     if finalize is not None:
@@ -583,10 +569,12 @@ def _pipeline(
         **extra,
     )
     sgd = torch.optim.SGD(pipe.parameters(), lr=me.work.lr)
+    if fsdp2:  # each rank steps the DTensor shards it holds
+        return pipe, sgd
     return pipe, ShardedOptimizer(sgd, pipe.chunks, pg_collection=me.pgc)
 
 
-def _train(me: _Rank, pipe: _Steps, opt: Any, vocab: int, rows: int) -> RankRun:
+def _train(me: _Rank, pipe: Pipeline, opt: Any, vocab: int, rows: int) -> RankRun:
     tracker, work = me.tracker, me.work
     modules = [chunk.module for chunk in pipe.chunks]
     tracker.phase = "gathering the weights before training"

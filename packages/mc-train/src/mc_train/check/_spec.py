@@ -24,9 +24,8 @@ vocabulary when they are ``V/TP`` wide, whole when ``V`` wide), ``vocab_parallel
 (``F.cross_entropy``, always)."""
 
 DATA_PARALLEL = ("ddp", "fsdp2")
-"""The data-parallel wrappers the check drives: mc DDP (``mc_ddp.DistributedDataParallel``
-through ``build_pipeline``) or FSDP2 (``mc_ddp.TorchFullyShardedDataParallel``, one
-stage)."""
+"""The data-parallel wrappers ``build_pipeline`` puts the stages in for the check: mc DDP
+(``mc_ddp.DistributedDataParallel``) or FSDP2 (``mc_ddp.TorchFullyShardedDataParallel``)."""
 
 Ref = str | Callable[..., Any]
 """A function the ranks import by name: ``"module:function"`` or a module-level callable."""
@@ -172,7 +171,7 @@ class Layout:
             ``overlap_param_gather``).
         microbatches: micro-batches per step and DP rank (None: ``2 · pp``).
         loss: one of :data:`LOSSES`.
-        data_parallel: one of ``DATA_PARALLEL``: ``"ddp"`` or ``"fsdp2"`` (one stage).
+        data_parallel: one of ``DATA_PARALLEL``: ``"ddp"`` or ``"fsdp2"``.
         expert_parallel: expert-parallel size (a MoE model's experts split over ``ep``
             ranks by :func:`mc_moe.parallelize` with the model's ``ep_plan``).
         expert_tensor_parallel: expert tensor-parallel size (None: ``tp``, Megatron's
@@ -209,12 +208,10 @@ class Layout:
             raise InputValueError(
                 f"data_parallel={self.data_parallel!r} must be one of {DATA_PARALLEL}"
             )
-        if self.data_parallel == "fsdp2" and (self.pp > 1 or self.distributed_optimizer):
+        if self.data_parallel == "fsdp2" and self.distributed_optimizer:
             raise InputValueError(
-                f"data_parallel='fsdp2' with pp={self.pp}, distributed_optimizer="
-                f"{self.distributed_optimizer}: FSDP2 runs one stage (build_pipeline wraps "
-                "stages in mc DDP) and shards the optimizer state itself; use pp=1 without "
-                "the distributed optimizer"
+                "data_parallel='fsdp2' with distributed_optimizer=True: FSDP2 shards the "
+                "params and the optimizer state itself; drop the distributed optimizer"
             )
         check_int("expert_parallel", self.expert_parallel)
         validate_sizes(
