@@ -190,12 +190,12 @@ def test_fsdp2_with_mc_tp_matches_one_process(rank_pools: RankPools) -> None:
 
 
 @contextmanager
-def _counting_dist() -> Iterator[list[tuple[str, tuple[int, ...], int]]]:
-    """``(op, group ranks, numel)`` of every ``dist.all_gather_single`` /
+def _counting_dist() -> Iterator[list[tuple[str, tuple[int, ...], int, torch.dtype]]]:
+    """``(op, group ranks, numel, dtype)`` of every ``dist.all_gather_single`` /
     ``dist.reduce_scatter_single`` issued inside (FSDP2's collectives)."""
     import torch.distributed as dist
 
-    seen: list[tuple[str, tuple[int, ...], int]] = []
+    seen: list[tuple[str, tuple[int, ...], int, torch.dtype]] = []
     names = ("all_gather_single", "reduce_scatter_single")
     originals = {name: getattr(dist, name) for name in names}
 
@@ -203,7 +203,7 @@ def _counting_dist() -> Iterator[list[tuple[str, tuple[int, ...], int]]]:
         def call(*args: Any, **kwargs: Any) -> Any:
             tensor = (list(args) or list(kwargs.values()))[0]
             group = tuple(dist.get_process_group_ranks(kwargs["group"]))
-            seen.append((name, group, int(tensor.numel())))
+            seen.append((name, group, int(tensor.numel()), tensor.dtype))
             return originals[name](*args, **kwargs)
 
         return call
@@ -275,18 +275,18 @@ def test_one_step_collectives_counted(rank_pools: RankPools) -> None:
     dp, tp = result["dp"], result["tp"]
     assert result["fsdp_forward"] == Counter(
         {
-            ("all_gather_single", dp, 4672): 2,
-            ("all_gather_single", dp, 1024): 2,
-            ("all_gather_single", dp, 32): 1,
+            ("all_gather_single", dp, 4672, torch.float32): 2,
+            ("all_gather_single", dp, 1024, torch.float32): 2,
+            ("all_gather_single", dp, 32, torch.float32): 1,
         }
     ), result["fsdp_forward"]
     assert result["fsdp_backward"] == Counter(
         {
-            ("all_gather_single", dp, 4672): 2,
-            ("all_gather_single", dp, 1024): 2,
-            ("reduce_scatter_single", dp, 2336): 2,
-            ("reduce_scatter_single", dp, 512): 2,
-            ("reduce_scatter_single", dp, 16): 1,
+            ("all_gather_single", dp, 4672, torch.float32): 2,
+            ("all_gather_single", dp, 1024, torch.float32): 2,
+            ("reduce_scatter_single", dp, 2336, torch.float32): 2,
+            ("reduce_scatter_single", dp, 512, torch.float32): 2,
+            ("reduce_scatter_single", dp, 16, torch.float32): 1,
         }
     ), result["fsdp_backward"]
     act, part, logits = 2 * 16 * 32 * 4, 2 * 16 * 32 * 4 // 2, 2 * 16 * 64 // 2 * 4
@@ -550,3 +550,64 @@ def test_tp_pp_fsdp2_on_8_ranks_matches_one_process(rank_pools: RankPools) -> No
     assert shared == set(ref.weights) - {"lm_head.weight"} or shared == set(ref.weights)
     worst = max(float((weights[k] - ref.weights[k]).abs().max()) for k in shared)
     assert worst <= 1e-6, worst
+
+
+def _bf16_step() -> dict[str, Any] | None:
+    """The ``transformers`` Llama at TP=2 × DP=2 with SP under the wrapper with
+    ``config.bf16`` and ``grad_reduce_in_fp32``: FSDP2's ``MixedPrecisionPolicy`` computes in
+    bf16 (params gathered in bf16) and reduces in fp32; 3 SGD steps."""
+    import torch.distributed as dist
+
+    import mc_groups as mg
+    from mc_ddp import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from mc_finalize import finalize_model_grads
+    from mc_tp_layers import parallelize, sequence_parallel_plan
+
+    pgc = _fresh_groups()
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, bf16=True)
+    model = _build("hf")
+    parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
+    ddp_config = TorchFullyShardedDataParallelConfig(grad_reduce_in_fp32=True)
+    chunk = TorchFullyShardedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
+    opt = torch.optim.SGD(chunk.parameters(), lr=LR)
+    dp = pgc.require("dp", "data")
+    rows = _batch("hf", 0).shape[0] // dp.size()
+    losses: list[float] = []
+    ops: Counter[tuple[str, torch.dtype]] = Counter()
+    for step in range(STEPS):
+        ids = _batch("hf", step)[dp.rank() * rows : (dp.rank() + 1) * rows]
+        chunk.zero_grad_buffer()
+        with _counting_dist() as fsdp:
+            loss = _loss("hf", chunk, ids)
+            loss.backward()  # type: ignore[no-untyped-call]
+        ops = Counter((name, dtype) for name, _, _, dtype in fsdp)
+        finalize_model_grads([chunk], pg_collection=pgc)
+        opt.step()
+        mean = loss.detach().float()
+        mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+        losses.append(float(mean))
+    grads = {p.grad.dtype for p in chunk.parameters() if p.grad is not None}
+    params = {p.dtype for p in chunk.parameters()}
+    mg.destroy_model_parallel(pgc)
+    result = {"losses": losses, "ops": ops, "grads": grads, "params": params}
+    return result if dist.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_bf16_compute_with_fp32_reduction(rank_pools: RankPools) -> None:
+    """``config.bf16`` + ``grad_reduce_in_fp32`` under the wrapper: the sharded params and
+    their grads stay fp32, FSDP2 all-gathers the params in bf16 and reduce-scatters the grads
+    in fp32 (every one of a step's collectives), and the losses stay within bf16's precision
+    of one process's fp32 run (2e-2 relative; fp32 compute is held to 1e-5 above)."""
+    result = rank_pools.get(4).run(_bf16_step)[0]
+    assert result is not None
+    assert result["params"] == {torch.float32}
+    assert result["grads"] == {torch.float32}
+    ops = result["ops"]
+    assert set(ops) == {
+        ("all_gather_single", torch.bfloat16),
+        ("reduce_scatter_single", torch.float32),
+    }, ops
+    ref_losses, _ = _reference("hf")
+    rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses, strict=True))
+    assert rel <= 2e-2, (result["losses"], ref_losses)
