@@ -29,13 +29,14 @@ from mc_ddp import (
     ensure_params_ready,
 )
 from mc_finalize import finalize_model_grads
+from mc_train.checkpoint import Checkpointer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = ["KINDS", "Layout", "Run", "build_model", "global_batch", "reference", "train"]
 
-SEQ, BATCH, LR, VOCAB = 16, 8, 1.0, 64
+SEQ, BATCH, LR, MOMENTUM, CLIP, VOCAB = 16, 8, 0.5, 0.5, 1.0, 64
 RATE = 0.01  # moe_router_bias_update_rate (Megatron's default 1e-3; larger so 3 steps show)
 KINDS = {  # kind → its transformers config and model classes
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
@@ -137,7 +138,7 @@ def reference(
     ``e_score_correction_bias`` moves by Megatron's rule, ``bias += RATE · sign(mean − t)``
     (t: the step's routed tokens per expert)."""
     model = build_model(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
     routed: dict[torch.nn.Module, torch.Tensor] = {}
     if expert_bias:
         for module in model.modules():
@@ -157,6 +158,7 @@ def reference(
         loss = model(input_ids=ids, labels=ids, output_router_logits=aux).loss
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         with torch.no_grad():
             for router, tokens in routed.items():
@@ -175,10 +177,14 @@ def train(
     *,
     steps: int = 3,
     expert_bias: bool = False,
+    save_dir: str | None = None,
+    resume: str | None = None,
 ) -> Run:
     """Train the tiny model on every rank of the world at ``layout``; DP = world / TP; the
-    model's own load-balancing loss on (over the global batch); ``expert_bias``:
-    Megatron's aux-loss-free balancing of DeepSeek-V3's routers."""
+    model's own load-balancing loss on (over the global batch); SGD with momentum, the
+    grad norm clipped at ``CLIP``; ``expert_bias``: Megatron's aux-loss-free balancing of
+    DeepSeek-V3's routers. ``save_dir``: a checkpoint after the last step; ``resume``: a
+    checkpoint folder to start from (written at any layout)."""
     layout = layout or Layout()
     pgc = mg.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
@@ -201,11 +207,15 @@ def train(
         use_distributed_optimizer=layout.distributed_optimizer, overlap_grad_reduce=True
     )
     ddp = DistributedDataParallel(cfg, ddp_cfg, model, pg_collection=pgc)
-    opt = ShardedOptimizer(torch.optim.SGD(ddp.parameters(), lr=LR), ddp)
+    sgd = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = ShardedOptimizer(sgd, ddp, max_grad_norm=CLIP, pg_collection=pgc)
+    losses: list[float] = []
+    if resume is not None:  # the newest checkpoint in that folder, written at any layout
+        found = Checkpointer(resume, [ddp], opt, pg_collection=pgc).load("auto")
+        losses = list(found.state["losses"])
     dp = pgc.require("dp", "data")
     rows = BATCH // dp.size()
-    losses = []
-    for step in range(steps):
+    for step in range(len(losses), steps):
         ids = global_batch(step)[dp.rank() * rows : (dp.rank() + 1) * rows]  # this DP rank's
         ddp.zero_grad_buffer()
         loss = ddp(input_ids=ids, labels=ids, output_router_logits=True).loss
@@ -215,6 +225,9 @@ def train(
         mean = loss.detach().clone()
         mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
         losses.append(float(mean))
+    if save_dir is not None:
+        ckpt = Checkpointer(save_dir, [ddp], opt, pg_collection=pgc)
+        ckpt.save(steps, state={"losses": losses}, last=True)
     ensure_params_ready(ddp.parameters())
     weights = mc_moe.full_state_dict(model, pg_collection=pgc)
     mg.destroy_model_parallel(pgc)

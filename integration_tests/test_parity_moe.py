@@ -130,6 +130,20 @@ def _schedule() -> dict[str, Any]:
     dense = sum(p.numel() for p in model.parameters()) - experts
     ranks = {n: mg.group_ranks(pgc.require(n, "test")) for n in ("ep", "dp", "expt_dp", "tp_ep")}
     ranks["tp_dp_cp"] = mg.group_ranks(pgc.require("tp_dp_cp", "test"))
+    # one piece and back: a fresh model takes this one's full state dict, its experts cut
+    state = mc_moe.full_state_dict(model, pgc)
+    fresh = build_model("mixtral", seed=5)
+    mc_moe.parallelize(fresh, fresh.tp_plan, ep_plan=fresh.ep_plan, config=cfg, pg_collection=pgc)
+    mc_moe.load_full_state_dict(fresh, state, pgc)
+    again = mc_moe.full_state_dict(fresh, pgc)
+    first = 2 * mg.group_rank(pgc.require("ep", "test"))  # this rank's 2 of the 4 experts
+    round_trip = sorted(again) == sorted(state) and all(
+        torch.equal(again[key], state[key]) for key in state
+    )
+    cut = all(
+        torch.equal(param, state[key][first : first + 2])
+        for key, param, _ in mc_moe.expert_params(fresh)
+    )
     # an expert shard tagged dense (allreduce=True) is refused by DDP's build, by name
     other = build_model("mixtral")
     mc_moe.parallelize(other, other.tp_plan, ep_plan=other.ep_plan, config=cfg, pg_collection=pgc)
@@ -148,6 +162,7 @@ def _schedule() -> dict[str, Any]:
         "experts": experts,
         "dense": dense,
         "refused": refused,
+        "round_trip": round_trip and cut,
         "rank": dist.get_rank(),
     }
 
@@ -184,6 +199,7 @@ def test_one_step_collectives(rank_pools: RankPools) -> None:
         assert by_group == {ranks["expt_dp"]: out["experts"] * 4, ranks["dp"]: out["dense"] * 4}
         assert len(records) == len(a2a) + len(counts) + len(aux) + len(grads)
         assert "model.layers.1.mlp.experts.down_proj" in out["refused"]
+        assert out["round_trip"]  # load_full_state_dict then full_state_dict: the same dict
     # the combine sends back, over each ep group, exactly the rows its dispatch sent
     assert set(sent.values()) == {0}
 
@@ -191,13 +207,14 @@ def test_one_step_collectives(rank_pools: RankPools) -> None:
 def _pipeline() -> dict[str, Any] | None:
     """Mixtral (2 layers) at PP = 2 × EP = 2 through ``mc_train``: split into stages, each
     stage's experts split over ep by ``mc_moe.parallelize`` with the stage's entries of the
-    model's plans, 1F1B over 4 micro-batches of one sequence per DP rank, SGD, 3 steps."""
+    model's plans, 1F1B over 4 micro-batches of one sequence per DP rank, SGD with momentum
+    and the grad norm clipped (over both stages), 3 steps."""
     import torch.distributed as dist
 
     import mc_groups as mg
     import mc_moe
     import mc_train
-    from examples.hf_moe import LR, build_model, global_batch
+    from examples.hf_moe import CLIP, LR, MOMENTUM, build_model, global_batch
     from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
 
     torch.set_num_threads(1)
@@ -222,9 +239,8 @@ def _pipeline() -> dict[str, Any] | None:
         loss_fn=mc_train.token_cross_entropy(),
         forward=mc_train.HFCausalLMForward(sequence_parallel_size=1),
     )
-    opt = ShardedOptimizer(
-        torch.optim.SGD(pipe.parameters(), lr=LR), pipe.chunks, pg_collection=pgc
-    )
+    sgd = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = ShardedOptimizer(sgd, pipe.chunks, max_grad_norm=CLIP, pg_collection=pgc)
     dp = pgc.require("dp", "data")
     losses = []
     for step in range(STEPS):
@@ -254,3 +270,38 @@ def test_pipeline_stages_with_experts(rank_pools: RankPools) -> None:
     worst = max(float((weights[k] - v).abs().max()) for k, v in ref.weights.items())
     assert worst <= 1e-6
     print(f"PP=2 x EP=2: loss rel {rel:.1e}, weights {worst:.1e}")
+
+
+def _resume(folder: str) -> dict[str, list[float]] | None:
+    """Mixtral on 2 ranks: 4 steps at EP = 2 (distributed optimizer); 2 steps at EP = 2 saved,
+    resumed at EP = 1 (experts whole on both ranks, plain DP) for steps 3-4; and 2 steps at
+    EP = 1 saved, resumed at EP = 2."""
+    import torch.distributed as dist
+
+    from examples.hf_moe import train
+
+    torch.set_num_threads(1)
+    ep2, ep1 = Layout(ep=2, distributed_optimizer=True), Layout(ep=1)
+    runs = {"uninterrupted": train("mixtral", ep2, steps=4).losses}
+    train("mixtral", ep2, steps=2, save_dir=f"{folder}/ep2")
+    runs["ep2 -> ep1"] = train("mixtral", ep1, steps=4, resume=f"{folder}/ep2").losses
+    train("mixtral", ep1, steps=2, save_dir=f"{folder}/ep1")
+    runs["ep1 -> ep2"] = train("mixtral", ep2, steps=4, resume=f"{folder}/ep1").losses
+    return runs if dist.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_resumes_across_expert_layouts(rank_pools: RankPools, tmp_path: Any) -> None:
+    """``mc_train.Checkpointer`` saves the experts as full-shape DTensors over ep
+    (``mc_moe.model_sharded_state_dict``) and the momentum as pieces of the same shapes, so
+    a checkpoint written at EP = 2 loads at EP = 1 and back: the resumed steps' losses
+    within 1e-6 relative of the uninterrupted run (a resume that lost the momentum or
+    loaded an expert into the wrong place moves them by more than 1e-3)."""
+    runs = rank_pools.get(2).run(_resume, str(tmp_path))[0]
+    assert runs is not None
+    whole = runs["uninterrupted"]
+    for name in ("ep2 -> ep1", "ep1 -> ep2"):
+        resumed = runs[name]
+        assert resumed[:2] == whole[:2], name  # the saved history
+        rel = max(abs(a - b) / b for a, b in zip(resumed[2:], whole[2:], strict=True))
+        assert rel <= 1e-6, (name, resumed, whole)

@@ -39,7 +39,12 @@ from mc_moe.router import (
     routers_with_bias,
     use_global_aux_loss,
 )
-from mc_moe.state import expert_params, full_state_dict, load_full_state_dict
+from mc_moe.state import (
+    expert_params,
+    full_state_dict,
+    load_full_state_dict,
+    model_sharded_state_dict,
+)
 
 try:  # one source of the version: the distribution's pyproject.toml
     __version__ = version("mc-moe")
@@ -57,6 +62,7 @@ __all__ = [
     "global_load_balancing_loss",
     "is_converted",
     "load_full_state_dict",
+    "model_sharded_state_dict",
     "moe_entries",
     "parallelize",
     "permute",

@@ -7,6 +7,14 @@ gathered over its module's group: dense layers over ``tp``, expert-TP shards ove
 experts ``p·L … p·L + L − 1``). ``load_full_state_dict`` cuts the other way (no
 communication): this rank's experts, then :func:`mc_tp_layers.load_full_state_dict` cuts
 the TP shards.
+
+``model_sharded_state_dict`` gives ``torch.distributed.checkpoint`` (and
+``mc_train.Checkpointer``) full-shape views: :func:`mc_tp_layers.model_sharded_state_dict`
+with every expert parameter a DTensor on the ``(ep, expt_tp)`` mesh of this rank's
+``tp_ep`` group, ``Shard(0)`` over ep (whole experts) and, for an expert-TP shard,
+``Shard(partition_dim)`` over expt_tp (a ``[gate; up]`` shard as its ``[.., 2, I, ..]`` view,
+as ``mc_tp_layers`` stores strided shards), else ``Replicate()``: a checkpoint written at one
+EP × expert-TP layout loads at any other.
 """
 
 from __future__ import annotations
@@ -14,15 +22,25 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups import param_attrs
 from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError
+from mc_moe.dispatcher import TokenDispatcher
 from mc_moe.experts import DISPATCHER_ATTR, is_converted
 from mc_tp_layers import full_state_dict as full_tp_state_dict
 from mc_tp_layers import load_full_state_dict as load_tp_state_dict
+from mc_tp_layers.sharded_state import model_sharded_state_dict as tp_sharded_state_dict
+from mc_tp_layers.shards import strided_view
 
-__all__ = ["expert_params", "full_state_dict", "load_full_state_dict"]
+__all__ = [
+    "expert_params",
+    "full_state_dict",
+    "load_full_state_dict",
+    "model_sharded_state_dict",
+]
 
 
 def expert_params(
@@ -87,3 +105,55 @@ def load_full_state_dict(
             first, count = dispatcher.first_local_expert, dispatcher.num_local_experts
             local[key] = local[key].narrow(0, first, count)
     load_tp_state_dict(module, local, strict=strict)
+
+
+def model_sharded_state_dict(
+    module: torch.nn.Module, tp_group: dist.ProcessGroup | None = None, prefix: str = ""
+) -> dict[str, torch.Tensor]:
+    """``{prefix + param name: DTensor or tensor}``: views of every param of ``module`` at
+    full shape for DCP (module notes); ``tp_group`` as
+    :func:`mc_tp_layers.model_sharded_state_dict`.
+    No communication."""
+    out = tp_sharded_state_dict(module, tp_group, prefix)
+    for key, param, experts in expert_params(module):
+        if prefix + key in out:
+            out[prefix + key] = _expert_view(param, getattr(experts, DISPATCHER_ATTR))
+    return out
+
+
+def _expert_view(param: torch.Tensor, dispatcher: TokenDispatcher) -> torch.Tensor:
+    local = param.detach()
+    placements: list[object] = []
+    dim = None
+    if param_attrs.is_tensor_model_parallel(param):
+        dim, stride = param_attrs.partition_dim_of(param), param_attrs.partition_stride_of(param)
+        if stride > 1:
+            local, dim = strided_view(local, dim, stride), dim + 1
+    p, q = dispatcher.ep_size, dispatcher.tp_size
+    if p * q == 1:
+        return local
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (slow import)
+    from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: PLC0415
+
+    shape = list(local.shape)
+    shape[0] *= p
+    groups = [dispatcher.ep, dispatcher.expt_tp]
+    placements = [Shard(0), Replicate() if dim is None else Shard(dim)]
+    if dim is not None:
+        shape[dim] *= q
+    grid = torch.tensor(mg.group_ranks(dispatcher.tp_ep)).view(p, q)  # expt_tp fastest
+    keep = [i for i, size in enumerate((p, q)) if size > 1]
+    mesh = DeviceMesh.from_group(
+        groups[keep[0]] if len(keep) == 1 else groups,
+        local.device.type,
+        mesh=grid.squeeze() if len(keep) == 1 else grid,
+    )
+    global_shape = torch.Size(shape)
+    return DTensor.from_local(
+        local,
+        mesh,
+        [placements[i] for i in keep],  # type: ignore[misc]
+        run_check=False,
+        shape=global_shape,
+        stride=torch.empty(global_shape, device="meta").stride(),
+    )

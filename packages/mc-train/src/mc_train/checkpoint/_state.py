@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import mc_groups as mg
-import mc_tp_layers as tpl
+import mc_moe
 from mc_ddp import DistributedDataParallel, ShardedOptimizer, ensure_params_ready
 from mc_groups import param_attrs
 from mc_groups.argcheck import type_name
@@ -34,7 +34,7 @@ def _entries(
     """``(key, param, value)`` for every param of ``module`` not in ``seen`` (by identity)."""
     params = dict(module.named_parameters())  # each weight under its first name, as the dict
     out: list[tuple[str, nn.Parameter, torch.Tensor]] = []
-    for key, value in tpl.model_sharded_state_dict(module, tp_group, prefix).items():
+    for key, value in mc_moe.model_sharded_state_dict(module, tp_group, prefix).items():
         param = params[key[len(prefix) :]]
         if id(param) not in seen:
             seen.add(id(param))
@@ -46,13 +46,14 @@ def model_sharded_state_dict(
     module: nn.Module, tp_group: dist.ProcessGroup | None = None, prefix: str = MODEL_PREFIX
 ) -> dict[str, torch.Tensor]:
     """``{prefix + param name: DTensor or tensor}``: views of ``module``'s params for DCP
-    (package notes): :func:`mc_tp_layers.model_sharded_state_dict` of the model inside an
-    mc DDP wrapper, under ``model.``. Split params become DTensors over their layer's TP
-    group, or over ``tp_group`` for a module without one (required when there are such
-    params); a weight held twice is listed once. No communication."""
+    (package notes): :func:`mc_moe.model_sharded_state_dict` (``mc_tp_layers``' views, and
+    the experts of a model ``mc_moe.parallelize`` split, over ``ep`` × ``expt_tp``) of the
+    model inside an mc DDP wrapper, under ``model.``. Split params become DTensors over
+    their layer's TP group, or over ``tp_group`` for a module without one (required when
+    there are such params); a weight held twice is listed once. No communication."""
     if not isinstance(module, nn.Module):
         raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
-    return tpl.model_sharded_state_dict(unwrap(module), tp_group, prefix)
+    return mc_moe.model_sharded_state_dict(unwrap(module), tp_group, prefix)
 
 
 def _shared_names(modules: Sequence[nn.Module]) -> list[tuple[int, str]]:
