@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import argcheck, device
+from mc_groups.comm.collectives import all_reduce_flat
 from mc_groups.testing import RankPool, RankPools, error_kind
 
 
@@ -140,6 +141,20 @@ CASES: dict[str, Case] = {
         ("op='sum'", "mc_groups.ReduceOp"),
         doc_call="`all_reduce(..., op=)`",
         doc_input="`op='sum'` (a string)",
+    ),
+    "flat not a list": Case(
+        lambda g, r: all_reduce_flat(Loose(torch.zeros(2)), g),
+        "TypeError",
+        ("tensors must be a list of tensors, got torch.Tensor",),
+        doc_call="`comm.collectives.all_reduce_flat(tensors, group)`",
+        doc_input="a tensor, not a list (its rows would be iterated)",
+    ),
+    "flat element": Case(
+        lambda g, r: all_reduce_flat([torch.zeros(2), Loose("b")], g),
+        "TypeError",
+        ("tensors[1] is a str, not a torch.Tensor",),
+        doc_call="`comm.collectives.all_reduce_flat(tensors, group)`",
+        doc_input="`[tensor, 'b']`",
     ),
     "group None": Case(
         lambda g, r: mg.all_reduce(torch.zeros(2), Loose(None)),

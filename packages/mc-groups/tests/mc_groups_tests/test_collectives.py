@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import ReduceOp, record_collectives
+from mc_groups.comm.collectives import all_reduce_flat
 from mc_groups.testing import RankPools
 
 
@@ -218,6 +219,38 @@ def test_communicator_batches_by_dtype_on_gloo(rank_pools: RankPools) -> None:
         assert out["all_reduce"] == [[1.5] * 2 * w] * 3
         assert out["reduce_scatter"] == out["accumulated"] == [[3.0] * 2] * 3
         assert out["gathered"] == [[0.0, 0.0, 1.0, 1.0]] * 3
+
+
+def _flat_all_reduces() -> dict[str, Any]:
+    """``all_reduce_flat`` on rank-valued tensors of two dtypes, one of them a
+    non-contiguous view; then a lone non-contiguous tensor."""
+    g, r = _world(), dist.get_rank()
+    a = torch.full((2, 3), float(r + 1)).t()  # fp32, non-contiguous
+    b = torch.full((3,), float(r + 1), dtype=torch.bfloat16)
+    c = torch.full((1,), 10.0 * (r + 1))
+    lone = torch.full((3, 2), float(r)).t()
+    with record_collectives() as log:
+        all_reduce_flat([a, b, c], g, label="flat")
+        all_reduce_flat([lone], g, op=ReduceOp.MAX, label="lone")
+    return {
+        "values": [a.tolist(), b.float().tolist(), c.tolist(), lone.tolist()],
+        "log": [(x.op, x.reduce_op, x.dtype, x.numel, x.label) for x in log],
+    }
+
+
+def test_all_reduce_flat_one_collective_per_dtype(rank_pools: RankPools) -> None:
+    """Megatron's flatten / all-reduce / unflatten, per dtype: fp32 ``a`` (6 elements) and
+    ``c`` (1) travel as one buffer of 7, bf16 ``b`` alone in place; 2 ranks sum 1 + 2 = 3
+    (``c``: 10 + 20); a lone non-contiguous tensor is flattened too (MAX of 0 and 1). Bad
+    arguments: ``test_bad_input.py``."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    for out in rank_pools.get(2).run(_flat_all_reduces):
+        assert out["values"] == [[[3.0] * 2] * 3, [3.0] * 3, [30.0], [[1.0] * 3] * 2]
+        assert out["log"] == [
+            ("all_reduce", "sum", f32, 7, "flat"),
+            ("all_reduce", "sum", bf16, 3, "flat"),
+            ("all_reduce", "max", f32, 6, "lone"),
+        ]
 
 
 def _rows(out: torch.Tensor, w: int) -> list[tuple[float, float]]:

@@ -11,7 +11,7 @@ module                              what it holds
 :mod:`.collectives`                 the collectives (``all_reduce``, ``reduce_scatter``,
                                     ``all_gather``, ``broadcast``, ``all_to_all``,
                                     ``send``/``recv``, ``barrier``, ``all_gather_objects``,
-                                    ``coalesced``) and group queries
+                                    ``coalesced``, ``all_reduce_flat``) and group queries
 :mod:`.traceable`                   the same collectives returning new tensors, traceable by
                                     ``torch.compile(fullgraph=True)``
 :mod:`.communicator`                ``Communicator``: one caller's batched collectives on one
@@ -21,7 +21,8 @@ module                              what it holds
                                     ``fail_together``, ``CarriedStatus``, the per-collective
                                     check behind ``MC_CHECK_COLLECTIVE_SCHEDULE``
 ``_common``                         what every collective shares: ``ReduceOp``, the handle,
-                                    checks, descriptions, recording, issuing
+                                    checks, descriptions, recording, issuing, per-dtype
+                                    batching (``by_dtype``)
 ``_coalesced``                      coalesced batches (one kind of collective per batch)
 ``_reduce_scatter``                 the reduce-scatter algorithms (all-to-all + local sum)
 ``_gloo``                           gloo's all-gather (point to point or all-to-all)

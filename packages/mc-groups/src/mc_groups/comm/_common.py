@@ -1,13 +1,14 @@
 """What every collective of the layer shares: the reduce ops, the handle, group queries,
-tensor checks, descriptions (for errors), recording, issuing, and the hook of the opt-in
-schedule check. No collective is defined here (see :mod:`mc_groups.comm.collectives`)."""
+tensor checks, descriptions (for errors), recording, issuing, the batching of tensors by
+dtype, and the hook of the opt-in schedule check. No collective is defined here (see
+:mod:`mc_groups.comm.collectives`)."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -296,6 +297,21 @@ def check_pair(out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
         )
     if out.device != inp.device:
         raise InputValueError(f"{op}: output device {out.device} differs from input {inp.device}")
+
+
+_T = TypeVar("_T")
+
+
+def by_dtype(items: Sequence[_T], key: Callable[[_T], Hashable]) -> list[list[_T]]:
+    """``items`` in batches of one ``key`` (a dtype, or a dtype and a device), the batches in
+    order of first appearance and the items in order: what one collective may carry (gloo
+    batches and flat buffers take one dtype), the same on every rank that passes the same
+    list. The one home of mc's per-dtype batching (:class:`~mc_groups.Communicator` and
+    :func:`~mc_groups.comm.collectives.all_reduce_flat`)."""
+    batches: dict[Hashable, list[_T]] = {}
+    for item in items:
+        batches.setdefault(key(item), []).append(item)
+    return list(batches.values())
 
 
 def check_op(op: object) -> ReduceOp:

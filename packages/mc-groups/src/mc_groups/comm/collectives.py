@@ -50,6 +50,7 @@ from mc_groups.comm._common import (
     CollectiveHandle,
     Planned,
     ReduceOp,
+    by_dtype,
     check_all_gather,
     check_contiguous,
     check_op,
@@ -86,6 +87,7 @@ __all__ = [
     "all_gather",
     "all_gather_objects",
     "all_reduce",
+    "all_reduce_flat",
     "all_to_all",
     "barrier",
     "broadcast",
@@ -473,3 +475,39 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup, *, label: str = ""
         async_op=False,
     )
     return out
+
+
+def all_reduce_flat(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    *,
+    op: ReduceOp = ReduceOp.SUM,
+    label: str = "",
+) -> None:
+    """``t ← op over ranks of t`` for every tensor, in place, as few collectives as the
+    dtypes allow: the tensors of one dtype and device are concatenated into one flat buffer,
+    all-reduced and copied back (Megatron's ``_flatten_dense_tensors`` /
+    ``_unflatten_dense_tensors`` around one ``all_reduce``), one collective per dtype in
+    order of first appearance (:func:`~mc_groups.comm._common.by_dtype`). A lone contiguous
+    tensor is reduced in place, without a copy. Every argument is checked first; nothing is
+    issued on a one-rank group or for an empty list. Synchronous (the copies back need the
+    result)."""
+    check_group("group", group)
+    if not isinstance(tensors, list | tuple):
+        raise InputTypeError(f"tensors must be a list of tensors, got {type_name(tensors)}")
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise InputTypeError(f"tensors[{index}] is a {type_name(tensor)}, not a torch.Tensor")
+    op = check_op(op)
+    check_options(False, label, group=group)
+    if group.size() == 1:
+        return
+    for batch in by_dtype(tensors, lambda t: (t.dtype, t.device)):
+        if len(batch) == 1 and batch[0].is_contiguous():
+            _issue_all_reduce(batch[0], group, op, False, label)
+            continue
+        flat = torch.cat([tensor.reshape(-1) for tensor in batch])
+        _issue_all_reduce(flat, group, op, False, label)
+        pieces = torch.split(flat, [t.numel() for t in batch])
+        for tensor, piece in zip(batch, pieces, strict=True):
+            tensor.copy_(piece.view_as(tensor))

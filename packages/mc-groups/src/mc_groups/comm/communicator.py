@@ -189,7 +189,7 @@ class Communicator:
         label: str,
     ) -> CollectiveHandle:
         """One entry alone, several in one batch (on gloo: one batch per dtype)."""
-        batches = _split_by_dtype(items, dtype_of) if self._by_dtype else [items]
+        batches = core.by_dtype(items, dtype_of) if self._by_dtype else [items]
         handles = [alone(b[0]) if len(b) == 1 else batched(b) for b in batches if b]
         return _joined(handles, self._text("collectives", label))
 
@@ -243,13 +243,6 @@ def _checked_list(values: object, arg: str, kind: type[_T]) -> list[_T]:
         if not isinstance(item, kind):
             raise InputTypeError(f"{arg}[{i}] is a {type_name(item)}, not a {kind.__name__}")
     return items
-
-
-def _split_by_dtype(items: list[_T], dtype_of: Callable[[_T], torch.dtype]) -> list[list[_T]]:
-    batches: dict[torch.dtype, list[_T]] = {}
-    for item in items:
-        batches.setdefault(dtype_of(item), []).append(item)
-    return list(batches.values())
 
 
 def _joined(handles: list[CollectiveHandle], description: str) -> CollectiveHandle:
