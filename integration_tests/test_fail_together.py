@@ -17,6 +17,8 @@ was; and afterwards the same call, made correctly on every rank, works (the worl
 usable, nothing half done). On 4 ranks (TP=2 × DP=2, groups nested in the world) DDP and
 ``finalize_model_grads`` stop all 4 ranks (their exchange is over the world), while the TP
 layer's error stays in its TP group: ranks 0 and 1 raise, ranks 2 and 3 run the forward.
+``finalize_model_grads`` and ``ShardedOptimizer.step`` exchange only with
+``peer_checks=True`` (opt-in: a default step runs Megatron's collectives only).
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def _run_case(case: str, bad: bool, pgc: mg.ProcessGroupCollection, tp: int) -> 
     _backward(model, pgc)
     if case == "finalize":
         tokens = torch.ones(1) if bad else None  # not a per-token loss: num_tokens is wrong
-        out["error"] = _timed(lambda: finalize_model_grads([model], tokens, pgc))
+        # opt-in: a default finalize checks on each rank and exchanges nothing
+        out["error"] = _timed(lambda: finalize_model_grads([model], tokens, pgc, peer_checks=True))
         out["retry"] = _timed(lambda: finalize_model_grads([model], None, pgc))[0]
         return out
     finalize_model_grads([model], None, pgc)

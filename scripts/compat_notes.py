@@ -75,8 +75,9 @@ NOTES: dict[str, tuple[str | None, str]] = {
     "finalize_model_grads": (
         None,
         _DEFAULT_GROUPS
-        + "; keyword-only `peer_checks=True`: the per-step status exchange that makes one "
-        "rank's failed check every rank's error (`False` skips it); params marked "
+        + "; keyword-only `peer_checks=False`: `True` adds a per-step status exchange that "
+        "makes one rank's failed check every rank's error (opt-in: a default call issues "
+        "Megatron's collectives only); params marked "
         "`sum_gradients_across_tp_domain` (mc's mark) are summed over tp with or without "
         "sequence parallelism",
     ),

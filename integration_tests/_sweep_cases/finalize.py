@@ -228,39 +228,6 @@ def _step_slots() -> None:
         only=True,
         good=[Chunk()],
     )
-    tensors = mf._allreduce_tensors
-    arg(
-        F,
-        "_allreduce_tensors(tensors=)",
-        "misuse",
-        lambda c, v: tensors(v, c.world_group, mg.ReduceOp.SUM, "x"),
-        ("tensors",),
-        values=(None, "x", [None], ["x"], z()),
-        only=True,
-        good=[z()],
-    )
-    arg(
-        F,
-        "_allreduce_tensors(group=)",
-        "group",
-        lambda c, v: tensors([z()], v, mg.ReduceOp.SUM, "x"),
-    )
-    arg(
-        F,
-        "_allreduce_tensors(op=)",
-        "misuse",
-        lambda c, v: tensors([z()], c.world_group, v, "x"),
-        ("op",),
-        values=("sum", None),
-        only=True,
-        good=mg.ReduceOp.SUM,
-    )
-    arg(
-        F,
-        "_allreduce_tensors(label=)",
-        "text",
-        lambda c, v: tensors([z()], c.world_group, mg.ReduceOp.SUM, v),
-    )
     embed = mf._allreduce_embedding_grad
     getter = mf._get_position_embedding_weight
     arg(

@@ -16,6 +16,7 @@ from integration_tests._sweep_cases.base import (
     mg,
     z,
 )
+from mc_groups.comm.collectives import all_reduce_flat
 
 
 def w(ctx: Ctx) -> Any:
@@ -120,6 +121,30 @@ def _collective_slots() -> None:
         only=True,
         good=[z()],
     )
+    # the flat all-reduce (one collective per dtype)
+    flat = all_reduce_flat
+    arg(
+        G,
+        "all_reduce_flat(tensors=)",
+        "misuse",
+        lambda c, v: flat(v, w(c)),
+        ("tensors",),
+        values=(None, "x", [None], ["x"], z()),
+        only=True,
+        good=[z()],
+    )
+    arg(G, "all_reduce_flat(group=)", "group", lambda c, v: flat([z()], v))
+    arg(
+        G,
+        "all_reduce_flat(op=)",
+        "misuse",
+        lambda c, v: flat([z()], w(c), op=v),
+        ("op",),
+        values=("sum", None),
+        only=True,
+        good=mg.ReduceOp.SUM,
+    )
+    arg(G, "all_reduce_flat(label=)", "text", lambda c, v: flat([z()], w(c), label=v))
     # all_gather
     arg(
         G,

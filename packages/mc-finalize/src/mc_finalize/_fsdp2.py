@@ -14,9 +14,6 @@ rank (the reduce-scatter would have averaged different shards).
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 
@@ -26,13 +23,6 @@ from mc_groups.argcheck import type_name
 from mc_groups.errors import InputStateError, InputValueError
 
 __all__: list[str] = []
-
-
-def is_fsdp2(chunk: object) -> bool:
-    """``chunk`` is a module under ``fully_shard`` (False without importing FSDP2)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    module = getattr(fsdp, "FSDPModule", None)
-    return module is not None and isinstance(chunk, module)
 
 
 def check_chunk(index: int, chunk: torch.nn.Module, tp: dist.ProcessGroup) -> None:
@@ -68,18 +58,6 @@ def check_chunk(index: int, chunk: torch.nn.Module, tp: dist.ProcessGroup) -> No
                     "(DeviceMesh.from_group(pg_collection.dp_cp, ...))"
                 )
             break  # one mesh per module group
-
-
-def config_of(chunks: Sequence[object]) -> object | None:
-    """The config finalize reads: ``model[0].config`` when it is mc's / Megatron's (it has
-    ``sequence_parallel``), else the config ``parallelize`` recorded on the model."""
-    config: object = getattr(chunks[0], "config", None)
-    if config is not None and hasattr(config, "sequence_parallel"):
-        return config
-    from mc_groups.config import recorded_config  # noqa: PLC0415
-
-    recorded = recorded_config(chunks[0])
-    return config if recorded is None else recorded
 
 
 def local_reduction(grad: torch.Tensor, group: dist.ProcessGroup) -> bool:

@@ -1,97 +1,737 @@
-"""``finalize_model_grads``: after the last backward of a global batch, before the optimizer.
+"""``finalize_model_grads``: after the last backward of a global batch, before the optimizer
+step; each of its steps under Megatron-Core's name, in Megatron's order
+(``megatron/core/distributed/finalize_model_grads.py``).
 
-Everything is validated first, once (model list, config, groups, ``num_tokens``, embedding
-weights, chunks already finalized this iteration), so bad input fails on every rank before
-the first collective and before any chunk's ``finish_grad_sync``. Then the steps run on
-the checked inputs: each Megatron-named step is a wrapper that checks its own arguments
-over a core, and this function calls the cores. In order::
+The steps of one call (T: the group's size; ``data``: ``dp_cp``, or ``dp_cp_gtp_remat``
+under gtp_remat, every rank that sees different data)::
 
-     1. ``finish_grad_sync(force_all_reduce)`` on every chunk       data-parallel reduction
-        (none for a module under FSDP2's ``fully_shard``: reduced in backward)
-     2. conditional-embedder grads      SUM over pp          (has_cond_embedder, pp > 1)
-     3. Flextron router grads           SUM over pp          (flextron, pp > 1)
-     4. non-tensor-parallel grads       SUM / AVG over tp    (tp > 1)
-     5. replicated grads                AVG (SUM per-token) over gtp_remat / expt_gtp_remat (> 1)
-     6. shared word-embedding grad      SUM over embd        (first and last stage)
-     7. position-embedding grad         SUM over pos_embd    (member ranks, group > 1)
-     8. router expert bias              SUM of tokens over tp_dp_cp (moe_router_enable_expert_bias)
-     9. router qb_beta                  AVG over dp_cp (dp_cp_gtp_remat under gtp_remat)
-                                                             (quantile_balancing)
-    10. reset_model_temporary_tensors                        (no communication)
-    11. with calculate_per_token_loss: num_tokens broadcast from the last pp rank, SUM over
-        dp_cp (dp_cp_gtp_remat when gtp_remat is active: those peers see different tokens), in
-        float64, then every chunk's ``scale_gradients(1 / max(num_tokens, 1))``
-    12. every chunk that has it: ``mark_grads_finalized()``
+     1. every chunk's finish_grad_sync(force_all_reduce)   DDP's groups   always
+     2. conditional-embedder grads    SUM          pp          has_cond_embedder, pp > 1
+     3. Flextron router grads         SUM          pp          flextron, pp > 1
+     4. non-tensor-parallel grads     SUM, AVG     tp          tp > 1
+     5. replicated grads              AVG (SUM)    gtp_remat, expt_gtp_remat   size > 1
+     6. shared word-embedding grad    SUM          embd        first and last stage, T > 1
+     7. position-embedding grad       SUM          pos_embd    member ranks, T > 1
+     8. router expert bias            SUM tokens   tp_dp_cp    moe_router_enable_expert_bias
+     9. router qb_beta                AVG          data        quantile_balancing
+    10. reset_model_temporary_tensors              (none)
+    11. num_tokens                    broadcast    pp (from the last rank)   per-token loss
+                                      SUM          data        then scale_gradients(1/max(n, 1))
+    12. every chunk's mark_grads_finalized()       (none)
 
-``num_tokens`` is given exactly when ``config.calculate_per_token_loss`` (as Megatron's
-schedules pass it); its type, shape, dtype and device are checked on each rank. Its value
-can differ between ranks (it counts this rank's tokens), so a value check on one rank alone
-would let that rank raise while its peers wait in the next collective. Instead a missing,
-NaN, ±inf or negative count enters the token reduction as NaN (device ops, no host sync),
-the sum read back for the scaling is NaN on every rank, and every rank raises the same
-``ValueError`` before scaling (the grads were reduced, not scaled: redo the iteration).
+A grad is ``param.main_grad`` when the param has that attribute, else ``param.grad``; the
+grads of one step and dtype travel as one flat all-reduce. What the steps compute:
 
-Finalizing twice would reduce and scale the grads twice: a chunk that says its grads were
-already finalized (``grads_finalized``, as ``mc_ddp.DistributedDataParallel`` does until
-its next ``zero_grad_buffer()``) is refused before anything runs, and each chunk's
-``mark_grads_finalized()`` (when it has one) is called at the end. Hand-made chunks without
-the two attributes are not protected. The same chunk twice in ``model`` is refused.
+- 2, 3: params on every (virtual) pipeline stage marked ``pipeline_parallel`` (conditional
+  embedders) or ``flextron_router_pp_sync``: ``g ← Σ_pp Σ_local chunks g`` per name.
+- 4: ``g ← (1/T) Σ_tp g`` for params marked ``average_gradients_across_tp_domain`` (a full
+  grad on each tp rank); ``g ← Σ_tp g`` for params marked ``sequence_parallel`` under
+  ``config.sequence_parallel``, named ``*q_layernorm*`` / ``*k_layernorm*`` under
+  ``config.qk_layernorm``, or marked ``sum_gradients_across_tp_domain`` (mc's mark: a
+  replicated param whose grad is a partial sum over tp without sequence parallelism, e.g. a
+  norm shared by all heads after a column-parallel layer, Megatron-LM #7452 row 11). The
+  AVG mark wins over ``sequence_parallel``, as in Megatron.
+- 5: DDP reduced only the replicate axis of replicate × gtp_remat; params not
+  gtp_remat-sharded need ``g ← AVG_gtp g`` (grads independent of how the ranks split), or
+  ``Σ_gtp`` under per-token loss (step 11 counts the gtp_remat peers' tokens). Dense params
+  over ``gtp_remat``, expert params (``allreduce=False``) over ``expt_gtp_remat``.
+- 6, 7: a weight on two stages (tied input/output embedding; encoder and decoder position
+  embeddings): ``g ← Σ g``. It is in ``model[0]`` on the first stage, ``model[-1]`` on the
+  last, and on a middle stage in ``model[-1]`` with MTP layers; a model without
+  ``share_embeddings_and_output_weights`` marks it ``shared_embedding``.
+- 8: training-mode routers with ``expert_bias`` and ``local_tokens_per_expert`` (bias not
+  frozen): ``t ← Σ local_tokens_per_expert`` (stacked: one all-reduce),
+  ``bias ← bias + rate · sign(mean_e(t) − t)`` (aux-loss-free balancing, arXiv:2408.15664).
+- 9: training-mode routers with ``qb_beta``, ``qb_beta_accum``, ``qb_beta_count``:
+  ``q ← AVG (accum / max(count, 1))``, ``b ← ema · qb_beta + (1 − ema) · q``,
+  ``qb_beta ← b − mean_e(b)``.
+- 10: ``local_tokens_per_expert`` (with expert bias), ``qb_beta_accum`` / ``qb_beta_count``
+  zeroed, ``reset_global_aux_loss_tracker()`` called (global aux loss); eval mode included.
 
-A chunk under FSDP2 (``fully_shard``) is taken as it is (``mc_finalize._fsdp2``): its
-marks come back from the record ``mc_tp_layers.parallelize`` left on its modules, its
-config is the one ``parallelize`` recorded when ``model[0].config`` is its library's, its
-DTensor grads are reduced over ``tp`` shard by shard (every TP peer holds the same
-data-parallel shard: no gather).
+**Checks and their cost.** Before step 1, on each rank, without communicating: the model
+list, the config (:mod:`mc_groups.config`), the groups of the steps that run,
+``num_tokens`` (exactly under per-token loss; one count, an exact dtype, the model's
+device), the embedding weights, the routers' state, no chunk finalized twice, and with
+tp > 1 the params' marks. What every rank sees alike (config, groups, marks of replicated
+modules) fails on every rank alike, before any collective. ``num_tokens``' value differs
+between ranks: a missing, NaN, ±inf or negative count travels through the token reduction
+as NaN, so every rank raises the same ``ValueError`` (the one device-to-host read of a
+per-token-loss step). A check failing on one rank only (a chunk finalized twice there)
+raises there, and its peers wait in their next collective until the group's timeout;
+``peer_checks=True`` ends the checks in one status exchange over the world
+(:func:`mc_groups.fail_together`) so that every rank raises together, at the price of one
+collective and (on GPUs) one device synchronisation per step that Megatron's step does not
+have. Off by default: a default call runs exactly Megatron's collectives.
 
-Groups come from ``pg_collection`` (or the registered default collection). Needed always:
-``tp``. Needed when their step runs: ``pp`` (steps 2, 3, 6, 7 with a multi-rank group, 11),
-``dp_cp`` (9, 11; ``dp_cp_gtp_remat`` for both under gtp_remat), ``tp_dp_cp`` (8),
-``gtp_remat`` / ``expt_gtp_remat`` when the config's ``gtp_remat_size`` /
-``expert_gtp_remat_size`` > 1. ``embd`` / ``pos_embd`` may be None (ranks that hold no
-embedding copy).
+**FSDP2 chunks** (a module under ``fully_shard`` passed as it is, torchtitan's way;
+:mod:`mc_finalize._fsdp2`): no step 1 (FSDP2 reduced in backward), the marks restored from
+the record ``mc_tp_layers.parallelize`` left and the config it recorded when
+``model[0].config`` is its library's, a tensor-parallel layer without a record or a mesh
+holding tp peers refused before any collective; a grad whose mesh meets tp only at this rank
+is reduced over tp shard by shard (every tp peer holds the same data-parallel shard).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import cast
+from functools import partial
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_finalize._fsdp2 import check_chunk as check_fsdp2_chunk
-from mc_finalize._fsdp2 import is_fsdp2
-from mc_finalize._inputs import (
-    FINALIZE_METHODS,
-    _as_chunks,
-    _check_force,
-    _check_methods,
-    _check_num_tokens,
-    _config_of,
-)
-from mc_finalize._settings import _read_settings, _Settings
-from mc_finalize.embedding_grads import _reduce_embedding_grad, _stage_embedding_weight
-from mc_finalize.gtp_grads import _reduce_replicated_grads
-from mc_finalize.pipeline_grads import (
-    _CONDITIONAL_EMBEDDERS,
-    _FLEXTRON_ROUTERS,
-    _reduce_replicated_over_pp,
-)
-from mc_finalize.protocols import FinalizeConfig, ModelChunk
-from mc_finalize.router_state import (
-    _reset_temporary_tensors,
-    _update_expert_bias,
-    _update_qb_beta,
-)
-from mc_finalize.tp_grads import _check_tp_marks, _reduce_non_tensor_parallel_grads
-from mc_groups.argcheck import check_flag
-from mc_groups.errors import InputValueError
+from mc_finalize import _fsdp2
+from mc_groups import dtensors, param_attrs
+from mc_groups.argcheck import check_flag, check_optional_group, check_tensor, type_name
+from mc_groups.comm.collectives import all_reduce_flat
+from mc_groups.config import TransformerConfigLike, check_config, config_value, recorded_config
+from mc_groups.errors import InputTypeError, InputValueError
 
-__all__ = ["finalize_model_grads"]
+__all__ = ["ModelChunk", "finalize_model_grads", "reset_model_temporary_tensors"]
+
+Param = torch.nn.Parameter
+Group = dist.ProcessGroup
+WeightGetter = Callable[[object], Param | None]
+
+
+class ModelChunk(Protocol):
+    """One (virtual) pipeline chunk of the model on this rank: mc-ddp's or Megatron's DDP
+    wrapper, or any module with these methods (``scale_gradients`` only with per-token loss;
+    the step helpers alone read only ``named_parameters()`` / ``parameters()``). Routers
+    are found through ``modules()`` when the chunk has it."""
+
+    @property
+    def config(self) -> TransformerConfigLike:
+        """The chunk's config (finalize reads ``model[0].config``)."""
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Finish the data-parallel grad reduction of this chunk."""
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """``grad ← scaling_factor · grad`` for every grad of this chunk."""
+
+    def named_parameters(self) -> Iterator[tuple[str, Param]]:
+        """``(name, param)`` pairs; names match across pipeline ranks and chunks."""
+
+    def parameters(self) -> Iterator[Param]:
+        """Every parameter of the chunk, each once."""
+
+
+# ------------------------------------------------------------------ grads, DTensor grads
+
+
+def _get_main_grad_attr(param: Param) -> str:
+    """``"main_grad"`` when ``param`` has that attribute, else ``"grad"``."""
+    check_tensor("param", param)
+    return param_attrs.MAIN_GRAD if param_attrs.has_main_grad(param) else "grad"
+
+
+def _unshard_if_dtensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a DTensor (torch FSDP2's grads), any other tensor unchanged:
+    gathered through mc-groups (:func:`mc_groups.dtensors.full_tensor`, recorded; a
+    ``Partial`` placement is a ``TypeError`` before it), the DTensor's attributes copied."""
+    check_tensor("tensor", tensor)
+    if not dtensors.is_dtensor(tensor):
+        return tensor
+    full = dtensors.full_tensor(tensor, "unshard DTensor grad")
+    vars(full).update(vars(tensor))
+    return full
+
+
+def _reshard_if_dtensor(
+    tensor_to_shard: torch.Tensor, reference_tensor: torch.Tensor
+) -> torch.Tensor:
+    """``tensor_to_shard`` split like ``reference_tensor`` when that is a DTensor (its mesh,
+    placements, global shape, stride and attributes; this rank keeps its ``torch.chunk``
+    slice: no communication), else ``reference_tensor`` itself (a plain grad was reduced in
+    place)."""
+    check_tensor("tensor_to_shard", tensor_to_shard)
+    check_tensor("reference_tensor", reference_tensor)
+    if not dtensors.is_dtensor(reference_tensor):
+        return reference_tensor
+    with torch.no_grad():
+        sharded = dtensors.distribute_like(tensor_to_shard, reference_tensor)
+    vars(sharded).update(vars(reference_tensor))
+    return sharded
+
+
+# A param's grad as a plain tensor to reduce: (param, attribute, the DTensor grad the
+# reduced tensor is resharded like by _commit or None: nothing to write back, the tensor
+# reduced: the grad itself, a DTensor grad's local shard, or its unsharded copy).
+_GradView = tuple[Param, str, torch.Tensor | None, torch.Tensor]
+
+
+def _grad_views(params: Sequence[Param], shard_group: Group | None = None) -> list[_GradView]:
+    """The grads (``main_grad`` or ``grad``) of the params that have one, unsharded; an
+    FSDP2 grad whose mesh meets ``shard_group`` only at this rank as its local shard (every
+    peer holds the same data-parallel shard: :func:`mc_finalize._fsdp2.local_reduction`)."""
+    views: list[_GradView] = []
+    for param in params:
+        attr = _get_main_grad_attr(param)
+        grad = getattr(param, attr)
+        if grad is not None and not isinstance(grad, torch.Tensor):
+            raise InputTypeError(f"param.{attr} is {type_name(grad)}, expected a tensor or None")
+        if grad is None:
+            continue
+        if not dtensors.is_dtensor(grad):
+            views.append((param, attr, None, grad))
+        elif shard_group is not None and _fsdp2.local_reduction(grad, shard_group):
+            views.append((param, attr, None, grad.to_local()))  # type: ignore[attr-defined]
+        else:
+            views.append((param, attr, grad, _unshard_if_dtensor(grad)))
+    return views
+
+
+def _commit(views: Sequence[_GradView]) -> None:
+    """Store each reduced grad back on its param (resharded when it was unsharded)."""
+    for param, attr, like, full in views:
+        if like is not None:
+            setattr(param, attr, _reshard_if_dtensor(full, like))
+
+
+def _allreduce_grads(
+    params: Sequence[Param], group: Group | None, op: mg.ReduceOp, label: str, shards: bool = False
+) -> None:
+    """``g ← op over group of g`` for the grad of every param that has one: one flat
+    all-reduce per dtype (Megatron's flatten / unflatten); nothing on a group of one rank.
+    ``shards``: FSDP2 grads may be reduced shard by shard (:func:`_grad_views`)."""
+    views = _grad_views(params, group if shards else None) if _multi(group) else []
+    if views:
+        assert group is not None
+        all_reduce_flat([full for *_, full in views], group, op=op, label=label)
+        _commit(views)
+
+
+# ------------------------------------------------------------------ arguments
+
+
+def _checked_config(config: object, what: str, *, per_token: bool = False) -> TransformerConfigLike:
+    """Every config has ``sequence_parallel``; ``finalize_model_grads`` also needs
+    ``calculate_per_token_loss``, which Megatron's ``ModelParallelConfig`` lacks and its step
+    helpers never read. Every other field reads Megatron's default when absent."""
+    required = ("sequence_parallel", "calculate_per_token_loss")
+    return check_config(config, what, required=required if per_token else required[:1])
+
+
+def _has_mtp(config: object) -> bool:
+    return bool((config_value(config, "mtp_num_layers") or 0) > 0)
+
+
+def _balancing(config: object, kind: str) -> bool:
+    return kind in config_value(config, "moe_router_load_balancing_type")
+
+
+def _as_chunks(
+    model: object, methods: Sequence[str] = ("named_parameters", "parameters")
+) -> list[ModelChunk]:
+    """``model`` as a non-empty list of distinct chunks that each have ``methods``."""
+    if isinstance(model, torch.nn.Module) or not isinstance(model, list | tuple):
+        raise InputTypeError(
+            f"model must be a list of model chunks (one per virtual pipeline stage), got "
+            f"{type_name(model)}; pass [model] for a single chunk"
+        )
+    if not model:
+        raise InputValueError("model=[] holds no model chunk; pass the chunks this rank owns")
+    for index, chunk in enumerate(model):
+        own = [m for m in methods if m != "finish_grad_sync" or not _is_fsdp2(chunk)]
+        missing = [m for m in own if not callable(getattr(chunk, m, None))]
+        if missing:
+            raise InputTypeError(
+                f"model[{index}] ({type_name(chunk)}) lacks {missing}; a model chunk is a "
+                "torch.nn.Module (finalize_model_grads: DDP-wrapped, e.g. "
+                "mc_ddp.DistributedDataParallel, a module under FSDP2's fully_shard, or any "
+                "object with finish_grad_sync, named_parameters and parameters; "
+                "scale_gradients with per-token loss)"
+            )
+        first = next(i for i, other in enumerate(model) if other is chunk)
+        if first != index:
+            raise InputValueError(
+                f"model[{index}] is the same object as model[{first}]: each model chunk must "
+                "appear once (its grads would be reduced and scaled twice)"
+            )
+    return list(model)
+
+
+def _group(
+    group: Group | None, arg: str, field: str, what: str, *, required: bool = True
+) -> Group | None:
+    """``group`` (argument ``arg``), else field ``field`` of the registered default
+    collection (None there: a MissingGroupError when ``required``)."""
+    if check_optional_group(arg, group, what=what) is not None:
+        return group
+    collection = mg.collection_or_default(None, what, explicit=f"{arg}=pg_collection.{field}")
+    found: Group | None = getattr(collection, field)
+    if found is None and required:
+        raise mg.MissingGroupError(
+            f"{what} needs the {field} group, but none was passed and the default "
+            f"ProcessGroupCollection has {field}=None; pass it explicitly"
+        )
+    return found
+
+
+def _is_fsdp2(chunk: object) -> bool:
+    """``chunk`` is a module under FSDP2's ``fully_shard`` (False without importing FSDP2):
+    it reduced its grads in backward and has no ``finish_grad_sync``."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module = getattr(fsdp, "FSDPModule", None)
+    return module is not None and isinstance(chunk, module)
+
+
+def _multi(group: Group | None) -> bool:
+    return group is not None and mg.group_size(group) > 1
+
+
+def _modules(chunk: object) -> Iterator[object]:
+    """Every submodule of the chunk (nothing when the chunk has no ``modules()``)."""
+    modules = getattr(chunk, "modules", None)
+    if callable(modules):
+        yield from modules()
+
+
+# ------------------------------------------------------------------ the steps, in Megatron's order
+
+
+def _allreduce_conditional_embedding_grads(
+    model: Sequence[ModelChunk], config: TransformerConfigLike, pp_group: Group | None = None
+) -> None:
+    """Step 2: all-reduce conditional-embedder grads (params marked ``pipeline_parallel``)
+    over pp when ``config.has_cond_embedder``, for models that replicate their embedders
+    (timestep, FPS, label: diffusion models) on every pipeline and virtual-pipeline stage.
+    ``pp_group=None`` reads the default collection's ``pp``."""
+    what = "_allreduce_conditional_embedding_grads"
+    mark, label = param_attrs.PIPELINE_PARALLEL, "conditional embedding grads"
+    _replicated_step(model, config, pp_group, what, "has_cond_embedder", mark, label)
+
+
+def _replicated_step(
+    model: object, config: object, pp_group: object, what: str, switch: str, mark: str, label: str
+) -> None:
+    """Steps 2 and 3 alone: check their arguments, then reduce when the switch is on."""
+    chunks = _as_chunks(model)
+    pp = check_optional_group("pp_group", pp_group, what=what)
+    if config_value(_checked_config(config, what), switch):
+        _reduce_over_pp(_by_name(chunks, mark), _group(pp, "pp_group", "pp", what), label)
+
+
+def _by_name(chunks: Sequence[ModelChunk], mark: str) -> list[list[Param]]:
+    """The params marked ``mark`` that require grad, grouped by name (one per chunk)."""
+    copies: dict[str, list[Param]] = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if param.requires_grad and getattr(param, mark, False):
+                copies.setdefault(name, []).append(param)
+    return list(copies.values())
+
+
+def _reduce_over_pp(copies: list[list[Param]], pp: Group | None, label: str) -> None:
+    """``g ← Σ_pp Σ_local g`` for every copy: the local copies summed into the first, the
+    firsts all-reduced, the result copied back to the other local copies."""
+    by_name = [local for local in map(_grad_views, copies) if local] if _multi(pp) else []
+    if not by_name:
+        return
+    firsts = [local[0][3] for local in by_name]
+    for first, local in zip(firsts, by_name, strict=True):
+        for *_, other in local[1:]:
+            first.add_(other)
+    assert pp is not None
+    all_reduce_flat(firsts, pp, op=mg.ReduceOp.SUM, label=label)
+    for first, local in zip(firsts, by_name, strict=True):
+        for *_, other in local[1:]:
+            other.copy_(first)
+        _commit(local)
+
+
+def _get_shared_word_embedding_weight(
+    model_module: object, config: TransformerConfigLike
+) -> Param | None:
+    """The shared word-embedding / output weight when it is duplicated across stages: a
+    Megatron language model says so with ``share_embeddings_and_output_weights`` (or MTP
+    layers) and returns it from ``shared_embedding_or_output_weight()``; another model
+    marks it ``shared_embedding=True`` (the first such param)."""
+    _checked_config(config, "_get_shared_word_embedding_weight")
+    if not hasattr(model_module, "share_embeddings_and_output_weights"):
+        parameters = getattr(model_module, "parameters", None)
+        if not callable(parameters):
+            raise InputTypeError(
+                f"model_module={model_module!r} must be the wrapped model (an object with "
+                "parameters() or share_embeddings_and_output_weights)"
+            )
+        return next((p for p in parameters() if param_attrs.is_shared_embedding(p)), None)
+    if not (model_module.share_embeddings_and_output_weights or _has_mtp(config)):
+        return None
+    getter = getattr(model_module, "shared_embedding_or_output_weight", None)
+    if not callable(getter):
+        raise InputTypeError(
+            f"{type_name(model_module)} shares its embedding and output weights but has no "
+            "shared_embedding_or_output_weight() to return that weight"
+        )
+    weight: Param | None = getter()
+    return weight
+
+
+def _get_position_embedding_weight(model_module: object) -> Param:
+    """``model_module.position_embeddings.weight``; a ValueError when it has none."""
+    weight = getattr(getattr(model_module, "position_embeddings", None), "weight", None)
+    if not isinstance(weight, Param):
+        raise InputValueError(
+            f"{type_name(model_module)} has no position_embeddings.weight, but this rank is "
+            "in a position-embedding group of more than one rank; give the stage its "
+            "position_embeddings or leave pos_embd unset"
+        )
+    return weight
+
+
+def _allreduce_word_embedding_grads(
+    model: Sequence[ModelChunk],
+    config: TransformerConfigLike,
+    embd_group: Group | None = None,
+    pp_group: Group | None = None,
+) -> None:
+    """Step 6: all-reduce the shared word-embedding grad across the first and last pipeline
+    stages. With both groups None both come from the default collection (whose ``embd`` is
+    None on ranks holding no copy); with ``pp_group`` given, ``embd_group=None`` means this
+    rank is in no embedding group: nothing runs."""
+    what = "_allreduce_word_embedding_grads"
+    _checked_config(config, what)
+    check_optional_group("embd_group", embd_group, what=what)
+    check_optional_group("pp_group", pp_group, what=what)
+    if embd_group is None and pp_group is None:
+        embd_group = _group(None, "embd_group", "embd", what, required=False)
+        pp_group = _group(None, "pp_group", "pp", what, required=False)
+    getter = partial(_get_shared_word_embedding_weight, config=config)
+    _allreduce_embedding_grad(model, embd_group, pp_group, getter, config=config)
+
+
+def _allreduce_embedding_grad(
+    model: Sequence[ModelChunk],
+    embd_group: Group | None,
+    pp_group: Group | None,
+    weight_getter: WeightGetter,
+    skip_if_none: bool = True,
+    config: TransformerConfigLike | None = None,
+) -> None:
+    """All-reduce (SUM) the grad of ``weight_getter(model_module)`` over ``embd_group``, for
+    the wrapped model of the chunk holding the weight (module notes; ``pp_group`` tells the
+    first stage from the last). A getter returning None skips with ``skip_if_none``, else is
+    a ValueError; a frozen weight (grad None) skips. Nothing runs for a None or 1-rank
+    ``embd_group``."""
+    what = "_allreduce_embedding_grad"
+    check_optional_group("embd_group", embd_group, what=what)
+    check_optional_group("pp_group", pp_group, what=what)
+    if not callable(weight_getter):
+        raise InputTypeError(
+            f"weight_getter={weight_getter!r} must be a callable taking the model module and "
+            "returning the weight (or None)"
+        )
+    check_flag("skip_if_none", skip_if_none)
+    has_mtp = config is not None and _has_mtp(_checked_config(config, what))
+    chunks = _as_chunks(model)
+    weight = _embedding_weight(chunks, embd_group, pp_group, weight_getter, has_mtp, skip_if_none)
+    _allreduce_grads(weight, embd_group, mg.ReduceOp.SUM, "embedding grads")
+
+
+def _embedding_weight(
+    chunks: Sequence[ModelChunk],
+    group: Group | None,
+    pp_group: Group | None,
+    weight_getter: WeightGetter,
+    has_mtp: bool,
+    skip_if_none: bool,
+) -> list[Param]:
+    """The weight this rank reduces over ``group`` (none: nothing to do)."""
+    if not _multi(group):
+        return []
+    if pp_group is None:
+        raise mg.MissingGroupError(
+            "an embedding group of more than one rank needs pp_group to tell the first "
+            "pipeline stage from the last; pass pg_collection.pp"
+        )
+    stage, stages = mg.group_rank(pp_group), mg.group_size(pp_group)
+    module: object = chunks[-1] if stage > 0 and (stage == stages - 1 or has_mtp) else chunks[0]
+    inner = getattr(module, "module", None)  # DDP, Float16Module: the model is in .module
+    while not hasattr(module, "pre_process") and inner is not None:
+        module, inner = inner, getattr(inner, "module", None)
+    weight = weight_getter(module)
+    if weight is None and not skip_if_none:
+        raise InputValueError(
+            "weight_getter returned None on a rank of an embedding group of more than one "
+            "rank; every member must hold the weight (or pass skip_if_none=True)"
+        )
+    return [] if weight is None else [weight]
+
+
+def _allreduce_position_embedding_grads(
+    model: Sequence[ModelChunk],
+    config: TransformerConfigLike,
+    pos_emb_group: Group | None,
+    pp_group: Group | None,
+) -> None:
+    """Step 7: all-reduce ``position_embeddings.weight``'s grad across the position-embedding
+    group, keeping encoder and decoder stages in sync (a member without the weight: a
+    ValueError; a None group: this rank holds no copy)."""
+    what = "_allreduce_position_embedding_grads"
+    _checked_config(config, what)
+    check_optional_group("pos_emb_group", pos_emb_group, what=what)
+    check_optional_group("pp_group", pp_group, what=what)
+    weight = _get_position_embedding_weight
+    _allreduce_embedding_grad(model, pos_emb_group, pp_group, weight, skip_if_none=False)
+
+
+def _allreduce_router_grads(
+    model: Sequence[ModelChunk], config: TransformerConfigLike, pp_group: Group | None = None
+) -> None:
+    """Step 3: all-reduce Flextron router grads (params marked ``flextron_router_pp_sync``)
+    over pp when ``config.flextron``, so that routers replicated on every stage stay in sync.
+    ``pp_group=None`` reads the default collection's ``pp``."""
+    what, mark = "_allreduce_router_grads", param_attrs.FLEXTRON_ROUTER_PP_SYNC
+    _replicated_step(model, config, pp_group, what, "flextron", mark, "router grads")
+
+
+def reset_model_temporary_tensors(
+    config: TransformerConfigLike, model: Sequence[ModelChunk]
+) -> None:
+    """Step 10: reset the per-global-batch accumulators of every module, eval mode included
+    (no communication): ``local_tokens_per_expert`` when
+    ``config.moe_router_enable_expert_bias``, ``reset_global_aux_loss_tracker()`` when the
+    load-balancing type includes ``global_aux_loss``, ``qb_beta_accum`` / ``qb_beta_count``
+    of every module that has them."""
+    chunks = _as_chunks(model)
+    _checked_config(config, "reset_model_temporary_tensors")
+    expert_bias = config_value(config, "moe_router_enable_expert_bias")
+    global_aux_loss = _balancing(config, "global_aux_loss")
+    for chunk in chunks:
+        for module in _modules(chunk):
+            if expert_bias and _has(module, "local_tokens_per_expert"):
+                _tensor(module, "local_tokens_per_expert").zero_()
+            reset = getattr(module, "reset_global_aux_loss_tracker", None)
+            if global_aux_loss and callable(reset):
+                reset()
+            if _has(module, "qb_beta_accum"):
+                _tensor(module, "qb_beta_accum").zero_()
+                count = getattr(module, "qb_beta_count", None)
+                if isinstance(count, torch.Tensor):
+                    count.zero_()
+
+
+def _update_router_expert_bias(
+    model: Sequence[ModelChunk], config: TransformerConfigLike, tp_dp_cp_group: Group | None = None
+) -> None:
+    """Step 8: move every training router's expert bias by ``moe_router_bias_update_rate``
+    towards balance, from the tokens per expert all-reduced across TP×DP×CP ranks (routers
+    with ``frozen_expert_bias=True`` keep theirs; the counters are left for
+    :func:`reset_model_temporary_tensors`). ``tp_dp_cp_group=None``: the default's."""
+    what = "_update_router_expert_bias"
+    chunks = _as_chunks(model)
+    rate = config_value(_checked_config(config, what), "moe_router_bias_update_rate")
+    group = _group(tp_dp_cp_group, "tp_dp_cp_group", "tp_dp_cp", what)
+    assert group is not None
+    _update_expert_bias(_bias_routers(chunks), rate, group)
+
+
+def _bias_routers(chunks: Sequence[ModelChunk]) -> list[object]:
+    """The training routers whose expert bias moves, their state checked."""
+    routers = [
+        m
+        for m in _training_modules(chunks, ("expert_bias", "local_tokens_per_expert"))
+        if not getattr(m, "frozen_expert_bias", False)
+    ]
+    _check_router_state(routers, "local_tokens_per_expert", "expert_bias")
+    return routers
+
+
+def _update_expert_bias(routers: Sequence[object], rate: float, group: Group) -> None:
+    if not routers:
+        return  # hybrid models: dense layers only on this stage
+    with torch.no_grad():
+        tokens = torch.stack([_tensor(m, "local_tokens_per_expert") for m in routers])
+        mg.all_reduce(tokens, group, op=mg.ReduceOp.SUM, label="router expert bias")
+        counts = tokens.to(torch.float64)  # only the sign matters: large counts compare exactly
+        for router, step in zip(
+            routers, torch.sign(counts.mean(-1, keepdim=True) - counts) * rate, strict=True
+        ):
+            bias = _tensor(router, "expert_bias")
+            bias.add_(step.to(bias.dtype))
+
+
+def _update_router_qb_beta(
+    model: Sequence[ModelChunk], config: TransformerConfigLike, dp_cp_group: Group | None = None
+) -> None:
+    """Step 9: update the quantile-balancing per-expert bias once per global batch: each
+    router's ``qb_beta_accum / qb_beta_count`` averaged across DP×CP, EMA-blended with
+    ``qb_beta``, re-centred and written back (accumulators left for
+    :func:`reset_model_temporary_tensors`). ``dp_cp_group=None``: the default's ``dp_cp``
+    (``finalize_model_grads`` passes ``dp_cp_gtp_remat`` under gtp_remat)."""
+    what = "_update_router_qb_beta"
+    chunks = _as_chunks(model)
+    ema = config_value(_checked_config(config, what), "moe_router_quantile_balancing_ema")
+    group = _group(dp_cp_group, "dp_cp_group", "dp_cp", what)
+    assert group is not None
+    _update_qb_beta(_quantile_routers(chunks), ema, group)
+
+
+def _quantile_routers(chunks: Sequence[ModelChunk]) -> list[object]:
+    routers = _training_modules(chunks, ("qb_beta", "qb_beta_accum", "qb_beta_count"))
+    _check_router_state(routers, "qb_beta_accum", "qb_beta")
+    for router in routers:
+        _tensor(router, "qb_beta_count")
+    return routers
+
+
+def _update_qb_beta(routers: Sequence[object], ema: float, group: Group) -> None:
+    if not routers:
+        return
+    with torch.no_grad():
+        quantiles = []
+        for router in routers:
+            accum, count = _tensor(router, "qb_beta_accum"), _tensor(router, "qb_beta_count")
+            quantiles.append(accum / count.clamp(min=1).to(accum.dtype))
+        stacked = torch.stack(quantiles)
+        mg.all_reduce(stacked, group, op=mg.ReduceOp.AVG, label="router qb_beta")
+        for router, quantile in zip(routers, stacked, strict=True):
+            beta = _tensor(router, "qb_beta")
+            blended = ema * beta + (1.0 - ema) * quantile
+            beta.copy_(blended - blended.mean(dim=-1, keepdim=True))
+
+
+def _training_modules(chunks: Sequence[ModelChunk], names: tuple[str, ...]) -> list[object]:
+    return [
+        module
+        for chunk in chunks
+        for module in _modules(chunk)
+        if all(_has(module, n) for n in names) and getattr(module, "training", True)
+    ]
+
+
+def _has(module: object, name: str) -> bool:
+    # Hash routers define the attributes as None: they own no balancing state.
+    return getattr(module, name, None) is not None
+
+
+def _tensor(module: object, name: str) -> torch.Tensor:
+    value = getattr(module, name)
+    if not isinstance(value, torch.Tensor):
+        raise InputTypeError(f"{type_name(module)}.{name} must be a torch.Tensor, got {value!r}")
+    return value
+
+
+def _check_router_state(routers: Sequence[object], counts: str, bias: str) -> None:
+    """Every router's ``counts`` has its ``bias``'s shape, all one shape (stacked into one
+    all-reduce), and a floating-point bias (an integer one would round updates away)."""
+    first: tuple[int, ...] | None = None
+    for router in routers:
+        name = type(router).__name__
+        count, value = _tensor(router, counts), _tensor(router, bias)
+        if count.shape != value.shape:
+            raise InputValueError(
+                f"{name}.{counts} has shape {tuple(count.shape)} but {name}.{bias} has "
+                f"{tuple(value.shape)}: one entry per expert in both"
+            )
+        if not value.is_floating_point():
+            raise InputTypeError(
+                f"{name}.{bias} has dtype {value.dtype}; it must be floating-point"
+            )
+        if first is not None and tuple(count.shape) != first:
+            raise InputValueError(
+                f"{name}.{counts} has shape {tuple(count.shape)} but an earlier router's has "
+                f"{first}: the routers' counts are reduced together, so every router needs "
+                "the same number of experts"
+            )
+        first = tuple(count.shape)
+
+
+def _allreduce_non_tensor_model_parallel_grads(
+    model: Sequence[ModelChunk], config: TransformerConfigLike, tp_group: Group | None = None
+) -> None:
+    """Step 4: all-reduce layer-norm grads (sequence parallelism, q/k layer norm) and the
+    grads of params with ``average_gradients_across_tp_domain=True`` across tensor-parallel
+    ranks. ``tp_group=None`` reads the default collection's ``tp``."""
+    what = "_allreduce_non_tensor_model_parallel_grads"
+    chunks = _as_chunks(model)
+    _checked_config(config, what)
+    tp = _group(tp_group, "tp_group", "tp", what)
+    sums, avgs = _tp_params(chunks, config) if _multi(tp) else ([], [])
+    _allreduce_grads(sums, tp, mg.ReduceOp.SUM, _TP_LABEL, shards=True)
+    _allreduce_grads(avgs, tp, mg.ReduceOp.AVG, _TP_LABEL, shards=True)
+
+
+_TP_LABEL = "non-tensor-parallel grads"
+
+# Megatron keeps the old name as an alias for legacy callers.
+_allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
+
+
+def _tp_params(chunks: Sequence[ModelChunk], config: object) -> tuple[list[Param], list[Param]]:
+    """The params whose grads step 4 sums and averages over tp, their marks checked:
+    ``sum_gradients_across_tp_domain`` neither with the AVG mark nor on a TP shard."""
+    sequence_parallel = config_value(config, "sequence_parallel")
+    qk_layernorm = config_value(config, "qk_layernorm")
+    sums: list[Param] = []
+    avgs: list[Param] = []
+    for index, chunk in enumerate(chunks):
+        for name, param in chunk.named_parameters():
+            summed, averaged = (
+                param_attrs.sums_grad_across_tp(param),
+                param_attrs.averages_grad_across_tp(param),
+            )
+            where = f"model[{index}] param '{name}'"
+            if summed and averaged:
+                raise InputValueError(
+                    f"{where} is marked both sum_gradients_across_tp_domain (its grad is a "
+                    "partial sum over tp: SUM) and average_gradients_across_tp_domain (a full "
+                    "grad on every tp rank: AVG); keep the one that says how its grad was computed"
+                )
+            if summed and param_attrs.is_tensor_model_parallel(param):
+                raise InputValueError(
+                    f"{where} is a tensor-parallel shard (tensor_model_parallel=True) marked "
+                    "sum_gradients_across_tp_domain: a shard's grad is its own, not a partial "
+                    "sum of a replicated param's; drop the mark"
+                )
+            if not param.requires_grad:
+                continue
+            if averaged:
+                avgs.append(param)
+            elif (
+                summed
+                or (sequence_parallel and param_attrs.is_sequence_parallel_param(param))
+                or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
+            ):
+                sums.append(param)
+    return sums, avgs
+
+
+def _allreduce_replicated_grads_over_gtp_remat_group(
+    model: Sequence[ModelChunk],
+    gtp_remat_group: Group | None,
+    egtp_remat_group: Group | None,
+    calculate_per_token_loss: bool = False,
+) -> None:
+    """Step 5: AVG (SUM under ``calculate_per_token_loss``) the grads of params not
+    gtp_remat-sharded, dense ones over ``gtp_remat_group``, expert ones over
+    ``egtp_remat_group``; nothing for a group that is None or of one rank."""
+    what = "_allreduce_replicated_grads_over_gtp_remat_group"
+    chunks = _as_chunks(model)
+    check_optional_group("gtp_remat_group", gtp_remat_group, what=what)
+    check_optional_group("egtp_remat_group", egtp_remat_group, what=what)
+    per_token = check_flag("calculate_per_token_loss", calculate_per_token_loss)
+    for group, expert in ((gtp_remat_group, False), (egtp_remat_group, True)):
+        params = [
+            param
+            for chunk in (chunks if _multi(group) else [])
+            for param in chunk.parameters()
+            if param.requires_grad
+            and not param_attrs.is_gtp_weight_remat(param)
+            and param_attrs.is_expert_param(param) == expert
+        ]
+        op = mg.ReduceOp.SUM if per_token else mg.ReduceOp.AVG
+        _allreduce_grads(params, group, op, "replicated grads over gtp_remat")
+
+
+# ------------------------------------------------------------------ finalize_model_grads
 
 
 def finalize_model_grads(
@@ -100,185 +740,113 @@ def finalize_model_grads(
     pg_collection: mg.ProcessGroupCollection | None = None,
     force_all_reduce: bool | None = False,
     *,
-    peer_checks: bool = True,
+    peer_checks: bool = False,
 ) -> None:
-    """All-reduce every grad that still differs between ranks, then normalise by tokens.
-
-    Reduces grads across data-parallel replicas, layer-norm and other non-tensor-parallel
-    grads across tp, replicated grads across gtp_remat, replicated and tied-embedding grads
-    across pipeline stages, updates the routers' balancing biases, and with ``num_tokens``
-    (this rank's non-padded token count; only the last pipeline stage's value is used and it
-    is summed in place over every rank that sees different data) divides every grad by the
-    global count. The module docstring lists the steps, their groups and when each runs.
+    """All-reduce every grad that still differs between ranks, then normalise by tokens
+    (the steps of the module notes; every input checked before the first).
 
     Args:
         model: this rank's model chunks (one per virtual pipeline stage), in order: DDP
-            wrappers (:class:`ModelChunk`), or modules under FSDP2's ``fully_shard`` as they
-            are (see the module notes).
-        num_tokens: one-element int32/int64/float32/float64 tensor on the model's device,
-            given exactly when ``config.calculate_per_token_loss`` (see the module notes).
-        pg_collection: the groups; None uses ``mc_groups.get_default_collection()``.
-        force_all_reduce: passed to every chunk's ``finish_grad_sync`` (None reads as False).
-        peer_checks: end the checks in one status exchange over the world, so a check
-            failing on one rank is an error on every rank (:func:`mc_groups.fail_together`;
-            one more synchronisation per step). False skips it: every rank still checks,
-            but a check failing on one rank only raises there and its peers wait in their
-            next collective until the group's timeout (mc addition; keyword only).
+            wrappers (:class:`ModelChunk`), or modules under FSDP2's ``fully_shard`` as
+            they are (module notes).
+        num_tokens: this rank's non-padded token count, exactly with
+            ``config.calculate_per_token_loss`` (the last stage's is used, the global count
+            written back): one int32/int64/float32/float64 element on the model's device.
+        pg_collection: the groups; None: ``mc_groups.get_default_collection()``.
+        force_all_reduce: passed to every chunk's ``finish_grad_sync`` (None reads False).
+        peer_checks: end the checks in one status exchange over the world (module notes;
+            mc's, keyword only).
     """
+    what = "finalize_model_grads"
     check_flag("peer_checks", peer_checks)
     # A check failing on one rank stops every rank of the world here (one exchange).
-    with mg.fail_together(None, "finalize_model_grads") if peer_checks else nullcontext():
-        chunks = _as_chunks(model, FINALIZE_METHODS)
-        config = cast(FinalizeConfig, _config_of(chunks))
-        settings = _read_settings(config, whole=True)
-        per_token = settings.calculate_per_token_loss
+    with mg.fail_together(None, what) if peer_checks else nullcontext():
+        chunks = _as_chunks(model, ("finish_grad_sync", "named_parameters", "parameters"))
+        config = _checked_config(_config_of(chunks[0]), what, per_token=True)
+        per_token = config_value(config, "calculate_per_token_loss")
         if per_token:
-            _check_methods(chunks, ("scale_gradients",))
-        force = _check_force(force_all_reduce)
-        collection = mg.collection_or_default(pg_collection, "finalize_model_grads")
-        groups = _plan_groups(collection, settings, per_token)
+            _as_chunks(chunks, ("scale_gradients",))
+        force = (
+            False if force_all_reduce is None else check_flag("force_all_reduce", force_all_reduce)
+        )
+        groups = _Groups.plan(mg.collection_or_default(pg_collection, what), config)
+        _check_chunks(chunks, groups.tp)
         _check_num_tokens(num_tokens, chunks, per_token)
-        word = _stage_embedding_weight(chunks, settings, groups.embd, groups.pp, word=True)
-        position = _stage_embedding_weight(chunks, settings, groups.pos_embd, groups.pp, word=False)
-        _check_not_finalized(chunks)
-        for index, chunk in enumerate(chunks):
-            if is_fsdp2(chunk):  # marks back from parallelize's record, mesh checked
-                check_fsdp2_chunk(index, cast(torch.nn.Module, chunk), groups.tp)
-        if mg.group_size(groups.tp) > 1:
-            _check_tp_marks(chunks)
-    _run_steps(chunks, settings, groups, force, word, position)
+        shared: WeightGetter = partial(_get_shared_word_embedding_weight, config=config)
+        word = _embedding_weight(chunks, groups.embd, groups.pp, shared, _has_mtp(config), True)
+        at = _get_position_embedding_weight
+        position = _embedding_weight(chunks, groups.pos_embd, groups.pp, at, False, False)
+        pp_steps = _multi(groups.pp)
+        cond = config_value(config, "has_cond_embedder") and pp_steps
+        embedders = _by_name(chunks, param_attrs.PIPELINE_PARALLEL) if cond else []
+        flextron = config_value(config, "flextron") and pp_steps
+        routers = _by_name(chunks, param_attrs.FLEXTRON_ROUTER_PP_SYNC) if flextron else []
+        tp_sums, tp_avgs = _tp_params(chunks, config) if _multi(groups.tp) else ([], [])
+        expert_bias = config_value(config, "moe_router_enable_expert_bias")
+        bias_routers = _bias_routers(chunks) if expert_bias else []
+        quantile = _balancing(config, "quantile_balancing")
+        quantile_routers = _quantile_routers(chunks) if quantile else []
+    # 1. the data-parallel reduction of every chunk (DDP's buckets; FSDP2 reduced in backward)
+    for chunk in chunks:
+        if not _is_fsdp2(chunk):
+            chunk.finish_grad_sync(force_all_reduce=force)
+    # 2, 3. params replicated on every pipeline stage: SUM over pp
+    _reduce_over_pp(embedders, groups.pp, "conditional embedding grads")
+    _reduce_over_pp(routers, groups.pp, "router grads")
+    # 4. params not split by tp whose grads saw split data: SUM, then AVG over tp
+    _allreduce_grads(tp_sums, groups.tp, mg.ReduceOp.SUM, _TP_LABEL, shards=True)
+    _allreduce_grads(tp_avgs, groups.tp, mg.ReduceOp.AVG, _TP_LABEL, shards=True)
+    # 5. the gtp_remat axis of params not gtp_remat-sharded
+    _allreduce_replicated_grads_over_gtp_remat_group(
+        chunks, groups.gtp_remat, groups.expt_gtp_remat, per_token
+    )
+    # 6, 7. embedding weights held on two pipeline stages: SUM over embd / pos_embd
+    _allreduce_grads(word, groups.embd, mg.ReduceOp.SUM, "embedding grads")
+    _allreduce_grads(position, groups.pos_embd, mg.ReduceOp.SUM, "embedding grads")
+    # 8, 9. the routers' balancing state
+    if bias_routers and groups.tp_dp_cp is not None:
+        rate = config_value(config, "moe_router_bias_update_rate")
+        _update_expert_bias(bias_routers, rate, groups.tp_dp_cp)
+    if quantile_routers and groups.data is not None:
+        ema = config_value(config, "moe_router_quantile_balancing_ema")
+        _update_qb_beta(quantile_routers, ema, groups.data)
+    # 10. the per-batch counters
+    reset_model_temporary_tensors(config, chunks)
+    # 11. per-token loss: every grad ÷ the global token count
     if per_token:
+        assert groups.pp is not None
+        assert groups.data is not None
         _scale_by_num_tokens(chunks, num_tokens, groups.pp, groups.data)
+    # 12. a chunk that tracks it refuses a second finalize until its next zero_grad_buffer()
     for chunk in chunks:
         mark = getattr(chunk, "mark_grads_finalized", None)
         if callable(mark):
             mark()
 
 
-@dataclass(frozen=True)
-class _Groups:
-    """The groups of one call, planned before any collective (None: the collection lacks
-    it and no active step needs it). ``data`` is ``dp_cp`` or ``dp_cp_gtp_remat``."""
-
-    tp: dist.ProcessGroup
-    pp: dist.ProcessGroup | None
-    embd: dist.ProcessGroup | None
-    pos_embd: dist.ProcessGroup | None
-    data: dist.ProcessGroup | None
-    tp_dp_cp: dist.ProcessGroup | None
-    gtp_remat: dist.ProcessGroup | None
-    expt_gtp_remat: dist.ProcessGroup | None
-
-
-def _multi(group: dist.ProcessGroup | None) -> bool:
-    return group is not None and mg.group_size(group) > 1
+def _config_of(chunk: ModelChunk) -> object:
+    """``model[0].config`` when it is mc's or Megatron's (it has ``sequence_parallel``),
+    else the config ``mc_tp_layers.parallelize`` recorded on the model (a ``transformers``
+    or torchtitan model's ``.config`` is its library's)."""
+    config = getattr(chunk, "config", None)
+    if config is None or not hasattr(config, "sequence_parallel"):
+        config = recorded_config(chunk) or config
+    if config is None:
+        raise InputTypeError(
+            f"model[0] ({type_name(chunk)}) has no config; finalize_model_grads reads the "
+            "config from model[0].config, or the one mc_tp_layers.parallelize recorded on "
+            "the model"
+        )
+    return config
 
 
-def _plan_groups(
-    collection: mg.ProcessGroupCollection, settings: _Settings, has_tokens: bool
-) -> _Groups:
-    """Every group the active steps need, or a MissingGroupError naming the step."""
-
-    def need(name: str, when: bool, why: str) -> dist.ProcessGroup | None:
-        group: dist.ProcessGroup | None = getattr(collection, name)
-        if when:
-            group = collection.require(name, f"finalize_model_grads ({why})")
-        return group
-
-    embd, pos_embd = collection.embd, collection.pos_embd
-    pp_steps = [
-        (settings.has_cond_embedder, "conditional-embedder grads, config.has_cond_embedder"),
-        (settings.flextron, "router grads, config.flextron"),
-        (_multi(embd), "shared word-embedding grads: first/last stage"),
-        (_multi(pos_embd), "position-embedding grads: first/last stage"),
-        (has_tokens, "num_tokens (calculate_per_token_loss): broadcast from the last stage"),
-    ]
-    pp_why = "; ".join(why for when, why in pp_steps if when)
-    tp = collection.require("tp", "finalize_model_grads (non-tensor-parallel grads over tp)")
-    groups = _Groups(
-        tp=tp,
-        pp=need("pp", bool(pp_why), pp_why),
-        embd=embd,
-        pos_embd=pos_embd,
-        data=need(
-            _data_field(collection, settings),
-            settings.quantile_balancing or has_tokens,
-            "; ".join(
-                why
-                for when, why in (
-                    (settings.quantile_balancing, "quantile balancing, qb_beta averaged"),
-                    (has_tokens, "num_tokens summed"),
-                )
-                if when
-            ),
-        ),
-        tp_dp_cp=need(
-            "tp_dp_cp",
-            settings.moe_router_enable_expert_bias,
-            "router expert bias, config.moe_router_enable_expert_bias",
-        ),
-        gtp_remat=need("gtp_remat", settings.gtp_remat_size > 1, "config.gtp_remat_size > 1"),
-        expt_gtp_remat=need(
-            "expt_gtp_remat",
-            settings.expert_gtp_remat_size > 1,
-            "config.expert_gtp_remat_size > 1",
-        ),
-    )
-    _check_gtp_sizes(groups, settings)
-    return groups
-
-
-def _data_field(collection: mg.ProcessGroupCollection, settings: _Settings) -> str:
-    """The group of every rank that sees different data: ``dp_cp``, or ``dp_cp_gtp_remat``
-    under gtp_remat, whose peers see different tokens too (Megatron-Core's
-    ``dp_cp_gtp_remat or dp_cp``). num_tokens is summed and qb_beta averaged over it."""
-    gtp_active = settings.gtp_remat_size > 1 or _multi(collection.gtp_remat)
-    return "dp_cp_gtp_remat" if gtp_active else "dp_cp"
-
-
-def _check_gtp_sizes(groups: _Groups, settings: _Settings) -> None:
-    for name, group, size in (
-        ("gtp_remat", groups.gtp_remat, settings.gtp_remat_size),
-        ("expt_gtp_remat", groups.expt_gtp_remat, settings.expert_gtp_remat_size),
-    ):
-        if size > 1 and group is not None and mg.group_size(group) != size:
-            raise InputValueError(
-                f"pg_collection.{name} has {mg.group_size(group)} ranks but the config says "
-                f"{size}; build the collection with the config's sizes"
-            )
-
-
-def _run_steps(
-    chunks: Sequence[ModelChunk],
-    settings: _Settings,
-    groups: _Groups,
-    force: bool,
-    word: torch.nn.Parameter | None,
-    position: torch.nn.Parameter | None,
-) -> None:
-    """Steps 1 to 10 of the module docstring, on inputs checked once by the caller: the
-    cores of the Megatron-named steps (each step's public function checks its own
-    arguments, then calls the same core)."""
-    for chunk in chunks:
-        if not is_fsdp2(chunk):  # FSDP2 reduce-scattered in backward
-            chunk.finish_grad_sync(force_all_reduce=force)
-    _reduce_replicated_over_pp(_CONDITIONAL_EMBEDDERS, chunks, settings, groups.pp)
-    _reduce_replicated_over_pp(_FLEXTRON_ROUTERS, chunks, settings, groups.pp)
-    _reduce_non_tensor_parallel_grads(chunks, settings, groups.tp)
-    _reduce_replicated_grads(
-        chunks, groups.gtp_remat, groups.expt_gtp_remat, settings.calculate_per_token_loss
-    )
-    _reduce_embedding_grad(word, groups.embd)
-    _reduce_embedding_grad(position, groups.pos_embd)
-    if settings.moe_router_enable_expert_bias and groups.tp_dp_cp is not None:
-        _update_expert_bias(chunks, settings.moe_router_bias_update_rate, groups.tp_dp_cp)
-    if settings.quantile_balancing and groups.data is not None:
-        _update_qb_beta(chunks, settings.quantile_balancing_ema, groups.data)
-    _reset_temporary_tensors(chunks, settings)
-
-
-def _check_not_finalized(chunks: Sequence[ModelChunk]) -> None:
+def _check_chunks(chunks: Sequence[ModelChunk], tp: Group) -> None:
+    """An FSDP2 chunk gets its marks back (module notes); a chunk that says its grads were
+    finalized (``grads_finalized``, as mc's DDP until its next ``zero_grad_buffer()``) would
+    have them reduced and scaled twice."""
     for index, chunk in enumerate(chunks):
+        if _is_fsdp2(chunk):  # marks back from parallelize's record, mesh checked
+            _fsdp2.check_chunk(index, cast(torch.nn.Module, chunk), tp)
         if getattr(chunk, "grads_finalized", False) is True:
             raise RuntimeError(
                 f"finalize_model_grads: model[{index}]'s gradients were already finalized this "
@@ -288,41 +856,110 @@ def _check_not_finalized(chunks: Sequence[ModelChunk]) -> None:
             )
 
 
+@dataclass(frozen=True)
+class _Groups:
+    """The groups of one call; None: the collection lacks it and no step that runs needs it
+    (``data``: ``dp_cp``, or ``dp_cp_gtp_remat`` under gtp_remat)."""
+
+    tp: Group
+    pp: Group | None
+    embd: Group | None
+    pos_embd: Group | None
+    data: Group | None
+    tp_dp_cp: Group | None
+    gtp_remat: Group | None
+    expt_gtp_remat: Group | None
+
+    @classmethod
+    def plan(cls, pgc: mg.ProcessGroupCollection, config: object) -> _Groups:
+        """Every group a step that runs needs, or a MissingGroupError naming the steps."""
+        value = partial(config_value, config)
+        per_token = value("calculate_per_token_loss")
+        gtp, egtp = value("gtp_remat_size"), value("expert_gtp_remat_size")
+        embeddings = _multi(pgc.embd) or _multi(pgc.pos_embd)
+        needs = {  # group: (does a step that needs it run, which)
+            "pp": (
+                (value("has_cond_embedder"), "conditional-embedder grads"),
+                (value("flextron"), "Flextron router grads"),
+                (embeddings, "embedding grads of the first/last stage"),
+                (per_token, "num_tokens broadcast from the last stage"),
+            ),
+            "data": (
+                (_balancing(config, "quantile_balancing"), "qb_beta"),
+                (per_token, "num_tokens"),
+            ),
+            "tp_dp_cp": ((value("moe_router_enable_expert_bias"), "router expert bias"),),
+            "gtp_remat": ((gtp > 1, "config.gtp_remat_size > 1"),),
+            "expt_gtp_remat": ((egtp > 1, "config.expert_gtp_remat_size > 1"),),
+        }
+        data = "dp_cp_gtp_remat" if gtp > 1 or _multi(pgc.gtp_remat) else "dp_cp"
+        found: dict[str, Group | None] = {}
+        for name, steps in needs.items():
+            field, why = data if name == "data" else name, "; ".join(s for on, s in steps if on)
+            found[name] = (
+                pgc.require(field, f"finalize_model_grads ({why})") if why else getattr(pgc, field)
+            )
+        for name, size in (("gtp_remat", gtp), ("expt_gtp_remat", egtp)):
+            group = found[name]
+            if size > 1 and group is not None and mg.group_size(group) != size:
+                raise InputValueError(
+                    f"pg_collection.{name} has {mg.group_size(group)} ranks but the config says "
+                    f"{size}; build the collection with the config's sizes"
+                )
+        tp = pgc.require("tp", "finalize_model_grads (non-tensor-parallel grads over tp)")
+        return cls(tp=tp, embd=pgc.embd, pos_embd=pgc.pos_embd, **found)
+
+
+# Half-precision counts are exact only up to 2048 (fp16) / 256 (bf16) tokens.
+_TOKEN_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
+
+
+def _check_num_tokens(num_tokens: object, chunks: Sequence[ModelChunk], per_token: bool) -> None:
+    """What one rank can check alone (a missing count may be missing on one rank only: it
+    travels through the token reduction instead)."""
+    if num_tokens is None:
+        return
+    if not per_token:
+        raise InputValueError(
+            "num_tokens was given but config.calculate_per_token_loss=False: DDP already "
+            "averaged the grads, dividing by the count would shrink them again; pass it only "
+            "with calculate_per_token_loss=True (as Megatron's schedules do)"
+        )
+    if not isinstance(num_tokens, torch.Tensor):
+        raise InputTypeError(
+            f"num_tokens must be a torch.Tensor holding this rank's token count, got "
+            f"{type_name(num_tokens)}; e.g. torch.tensor(n, dtype=torch.int64)"
+        )
+    if num_tokens.dim() > 1 or num_tokens.numel() != 1:
+        raise InputValueError(
+            f"num_tokens has shape {tuple(num_tokens.shape)}; it must hold one count "
+            "(shape () or (1,)): sum the per-micro-batch counts first"
+        )
+    if num_tokens.dtype not in _TOKEN_DTYPES:
+        raise InputTypeError(
+            f"num_tokens has dtype {num_tokens.dtype}; use torch.int64 (or int32, float32, "
+            "float64): half-precision and bool cannot hold token counts exactly"
+        )
+    param = next(iter(chunks[0].parameters()), None)
+    if param is not None and num_tokens.device != param.device:
+        raise InputValueError(
+            f"num_tokens is on {num_tokens.device} but the model is on {param.device}; "
+            "move it with num_tokens.to(device) (the collective needs both on one device)"
+        )
+
+
 def _scale_by_num_tokens(
-    chunks: Sequence[ModelChunk],
-    num_tokens: torch.Tensor | None,
-    pp: dist.ProcessGroup | None,
-    data: dist.ProcessGroup | None,
+    chunks: Sequence[ModelChunk], num_tokens: torch.Tensor | None, pp: Group, data: Group
 ) -> None:
-    """``num_tokens ← Σ_data (last stage's count)``; grads ← grads / max(num_tokens, 1)."""
-    if pp is None or data is None:
-        raise mg.MissingGroupError("num_tokens needs the pp and dp_cp groups (checked earlier)")
-    total = _reduce_num_tokens(chunks, num_tokens, pp, data)
-    if num_tokens is not None:
-        num_tokens.copy_(torch.tensor(total, dtype=torch.float64))  # the global count, in place
-    scaling = 1.0 / max(total, 1.0)
-    for chunk in chunks:
-        chunk.scale_gradients(scaling)
-
-
-def _reduce_num_tokens(
-    chunks: Sequence[ModelChunk],
-    num_tokens: torch.Tensor | None,
-    pp: dist.ProcessGroup,
-    data: dist.ProcessGroup,
-) -> float:
-    """The global token count, the same on every rank, or the same ``ValueError`` on every
-    rank when any count was missing, NaN, ±inf or negative (it travels as NaN: float64 holds
-    every int32/int64 count below 2**53 exactly; no host sync before the one ``item()``)."""
+    """Step 11: ``n ← Σ_data (the last stage's count)`` in float64 (exact below 2**53), every
+    grad ÷ max(n, 1); a bad count on any rank travels as NaN (module notes)."""
     if num_tokens is None:
         param = next(iter(chunks[0].parameters()), None)
         device = torch.device("cpu") if param is None else param.device
-        count = torch.full((), math.nan, dtype=torch.float64, device=device)
+        count = torch.full((1,), math.nan, dtype=torch.float64, device=device)
     else:
-        count = num_tokens.detach().reshape(()).to(torch.float64)
-        bad = ~torch.isfinite(count) | (count < 0)
-        count = torch.where(bad, torch.full_like(count, math.nan), count)
-    count = count.reshape(1).contiguous()
+        count = num_tokens.detach().reshape(1).to(torch.float64)
+        count = torch.where(torch.isfinite(count) & (count >= 0), count, math.nan)
     mg.broadcast(count, pp, group_src=mg.group_size(pp) - 1, label="num_tokens")
     mg.all_reduce(count, data, op=mg.ReduceOp.SUM, label="num_tokens")
     total = float(count.item())
@@ -335,4 +972,7 @@ def _reduce_num_tokens(
             "parallelism the last stage's count is the one used). The grads were reduced but "
             "not scaled: fix the count and redo the iteration from zero_grad_buffer()"
         )
-    return total
+    if num_tokens is not None:
+        num_tokens.copy_(count.reshape(num_tokens.shape))  # the global count, in place
+    for chunk in chunks:
+        chunk.scale_gradients(1.0 / max(total, 1.0))

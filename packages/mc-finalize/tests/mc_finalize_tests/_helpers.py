@@ -24,10 +24,17 @@ TIMEOUT = timedelta(seconds=30)
 
 @dataclass
 class Cfg:
-    """Every config attribute finalize reads, with Megatron-Core's defaults."""
+    """Every config attribute finalize reads, and the rest of ``mc_groups.TransformerConfigLike``
+    (what the packages require of a config), with Megatron-Core's defaults."""
 
     sequence_parallel: bool = False
     calculate_per_token_loss: bool = False
+    params_dtype: torch.dtype = torch.float32
+    use_cpu_initialization: bool = False
+    perform_initialization: bool = True
+    gradient_accumulation_fusion: bool = False
+    defer_embedding_wgrad_compute: bool = False
+    wgrad_deferral_limit: int = 0
     qk_layernorm: bool = False
     has_cond_embedder: bool = False
     flextron: bool = False

@@ -2,8 +2,9 @@
 force_all_reduce, the default collection, and bad input.
 
 Localizes the composition (each step already has its own test module): the recorder shows
-the steps in the documented order, each on its group, and that nothing runs for a step that
-does not apply; bad input fails on every rank before any collective and before any chunk's
+the steps in the documented order (Megatron's), each on its group, that nothing runs for a
+step that does not apply, and that a default call exchanges no status (``peer_checks`` is
+opt-in); bad input fails on every rank before any collective and before any chunk's
 ``finish_grad_sync``. Grads and token counts are small integers whose quotients are binary
 fractions, except the 1/11 of the dp case, compared with ``torch.testing.assert_close``
 defaults for fp32.
@@ -23,7 +24,6 @@ from mc_finalize import (
     _allreduce_embedding_grad,
     _allreduce_non_tensor_model_parallel_grads,
     _allreduce_replicated_grads_over_gtp_remat_group,
-    _allreduce_tensors,
     _get_main_grad_attr,
     _get_shared_word_embedding_weight,
     _unshard_if_dtensor,
@@ -68,7 +68,7 @@ def _grads(chunk: Chunk) -> dict[str, float]:
     return {n: first(p) for n, p in chunk.named_parameters()}
 
 
-def _all_steps_tp2_pp2() -> dict[str, Any]:
+def _all_steps_tp2_pp2(peer_checks: bool = False) -> dict[str, Any]:
     cfg = Cfg(
         sequence_parallel=True,
         calculate_per_token_loss=True,
@@ -84,8 +84,10 @@ def _all_steps_tp2_pp2() -> dict[str, Any]:
         p, t = pgc.pp.rank(), pgc.tp.rank()
         chunk = StageChunk(cfg, p, 2, t)
         num_tokens = torch.tensor(4 if p == 1 else 1000)  # only the last stage counts
-        with mg.record_collectives() as log:
-            finalize_model_grads([chunk], num_tokens, pgc, force_all_reduce=True)
+        with mg.record_collectives(status_exchanges=True) as log:
+            finalize_model_grads(
+                [chunk], num_tokens, pgc, force_all_reduce=True, peer_checks=peer_checks
+            )
         buffers = {n: b.reshape(-1).tolist() for n, b in chunk.named_buffers()}
         return {
             "grads": _grads(chunk),
@@ -98,6 +100,11 @@ def _all_steps_tp2_pp2() -> dict[str, Any]:
 
 
 def test_every_step_in_order_tp2_pp2(rank_pools: RankPools) -> None:
+    """With default arguments, exactly Megatron-Core's collectives in its order (its
+    ``finalize_model_grads``: conditional embedders and routers over pp, the non-TP grads
+    over tp, the tied embedding over embd, the expert-bias tokens over tp_dp_cp, qb_beta
+    over dp_cp, num_tokens broadcast over pp then summed over dp_cp; here dp_cp has one
+    rank), and no status exchange (recorded with ``status_exchanges=True``)."""
     # rank = tp + 2·pp. Sums: cond 1 + 11 = 12 and router 100 + 101 = 201 over pp; ln
     # 1 + 2 = 3 over tp; tied embedding 1 + 11 = 12 over embd (= pp here); then ÷ 4 tokens
     # broadcast from the last stage (dp_cp has one rank: no sum). Expert bias: tokens over
@@ -127,6 +134,19 @@ def test_every_step_in_order_tp2_pp2(rank_pools: RankPools) -> None:
         assert out["sync"] == [True]
         assert out["scale"] == [0.25]
         assert out["tokens"] == 4
+
+
+def test_peer_checks_add_one_status_exchange_and_nothing_else(rank_pools: RankPools) -> None:
+    """``peer_checks=True``: one status exchange over the world before the first
+    collective, then the same collectives and the same grads as a default call."""
+    pool = rank_pools.get(4)
+    for default, checked in zip(
+        pool.run(_all_steps_tp2_pp2), pool.run(_all_steps_tp2_pp2, True), strict=True
+    ):
+        exchange = ("status_exchange", None, (0, 1, 2, 3), "int64", 1, "finalize_model_grads")
+        assert checked["log"] == [exchange, *default["log"]]
+        assert checked["grads"] == default["grads"]
+        assert checked["buffers"] == default["buffers"]
 
 
 def _gtp_per_token() -> dict[str, Any]:
@@ -330,18 +350,6 @@ def _bad_calls(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[Chunk], ob
             0,  # type: ignore[arg-type]
             None,
         ),
-        "flat_tensors": lambda c: _allreduce_tensors(
-            torch.zeros(2),  # type: ignore[arg-type]
-            world,
-            mg.ReduceOp.SUM,
-            "x",
-        ),
-        "flat_op": lambda c: _allreduce_tensors(
-            [torch.zeros(2)],
-            world,
-            "sum",  # type: ignore[arg-type]
-            "x",
-        ),
         "weight_getter": lambda c: _allreduce_embedding_grad(
             [c],
             world,
@@ -430,7 +438,7 @@ EXPECTED_ERRORS = {
     ),
     "config_attr": Expected(
         "TypeError",
-        ("has no attribute 'sequence_parallel'",),
+        ("lacks ['sequence_parallel']: finalize_model_grads reads config.sequence_parallel",),
         doc_call="`finalize_model_grads(model)`",
         doc_input="config without `sequence_parallel`",
     ),
@@ -595,18 +603,6 @@ EXPECTED_ERRORS = {
         ("gtp_remat_group=0 must be a torch.distributed.ProcessGroup or None",),
         doc_call="`_allreduce_replicated_grads_over_gtp_remat_group(...)`",
         doc_input="`gtp_remat_group=0`",
-    ),
-    "flat_tensors": Expected(
-        "TypeError",
-        ("tensors must be a list of tensors", "got torch.Tensor"),
-        doc_call="`_allreduce_tensors(tensors, group, op, label)`",
-        doc_input="a tensor, not a list (its rows would be iterated)",
-    ),
-    "flat_op": Expected(
-        "TypeError",
-        ("op='sum' must be a mc_groups.ReduceOp",),
-        doc_call="`_allreduce_tensors(..., op, ...)`",
-        doc_input="`'sum'`",
     ),
     "weight_getter": Expected(
         "TypeError",

@@ -1,17 +1,17 @@
-"""Grad access and DTensor unshard/reshard, and how config attributes are read.
+"""Grad access and DTensor unshard/reshard, and which configs the steps take.
 
 Localizes ``_get_main_grad_attr``, the identity path for plain tensors, and the DTensor
 round trip: for 1-D and 2-D meshes, even, uneven and nested ``Shard`` placements and
 ``Replicate``, the unsharded tensor equals the full tensor the DTensor was built from
 (bit-exact: gathering copies values), resharding returns this rank's own ``torch.chunk``
-slice without any collective, and attributes set on the DTensor survive both ways.
-Also the config defaults (Megatron's) and type errors, without processes.
+slice without any collective, and attributes set on the DTensor survive both ways. The
+config's fields and defaults are :mod:`mc_groups.config`'s (tested there and in
+``integration_tests/test_config_protocol.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -26,9 +26,14 @@ from torch.distributed.tensor import (
 )
 
 import mc_groups as mg
-from mc_finalize import _get_main_grad_attr, _reshard_if_dtensor, _unshard_if_dtensor
-from mc_finalize._settings import _read_settings
-from mc_finalize_tests._helpers import Cfg, layout
+from mc_finalize import (
+    _get_main_grad_attr,
+    _reshard_if_dtensor,
+    _unshard_if_dtensor,
+    finalize_model_grads,
+    reset_model_temporary_tensors,
+)
+from mc_finalize_tests._helpers import layout
 from mc_groups.testing import RankPools
 
 
@@ -117,62 +122,25 @@ def test_dtensor_unshard_reshard_round_trip(rank_pools: RankPools) -> None:
         assert outs[5].endswith("collectives=0")
 
 
-def test_settings_defaults_follow_megatron() -> None:
-    settings = _read_settings(mg.ModelParallelConfig())
-    assert (settings.qk_layernorm, settings.has_cond_embedder, settings.flextron) == (
-        False,
-        False,
-        False,
-    )
-    assert settings.moe_router_enable_expert_bias is False
-    assert settings.moe_router_bias_update_rate == 1e-3
-    assert settings.load_balancing_types == ("aux_loss",)
-    assert (settings.quantile_balancing, settings.global_aux_loss) == (False, False)
-    assert settings.quantile_balancing_ema == 0.0
-    assert (settings.mtp_num_layers, settings.gtp_remat_size) == (0, 1)
-    listed = _read_settings(Cfg(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"]))
-    assert listed.global_aux_loss
+class _ModelParallelOnly(torch.nn.Module):
+    """A chunk whose config is like Megatron's ``ModelParallelConfig``: no
+    ``calculate_per_token_loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("ModelParallelOnly", (), {"sequence_parallel": True})()
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        raise AssertionError("finalize_model_grads must refuse the config first")
 
 
-@dataclass
-class _Bare:
-    sequence_parallel: Any = False
-    calculate_per_token_loss: Any = False
-
-
-@pytest.mark.parametrize(
-    ("config", "error", "fragment"),
-    [
-        (_Bare(sequence_parallel=1), TypeError, "config.sequence_parallel=1 must be a bool"),
-        (Cfg(moe_router_bias_update_rate=-1.0), ValueError, "must be >= 0"),
-        (Cfg(moe_router_quantile_balancing_ema=1.5), ValueError, "<= 1.0"),
-        (
-            Cfg(moe_router_bias_update_rate=float("nan")),
-            ValueError,
-            "config.moe_router_bias_update_rate=nan must be finite",
-        ),
-        (Cfg(moe_router_load_balancing_type=3), TypeError, "str or a list of str"),  # type: ignore[arg-type]
-        (Cfg(gtp_remat_size=0), ValueError, "config.gtp_remat_size=0 must be >= 1"),
-        (object(), TypeError, "has no attribute 'sequence_parallel'"),
-    ],
-)
-def test_bad_config_attributes(config: object, error: type[Exception], fragment: str) -> None:
-    with pytest.raises(error) as info:
-        _read_settings(config, whole=True)  # type: ignore[arg-type]
-    assert fragment in str(info.value)
-
-
-def test_a_step_helper_reads_an_absent_per_token_flag_as_false() -> None:
+def test_a_step_helper_takes_a_config_without_the_per_token_flag() -> None:
     """Megatron's ``ModelParallelConfig`` has no ``calculate_per_token_loss`` and its step
-    helpers never read it; only ``finalize_model_grads`` (``whole=True``) requires it. A
-    config without ``sequence_parallel`` is still refused (every Megatron config has it)."""
-
-    class ModelParallelOnly:
-        sequence_parallel = True
-
-    settings = _read_settings(ModelParallelOnly())  # type: ignore[arg-type]
-    assert (settings.sequence_parallel, settings.calculate_per_token_loss) == (True, False)
-    with pytest.raises(TypeError, match="has no attribute 'calculate_per_token_loss'"):
-        _read_settings(ModelParallelOnly(), whole=True)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="has no attribute 'sequence_parallel'"):
-        _read_settings(object())  # type: ignore[arg-type]
+    helpers never read it; only ``finalize_model_grads`` requires it. A config without
+    ``sequence_parallel`` is refused everywhere (every Megatron config has it)."""
+    chunk: Any = _ModelParallelOnly()
+    reset_model_temporary_tensors(chunk.config, [chunk])
+    with pytest.raises(TypeError, match=r"lacks \['calculate_per_token_loss'\]"):
+        finalize_model_grads([chunk])
+    with pytest.raises(TypeError, match=r"lacks \['sequence_parallel'\]"):
+        reset_model_temporary_tensors(cast(Any, object()), [chunk])

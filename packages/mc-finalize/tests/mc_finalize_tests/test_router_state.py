@@ -16,6 +16,7 @@ import mc_groups as mg
 from mc_finalize import (
     _update_router_expert_bias,
     _update_router_qb_beta,
+    finalize_model_grads,
     reset_model_temporary_tensors,
 )
 from mc_finalize_tests._helpers import Cfg, Chunk, layout, rank, records
@@ -177,3 +178,28 @@ def test_reset_model_temporary_tensors_without_processes() -> None:
     assert state["quantile.qb_beta"] == [1.0, -1.0]
     assert everything_aux.resets == 1
     assert log == []
+
+
+def _finalize_with_the_switches_off() -> dict[str, Any]:
+    with layout(tensor_model_parallel_size=2) as pgc:  # tp_dp_cp and dp_cp exist
+        chunk = _bias_chunk(Cfg())  # expert bias off, load balancing "aux_loss"
+        chunk.quantile = QuantileRouter([1.0, -1.0], [4.0, 0.0], 2)
+        with mg.record_collectives(status_exchanges=True) as log:
+            finalize_model_grads([chunk], pg_collection=pgc)
+        return {"state": _state(chunk), "log": records(log)}
+
+
+def test_finalize_leaves_routers_alone_when_their_switch_is_off(rank_pools: RankPools) -> None:
+    """Megatron's ``finalize_model_grads`` updates expert biases only under
+    ``moe_router_enable_expert_bias`` and qb_beta only under quantile balancing, even when
+    the collection holds their groups; the reset still zeroes the qb accumulators of every
+    module (Megatron zeroes them whatever the type) but not the token counts. No collective."""
+    for r, out in enumerate(rank_pools.get(2).run(_finalize_with_the_switches_off)):
+        state = out["state"]
+        assert state["a.expert_bias"] == [0.0] * 4
+        assert state["a.local_tokens_per_expert"] == [float(r), 0.0, 2.0, 1.0]
+        assert state["b.expert_bias"] == [0.5, -0.5, 0.0, 1.0]
+        assert state["quantile.qb_beta"] == [1.0, -1.0]
+        assert state["quantile.qb_beta_accum"] == [0.0, 0.0]
+        assert state["quantile.qb_beta_count"] == [0.0]
+        assert out["log"] == []
