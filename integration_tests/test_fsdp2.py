@@ -20,6 +20,10 @@ relative), the final weights gathered by ``full_state_dict`` (one-process names 
 shapes; torchtitan's fused ``wqkv`` saved as ``wq`` / ``wk`` / ``wv`` by its own hook)
 against one process's after SGD (≤ 1e-6), every reference weight moving ≥ 1e-4.
 
+Also: clipping against ``torch.nn.utils.clip_grad_norm_`` of one process, bf16 compute
+with fp32 reduction, TP × PP × FSDP2 on 8 ranks, a resume across layouts through whole
+state dicts, and the refusals of both entry points.
+
 Then the collectives of one step, counted by hand: FSDP2 issues its all-gathers and
 reduce-scatters through ``torch.distributed`` directly (counted by wrapping
 ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` around the step), mc's over TP
@@ -611,3 +615,86 @@ def test_bf16_compute_with_fp32_reduction(rank_pools: RankPools) -> None:
     ref_losses, _ = _reference("hf")
     rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses, strict=True))
     assert rel <= 2e-2, (result["losses"], ref_losses)
+
+
+def _resume_across_layouts() -> dict[str, list[float]] | None:
+    """The ``transformers`` Llama trained 4 SGD steps: uninterrupted under FSDP2 TP=2 × DP=2
+    with SP; FSDP2 for 2 steps, its ``full_state_dict`` loaded into mc DDP at TP=1 × DP=4
+    for steps 3 and 4; and back (mc DDP first, ``load_full_state_dict`` into FSDP2 TP=2)."""
+    import torch.distributed as dist
+
+    import mc_groups as mg
+    from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig, ShardedOptimizer
+    from mc_finalize import finalize_model_grads
+    from mc_tp_layers import (
+        full_state_dict,
+        load_full_state_dict,
+        parallelize,
+        sequence_parallel_plan,
+    )
+
+    tp2 = _fresh_groups()
+    tp1 = mg.initialize_model_parallel(tensor_model_parallel_size=1)
+
+    def fsdp2(state: dict[str, torch.Tensor] | None) -> tuple[Any, Any, Any]:
+        cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+        model = _build("hf")
+        parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=tp2)
+        chunk = _shard(model, "direct", cfg, tp2)
+        if state is not None:
+            load_full_state_dict(model, state)
+        return model, chunk, torch.optim.SGD(chunk.parameters(), lr=LR)
+
+    def ddp(state: dict[str, torch.Tensor] | None) -> tuple[Any, Any, Any]:
+        cfg = mg.ModelParallelConfig()
+        model = _build("hf")
+        if state is not None:
+            model.load_state_dict(state)
+        chunk = DistributedDataParallel(
+            cfg, DistributedDataParallelConfig(), model, pg_collection=tp1
+        )
+        opt = ShardedOptimizer(torch.optim.SGD(chunk.parameters(), lr=LR), chunk)
+        return model, chunk, opt
+
+    def steps(built: tuple[Any, Any, Any], first: int, last: int, pgc: Any) -> list[float]:
+        _, chunk, opt = built
+        dp = pgc.require("dp", "data")
+        rows = _batch("hf", 0).shape[0] // dp.size()
+        losses = []
+        for step in range(first, last):
+            ids = _batch("hf", step)[dp.rank() * rows : (dp.rank() + 1) * rows]
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+            opt.zero_grad()
+            loss = _loss("hf", chunk, ids)
+            loss.backward()  # type: ignore[no-untyped-call]
+            finalize_model_grads([chunk], pg_collection=pgc)
+            opt.step()
+            mean = loss.detach().clone()
+            mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+            losses.append(float(mean))
+        return losses
+
+    out = {"uninterrupted": steps(fsdp2(None), 0, 4, tp2)}
+    first = fsdp2(None)
+    there = steps(first, 0, 2, tp2)
+    out["fsdp2_then_ddp"] = there + steps(ddp(full_state_dict(first[0])), 2, 4, tp1)
+    second = ddp(None)
+    back = steps(second, 0, 2, tp1)
+    out["ddp_then_fsdp2"] = back + steps(fsdp2(second[0].state_dict()), 2, 4, tp2)
+    mg.destroy_model_parallel(tp1)
+    mg.destroy_model_parallel(tp2)
+    return out if dist.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_resume_across_layouts_through_whole_state_dicts(rank_pools: RankPools) -> None:
+    """FSDP2 TP=2 × DP=2 → mc DDP TP=1 × DP=4 and back through ``full_state_dict`` /
+    ``load_full_state_dict`` (whole tensors, one-process names): every step's loss within
+    1e-6 relative of the uninterrupted FSDP2 run (SGD: no optimizer state to carry)."""
+    result = rank_pools.get(4).run(_resume_across_layouts)[0]
+    assert result is not None
+    want = result["uninterrupted"]
+    for name in ("fsdp2_then_ddp", "ddp_then_fsdp2"):
+        rel = max(abs(a - b) / abs(b) for a, b in zip(result[name], want, strict=True))
+        assert rel <= 1e-6, (name, result[name], want)
