@@ -23,16 +23,13 @@ every rank).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_ddp._optimizer_state import OwnedSlice
 from mc_ddp.grad_scaler import DynamicGradScaler
-from mc_groups import param_attrs
 
 _LABEL = "grad norm and step status"
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s and Megatron's
@@ -74,17 +71,6 @@ class StepResult:
     def update_successful(self) -> bool:
         """``not skipped`` (the first value of Megatron's ``optimizer.step()``)."""
         return not self.skipped
-
-
-def build_master_grads(slots: Sequence[OwnedSlice]) -> list[torch.Tensor]:
-    """``master.grad ← main_grad[start:end]`` as fp32 (a view for fp32 grads, a copy
-    otherwise) for every slot; returns them in slot order."""
-    grads = []
-    for slot in slots:
-        grad = param_attrs.main_grad_of(slot.param).view(-1)[slot.start : slot.end]
-        slot.master.grad = grad.to(torch.float32)
-        grads.append(slot.master.grad)
-    return grads
 
 
 def _norm_part(grads: list[torch.Tensor], p: float) -> list[float | torch.Tensor]:

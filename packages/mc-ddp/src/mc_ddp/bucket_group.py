@@ -17,29 +17,55 @@ group: reduce-scatter into this rank's shard (distributed optimizer) or all-redu
 ``SUM`` or ``AVG`` (``average_in_collective``); with several optimizer instances the shard is
 then all-reduced over ``inter_distributed_optimizer_instance_group`` (when the group
 finishes: on CPU a chained collective cannot wait on a stream).
+
+The group's collectives are bound once, at construction, on its
+:class:`mc_groups.Communicator` (:meth:`mc_groups.Communicator.bind`: the tensors and
+options checked then): the gradient reduction (reduce-scatter into this rank's shard, or
+all-reduce), the param all-gather and the gather of reduced shards for
+``force_all_reduce``. A step only issues them. One collective per bucket, Megatron's
+schedule: a group's buckets go as one list, one coalesced batch (a one-bucket group's
+collective alone; on gloo one batch per dtype), the reduce-scatter's temporaries kept
+between iterations. Every collective carries ``detail=layout_detail`` (the buckets' params
+and a digest of their layout): shown in collective errors, compared by the schedule check,
+so ranks whose buckets hold different params are told apart even at equal sizes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 import mc_groups as mg
 from mc_buffers import ParamAndGradBucket, ParamAndGradBuffer
-from mc_ddp import _bucket_collectives as comm
 from mc_ddp._ddp_groups import require_live
-from mc_ddp._readiness import ReadyCounts
+from mc_ddp._iteration import ReadyCounts
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_buckets, check_finite_grads
 from mc_groups.argcheck import check_flag, check_group, check_optional_group, check_str, type_name
+from mc_groups.comm.communicator import BoundCollectives
 from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 
 __all__ = ["ParamAndGradBucketGroup", "partition_buckets"]
 
 Param = torch.nn.Parameter
+
+_SHOWN = 3
+"""Params named per bucket in ``layout_detail``; its digest covers all of them."""
+
+
+class ShardSpec(NamedTuple):
+    """Where this rank's shards are: ``group``, its rank there and the shard count (bucket
+    ``b`` splits into ``size`` equal views; rank ``rank`` owns ``b.grad_shard(rank, size)``
+    and ``b.param_shard(rank, size)``)."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
 
 
 class ParamAndGradBucketGroup:
@@ -85,7 +111,7 @@ class ParamAndGradBucketGroup:
         self.ddp_config = ddp_config
         self.collective_group = collective_group
         self.inter_distributed_optimizer_instance_group = inter_instance_group
-        self.shard = comm.ShardSpec(
+        self.shard = ShardSpec(
             collective_group, mg.group_rank(collective_group), mg.group_size(collective_group)
         )
         self.name = name
@@ -94,6 +120,7 @@ class ParamAndGradBucketGroup:
         self.params: set[Param] = set(self.param_to_bucket)
         self.next_param_gather_bucket_group: ParamAndGradBucketGroup | None = None
         self._ready = ReadyCounts([p for b in self.buckets for p in b.params_list])
+        self._slot_of = {id(p): i for i, p in enumerate(self._ready.params)}
         self.is_first_batch = True
         self.is_last_microbatch = True
         self.grad_reduce_handle: mg.CollectiveHandle | None = None
@@ -103,17 +130,68 @@ class ParamAndGradBucketGroup:
         self._scattered = False
         self._large_grads = LargeGradMonitor(len(self.buckets))
         self.communicator = mg.Communicator(collective_group)
-        self._inter_communicator = (
-            None if inter_instance_group is None else mg.Communicator(inter_instance_group)
+        self.layout_detail = bucket_layout_detail(self.buckets, self._names)
+        self._bind_collectives(inter_instance_group)
+
+    def _bind_collectives(self, inter_group: dist.ProcessGroup | None) -> None:
+        """The group's collectives, checked once (module notes). Views are taken now: the
+        buffers keep their tensors for the group's life (offloading frees and restores the
+        storage in place; a collective on offloaded memory is refused before issuing)."""
+        cfg, rank, size = self.ddp_config, self.shard.rank, self.shard.size
+        op = mg.ReduceOp.AVG if cfg.average_in_collective else mg.ReduceOp.SUM
+        grads = [b.grad_data for b in self.buckets]
+        self._grads = grads
+        # this rank's shard of each bucket: laid out to split only with the distributed
+        # optimizer (the only mode that reduce-scatters)
+        shards = (
+            [b.grad_shard(rank, size) for b in self.buckets]
+            if cfg.use_distributed_optimizer
+            else []
         )
-        self.layout_detail = comm.bucket_layout_detail(self.buckets, self._names)
+        bind, detail = self.communicator.bind, self.layout_detail
+        self._reduce_whole = bind(
+            "all_reduce", grads, op=op, label=f"grad reduce {self.name}", detail=detail
+        )
+        self._reduce_shard = None
+        self._gather_grads = None
+        self._gather_params = None
+        if cfg.use_distributed_optimizer:
+            accumulate = torch.float32 if cfg.reduce_scatter_with_fp32_accumulation else None
+            self._reduce_shard = bind(
+                "reduce_scatter",
+                list(zip(shards, grads, strict=True)),
+                op=op,
+                label=f"grad reduce {self.name}",
+                detail=detail,
+                accumulate_dtype=accumulate,
+            )
+            self._gather_grads = bind(
+                "all_gather",
+                list(zip(grads, shards, strict=True)),
+                label=f"grad gather {self.name}",
+                detail=detail,
+            )
+            params = [_param_data(b) for b in self.buckets]
+            self._gather_params = bind(
+                "all_gather",
+                [(p, b.param_shard(rank, size)) for p, b in zip(params, self.buckets, strict=True)],
+                label=f"param gather {self.name}",
+                detail=detail,
+            )
+        self._across_instances: tuple[BoundCollectives, BoundCollectives] | None = None
+        if inter_group is not None:  # the second stage of a multi-instance reduction
+            inter = mg.Communicator(inter_group)
+            label = f"grad reduce across instances {self.name}"
+            whole = inter.bind("all_reduce", grads, op=op, label=label, detail=detail)
+            part = inter.bind("all_reduce", shards, op=op, label=label, detail=detail)
+            self._across_instances = (part if shards else whole, whole)
 
     # -- bookkeeping ------------------------------------------------------------------
 
     @property
     def per_param_grad_ready_counts(self) -> dict[Param, int]:
         """Param → times it became ready this iteration (Megatron's state; a snapshot of
-        the per-slot counts, :mod:`mc_ddp._readiness`; assigning a dict replaces them)."""
+        the per-slot counts, :mod:`mc_ddp._iteration`; assigning a dict replaces them)."""
         return self._ready.as_dict()
 
     @per_param_grad_ready_counts.setter
@@ -181,35 +259,28 @@ class ParamAndGradBucketGroup:
 
     def register_grad_ready(self, param: Param, force_all_reduce: bool = False) -> None:
         """Count one ready gradient of ``param`` (last microbatch only); once every count
-        equals the golden count (second iteration on) start the reduction.
+        equals the golden count (second iteration on) start the reduction. DDP's backward
+        hook calls this once per param per backward: the checks here are the cheap ones
+        (the param's slot, a bool); the count is a list update, the comparison with the
+        golden counts runs once the number of ready gradients reaches the golden total.
 
         Only with ``overlap_grad_reduce`` (as Megatron asserts): without it nothing is
         dispatched from the hooks and ``finish_grad_sync`` reduces synchronously."""
-        slot = self._ready.slots.get(param)
+        slot = self._slot_of.get(id(param))
         if slot is None:
             raise InputValueError(
                 f"{self.name}: register_grad_ready() got a param (shape "
                 f"{tuple(getattr(param, 'shape', ()))}) that is not in this bucket group"
             )
-        check_flag("force_all_reduce", force_all_reduce)
+        flag: object = force_all_reduce  # callers may pass anything
+        if flag is not True and flag is not False:
+            check_flag("force_all_reduce", flag)
         if not self.ddp_config.overlap_grad_reduce:
             raise InputStateError(
                 f"{self.name}: register_grad_ready() should only be called when "
                 "overlap_grad_reduce is True (without it finish_grad_sync() reduces the "
                 "bucket group synchronously)"
             )
-        self._grad_ready(slot, param, force_all_reduce)
-
-    def _grad_slot(self, param: Param) -> int:
-        """``param``'s slot in this group's ready counts (``KeyError`` for a stranger): what
-        DDP's backward hook passes to :meth:`_grad_ready`."""
-        return self._ready.slots[param]
-
-    def _grad_ready(self, slot: int, param: Param, force_all_reduce: bool) -> None:
-        """:meth:`register_grad_ready` once its arguments are known good: DDP's backward
-        hook calls this directly with the param's slot (its param is in this group, overlap
-        is on), so nothing that holds for the whole run is checked once per param per
-        backward, and the count is a list update, not a dict keyed by a tensor."""
         if not self.is_last_microbatch:
             return
         if self.grad_reduce_finished:
@@ -217,7 +288,8 @@ class ParamAndGradBucketGroup:
         ready = self._ready
         ready.counts[slot] += 1
         ready.ready += 1
-        if ready.ready == ready.golden_total and not self.is_first_batch and ready.complete():
+        complete = ready.ready == ready.golden_total and ready.counts == ready.golden
+        if complete and not self.is_first_batch:
             self.start_grad_sync(force_all_reduce=force_all_reduce)
 
     def _refuse_late_grad(self, param: Param) -> None:
@@ -235,12 +307,6 @@ class ParamAndGradBucketGroup:
 
     # -- gradients --------------------------------------------------------------------
 
-    def _reduction(self, force_all_reduce: bool) -> comm.GradReduction:
-        cfg = self.ddp_config
-        op = mg.ReduceOp.AVG if cfg.average_in_collective else mg.ReduceOp.SUM
-        scatter = cfg.use_distributed_optimizer and not force_all_reduce
-        return comm.GradReduction(scatter, op, cfg.reduce_scatter_with_fp32_accumulation)
-
     def _prepare_grads(self) -> None:
         for bucket in self.buckets:
             for param in bucket.params_with_extra_main_grads:
@@ -249,9 +315,9 @@ class ParamAndGradBucketGroup:
             check_finite_grads(self.buckets, self._names, self.name, groups=self._check_groups())
         if self.ddp_config.check_for_large_grads:
             self._large_grads.check(self.buckets, self.name)
-        for bucket in self.buckets:
+        for bucket, grads in zip(self.buckets, self._grads, strict=True):
             if bucket.gradient_scaling_factor != 1.0:
-                bucket.grad_data.mul_(bucket.gradient_scaling_factor)
+                grads.mul_(bucket.gradient_scaling_factor)
 
     def _check_groups(self) -> list[dist.ProcessGroup]:
         """Every rank this group's reduction reaches: its own group, then the other
@@ -265,7 +331,9 @@ class ParamAndGradBucketGroup:
         In the first iteration a second call is a no-op once a reduction is in flight;
         later, a second call before :meth:`finish_grad_sync` is an error.
         """
-        check_flag("force_all_reduce", force_all_reduce)
+        flag: object = force_all_reduce  # callers may pass anything
+        if flag is not True and flag is not False:
+            check_flag("force_all_reduce", flag)
         if self.grad_reduce_handle is not None:
             if self.is_first_batch:
                 return
@@ -276,17 +344,10 @@ class ParamAndGradBucketGroup:
         self._require_communicable("start_grad_sync()")
         self._wait_param_gather()
         self._prepare_grads()
-        how = self._reduction(force_all_reduce)
-        self.grad_reduce_handle = comm.reduce_bucket_grads(
-            self.buckets,
-            self.shard,
-            how,
-            self.communicator,
-            async_op=self.ddp_config.overlap_grad_reduce,
-            label=f"grad reduce {self.name}",
-            detail=self.layout_detail,
-        )
-        self._scattered = how.scatter
+        shard = None if force_all_reduce else self._reduce_shard
+        reduction = self._reduce_whole if shard is None else shard
+        self.grad_reduce_handle = reduction.issue(self.ddp_config.overlap_grad_reduce)
+        self._scattered = shard is not None
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Complete this group's reduction; starts it first when no hook did (no overlap,
@@ -317,24 +378,12 @@ class ParamAndGradBucketGroup:
         assert self.grad_reduce_handle is not None  # set by start_grad_sync
         self.grad_reduce_handle.wait()
         self.grad_reduce_handle = None
-        if self._inter_communicator is not None:
-            comm.all_reduce_across_instances(
-                self.buckets,
-                self.shard,
-                self._inter_communicator,
-                op=self._reduction(force_all_reduce).op,
-                whole_bucket=not self._scattered,
-                label=f"grad reduce across instances {self.name}",
-                detail=self.layout_detail,
-            )
+        if self._across_instances is not None:
+            shards, whole = self._across_instances
+            (shards if self._scattered else whole).issue()
         if force_all_reduce and self._scattered:
-            comm.gather_grad_shards(
-                self.buckets,
-                self.shard,
-                self.communicator,
-                label=f"grad gather {self.name}",
-                detail=self.layout_detail,
-            )
+            assert self._gather_grads is not None  # bound with the distributed optimizer
+            self._gather_grads.issue()  # the full reduced grads an all-reduce would give
         for bucket in self.buckets:
             for param in bucket.params_with_extra_main_grads:
                 mg.param_attrs.main_grad_of(param).copy_(mg.param_attrs.main_grad_copy_of(param))
@@ -408,7 +457,9 @@ class ParamAndGradBucketGroup:
         """All-gather every bucket's params from the shards (async with
         overlap_param_gather unless ``force_sync``; ``force_sync`` with a gather in flight
         only waits for it)."""
-        check_flag("force_sync", force_sync)
+        flag: object = force_sync  # callers may pass anything
+        if flag is not True and flag is not False:
+            check_flag("force_sync", flag)
         if self._replicated_param_sync():
             return
         self._require_param_buffers("start_param_sync()")
@@ -435,14 +486,8 @@ class ParamAndGradBucketGroup:
                 "reload_from_cpu(move_params=True) first"
             )
         async_op = self.ddp_config.overlap_param_gather and not force_sync
-        pending = comm.gather_bucket_params(
-            self.buckets,
-            self.shard,
-            self.communicator,
-            async_op=async_op,
-            label=f"param gather {self.name}",
-            detail=self.layout_detail,
-        )
+        assert self._gather_params is not None  # bound with the distributed optimizer
+        pending = self._gather_params.issue(async_op)
         self.param_gather_handle = pending if async_op else None
         self.param_gather_dispatched = True
 
@@ -541,3 +586,37 @@ def partition_buckets(
     if force_single_bucket_group:
         return [[b for buf in buffers for b in buf.buckets]] if buffers else []
     return [[b] for buf in buffers for b in buf.buckets]
+
+
+def _param_data(bucket: ParamAndGradBucket) -> torch.Tensor:
+    if bucket.param_data is None:
+        raise RuntimeError(
+            f"bucket {bucket.bucket_id} has no param_data: params are gathered only with "
+            "use_distributed_optimizer=True"
+        )
+    return bucket.param_data
+
+
+def bucket_layout_detail(buckets: Sequence[ParamAndGradBucket], names: Mapping[Param, str]) -> str:
+    """``bucket 0: 6 params '4.bias' (4,), '4.weight' (4, 16), '2.bias' (16,) and 3 more;
+    layout 1f0c…`` per bucket (``"; "``-joined; ``1 param`` for one).
+
+    The 16-hex-digit layout digest (BLAKE2b) covers every param's name, shape and
+    ``(start, end)`` in the bucket and the bucket's size, so two ranks agree on it exactly
+    when their buckets map the same elements to the same params. Computed once per bucket
+    group (construction), not per collective.
+    """
+    return "; ".join(_one_bucket(bucket, names) for bucket in buckets)
+
+
+def _one_bucket(bucket: ParamAndGradBucket, names: Mapping[Param, str]) -> str:
+    params = bucket.params_list
+    entries = [
+        f"{names.get(p, '<unnamed>')}:{tuple(p.shape)}:{bucket.param_to_index[p]}" for p in params
+    ]
+    text = "|".join([str(bucket.grad_data.numel()), *entries])
+    digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    shown = ", ".join(f"'{names.get(p, '<unnamed>')}' {tuple(p.shape)}" for p in params[:_SHOWN])
+    more = f" and {len(params) - _SHOWN} more" if len(params) > _SHOWN else ""
+    count = f"{len(params)} param{'' if len(params) == 1 else 's'}"
+    return f"bucket {bucket.bucket_id}: {count} {shown}{more}; layout {digest}"

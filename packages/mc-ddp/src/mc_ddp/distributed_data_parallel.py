@@ -25,9 +25,10 @@ them): dense grads over ``intra_dp_cp``, expert grads (``param.allreduce = False
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Generic
+from typing import Any, Generic, Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -49,7 +50,6 @@ from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.hooks import (
     PARAM_READY_CALLBACK_ATTR,
-    BackwardPostHook,
     ForwardPreHook,
     _BucketParamReadyCallback,
     runs_compiled,
@@ -73,6 +73,29 @@ ConfigT_co = TypeVar(
     "ConfigT_co", bound=TransformerConfigLike, default=TransformerConfigLike, covariant=True
 )
 """The wrapped config's type, kept so consumers (mc_finalize) can read more of it."""
+
+
+class _GradReadyOwner(Protocol):
+    def _on_grad_ready(self, param: Param, index: int) -> None: ...
+
+
+class BackwardPostHook:
+    """Runs after ``param``'s gradient accumulated (``param.grad`` is set): hands the param
+    (and its position ``index`` in the DDP's ``params_with_grad``) to its DDP, which moves
+    the grad into ``main_grad`` and marks it ready, unless a CUDA graph is being captured.
+    A no-op once the DDP is gone. Called once per param per backward: it does nothing else."""
+
+    __slots__ = ("_ddp", "_index", "_param")
+
+    def __init__(self, ddp: _GradReadyOwner, param: Param, index: int) -> None:
+        self._ddp: weakref.ref[_GradReadyOwner] = weakref.ref(ddp)
+        self._param = param
+        self._index = index
+
+    def __call__(self, *unused: Any) -> None:
+        ddp = self._ddp()
+        if ddp is not None:
+            ddp._on_grad_ready(self._param, self._index)
 
 
 class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
@@ -184,6 +207,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
 
     def _set_groups(self, groups: DDPGroups) -> None:
         self.groups = groups
+        self._named_groups = groups.named()  # every group DDP communicates over
         self.dp_group = groups.dp
         self.dp_cp_group = groups.dp_cp
         self.intra_dp_cp_group = groups.intra_dp_cp
@@ -228,13 +252,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         self.param_to_bucket_group: dict[Param, ParamAndGradBucketGroup] = {
             p: g for g in self._all_groups() for p in g.params
         }
-        # what each backward hook needs, by the param's position in params_with_grad: its
-        # bucket group and its slot there (a list read per call, not two dict lookups)
-        self._grad_targets = [
-            (g, g._grad_slot(p))
-            for p in self.params_with_grad
-            for g in [self.param_to_bucket_group[p]]
-        ]
+        # each backward hook's bucket group, by the param's position in params_with_grad
+        # (a list read per call, not a dict keyed by a tensor)
+        self._grad_groups = [self.param_to_bucket_group[p] for p in self.params_with_grad]
         self._grad_index = {p: i for i, p in enumerate(self.params_with_grad)}
 
     def _all_groups(self) -> list[ParamAndGradBucketGroup]:
@@ -287,7 +307,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         the param's position in ``params_with_grad``. Nothing under CUDA-graph capture."""
         if is_graph_capturing():  # this module's name, read per call (tests patch it)
             return
-        group, slot = self._grad_targets[index]
+        group = self._grad_groups[index]
         main_grad: torch.Tensor = getattr(param, MAIN_GRAD)  # set by the buffer
         if self._iteration.discarded or isinstance(main_grad, OffloadedView):
             param.grad = None  # a retry must not add it twice
@@ -302,7 +322,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
                 main_grad.add_(grad)
             param.grad = None
         if self.ddp_config.overlap_grad_reduce:
-            group._grad_ready(slot, param, self.force_all_reduce)
+            group.register_grad_ready(param, self.force_all_reduce)
         elif group.is_last_microbatch and group.grad_reduce_finished:
             group._refuse_late_grad(param)  # the check register_grad_ready makes
 
@@ -528,7 +548,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
     def _require_usable(self, what: str, *, grads: bool = True) -> None:
         """Before communicating: live groups, resident params (and grads, kept this
         iteration, unless ``grads=False``)."""
-        require_live(self.groups.named(), what)
+        named = self._named_groups
+        if not all(g is None or mg.is_group_live(g) for _, g in named):
+            require_live(named, what)  # raises, naming the destroyed group
         if self._params_offloaded():
             raise RuntimeError(
                 f"{what}: the params are offloaded (offload_to_cpu(move_params=True)); call "
@@ -643,8 +665,13 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         """All-gather every group's params from the shards, model start first (the last
         group of each chain first). Async with overlap_param_gather unless ``force_sync``;
         skipped when the optimizer step already dispatched (unless ``force_dispatch``)."""
-        check_flag("force_sync", force_sync)
-        check_flag("force_dispatch", force_dispatch)
+        flags: tuple[tuple[str, object], ...] = (
+            ("force_sync", force_sync),
+            ("force_dispatch", force_dispatch),
+        )
+        for name, flag in flags:
+            if flag is not True and flag is not False:  # one test in the common case
+                check_flag(name, flag)
         cfg = self.ddp_config
         if not (cfg.use_distributed_optimizer or cfg.overlap_param_gather):
             raise InputStateError(

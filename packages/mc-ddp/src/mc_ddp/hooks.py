@@ -1,6 +1,6 @@
 """What DDP leaves on the wrapped module and its params, and parameter readiness.
 
-DDP registers a :class:`BackwardPostHook` per param (its grad goes into ``main_grad``), a
+DDP registers (besides its backward hook per param, defined with DDP) a
 :class:`ForwardPreHook` per submodule with ``overlap_param_gather`` (the forward waits for
 its params' all-gather) and, on every param of a bucket group, a
 :class:`_BucketParamReadyCallback`. Each holds its DDP (and bucket group) weakly: the
@@ -106,32 +106,9 @@ class _BucketParamReadyCallback:
         group.finish_param_sync(skip_next_bucket_dispatch=skip_next)
 
 
-class _GradReadyOwner(Protocol):
-    def _on_grad_ready(self, param: Param, index: int) -> None: ...
-
-
 class _ParamSyncOwner(Protocol):
     def _on_module_forward(self, module: torch.nn.Module) -> None: ...
     def _graph_capturing(self) -> bool: ...
-
-
-class BackwardPostHook:
-    """Runs after ``param``'s gradient accumulated (``param.grad`` is set): hands the param
-    (and its position ``index`` in the DDP's ``params_with_grad``) to its DDP, which moves
-    the grad into ``main_grad`` and marks it ready, unless a CUDA graph is being captured.
-    A no-op once the DDP is gone. Called once per param per backward: it does nothing else."""
-
-    __slots__ = ("_ddp", "_index", "_param")
-
-    def __init__(self, ddp: _GradReadyOwner, param: Param, index: int) -> None:
-        self._ddp: weakref.ref[_GradReadyOwner] = weakref.ref(ddp)
-        self._param = param
-        self._index = index
-
-    def __call__(self, *unused: Any) -> None:
-        ddp = self._ddp()
-        if ddp is not None:
-            ddp._on_grad_ready(self._param, self._index)
 
 
 def runs_compiled(module: torch.nn.Module) -> bool:

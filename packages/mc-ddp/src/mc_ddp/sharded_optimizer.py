@@ -48,6 +48,7 @@ from mc_ddp.grad_norm import counted_slices
 from mc_ddp.grad_scaler import DynamicGradScaler
 from mc_groups.argcheck import check_flag, type_name
 from mc_groups.errors import InputStateError, InputTypeError, InputValueError
+from mc_groups.param_attrs import MAIN_GRAD
 
 __all__ = ["OwnedSlice", "ShardedOptimizer", "StepResult"]
 
@@ -258,7 +259,7 @@ class ShardedOptimizer:
                 outcome = self._guarded(guard, "ShardedOptimizer.step")
             else:
                 self._check_unguarded_step()
-                guarded.build_master_grads(self._slots)
+                self._build_master_grads()
                 outcome = StepResult(skipped=False)
         self._drain_param_gathers()
         if not outcome.skipped:
@@ -271,6 +272,16 @@ class ShardedOptimizer:
             self._write_masters_to_params()
         self._publish_params(force_sync=False)
         return outcome
+
+    def _build_master_grads(self) -> list[torch.Tensor]:
+        """``master.grad ← main_grad[start:end]`` as fp32 (a view for fp32 grads, a copy
+        otherwise) for every owned slice; returns them in slice order."""
+        grads = []
+        for slot in self._slots:
+            main_grad: torch.Tensor = getattr(slot.param, MAIN_GRAD)  # set by the buffer
+            slot.master.grad = main_grad.view(-1)[slot.start : slot.end].to(torch.float32)
+            grads.append(slot.master.grad)
+        return grads
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss × S`` with the scaler's current scale (``loss`` itself without a scaler):
@@ -311,7 +322,7 @@ class ShardedOptimizer:
                     "grads; call step() (or start the next iteration) instead of clipping twice"
                 )
             counted = self._counted_slots() if guard.max_norm is not None else []
-        grads = guarded.build_master_grads(self._slots) if status.passed else []
+        grads = self._build_master_grads() if status.passed else []
         counted = counted or [False] * len(grads)
         outcome = guarded.reduce_step_values(guard, grads, counted, status, self._device())
         if guard.error_if_nonfinite and guard.scaler is None and outcome.skipped:

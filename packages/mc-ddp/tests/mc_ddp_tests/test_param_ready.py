@@ -110,7 +110,7 @@ def test_hooks_hand_over_or_do_nothing_under_capture(monkeypatch: pytest.MonkeyP
     (see ``_backward_under_capture``), and does nothing once the DDP is collected."""
     ddp = _FakeDDP()
     param, module = torch.nn.Parameter(torch.zeros(1)), torch.nn.Linear(1, 1)
-    grad_hook = param_ready.BackwardPostHook(ddp, param, 7)
+    grad_hook = ddp_module.BackwardPostHook(ddp, param, 7)
     forward_hook = param_ready.ForwardPreHook(ddp)
     capturing = [True]
     monkeypatch.setattr(ddp_module, "is_graph_capturing", lambda: capturing[0])
@@ -120,7 +120,7 @@ def test_hooks_hand_over_or_do_nothing_under_capture(monkeypatch: pytest.MonkeyP
     grad_hook(param)
     forward_hook(module, ())
     assert ddp.seen == ["grad 7", "forward"]
-    orphan = param_ready.BackwardPostHook(_FakeDDP(), param, 0)
+    orphan = ddp_module.BackwardPostHook(_FakeDDP(), param, 0)
     gc.collect()
     orphan(param)
 

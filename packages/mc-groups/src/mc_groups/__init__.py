@@ -53,8 +53,13 @@ from mc_groups import elastic as elastic
 from mc_groups import param_attrs as param_attrs
 from mc_groups.collection import GROUP_FIELDS, MissingGroupError, ProcessGroupCollection
 from mc_groups.comm import traceable as traceable
+from mc_groups.comm._coalesced import CoalescedBatch, coalesced
+from mc_groups.comm._common import (
+    SCHEDULE_CHECK_ENV,
+    check_collective_schedule,
+    schedule_check_enabled,
+)
 from mc_groups.comm.collectives import (
-    CoalescedBatch,
     CollectiveHandle,
     ReduceOp,
     all_gather,
@@ -63,7 +68,6 @@ from mc_groups.comm.collectives import (
     all_to_all,
     barrier,
     broadcast,
-    coalesced,
     group_rank,
     group_ranks,
     group_size,
@@ -74,14 +78,7 @@ from mc_groups.comm.collectives import (
     send,
 )
 from mc_groups.comm.communicator import Communicator
-from mc_groups.comm.cross_rank import (
-    SCHEDULE_CHECK_ENV,
-    CarriedStatus,
-    check_collective_schedule,
-    cross_check,
-    fail_together,
-    schedule_check_enabled,
-)
+from mc_groups.comm.cross_rank import CarriedStatus, cross_check, fail_together
 from mc_groups.comm.recorder import CollectiveRecord, record_collectives
 from mc_groups.config import ModelParallelConfig, TransformerConfigLike
 from mc_groups.default_collection import (

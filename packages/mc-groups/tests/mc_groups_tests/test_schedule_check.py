@@ -214,7 +214,7 @@ def test_the_disagreeing_rank_is_named_among_four(rank_pools: RankPools) -> None
 
 def _switches() -> dict[str, Any]:
     g = _world()
-    env = cross_rank.SCHEDULE_CHECK_ENV
+    env = mg.SCHEDULE_CHECK_ENV
     out: dict[str, Any] = {"start": os.environ.get(env)}
     os.environ[env] = "maybe"
     try:
@@ -271,7 +271,7 @@ def test_fingerprints_are_stable_and_distinguish_fields() -> None:
 
 @pytest.mark.parametrize("value", ["", "0", "off", "False", " no "])
 def test_off_values(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cross_rank.SCHEDULE_CHECK_ENV, value)
+    monkeypatch.setenv(mg.SCHEDULE_CHECK_ENV, value)
     assert mg.schedule_check_enabled() is False
 
 
@@ -285,9 +285,9 @@ def test_switch_reads_what_os_environ_holds(
     # the per-collective read (the byte mapping behind os.environ on POSIX) sees every
     # write through os.environ, set or unset
     if value is None:
-        monkeypatch.delenv(cross_rank.SCHEDULE_CHECK_ENV, raising=False)
+        monkeypatch.delenv(mg.SCHEDULE_CHECK_ENV, raising=False)
     else:
-        monkeypatch.setenv(cross_rank.SCHEDULE_CHECK_ENV, value)
+        monkeypatch.setenv(mg.SCHEDULE_CHECK_ENV, value)
     if expected is None:
         with pytest.raises(ValueError, match="is not a switch"):
             mg.schedule_check_enabled()

@@ -1,4 +1,5 @@
-"""Coalesced batches: several collectives of one kind issued together on one group."""
+"""Coalesced batches: several collectives of one kind issued together on one group, through
+the same issuing functions as the collectives alone (:mod:`mc_groups.comm.collectives`)."""
 
 from __future__ import annotations
 
@@ -10,28 +11,34 @@ import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_group
-from mc_groups.comm import _gloo as gloo
-from mc_groups.comm import _reduce_scatter as rs
 from mc_groups.comm._common import (
     DONE,
-    TORCH_OPS,
     CollectiveHandle,
     ReduceOp,
     check_all_gather,
     check_contiguous,
+    check_device,
     check_op,
     check_options,
     check_reduce_scatter,
+    coalescing_manager,
     copy_unless_alias,
     dtype_name,
     kind_text,
     planned_text,
     ranks_of,
-    record,
+    schedule_check_enabled,
 )
-from mc_groups.comm._shims import all_gather_flat, coalescing_manager, reduce_scatter_flat
-from mc_groups.comm.cross_rank import cross_check, key_device, schedule_check_enabled
-from mc_groups.errors import CollectiveError, InputTypeError, InputValueError
+from mc_groups.comm.collectives import (
+    Allocate,
+    _issue_all_gather,
+    _issue_all_reduce,
+    _issue_reduce_scatter,
+    fresh,
+    is_gloo,
+)
+from mc_groups.comm.cross_rank import cross_check, key_device
+from mc_groups.errors import CollectiveError, InputValueError
 
 __all__ = ["CoalescedBatch", "coalesced"]
 
@@ -49,11 +56,10 @@ class CoalescedBatch:
 
     On NCCL the batch is one ``torch.distributed._coalescing_manager`` launch. On gloo,
     which gains nothing from coalescing on CPU, each collective is issued asynchronously
-    as it is added (reduce-scatters as all-to-all + local reduction, all-gathers as
-    point-to-point exchanges or all-to-alls by size, see :func:`~mc_groups.reduce_scatter` and
-    :func:`~mc_groups.all_gather`) and the batch's handle waits for all of them. With
-    the schedule check on (:mod:`mc_groups.comm.cross_rank`) the collectives are queued and
-    issued when the block closes, after the batch as a whole was checked.
+    as it is added (reduce-scatters and all-gathers as all-to-alls, see
+    :mod:`mc_groups.comm.collectives`) and the batch's handle waits for all of them. With
+    the schedule check on, the collectives are queued and issued when the block closes,
+    after the batch as a whole was checked.
     """
 
     def __init__(
@@ -62,7 +68,7 @@ class CoalescedBatch:
         async_op: bool,
         label: str,
         detail: str = "",
-        allocate: rs.Allocate = rs.fresh,
+        allocate: Allocate = fresh,
     ) -> None:
         self._group = group
         self._allocate = allocate
@@ -71,12 +77,11 @@ class CoalescedBatch:
         self._detail = detail
         self._size = group.size()
         self._kind: _Kind | None = None
-        self._per_op = self._size > 1 and gloo.is_gloo(group)
+        self._per_op = self._size > 1 and is_gloo(group)
         self._deferred = self._size > 1 and schedule_check_enabled()
-        self._queued: list[Callable[[], None]] = []
+        self._queued: list[Callable[[], CollectiveHandle]] = []
         self._payload: list[torch.Tensor] = []
-        self._works: list[Any] = []
-        self._finishers: list[Callable[[], None]] = []
+        self._issued: list[CollectiveHandle] = []
         self.handle: CollectiveHandle = DONE
         self._closed = False
 
@@ -95,12 +100,12 @@ class CoalescedBatch:
             )
         self._kind = kind
 
-    def _submit(self, tensor: torch.Tensor, issue: Callable[[], None]) -> None:
+    def _submit(self, tensor: torch.Tensor, issue: Callable[[], CollectiveHandle]) -> None:
         self._payload.append(tensor)
         if self._deferred:
             self._queued.append(issue)
         else:
-            issue()
+            self._issued.append(issue())
 
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = ReduceOp.SUM) -> None:
         """Queue ``tensor ← op over ranks``."""
@@ -109,19 +114,12 @@ class CoalescedBatch:
         self._claim("all_reduce", op)
         if self._size == 1:
             return
-
-        def issue() -> None:
-            self._note("all_reduce", tensor, op)
-            self._add(
-                dist.all_reduce(
-                    tensor,
-                    op=TORCH_OPS[op],
-                    group=self._group,
-                    async_op=self._async or self._per_op,
-                )
-            )
-
-        self._submit(tensor, issue)
+        self._submit(
+            tensor,
+            lambda: _issue_all_reduce(
+                tensor, self._group, op, self._async, self._label, self._detail, coalesced=True
+            ),
+        )
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = ReduceOp.SUM
@@ -132,40 +130,33 @@ class CoalescedBatch:
         check_reduce_scatter(output, input, self._size)
         if self._copied_locally("reduce_scatter", op, output, input):
             return
-        accumulate = rs.accumulation_dtype(output, None)
-
-        def issue() -> None:
-            self._note("reduce_scatter", input, op)
-            if self._per_op:
-                self._add(
-                    *rs.by_all_to_all(
-                        output, input, self._group, op, True, accumulate, self._allocate
-                    )
-                )
-                return
-            self._add(
-                reduce_scatter_flat(
-                    output, input, op=TORCH_OPS[op], group=self._group, async_op=self._async
-                )
-            )
-
-        self._submit(input, issue)
+        self._submit(
+            input,
+            lambda: _issue_reduce_scatter(
+                output,
+                input,
+                self._group,
+                op,
+                self._async,
+                self._label,
+                self._detail,
+                None,
+                self._allocate,
+                coalesced=True,
+            ),
+        )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Queue an all-gather of ``input`` into ``output`` (see :func:`~mc_groups.all_gather`)."""
         check_all_gather(output, input, self._size)
         if self._copied_locally("all_gather", None, output, input):
             return
-
-        def issue() -> None:
-            self._note("all_gather", input, None)
-            if self._per_op:
-                for work in gloo.all_gather_works(output, input, self._group):
-                    self._add(work)
-                return
-            self._add(all_gather_flat(output, input, group=self._group, async_op=self._async))
-
-        self._submit(input, issue)
+        self._submit(
+            input,
+            lambda: _issue_all_gather(
+                output, input, self._group, self._async, self._label, self._detail, coalesced=True
+            ),
+        )
 
     def _copied_locally(
         self, op: str, reduce_op: ReduceOp | None, output: torch.Tensor, input: torch.Tensor
@@ -177,23 +168,6 @@ class CoalescedBatch:
             return False
         copy_unless_alias(output, input)
         return True
-
-    def _add(self, work: Any, finish: Callable[[], None] | None = None) -> None:
-        if self._per_op and work is not None:
-            self._works.append(work)
-        if finish is not None:
-            self._finishers.append(finish)
-
-    def _note(self, op: str, tensor: torch.Tensor, reduce_op: ReduceOp | None) -> None:
-        record(
-            op,
-            self._group,
-            tensor,
-            reduce_op=reduce_op,
-            async_op=self._async,
-            coalesced=True,
-            label=self._label,
-        )
 
     def describe(self) -> str:
         """``coalesced batch of 2 × reduce_scatter(sum) on group ranks [0, 1] for 'label'``."""
@@ -222,33 +196,22 @@ class CoalescedBatch:
         cross_check(self._group, self._planned(), device=key_device(self._group, first))
         queued, self._queued = self._queued, []
         if self._per_op:
-            for issue in queued:
-                issue()
+            self._issued = [issue() for issue in queued]
             self._close(())
             return
         with coalescing_manager(group=self._group, device=device, async_ops=self._async) as cm:
-            for issue in queued:
-                issue()
+            self._issued = [issue() for issue in queued]
         self._close(cm.works if self._async else ())
 
     def _close(self, manager_works: Sequence[Any]) -> None:
-        """Turn what was issued into :attr:`handle`; wait now unless the batch is async."""
-        works = self._works if self._per_op else list(manager_works)
-        self.handle = CollectiveHandle(works, self.describe(), self._finishers)
+        """Turn what was issued into :attr:`handle` (one handle naming the batch, holding
+        every collective's work and local step); wait now unless the batch is async."""
+        works = [*manager_works, *(w for h in self._issued for w in h._works)]
+        finishers = [f for h in self._issued for f in h._finishers]
+        self.handle = CollectiveHandle(works, self.describe(), finishers)
         if not self._async:
             self.handle.wait()
             self.handle = DONE
-
-
-def _check_device(device: object) -> None:
-    if device is None or isinstance(device, torch.device):
-        return
-    if not isinstance(device, str | int) or isinstance(device, bool):
-        raise InputTypeError(f"device={device!r} must be None, a torch.device or a device string")
-    try:
-        torch.device(device)
-    except RuntimeError as err:
-        raise InputValueError(f"device={device!r} is not a device: {err}") from None
 
 
 @contextmanager
@@ -269,8 +232,8 @@ def coalesced(
     """
     check_group("group", group)
     check_options(async_op, label, detail, group=group)
-    _check_device(device)
-    with open_batch(group, device, async_op, label, detail, rs.fresh) as batch:
+    check_device(device)
+    with open_batch(group, device, async_op, label, detail, fresh) as batch:
         yield batch
 
 
@@ -281,7 +244,7 @@ def open_batch(
     async_op: bool,
     label: str,
     detail: str,
-    allocate: rs.Allocate,
+    allocate: Allocate,
 ) -> Iterator[CoalescedBatch]:
     """:func:`coalesced` with checked arguments; ``allocate`` gives the batch's
     reduce-scatter temporaries (a :class:`~mc_groups.Communicator` passes its kept ones)."""

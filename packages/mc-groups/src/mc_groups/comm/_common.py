@@ -1,30 +1,58 @@
 """What every collective of the layer shares: the reduce ops, the handle, group queries,
-tensor checks, descriptions (for errors), recording, issuing, the batching of tensors by
-dtype, and the hook of the opt-in schedule check. No collective is defined here (see
-:mod:`mc_groups.comm.collectives`)."""
+per-dtype batching (``by_dtype``), argument checks, descriptions (for errors), the record,
+the torch-version names of the flat collectives, and the debug switch of the
+per-collective check. No collective is
+issued here (see :mod:`mc_groups.comm.collectives`)."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Hashable, Sequence
+import os
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from mc_groups.argcheck import check_flag, check_group, check_real, check_str, check_tensor
-from mc_groups.comm.cross_rank import cross_check, key_device, schedule_check_enabled
-from mc_groups.comm.recorder import CollectiveRecord, _emit, _recording
+from mc_groups.argcheck import (
+    check_flag,
+    check_float_dtype,
+    check_group,
+    check_real,
+    check_str,
+    check_tensor,
+)
+from mc_groups.comm.cross_rank import cross_check, key_device
+from mc_groups.comm.recorder import _REGISTRY, CollectiveRecord, _emit
 from mc_groups.errors import CollectiveError, InputTypeError, InputValueError
 
 __all__ = [
+    "SCHEDULE_CHECK_ENV",
     "CollectiveHandle",
     "ReduceOp",
+    "check_collective_schedule",
     "group_rank",
     "group_ranks",
     "group_size",
+    "schedule_check_enabled",
 ]
+
+
+def _first_attr(*names: str) -> Callable[..., Any]:
+    for name in names:
+        found = getattr(dist, name, None)
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+    raise ImportError(f"torch.distributed has none of {names}")
+
+
+reduce_scatter_flat = _first_attr("reduce_scatter_single", "reduce_scatter_tensor")
+"""torch 2.13 renamed the flat-tensor collectives (``*_single``); older releases only have
+the ``*_tensor`` names."""
+all_gather_flat = _first_attr("all_gather_single", "all_gather_into_tensor")
+coalescing_manager: Callable[..., Any] = _first_attr("_coalescing_manager")
 
 
 class ReduceOp(enum.Enum):
@@ -194,18 +222,6 @@ def describe(
     return text
 
 
-def describe_later(
-    op: str,
-    group: dist.ProcessGroup,
-    tensor: torch.Tensor | None,
-    label: str = "",
-    detail: str = "",
-) -> Planned:
-    """:func:`describe`'s arguments, formatted only on failure or when a handle's
-    ``description`` is read (:func:`text_of`): the steady-state path formats no text."""
-    return (op, group, tensor, label, detail)
-
-
 def text_of(description: Description) -> str:
     """The text of a :data:`Description`."""
     if isinstance(description, str):
@@ -233,7 +249,7 @@ def record(
     compiled: bool = False,
 ) -> None:
     """Append a :class:`CollectiveRecord` to every open recorder."""
-    if not _recording():
+    if not _REGISTRY.active:
         return
     numel = 0 if tensor is None else tensor.numel()
     _emit(
@@ -252,16 +268,22 @@ def record(
     )
 
 
-def issue(description: Description, call: Callable[[], Any], *, async_op: bool) -> CollectiveHandle:
-    """Run a torch.distributed call; wrap its failure; wrap its work in a handle.
-    ``description``: the text, or what builds it (:func:`describe_later`)."""
-    try:
-        work = call()
-    except RuntimeError as err:
-        raise failed(description, err) from err
-    if not async_op or work is None:
-        return DONE
-    return CollectiveHandle.of_work(work, description)
+_T = TypeVar("_T")
+
+
+def by_dtype(items: Sequence[_T], key: Callable[[_T], Hashable]) -> list[list[_T]]:
+    """``items`` in batches of one ``key`` (a dtype, or a dtype and a device), the batches in
+    order of first appearance and the items in order: what one collective may carry (gloo
+    batches and flat buffers take one dtype), the same on every rank that passes the same
+    list. The one home of mc's per-dtype batching (:class:`~mc_groups.Communicator` and
+    :func:`~mc_groups.comm.collectives.all_reduce_flat`)."""
+    batches: dict[Hashable, list[_T]] = {}
+    for item in items:
+        batches.setdefault(key(item), []).append(item)
+    return list(batches.values())
+
+
+# -- argument checks ------------------------------------------------------------------------
 
 
 def check_options(
@@ -297,21 +319,6 @@ def check_pair(out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
         )
     if out.device != inp.device:
         raise InputValueError(f"{op}: output device {out.device} differs from input {inp.device}")
-
-
-_T = TypeVar("_T")
-
-
-def by_dtype(items: Sequence[_T], key: Callable[[_T], Hashable]) -> list[list[_T]]:
-    """``items`` in batches of one ``key`` (a dtype, or a dtype and a device), the batches in
-    order of first appearance and the items in order: what one collective may carry (gloo
-    batches and flat buffers take one dtype), the same on every rank that passes the same
-    list. The one home of mc's per-dtype batching (:class:`~mc_groups.Communicator` and
-    :func:`~mc_groups.comm.collectives.all_reduce_flat`)."""
-    batches: dict[Hashable, list[_T]] = {}
-    for item in items:
-        batches.setdefault(key(item), []).append(item)
-    return list(batches.values())
 
 
 def check_op(op: object) -> ReduceOp:
@@ -366,6 +373,166 @@ def copy_unless_alias(output: torch.Tensor, input: torch.Tensor) -> None:
 def kind_text(op: str, reduce_op: ReduceOp | None) -> str:
     """``reduce_scatter(sum)``, or ``all_gather`` for ops without a reduction."""
     return op if reduce_op is None else f"{op}({reduce_op.value})"
+
+
+def check_group_rank(value: object, arg: str, size: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputTypeError(f"{arg}={value!r} must be an int group rank in [0, {size})")
+    if not 0 <= value < size:
+        raise InputValueError(f"{arg}={value!r} must be a group rank in [0, {size})")
+    return value
+
+
+def check_splits(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: object,
+    input_split_sizes: object,
+    size: int,
+) -> None:
+    """Split sizes: ``size`` ints >= 0 adding up to dim 0 of their tensor; without them, dim
+    0 divides by ``size`` and both tensors hold as many elements."""
+    for name, splits, tensor in (
+        ("input_split_sizes", input_split_sizes, input),
+        ("output_split_sizes", output_split_sizes, output),
+    ):
+        rows = tensor.shape[0] if tensor.dim() else 1
+        if splits is None:
+            if rows % size:
+                raise InputValueError(
+                    f"all_to_all: {name.split('_')[0]} has {rows} rows (dim 0), not divisible "
+                    f"by the group size {size}; pass {name}"
+                )
+            continue
+        if isinstance(splits, str) or not isinstance(splits, Sequence):
+            raise InputTypeError(f"all_to_all: {name}={splits!r} must be a list of {size} ints")
+        if len(splits) != size:
+            raise InputValueError(f"all_to_all: {name}={list(splits)} must have {size} entries")
+        if any(isinstance(s, bool) or not isinstance(s, int) for s in splits):
+            raise InputTypeError(f"all_to_all: {name}={list(splits)} must hold ints")
+        if any(s < 0 for s in splits) or sum(splits) != rows:
+            raise InputValueError(
+                f"all_to_all: {name}={list(splits)} must be ints >= 0 adding up to the "
+                f"{rows} rows (dim 0) of the {name.split('_')[0]}"
+            )
+    if output_split_sizes is None and input_split_sizes is None and output.numel() != input.numel():
+        raise InputValueError(
+            f"all_to_all: output.numel()={output.numel()} must equal input.numel()="
+            f"{input.numel()} without split sizes"
+        )
+
+
+def check_peer(group: dist.ProcessGroup, peer: object, arg: str) -> None:
+    size, me = group.size(), group.rank()
+    if isinstance(peer, bool) or not isinstance(peer, int):
+        raise InputTypeError(f"{arg}={peer!r} must be an int: another group rank in [0, {size})")
+    if not 0 <= peer < size or peer == me:
+        raise InputValueError(f"{arg}={peer!r} must be another group rank in [0, {size}), not {me}")
+
+
+def check_accumulate_dtype(value: object) -> torch.dtype | None:
+    """None or a floating-point dtype."""
+    return check_float_dtype("accumulate_dtype", value, allow_none=True)
+
+
+def check_received(input: torch.Tensor, received: object) -> None:
+    """``received`` is None or a contiguous tensor of ``input``'s numel, dtype and device;
+    checked on every group (a one-rank group uses none, but the same call must be judged
+    the same at any group size)."""
+    if received is None:
+        return
+    if not isinstance(received, torch.Tensor):
+        raise InputTypeError(
+            f"received={received!r} must be None or a torch.Tensor of {input.numel()} × "
+            f"{dtype_name(input.dtype)} on {input.device} (the input's size)"
+        )
+    if (
+        received.numel() != input.numel()
+        or received.dtype != input.dtype
+        or received.device != input.device
+        or not received.is_contiguous()
+    ):
+        shown = f"{received.numel()} × {dtype_name(received.dtype)} on {received.device}"
+        raise InputValueError(
+            f"received={shown} must be a contiguous tensor of {input.numel()} × "
+            f"{dtype_name(input.dtype)} on {input.device} (the input's size)"
+        )
+
+
+def check_device(device: object) -> None:
+    if device is None or isinstance(device, torch.device):
+        return
+    if not isinstance(device, str | int) or isinstance(device, bool):
+        raise InputTypeError(f"device={device!r} must be None, a torch.device or a device string")
+    try:
+        torch.device(device)
+    except RuntimeError as err:
+        raise InputValueError(f"device={device!r} is not a device: {err}") from None
+
+
+# -- the per-collective check behind a debug switch ----------------------------------------
+
+SCHEDULE_CHECK_ENV = "MC_CHECK_COLLECTIVE_SCHEDULE"
+"""Environment variable that turns the per-collective check on (``1``/``true``/``yes``/
+``on``); read at every collective, so it can be set after import."""
+
+_ENV_KEY = os.fsencode(SCHEDULE_CHECK_ENV)
+_ENVIRON_BYTES: dict[bytes, bytes] | None = (
+    getattr(os.environ, "_data", None)
+    if os.name == "posix" and type(getattr(os.environ, "_data", None)) is dict
+    else None
+)
+"""The byte mapping behind POSIX CPython's ``os.environ`` (the same dict for the process's
+life: every write through ``os.environ`` updates it in place), read, never written, by
+:func:`schedule_check_enabled`: an unset variable is one dict lookup per collective, where
+``os.environ.get`` raises and catches a ``KeyError`` (~0.7 µs); None elsewhere."""
+
+_ON = frozenset({"1", "true", "yes", "on"})
+_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
+def schedule_check_enabled() -> bool:
+    """Whether every collective is checked now (reads ``MC_CHECK_COLLECTIVE_SCHEDULE``).
+
+    Raises ``ValueError`` for a value that is neither on nor off, so a typo does not
+    silently disable the check.
+    """
+    if _ENVIRON_BYTES is not None:
+        raw = _ENVIRON_BYTES.get(_ENV_KEY)
+        if raw is None:
+            return False  # unset, the usual case
+        value = os.fsdecode(raw)
+    else:
+        value = os.environ.get(SCHEDULE_CHECK_ENV, "")
+    word = value.strip().lower()
+    if word in _ON:
+        return True
+    if word in _OFF:
+        return False
+    raise InputValueError(
+        f"{SCHEDULE_CHECK_ENV}={value!r} is not a switch: use 1/true/yes/on to check "
+        "collective schedules, 0/false/no/off (or unset it) not to"
+    )
+
+
+@contextmanager
+def check_collective_schedule(enabled: bool = True) -> Iterator[None]:
+    """Check (or, with ``enabled=False``, do not check) every collective in the block.
+
+    Sets ``MC_CHECK_COLLECTIVE_SCHEDULE`` for the block and restores the previous value on
+    exit: the switch lives in the process environment, not in module state. Every rank of
+    a group must be in the same mode (a checking rank waits for its peers' fingerprints).
+    """
+    check_flag("enabled", enabled)
+    previous = os.environ.get(SCHEDULE_CHECK_ENV)
+    os.environ[SCHEDULE_CHECK_ENV] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(SCHEDULE_CHECK_ENV, None)
+        else:
+            os.environ[SCHEDULE_CHECK_ENV] = previous
 
 
 def check_schedule(

@@ -1,6 +1,6 @@
 """The collectives of the layer (:mod:`mc_groups.comm`, the only part of mc that calls
-``torch.distributed`` collectives): typed, validated, bounded and recorded wrappers, each
-returning a :class:`~mc_groups.CollectiveHandle`.
+``torch.distributed`` collectives): typed, validated, bounded and recorded, each returning a
+:class:`~mc_groups.CollectiveHandle`.
 
 Why one layer:
 
@@ -9,80 +9,99 @@ Why one layer:
 - inputs are validated (shapes, dtypes, devices) before anything is issued, so a bad call
   raises a ``ValueError`` on the caller's rank instead of hanging its peers;
 - a group of one rank short-circuits to a local copy without touching torch.distributed;
-- failures and timeouts surface as :class:`CollectiveError` naming the operation, the
-  group's global ranks, the payload and the caller's ``label`` (the group's role, e.g.
+- failures and timeouts surface as :class:`~mc_groups.CollectiveError` naming the operation,
+  the group's global ranks, the payload and the caller's ``label`` (the group's role, e.g.
   ``"grad reduce dense bucket group 0"``), from the issuing call, from
   :meth:`CollectiveHandle.wait` and from a coalesced batch alike, so a dead peer reads as
   "reduce_scatter on group ranks [0, 1] (484 × float32) for 'grad reduce dense bucket
   group 0' failed: … Connection closed by peer" rather than a gloo socket error far from
   the cause;
-- an opt-in schedule check compares every collective across the group's ranks before it
-  is issued (:mod:`mc_groups.comm.cross_rank`);
-- torch-version shims live here (``reduce_scatter_single``/``all_gather_single`` replace
-  the deprecated ``*_tensor`` names in torch 2.13).
+- with ``MC_CHECK_COLLECTIVE_SCHEDULE=1`` (a debug switch) every collective is first
+  compared across the group's ranks (:func:`mc_groups.cross_check` whose point is the
+  collective: op, reduce op, numel × dtype, label, detail).
+
+**One route.** Each collective has one issuing function (``_issue_all_reduce``,
+``_issue_reduce_scatter``, ``_issue_all_gather``, and the public function itself for the
+others), and every issuing function goes through :func:`_issue`: the schedule check (when
+on), the record, the ``torch.distributed`` call, its failure named, its work on a handle.
+The public functions check their arguments and call the issuing function; the
+:mod:`traceable <mc_groups.comm.traceable>` collectives, coalesced batches and
+:class:`~mc_groups.Communicator` call the same issuing functions after their own checks.
+
+**gloo.** gloo's own reduce-scatter and all-gather are slower than an all-to-all on CPU
+(torch 2.13: a reduce-scatter of 100 MB on 2 ranks took 200 ms, the all-to-all 53 ms), so
+on gloo a reduce-scatter runs as an all-to-all plus a local reduction (the algorithm below,
+which every backend uses with ``accumulate_dtype``) and an all-gather as an all-to-all of
+the repeated input; both are recorded as the collective they stand for::
+
+    reduce-scatter of x over W ranks, rank r keeps  op_s x_s^r
+      all-to-all:  rank r receives [x_0^r | x_1^r | … | x_{W-1}^r]   (W rows, input's dtype)
+      local:       output = dtype( op_s acc(x_s^r) )   (÷ W for AVG; acc = accumulate_dtype,
+                   else the output's dtype for fp32/fp64 and fp32 for narrower ones)
+    all-gather of x over W ranks
+      all-to-all of [x | x | … | x]: rank r receives [x_0 | … | x_{W-1}]
+
+The all-to-all needs a receive buffer of the input's size and, when ``output`` is narrower
+than ``acc``, a sum buffer of the output's size. They come from an :data:`Allocate`
+function: a fresh tensor per call, the caller's ``received``, or the buffers a
+:class:`~mc_groups.Communicator` keeps between calls.
 
 Every wait is bounded: a handle's :meth:`CollectiveHandle.wait` takes a timeout and, when
 none is given, the process group's own timeout (set at group creation; groups built by
 :func:`mc_groups.initialize_model_parallel` inherit the default group's) bounds the
-operation. On gloo a peer that exits is reported at once ("Connection closed by
-peer"), a peer that hangs after the group's timeout.
+operation. On gloo a peer that exits is reported at once, a peer that hangs after the
+group's timeout.
 
 ``label`` (every call) names the collective's role in records and errors; ``detail`` (the
-collectives that carry a caller's data) says what the tensor holds, e.g. a bucket's
-param layout: it is shown in errors and compared by the schedule check, never recorded.
+collectives that carry a caller's data) says what the tensor holds, e.g. a bucket's param
+layout: it is shown in errors and compared by the schedule check, never recorded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_group, type_name
 from mc_groups.collection import is_group_live
-from mc_groups.comm import _gloo as gloo
-from mc_groups.comm import _reduce_scatter as rs
-from mc_groups.comm._coalesced import CoalescedBatch, coalesced
 from mc_groups.comm._common import (
     DONE,
     TORCH_OPS,
     CollectiveHandle,
     Planned,
     ReduceOp,
+    all_gather_flat,
     by_dtype,
+    check_accumulate_dtype,
     check_all_gather,
     check_contiguous,
+    check_group_rank,
     check_op,
     check_options,
     check_pair,
+    check_peer,
+    check_received,
     check_reduce_scatter,
     check_schedule,
+    check_splits,
     copy_unless_alias,
-    describe_later,
     dtype_name,
     failed,
     group_rank,
     group_ranks,
     group_size,
-    issue,
     record,
+    reduce_scatter_flat,
+    schedule_check_enabled,
 )
-from mc_groups.comm._shims import all_gather_flat
-from mc_groups.comm.cross_rank import schedule_check_enabled
-from mc_groups.comm.recorder import _recording
-from mc_groups.errors import (
-    CollectiveError,
-    CollectiveScheduleError,
-    InputTypeError,
-    InputValueError,
-)
+from mc_groups.comm.recorder import _REGISTRY
+from mc_groups.errors import InputTypeError
 
 __all__ = [
-    "CoalescedBatch",
-    "CollectiveError",
     "CollectiveHandle",
-    "CollectiveScheduleError",
     "ReduceOp",
     "all_gather",
     "all_gather_objects",
@@ -91,7 +110,6 @@ __all__ = [
     "all_to_all",
     "barrier",
     "broadcast",
-    "coalesced",
     "group_rank",
     "group_ranks",
     "group_size",
@@ -101,6 +119,242 @@ __all__ = [
     "reduce_scatter",
     "send",
 ]
+
+Allocate = Callable[[str, int, torch.dtype, torch.device], torch.Tensor]
+"""``allocate(role, numel, dtype, device)``: a flat temporary for ``role`` (``"received"``:
+the all-to-all's receive buffer; ``"sum"``: the accumulation buffer). Its contents are
+overwritten before they are read."""
+
+
+def fresh(role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new temporary per request (an :data:`Allocate`)."""
+    del role
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _given(received: torch.Tensor | None) -> Allocate:
+    """The caller's ``received`` as the receive buffer (when given), fresh otherwise."""
+    if received is None:
+        return fresh
+
+    def allocate(role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return received.view(-1) if role == "received" else fresh(role, numel, dtype, device)
+
+    return allocate
+
+
+def is_gloo(group: dist.ProcessGroup) -> bool:
+    """The group runs on gloo (which takes the all-to-all algorithms above)."""
+    return bool(dist.get_backend(group) == "gloo")
+
+
+# -- the one route ---------------------------------------------------------------------------
+
+
+def _issue(
+    op: str,
+    group: dist.ProcessGroup,
+    tensor: torch.Tensor | None,
+    call: Callable[[], Any],
+    *,
+    async_op: bool,
+    label: str,
+    detail: str = "",
+    reduce_op: ReduceOp | None = None,
+    coalesced: bool = False,
+    checked_as: str | None = "",
+    payload: str | None = None,
+    shown_as: str = "",
+    finish: Callable[[], None] | None = None,
+) -> CollectiveHandle:
+    """Issue one collective: the schedule check (when on; ``checked_as`` names the op it
+    compares, ``op`` by default, None: not checked; not inside a coalesced batch, which is
+    checked as a whole), the record (``op``), ``call()``, its failure named (as
+    ``shown_as``, ``op`` by default), its work on a handle that runs ``finish`` (the local
+    step of an emulated collective) once the work completed. Synchronous calls outside a
+    batch return a completed handle; inside one (``coalesced``) the handle holds the work
+    for the batch to wait on."""
+    if not coalesced and checked_as is not None and schedule_check_enabled():
+        check_schedule(
+            checked_as or op,
+            group,
+            tensor,
+            reduce_op=reduce_op,
+            label=label,
+            detail=detail,
+            payload=payload,
+        )
+    if _REGISTRY.active:
+        record(
+            op,
+            group,
+            tensor,
+            reduce_op=reduce_op,
+            async_op=async_op,
+            coalesced=coalesced,
+            label=label,
+        )
+    about: Planned = (shown_as or op, group, tensor, label, detail)
+    try:
+        work = call()
+    except RuntimeError as err:
+        raise failed(about, err) from err
+    pending = async_op or coalesced  # a batch waits for its collectives itself
+    if finish is None:
+        if not pending or work is None:
+            return DONE
+        return CollectiveHandle.of_work(work, about)
+    if not pending:
+        finish()
+        return DONE
+    return CollectiveHandle([work], about, [finish])
+
+
+def _issue_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: ReduceOp,
+    async_op: bool,
+    label: str,
+    detail: str = "",
+    coalesced: bool = False,
+) -> CollectiveHandle:
+    """``tensor ← op over ranks``, arguments known good (a contiguous tensor, a live group
+    of more than one rank, a checked op)."""
+    wire_async = async_op or (coalesced and is_gloo(group))  # gloo: each on its own
+    return _issue(
+        "all_reduce",
+        group,
+        tensor,
+        lambda: dist.all_reduce(tensor, op=TORCH_OPS[op], group=group, async_op=wire_async),
+        async_op=async_op,
+        label=label,
+        detail=detail,
+        reduce_op=op,
+        coalesced=coalesced,
+    )
+
+
+def _issue_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: ReduceOp,
+    async_op: bool,
+    label: str,
+    detail: str = "",
+    accumulate_dtype: torch.dtype | None = None,
+    allocate: Allocate = fresh,
+    coalesced: bool = False,
+) -> CollectiveHandle:
+    """Group rank r keeps slice r of ``op over ranks of input`` in ``output``, arguments
+    known good (the pair checked, a live group of more than one rank). The backend's own
+    reduce-scatter, or (gloo, or ``accumulate_dtype`` given) the all-to-all algorithm of
+    the module notes; with ``accumulate_dtype`` it is recorded, checked and named as the
+    ``all_to_all`` it communicates with."""
+    if accumulate_dtype is None and not is_gloo(group):
+        return _issue(
+            "reduce_scatter",
+            group,
+            input,
+            lambda: reduce_scatter_flat(
+                output, input, op=TORCH_OPS[op], group=group, async_op=async_op
+            ),
+            async_op=async_op,
+            label=label,
+            detail=detail,
+            reduce_op=op,
+            coalesced=coalesced,
+        )
+    accumulate = accumulate_dtype
+    if accumulate is None:
+        kind, reduce_op = "reduce_scatter", op
+        accumulate = (
+            output.dtype if output.dtype in (torch.float32, torch.float64) else torch.float32
+        )
+    else:
+        kind, reduce_op = "all_to_all", None
+    received = allocate("received", input.numel(), input.dtype, input.device)
+    needs_sum = op in (ReduceOp.SUM, ReduceOp.AVG) and output.dtype != accumulate
+    summed = allocate("sum", output.numel(), accumulate, output.device) if needs_sum else None
+    wire_async = async_op or coalesced  # gloo's batches issue each collective on its own
+
+    def finish() -> None:
+        _reduce_rows(received.view(group.size(), -1), op, output.view(-1), summed)
+
+    return _issue(
+        kind,
+        group,
+        input,
+        lambda: dist.all_to_all_single(received, input.view(-1), group=group, async_op=wire_async),
+        async_op=async_op,
+        label=label,
+        detail=detail,
+        reduce_op=reduce_op,
+        coalesced=coalesced,
+        finish=finish,
+    )
+
+
+def _reduce_rows(
+    rows: torch.Tensor, op: ReduceOp, out: torch.Tensor, summed: torch.Tensor | None
+) -> None:
+    """``out ← op over dim 0 of rows`` (one row per rank, in group-rank order): SUM/AVG in
+    ``summed``'s dtype, rounded once into ``out`` (straight into ``out`` when ``summed`` is
+    None); MAX/MIN are exact in any dtype."""
+    if op is ReduceOp.MAX:
+        torch.amax(rows, dim=0, out=out)
+        return
+    if op is ReduceOp.MIN:
+        torch.amin(rows, dim=0, out=out)
+        return
+    total = out if summed is None else summed
+    torch.sum(rows, dim=0, dtype=total.dtype, out=total)
+    if op is ReduceOp.AVG:
+        total.div_(rows.shape[0])
+    if summed is not None:
+        out.copy_(total)
+
+
+def _issue_all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    async_op: bool,
+    label: str,
+    detail: str = "",
+    coalesced: bool = False,
+) -> CollectiveHandle:
+    """Every rank's ``input`` into ``output`` in group-rank order, arguments known good
+    (the pair checked, a live group of more than one rank). On gloo the all-to-all of the
+    repeated input (module notes), read before any write (``input`` may be a view of
+    ``output``)."""
+    if is_gloo(group):
+        repeated = input.reshape(1, -1).expand(group.size(), -1).contiguous()
+        wire_async = async_op or coalesced  # gloo's batches issue each collective on its own
+
+        def call() -> Any:
+            flat = output.view(-1)
+            return dist.all_to_all_single(flat, repeated.view(-1), group=group, async_op=wire_async)
+
+    else:
+
+        def call() -> Any:
+            return all_gather_flat(output, input, group=group, async_op=async_op)
+
+    return _issue(
+        "all_gather",
+        group,
+        input,
+        call,
+        async_op=async_op,
+        label=label,
+        detail=detail,
+        coalesced=coalesced,
+    )
+
+
+# -- the public collectives ---------------------------------------------------------------
 
 
 def all_reduce(
@@ -122,37 +376,6 @@ def all_reduce(
     return _issue_all_reduce(tensor, group, op, async_op, label, detail)
 
 
-def _issue_all_reduce(
-    tensor: torch.Tensor,
-    group: dist.ProcessGroup,
-    op: ReduceOp,
-    async_op: bool,
-    label: str,
-    detail: str = "",
-) -> CollectiveHandle:
-    """:func:`all_reduce` once its arguments are known good (a contiguous tensor, a live
-    group of more than one rank, a checked op, a bool and strings): the schedule check,
-    the record, the call, its failure named, its work on a handle. Also the eager path of
-    :func:`mc_groups.all_reduce_tensor` and :func:`mc_groups.start_all_reduce`, which
-    checked them.
-
-    The steps of :func:`issue` (and of :func:`check_schedule` and :func:`record`) written
-    out in one function: the TP layers run two all-reduces per block per step, and on a
-    small block the Python calls around ``torch.distributed.all_reduce`` cost as much as
-    the call itself (``benchmarks/host_cost.py``). What runs is the same."""
-    if schedule_check_enabled():
-        check_schedule("all_reduce", group, tensor, reduce_op=op, label=label, detail=detail)
-    if _recording():
-        record("all_reduce", group, tensor, reduce_op=op, async_op=async_op, label=label)
-    try:
-        work = dist.all_reduce(tensor, op=TORCH_OPS[op], group=group, async_op=async_op)
-    except RuntimeError as err:
-        raise failed(("all_reduce", group, tensor, label, detail), err) from err
-    if not async_op or work is None:
-        return DONE
-    return CollectiveHandle.of_work(work, ("all_reduce", group, tensor, label, detail))
-
-
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -171,7 +394,7 @@ def reduce_scatter(
     of ``input`` (this rank's shard of a flat buffer).
 
     - On gloo it runs as an all-to-all plus a local reduction in group-rank order, in fp32
-      for narrower dtypes; recorded as a ``reduce_scatter``.
+      for narrower dtypes; recorded as a ``reduce_scatter`` (module notes).
     - ``accumulate_dtype`` (e.g. ``torch.float32``): on every backend, an all-to-all in the
       input's dtype, then ``output = dtype(op_s acc(x_s^r))``, rounded once from the sum
       taken in ``accumulate_dtype`` (Megatron's fp32-accumulating reduce-scatter: a bf16
@@ -180,21 +403,20 @@ def reduce_scatter(
     - ``received``: the all-to-all's receive buffer (``input``'s numel, dtype and device),
       used when the reduce-scatter runs as an all-to-all; None: a fresh one per call.
       Callers repeating the collective use a :class:`~mc_groups.Communicator`, which keeps
-      its buffers. See :mod:`mc_groups.comm._reduce_scatter` for the algorithms.
+      its buffers.
     """
     check_group("group", group)
     op = check_op(op)
     check_options(async_op, label, detail, group=group)
     size = group.size()
     check_reduce_scatter(output, input, size)
-    accumulate = rs.check_accumulate_dtype(accumulate_dtype)
-    rs.check_received(input, received)
+    accumulate = check_accumulate_dtype(accumulate_dtype)
+    check_received(input, received)
     if size == 1:
         copy_unless_alias(output, input)
         return DONE
-    allocate = rs.given(received)
-    return rs.issue_reduce_scatter(
-        output, input, group, op, async_op, label, detail, accumulate, allocate
+    return _issue_reduce_scatter(
+        output, input, group, op, async_op, label, detail, accumulate, _given(received)
     )
 
 
@@ -210,9 +432,7 @@ def all_gather(
     """Concatenate every rank's ``input`` along dim 0 into ``output`` (group-rank order).
 
     ``input`` may be a view of ``output`` (this rank's shard of a flat buffer). On gloo it
-    runs as point-to-point exchanges straight into ``output`` (each rank sends its shard to
-    every other rank; no staging buffer) from 4 MiB of output on, as an all-to-all of the
-    repeated input below that; recorded as one ``all_gather`` either way.
+    runs as an all-to-all of the repeated input; recorded as one ``all_gather`` either way.
     """
     check_group("group", group)
     check_options(async_op, label, detail, group=group)
@@ -222,43 +442,6 @@ def all_gather(
         copy_unless_alias(output, input)
         return DONE
     return _issue_all_gather(output, input, group, async_op, label, detail)
-
-
-def _issue_all_gather(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: dist.ProcessGroup,
-    async_op: bool,
-    label: str,
-    detail: str = "",
-) -> CollectiveHandle:
-    """:func:`all_gather` once its arguments are known good (contiguous tensors alike in
-    dtype and device, ``output`` the group size times ``input``, a live group of more than
-    one rank, a bool and strings), written out as :func:`_issue_all_reduce` is (also the
-    eager path of :func:`mc_groups.all_gather_tensor` and :func:`mc_groups.start_all_gather`,
-    which run per sequence-parallel layer call)."""
-    if schedule_check_enabled():
-        check_schedule("all_gather", group, input, label=label, detail=detail)
-    if _recording():
-        record("all_gather", group, input, reduce_op=None, async_op=async_op, label=label)
-    about: Planned = ("all_gather", group, input, label, detail)
-    if gloo.is_gloo(group):
-        try:
-            works = gloo.all_gather_works(output, input, group)
-        except RuntimeError as err:
-            raise failed(about, err) from err
-        handle = CollectiveHandle(works, about)
-        if async_op:
-            return handle
-        handle.wait()
-        return DONE
-    try:
-        work = all_gather_flat(output, input, group=group, async_op=async_op)
-    except RuntimeError as err:
-        raise failed(about, err) from err
-    if not async_op or work is None:
-        return DONE
-    return CollectiveHandle.of_work(work, about)
 
 
 def broadcast(
@@ -275,64 +458,19 @@ def broadcast(
     check_contiguous("tensor", tensor)
     check_options(async_op, label, detail, group=group)
     size = group.size()
-    _check_group_rank(group_src, "group_src", size)
+    check_group_rank(group_src, "group_src", size)
     if size == 1:
         return DONE
-    op = f"broadcast from group rank {group_src}"
-    check_schedule(op, group, tensor, label=label, detail=detail)
-    record("broadcast", group, tensor, reduce_op=None, async_op=async_op, label=label)
-    return issue(
-        describe_later("broadcast", group, tensor, label, detail),
+    return _issue(
+        "broadcast",
+        group,
+        tensor,
         lambda: dist.broadcast(tensor, group=group, group_src=group_src, async_op=async_op),
         async_op=async_op,
+        label=label,
+        detail=detail,
+        checked_as=f"broadcast from group rank {group_src}",
     )
-
-
-def _check_group_rank(value: object, arg: str, size: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InputTypeError(f"{arg}={value!r} must be an int group rank in [0, {size})")
-    if not 0 <= value < size:
-        raise InputValueError(f"{arg}={value!r} must be a group rank in [0, {size})")
-    return value
-
-
-def _check_splits(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    output_split_sizes: object,
-    input_split_sizes: object,
-    size: int,
-) -> None:
-    """Split sizes: ``size`` ints >= 0 adding up to dim 0 of their tensor; without them, dim
-    0 divides by ``size`` and both tensors hold as many elements."""
-    for name, splits, tensor in (
-        ("input_split_sizes", input_split_sizes, input),
-        ("output_split_sizes", output_split_sizes, output),
-    ):
-        rows = tensor.shape[0] if tensor.dim() else 1
-        if splits is None:
-            if rows % size:
-                raise InputValueError(
-                    f"all_to_all: {name.split('_')[0]} has {rows} rows (dim 0), not divisible "
-                    f"by the group size {size}; pass {name}"
-                )
-            continue
-        if isinstance(splits, str) or not isinstance(splits, Sequence):
-            raise InputTypeError(f"all_to_all: {name}={splits!r} must be a list of {size} ints")
-        if len(splits) != size:
-            raise InputValueError(f"all_to_all: {name}={list(splits)} must have {size} entries")
-        if any(isinstance(s, bool) or not isinstance(s, int) for s in splits):
-            raise InputTypeError(f"all_to_all: {name}={list(splits)} must hold ints")
-        if any(s < 0 for s in splits) or sum(splits) != rows:
-            raise InputValueError(
-                f"all_to_all: {name}={list(splits)} must be ints >= 0 adding up to the "
-                f"{rows} rows (dim 0) of the {name.split('_')[0]}"
-            )
-    if output_split_sizes is None and input_split_sizes is None and output.numel() != input.numel():
-        raise InputValueError(
-            f"all_to_all: output.numel()={output.numel()} must equal input.numel()="
-            f"{input.numel()} without split sizes"
-        )
 
 
 def all_to_all(
@@ -357,22 +495,24 @@ def all_to_all(
     check_pair(output, input, "all_to_all")
     check_options(async_op, label, detail, group=group)
     size = group.size()
-    _check_splits(output, input, output_split_sizes, input_split_sizes, size)
+    check_splits(output, input, output_split_sizes, input_split_sizes, size)
     if size == 1:
         copy_unless_alias(output, input)
         return DONE
     uneven = output_split_sizes is not None or input_split_sizes is not None
-    payload = f"uneven splits × {dtype_name(input.dtype)}" if uneven else None
-    check_schedule("all_to_all", group, input, label=label, detail=detail, payload=payload)
-    record("all_to_all", group, input, reduce_op=None, async_op=async_op, label=label)
     out_splits = None if output_split_sizes is None else list(output_split_sizes)
     in_splits = None if input_split_sizes is None else list(input_split_sizes)
-    return issue(
-        describe_later("all_to_all", group, input, label, detail),
+    return _issue(
+        "all_to_all",
+        group,
+        input,
         lambda: dist.all_to_all_single(
             output, input, out_splits, in_splits, group=group, async_op=async_op
         ),
         async_op=async_op,
+        label=label,
+        detail=detail,
+        payload=f"uneven splits × {dtype_name(input.dtype)}" if uneven else None,
     )
 
 
@@ -384,12 +524,16 @@ def send(
     check_group("group", group)
     check_contiguous("tensor", tensor)
     check_options(False, label, group=group)
-    _check_peer(group, group_dst, "group_dst")
-    record("send", group, tensor, reduce_op=None, async_op=False, label=label)
-    issue(
-        describe_later(f"send to group rank {group_dst}", group, tensor, label),
+    check_peer(group, group_dst, "group_dst")
+    _issue(
+        "send",
+        group,
+        tensor,
         lambda: dist.send(tensor, group=group, group_dst=group_dst),
         async_op=False,
+        label=label,
+        checked_as=None,
+        shown_as=f"send to group rank {group_dst}",
     )
 
 
@@ -401,12 +545,16 @@ def recv(
     check_group("group", group)
     check_contiguous("tensor", tensor)
     check_options(False, label, group=group)
-    _check_peer(group, group_src, "group_src")
-    record("recv", group, tensor, reduce_op=None, async_op=False, label=label)
-    issue(
-        describe_later(f"recv from group rank {group_src}", group, tensor, label),
+    check_peer(group, group_src, "group_src")
+    _issue(
+        "recv",
+        group,
+        tensor,
         lambda: dist.recv(tensor, group=group, group_src=group_src),
         async_op=False,
+        label=label,
+        checked_as=None,
+        shown_as=f"recv from group rank {group_src}",
     )
 
 
@@ -436,27 +584,13 @@ def record_p2p_ops(ops: object, *, label: str = "") -> None:
         record(name, group, op.tensor, reduce_op=None, async_op=True, label=label)
 
 
-def _check_peer(group: dist.ProcessGroup, peer: object, arg: str) -> None:
-    size, me = group.size(), group.rank()
-    if isinstance(peer, bool) or not isinstance(peer, int):
-        raise InputTypeError(f"{arg}={peer!r} must be an int: another group rank in [0, {size})")
-    if not 0 <= peer < size or peer == me:
-        raise InputValueError(f"{arg}={peer!r} must be another group rank in [0, {size}), not {me}")
-
-
 def barrier(group: dist.ProcessGroup, *, label: str = "") -> None:
     """Block until every rank of ``group`` reached this call (bounded by the group timeout)."""
     check_group("group", group)
     check_options(False, label, group=group)
     if group.size() == 1:
         return
-    check_schedule("barrier", group, None, label=label)
-    record("barrier", group, None, reduce_op=None, async_op=False, label=label)
-    issue(
-        describe_later("barrier", group, None, label),
-        lambda: dist.barrier(group=group),
-        async_op=False,
-    )
+    _issue("barrier", group, None, lambda: dist.barrier(group=group), async_op=False, label=label)
 
 
 def all_gather_objects(obj: object, group: dist.ProcessGroup, *, label: str = "") -> list[object]:
@@ -467,12 +601,13 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup, *, label: str = ""
     if size == 1:
         return [obj]
     out: list[object] = [None] * size
-    check_schedule("all_gather_object", group, None, label=label)
-    record("all_gather_object", group, None, reduce_op=None, async_op=False, label=label)
-    issue(
-        describe_later("all_gather_object", group, None, label),
+    _issue(
+        "all_gather_object",
+        group,
+        None,
         lambda: dist.all_gather_object(out, obj, group=group),
         async_op=False,
+        label=label,
     )
     return out
 

@@ -38,9 +38,10 @@ the TP layers' construction                    config, the layout, the params' v
 a step that clips or scales (the norm's        :class:`CarriedStatus`: the status rides in
 all-reduce), the vocab-parallel cross-entropy  a reduction the step runs anyway;
 (its MAX all-reduce)                           :func:`settle_carried` raises as above
-every collective, when                         :func:`check_schedule` in the collective
-``MC_CHECK_COLLECTIVE_SCHEDULE=1`` (a debug    layer: a :func:`cross_check` whose ``where``
-switch: one exchange per collective)           is the collective (op, payload, label, detail)
+every collective, when                         the collective layer's schedule check
+``MC_CHECK_COLLECTIVE_SCHEDULE=1`` (a debug    (:mod:`mc_groups.comm.collectives`): a
+switch: one exchange per collective)           :func:`cross_check` whose ``where`` is the
+                                               collective (op, payload, label, detail)
 =============================================  =============================================
 
 A dead or hung peer makes the exchange fail as any collective does: ``CollectiveError``
@@ -59,7 +60,6 @@ first differing entry (``Difference.entry``), or by its length when the lengths 
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple, TypeAlias
@@ -67,7 +67,7 @@ from typing import NamedTuple, TypeAlias
 import torch
 import torch.distributed as dist
 
-from mc_groups.argcheck import check_flag, check_group, check_str, type_name
+from mc_groups.argcheck import check_group, check_str, type_name
 from mc_groups.comm.recorder import STATUS_EXCHANGE, CollectiveRecord, _emit, _recording
 from mc_groups.errors import (
     ABSENT,
@@ -76,90 +76,15 @@ from mc_groups.errors import (
     CollectiveScheduleError,
     Difference,
     InputTypeError,
-    InputValueError,
     PeerCheckError,
     ScheduleVariant,
 )
 
-__all__ = [
-    "SCHEDULE_CHECK_ENV",
-    "CarriedStatus",
-    "Value",
-    "check_collective_schedule",
-    "cross_check",
-    "differences",
-    "fail_together",
-    "schedule_check_enabled",
-]
+__all__ = ["CarriedStatus", "Value", "cross_check", "differences", "fail_together"]
 
 Value: TypeAlias = str | int | float | bool | tuple[object, ...] | None
 """What a field may hold, compared by ``repr`` across the ranks (a tuple holds these too,
 checked at the call)."""
-
-# -- the debug switch of the per-collective check ----------------------------------------
-
-SCHEDULE_CHECK_ENV = "MC_CHECK_COLLECTIVE_SCHEDULE"
-"""Environment variable that turns the per-collective check on (``1``/``true``/``yes``/
-``on``); read at every collective, so it can be set after import."""
-
-_ENV_KEY = os.fsencode(SCHEDULE_CHECK_ENV)
-_ENVIRON_BYTES: dict[bytes, bytes] | None = (
-    getattr(os.environ, "_data", None)
-    if os.name == "posix" and type(getattr(os.environ, "_data", None)) is dict
-    else None
-)
-"""The byte mapping behind POSIX CPython's ``os.environ`` (the same dict for the process's
-life: every write through ``os.environ`` updates it in place), read, never written, by
-:func:`schedule_check_enabled`: an unset variable is one dict lookup per collective, where
-``os.environ.get`` raises and catches a ``KeyError`` (~0.7 µs); None elsewhere."""
-
-_ON = frozenset({"1", "true", "yes", "on"})
-_OFF = frozenset({"", "0", "false", "no", "off"})
-
-
-def schedule_check_enabled() -> bool:
-    """Whether every collective is checked now (reads ``MC_CHECK_COLLECTIVE_SCHEDULE``).
-
-    Raises ``ValueError`` for a value that is neither on nor off, so a typo does not
-    silently disable the check.
-    """
-    if _ENVIRON_BYTES is not None:
-        raw = _ENVIRON_BYTES.get(_ENV_KEY)
-        if raw is None:
-            return False  # unset, the usual case
-        value = os.fsdecode(raw)
-    else:
-        value = os.environ.get(SCHEDULE_CHECK_ENV, "")
-    word = value.strip().lower()
-    if word in _ON:
-        return True
-    if word in _OFF:
-        return False
-    raise InputValueError(
-        f"{SCHEDULE_CHECK_ENV}={value!r} is not a switch: use 1/true/yes/on to check "
-        "collective schedules, 0/false/no/off (or unset it) not to"
-    )
-
-
-@contextmanager
-def check_collective_schedule(enabled: bool = True) -> Iterator[None]:
-    """Check (or, with ``enabled=False``, do not check) every collective in the block.
-
-    Sets ``MC_CHECK_COLLECTIVE_SCHEDULE`` for the block and restores the previous value on
-    exit: the switch lives in the process environment, not in module state. Every rank of
-    a group must be in the same mode (a checking rank waits for its peers' fingerprints).
-    """
-    check_flag("enabled", enabled)
-    previous = os.environ.get(SCHEDULE_CHECK_ENV)
-    os.environ[SCHEDULE_CHECK_ENV] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(SCHEDULE_CHECK_ENV, None)
-        else:
-            os.environ[SCHEDULE_CHECK_ENV] = previous
-
 
 # -- the entries and their exchange --------------------------------------------------------
 

@@ -20,15 +20,13 @@ Both paths send the same bytes with the same algorithm::
 
     op               NCCL (and others)          gloo
     all_reduce       all-reduce                 all-reduce
-    all_gather       all-gather                 all-to-all of the repeated input (eager:
-                                                point-to-point exchange from 4 MiB of
-                                                output on, no staging copy)
+    all_gather       all-gather                 all-to-all of the repeated input
     reduce_scatter   reduce-scatter             all-to-all + local sum in group-rank order
                                                 (in fp32 for narrower dtypes)
     all_to_all       all-to-all (even splits)   all-to-all (even splits)
 
 **Compiled code: what runs outside the graph.** Each collective traced into a graph is
-preceded by the custom op ``mc_groups::collective`` (see :mod:`mc_groups.comm._compiled`): an
+preceded by the custom op ``mc_groups::collective`` (:func:`_tap`, below): an
 ordered side effect, which Inductor keeps in program order among mc's collectives. When
 the compiled code runs, it does in Python what the eager path does before issuing: the
 per-collective check behind ``MC_CHECK_COLLECTIVE_SCHEDULE``
@@ -51,17 +49,28 @@ scattered one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_flag, check_group, check_str, check_tensor
 from mc_groups.collection import is_group_live
-from mc_groups.comm import _compiled
-from mc_groups.comm._common import DONE, CollectiveHandle, ReduceOp, check_op
-from mc_groups.comm._gloo import is_gloo
-from mc_groups.comm._reduce_scatter import accumulation_dtype, fresh, issue_reduce_scatter
-from mc_groups.comm.collectives import _issue_all_gather, _issue_all_reduce, all_to_all
+from mc_groups.comm._common import (
+    DONE,
+    CollectiveHandle,
+    ReduceOp,
+    check_op,
+    check_schedule,
+    record,
+)
+from mc_groups.comm.collectives import (
+    _issue_all_gather,
+    _issue_all_reduce,
+    _issue_reduce_scatter,
+    all_to_all,
+    is_gloo,
+)
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
@@ -167,7 +176,7 @@ def _traced_all_reduce(
     x: torch.Tensor, g: dist.ProcessGroup, op: ReduceOp, label: str, async_op: bool
 ) -> PendingTensor:
     flat = _flat(x)
-    _compiled.tap(flat, "all_reduce", op, g, async_op, label)
+    _tap(flat, "all_reduce", op, g, async_op, label)
     out = torch.ops._c10d_functional.all_reduce(flat, _FUNCTIONAL_OPS[op], g.group_name)
     shape = x.shape
     return PendingTensor(out, finish=lambda done: done.view(shape))
@@ -177,7 +186,7 @@ def _traced_all_gather(
     x: torch.Tensor, g: dist.ProcessGroup, size: int, label: str, async_op: bool
 ) -> PendingTensor:
     flat = _flat(x)
-    _compiled.tap(flat, "all_gather", None, g, async_op, label)
+    _tap(flat, "all_gather", None, g, async_op, label)
     shape = (size * _rows(x), *x.shape[1:])
     if is_gloo(g):  # the all-to-all of the repeated input (module notes)
         repeated = flat.unsqueeze(0).expand(size, -1).reshape(-1)
@@ -192,7 +201,7 @@ def _traced_reduce_scatter(
     x: torch.Tensor, g: dist.ProcessGroup, size: int, op: ReduceOp, label: str, async_op: bool
 ) -> PendingTensor:
     flat = _flat(x)
-    _compiled.tap(flat, "reduce_scatter", op, g, async_op, label)
+    _tap(flat, "reduce_scatter", op, g, async_op, label)
     shape = (_rows(x) // size, *x.shape[1:])
     if not is_gloo(g):
         out = torch.ops._c10d_functional.reduce_scatter_tensor(
@@ -211,12 +220,13 @@ def _traced_reduce_scatter(
 
 def _reduce_rows(rows: torch.Tensor, op: ReduceOp, dtype: torch.dtype) -> torch.Tensor:
     """The local step of gloo's reduce-scatter, out of place (the eager one is
-    :func:`mc_groups.comm._reduce_scatter.reduce_rows`)."""
+    :func:`mc_groups.comm.collectives._reduce_rows`)."""
     if op is ReduceOp.MAX:
         return rows.amax(dim=0)
     if op is ReduceOp.MIN:
         return rows.amin(dim=0)
-    total = rows.sum(dim=0, dtype=accumulation_dtype(rows, None))
+    wide = rows.dtype in (torch.float32, torch.float64)
+    total = rows.sum(dim=0, dtype=rows.dtype if wide else torch.float32)
     if op is ReduceOp.AVG:
         total = total / rows.shape[0]
     return total.to(dtype)
@@ -231,7 +241,7 @@ def _traced_all_to_all(
     label: str,
 ) -> torch.Tensor:
     flat = _flat(x)
-    _compiled.tap(flat, "all_to_all", None, g, False, label)
+    _tap(flat, "all_to_all", None, g, False, label)
     row = flat.numel() // _rows(x) if _rows(x) else 0
     even = [_rows(x) // size] * size
     out_rows = even if outs is None else outs
@@ -407,9 +417,7 @@ def _eager_reduce_scatter(
     if not is_group_live(group):
         check_group("group", group)  # raises: the group was destroyed
     out = _scatter_output(tensor, size)
-    handle = issue_reduce_scatter(
-        out, tensor.contiguous(), group, op, async_op, label, "", None, fresh
-    )
+    handle = _issue_reduce_scatter(out, tensor.contiguous(), group, op, async_op, label)
     return out, handle
 
 
@@ -487,3 +495,72 @@ def all_to_all_tensor(
         label=label,
     )
     return out
+
+
+# -- the run-time side of compiled collectives ---------------------------------------------
+# Each traced collective is preceded by the custom op ``mc_groups::collective`` (:func:`_tap`).
+# Registered as an *ordered side effect* (AOTAutograd threads an effect token through it: it
+# is never dead code and keeps program order among mc's collectives), it is called, in
+# Python, every time the compiled graph runs, and does what the eager path does before
+# issuing: the schedule check (when on) and a ``CollectiveRecord`` with ``compiled=True``.
+# While tracing (fake tensors) it does nothing. The op is defined once per process, at
+# import (torch's operator registry holds it, this module keeps the handle alive); a torch
+# without effect registration (private in 2.13: ``torch.library._register_effectful_op``)
+# gets no tap, so compiled code then records nothing and skips the schedule check.
+
+_SCHEMA = (
+    "collective(Tensor input, str op, str reduce_op, str group_name, bool async_op, "
+    "str label) -> ()"
+)
+
+
+def _issued(
+    input: torch.Tensor, op: str, reduce_op: str, group_name: str, async_op: bool, label: str
+) -> None:
+    """At run time, before the compiled collective: the schedule check, then the record."""
+    resolve: Any = getattr(dist.distributed_c10d, "_resolve_process_group")  # noqa: B009
+    group: dist.ProcessGroup = resolve(group_name)
+    reduce = ReduceOp(reduce_op) if reduce_op else None
+    check_schedule(op, group, input, reduce_op=reduce, label=label)
+    record(op, group, input, reduce_op=reduce, async_op=async_op, label=label, compiled=True)
+
+
+def _traced(*_args: object) -> None:
+    """While tracing: nothing (the op has no output)."""
+
+
+def _define() -> tuple[torch.library.Library | None, bool]:
+    """Register the op (once per process); whether compiled code gets the tap."""
+    register_effect = getattr(torch.library, "_register_effectful_op", None)
+    try:
+        from torch._library.effects import EffectType  # noqa: PLC0415 (optional in torch)
+    except ImportError:
+        return None, False
+    if register_effect is None:
+        return None, False
+    try:
+        lib = torch.library.Library("mc_groups", "DEF")  # type: ignore[no-untyped-call]
+    except RuntimeError:  # defined already (this module reloaded): the op is there
+        return None, hasattr(torch.ops.mc_groups, "collective")
+    lib.define(_SCHEMA)  # type: ignore[no-untyped-call]
+    lib.impl("collective", _issued, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+    torch.library.register_fake("mc_groups::collective", _traced, lib=lib)
+    register_effect("mc_groups::collective", EffectType.ORDERED)
+    return lib, True
+
+
+_LIBRARY, _TAPPED = _define()
+
+
+def _tap(
+    input: torch.Tensor,
+    op: str,
+    reduce_op: ReduceOp | None,
+    group: dist.ProcessGroup,
+    async_op: bool,
+    label: str,
+) -> None:
+    """While tracing: put the op into the graph before the collective on ``input``."""
+    if _TAPPED:
+        reduce = "" if reduce_op is None else reduce_op.value
+        torch.ops.mc_groups.collective(input, op, reduce, group.group_name, async_op, label)
