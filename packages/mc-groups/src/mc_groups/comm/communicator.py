@@ -115,7 +115,8 @@ class Communicator:
     ) -> BoundCollectives:
         """Check a list of collectives of ``kind`` (``"all_reduce"``: tensors;
         ``"reduce_scatter"`` / ``"all_gather"``: ``(output, input)`` pairs) and their
-        options once, for :meth:`BoundCollectives.issue` to issue at every call. ``op``
+        options once, for :meth:`~mc_groups.comm.communicator.BoundCollectives.issue` to issue at
+        every call. ``op``
         (reductions) and ``accumulate_dtype`` (reduce-scatter) as in the collectives."""
         check_group("group", self._group)
         if kind not in _KINDS:

@@ -25,24 +25,18 @@ The primitive, :func:`cross_check` ``(group, where, fields, failure=)``::
 
 Call sites (each explicit, each at a boundary, none per step by default):
 
-=============================================  =============================================
-where                                          how
-=============================================  =============================================
-``initialize_model_parallel``, DDP's build,    :func:`fail_together` (the block's local
-the optimizer's checkpoint calls, mc-train's   checks, then one :func:`cross_check` with the
-entry points, ``finalize_model_grads``         failure) over the world
-(``peer_checks=True``),
-``ShardedOptimizer.step`` (``peer_checks=True``)
-DDP's build (over ``dp_cp`` / ``expt_dp``),    :func:`cross_check` with ``fields``: the
-the TP layers' construction                    config, the layout, the params' values
-a step that clips or scales (the norm's        :class:`CarriedStatus`: the status rides in
-all-reduce), the vocab-parallel cross-entropy  a reduction the step runs anyway;
-(its MAX all-reduce)                           :func:`settle_carried` raises as above
-every collective, when                         the collective layer's schedule check
-``MC_CHECK_COLLECTIVE_SCHEDULE=1`` (a debug    (:mod:`mc_groups.comm.collectives`): a
-switch: one exchange per collective)           :func:`cross_check` whose ``where`` is the
-                                               collective (op, payload, label, detail)
-=============================================  =============================================
+- :func:`fail_together` (the block's local checks, then one :func:`cross_check` with the
+  failure), over the world: ``initialize_model_parallel``, DDP's build, the optimizer's
+  checkpoint calls, mc-train's entry points; per step only where asked
+  (``finalize_model_grads(peer_checks=True)``, ``ShardedOptimizer(peer_checks=True)``);
+- :func:`cross_check` with ``fields``: DDP's build over ``dp_cp`` / ``expt_dp`` (the config,
+  the layout, the params' values), the TP layers' construction;
+- :class:`CarriedStatus`: the status rides in a reduction the step runs anyway (the norm's
+  all-reduce of a step that clips or scales; the vocab-parallel cross-entropy's MAX
+  all-reduce); :func:`settle_carried` raises as above;
+- every collective when ``MC_CHECK_COLLECTIVE_SCHEDULE=1`` (a debug switch: one exchange per
+  collective): the collective layer's schedule check (:mod:`mc_groups.comm.collectives`),
+  a :func:`cross_check` whose ``where`` is the collective (op, payload, label, detail).
 
 A dead or hung peer makes the exchange fail as any collective does: ``CollectiveError``
 within the group's timeout (a rank whose own checks failed raises its own error instead).
