@@ -168,9 +168,11 @@ def use_global_aux_loss(
     dp = mg.group_size(pg_collection.require("dp_cp", "the global-batch load-balancing loss"))
     tp = pg_collection.require("tp", "the global-batch load-balancing loss")
     captured: list[torch.Tensor] = []
+    recording = [False]  # only inside a forward that computes the loss
 
     def record(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-        captured.append(output[0])
+        if recording[0]:
+            captured.append(output[0])
 
     for router in routers:
         router.register_forward_hook(record)
@@ -184,7 +186,11 @@ def use_global_aux_loss(
         if not wanted:
             return original(*args, output_router_logits=False, **kwargs)
         captured.clear()
-        out = original(*args, output_router_logits=False, **kwargs)
+        recording[0] = True
+        try:
+            out = original(*args, output_router_logits=False, **kwargs)
+        finally:
+            recording[0] = False
         logits, mask = list(captured), _local_mask(kwargs.get("attention_mask"), tp, sequence_dim)
         captured.clear()
         own: Any = self  # a transformers MoE causal LM (checked by the caller)
