@@ -1,5 +1,5 @@
 """A tiny ``transformers`` mixture-of-experts model (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3
-or gpt-oss) trained with mc at EP × DP (× TP with sequence parallelism), beside one process.
+or gpt-oss) trained with mc at TP × EP × DP with sequence parallelism, beside one process.
 
 The model comes from a config (random weights, no hub access); ``mc_moe.parallelize``
 splits it by its own ``tp_plan`` and ``ep_plan`` (experts over the expert-parallel ranks,
@@ -7,7 +7,9 @@ dense layers over TP); mc DDP (expert params in their own buffers, reduced over 
 expert data-parallel group), ``finalize_model_grads`` and SGD train it; the script prints
 each step's loss beside the one-process loss of the same model on the same global batch.
 
-Run it with ``torchrun --standalone --nproc-per-node 4 -m examples.hf_moe [--kind qwen3_moe]``;
+Run it with ``torchrun --standalone --nproc-per-node 4 -m examples.hf_moe [--kind qwen3_moe]
+[--tp 2 --ep 2 --etp 1] [--save-dir DIR]`` (TP=2 × EP=2 × DP=2 with sequence parallelism,
+the distributed optimizer, clipping; DeepSeek-V3 with Megatron's expert bias);
 ``integration_tests/test_parity_moe.py`` runs ``train`` on 2 and 4 gloo ranks.
 """
 
@@ -238,14 +240,21 @@ def train(
 
 
 def main() -> None:
-    """Train at EP=2 × DP=(world / 2) and print the parity with one process."""
+    """Train at TP × EP × DP (default TP=2, EP=2, world / 2 DP) and print the parity with
+    one process."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kind", choices=sorted(KINDS), default="mixtral")
-    kind = parser.parse_args().kind
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size")
+    parser.add_argument("--save-dir", default=None, help="a checkpoint after the last step")
+    args = parser.parse_args()
     dist.init_process_group("gloo")
-    run = train(kind)
+    layout = Layout(args.tp, args.ep, args.etp, distributed_optimizer=True)
+    run = train(args.kind, layout, expert_bias=args.kind == "deepseek_v3", save_dir=args.save_dir)
+    kind = args.kind
     if dist.get_rank() == 0:
-        ref = reference(kind)
+        ref = reference(kind, expert_bias=kind == "deepseek_v3")
         for step, (a, b) in enumerate(zip(run.losses, ref.losses, strict=True)):
             print(f"step {step}: mc {a:.6f}  one process {b:.6f}  rel {abs(a - b) / b:.1e}")
         worst = max(float((run.weights[k] - v).abs().max()) for k, v in ref.weights.items())
