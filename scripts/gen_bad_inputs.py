@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "bad_inputs.md"
-PACKAGES = ("mc-groups", "mc-buffers", "mc-ddp", "mc-tp-layers", "mc-finalize")
+PACKAGES = ("mc-groups", "mc-buffers", "mc-ddp", "mc-tp-layers", "mc-finalize", "mc-moe")
 
 
 class Source(NamedTuple):
@@ -89,6 +89,12 @@ SOURCES = (
         "mc_finalize_tests.test_finalize",
         "EXPECTED_ERRORS",
         "test_bad_input_fails_before_any_collective",
+    ),
+    Source(
+        "mc-moe",
+        "mc_moe_tests.test_bad_input",
+        "CASES",
+        "test_bad_input_is_named_before_anything_changes",
     ),
 )
 
