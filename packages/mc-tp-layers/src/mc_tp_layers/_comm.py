@@ -66,9 +66,12 @@ def gather_first_dim(
     With ``output_split_sizes`` rank r contributes ``output_split_sizes[r]`` rows: each
     contribution is padded to the largest and the padding dropped after the gather.
     """
-    size, rank = group.size(), group.rank()
+    size = group.size()
     if size == 1:
         return x
+    if output_split_sizes is None:
+        return traceable.all_gather_tensor(x, group, label="tp gather dim 0")
+    rank = group.rank()
     sizes = _validate.split_sizes(output_split_sizes, size, "output_split_sizes")
     if sizes is not None and sizes[rank] != x.shape[0]:
         _mismatch(x, sizes, rank, "output_split_sizes")
@@ -95,10 +98,14 @@ def reduce_scatter_first_dim(
     Equal parts, or ``input_split_sizes[r]`` rows for rank r (each part padded with zeros
     to the largest, so the padding adds nothing).
     """
-    size, rank = group.size(), group.rank()
+    size = group.size()
     if size == 1:
         return x
-    sizes = _validate.split_sizes(input_split_sizes, size, "input_split_sizes")
+    sizes = (
+        None
+        if input_split_sizes is None
+        else _validate.split_sizes(input_split_sizes, size, "input_split_sizes")
+    )
     if sizes is None or len(set(sizes)) == 1:
         _validate.dim_divisible(x, 0, size, "input", "first dimension")
         return traceable.reduce_scatter_tensor(x, group, label="tp reduce-scatter dim 0")
@@ -110,7 +117,7 @@ def reduce_scatter_first_dim(
     out = traceable.reduce_scatter_tensor(
         padded.view(size * widest, *x.shape[1:]), group, label="tp reduce-scatter dim 0 (uneven)"
     )
-    return out[: sizes[rank]]
+    return out[: sizes[group.rank()]]
 
 
 def start_reduce_scatter_first_dim(

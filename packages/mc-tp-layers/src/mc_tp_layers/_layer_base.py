@@ -16,8 +16,8 @@ weight initialisation in :mod:`.initialization`, the shape checks in :mod:`._val
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, NamedTuple
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,14 +33,14 @@ from mc_tp_layers._tp_groups import default_device
 from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.gtp import shard_weight_for_gtp
 from mc_tp_layers.initialization import WeightInit, check_init
-from mc_tp_layers.linear import (
-    linear_with_frozen_weight,
-    linear_with_grad_accumulation_and_async_allreduce,
-)
+from mc_tp_layers.linear import apply_linear, linear_with_frozen_weight
 from mc_tp_layers.random import RNGStatesTracker, check_device_name
 from mc_tp_layers.sharded_state import sharded_state_dict_of
 
 __all__: list[str] = []
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def check_device(device: object) -> torch.device | None:
@@ -149,15 +149,6 @@ def tag_gtp_replica(param: torch.Tensor, gtp_group: dist.ProcessGroup | None) ->
         param_attrs.mark_gtp_replica(param, gtp_group)
 
 
-def forward_impl(
-    input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
-) -> torch.Tensor:
-    """Megatron's ``_forward_impl``: the frozen-weight path when the weight is not trained."""
-    if not weight.requires_grad:
-        return linear_with_frozen_weight(input, weight, *args, **kwargs)
-    return linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
-
-
 class _TracedCheckFailed(Exception):
     """This rank's first-forward check failed while tracing (its own error follows)."""
 
@@ -209,8 +200,8 @@ _first_forward_at_trace: Callable[[str, str, str | None], bool] = _first_forward
 class TensorParallelModule(torch.nn.Module):
     """A layer whose parameters are split over ``self.tp_group`` (set by the subclass).
 
-    The subclass ends its constructor with :meth:`_record_construction` and starts its
-    forward with :meth:`_check_agreement` (see :mod:`mc_tp_layers.agreement`).
+    The subclass ends its constructor with :meth:`_record_construction` and runs its
+    forward's checks through :meth:`_checked` (see :mod:`mc_tp_layers.agreement`).
     """
 
     tp_group: dist.ProcessGroup
@@ -219,7 +210,7 @@ class TensorParallelModule(torch.nn.Module):
     def __init__(self, config: object) -> None:
         super().__init__()
         self.config = check_layer_config(config)
-        self._peers_checked = False  # set by the first forward (see _forward_checks)
+        self._peers_checked = False  # set by the first forward (see _checked)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``torch.nn.Module._apply`` keeping each param's attributes
@@ -235,30 +226,27 @@ class TensorParallelModule(torch.nn.Module):
         fields["params_dtype"] = self.config.params_dtype
         self._tp_agreement = agreement.register(self.tp_group, type(self).__name__, fields, name)
 
-    def _check_agreement(self) -> None:
-        """Every forward: the TP group is still alive (a dictionary lookup). The first
-        forward also compares the pending constructions of this TP group (one small
-        exchange); afterwards an attribute read."""
-        check_group(f"{type(self).__name__}'s tp_group", self.tp_group)
-        if not self._tp_agreement.checked:
-            agreement.settle(self._tp_agreement)
+    def _checked(self, check: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        """``check(*args)``: a forward's per-call checks (cheap, local), once the TP group
+        was found alive (a dictionary lookup).
 
-    def _forward_checks(self) -> AbstractContextManager[None]:
-        """Around a forward's input checks: on this layer's first forward, a check failing
-        on one TP rank is an error on every rank of the TP group (one status exchange,
-        :func:`mc_groups.fail_together`, before the agreement's); later forwards check
-        locally only (no per-step exchange): the steady state gets a context that does
-        nothing (no generator set up per call). While ``torch.compile`` traces, the checks
-        are traced (Dynamo guards what they read) and the exchanges run natively at trace
-        time (:func:`_first_forward_at_trace`)."""
-        check_group(f"{type(self).__name__}'s tp_group", self.tp_group)
-        if self._peers_checked and not torch.compiler.is_compiling():
-            return nullcontext()
-        return self._first_forward_checks()
+        On the layer's first forward they run inside one status exchange over the TP group
+        (:func:`mc_groups.fail_together`: a check failing on one rank is an error on every
+        rank), followed by the agreement of the group's pending constructions
+        (:mod:`mc_tp_layers.agreement`); later forwards exchange nothing. While
+        ``torch.compile`` traces a first forward, the checks are traced (Dynamo guards what
+        they read) and the exchanges run natively at trace time
+        (:func:`_first_forward_at_trace`)."""
+        if not mg.is_group_live(self.tp_group):
+            check_group(f"{type(self).__name__}'s tp_group", self.tp_group)
+        if self._peers_checked:
+            return check(*args, **kwargs)
+        with self._first_forward_checks():
+            return check(*args, **kwargs)
 
     @contextmanager
     def _first_forward_checks(self) -> Iterator[None]:
-        """:meth:`_forward_checks` until this layer's peers were checked, and while tracing."""
+        """Around the first forward's checks (see :meth:`_checked`)."""
         if torch.compiler.is_compiling():
             where = f"{type(self).__name__}'s first forward"
             failure = None
@@ -272,12 +260,9 @@ class TensorParallelModule(torch.nn.Module):
             if failure is not None:
                 raise failure
             return
-        if self._peers_checked:
-            yield
-            return
         with mg.fail_together(self.tp_group, f"{type(self).__name__}'s first forward"):
             yield
-        self._check_agreement()
+        agreement.settle(self._tp_agreement)
         self._peers_checked = True
 
     def sharded_state_dict(
@@ -300,15 +285,6 @@ class TensorParallelModule(torch.nn.Module):
         return sharded_state_dict_of(self, self.tp_group, prefix, sharded_offsets, metadata)
 
 
-class _Pins(NamedTuple):
-    """What a layer's steady-state signature holds by ``id``: its weight, its bias (None
-    when it has none or the layer does not check it) and its TP group."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    group: object
-
-
 class ParallelLinear(TensorParallelModule):
     """What ``ColumnParallelLinear`` and ``RowParallelLinear`` share besides their split."""
 
@@ -322,71 +298,30 @@ class ParallelLinear(TensorParallelModule):
         super().__init__(config)
         self.input_size, self.output_size = input_size, output_size
         self.master_weight = None
-        self._steady: tuple[tuple[object, ...], _Pins] | None = None
         default_extra_state(self)
 
-    def _steady_state(self, key: tuple[object, ...] | None) -> _Pins | None:
-        """Whether a forward whose call signature is ``key`` may skip its checks: the
-        last forward of this layer checked (and passed) the same signature, its TP peers
-        were checked, and the TP group is still alive. While ``torch.compile`` traces
-        there is no signature (``key`` None: the layers' ``_key`` reads nothing then, so
-        Dynamo guards on none of it) and the checks are traced.
-
-        The signature holds everything the forward's checks read (the input's dtype,
-        device, rank and checked sizes; the weight and bias objects, their dtype, device,
-        shape and ``requires_grad``; the layer's flags and group), so the checks would
-        pass again: the steady-state forward issues the autograd function and the
-        collectives directly, without the public functions' re-validation (about a
-        third of a small layer's host time). Anything else goes through the checked
-        path, which raises what it always raised.
-
-        Returns the remembered :class:`_Pins` (the weight and bias objects whose ``id``
-        the signature holds, i.e. what ``self.weight`` / ``self.bias`` are now) when the
-        forward may skip its checks, else None: the steady forward uses them instead of
-        reading the params again through ``Module.__getattr__`` (~0.6 µs a read).
-        """
-        steady = self._steady
-        if (
-            key is not None
-            and steady is not None
-            and steady[0] == key
-            and mg.is_group_live(self.tp_group)
-        ):
-            return steady[1]
-        return None
-
-    def _remember_steady(
-        self,
-        key: tuple[object, ...] | None,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        group: object,
-    ) -> None:
-        """After a checked forward passed: remember its signature ``key`` and the weight,
-        bias and group objects whose ``id`` it holds (kept alive so that the ids stay
-        theirs)."""
-        if key is not None and self._peers_checked and not torch.compiler.is_compiling():
-            self._steady = (key, _Pins(weight, bias, group))
-
-    def _held(self, name: str) -> Any:
-        """``getattr(self, name)`` for the weight or the bias, read from ``_parameters``
-        when registered there: where ``Module.__getattr__`` finds it, at a tenth of its
-        cost (~0.6 µs a read, several per forward of a small layer). Anything else (a
-        plain attribute, a parametrization's property) by ``getattr``."""
-        params = self._parameters
-        if name in params:
-            return params[name]
-        return getattr(self, name)
-
-    def _steady_linear(self) -> bool:
-        """The layer uses the full linear function (``_forward_impl`` not overridden)."""
-        return type(self)._forward_impl is ParallelLinear._forward_impl
+    def _weight_and_bias(self) -> tuple[Any, Any]:
+        """``(self.weight, self.bias)``, read from ``_parameters`` where registered there
+        (``Module.__getattr__`` costs ~0.6 µs a read, several per forward of a small
+        layer); otherwise (a parametrization's property, a plain attribute) as attributes."""
+        params = self._parameters  # not .get(name, self.name): that reads the attribute too
+        weight = params["weight"] if "weight" in params else self.weight  # noqa: SIM401
+        bias = params["bias"] if "bias" in params else self.bias  # noqa: SIM401
+        return weight, bias
 
     def _forward_impl(
         self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        """The frozen-weight function when ``weight`` does not require grad, else the full one."""
-        return forward_impl(input, weight, *args, **kwargs)
+        """Megatron's hook for the layer's linear (override it to replace the linear; its
+        result is what the layer goes on with: gathered by a Column layer with
+        ``gather_output``, reduced by a Row layer). Called by forward with Megatron's
+        keyword arguments, checked: the frozen-weight function
+        (:func:`~mc_tp_layers.linear.linear_with_frozen_weight`) when ``weight`` does not
+        require grad, else the linear function applied directly
+        (:func:`~mc_tp_layers.linear.apply_linear`)."""
+        if not weight.requires_grad:
+            return linear_with_frozen_weight(input, weight, *args, **kwargs)
+        return apply_linear(input, weight, *args, **kwargs)
 
     def backward_dw(self) -> None:
         """Delayed wgrad computation (``delay_wgrad_compute``): not supported, does nothing.

@@ -117,7 +117,7 @@ def check_input(input_: object, last: int, what: str) -> torch.Tensor:
 
     A non-tensor or integer tensor is a ``TypeError``, a wrong shape a ``ValueError``.
     """
-    x = check_tensor("input_", input_)
+    x = input_ if isinstance(input_, torch.Tensor) else check_tensor("input_", input_)
     if not x.dtype.is_floating_point:
         raise InputTypeError(f"input_ holds {x.dtype}; {what} needs a floating-point input")
     if x.dim() not in (2, 3) or x.shape[-1] != last:

@@ -39,7 +39,7 @@ from mc_tp_layers._tp_groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, check_input, main_grad
 from mc_tp_layers.gtp import unsharded_shape
 from mc_tp_layers.initialization import InitMethod, WeightInit
-from mc_tp_layers.linear import _apply_checked
+from mc_tp_layers.linear import check_operands
 from mc_tp_layers.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -185,6 +185,14 @@ class ColumnParallelLinear(ParallelLinear):
             world > 1 and not self.sequence_parallel and not self.disable_grad_reduce
         )
         self.gradient_accumulation_fusion = bool(self.config.gradient_accumulation_fusion)
+        # f (identity forward, all-reduce of dX in backward) only where the linear function
+        # does not reduce dX itself and nothing else does (Megatron's condition)
+        self._copy_input = not (
+            self.allreduce_dgrad
+            or self.sequence_parallel
+            or self.explicit_expert_comm
+            or self.disable_grad_reduce
+        )
 
     def _check_arguments(self, input_size: int, stride: int, init_method: object) -> None:
         self._check_split(input_size, "output", self.output_size_per_partition, stride, init_method)
@@ -196,15 +204,18 @@ class ColumnParallelLinear(ParallelLinear):
                 "and grad_output_buffer lists; pass both (e.g. [] and [])"
             )
 
-    def _resolve_weight(self, weight: torch.Tensor | None) -> torch.Tensor:
+    def _resolve_weight(
+        self, weight: torch.Tensor | None, own: torch.nn.Parameter | None
+    ) -> torch.Tensor:
+        """``weight`` (checked), else the layer's own weight ``own``."""
         if weight is None:
-            if self.weight is None:
+            if own is None:
                 raise InputValueError(
                     "ColumnParallelLinear was built with skip_weight_param_allocation=True, so "
                     "forward needs weight=<tensor of shape "
                     f"[{self.output_size_per_partition}, {self.input_size}]>"
                 )
-            return self.weight
+            return own
         check_tensor("weight", weight)
         expected = (self.output_size_per_partition, self.input_size)
         actual = unsharded_shape(weight) if self.gtp_remat_size > 1 else tuple(weight.shape)
@@ -214,6 +225,21 @@ class ColumnParallelLinear(ParallelLinear):
                 f"([output_size / TP size, input_size])"
             )
         return weight
+
+    def _check_call(
+        self, input_: object, weight: torch.Tensor | None, runtime_gather_output: object
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A forward's arguments checked: the input, the weight and the bias to add."""
+        own_weight, own_bias = self._weight_and_bias()
+        w = self._resolve_weight(weight, own_weight)
+        x = check_input(input_, self.input_size, "ColumnParallelLinear")
+        bias = None if self.skip_bias_add else own_bias
+        check_operands(x, w, bias, self.output_dtype, self.output_size_per_partition)
+        if runtime_gather_output is not None:
+            check_flag("runtime_gather_output", runtime_gather_output)
+        if self.gradient_accumulation_fusion and w.requires_grad:
+            main_grad(w)
+        return x, w, bias
 
     def _defer_activation(self, input_parallel: torch.Tensor) -> None:
         buffer = self.embedding_activation_buffer
@@ -238,108 +264,32 @@ class ColumnParallelLinear(ParallelLinear):
         The first forward first compares this TP group's pending layer constructions (see
         :mod:`mc_tp_layers.agreement`).
         """
-        key = None if weight is not None or runtime_gather_output is not None else self._key(input_)
-        steady = self._steady_state(key)
-        if steady is not None:
-            w, x = steady.weight, input_
-            if self.gradient_accumulation_fusion:
-                main_grad(w)
-        else:
-            with self._forward_checks():
-                w = self._resolve_weight(weight)
-                x = check_input(input_, self.input_size, "ColumnParallelLinear")
-                if runtime_gather_output is not None:
-                    check_flag("runtime_gather_output", runtime_gather_output)
-                if self.gradient_accumulation_fusion and w.requires_grad:
-                    main_grad(w)
+        x, w, bias = self._checked(self._check_call, input_, weight, runtime_gather_output)
         deferring = self.config.defer_embedding_wgrad_compute and w.requires_grad
-        held = self.bias if steady is None else steady.bias  # pinned: no Module lookup
-        bias = None if self.skip_bias_add else held
-        if (
-            self.allreduce_dgrad
-            or self.sequence_parallel
-            or self.explicit_expert_comm
-            or self.disable_grad_reduce
-        ):
-            input_parallel = x
-        else:
-            input_parallel = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+        if self._copy_input:
+            x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
         if deferring:
-            self._defer_activation(input_parallel)
+            self._defer_activation(x)
         expert = self.explicit_expert_comm
-        if steady is not None:
-            output_parallel = _apply_checked(
-                input_parallel,
-                w,
-                bias,
-                self.gradient_accumulation_fusion,
-                False if expert else self.allreduce_dgrad,
-                False if expert else self.sequence_parallel,
-                self.tp_group,
-                self.output_dtype,
-            )
-        else:
-            output_parallel = self._forward_impl(
-                input=input_parallel,
-                weight=w,
-                bias=bias,
-                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-                allreduce_dgrad=False if expert else self.allreduce_dgrad,
-                sequence_parallel=False if expert else self.sequence_parallel,
-                grad_output_buffer=self.grad_output_buffer if deferring else None,
-                wgrad_deferral_limit=self.config.wgrad_deferral_limit if deferring else None,
-                tp_group=self.tp_group,
-                gtp_remat_size=self.gtp_remat_size,
-                output_dtype=self.output_dtype,
-            )
-            self._remember_steady(key, w, self.bias, self.tp_group)
+        output_parallel = self._forward_impl(
+            input=x,
+            weight=w,
+            bias=bias,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            allreduce_dgrad=False if expert else self.allreduce_dgrad,
+            sequence_parallel=False if expert else self.sequence_parallel,
+            grad_output_buffer=self.grad_output_buffer if deferring else None,
+            wgrad_deferral_limit=self.config.wgrad_deferral_limit if deferring else None,
+            tp_group=self.tp_group,
+            gtp_remat_size=self.gtp_remat_size,
+            output_dtype=self.output_dtype,
+        )
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
         else:
             output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
-
-    def _key(self, input_: object) -> tuple[object, ...] | None:
-        """What this forward's checks read, for ``_steady_state``; None for a call that
-        always takes the checked path (while compiling; a weight that does not require grad, wgrad
-        deferral, a gtp_remat shard, an overridden ``_forward_impl``, an input that is not
-        a plain 2-D or 3-D tensor)."""
-        w, b = self._held("weight"), self._held("bias")
-        if (
-            torch.compiler.is_compiling()  # first: Dynamo would guard on what follows
-            or type(input_) is not torch.Tensor
-            or w is None
-            or not w.requires_grad
-            or self.gtp_remat_size != 1
-            or self.config.defer_embedding_wgrad_compute
-            or not self._steady_linear()
-        ):
-            return None
-        ndim = input_.dim()
-        if ndim not in (2, 3):
-            return None
-        return (
-            input_.dtype,
-            input_.device,
-            ndim,
-            input_.shape[-1],
-            id(w),
-            w.dtype,
-            w.device,
-            w.shape,
-            id(b),
-            None if b is None else (b.dtype, b.device, b.shape),
-            self.input_size,
-            self.gradient_accumulation_fusion,
-            self.allreduce_dgrad,
-            self.sequence_parallel,
-            self.explicit_expert_comm,
-            self.disable_grad_reduce,
-            self.skip_bias_add,
-            self.output_dtype,
-            id(self.tp_group),
-        )
 
     def extra_repr(self) -> str:
         """Sizes, bias and TP degree, e.g. ``in_features=8, out_features=16, bias=True, TP=2``."""

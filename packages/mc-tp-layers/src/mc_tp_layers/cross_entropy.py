@@ -62,10 +62,10 @@ from mc_groups.argcheck import check_int, check_tensor
 from mc_groups.comm import traceable
 from mc_groups.comm.cross_rank import differences
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_tp_layers._autograd import apply
 from mc_tp_layers._index_range import check_index_range
 from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.agreement import TensorParallelAgreementError
+from mc_tp_layers.mappings import apply
 
 __all__ = ["vocab_parallel_cross_entropy"]
 

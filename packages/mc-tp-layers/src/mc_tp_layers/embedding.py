@@ -119,8 +119,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         forward first compares this TP group's pending layer constructions (see
         :mod:`mc_tp_layers.agreement`).
         """
-        with self._forward_checks():
-            ids = self._check_ids(input_)
+        ids = self._checked(self._check_ids, input_)
         world = int(self.tp_group.size())
         if world > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)

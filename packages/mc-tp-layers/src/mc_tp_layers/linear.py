@@ -37,21 +37,21 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor, type_name
 from mc_groups.comm import traceable
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import _comm, _validate
-from mc_tp_layers._autograd import apply
 from mc_tp_layers._gemm import _linear_forward, _wgrad_gemm, accumulate_wgrad
 from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.gtp import gather_gtp_weight, reduce_scatter_gtp_grad, unsharded_shape
-from mc_tp_layers.mappings import gather_from_sequence_parallel_region
+from mc_tp_layers.mappings import apply, gather_from_sequence_parallel_region
 
 __all__ = [
     "LinearWithFrozenWeight",
@@ -78,16 +78,6 @@ _NO_GRADS = (None,) * 8
 """The gradients of the function's eight non-tensor arguments."""
 
 
-def _full_weight(weight: torch.Tensor, gtp_remat_size: int) -> torch.Tensor:
-    """The whole weight: ``weight`` itself, or its gtp_remat shards gathered."""
-    return gather_gtp_weight(weight) if gtp_remat_size > 1 else weight
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as rows ``[-1, last dim]`` (itself when 2-D: a view costs ~0.5 µs)."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """See :func:`linear_with_grad_accumulation_and_async_allreduce` and the module notes."""
 
@@ -107,9 +97,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         output_dtype: torch.dtype | None,
     ) -> torch.Tensor:
         """Gather (GTP weight, SP input), then ``Y = X_tot · Wᵀ + b``."""
-        if gradient_accumulation_fusion and _hand_wgrad_to_autograd(weight):
-            gradient_accumulation_fusion = False
-        ctx.opts = _Options(
+        opts = _Options(
             gradient_accumulation_fusion,
             allreduce_dgrad,
             sequence_parallel,
@@ -119,38 +107,65 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             gtp_remat_size,
             output_dtype,
         )
-        ctx.save_for_backward(input, weight)
-        # main_grad is kept on ctx, not saved: a weight shared by several layers (an MTP
-        # head) would otherwise trip autograd's in-place version check.
-        ctx.main_grad = param_attrs.main_grad_of(weight) if gradient_accumulation_fusion else None
-        ctx.use_bias = bias is not None
-        total_input = _comm.gather_first_dim(input, tp_group) if sequence_parallel else input
-        return _linear_forward(
-            total_input, _full_weight(weight, gtp_remat_size), bias, output_dtype
-        )
+        return _forward(ctx, input, weight, bias, opts)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """dgrad, overlapped reductions, wgrad (see the module notes for the order)."""
-        input, weight = ctx.saved_tensors
-        opts: _Options = ctx.opts
-        if grad_output.dtype != input.dtype:
-            grad_output = grad_output.to(input.dtype)
-        grad_output = grad_output.contiguous()
-        wgrad_now = _claim_wgrad(opts, grad_output)
-        gather = (
-            _comm.start_gather_first_dim(input, opts.tp_group)
-            if wgrad_now and opts.sequence_parallel
-            else None
-        )
-        grad_input = grad_output.matmul(_full_weight(weight, opts.gtp_remat_size))
-        total_input = input if gather is None else gather.wait()
-        dgrad_reduction = _start_dgrad_reduction(grad_input, opts)
-        rows, total_rows = _flat(grad_output), _flat(total_input)  # once: for dW and db
-        grad_weight = _weight_grad(weight, ctx.main_grad, rows, total_rows, opts, wgrad_now)
-        grad_bias = rows.sum(dim=0) if ctx.use_bias else None
-        grad_input = grad_input if dgrad_reduction is None else dgrad_reduction.wait()
-        return (grad_input, grad_weight, grad_bias, *_NO_GRADS)
+        return (*_backward(ctx, grad_output), *_NO_GRADS)
+
+
+def _forward(
+    ctx: Any, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: _Options
+) -> torch.Tensor:
+    """The forward of both linear functions (Megatron's and :class:`_LinearThenReduce`);
+    saves what :func:`_backward` needs on ``ctx``."""
+    if opts.gradient_accumulation_fusion and _hand_wgrad_to_autograd(weight):
+        opts = opts._replace(gradient_accumulation_fusion=False)
+    ctx.opts = opts
+    ctx.save_for_backward(input, weight)
+    # main_grad is kept on ctx, not saved: a weight shared by several layers (an MTP
+    # head) would otherwise trip autograd's in-place version check.
+    ctx.main_grad = param_attrs.main_grad_of(weight) if opts.gradient_accumulation_fusion else None
+    ctx.use_bias = bias is not None
+    group, output_dtype = opts.tp_group, opts.output_dtype
+    total_input = _comm.gather_first_dim(input, group) if opts.sequence_parallel else input
+    full_weight = weight if opts.gtp_remat_size == 1 else gather_gtp_weight(weight)
+    if output_dtype is None or output_dtype == input.dtype:
+        return F.linear(total_input, full_weight, bias)
+    return _linear_forward(total_input, full_weight, bias, output_dtype)
+
+
+def _backward(
+    ctx: Any, grad_output: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dX, dW, db)`` of :func:`_forward`."""
+    input, weight = ctx.saved_tensors
+    opts: _Options = ctx.opts
+    if grad_output.dtype != input.dtype:
+        grad_output = grad_output.to(input.dtype)
+    grad_output = grad_output.contiguous()
+    buffer = opts.grad_output_buffer
+    wgrad_now = buffer is None or not _defer_wgrad(buffer, opts.wgrad_deferral_limit, grad_output)
+    gather = (
+        _comm.start_gather_first_dim(input, opts.tp_group)
+        if wgrad_now and opts.sequence_parallel
+        else None
+    )
+    full_weight = weight if opts.gtp_remat_size == 1 else gather_gtp_weight(weight)
+    grad_input = grad_output.matmul(full_weight)
+    total_input = input if gather is None else gather.wait()
+    dgrad_reduction = _start_dgrad_reduction(grad_input, opts)
+    # as rows, once, for dW and db (a 2-D tensor is its own rows: a view costs ~0.5 µs)
+    rows, total_rows = grad_output, total_input
+    if rows.dim() != 2:
+        rows = rows.reshape(-1, rows.shape[-1])
+    if total_rows.dim() != 2:
+        total_rows = total_rows.reshape(-1, total_rows.shape[-1])
+    grad_weight = _weight_grad(weight, ctx.main_grad, rows, total_rows, opts, wgrad_now)
+    grad_bias = rows.sum(dim=0) if ctx.use_bias else None
+    grad_input = grad_input if dgrad_reduction is None else dgrad_reduction.wait()
+    return grad_input, grad_weight, grad_bias
 
 
 def _hand_wgrad_to_autograd(weight: torch.Tensor) -> bool:
@@ -161,15 +176,13 @@ def _hand_wgrad_to_autograd(weight: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() and param_attrs.has_grad_added_flag(weight)
 
 
-def _claim_wgrad(opts: _Options, grad_output: torch.Tensor) -> bool:
-    """False (and ``grad_output`` kept in the buffer) when this wgrad is deferred."""
-    buffer = opts.grad_output_buffer
-    if buffer is None:
-        return True
-    if opts.wgrad_deferral_limit == 0 or len(buffer) < opts.wgrad_deferral_limit:
+def _defer_wgrad(buffer: list[torch.Tensor], limit: int, grad_output: torch.Tensor) -> bool:
+    """Keep ``grad_output`` in the deferral buffer (True) while it holds fewer than
+    ``limit`` (0: no limit); False: the wgrad is computed now."""
+    if limit == 0 or len(buffer) < limit:
         buffer.append(grad_output)
-        return False
-    return True
+        return True
+    return False
 
 
 def _start_dgrad_reduction(
@@ -195,7 +208,7 @@ def _weight_grad(
     wgrad_now: bool,
 ) -> torch.Tensor | None:
     """``dW`` for autograd (or accumulated into ``main_grad``); ``grad_output`` and
-    ``total_input`` as rows (2-D, :func:`_flat`), as every helper below takes them."""
+    ``total_input`` as rows (2-D), as every helper below takes them."""
     if opts.gradient_accumulation_fusion:
         if wgrad_now:
             assert main_grad is not None  # checked before forward
@@ -290,7 +303,8 @@ class LinearWithFrozenWeight(torch.autograd.Function):
             grad_input = traceable.all_reduce_tensor(
                 grad_input, ctx.tp_group, label="tp frozen-weight dgrad all-reduce", inplace=True
             )
-        grad_bias = _flat(grad_output).sum(dim=0) if ctx.bias_grad else None
+        rows = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_bias = rows.sum(dim=0) if ctx.bias_grad else None
         return grad_input, None, grad_bias, None, None, None
 
 
@@ -347,6 +361,27 @@ def _check_dtypes(x: torch.Tensor, w: torch.Tensor, output_dtype: torch.dtype | 
     for name, t in (("input", x), ("weight", w)):
         if not t.dtype.is_floating_point:
             raise InputTypeError(f"{name} holds {t.dtype}; the linear layer needs floating point")
+    check_operands(x, w, None, output_dtype)
+
+
+def check_operands(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    output_dtype: torch.dtype | None,
+    rows: int = 0,
+    width: int | None = None,
+) -> None:
+    """What a layer checks of its operands per call (a few attribute reads; their types,
+    sizes and flags were checked when it was built): ``x`` on ``w``'s device, in its dtype
+    unless ``output_dtype`` says otherwise; ``b`` (when given) ``[rows]`` on that device,
+    in ``x``'s dtype likewise; ``w``'s second dimension ``x``'s last (or ``width``, the
+    width ``x`` has once the layer split it)."""
+    if w.dim() != 2 or w.shape[1] != (x.shape[-1] if width is None else width):
+        raise InputValueError(
+            f"input has shape {tuple(x.shape)} but the weight is {list(w.shape)}: the input's "
+            "last dimension must equal the weight's second"
+        )
     if x.device != w.device:
         raise InputValueError(
             f"input is on {x.device} but the weight on {w.device}; move the input there"
@@ -357,6 +392,10 @@ def _check_dtypes(x: torch.Tensor, w: torch.Tensor, output_dtype: torch.dtype | 
             f"{w.dtype}, or pass output_dtype=<dtype of the result> to compute in the wider "
             "of the two"
         )
+    if b is not None and (b.shape[0] != rows or b.dim() != 1 or b.device != w.device or (
+        b.dtype != x.dtype and (output_dtype is None or output_dtype == x.dtype)
+    )):  # fmt: skip
+        _check_bias(b, rows, x, w, output_dtype)
 
 
 def _check_bias(
@@ -396,12 +435,12 @@ def _check_deferral(grad_output_buffer: object, wgrad_deferral_limit: object, fu
     return limit
 
 
-def _warn_device_connections(input: torch.Tensor, overlapping: bool) -> None:
-    if overlapping and input.is_cuda and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+def _warn_device_connections() -> None:
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
         warnings.warn(
             "set CUDA_DEVICE_MAX_CONNECTIONS=1 so the asynchronous TP collectives are "
             "scheduled before the GEMMs they should overlap",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -455,6 +494,45 @@ def linear_with_grad_accumulation_and_async_allreduce(
     if fusion:
         _validate.main_grad(w)
     limit = _check_deferral(grad_output_buffer, wgrad_deferral_limit, fusion)
+    return apply_linear(
+        x, w, bias, fusion, allreduce_dgrad, sequence_parallel, grad_output_buffer, limit, group,
+        gtp_remat_size, out_dtype,
+    )  # fmt: skip
+
+
+Reduction = Literal["all-reduce", "reduce-scatter"]
+"""The reduction of a row-parallel layer's output over TP that :func:`apply_linear` can
+fuse into the linear's autograd node: the SUM all-reduce, or under sequence parallelism
+the SUM reduce-scatter along dim 0."""
+
+
+def apply_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    grad_output_buffer: list[torch.Tensor] | None = None,
+    wgrad_deferral_limit: int | None = 0,
+    tp_group: dist.ProcessGroup | None = None,
+    gtp_remat_size: int = 1,
+    output_dtype: torch.dtype | None = None,
+    *,
+    reduce_output: Reduction | None = None,
+) -> torch.Tensor:
+    """:class:`LinearWithGradAccumulationAndAsyncCommunication` applied to checked
+    arguments: the one place it is applied, after
+    :func:`linear_with_grad_accumulation_and_async_allreduce`'s checks or a layer's (its
+    construction and :func:`check_operands` per call). ``tp_group`` is a live group.
+
+    ``reduce_output`` (a row-parallel layer's linear): the output is then reduced over
+    ``tp_group`` in the same autograd node (:class:`_LinearThenReduce`), where Megatron
+    applies a second Function (``_ReduceFromModelParallelRegion`` or
+    ``_ReduceScatterToSequenceParallelRegion``): the same collectives, values and
+    gradients, one Python node less per call (about 5 % of a small TP block's host time,
+    ``benchmarks/host_cost.py --part tp-host``).
+    """
     if grad_output_buffer is not None and torch.compiler.is_compiling():
         raise InputValueError(
             "grad_output_buffer (embedding wgrad deferral, "
@@ -462,51 +540,62 @@ def linear_with_grad_accumulation_and_async_allreduce(
             "backward appends to a Python list, which a compiled backward cannot do each "
             "step; leave the output layer uncompiled or switch the deferral off"
         )
-    _warn_device_connections(x, sequence_parallel or allreduce_dgrad)
-    return apply(
-        LinearWithGradAccumulationAndAsyncCommunication,
-        x,
-        w,
-        bias,
-        fusion,
-        allreduce_dgrad,
-        sequence_parallel,
-        grad_output_buffer,
-        limit,
-        group,
-        gtp_remat_size,
-        out_dtype,
-    )
+    if input.is_cuda and (sequence_parallel or allreduce_dgrad):
+        _warn_device_connections()
+    if reduce_output is None:
+        out: torch.Tensor = LinearWithGradAccumulationAndAsyncCommunication.apply(  # type: ignore[no-untyped-call]
+            input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+            sequence_parallel, grad_output_buffer, wgrad_deferral_limit or 0, tp_group,
+            gtp_remat_size, output_dtype,
+        )  # fmt: skip
+    else:  # a row layer's linear: no dgrad reduction, no SP gather, no deferral
+        out = _LinearThenReduce.apply(  # type: ignore[no-untyped-call]
+            input, weight, bias, gradient_accumulation_fusion, tp_group, gtp_remat_size,
+            reduce_output == "reduce-scatter",
+        )  # fmt: skip
+    return out
 
 
-def _apply_checked(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    gradient_accumulation_fusion: bool,
-    allreduce_dgrad: bool,
-    sequence_parallel: bool,
-    tp_group: dist.ProcessGroup,
-    output_dtype: torch.dtype | None,
-) -> torch.Tensor:
-    """:func:`linear_with_grad_accumulation_and_async_allreduce` on arguments it checked
-    before (a layer's steady-state forward, see ``ParallelLinear._steady_state``), without
-    wgrad deferral or a gtp_remat shard: the same autograd function, the checks skipped."""
-    _warn_device_connections(input, sequence_parallel or allreduce_dgrad)
-    return apply(
-        LinearWithGradAccumulationAndAsyncCommunication,
-        input,
-        weight,
-        bias,
-        gradient_accumulation_fusion,
-        allreduce_dgrad,
-        sequence_parallel,
-        None,
-        0,
-        tp_group,
-        1,
-        output_dtype,
-    )
+class _LinearThenReduce(torch.autograd.Function):
+    """The linear function, then the SUM of its output over ``tp_group``: one autograd node
+    (see :func:`apply_linear`)::
+
+        forward:   P  = X·Wᵀ (+ b)                 (the linear's forward: saves X and W)
+                   Y  = all-reduce(P), in place     | reduce-scatter(P) along dim 0
+        backward:  dP = dY                          | all-gather(dY) along dim 0
+                   then the linear's backward on dP
+
+    The same collectives, in the same order and with the same labels, as Megatron's two
+    Functions. A row layer's linear reduces no dgrad, gathers no input along the sequence
+    and defers no wgrad: its arguments are the ones that vary."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        gradient_accumulation_fusion: bool,
+        tp_group: dist.ProcessGroup,
+        gtp_remat_size: int,
+        scatter: bool,
+    ) -> torch.Tensor:
+        """``P`` (nothing else holds it), then its reduction over ``tp_group``."""
+        opts = _Options(
+            gradient_accumulation_fusion, False, False, None, 0, tp_group, gtp_remat_size, None
+        )
+        partial = _forward(ctx, input, weight, bias, opts)
+        ctx.scatter = scatter
+        if scatter:
+            return _comm.reduce_scatter_first_dim(partial, tp_group)
+        return _comm.all_reduce(partial, tp_group, inplace=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """``dP`` (``dY``, or ``dY`` all-gathered along dim 0), then the linear's backward."""
+        if ctx.scatter:
+            grad_output = _comm.gather_first_dim(grad_output, ctx.opts.tp_group)
+        return (*_backward(ctx, grad_output), None, None, None, None)
 
 
 def linear_with_frozen_weight(

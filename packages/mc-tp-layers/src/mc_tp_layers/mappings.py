@@ -59,7 +59,6 @@ import torch.distributed as dist
 from mc_groups.argcheck import check_flag, check_group, check_tensor
 from mc_groups.errors import InputValueError
 from mc_tp_layers import _comm, _validate
-from mc_tp_layers._autograd import apply
 from mc_tp_layers._tp_groups import resolve_tp_group
 
 __all__ = [
@@ -76,6 +75,12 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
 ]
+
+
+def apply(function: type[torch.autograd.Function], *args: object) -> torch.Tensor:
+    """``function.apply(*args)`` for functions returning one tensor (torch's is untyped)."""
+    out: torch.Tensor = function.apply(*args)  # type: ignore[no-untyped-call]
+    return out
 
 
 def _group(group: object, who: str) -> dist.ProcessGroup:
@@ -410,6 +415,12 @@ def reduce_layer_output(output: torch.Tensor, group: dist.ProcessGroup) -> torch
     """:func:`reduce_from_tensor_model_parallel_region` of a layer's own GEMM output over
     its checked TP group, summed in place (see :class:`_ReduceLayerOutput`)."""
     return _tp_region(output, group, _ReduceLayerOutput)
+
+
+def reduce_scatter_layer_output(output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """:func:`reduce_scatter_to_sequence_parallel_region` of a layer's own output over its
+    checked TP group (its sequence checked divisible by the group's size)."""
+    return _tp_region(output, group, _ReduceScatterToSequenceParallelRegion)
 
 
 def scatter_to_tensor_model_parallel_region(

@@ -16,16 +16,14 @@ Collectives (W > 1)::
     sequence_parallel on:  forward  one reduce-scatter of Y      backward one all-gather
                                     along dim 0                           of dY along dim 0
 
-A forward whose arguments an earlier forward checked (the steady state) applies the GEMM
-and the reduction as one autograd node (:mod:`mc_tp_layers._reduced_linear`: same
-collectives, same values, one Python node less per call than two Functions).
-
 With ``input_is_parallel=False`` the input ``[.., k]`` is first split along its last dim
 (no communication; backward all-gathers dX). Experts (``is_expert`` with TP or EP > 1)
 return the partial sums: the MoE layer reduces them.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,17 +33,15 @@ from mc_groups.argcheck import check_flag, check_optional_str
 from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputValueError
 from mc_tp_layers import _layer_base as base
-from mc_tp_layers._autograd import apply
 from mc_tp_layers._config import expert_parallel, gtp_remat_size
 from mc_tp_layers._layer_base import ParallelLinear
-from mc_tp_layers._reduced_linear import _LinearThenReduce
 from mc_tp_layers._tp_groups import resolve_gtp_group, resolve_tp_group
 from mc_tp_layers._validate import check_divisible, check_input, check_sequence, main_grad
 from mc_tp_layers.initialization import InitMethod, WeightInit
-from mc_tp_layers.linear import _apply_checked
+from mc_tp_layers.linear import Reduction, apply_linear, check_operands
 from mc_tp_layers.mappings import (
     reduce_layer_output,
-    reduce_scatter_to_sequence_parallel_region,
+    reduce_scatter_layer_output,
     scatter_to_tensor_model_parallel_region,
 )
 from mc_tp_layers.random import RNGStatesTracker
@@ -128,6 +124,13 @@ class RowParallelLinear(ParallelLinear):
         self.expert_parallel = expert_parallel(self.config)
         self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
         self.gradient_accumulation_fusion = self.config.gradient_accumulation_fusion
+        # How the output is reduced over TP (None: an expert's partial sums stay as they
+        # are, the MoE layer reduces them; nothing to reduce on one rank), and whether
+        # _forward_impl does it (its default; an override returns the partial sums)
+        self._reduction: Reduction | None = None
+        if not self.explicit_expert_comm and world > 1:
+            self._reduction = "reduce-scatter" if self.sequence_parallel else "all-reduce"
+        self._linear_reduces = type(self)._forward_impl is RowParallelLinear._forward_impl
         target = base.layer_device(explicit_device, self.config, self.tp_group)
         init = WeightInit(self.config, init_method, tracker, self.tp_group)
         init.check_tracker()
@@ -171,99 +174,60 @@ class RowParallelLinear(ParallelLinear):
         The first forward first compares this TP group's pending layer constructions (see
         :mod:`mc_tp_layers.agreement`).
         """
-        key = self._key(input_)
-        steady = self._steady_state(key)
-        if steady is not None:
-            x = input_
-            if self.gradient_accumulation_fusion:
-                main_grad(steady.weight)
-        else:
-            with self._forward_checks():
-                world = int(self.tp_group.size())
-                last = self.input_size_per_partition if self.input_is_parallel else self.input_size
-                x = check_input(input_, last, "RowParallelLinear")
-                if self.sequence_parallel and not self.explicit_expert_comm:
-                    check_sequence(x, world)
-                if self.gradient_accumulation_fusion and self.weight.requires_grad:
-                    main_grad(self.weight)
-        if self.input_is_parallel or self.explicit_expert_comm:
-            input_parallel = x
-        else:
-            input_parallel = scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
-        if steady is not None:
-            output = self._steady_linear_forward(input_parallel, steady.weight)
-        else:
-            output_parallel = self._forward_impl(
-                input=input_parallel,
-                weight=self.weight,
-                bias=None,
-                gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-                allreduce_dgrad=False,
-                sequence_parallel=False,
-                tp_group=self.tp_group,
-                gtp_remat_size=self.gtp_remat_size,
-            )
-            self._remember_steady(key, self.weight, None, self.tp_group)
-            output = self._reduce(output_parallel)
-        bias = self._held("bias")
+        x, weight, bias = self._checked(self._check_call, input_)
+        if not (self.input_is_parallel or self.explicit_expert_comm):
+            x = scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
+        output = self._forward_impl(
+            input=x,
+            weight=weight,
+            bias=None,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            allreduce_dgrad=False,
+            sequence_parallel=False,
+            tp_group=self.tp_group,
+            gtp_remat_size=self.gtp_remat_size,
+        )
+        if not self._linear_reduces:
+            output = self._reduce(output)
         if self.skip_bias_add or bias is None:
             return output, bias if self.skip_bias_add else None
         return output + bias, None
 
-    def _key(self, input_: object) -> tuple[object, ...] | None:
-        """What this forward's checks read, for ``_steady_state``; None for a call that
-        always takes the checked path (while compiling; a weight that does not require
-        grad, a gtp_remat shard, an overridden ``_forward_impl``, an input that is not a
-        plain 2-D or 3-D tensor). The bias is added after the reduction, unchecked by the
-        linear function."""
-        w = self._held("weight")
-        if (
-            torch.compiler.is_compiling()  # first: Dynamo would guard on what follows
-            or type(input_) is not torch.Tensor
-            or not w.requires_grad
-            or self.gtp_remat_size != 1
-            or not self._steady_linear()
-        ):
-            return None
-        ndim = input_.dim()
-        if ndim not in (2, 3):
-            return None
-        sequence = self.sequence_parallel and not self.explicit_expert_comm
-        return (
-            input_.dtype,
-            input_.device,
-            ndim,
-            input_.shape[-1],
-            input_.shape[0] % self.tp_group.size() if sequence else 0,
-            id(w),
-            w.dtype,
-            w.device,
-            w.shape,
-            self.input_size,
-            self.input_size_per_partition,
-            self.input_is_parallel,
-            self.gradient_accumulation_fusion,
-            self.sequence_parallel,
-            self.explicit_expert_comm,
-            id(self.tp_group),
-        )
+    def _forward_impl(
+        self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """Megatron's hook for the layer's linear; this default also reduces the output
+        over TP (all-reduce, or reduce-scatter along dim 0 under sequence parallelism;
+        nothing for an expert layer): in the linear's own autograd node when the weight
+        is trained (:func:`~mc_tp_layers.linear.apply_linear`'s ``reduce_output``: one
+        node less per call than Megatron's two Functions, same collectives and values),
+        else after the frozen-weight function. An override keeps Megatron's contract: it
+        returns the partial sums, and forward reduces them (``_linear_reduces``, decided
+        when the layer is built)."""
+        if self._reduction is None or not weight.requires_grad:
+            return self._reduce(super()._forward_impl(input, weight, *args, **kwargs))
+        return apply_linear(input, weight, *args, reduce_output=self._reduction, **kwargs)
 
-    def _steady_linear_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The linear and the output reduction of a checked signature: one autograd node
-        (:mod:`mc_tp_layers._reduced_linear`), or an expert's partial sums."""
-        if self.explicit_expert_comm:
-            return _apply_checked(
-                x, weight, None, self.gradient_accumulation_fusion, False, False,
-                self.tp_group, None,
-            )  # fmt: skip
-        fusion = self.gradient_accumulation_fusion
-        return apply(_LinearThenReduce, x, weight, fusion, self.tp_group, self.sequence_parallel)
+    def _check_call(
+        self, input_: object
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Parameter | None]:
+        """A forward's input checked, with the weight and bias it meets."""
+        last = self.input_size_per_partition if self.input_is_parallel else self.input_size
+        x = check_input(input_, last, "RowParallelLinear")
+        weight, bias = self._weight_and_bias()
+        check_operands(x, weight, None, None, width=self.input_size_per_partition)
+        if self.sequence_parallel and not self.explicit_expert_comm:
+            check_sequence(x, int(self.tp_group.size()))
+        if self.gradient_accumulation_fusion and weight.requires_grad:
+            main_grad(weight)
+        return x, weight, bias
 
     def _reduce(self, output_parallel: torch.Tensor) -> torch.Tensor:
+        """Megatron's reduction of the partial sums, as its own autograd Function."""
         if self.explicit_expert_comm:
             return output_parallel
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+            return reduce_scatter_layer_output(output_parallel, self.tp_group)
         return reduce_layer_output(output_parallel, self.tp_group)
 
     def extra_repr(self) -> str:
