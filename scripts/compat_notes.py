@@ -238,8 +238,7 @@ DELIBERATE = """\
   `ignore_index`. Megatron compares nothing: disagreeing ranks hang, abort or train on
   wrong numbers.
 - **Activation checkpointing and 1-D splits.** `checkpoint` is `mc_tp_layers.random.checkpoint`
-  only (`mc_tp_layers.checkpoint`, the old name of the DTensor checkpoint module
-  `mc_tp_layers.sharded_state`, stays its alias for one release);
+  (the DTensor checkpoint views are `mc_tp_layers.sharded_state`);
   `split_tensor_into_1d_equal_chunks` refuses a size not divisible by the TP size (Megatron
   floors it and the gather loses the rest); `CheckpointWithoutOutput` copies the recomputed
   outputs into their freed storage (Megatron shares storage through a C++ extension);

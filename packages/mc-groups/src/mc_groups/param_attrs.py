@@ -58,8 +58,9 @@ Each attribute: its value (and what absent means); who sets it; who reads it.
   (the norm counts them on pp rank 0).
 ``tensor_model_parallel``, ``partition_dim``, ``partition_stride`` (TENSOR_MODEL_PARALLEL,
   PARTITION_DIM, PARTITION_STRIDE): bool, int, int (False, -1, 1).
-  Set: mc-tp-layers (``set_tensor_model_parallel_attributes``). Read: mc-tp-layers (dedup,
-  checkpoints); copied with ``expert_tp``, ``is_qkv``, ``qkv_split_shapes`` (Megatron's).
+  Set: :func:`set_tensor_model_parallel_attributes` (mc-tp-layers' layers, mc-moe's
+  experts, users). Read: mc-tp-layers (dedup, checkpoints); copied with ``expert_tp``,
+  ``is_qkv``, ``qkv_split_shapes`` (Megatron's, :func:`copy_tensor_model_parallel_attributes`).
 ``is_gtp_weight_remat`` (IS_GTP_WEIGHT_REMAT): bool (False), a gtp_remat weight shard.
   Set: mc-tp-layers (``shard_weight_for_gtp``, with ``group``, ``gtp_remat_size``,
   ``pad_length``, ``gtp_unsharded_shape``, ``gtp_wgrad_scale``). Read: mc-finalize (skips
@@ -77,6 +78,14 @@ later are seen); :func:`restore_marks` copies them onto whatever parameter holds
 their own ``fully_shard``). Read: mc-finalize, ``mc_ddp.clip_grad_norm``, mc-tp-layers'
 full-state and checkpoint functions (each calls :func:`restore_marks` first).
 
+Megatron-Core's functions over the tensor-parallel and gtp_remat marks live here too
+(Megatron's ``core.tensor_parallel.layers`` names, which :mod:`mc_tp_layers.layers`
+re-exports): :func:`set_tensor_model_parallel_attributes`,
+:func:`set_defaults_if_not_set_tensor_model_parallel_attributes`,
+:func:`copy_tensor_model_parallel_attributes`, :func:`param_is_not_tensor_parallel_duplicate`,
+:func:`copy_gtp_attributes`, :func:`param_is_not_gtp_duplicate`,
+:func:`gtp_local_pad_zero_count`.
+
 Private tags of one package stay with it: mc-buffers' param-data slot
 (``mc_buffers._param_checks.BUFFER_VIEW_ATTR``) and mc-ddp's ready callback
 (``mc_ddp.PARAM_READY_CALLBACK_ATTR``).
@@ -89,10 +98,21 @@ where a misread mark would silently change what is reduced.
 
 from __future__ import annotations
 
+import sys
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
-from mc_groups.errors import InputStateError, InputTypeError
+from mc_groups.argcheck import (
+    check_flag,
+    check_int,
+    check_optional_group,
+    check_tensor,
+    type_name,
+)
+from mc_groups.default_collection import collection_or_default
+from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 
 __all__ = [
     "ALLREDUCE",
@@ -100,6 +120,7 @@ __all__ = [
     "EXPERT_TP",
     "FLEXTRON_ROUTER_PP_SYNC",
     "GRAD_ADDED_TO_MAIN_GRAD",
+    "GTP_ATTRIBUTES",
     "GTP_GROUP",
     "GTP_REMAT_RANK",
     "GTP_REMAT_SIZE",
@@ -112,6 +133,7 @@ __all__ = [
     "MAIN_GRAD",
     "MAIN_GRAD_COPY",
     "MARK_RECORD",
+    "MODEL_PARALLEL_ATTRIBUTE_DEFAULTS",
     "PAD_LENGTH",
     "PARTITION_DIM",
     "PARTITION_STRIDE",
@@ -124,11 +146,16 @@ __all__ = [
     "SUM_GRADIENTS_ACROSS_TP_DOMAIN",
     "TENSOR_MODEL_PARALLEL",
     "ZERO_OUT_WGRAD",
+    "RankedGroup",
     "averages_grad_across_tp",
     "bool_attr",
+    "check_partition_dim",
     "clear_grad_added_to_main_grad",
+    "copy_gtp_attributes",
+    "copy_tensor_model_parallel_attributes",
     "drop_main_grad_copy",
     "gtp_group_of",
+    "gtp_local_pad_zero_count",
     "gtp_remat_rank_of",
     "gtp_remat_size_of",
     "gtp_unsharded_shape_of",
@@ -154,12 +181,16 @@ __all__ = [
     "mark_sequence_parallel",
     "mark_sum_gradients_across_tp_domain",
     "pad_length_of",
+    "param_is_not_gtp_duplicate",
+    "param_is_not_tensor_parallel_duplicate",
     "partition_dim_of",
     "partition_stride_of",
     "record_marks",
     "restore_marks",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_main_grad",
     "set_main_grad_copy",
+    "set_tensor_model_parallel_attributes",
     "sums_grad_across_tp",
     "zeroes_wgrad",
 ]
@@ -496,3 +527,223 @@ def restore_marks(module: torch.nn.Module) -> int:
             record[name] = (shape, current)
             restored += 1
     return restored
+
+
+# -- Megatron-Core's functions over the tensor-parallel and gtp_remat marks ----------------
+# (``core.tensor_parallel.layers``' names; mc_tp_layers.layers re-exports them)
+
+MODEL_PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, object] = {
+    EXPERT_TP: False,
+    IS_QKV: False,
+    QKV_SPLIT_SHAPES: None,
+    TENSOR_MODEL_PARALLEL: False,
+    PARTITION_DIM: -1,
+    PARTITION_STRIDE: 1,
+}
+"""The TP attributes and the values an unsharded parameter has (Megatron-Core's six keys:
+``expert_tp`` marks an expert-TP shard, ``is_qkv`` / ``qkv_split_shapes`` a fused QKV
+weight and the sizes of its Q, K and V blocks, which optimizers that orthogonalise per
+block need on every copy of the weight)."""
+
+GTP_ATTRIBUTES: tuple[str, ...] = (
+    IS_GTP_WEIGHT_REMAT,
+    ALLREDUCE,
+    GTP_REMAT_RANK,
+    GTP_REPLICA_GROUP,
+    GTP_REMAT_SIZE,
+    GTP_UNSHARDED_SHAPE,
+    PAD_LENGTH,
+    GTP_GROUP,
+)
+"""Attributes :func:`copy_gtp_attributes` carries from a parameter to its copies
+(``allreduce`` too: the dense/expert tag decides which gtp_remat axis the dedup uses)."""
+
+
+def set_tensor_model_parallel_attributes(
+    tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int
+) -> None:
+    """Set ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride``.
+
+    Setting the same values again is allowed; different values than those already set
+    raise ``ValueError`` (a parameter cannot be split two ways). ``dim`` must be a dimension
+    of ``tensor`` (``[-ndim, ndim)``; -1 also marks an unsplit 0-D tensor), ``stride`` an
+    int >= 1. (:func:`copy_tensor_model_parallel_attributes` copies the tags unchecked: a
+    flattened copy keeps its source's dim.)
+    """
+    check_tensor("tensor", tensor)
+    check_flag("is_parallel", is_parallel)
+    check_partition_dim(dim, tensor.dim() if is_parallel else max(tensor.dim(), 1), "dim")
+    check_int("stride", stride)
+    wanted = {
+        TENSOR_MODEL_PARALLEL: is_parallel,
+        PARTITION_DIM: dim,
+        PARTITION_STRIDE: stride,
+    }
+    clashes = {
+        name: getattr(tensor, name)
+        for name, value in wanted.items()
+        if hasattr(tensor, name) and getattr(tensor, name) != value
+    }
+    if clashes:
+        raise InputValueError(
+            f"tensor already carries TP attributes {clashes}, which differ from {wanted}; "
+            "copy it (tensor.detach().clone()) before re-labelling"
+        )
+    for name, value in wanted.items():
+        setattr(tensor, name, value)
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    """Give ``tensor`` the unsharded defaults for every TP attribute it lacks."""
+    check_tensor("tensor", tensor)
+    for name, value in MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, name):
+            setattr(tensor, name, value)
+
+
+def copy_tensor_model_parallel_attributes(
+    destination_tensor: torch.Tensor, source_tensor: torch.Tensor
+) -> None:
+    """Copy every TP attribute ``source_tensor`` has onto ``destination_tensor``.
+
+    The keys are those of :data:`MODEL_PARALLEL_ATTRIBUTE_DEFAULTS` (``is_qkv`` and
+    ``qkv_split_shapes`` included); attributes the source lacks are left alone.
+    """
+    check_tensor("destination_tensor", destination_tensor)
+    check_tensor("source_tensor", source_tensor)
+    for name in MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source_tensor, name):
+            setattr(destination_tensor, name, getattr(source_tensor, name))
+
+
+class RankedGroup(Protocol):
+    """What :func:`param_is_not_tensor_parallel_duplicate` reads of a group: its ``rank()``
+    (a ``ProcessGroup`` has it; so does any stand-in a Megatron user passes)."""
+
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        ...
+
+
+def _ranked(name: str, group: object) -> RankedGroup | None:
+    """``group`` when it is None, a live ``ProcessGroup``, or another object with a callable
+    ``rank()`` (nothing is communicated, so no more is needed)."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        check_optional_group(name, group)
+        return group
+    if callable(getattr(group, "rank", None)):
+        return group  # type: ignore[return-value]  # has rank(): the protocol
+    raise InputTypeError(
+        f"{name}={group!r} ({type_name(group)}) must be a torch.distributed.ProcessGroup, an "
+        "object with a rank() method, or None"
+    )
+
+
+def param_is_not_tensor_parallel_duplicate(
+    param: torch.Tensor,
+    tp_group: dist.ProcessGroup | RankedGroup | None = None,
+    expert_tp_group: dist.ProcessGroup | RankedGroup | None = None,
+) -> bool:
+    """True if ``param`` counts once when summing over the tensor-parallel ranks.
+
+    A TP shard (``tensor_model_parallel``) is unique on every rank; a replicated parameter
+    counts only on rank 0 of its group. The group, as in Megatron-Core: ``expert_tp_group``
+    for a parameter reduced over the expert data-parallel group (``allreduce`` False) when
+    it is given, else ``tp_group`` when given. With neither, the registered default
+    collection's ``expt_tp`` (expert params) or ``tp`` (the others) — where Megatron falls
+    back to its global dense TP rank for both. Only the group's ``rank()`` is read, so any
+    object with one will do (:class:`RankedGroup`).
+    """
+    check_tensor("param", param)
+    tp = _ranked("tp_group", tp_group)
+    expert_tp = _ranked("expert_tp_group", expert_tp_group)
+    if is_tensor_model_parallel(param):
+        return True
+    is_expert = is_expert_param(param)
+    group = expert_tp if is_expert and expert_tp is not None else tp
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        return int(group.rank()) == 0
+    if group is None:
+        what = "param_is_not_tensor_parallel_duplicate"
+        explicit = "tp_group=<ProcessGroup> (expert_tp_group= for an expert param)"
+        collection = collection_or_default(None, what, explicit=explicit)
+        group = collection.require("expt_tp" if is_expert else "tp", what)
+    return int(group.rank()) == 0
+
+
+def copy_gtp_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy the GTP attributes (:data:`GTP_ATTRIBUTES`) ``source`` has onto ``destination``.
+
+    Use it on any view or copy of a parameter (an optimizer's fp32 master or shard): the
+    dedup tags keep :func:`param_is_not_gtp_duplicate` right, and ``pad_length`` with
+    ``group`` keep :func:`gtp_local_pad_zero_count` right (without both it returns 0).
+    """
+    check_tensor("destination", destination)
+    check_tensor("source", source)
+    for name in GTP_ATTRIBUTES:
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+def param_is_not_gtp_duplicate(param: torch.Tensor) -> bool:
+    """True if ``param``'s gradient counts once across the gtp_remat axis.
+
+    GTP shards are unique on every rank of the axis (kept). A parameter replicated over
+    the axis counts only where ``gtp_remat_rank`` is 0; without GTP the tag is absent and
+    reads as 0, so every parameter is kept.
+    """
+    check_tensor("param", param)
+    if is_gtp_weight_remat(param):
+        return True
+    return gtp_remat_rank_of(param) == 0
+
+
+def gtp_local_pad_zero_count(gtp_shard: torch.Tensor, range_start: int, range_end: int) -> int:
+    """Padding elements inside ``gtp_shard.view(-1)[range_start:range_end]``.
+
+    A GTP weight of ``d0`` rows is padded with ``pad_length`` zero rows at the end of dim 0
+    and split evenly over the ``G`` ranks of ``gtp_shard.group``: every shard holds
+    ``s = (d0 + pad_length) / G`` rows, and rank r holds rows ``[r·s, (r+1)·s)`` of the
+    padded weight. The padding rows ``[G·s - pad_length, G·s)`` usually sit in the last
+    shard but spill into earlier ones when ``pad_length > s``; the count uses this rank's
+    row offset, so both cases are right. Returns 0 when ``pad_length`` or ``group`` is
+    missing.
+
+    Args:
+        gtp_shard: this rank's shard (carries ``pad_length`` and ``group``).
+        range_start: first flat index of the fragment asked about.
+        range_end: one past its last flat index (``0, gtp_shard.numel()`` for all).
+    """
+    check_tensor("gtp_shard", gtp_shard)
+    start_at = check_int("range_start", range_start, minimum=0)
+    if check_int("range_end", range_end, minimum=0) < start_at:
+        raise InputValueError(
+            f"range_end={range_end} < range_start={range_start}; the range is "
+            "[range_start, range_end)"
+        )
+    pad_length = pad_length_of(gtp_shard)
+    group = gtp_group_of(gtp_shard)
+    if pad_length == 0 or group is None or gtp_shard.dim() == 0:
+        return 0
+    rows = gtp_shard.shape[0]
+    row_numel = gtp_shard.numel() // rows if rows else 0
+    pad_first_row = rows * int(group.size()) - pad_length
+    local_pad_rows = rows - min(max(pad_first_row - int(group.rank()) * rows, 0), rows)
+    pad_start = (rows - local_pad_rows) * row_numel
+    start, end = max(range_start, pad_start), min(range_end, gtp_shard.numel())
+    return max(end - start, 0)
+
+
+def check_partition_dim(value: object, ndim: int, arg: str = "partition_dim") -> int:
+    """``value`` as a dimension index of a ``ndim``-D tensor, normalised to ``[0, ndim)``.
+
+    Only ``[-ndim, ndim)`` is accepted: a dim that Python's ``%`` would wrap (5 on a 2-D
+    weight reading as 1) is a ``ValueError``, not another dimension.
+    """
+    dim = check_int(arg, value, minimum=-sys.maxsize - 1)
+    if not -ndim <= dim < ndim:
+        raise InputValueError(
+            f"{arg}={dim} is not a dimension of a {ndim}-D tensor; use one of "
+            f"{list(range(ndim))} (or {list(range(-ndim, 0))} from the end)"
+        )
+    return dim % ndim

@@ -130,7 +130,11 @@ def test_every_name_is_documented_and_exported() -> None:
     for key, name in constants.items():
         assert f"``{name}``" in doc, name
         assert key in pa.__all__
-    functions = [k for k, v in vars(pa).items() if callable(v) and v.__module__ == pa.__name__]
+    functions = [
+        k
+        for k, v in vars(pa).items()
+        if callable(v) and v.__module__ == pa.__name__ and not k.startswith("_")
+    ]
     assert sorted(functions) == sorted(k for k in pa.__all__ if not k.isupper())
 
 

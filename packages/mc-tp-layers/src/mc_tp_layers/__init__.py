@@ -7,9 +7,7 @@
   :class:`VocabParallelEmbedding`: the layers.
 - :func:`vocab_parallel_cross_entropy`: the loss of a vocabulary-split LM head.
 - :mod:`mc_tp_layers.random`: the RNG tracker for device initialisation and dropout, and
-  activation checkpointing that replays it (``mc_tp_layers.random.checkpoint``; not
-  re-exported as ``checkpoint`` while ``mc_tp_layers.checkpoint`` is the deprecated alias
-  of the module below).
+  activation checkpointing that replays it (``mc_tp_layers.random.checkpoint``).
 - :mod:`mc_tp_layers.sharded_state`: DTensor views for ``torch.distributed.checkpoint``,
   per layer and for a whole model (:func:`model_sharded_state_dict`).
 - :mod:`mc_tp_layers.shards`: full tensor ↔ this rank's shard for any param carrying mc's
@@ -37,7 +35,6 @@ from importlib.metadata import PackageNotFoundError, version
 from mc_tp_layers._gemm import backends
 from mc_tp_layers.agreement import TensorParallelAgreementError, check_tp_agreement
 from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
-from mc_tp_layers.deferral import drain_embedding_wgrad_compute
 from mc_tp_layers.gtp import shard_weight_for_gtp
 from mc_tp_layers.layers import (
     ColumnParallelLinear,
@@ -55,6 +52,7 @@ from mc_tp_layers.layers import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
+from mc_tp_layers.linear import drain_embedding_wgrad_compute
 from mc_tp_layers.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
     all_to_all,

@@ -37,7 +37,7 @@ step: one exchange per group); per step, none. Call :func:`check_tp_agreement`
 before capturing a CUDA graph (the first forward would otherwise exchange inside the
 capture). Under ``torch.compile`` the first forward's exchanges run while Dynamo traces
 the layer (natively, outside the graph, at each trace, keyed by the group so that
-blocks compiled alike share one graph; see :mod:`mc_tp_layers._layer_base`): the
+blocks compiled alike share one graph; see :mod:`mc_tp_layers.layers`): the
 compiled graph holds no exchange and no graph break (every rank traces the same frames,
 so the exchanges pair up).
 

@@ -62,10 +62,9 @@ from mc_groups.argcheck import check_int, check_tensor
 from mc_groups.comm import traceable
 from mc_groups.comm.cross_rank import differences
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_tp_layers._index_range import check_index_range
-from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.agreement import TensorParallelAgreementError
-from mc_tp_layers.mappings import apply
+from mc_tp_layers.mappings import _apply
+from mc_tp_layers.utils import _check_index_range, _resolve_tp_group
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -309,7 +308,7 @@ def vocab_parallel_cross_entropy(
             all-reduce; on a device, an asynchronous device assert).
     """
     x, t, ignore = _check(vocab_parallel_logits, target, label_smoothing, ignore_index)
-    group = resolve_tp_group(tp_group, None, what="vocab_parallel_cross_entropy")
+    group = _resolve_tp_group(tp_group, None, what="vocab_parallel_cross_entropy")
     _check_vocab_size(vocab_size, x.shape[-1], int(group.size()), "vocab_parallel_cross_entropy")
     vocab = x.shape[-1] * int(group.size())
     fix = (
@@ -318,5 +317,5 @@ def vocab_parallel_cross_entropy(
         if ignore is None
         else "targets index the whole vocabulary, V = vocab_parallel_logits.shape[-1] × TP size"
     )
-    check_index_range(t, vocab, "target", "class index(es)", fix, ignore=ignore)
-    return apply(_VocabParallelCrossEntropy, x, t, float(label_smoothing), group, ignore)
+    _check_index_range(t, vocab, "target", "class index(es)", fix, ignore=ignore)
+    return _apply(_VocabParallelCrossEntropy, x, t, float(label_smoothing), group, ignore)

@@ -32,7 +32,6 @@ import mc_groups as mg
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_group, check_int, check_tensor
 from mc_groups.errors import InputValueError
-from mc_tp_layers.attributes import copy_tensor_model_parallel_attributes
 
 __all__ = [
     "gather_gtp_weight",
@@ -88,7 +87,7 @@ def shard_weight_for_gtp(
     shard = torch.nn.Parameter(
         gtp_local_rows(weight.detach(), rank, size).clone(), requires_grad=weight.requires_grad
     )
-    copy_tensor_model_parallel_attributes(shard, weight)
+    param_attrs.copy_tensor_model_parallel_attributes(shard, weight)
     for name in (param_attrs.ALLREDUCE, param_attrs.SEQUENCE_PARALLEL):
         if hasattr(weight, name):
             setattr(shard, name, getattr(weight, name))

@@ -1,4 +1,10 @@
-r"""Weight initialisation for tensor-parallel layers.
+r"""Where a tensor-parallel layer's parameters live, how they are allocated and how they
+are initialised.
+
+**Placement and allocation**: the explicit ``device=``, else CPU under
+``use_cpu_initialization`` (as Megatron), else the current CUDA device for an NCCL group
+(CPU for gloo); an allocation that fails (absurd sizes, a device out of memory) is a
+``RuntimeError`` naming the layer, its sizes, the shape and the bytes asked for.
 
 **CPU initialisation** (:func:`_initialize_affine_weight_cpu`) builds the full fp32
 master weight ``[output_size, input_size]`` with the CPU generator on every rank and keeps
@@ -27,17 +33,16 @@ from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor
 from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_tp_layers import _validate
-from mc_tp_layers._tp_groups import resolve_tp_group
-from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
 from mc_tp_layers.gtp import gtp_local_rows
 from mc_tp_layers.random import (
     RNGStatesTracker,
+    _check_device_name,
     _default_tracker,
     get_expert_parallel_rng_tracker_name,
     get_model_parallel_rng_tracker_name,
 )
 from mc_tp_layers.shards import split_full
+from mc_tp_layers.utils import _resolve_tp_group
 
 __all__ = ["_initialize_affine_weight_cpu", "_initialize_affine_weight_gpu"]
 
@@ -61,8 +66,8 @@ def _initialize_affine_weight_gpu(
     Every argument is checked before the weight is tagged or drawn.
     """
     w = check_tensor("weight", weight)
-    check_init(init_method)
-    _validate.partition_dim(partition_dim, w.dim())
+    _check_init(init_method)
+    param_attrs.check_partition_dim(partition_dim, w.dim())
     check_int("stride", stride)
     check_flag("is_expert", is_expert)
     if rng_tracker is not None and not isinstance(rng_tracker, RNGStatesTracker):
@@ -83,7 +88,7 @@ def _initialize_affine_weight_gpu(
             f"rng_tracker drives {rng_tracker.device} but the weight is on {weight.device}; "
             "build the tracker for the weight's device"
         )
-    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    param_attrs.set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     if is_expert:
         stream = get_expert_parallel_rng_tracker_name()
     else:
@@ -105,7 +110,7 @@ def _allocate_master(output_size: int, input_size: int) -> torch.Tensor:
         ) from None
 
 
-def check_init(init_method: object) -> InitMethod:
+def _check_init(init_method: object) -> InitMethod:
     """``init_method`` when callable, else a ``TypeError``."""
     if not callable(init_method):
         raise InputTypeError(f"init_method={init_method!r} must be callable (tensor -> None)")
@@ -126,8 +131,8 @@ def _check_cpu_init(
     check_tensor("weight", weight)
     full = (check_int("output_size", sizes[0]), check_int("input_size", sizes[1]))
     per_partition = check_int("per_partition_size", sizes[2])
-    dim = _validate.partition_dim(partition_dim, 2)
-    check_init(init_method)
+    dim = param_attrs.check_partition_dim(partition_dim, 2)
+    _check_init(init_method)
     if per_partition % check_int("stride", stride):
         raise InputValueError(
             f"per_partition_size={per_partition} is not divisible by stride={stride}; "
@@ -138,7 +143,7 @@ def _check_cpu_init(
     check_float_dtype("params_dtype", params_dtype)
     rank, world = placement
     if rank is None or world is None:
-        group = resolve_tp_group(None, None, what="_initialize_affine_weight_cpu")
+        group = _resolve_tp_group(None, None, what="_initialize_affine_weight_cpu")
         rank, world = int(group.rank()), int(group.size())
     world = check_int("world_size", world)
     rank = check_int("rank", rank, minimum=0)
@@ -207,7 +212,7 @@ def _initialize_affine_weight_cpu(
             f"[{output_size}, {input_size}] master weight has shape {tuple(part.shape)}"
         )
     if not skip_set_tensor_parallel_attributes:
-        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+        param_attrs.set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     with torch.no_grad():
         weight.data.copy_(part)
     return master if return_master_weight else None
@@ -239,7 +244,7 @@ class WeightInit:
         keep_master: bool = False,
     ) -> torch.Tensor | None:
         """Set TP attributes; initialise when ``perform_initialization``; maybe the master."""
-        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+        param_attrs.set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
         if not self.config.perform_initialization:
             return None
         if self.config.use_cpu_initialization:
@@ -283,3 +288,77 @@ class WeightInit:
                 raise InputTypeError(
                     f"rng_tracker={self.rng_tracker!r} must be a mc_tp_layers.RNGStatesTracker"
                 )
+
+
+# -- where a layer's parameters live, and their allocation ------------------------------
+
+
+def _check_device(device: object) -> torch.device | None:
+    """``device`` as a ``torch.device`` (None stays None); a wrong type is a ``TypeError``,
+    a string torch cannot parse a ``ValueError``."""
+    return None if device is None else _check_device_name(device)
+
+
+def _check_tracker(rng_tracker: object) -> RNGStatesTracker | None:
+    """``rng_tracker`` when it is an :class:`RNGStatesTracker` or None (checked whether or
+    not this layer initialises on the device)."""
+    if rng_tracker is not None and not isinstance(rng_tracker, RNGStatesTracker):
+        raise InputTypeError(
+            f"rng_tracker={rng_tracker!r} must be a mc_tp_layers.RNGStatesTracker or None"
+        )
+    return rng_tracker
+
+
+def _layer_device(
+    device: torch.device | None, config: TransformerConfigLike, group: dist.ProcessGroup
+) -> torch.device:
+    """The explicit ``device``, else the default for the config and group."""
+    if device is not None:
+        return device
+    return _default_device(config.use_cpu_initialization, group)
+
+
+def _new_parameter(
+    shape: tuple[int, ...], config: TransformerConfigLike, device: torch.device, what: str
+) -> torch.nn.Parameter:
+    """An uninitialised ``config.params_dtype`` parameter on ``device``.
+
+    ``what`` names the layer and its sizes (``ColumnParallelLinear(input_size=..,
+    output_size=..)``) for the error when the allocation fails (absurd sizes, a device out
+    of memory): a ``RuntimeError`` naming them, the shape and the bytes asked for.
+    """
+    data = _allocate(shape, config.params_dtype, device, what)
+    return torch.nn.Parameter(data)
+
+
+def _allocate(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, what: str
+) -> torch.Tensor:
+    """``torch.empty(shape)``, or a ``RuntimeError`` naming ``what`` when it fails."""
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except RuntimeError as err:  # torch.OutOfMemoryError is one
+        numel = 1
+        for size in shape:
+            numel *= size
+        gib = numel * dtype.itemsize / 2**30
+        first_line = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+        raise RuntimeError(
+            f"{what} cannot allocate a {list(shape)} {dtype} tensor ({gib:,.1f} GiB) on "
+            f"{device}: {first_line}; check the sizes (or the TP size that splits them)"
+        ) from None
+
+
+def _default_device(use_cpu_initialization: bool, group: dist.ProcessGroup) -> torch.device:
+    """Where a layer allocates its parameters when the caller names no device.
+
+    CPU initialisation keeps weights on CPU (as Megatron does); otherwise the current CUDA
+    device when the group communicates through NCCL, else CPU (gloo worlds).
+    """
+    if use_cpu_initialization:
+        return torch.device("cpu")
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    if not dist.is_initialized() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

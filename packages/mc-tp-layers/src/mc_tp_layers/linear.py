@@ -30,6 +30,20 @@ Backward, in issue order (collectives are asynchronous so they overlap the GEMMs
 
 :class:`LinearWithFrozenWeight` saves only W and returns only dX (plus db when the bias
 needs a gradient): no weight gradient, no saved activations.
+
+Both are applied in one place each (``_apply_linear``, :func:`linear_with_frozen_weight`):
+the public functions check every argument first; a layer checks its own when it is built
+and its operands per call (``_check_operands``), then applies through Megatron's
+``_forward_impl`` hook. A row layer's linear carries the reduction of its output in the
+same autograd node (``_apply_linear``'s ``reduce_output``). The GEMM kernels (TE,
+apex, torch's mixed-dtype GEMM) are :mod:`mc_tp_layers._gemm`'s.
+
+Embedding (LM-head) weight-gradient deferral: with ``config.defer_embedding_wgrad_compute``
+the output layer (a :class:`~mc_tp_layers.ColumnParallelLinear` on the last pipeline
+stage) appends its input to ``embedding_activation_buffer`` in forward and, in backward,
+its output gradient to ``grad_output_buffer`` instead of running the wgrad GEMM (at most
+``wgrad_deferral_limit`` micro-batches; 0 = all). The pipeline schedule then calls
+:func:`drain_embedding_wgrad_compute` once, where the GEMMs can overlap other work.
 """
 
 from __future__ import annotations
@@ -46,16 +60,17 @@ import torch.nn.functional as F
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_float_dtype, check_int, check_tensor, type_name
 from mc_groups.comm import traceable
+from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_tp_layers import _comm, _validate
 from mc_tp_layers._gemm import _linear_forward, _wgrad_gemm, accumulate_wgrad
-from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.gtp import gather_gtp_weight, reduce_scatter_gtp_grad, unsharded_shape
-from mc_tp_layers.mappings import apply, gather_from_sequence_parallel_region
+from mc_tp_layers.mappings import _apply, _min_dims, gather_from_sequence_parallel_region
+from mc_tp_layers.utils import _resolve_tp_group
 
 __all__ = [
     "LinearWithFrozenWeight",
     "LinearWithGradAccumulationAndAsyncCommunication",
+    "drain_embedding_wgrad_compute",
     "linear_with_frozen_weight",
     "linear_with_grad_accumulation_and_async_allreduce",
 ]
@@ -129,7 +144,11 @@ def _forward(
     ctx.main_grad = param_attrs.main_grad_of(weight) if opts.gradient_accumulation_fusion else None
     ctx.use_bias = bias is not None
     group, output_dtype = opts.tp_group, opts.output_dtype
-    total_input = _comm.gather_first_dim(input, group) if opts.sequence_parallel else input
+    total_input = (
+        traceable.all_gather_tensor(input, group, label="tp gather dim 0")
+        if opts.sequence_parallel
+        else input
+    )
     full_weight = weight if opts.gtp_remat_size == 1 else gather_gtp_weight(weight)
     if output_dtype is None or output_dtype == input.dtype:
         return F.linear(total_input, full_weight, bias)
@@ -148,7 +167,7 @@ def _backward(
     buffer = opts.grad_output_buffer
     wgrad_now = buffer is None or not _defer_wgrad(buffer, opts.wgrad_deferral_limit, grad_output)
     gather = (
-        _comm.start_gather_first_dim(input, opts.tp_group)
+        traceable.start_all_gather(input, opts.tp_group, label="tp gather dim 0")
         if wgrad_now and opts.sequence_parallel
         else None
     )
@@ -191,7 +210,9 @@ def _start_dgrad_reduction(
     """Issue the dgrad's reduction; ``wait()`` returns the reduced dgrad. None: there is
     none (the dgrad is final)."""
     if opts.sequence_parallel:
-        return _comm.start_reduce_scatter_first_dim(grad_input, opts.tp_group)
+        return traceable.start_reduce_scatter(
+            grad_input, opts.tp_group, label="tp reduce-scatter dim 0"
+        )
     if opts.allreduce_dgrad and opts.tp_group.size() > 1:
         return traceable.start_all_reduce(
             grad_input, opts.tp_group, label="tp dgrad all-reduce", inplace=True
@@ -238,7 +259,7 @@ def _new_wgrad(
     """``dW = dYᵀ · X_tot`` (rows) into a new ``shape`` tensor with ``like``'s dtype and
     device (operands of that dtype: the GEMM's own output, without allocating one first)."""
     if grad_output.dtype == like.dtype and total_input.dtype == like.dtype:
-        return _wgrad_gemm(None, grad_output, total_input)
+        return grad_output.t().mm(total_input)
     out = torch.empty(shape, dtype=like.dtype, device=like.device)
     return _wgrad_gemm(out, grad_output, total_input)
 
@@ -323,7 +344,7 @@ def _check_common(
     x, w = check_tensor("input", input), check_tensor("weight", weight)
     b = None if bias is None else check_tensor("bias", bias)
     out_dtype = check_float_dtype("output_dtype", output_dtype, allow_none=True)
-    _validate.min_dims(x, 1, "input")
+    _min_dims(x, 1, "input")
     if allreduce_dgrad and sequence_parallel:
         raise InputValueError(
             "allreduce_dgrad=True and sequence_parallel=True: under sequence parallelism the "
@@ -361,10 +382,10 @@ def _check_dtypes(x: torch.Tensor, w: torch.Tensor, output_dtype: torch.dtype | 
     for name, t in (("input", x), ("weight", w)):
         if not t.dtype.is_floating_point:
             raise InputTypeError(f"{name} holds {t.dtype}; the linear layer needs floating point")
-    check_operands(x, w, None, output_dtype)
+    _check_operands(x, w, None, output_dtype)
 
 
-def check_operands(
+def _check_operands(
     x: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
@@ -412,6 +433,33 @@ def _check_bias(
         )
     if (output_dtype is None or output_dtype == x.dtype) and b.dtype != x.dtype:
         raise InputTypeError(f"bias holds {b.dtype} but the input {x.dtype}; they must match")
+
+
+def _check_main_grad(weight: torch.Tensor) -> None:
+    """A ``ValueError`` unless ``weight.main_grad`` is a tensor of the weight's shape."""
+    grad = param_attrs.main_grad_or_none(weight)
+    if not isinstance(grad, torch.Tensor):
+        raise InputValueError(
+            f"gradient_accumulation_fusion=True but the weight (shape {tuple(weight.shape)}) "
+            "has no main_grad tensor to accumulate into; wrap the model in a DDP that "
+            "allocates main_grad (mc_ddp.DistributedDataParallel) or set "
+            "config.gradient_accumulation_fusion=False"
+        )
+    if grad.shape != weight.shape:
+        raise InputValueError(
+            f"weight.main_grad has shape {tuple(grad.shape)} but the weight has "
+            f"{tuple(weight.shape)}; main_grad must have the weight's shape"
+        )
+    # A fused kernel (apex, addmm_) would write through the view's data pointer: a grad
+    # buffer offloaded with offload_grad_buffers() has freed its storage. Not while
+    # compiling (Dynamo cannot read a storage's size): offloaded buffers belong to mc DDP,
+    # whose weights get their wgrad through autograd there and DDP's hook refuses them.
+    if grad.numel() and not torch.compiler.is_compiling() and grad.untyped_storage().nbytes() == 0:
+        raise RuntimeError(
+            f"weight.main_grad (shape {tuple(grad.shape)}) has no storage: its grad buffer is "
+            "offloaded; call restore_grad_buffers() before the next forward with "
+            "gradient_accumulation_fusion"
+        )
 
 
 def _check_deferral(grad_output_buffer: object, wgrad_deferral_limit: object, fusion: bool) -> int:
@@ -488,25 +536,25 @@ def linear_with_grad_accumulation_and_async_allreduce(
     x, w, out_dtype = _check_common(
         input, weight, bias, allreduce_dgrad, sequence_parallel, gtp_remat_size, output_dtype
     )
-    group = resolve_tp_group(
+    group = _resolve_tp_group(
         tp_group, None, what="linear_with_grad_accumulation_and_async_allreduce"
     )
     if fusion:
-        _validate.main_grad(w)
+        _check_main_grad(w)
     limit = _check_deferral(grad_output_buffer, wgrad_deferral_limit, fusion)
-    return apply_linear(
+    return _apply_linear(
         x, w, bias, fusion, allreduce_dgrad, sequence_parallel, grad_output_buffer, limit, group,
         gtp_remat_size, out_dtype,
     )  # fmt: skip
 
 
-Reduction = Literal["all-reduce", "reduce-scatter"]
-"""The reduction of a row-parallel layer's output over TP that :func:`apply_linear` can
+_Reduction = Literal["all-reduce", "reduce-scatter"]
+"""The reduction of a row-parallel layer's output over TP that ``_apply_linear`` can
 fuse into the linear's autograd node: the SUM all-reduce, or under sequence parallelism
 the SUM reduce-scatter along dim 0."""
 
 
-def apply_linear(
+def _apply_linear(
     input: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -519,12 +567,12 @@ def apply_linear(
     gtp_remat_size: int = 1,
     output_dtype: torch.dtype | None = None,
     *,
-    reduce_output: Reduction | None = None,
+    reduce_output: _Reduction | None = None,
 ) -> torch.Tensor:
     """:class:`LinearWithGradAccumulationAndAsyncCommunication` applied to checked
     arguments: the one place it is applied, after
     :func:`linear_with_grad_accumulation_and_async_allreduce`'s checks or a layer's (its
-    construction and :func:`check_operands` per call). ``tp_group`` is a live group.
+    construction and ``_check_operands`` per call). ``tp_group`` is a live group.
 
     ``reduce_output`` (a row-parallel layer's linear): the output is then reduced over
     ``tp_group`` in the same autograd node (:class:`_LinearThenReduce`), where Megatron
@@ -558,7 +606,7 @@ def apply_linear(
 
 class _LinearThenReduce(torch.autograd.Function):
     """The linear function, then the SUM of its output over ``tp_group``: one autograd node
-    (see :func:`apply_linear`)::
+    (see ``_apply_linear``)::
 
         forward:   P  = X·Wᵀ (+ b)                 (the linear's forward: saves X and W)
                    Y  = all-reduce(P), in place     | reduce-scatter(P) along dim 0
@@ -587,14 +635,18 @@ class _LinearThenReduce(torch.autograd.Function):
         partial = _forward(ctx, input, weight, bias, opts)
         ctx.scatter = scatter
         if scatter:
-            return _comm.reduce_scatter_first_dim(partial, tp_group)
-        return _comm.all_reduce(partial, tp_group, inplace=True)
+            return traceable.reduce_scatter_tensor(
+                partial, tp_group, label="tp reduce-scatter dim 0"
+            )
+        return traceable.all_reduce_tensor(partial, tp_group, label="tp all-reduce", inplace=True)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """``dP`` (``dY``, or ``dY`` all-gathered along dim 0), then the linear's backward."""
         if ctx.scatter:
-            grad_output = _comm.gather_first_dim(grad_output, ctx.opts.tp_group)
+            grad_output = traceable.all_gather_tensor(
+                grad_output, ctx.opts.tp_group, label="tp gather dim 0"
+            )
         return (*_backward(ctx, grad_output), None, None, None, None)
 
 
@@ -631,8 +683,124 @@ def linear_with_frozen_weight(
             "grad_output_buffer and wgrad_deferral_limit are only supported by "
             "linear_with_grad_accumulation_and_async_allreduce; pass None"
         )
-    group = resolve_tp_group(tp_group, None, what="linear_with_frozen_weight")
+    group = _resolve_tp_group(tp_group, None, what="linear_with_frozen_weight")
     if sequence_parallel:
         x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
     full = gather_gtp_weight(w) if gtp_remat_size > 1 else w
-    return apply(LinearWithFrozenWeight, x, full, bias, allreduce_dgrad, group, out_dtype)
+    return _apply(LinearWithFrozenWeight, x, full, bias, allreduce_dgrad, group, out_dtype)
+
+
+# -- embedding wgrad deferral: the held wgrads computed later --------------------------
+
+
+def _check_drain(
+    config: object,
+    activations: object,
+    grads: object,
+    weight: object,
+    group: dist.ProcessGroup,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, bool]:
+    """Every argument and every buffered pair, before anything is popped or communicated:
+    a failing drain leaves both buffers as they were."""
+    sequence_parallel = check_flag(
+        "config.sequence_parallel", getattr(config, "sequence_parallel", None)
+    )
+    xs = _check_buffer_list("embedding_activation_buffer", activations)
+    dys = _check_buffer_list("grad_output_buffer", grads)
+    w = check_tensor("weight", weight)
+    if len(xs) != len(dys):
+        raise InputValueError(
+            f"embedding_activation_buffer holds {len(xs)} tensors but "
+            f"grad_output_buffer holds {len(dys)}; both must hold one per deferred "
+            "micro-batch (drain after every deferred backward ran)"
+        )
+    main_grad = param_attrs.main_grad_or_none(w)
+    if not isinstance(main_grad, torch.Tensor):
+        raise InputValueError(
+            "drain_embedding_wgrad_compute adds into weight.main_grad, which this weight "
+            f"(shape {tuple(w.shape)}) lacks; wrap the model in a DDP that allocates it"
+        )
+    if w.dim() != 2 or main_grad.shape != w.shape:
+        raise InputValueError(
+            f"weight has shape {tuple(w.shape)} and weight.main_grad {tuple(main_grad.shape)}; "
+            "drain needs a 2-D weight [n, k] and a main_grad of its shape"
+        )
+    gather = sequence_parallel and group.size() > 1
+    for index, (x, dy) in enumerate(zip(xs, dys, strict=True)):
+        _check_pair(index, x, dy, w, int(group.size()) if sequence_parallel else 1)
+    return xs, dys, main_grad, gather
+
+
+def _check_buffer_list(name: str, value: object) -> list[torch.Tensor]:
+    if not isinstance(value, list):
+        raise InputTypeError(f"{name} must be a list, got {type_name(value)}")
+    return value
+
+
+def _check_pair(index: int, x: object, dy: object, w: torch.Tensor, rows_factor: int) -> None:
+    """Pair ``index``: ``X [.., k]`` (this rank's rows under SP) and ``dY [.., n]`` with
+    ``rows(X) · W == rows(dY)``, floating, on the weight's device."""
+    x = check_tensor(f"embedding_activation_buffer[{index}]", x)
+    dy = check_tensor(f"grad_output_buffer[{index}]", dy)
+    n, k = w.shape
+    for name, t, last in (("embedding_activation_buffer", x, k), ("grad_output_buffer", dy, n)):
+        if t.dim() < 1 or t.shape[-1] != last or not t.dtype.is_floating_point:
+            raise InputValueError(
+                f"{name}[{index}] is {t.dtype} of shape {tuple(t.shape)}; it must be a "
+                f"floating tensor [..., {last}] for a weight of shape {tuple(w.shape)}"
+            )
+        if t.device != w.device:
+            raise InputValueError(f"{name}[{index}] is on {t.device} but the weight on {w.device}")
+    rows_x, rows_dy = x.numel() // k * rows_factor, dy.numel() // n
+    if rows_x != rows_dy:
+        gathered = f" (× {rows_factor} ranks under sequence parallelism)" if rows_factor > 1 else ""
+        raise InputValueError(
+            f"pair {index}: the activation has {x.numel() // k} rows{gathered} but the output "
+            f"gradient {rows_dy}; each pair must come from the same micro-batch"
+        )
+
+
+def drain_embedding_wgrad_compute(
+    config: TransformerConfigLike,
+    embedding_activation_buffer: list[torch.Tensor],
+    grad_output_buffer: list[torch.Tensor],
+    weight: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Add every deferred ``dW = dYᵢᵀ · Xᵢ`` into ``weight.main_grad`` and empty both buffers.
+
+    Pairs are taken in order (activation i with gradient i). Under
+    ``config.sequence_parallel`` each ``Xᵢ`` is this rank's rows and is all-gathered along
+    dim 0 over ``tp_group`` first; the gather of pair i+1 is issued before the GEMM of
+    pair i so the two overlap. ``tp_group`` None reads the default collection's ``tp``.
+
+    Every argument and every pair (types, shapes against the weight, devices, equal
+    lengths) is checked before the first pair is taken: a drain that raises leaves both
+    buffers untouched.
+    """
+    group = _resolve_tp_group(tp_group, None, what="drain_embedding_wgrad_compute")
+    activations, grads, main_grad, gather = _check_drain(
+        config, embedding_activation_buffer, grad_output_buffer, weight, group
+    )
+    if not activations:
+        return
+    pending: traceable.PendingTensor | None = _start_gather(activations.pop(0), group, gather)
+    while pending is not None:
+        current = pending
+        upcoming = activations.pop(0) if activations else None
+        pending = None if upcoming is None else _start_gather(upcoming, group, gather)
+        total_input = current.wait()
+        grad_output = grads.pop(0)
+        accumulate_wgrad(
+            main_grad,
+            grad_output.reshape(-1, grad_output.shape[-1]),
+            total_input.reshape(-1, total_input.shape[-1]),
+        )
+
+
+def _start_gather(
+    x: torch.Tensor, group: dist.ProcessGroup, gather: bool
+) -> traceable.PendingTensor:
+    if not gather:
+        return traceable.PendingTensor(x)
+    return traceable.start_all_gather(x, group, label="tp gather dim 0")

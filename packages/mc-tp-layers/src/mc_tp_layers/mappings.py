@@ -27,7 +27,12 @@ All-to-all: :func:`all_to_all` exchanges dim-0 splits (backward: the reverse exc
 :func:`all_to_all_hp2sp` does the reverse.
 
 Dim-0 mappings accept uneven per-rank split sizes; gloo cannot all-gather uneven sizes,
-so each part is padded to the largest and the padding dropped (see :mod:`._comm`).
+so each part is padded to the largest and the padding dropped. Every collective goes
+through :mod:`mc_groups.comm.traceable` (recorded, bounded, labelled ``"tp …"`` so that a
+failure or a schedule mismatch names the tensor-parallel group's role): mc's in-place
+collectives in eager mode, torch's functional collectives while ``torch.compile`` traces,
+so the mappings compile without graph breaks. torch's flat collectives work on dim 0, so
+last-dim gathers and scatters move the rank axis to dim 0 locally.
 
 Each mapping is one ``torch.autograd.Function`` with Megatron's name, signature and
 ``ctx`` attributes, importable from here because Megatron's users and tests call them
@@ -57,9 +62,9 @@ import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_flag, check_group, check_tensor
-from mc_groups.errors import InputValueError
-from mc_tp_layers import _comm, _validate
-from mc_tp_layers._tp_groups import resolve_tp_group
+from mc_groups.comm import traceable
+from mc_groups.errors import InputTypeError, InputValueError
+from mc_tp_layers.utils import _resolve_tp_group
 
 __all__ = [
     "all_gather_last_dim_from_tensor_parallel_region",
@@ -77,10 +82,204 @@ __all__ = [
 ]
 
 
-def apply(function: type[torch.autograd.Function], *args: object) -> torch.Tensor:
+def _apply(function: type[torch.autograd.Function], *args: object) -> torch.Tensor:
     """``function.apply(*args)`` for functions returning one tensor (torch's is untyped)."""
     out: torch.Tensor = function.apply(*args)  # type: ignore[no-untyped-call]
     return out
+
+
+# -- tensor-level communication of the TP region (no autograd, one collective each) --
+
+
+def _split_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's contiguous chunk of the last dimension (no communication)."""
+    size = group.size()
+    if size == 1:
+        return x
+    _dim_divisible(x, -1, size, "input", "last dimension")
+    chunk = x.shape[-1] // size
+    return x.narrow(-1, group.rank() * chunk, chunk).contiguous()
+
+
+def _split_first_dim(
+    x: torch.Tensor, group: dist.ProcessGroup, split_sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """This rank's slice of dim 0: equal parts, or ``split_sizes[rank]`` rows."""
+    size, rank = group.size(), group.rank()
+    if size == 1:
+        return x
+    sizes = _split_sizes_of(split_sizes, size, "split_sizes")
+    if sizes is None:
+        _dim_divisible(x, 0, size, "input", "first dimension")
+        sizes = [x.shape[0] // size] * size
+    _check_total(x, sizes, "split_sizes")
+    start = sum(sizes[:rank])
+    return x.narrow(0, start, sizes[rank]).contiguous()
+
+
+def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dimension (one all-gather)."""
+    if group.size() == 1:
+        return x
+    stacked = traceable.all_gather_tensor(x.unsqueeze(0), group, label="tp gather last dim")
+    return torch.cat(stacked.unbind(0), dim=-1)
+
+
+def _gather_first_dim(
+    x: torch.Tensor, group: dist.ProcessGroup, output_split_sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along dim 0 (one all-gather).
+
+    With ``output_split_sizes`` rank r contributes ``output_split_sizes[r]`` rows: each
+    contribution is padded to the largest and the padding dropped after the gather.
+    """
+    size = group.size()
+    if size == 1:
+        return x
+    if output_split_sizes is None:
+        return traceable.all_gather_tensor(x, group, label="tp gather dim 0")
+    rank = group.rank()
+    sizes = _split_sizes_of(output_split_sizes, size, "output_split_sizes")
+    if sizes is not None and sizes[rank] != x.shape[0]:
+        _mismatch(x, sizes, rank, "output_split_sizes")
+    if sizes is None or len(set(sizes)) == 1:
+        return traceable.all_gather_tensor(x, group, label="tp gather dim 0")
+    widest = max(sizes)
+    padded = x.new_zeros((widest, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    stacked = traceable.all_gather_tensor(padded, group, label="tp gather dim 0 (uneven)")
+    parts = stacked.view(size, widest, *x.shape[1:])
+    return torch.cat([parts[r, :n] for r, n in enumerate(sizes)], dim=0)
+
+
+def _reduce_scatter_first_dim(
+    x: torch.Tensor, group: dist.ProcessGroup, input_split_sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Sum ``x`` over ranks; rank r keeps its part of dim 0 (one reduce-scatter).
+
+    Equal parts, or ``input_split_sizes[r]`` rows for rank r (each part padded with zeros
+    to the largest, so the padding adds nothing).
+    """
+    size = group.size()
+    if size == 1:
+        return x
+    sizes = (
+        None
+        if input_split_sizes is None
+        else _split_sizes_of(input_split_sizes, size, "input_split_sizes")
+    )
+    if sizes is None or len(set(sizes)) == 1:
+        _dim_divisible(x, 0, size, "input", "first dimension")
+        return traceable.reduce_scatter_tensor(x, group, label="tp reduce-scatter dim 0")
+    _check_total(x, sizes, "input_split_sizes")
+    widest = max(sizes)
+    padded = x.new_zeros((size, widest, *x.shape[1:]))
+    for r, part in enumerate(torch.split(x, sizes, dim=0)):
+        padded[r, : sizes[r]] = part
+    out = traceable.reduce_scatter_tensor(
+        padded.view(size * widest, *x.shape[1:]), group, label="tp reduce-scatter dim 0 (uneven)"
+    )
+    return out[: sizes[group.rank()]]
+
+
+def _reduce_scatter_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over ranks; rank r keeps chunk r of the last dimension."""
+    size = group.size()
+    if size == 1:
+        return x
+    _dim_divisible(x, -1, size, "input", "last dimension")
+    stacked = torch.stack(x.chunk(size, dim=-1), dim=0)
+    out = traceable.reduce_scatter_tensor(stacked, group, label="tp reduce-scatter last dim")
+    return out.view(stacked.shape[1:])
+
+
+def _all_reduce(
+    x: torch.Tensor, group: dist.ProcessGroup, *, inplace: bool = False
+) -> torch.Tensor:
+    """Sum ``x`` over ranks into a new tensor (``x`` may be saved by autograd elsewhere);
+    ``inplace``: into ``x`` itself (eager), for a tensor nothing else holds."""
+    if group.size() == 1:
+        return x
+    return traceable.all_reduce_tensor(x, group, label="tp all-reduce", inplace=inplace)
+
+
+def _all_to_all_rows(
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Exchange dim-0 splits: rank r sends its split j to rank j (one all-to-all)."""
+    size = group.size()
+    if size == 1:
+        return x
+    outs = _split_sizes_of(output_split_sizes, size, "output_split_sizes")
+    ins = _split_sizes_of(input_split_sizes, size, "input_split_sizes")
+    if ins is None:
+        _dim_divisible(x, 0, size, "input", "first dimension")
+    else:
+        _check_total(x, ins, "input_split_sizes")
+    return traceable.all_to_all_tensor(
+        x, group, output_split_sizes=outs, input_split_sizes=ins, label="tp all-to-all"
+    )
+
+
+def _check_total(x: torch.Tensor, sizes: list[int], arg: str) -> None:
+    if sum(sizes) != x.shape[0]:
+        raise InputValueError(
+            f"{arg}={sizes} sum to {sum(sizes)} but the input has {x.shape[0]} rows "
+            f"(shape {tuple(x.shape)}); the sizes must add up to dim 0"
+        )
+
+
+def _mismatch(x: torch.Tensor, sizes: list[int], rank: int, arg: str) -> None:
+    raise InputValueError(
+        f"{arg}={sizes} gives rank {rank} {sizes[rank]} rows but its input has "
+        f"{x.shape[0]} (shape {tuple(x.shape)})"
+    )
+
+
+def _min_dims(value: torch.Tensor, ndim: int, arg: str) -> None:
+    """A ``ValueError`` unless ``value`` has at least ``ndim`` dimensions."""
+    if value.dim() < ndim:
+        raise InputValueError(
+            f"{arg} has shape {tuple(value.shape)}; it needs at least {ndim} dimension(s)"
+        )
+
+
+def _dim_divisible(value: torch.Tensor, dim: int, size: int, arg: str, what: str) -> None:
+    """A ``ValueError`` unless ``value.shape[dim]`` is a multiple of ``size``."""
+    if value.shape[dim] % size:
+        raise InputValueError(
+            f"{arg} has shape {tuple(value.shape)}: its {what} (dim {dim}, "
+            f"{value.shape[dim]}) is not divisible by the tensor-parallel size {size}; pad "
+            "it to a multiple or pass split sizes"
+        )
+
+
+def _split_sizes_of(sizes: object, group_size: int, arg: str) -> list[int] | None:
+    """Validated per-rank split sizes (one non-negative int per rank), or None.
+
+    A str, a tensor or anything that is not a sequence is a ``TypeError`` (a tensor of
+    sizes would need a device synchronisation to read).
+    """
+    if sizes is None:
+        return None
+    if isinstance(sizes, (str, bytes, torch.Tensor)) or not isinstance(sizes, Sequence):
+        raise InputTypeError(
+            f"{arg}={sizes!r} must be a list of ints (one row count per rank) or None"
+        )
+    listed = list(sizes)
+    bad = [s for s in listed if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+    if len(listed) != group_size or bad:
+        raise InputValueError(
+            f"{arg}={listed} must hold one non-negative int per rank of the group "
+            f"({group_size} ranks)"
+        )
+    return listed
+
+
+# -- the autograd mappings -----------------------------------------------------------
 
 
 def _group(group: object, who: str) -> dist.ProcessGroup:
@@ -105,7 +304,7 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.all_reduce(grad_output, ctx.group), None
+        return _all_reduce(grad_output, ctx.group), None
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
@@ -116,12 +315,12 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
     def symbolic(graph: object, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """The forward without autograd: the sum over ``group``."""
         del graph
-        return _comm.all_reduce(input_, _group(group, "_ReduceFromModelParallelRegion"))
+        return _all_reduce(input_, _group(group, "_ReduceFromModelParallelRegion"))
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         del ctx
-        return _comm.all_reduce(input_, _group(group, "_ReduceFromModelParallelRegion"))
+        return _all_reduce(input_, _group(group, "_ReduceFromModelParallelRegion"))
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -136,7 +335,7 @@ class _ReduceLayerOutput(_ReduceFromModelParallelRegion):
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         del ctx
-        return _comm.all_reduce(input_, group, inplace=True)
+        return _all_reduce(input_, group, inplace=True)
 
 
 class _ScatterToModelParallelRegion(torch.autograd.Function):
@@ -147,16 +346,16 @@ class _ScatterToModelParallelRegion(torch.autograd.Function):
     def symbolic(graph: object, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """The forward without autograd: this rank's chunk of the last dim."""
         del graph
-        return _comm.split_last_dim(input_, _group(group, "_ScatterToModelParallelRegion"))
+        return _split_last_dim(input_, _group(group, "_ScatterToModelParallelRegion"))
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = _group(group, "_ScatterToModelParallelRegion")
-        return _comm.split_last_dim(input_, group)
+        return _split_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.gather_last_dim(grad_output, ctx.group), None
+        return _gather_last_dim(grad_output, ctx.group), None
 
 
 class _GatherFromModelParallelRegion(torch.autograd.Function):
@@ -166,16 +365,16 @@ class _GatherFromModelParallelRegion(torch.autograd.Function):
     def symbolic(graph: object, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """The forward without autograd: the last-dim concatenation over ``group``."""
         del graph
-        return _comm.gather_last_dim(input_, _group(group, "_GatherFromModelParallelRegion"))
+        return _gather_last_dim(input_, _group(group, "_GatherFromModelParallelRegion"))
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = _group(group, "_GatherFromModelParallelRegion")
-        return _comm.gather_last_dim(input_, group)
+        return _gather_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.split_last_dim(grad_output, ctx.group), None
+        return _split_last_dim(grad_output, ctx.group), None
 
 
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -185,16 +384,16 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
     def symbolic(graph: object, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """The forward without autograd: this rank's rows of dim 0."""
         del graph
-        return _comm.split_first_dim(input_, _group(group, "_ScatterToSequenceParallelRegion"))
+        return _split_first_dim(input_, _group(group, "_ScatterToSequenceParallelRegion"))
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = _group(group, "_ScatterToSequenceParallelRegion")
-        return _comm.split_first_dim(input_, group)
+        return _split_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.gather_first_dim(grad_output, ctx.group), None
+        return _gather_first_dim(grad_output, ctx.group), None
 
 
 class _ScatterUnevenToSequenceParallelRegion(torch.autograd.Function):
@@ -206,11 +405,11 @@ class _ScatterUnevenToSequenceParallelRegion(torch.autograd.Function):
         ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup, split_sizes: list[int]
     ) -> torch.Tensor:
         ctx.group, ctx.split_sizes = group, split_sizes
-        return _comm.split_first_dim(input_, group, split_sizes)
+        return _split_first_dim(input_, group, split_sizes)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _comm.gather_first_dim(grad_output, ctx.group, ctx.split_sizes), None, None
+        return _gather_first_dim(grad_output, ctx.group, ctx.split_sizes), None, None
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -233,7 +432,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         """The forward without autograd: the dim-0 concatenation over ``group``."""
         del graph, tensor_parallel_output_grad, use_global_buffer
         g = _group(group, "_GatherFromSequenceParallelRegion")
-        return _comm.gather_first_dim(input_, g, output_split_sizes)
+        return _gather_first_dim(input_, g, output_split_sizes)
 
     @staticmethod
     def forward(
@@ -248,7 +447,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         ctx.group = _group(group, "_GatherFromSequenceParallelRegion")
         ctx.output_split_sizes = output_split_sizes
         ctx.use_global_buffer = use_global_buffer
-        return _comm.gather_first_dim(input_, group, output_split_sizes)
+        return _gather_first_dim(input_, group, output_split_sizes)
 
     @staticmethod
     def backward(
@@ -256,9 +455,9 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     ) -> tuple[torch.Tensor, None, None, None, None]:
         sizes = ctx.output_split_sizes
         if ctx.tensor_parallel_output_grad:
-            grad = _comm.reduce_scatter_first_dim(grad_output, ctx.group, sizes)
+            grad = _reduce_scatter_first_dim(grad_output, ctx.group, sizes)
         else:
-            grad = _comm.split_first_dim(grad_output, ctx.group, sizes)
+            grad = _split_first_dim(grad_output, ctx.group, sizes)
         return grad, None, None, None, None
 
 
@@ -277,7 +476,7 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         """The forward without autograd: this rank's rows of the sum over ``group``."""
         del graph, use_global_buffer
         g = _group(group, "_ReduceScatterToSequenceParallelRegion")
-        return _comm.reduce_scatter_first_dim(input_, g, input_split_sizes)
+        return _reduce_scatter_first_dim(input_, g, input_split_sizes)
 
     @staticmethod
     def forward(
@@ -290,11 +489,11 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         ctx.group = _group(group, "_ReduceScatterToSequenceParallelRegion")
         ctx.input_split_sizes = input_split_sizes
         ctx.use_global_buffer = use_global_buffer
-        return _comm.reduce_scatter_first_dim(input_, group, input_split_sizes)
+        return _reduce_scatter_first_dim(input_, group, input_split_sizes)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        grad = _comm.gather_first_dim(grad_output, ctx.group, ctx.input_split_sizes)
+        grad = _gather_first_dim(grad_output, ctx.group, ctx.input_split_sizes)
         return grad, None, None, None
 
 
@@ -305,16 +504,16 @@ class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
     def symbolic(graph: object, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """The forward without autograd: the last-dim concatenation over ``group``."""
         del graph
-        return _comm.gather_last_dim(input_, _group(group, "_AllGatherFromTensorParallelRegion"))
+        return _gather_last_dim(input_, _group(group, "_AllGatherFromTensorParallelRegion"))
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = _group(group, "_AllGatherFromTensorParallelRegion")
-        return _comm.gather_last_dim(input_, group)
+        return _gather_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.reduce_scatter_last_dim(grad_output, ctx.group), None
+        return _reduce_scatter_last_dim(grad_output, ctx.group), None
 
 
 class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
@@ -325,16 +524,16 @@ class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
         """The forward without autograd: chunk ``rank`` of the last dim of the sum."""
         del graph
         g = _group(group, "_ReduceScatterToTensorParallelRegion")
-        return _comm.reduce_scatter_last_dim(input_, g)
+        return _reduce_scatter_last_dim(input_, g)
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = _group(group, "_ReduceScatterToTensorParallelRegion")
-        return _comm.reduce_scatter_last_dim(input_, group)
+        return _reduce_scatter_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.gather_last_dim(grad_output, ctx.group), None
+        return _gather_last_dim(grad_output, ctx.group), None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -356,13 +555,13 @@ class _AllToAll(torch.autograd.Function):
         ctx.output_split_sizes = output_split_sizes
         ctx.input_split_sizes = input_split_sizes
         ctx.use_nccl_stream = use_nccl_stream
-        return _comm.all_to_all(input, group, output_split_sizes, input_split_sizes)
+        return _all_to_all_rows(input, group, output_split_sizes, input_split_sizes)
 
     @staticmethod
     def backward(
         ctx: Any, *grad_output: torch.Tensor
     ) -> tuple[None, torch.Tensor, None, None, None]:
-        grad = apply(
+        grad = _apply(
             _AllToAll,
             ctx.group,
             *grad_output,
@@ -380,19 +579,19 @@ def _tp_region(
     autograd node, nothing communicated)."""
     if g.size() == 1:
         return x
-    return apply(function, x, g)
+    return _apply(function, x, g)
 
 
 def _prepare(
     input_: object, group: dist.ProcessGroup | None, what: str, min_ndim: int = 1
 ) -> tuple[torch.Tensor, dist.ProcessGroup]:
     x = check_tensor("input_", input_)
-    _validate.min_dims(x, min_ndim, "input_")
-    return x, resolve_tp_group(group, None, what=what)
+    _min_dims(x, min_ndim, "input_")
+    return x, _resolve_tp_group(group, None, what=what)
 
 
 def _sizes(sizes: Sequence[int] | None, group: dist.ProcessGroup, arg: str) -> list[int] | None:
-    return _validate.split_sizes(sizes, group.size(), arg)
+    return _split_sizes_of(sizes, group.size(), arg)
 
 
 def copy_to_tensor_model_parallel_region(
@@ -411,13 +610,13 @@ def reduce_from_tensor_model_parallel_region(
     return _tp_region(x, g, _ReduceFromModelParallelRegion)
 
 
-def reduce_layer_output(output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _reduce_layer_output(output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """:func:`reduce_from_tensor_model_parallel_region` of a layer's own GEMM output over
     its checked TP group, summed in place (see :class:`_ReduceLayerOutput`)."""
     return _tp_region(output, group, _ReduceLayerOutput)
 
 
-def reduce_scatter_layer_output(output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _reduce_scatter_layer_output(output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """:func:`reduce_scatter_to_sequence_parallel_region` of a layer's own output over its
     checked TP group (its sequence checked divisible by the group's size)."""
     return _tp_region(output, group, _ReduceScatterToSequenceParallelRegion)
@@ -428,7 +627,7 @@ def scatter_to_tensor_model_parallel_region(
 ) -> torch.Tensor:
     """Keep chunk ``rank`` of the last dim (no communication); backward all-gathers it."""
     x, g = _prepare(input_, group, "scatter_to_tensor_model_parallel_region")
-    _validate.dim_divisible(x, -1, g.size(), "input_", "last dimension")
+    _dim_divisible(x, -1, g.size(), "input_", "last dimension")
     return _tp_region(x, g, _ScatterToModelParallelRegion)
 
 
@@ -453,7 +652,7 @@ def scatter_to_sequence_parallel_region(
     x, g = _prepare(input_, group, "scatter_to_sequence_parallel_region")
     sizes = _sizes(split_sizes, g, "split_sizes")
     if sizes is None:
-        _validate.dim_divisible(x, 0, g.size(), "input_", "sequence length")
+        _dim_divisible(x, 0, g.size(), "input_", "sequence length")
     elif sum(sizes) != x.shape[0]:
         raise InputValueError(
             f"split_sizes={sizes} sum to {sum(sizes)} but input_ has shape {tuple(x.shape)}; "
@@ -462,8 +661,8 @@ def scatter_to_sequence_parallel_region(
     if g.size() == 1:
         return x
     if sizes is None:
-        return apply(_ScatterToSequenceParallelRegion, x, g)
-    return apply(_ScatterUnevenToSequenceParallelRegion, x, g, sizes)
+        return _apply(_ScatterToSequenceParallelRegion, x, g)
+    return _apply(_ScatterUnevenToSequenceParallelRegion, x, g, sizes)
 
 
 def gather_from_sequence_parallel_region(
@@ -492,7 +691,7 @@ def gather_from_sequence_parallel_region(
         )
     if g.size() == 1:
         return x
-    return apply(
+    return _apply(
         _GatherFromSequenceParallelRegion,
         x,
         g,
@@ -517,7 +716,7 @@ def reduce_scatter_to_sequence_parallel_region(
     x, g = _prepare(input_, group, "reduce_scatter_to_sequence_parallel_region")
     sizes = _sizes(input_split_sizes, g, "input_split_sizes")
     if sizes is None:
-        _validate.dim_divisible(x, 0, g.size(), "input_", "sequence length")
+        _dim_divisible(x, 0, g.size(), "input_", "sequence length")
     elif sum(sizes) != x.shape[0]:
         raise InputValueError(
             f"input_split_sizes={sizes} sum to {sum(sizes)} but input_ has shape "
@@ -525,7 +724,7 @@ def reduce_scatter_to_sequence_parallel_region(
         )
     if g.size() == 1:
         return x
-    return apply(_ReduceScatterToSequenceParallelRegion, x, g, sizes, use_global_buffer)
+    return _apply(_ReduceScatterToSequenceParallelRegion, x, g, sizes, use_global_buffer)
 
 
 def all_gather_last_dim_from_tensor_parallel_region(
@@ -541,7 +740,7 @@ def reduce_scatter_last_dim_to_tensor_parallel_region(
 ) -> torch.Tensor:
     """Sum over ``group`` and keep chunk ``rank`` of the last dim; backward all-gathers."""
     x, g = _prepare(input_, group, "reduce_scatter_last_dim_to_tensor_parallel_region")
-    _validate.dim_divisible(x, -1, g.size(), "input_", "last dimension")
+    _dim_divisible(x, -1, g.size(), "input_", "last dimension")
     return _tp_region(x, g, _ReduceScatterToTensorParallelRegion)
 
 
@@ -563,7 +762,7 @@ def all_to_all(
     outs = _sizes(output_split_sizes_, g, "output_split_sizes_")
     ins = _sizes(input_split_sizes, g, "input_split_sizes")
     if ins is None:
-        _validate.dim_divisible(x, 0, g.size(), "input_", "first dimension")
+        _dim_divisible(x, 0, g.size(), "input_", "first dimension")
     elif sum(ins) != x.shape[0]:
         raise InputValueError(
             f"input_split_sizes={ins} sum to {sum(ins)} but input_ has shape {tuple(x.shape)}"
@@ -575,7 +774,7 @@ def all_to_all(
                 "(the rows this rank keeps)"
             )
         return x
-    return apply(_AllToAll, g, x, outs, ins, use_nccl_stream)
+    return _apply(_AllToAll, g, x, outs, ins, use_nccl_stream)
 
 
 def all_to_all_sp2hp(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -588,7 +787,7 @@ def all_to_all_sp2hp(input_: torch.Tensor, group: dist.ProcessGroup | None = Non
     size = g.size()
     if size == 1:
         return x
-    _validate.dim_divisible(x, -1, size, "input_", "hidden dimension")
+    _dim_divisible(x, -1, size, "input_", "hidden dimension")
     flat = x.reshape(-1, x.shape[-1])
     by_destination = torch.cat(torch.split(flat, flat.shape[-1] // size, dim=1), dim=0)
     return all_to_all(g, by_destination)
@@ -605,6 +804,6 @@ def all_to_all_hp2sp(input_: torch.Tensor, group: dist.ProcessGroup | None = Non
     if size == 1:
         return x
     flat = x.reshape(-1, x.shape[-1])
-    _validate.dim_divisible(flat, 0, size, "input_", "token count")
+    _dim_divisible(flat, 0, size, "input_", "token count")
     exchanged = all_to_all(g, flat)
     return torch.cat(torch.split(exchanged, exchanged.shape[0] // size, dim=0), dim=-1)

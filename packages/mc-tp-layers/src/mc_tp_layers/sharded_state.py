@@ -37,9 +37,7 @@ and loads it). The split itself (which blocks a rank holds) is
 :mod:`mc_tp_layers.shards`'.
 
 DCP coordinates its ranks itself (over the default group unless given one), outside
-mc_groups' recorder. Megatron's ``sharded_offsets`` are not supported. (This module was
-``mc_tp_layers.checkpoint``, a name that read like ``mc_tp_layers.random.checkpoint``,
-activation recompute; the old name stays an alias for one release.)
+mc_groups' recorder. Megatron's ``sharded_offsets`` are not supported.
 """
 
 from __future__ import annotations
@@ -61,7 +59,6 @@ from mc_groups.argcheck import (
     type_name,
 )
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_tp_layers import _validate
 from mc_tp_layers.gtp import _gtp_group, unsharded_shape
 from mc_tp_layers.shards import _group_of, strided_view
 
@@ -87,7 +84,7 @@ def tp_sharded_tensor(
     """
     local = check_tensor("tensor", tensor).detach()
     check_group("tp_group", tp_group)
-    dim = _validate.partition_dim(partition_dim, local.dim())
+    dim = param_attrs.check_partition_dim(partition_dim, local.dim())
     if local.shape[dim] % check_int("stride", stride):
         raise InputValueError(
             f"stride={stride} does not divide dim {dim} of the tensor's shape "
@@ -150,7 +147,7 @@ def gtp_sharded_tensor(
     (see the module notes). The local tensor is a view of the shard's unpadded rows."""
     tp_local_shape = unsharded_shape(shard)  # ValueError unless shard_weight_for_gtp made it
     check_group("tp_group", tp_group)
-    dim = _validate.partition_dim(partition_dim, len(tp_local_shape))
+    dim = param_attrs.check_partition_dim(partition_dim, len(tp_local_shape))
     gtp_group = _gtp_group(shard)
     rows, g = int(shard.shape[0]), int(gtp_group.rank())
     local = shard.detach()[: max(0, min(rows, tp_local_shape[0] - g * rows))]

@@ -41,7 +41,6 @@ import mc_groups as mg
 from mc_groups import dtensors, param_attrs
 from mc_groups.argcheck import check_optional_group, check_tensor, type_name
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_tp_layers import _validate
 from mc_tp_layers.gtp import gather_gtp_weight, gtp_local_rows
 
 __all__ = [
@@ -73,7 +72,7 @@ def split_full(
     ``stride`` (module notes): blocks ``rank, rank + world, …`` of ``stride · world`` equal
     blocks, concatenated. A view when ``stride`` is 1."""
     full = check_tensor("full", full)
-    dim = _validate.partition_dim(dim, full.dim(), "dim")
+    dim = param_attrs.check_partition_dim(dim, full.dim(), "dim")
     size = _blocks(int(full.shape[dim]), dim, stride, world, full.shape)
     if stride == 1:
         return full.narrow(dim, rank * size, size)
@@ -86,7 +85,7 @@ def join_shards(shards: Sequence[torch.Tensor], dim: int, stride: int = 1) -> to
     order (``join_shards([split_full(t, d, r, W, k) for r in range(W)], d, k)`` is ``t``)."""
     if not shards:
         raise InputValueError("shards is empty; pass every rank's shard, in rank order")
-    dim = _validate.partition_dim(dim, shards[0].dim(), "dim")
+    dim = param_attrs.check_partition_dim(dim, shards[0].dim(), "dim")
     pieces = [s.chunk(stride, dim) for s in shards]
     return torch.cat([piece[j] for j in range(stride) for piece in pieces], dim)
 
@@ -103,7 +102,7 @@ def _split_of(param: torch.Tensor) -> tuple[int, int] | None:
     """``(partition_dim, stride)`` of a tensor-parallel shard, None for a whole tensor."""
     if not param_attrs.is_tensor_model_parallel(param):
         return None
-    dim = _validate.partition_dim(param_attrs.partition_dim_of(param), param.dim())
+    dim = param_attrs.check_partition_dim(param_attrs.partition_dim_of(param), param.dim())
     return dim, param_attrs.partition_stride_of(param)
 
 

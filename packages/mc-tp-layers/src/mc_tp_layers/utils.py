@@ -1,14 +1,36 @@
-"""Small helpers with Megatron-Core's names (``core.tensor_parallel.utils``)."""
+"""Megatron-Core's ``core.tensor_parallel.utils`` names, and the helpers every module of
+this package shares: which TP group a call talks over, and the range check of token ids
+and class targets.
+
+**Groups are passed explicitly.** A ``group=None`` / ``tp_group=None`` argument falls back
+to ``pg_collection`` and then to the collection registered with
+:func:`mc_groups.set_default_collection` (:func:`mc_groups.collection_or_default`);
+when none is registered the error says how to pass one (``_resolve_tp_group``, as
+Megatron's ``get_tensor_model_parallel_group_if_none``).
+
+**Ids and targets inside** ``[0, size)`` (``_check_index_range``). On CPU the check is a
+host comparison (one pass over the integers, no synchronisation to speak of) and raises
+``ValueError`` before anything is communicated. On a device the same comparison is
+queued as an asynchronous device assert (:func:`torch._assert_async`): no host
+synchronisation per step, but a failure surfaces at a later CUDA call as a device-side
+assert and leaves that process's CUDA context unusable (as an out-of-range
+``F.embedding`` index on CUDA does), so the message printed on the host is generic.
+
+While ``torch.compile`` traces, the device form is used on every device: the host check
+needs the values (a graph break); the assert is a node of the graph, so compiled code still
+refuses an out-of-range value on each call (on CPU a ``RuntimeError`` with the message
+below, raised when the compiled code runs).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from mc_groups.argcheck import check_flag, check_int, check_tensor
+from mc_groups import collection_or_default
+from mc_groups.argcheck import check_flag, check_group, check_int, check_tensor
+from mc_groups.comm import traceable
 from mc_groups.errors import InputValueError
-from mc_tp_layers import _comm
-from mc_tp_layers._tp_groups import resolve_tp_group
 
 __all__ = [
     "VocabUtility",
@@ -17,6 +39,81 @@ __all__ = [
     "split_tensor_along_last_dim",
     "split_tensor_into_1d_equal_chunks",
 ]
+
+_EXPLICIT = "tp_group=<ProcessGroup> or pg_collection=<ProcessGroupCollection>"
+
+
+def _resolve_tp_group(
+    tp_group: object,
+    pg_collection: object = None,
+    *,
+    is_expert: bool = False,
+    what: str = "this layer",
+) -> dist.ProcessGroup:
+    """``tp_group`` if given, else the collection's ``tp`` (``expt_tp`` for experts)."""
+    if tp_group is not None:
+        return check_group("tp_group", tp_group)
+    field = "expt_tp" if is_expert else "tp"
+    return collection_or_default(pg_collection, what, explicit=_EXPLICIT).require(field, what)
+
+
+def _resolve_gtp_group(
+    gtp_remat_size: int,
+    pg_collection: object,
+    *,
+    is_expert: bool = False,
+    what: str = "this layer",
+) -> dist.ProcessGroup | None:
+    """The gtp_remat group when ``gtp_remat_size > 1`` (checked against its size), else None."""
+    if gtp_remat_size == 1:
+        return None
+    field = "expt_gtp_remat" if is_expert else "gtp_remat"
+    group = collection_or_default(pg_collection, what, explicit=_EXPLICIT).require(field, what)
+    if group.size() != gtp_remat_size:
+        raise InputValueError(
+            f"config.gtp_remat_size={gtp_remat_size} but pg_collection.{field} has "
+            f"{group.size()} ranks; build the groups with the same gtp_remat_size"
+        )
+    return group
+
+
+def _check_index_range(
+    values: torch.Tensor,
+    size: int,
+    arg: str,
+    what: str,
+    fix: str,
+    *,
+    ignore: int | None = None,
+    on_device: bool | None = None,
+) -> None:
+    """Every element of ``values`` in ``[0, size)``, except those equal to ``ignore``.
+
+    ``on_device`` (default: ``values.is_cuda`` or another accelerator) selects the
+    asynchronous device assert; tests force it on CPU, where ``torch._assert_async``
+    raises at once.
+    """
+    if values.numel() == 0 or values.device.type == "meta":
+        return
+    outside = (values < 0) | (values >= size)
+    if ignore is not None:
+        outside &= values != ignore
+    device_side = values.device.type != "cpu" if on_device is None else on_device
+    device_side = device_side or torch.compiler.is_compiling()
+    if device_side:
+        torch._assert_async(
+            ~outside.any(), f"{arg} holds {what} outside [0, {size}) (device-side check)"
+        )
+        return
+    if bool(outside.any()):
+        bad = values[outside]
+        first = tuple(int(i) for i in outside.nonzero()[0].tolist())
+        kept = "" if ignore is None else f" other than ignore_index={ignore}"
+        raise InputValueError(
+            f"{arg} holds {bad.numel()} {what}{kept} outside [0, {size}): e.g. "
+            f"{int(bad[0])} at index {first} (smallest {int(bad.min())}, largest "
+            f"{int(bad.max())}); {fix}"
+        )
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -73,7 +170,7 @@ def split_tensor_into_1d_equal_chunks(
     """
     x = check_tensor("tensor", tensor)
     check_flag("new_buffer", new_buffer)
-    group = resolve_tp_group(tp_group, None, what="split_tensor_into_1d_equal_chunks")
+    group = _resolve_tp_group(tp_group, None, what="split_tensor_into_1d_equal_chunks")
     size, numel = group.size(), x.numel()
     if numel % size:
         raise InputValueError(
@@ -101,11 +198,11 @@ def gather_split_1d_tensor(
     uses the default collection's ``tp`` group.
     """
     x = check_tensor("tensor", tensor)
-    group = resolve_tp_group(tp_group, None, what="gather_split_1d_tensor")
+    group = _resolve_tp_group(tp_group, None, what="gather_split_1d_tensor")
     flat = x.reshape(-1)
     if group.size() == 1:
         return flat.clone()
-    return _comm.gather_first_dim(flat, group)
+    return traceable.all_gather_tensor(flat, group, label="tp gather dim 0")
 
 
 def _check_rank(rank: object, world_size: object) -> None:

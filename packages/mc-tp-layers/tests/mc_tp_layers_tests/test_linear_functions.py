@@ -61,19 +61,21 @@ def _order_of_wgrad(sp: bool) -> dict[str, Any]:
         x = (chunk(x, 2, r, 0) if sp else x).requires_grad_()
         y, _ = layer(x)
         seen: list[list[str]] = []
-        original = tpl_linear.__dict__["_wgrad_gemm"]
+        original = tpl_linear.__dict__["_new_wgrad"]  # the wgrad GEMM of a plain weight
         with mg.record_collectives() as log:
 
-            def spy(out: torch.Tensor, g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            def spy(
+                like: torch.Tensor, shape: Any, g: torch.Tensor, t: torch.Tensor
+            ) -> torch.Tensor:
                 seen.append(ops(log))
-                result: torch.Tensor = original(out, g, t)
+                result: torch.Tensor = original(like, shape, g, t)
                 return result
 
-            tpl_linear.__dict__["_wgrad_gemm"] = spy
+            tpl_linear.__dict__["_new_wgrad"] = spy
             try:
                 y.sum().backward()
             finally:
-                tpl_linear.__dict__["_wgrad_gemm"] = original
+                tpl_linear.__dict__["_new_wgrad"] = original
         return {"at_wgrad": seen, "all": ops(log), "async": [e.async_op for e in log]}
     finally:
         mg.destroy_model_parallel(pgc)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
-from mc_tp_layers._index_range import check_index_range
+from mc_tp_layers.utils import _check_index_range as check_index_range
 from mc_tp_layers_tests._helpers import assert_close, backward, chunk, config, randn, world
 
 S, B, V, H = 3, 2, 8, 4

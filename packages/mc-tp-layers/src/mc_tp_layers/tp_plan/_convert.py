@@ -13,7 +13,6 @@ from mc_groups.argcheck import check_int, type_name
 from mc_groups.config import record_config
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers._config import check_layer_config
-from mc_tp_layers._tp_groups import resolve_tp_group
 from mc_tp_layers.tp_plan import _sequence
 from mc_tp_layers.tp_plan._layers import ColwiseLinear, RowwiseLinear, Setup, VocabEmbedding
 from mc_tp_layers.tp_plan._norm import ColwiseRMSNormLayer, check_rmsnorm
@@ -33,6 +32,7 @@ from mc_tp_layers.tp_plan._styles import (
     resolve,
 )
 from mc_tp_layers.tp_plan._styles import VocabEmbedding as VocabEmbeddingStyle
+from mc_tp_layers.utils import _resolve_tp_group
 
 __all__ = ["parallelize"]
 
@@ -162,7 +162,7 @@ def _check(
         raise InputValueError(
             "parallelize does not shard weights over gtp_remat; use config.gtp_remat_size=1"
         )
-    tp_group = resolve_tp_group(None, pg_collection, what="parallelize")
+    tp_group = _resolve_tp_group(None, pg_collection, what="parallelize")
     world = int(tp_group.size())
     setup = Setup(cfg, pg_collection, tp_group, bool(cfg.sequence_parallel) and world > 1, dim)
     targets = _match(module, plan)

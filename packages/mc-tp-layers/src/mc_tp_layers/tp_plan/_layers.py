@@ -29,11 +29,13 @@ from mc_groups import ProcessGroupCollection
 from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputValueError
 from mc_tp_layers._config import check_layer_config
-from mc_tp_layers._layer_base import keep_param_attributes
-from mc_tp_layers.column import ColumnParallelLinear
-from mc_tp_layers.embedding import VocabParallelEmbedding
+from mc_tp_layers.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    _keep_param_attributes,
+)
 from mc_tp_layers.mappings import scatter_to_tensor_model_parallel_region
-from mc_tp_layers.row import RowParallelLinear
 from mc_tp_layers.shards import local_shard
 from mc_tp_layers.tp_plan import _sequence
 from mc_tp_layers.tp_plan._styles import Colwise, Rowwise
@@ -96,7 +98,7 @@ class ConvertedModule(torch.nn.Module):
         parallelizing on meta replaces every param)."""
         before = dict(self._parameters)
         applied = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        keep_param_attributes(self, before)
+        _keep_param_attributes(self, before)
         return applied
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:

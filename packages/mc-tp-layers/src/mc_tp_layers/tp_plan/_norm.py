@@ -21,7 +21,7 @@ import torch
 
 from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_tp_layers.attributes import set_tensor_model_parallel_attributes
+from mc_groups.param_attrs import set_tensor_model_parallel_attributes
 from mc_tp_layers.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
