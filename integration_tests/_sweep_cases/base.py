@@ -192,6 +192,13 @@ class Ctx:
     def ref_params(self) -> Any:
         return list(mlp().parameters())
 
+    def ref_non_leaf_params(self) -> Any:
+        first, *rest = mlp().parameters()
+        return [first * 2, *rest]
+
+    def ref_meta_module(self) -> Any:
+        return mlp().to("meta")
+
     def ref_lambda(self) -> Any:
         return lambda: 1
 

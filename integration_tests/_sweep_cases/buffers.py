@@ -102,7 +102,7 @@ def _buffer_slots() -> None:
         "misuse",
         lambda c, v: mb.ParamAndGradBuffer(v),
         ("params",),
-        values=(None, "x", [None], [z()]),
+        values=(None, "x", [None], [z()], Ref("non_leaf_params")),
         only=True,
         good=Ref("params"),
     )

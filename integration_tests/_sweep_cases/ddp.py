@@ -110,7 +110,7 @@ def _ddp_slots() -> None:
         "misuse",
         lambda c, v: d(mp_config(), md.DistributedDataParallelConfig(), v, pg_collection=c.pgc),
         ("module",),
-        values=(None, "x", [Ref("module")]),
+        values=(None, "x", [Ref("module")], Ref("meta_module")),
         only=True,
         good=Ref("module"),
     )

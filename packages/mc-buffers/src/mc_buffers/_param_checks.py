@@ -37,6 +37,12 @@ def as_param_list(params: object, name: str = "params") -> list[Param]:
     for i, p in enumerate(out):
         if not isinstance(p, torch.Tensor):
             raise InputTypeError(f"{name}[{i}] has type {type_name(p)}, not a torch parameter")
+        if not p.is_leaf:
+            raise InputValueError(
+                f"{name}[{i}] is not a leaf tensor (it was computed from another: grad_fn "
+                f"{type_name(p.grad_fn)}): the buffer would re-point a temporary and its "
+                "gradient never reaches the buffer; pass the nn.Parameter itself"
+            )
     return out
 
 

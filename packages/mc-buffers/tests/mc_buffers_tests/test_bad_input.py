@@ -43,6 +43,11 @@ def _twice() -> object:
     return ParamAndGradBuffer([a, param(3), a])
 
 
+def _non_leaf() -> object:
+    a = param(4)
+    return ParamAndGradBuffer([a, a * 2])
+
+
 def _devices() -> object:
     meta = nn.Parameter(torch.empty(4, device="meta"))
     return ParamAndGradBuffer([param(4), meta])
@@ -209,6 +214,13 @@ CASES: dict[str, Case] = {
         "params\\[2\\].*repeats params\\[0\\]",
         doc_call="`ParamAndGradBuffer(params)`",
         doc_input="the same param twice",
+    ),
+    "non_leaf": Case(
+        _non_leaf,
+        ValueError,
+        "params\\[1\\] is not a leaf tensor.*pass the nn.Parameter itself",
+        doc_call="`ParamAndGradBuffer(params)`",
+        doc_input="`param * 2` (a non-leaf tensor)",
     ),
     "devices": Case(
         _devices,

@@ -4,6 +4,7 @@ or communicated; each error names the argument, the value and the fix."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_groups import config as mc_config
@@ -52,6 +53,20 @@ def trainable_params(module: object) -> list[tuple[str, Param]]:
                 "(module.to(device)) before wrapping it"
             )
     return named
+
+
+def check_materialised(named: list[tuple[str, Param]], group: dist.ProcessGroup) -> None:
+    """Params on the meta device only over torch's ``"fake"`` backend (a dry run counts
+    memory and collectives without data); over a real one the first reduction of a meta
+    buffer fails inside the backend, after the step began."""
+    name, first = named[0]
+    if first.device.type == "meta" and dist.get_backend(group) != "fake":
+        raise InputValueError(
+            f"module has its params on the meta device ('{name}' and the rest) and the data-"
+            f"parallel group runs {dist.get_backend(group)!r}: there is nothing to reduce "
+            "or train; materialise them first (module.to_empty(device=...), then load the "
+            "weights, e.g. mc_tp_layers.load_full_state_dict)"
+        )
 
 
 PARAM_FLAGS = (

@@ -166,6 +166,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             experts = sum(is_expert_parallel_param(p) for _, p in named)
             pgc = mg.collection_or_default(pg_collection, "DistributedDataParallel")
             groups = resolve_groups(pgc, ddp_config, experts > 0)
+            checks.check_materialised(named, groups.dp_cp)
             scaling = build.gradient_scaling(config, ddp_config, groups)  # before any state
             plan = build.plan_layout(
                 [p for _, p in named], ddp_config, groups, single, full_param_layout

@@ -67,6 +67,10 @@ def _mixed_devices() -> nn.Module:
     return model
 
 
+def _meta() -> nn.Module:
+    return mlp().to("meta")
+
+
 def _expert() -> nn.Module:
     model = mlp()
     model[2].weight.allreduce = False  # type: ignore[union-attr]
@@ -106,6 +110,7 @@ def _construction_errors() -> dict[str, tuple[str, int]]:
         calls: dict[str, Callable[[], object]] = {
             "frozen": lambda: loose(MP, cfg, _frozen(), pg_collection=pgc),
             "devices": lambda: loose(MP, cfg, _mixed_devices(), pg_collection=pgc),
+            "meta": lambda: loose(MP, cfg, _meta(), pg_collection=pgc),
             "not_module": lambda: loose(MP, cfg, object(), pg_collection=pgc),
             "missing_dp": lambda: loose(
                 MP, cfg, mlp(), pg_collection=mg.ProcessGroupCollection(dp_cp=world)
@@ -146,6 +151,12 @@ CONSTRUCTION = {
         "ValueError: module params are on mixed devices: '4.weight' is on meta",
         doc_call="`DistributedDataParallel(...)`",
         doc_input="params on cpu and meta",
+    ),
+    "meta": Expect(
+        "ValueError: module has its params on the meta device ('0.weight' and the rest) and "
+        "the data-parallel group runs 'gloo'",
+        doc_call="`DistributedDataParallel(..., module)`",
+        doc_input="a module on the meta device",
     ),
     "not_module": Expect(
         "TypeError: module=object must be a torch.nn.Module",
