@@ -7,7 +7,7 @@ issued (mc-buffers never communicates, and the error comes before any allocation
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -45,7 +45,8 @@ def _twice() -> object:
 
 def _non_leaf() -> object:
     a = param(4)
-    return ParamAndGradBuffer([a, a * 2])
+    computed: Any = a * 2  # a Tensor where a Parameter belongs: the case under test
+    return ParamAndGradBuffer([a, computed])
 
 
 def _devices() -> object:
