@@ -11,14 +11,15 @@ rank, a lost routing weight, a combine out of order), the expert split (wrong ex
 the tag (an expert grad averaged over ranks that hold other experts), the backward of both
 exchanges.
 
-Layouts (each model at EP = 2 on 2 ranks, then one layout per model on 4 ranks): EP = 2
-(expt_dp of one rank); EP = 2 × DP = 2 (expert grads summed over expt_dp of 2 and scaled by
-1/|dp|, dense over dp); TP = 2 × EP = 2 with sequence parallelism
+Layouts, every model in each it accepts: EP = 2 on 2 ranks (expt_dp of one rank); on 4
+ranks EP = 2 × DP = 2 (expert grads summed over expt_dp of 2 and scaled by 1/|dp|, dense
+over dp; Mixtral with the distributed optimizer), TP = 2 × EP = 2 with sequence parallelism
 (``mc_moe.sequence_parallel_plan``: each TP rank routes its part of the sequence, the
-router's grads summed over TP) with expert TP 1 (Qwen3-MoE) and 2 (OLMoE: its experts split
-over expt_tp, tokens all-gathered and reduce-scattered there); DeepSeek-V3 there with its
-latent attention split by heads, its shared experts and the distributed optimizer; gpt-oss
-at EP = 2 × expert TP = 2 (interleaved gate/up split by pairs, the down bias added once).
+router's grads summed over TP; DeepSeek-V3's latent attention split by heads, its shared
+experts gathered) with expert TP 1 and with expert TP 2 (experts split over expt_tp, their
+tokens all-gathered and reduce-scattered there) and the distributed optimizer; gpt-oss,
+refused at TP > 1, at EP = 2 × expert TP = 2 (interleaved gate/up split by pairs, the down
+bias added once).
 
 The models' own load-balancing loss is on (``output_router_logits=True``: Mixtral,
 Qwen3-MoE, OLMoE, gpt-oss), computed by mc on the global batch (``mc_moe.router``): with
@@ -51,12 +52,12 @@ STEPS = 3
 BIASED = ("deepseek_v3",)  # trained with Megatron's aux-loss-free expert bias
 KINDS = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 CASES_2 = [(kind, Layout(ep=2)) for kind in KINDS]  # EP = 2, expt_dp of one rank
+TP_KINDS = KINDS[:4]  # gpt-oss is refused at TP > 1 (its attention's per-head sinks)
 CASES_4 = [
-    ("mixtral", Layout(ep=2)),  # EP = 2 × DP = 2
-    ("qwen3_moe", Layout(tp=2, ep=2, etp=1)),  # TP = 2 × EP = 2, SP; experts whole over etp
-    ("olmoe", Layout(tp=2, ep=2, etp=2)),  # TP = 2 × EP = 2 × expert TP = 2, SP
-    ("deepseek_v3", Layout(tp=2, ep=2, etp=2, distributed_optimizer=True)),  # + MLA, dist. opt
-    ("gpt_oss", Layout(ep=2, etp=2)),  # EP = 2 × expert TP = 2: interleaved gate/up, down bias
+    *((kind, Layout(ep=2, distributed_optimizer=kind == "mixtral")) for kind in KINDS),
+    *((kind, Layout(tp=2, ep=2, etp=1)) for kind in TP_KINDS),  # TP x EP, SP
+    *((kind, Layout(tp=2, ep=2, etp=2, distributed_optimizer=True)) for kind in TP_KINDS),
+    ("gpt_oss", Layout(ep=2, etp=2)),  # EP x expert TP: interleaved gate/up, the down bias
 ]
 
 reference = cache(_reference)  # each model's one-process run once
