@@ -30,7 +30,9 @@ grads of one step and dtype travel as one flat all-reduce. What the steps comput
   ``config.qk_layernorm``, or marked ``sum_gradients_across_tp_domain`` (mc's mark: a
   replicated param whose grad is a partial sum over tp without sequence parallelism, e.g. a
   norm shared by all heads after a column-parallel layer, Megatron-LM #7452 row 11). The
-  AVG mark wins over ``sequence_parallel``, as in Megatron.
+  AVG mark wins over ``sequence_parallel``, as in Megatron. A param carrying only
+  ``sequence_parallel`` while ``config.sequence_parallel`` is off is an error at the first
+  finalize (Megatron would leave its grad unreduced without a word).
 - 5: DDP reduced only the replicate axis of replicate × gtp_remat; params not
   gtp_remat-sharded need ``g ← AVG_gtp g`` (grads independent of how the ranks split), or
   ``Σ_gtp`` under per-token loss (step 11 counts the gtp_remat peers' tokens). Dense params
@@ -667,7 +669,9 @@ _allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
 
 def _tp_params(chunks: Sequence[ModelChunk], config: object) -> tuple[list[Param], list[Param]]:
     """The params whose grads step 4 sums and averages over tp, their marks checked:
-    ``sum_gradients_across_tp_domain`` neither with the AVG mark nor on a TP shard."""
+    ``sum_gradients_across_tp_domain`` neither with the AVG mark nor on a TP shard, and no
+    ``sequence_parallel`` mark (unless averaged or summed) while sequence parallelism is off:
+    a mark finalize would ignore, its grad left a partial sum (Megatron-LM #7452)."""
     sequence_parallel = config_value(config, "sequence_parallel")
     qk_layernorm = config_value(config, "qk_layernorm")
     sums: list[Param] = []
@@ -693,14 +697,25 @@ def _tp_params(chunks: Sequence[ModelChunk], config: object) -> tuple[list[Param
                 )
             if not param.requires_grad:
                 continue
+            marked_sp = param_attrs.is_sequence_parallel_param(param)
             if averaged:
                 avgs.append(param)
             elif (
                 summed
-                or (sequence_parallel and param_attrs.is_sequence_parallel_param(param))
+                or (sequence_parallel and marked_sp)
                 or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
             ):
                 sums.append(param)
+            elif marked_sp:
+                raise InputValueError(
+                    f"{where} is marked sequence_parallel=True but config.sequence_parallel is "
+                    "False, so finalize would leave its grad as each tp rank computed it "
+                    "(Megatron's layers set the mark to config.sequence_parallel). If that grad "
+                    "is a partial sum over tp without sequence parallelism (e.g. a norm after a "
+                    "column-parallel layer), mark it with mc_groups.param_attrs."
+                    "mark_sum_gradients_across_tp_domain(param); else clear the mark "
+                    "(mark_sequence_parallel(param, False)) or turn sequence parallelism on"
+                )
     return sums, avgs
 
 

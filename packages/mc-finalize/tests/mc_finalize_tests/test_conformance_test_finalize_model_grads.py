@@ -125,7 +125,7 @@ def _qk_chunk(frozen: bool) -> Chunk:
         value,
         main_grad=False,
         requires_grad=not frozen,
-        sequence_parallel=True,
+        sequence_parallel=False,  # Megatron's norms carry config.sequence_parallel
     )
     add_param(chunk, "decoder.linear_qkv.weight", value, main_grad=False, requires_grad=not frozen)
     return chunk
@@ -265,9 +265,10 @@ def test_allreduce_layernorm_grads(two_ranks: list[dict[str, Any]]) -> None:
     Upstream only checks that the step runs on a GPT layer with ``qk_layernorm=True`` and no
     sequence parallelism, grads set as ``param.grad = ones``, or on a frozen model. Same
     inputs here, with the values it implies: the q/k layer-norm grads are summed over tp
-    (1 + 1 = 2) in one all-reduce, read from and written back to ``param.grad``; a layer norm
-    marked ``sequence_parallel`` is not reduced because the config has sequence parallelism
-    off; other params are untouched; a frozen model (no grads) communicates nothing.
+    (1 + 1 = 2) in one all-reduce, read from and written back to ``param.grad``; the input
+    layer norm, marked ``sequence_parallel=False`` as Megatron's norms mark it
+    (``config.sequence_parallel``), is not reduced; other params are untouched; a frozen
+    model (no grads) communicates nothing.
     """
     for out in two_ranks:
         trained = out["tp"]["False"]

@@ -1,7 +1,8 @@
 """Step 4: non-tensor-parallel grads over tp (SUM for sequence-parallel and q/k layer norms,
 and for params marked ``sum_gradients_across_tp_domain`` with or without SP; AVG for params
 marked ``average_gradients_across_tp_domain``; the SUM mark refused with the AVG mark or on
-a TP shard, before any collective).
+a TP shard, and a ``sequence_parallel`` mark while sequence parallelism is off (a mark
+finalize would ignore: Megatron-LM #7452, issue 41), before any collective).
 
 Localizes which params each config switch selects, the ``main_grad``/``grad`` fallback,
 the per-dtype flat buffers, the SUM-then-AVG schedule on the tp group only, and a DTensor
@@ -22,7 +23,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import mc_groups as mg
-from mc_finalize import _allreduce_layernorm_grads, _allreduce_non_tensor_model_parallel_grads
+from mc_finalize import (
+    _allreduce_layernorm_grads,
+    _allreduce_non_tensor_model_parallel_grads,
+    finalize_model_grads,
+)
 from mc_finalize_tests._helpers import Cfg, Chunk, add_param, first, layout, rank, records
 from mc_groups.testing import RankPools
 
@@ -30,12 +35,13 @@ LABEL = "non-tensor-parallel grads"
 
 
 def _chunk(cfg: Cfg) -> Chunk:
-    r = rank()
+    """Norms marked ``sequence_parallel=cfg.sequence_parallel``, as Megatron's layers do."""
+    r, sp = rank(), cfg.sequence_parallel
     chunk = Chunk(cfg)
-    add_param(chunk, "ln.weight", 2**r, sequence_parallel=True)
+    add_param(chunk, "ln.weight", 2**r, sequence_parallel=sp)
     add_param(chunk, "attn.q_layernorm.weight", 2**r)
     add_param(chunk, "attn.k_layernorm.bias", 2**r, main_grad=False)  # grad, not main_grad
-    add_param(chunk, "ln16.weight", 2**r, dtype=torch.bfloat16, sequence_parallel=True)
+    add_param(chunk, "ln16.weight", 2**r, dtype=torch.bfloat16, sequence_parallel=sp)
     add_param(chunk, "avg.weight", 2**r, average_gradients_across_tp_domain=True)
     add_param(
         chunk,
@@ -47,7 +53,7 @@ def _chunk(cfg: Cfg) -> Chunk:
     add_param(chunk, "plain.weight", 2**r)
     add_param(chunk, "summed.weight", 2**r, sum_gradients_across_tp_domain=True)
     add_param(chunk, "frozen.weight", 2**r, requires_grad=False, sequence_parallel=True)
-    add_param(chunk, "empty.weight", None, sequence_parallel=True)
+    add_param(chunk, "empty.weight", None, sequence_parallel=sp)
     return chunk
 
 
@@ -87,17 +93,27 @@ def _refused_marks() -> dict[str, Any]:
     out: dict[str, Any] = {}
     with layout(tensor_model_parallel_size=2) as pgc:
         refused: dict[str, dict[str, Any]] = {
-            "with_avg": {"average_gradients_across_tp_domain": True},
-            "on_shard": {"tensor_model_parallel": True},
+            "with_avg": {"sum_gradients_across_tp_domain": True},
+            "on_shard": {"sum_gradients_across_tp_domain": True},
+            "sp_mark_without_sp": {"sequence_parallel": True},
         }
+        refused["with_avg"]["average_gradients_across_tp_domain"] = True
+        refused["on_shard"]["tensor_model_parallel"] = True
         for name, marks in refused.items():
             chunk = _chunk(Cfg())
-            add_param(chunk, "bad.weight", 1.0, sum_gradients_across_tp_domain=True, **marks)
+            add_param(chunk, "bad.weight", 1.0, **marks)
             with mg.record_collectives() as log:
                 try:
                     _allreduce_non_tensor_model_parallel_grads([chunk], chunk.config, pgc.tp)
                 except ValueError as err:
                     out[name] = (type(err).__name__, str(err), len(log))
+        chunk = _chunk(Cfg())  # the same mark at the first finalize: nothing runs
+        add_param(chunk, "bad.weight", 1.0, sequence_parallel=True)
+        with mg.record_collectives(status_exchanges=True) as log:
+            try:
+                finalize_model_grads([chunk], None, pgc)
+            except ValueError as err:
+                out["finalize"] = (str(err), len(log), chunk.sync_calls)
     return out
 
 
@@ -164,7 +180,21 @@ def test_tp2_sum_avg_fallbacks_and_dtensor(rank_pools: RankPools) -> None:
         assert "marked both sum_gradients_across_tp_domain" in refused["with_avg"][1]
         assert refused["on_shard"][0] == "InputValueError"
         assert "tensor-parallel shard" in refused["on_shard"][1]
-        assert refused["with_avg"][2] == refused["on_shard"][2] == 0  # before any collective
+        assert refused["sp_mark_without_sp"][0] == "InputValueError"
+        sp_error = refused["sp_mark_without_sp"][1]
+        assert "model[0] param 'bad.weight' is marked sequence_parallel=True" in sp_error
+        assert "config.sequence_parallel is False" in sp_error
+        assert "mark_sum_gradients_across_tp_domain(param)" in sp_error
+        # before any collective
+        assert (
+            refused["with_avg"][2]
+            == refused["on_shard"][2]
+            == refused["sp_mark_without_sp"][2]
+            == 0
+        )
+        message, collectives, syncs = refused["finalize"]
+        assert "'bad.weight' is marked sequence_parallel=True" in message
+        assert (collectives, syncs) == (0, [])  # no collective, no finish_grad_sync
         assert out["alias"]["ln.weight"] == total
         assert out["alias"]["attn.q_layernorm.weight"] == own  # qk_layernorm off
         assert all(v in (own, None) for v in out["tp1"]["values"].values())

@@ -43,7 +43,8 @@ Each attribute: its value (and what absent means); who sets it; who reads it.
 ``sequence_parallel`` (SEQUENCE_PARALLEL): bool (False), a replicated param whose grad is a
   partial sum over tp *because of sequence parallelism* (each rank saw its sequence slice).
   Set: mc-tp-layers (row-parallel bias), users (layer norms). Read: mc-finalize (SUM over
-  tp only when ``config.sequence_parallel``, as Megatron).
+  tp only when ``config.sequence_parallel``, as Megatron; marked while it is off, an error
+  naming the param: ``sum_gradients_across_tp_domain`` is the mark of such a grad).
 ``sum_gradients_across_tp_domain`` (SUM_GRADIENTS_ACROSS_TP_DOMAIN): bool (False), mc's mark
   of a replicated param whose grad is a partial sum over tp whatever the sequence
   parallelism (a norm weight shared by all heads, applied after a column-parallel layer:
