@@ -301,10 +301,8 @@ def _modules(chunk: object) -> Iterator[object]:
 def _allreduce_conditional_embedding_grads(
     model: Sequence[ModelChunk], config: TransformerConfigLike, pp_group: Group | None = None
 ) -> None:
-    """Step 2: all-reduce conditional-embedder grads (params marked ``pipeline_parallel``)
-    over pp when ``config.has_cond_embedder``, for models that replicate their embedders
-    (timestep, FPS, label: diffusion models) on every pipeline and virtual-pipeline stage.
-    ``pp_group=None`` reads the default collection's ``pp``."""
+    """Step 2 alone: conditional-embedder grads (marked ``pipeline_parallel``: diffusion
+    models' timestep, FPS, label embedders) over pp (None: the default collection's)."""
     what = "_allreduce_conditional_embedding_grads"
     mark, label = param_attrs.PIPELINE_PARALLEL, "conditional embedding grads"
     _replicated_step(model, config, pp_group, what, "has_cond_embedder", mark, label)
@@ -394,10 +392,8 @@ def _allreduce_word_embedding_grads(
     embd_group: Group | None = None,
     pp_group: Group | None = None,
 ) -> None:
-    """Step 6: all-reduce the shared word-embedding grad across the first and last pipeline
-    stages. With both groups None both come from the default collection (whose ``embd`` is
-    None on ranks holding no copy); with ``pp_group`` given, ``embd_group=None`` means this
-    rank is in no embedding group: nothing runs."""
+    """Step 6 alone: the shared word-embedding grad over the first and last stage. Both
+    groups None: the default collection's (``embd`` None: this rank holds no copy)."""
     what = "_allreduce_word_embedding_grads"
     _checked_config(config, what)
     check_optional_group("embd_group", embd_group, what=what)
@@ -417,11 +413,9 @@ def _allreduce_embedding_grad(
     skip_if_none: bool = True,
     config: TransformerConfigLike | None = None,
 ) -> None:
-    """All-reduce (SUM) the grad of ``weight_getter(model_module)`` over ``embd_group``, for
-    the wrapped model of the chunk holding the weight (module notes; ``pp_group`` tells the
-    first stage from the last). A getter returning None skips with ``skip_if_none``, else is
-    a ValueError; a frozen weight (grad None) skips. Nothing runs for a None or 1-rank
-    ``embd_group``."""
+    """SUM the grad of ``weight_getter(model_module)`` over ``embd_group`` (steps 6, 7: the
+    module notes say which chunk); a getter's None skips with ``skip_if_none`` (else a
+    ValueError), a frozen weight skips, a None or 1-rank group does nothing."""
     what = "_allreduce_embedding_grad"
     check_optional_group("embd_group", embd_group, what=what)
     check_optional_group("pp_group", pp_group, what=what)
@@ -473,9 +467,8 @@ def _allreduce_position_embedding_grads(
     pos_emb_group: Group | None,
     pp_group: Group | None,
 ) -> None:
-    """Step 7: all-reduce ``position_embeddings.weight``'s grad across the position-embedding
-    group, keeping encoder and decoder stages in sync (a member without the weight: a
-    ValueError; a None group: this rank holds no copy)."""
+    """Step 7 alone: ``position_embeddings.weight``'s grad over the position-embedding group
+    (a member without it: a ValueError; a None group: this rank holds no copy)."""
     what = "_allreduce_position_embedding_grads"
     _checked_config(config, what)
     check_optional_group("pos_emb_group", pos_emb_group, what=what)
@@ -487,9 +480,8 @@ def _allreduce_position_embedding_grads(
 def _allreduce_router_grads(
     model: Sequence[ModelChunk], config: TransformerConfigLike, pp_group: Group | None = None
 ) -> None:
-    """Step 3: all-reduce Flextron router grads (params marked ``flextron_router_pp_sync``)
-    over pp when ``config.flextron``, so that routers replicated on every stage stay in sync.
-    ``pp_group=None`` reads the default collection's ``pp``."""
+    """Step 3 alone: Flextron router grads (marked ``flextron_router_pp_sync``) over pp
+    (None: the default collection's)."""
     what, mark = "_allreduce_router_grads", param_attrs.FLEXTRON_ROUTER_PP_SYNC
     _replicated_step(model, config, pp_group, what, "flextron", mark, "router grads")
 
@@ -497,11 +489,8 @@ def _allreduce_router_grads(
 def reset_model_temporary_tensors(
     config: TransformerConfigLike, model: Sequence[ModelChunk]
 ) -> None:
-    """Step 10: reset the per-global-batch accumulators of every module, eval mode included
-    (no communication): ``local_tokens_per_expert`` when
-    ``config.moe_router_enable_expert_bias``, ``reset_global_aux_loss_tracker()`` when the
-    load-balancing type includes ``global_aux_loss``, ``qb_beta_accum`` / ``qb_beta_count``
-    of every module that has them."""
+    """Step 10: reset the per-global-batch accumulators of every module (module notes; no
+    communication)."""
     chunks = _as_chunks(model)
     _checked_config(config, "reset_model_temporary_tensors")
     expert_bias = config_value(config, "moe_router_enable_expert_bias")
@@ -523,10 +512,8 @@ def reset_model_temporary_tensors(
 def _update_router_expert_bias(
     model: Sequence[ModelChunk], config: TransformerConfigLike, tp_dp_cp_group: Group | None = None
 ) -> None:
-    """Step 8: move every training router's expert bias by ``moe_router_bias_update_rate``
-    towards balance, from the tokens per expert all-reduced across TP×DP×CP ranks (routers
-    with ``frozen_expert_bias=True`` keep theirs; the counters are left for
-    :func:`reset_model_temporary_tensors`). ``tp_dp_cp_group=None``: the default's."""
+    """Step 8 alone: expert biases from the tokens per expert over TP×DP×CP (None: the
+    default collection's ``tp_dp_cp``); the counters are left for the reset."""
     what = "_update_router_expert_bias"
     chunks = _as_chunks(model)
     rate = config_value(_checked_config(config, what), "moe_router_bias_update_rate")
@@ -563,11 +550,8 @@ def _update_expert_bias(routers: Sequence[object], rate: float, group: Group) ->
 def _update_router_qb_beta(
     model: Sequence[ModelChunk], config: TransformerConfigLike, dp_cp_group: Group | None = None
 ) -> None:
-    """Step 9: update the quantile-balancing per-expert bias once per global batch: each
-    router's ``qb_beta_accum / qb_beta_count`` averaged across DP×CP, EMA-blended with
-    ``qb_beta``, re-centred and written back (accumulators left for
-    :func:`reset_model_temporary_tensors`). ``dp_cp_group=None``: the default's ``dp_cp``
-    (``finalize_model_grads`` passes ``dp_cp_gtp_remat`` under gtp_remat)."""
+    """Step 9 alone: the quantile-balancing bias over DP×CP (None: the default collection's
+    ``dp_cp``; finalize passes ``dp_cp_gtp_remat`` under gtp_remat); accumulators left."""
     what = "_update_router_qb_beta"
     chunks = _as_chunks(model)
     ema = config_value(_checked_config(config, what), "moe_router_quantile_balancing_ema")
@@ -649,9 +633,8 @@ def _check_router_state(routers: Sequence[object], counts: str, bias: str) -> No
 def _allreduce_non_tensor_model_parallel_grads(
     model: Sequence[ModelChunk], config: TransformerConfigLike, tp_group: Group | None = None
 ) -> None:
-    """Step 4: all-reduce layer-norm grads (sequence parallelism, q/k layer norm) and the
-    grads of params with ``average_gradients_across_tp_domain=True`` across tensor-parallel
-    ranks. ``tp_group=None`` reads the default collection's ``tp``."""
+    """Step 4 alone: layer-norm grads (sequence parallelism, q/k layer norm) and marked
+    params' grads over tp (None: the default collection's)."""
     what = "_allreduce_non_tensor_model_parallel_grads"
     chunks = _as_chunks(model)
     _checked_config(config, what)
@@ -725,9 +708,8 @@ def _allreduce_replicated_grads_over_gtp_remat_group(
     egtp_remat_group: Group | None,
     calculate_per_token_loss: bool = False,
 ) -> None:
-    """Step 5: AVG (SUM under ``calculate_per_token_loss``) the grads of params not
-    gtp_remat-sharded, dense ones over ``gtp_remat_group``, expert ones over
-    ``egtp_remat_group``; nothing for a group that is None or of one rank."""
+    """Step 5: grads of params not gtp_remat-sharded, dense over ``gtp_remat_group``, expert
+    over ``egtp_remat_group``, AVG (SUM under per-token loss); None or 1-rank: nothing."""
     what = "_allreduce_replicated_grads_over_gtp_remat_group"
     chunks = _as_chunks(model)
     check_optional_group("gtp_remat_group", gtp_remat_group, what=what)

@@ -68,7 +68,8 @@ def _grads(chunk: Chunk) -> dict[str, float]:
     return {n: first(p) for n, p in chunk.named_parameters()}
 
 
-def _all_steps_tp2_pp2(peer_checks: bool = False) -> dict[str, Any]:
+def _all_steps_tp2_pp2() -> dict[str, Any]:
+    """One layout, two calls on fresh chunks: default arguments, then ``peer_checks=True``."""
     cfg = Cfg(
         sequence_parallel=True,
         calculate_per_token_loss=True,
@@ -78,28 +79,35 @@ def _all_steps_tp2_pp2(peer_checks: bool = False) -> dict[str, Any]:
         moe_router_bias_update_rate=0.25,
         moe_router_load_balancing_type="quantile_balancing",
     )
+    out: dict[str, Any] = {}
     with layout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2) as pgc:
         assert pgc.pp is not None
         assert pgc.tp is not None
         p, t = pgc.pp.rank(), pgc.tp.rank()
-        chunk = StageChunk(cfg, p, 2, t)
-        num_tokens = torch.tensor(4 if p == 1 else 1000)  # only the last stage counts
-        with mg.record_collectives(status_exchanges=True) as log:
-            finalize_model_grads(
-                [chunk], num_tokens, pgc, force_all_reduce=True, peer_checks=peer_checks
-            )
-        buffers = {n: b.reshape(-1).tolist() for n, b in chunk.named_buffers()}
-        return {
-            "grads": _grads(chunk),
-            "buffers": buffers,
-            "log": records(log),
-            "sync": chunk.sync_calls,
-            "scale": chunk.scale_calls,
-            "tokens": int(num_tokens),
-        }
+        for peer_checks in (False, True):
+            chunk = StageChunk(cfg, p, 2, t)
+            num_tokens = torch.tensor(4 if p == 1 else 1000)  # only the last stage counts
+            with mg.record_collectives(status_exchanges=True) as log:
+                finalize_model_grads(
+                    [chunk], num_tokens, pgc, force_all_reduce=True, peer_checks=peer_checks
+                )
+            out["checked" if peer_checks else "default"] = {
+                "grads": _grads(chunk),
+                "buffers": {n: b.reshape(-1).tolist() for n, b in chunk.named_buffers()},
+                "log": records(log),
+                "sync": chunk.sync_calls,
+                "scale": chunk.scale_calls,
+                "tokens": int(num_tokens),
+            }
+    return out
 
 
-def test_every_step_in_order_tp2_pp2(rank_pools: RankPools) -> None:
+@pytest.fixture(scope="module")
+def tp2_pp2(rank_pools: RankPools) -> list[dict[str, Any]]:
+    return rank_pools.get(4).run(_all_steps_tp2_pp2)
+
+
+def test_every_step_in_order_tp2_pp2(tp2_pp2: list[dict[str, Any]]) -> None:
     """With default arguments, exactly Megatron-Core's collectives in its order (its
     ``finalize_model_grads``: conditional embedders and routers over pp, the non-TP grads
     over tp, the tied embedding over embd, the expert-bias tokens over tp_dp_cp, qb_beta
@@ -110,7 +118,8 @@ def test_every_step_in_order_tp2_pp2(rank_pools: RankPools) -> None:
     # broadcast from the last stage (dp_cp has one rank: no sum). Expert bias: tokens over
     # tp_dp_cp (= tp) Σ [t, 1] = [1, 2], mean 1.5 → bias [+0.25, −0.25]. qb over a dp_cp of
     # one rank: quantile [2, 0], ema 0, re-centred → [1, −1]; accumulators reset.
-    for r, out in enumerate(rank_pools.get(4).run(_all_steps_tp2_pp2)):
+    for r, runs in enumerate(tp2_pp2):
+        out = runs["default"]
         tp, pp = (r & ~1, r | 1), (r % 2, r % 2 + 2)
         assert out["grads"] == {
             "cond.weight": 3.0,
@@ -136,13 +145,13 @@ def test_every_step_in_order_tp2_pp2(rank_pools: RankPools) -> None:
         assert out["tokens"] == 4
 
 
-def test_peer_checks_add_one_status_exchange_and_nothing_else(rank_pools: RankPools) -> None:
+def test_peer_checks_add_one_status_exchange_and_nothing_else(
+    tp2_pp2: list[dict[str, Any]],
+) -> None:
     """``peer_checks=True``: one status exchange over the world before the first
     collective, then the same collectives and the same grads as a default call."""
-    pool = rank_pools.get(4)
-    for default, checked in zip(
-        pool.run(_all_steps_tp2_pp2), pool.run(_all_steps_tp2_pp2, True), strict=True
-    ):
+    for runs in tp2_pp2:
+        default, checked = runs["default"], runs["checked"]
         exchange = ("status_exchange", None, (0, 1, 2, 3), "int64", 1, "finalize_model_grads")
         assert checked["log"] == [exchange, *default["log"]]
         assert checked["grads"] == default["grads"]
