@@ -78,10 +78,10 @@ from mc_groups import param_attrs
 from mc_groups.testing import RankPools
 from mc_tp_layers import (
     full_state_dict,
-    gather_from_sequence_parallel_region,
     parallelize,
     sequence_parallel_plan,
 )
+from mc_tp_layers.mappings import gather_from_sequence_parallel_region
 
 H, HEADS, D = 8, 4, 4
 S, B = 8, 2

@@ -23,6 +23,7 @@ import mc_ddp
 import mc_finalize
 import mc_groups as mg
 import mc_tp_layers
+import mc_tp_layers.layers
 
 ROOT = Path(__file__).resolve().parents[1]
 _PLAIN = re.compile(r"\braise (ValueError|TypeError)\(")
@@ -81,7 +82,9 @@ CALLS: dict[str, tuple[Callable[[], object], type[Exception]]] = {
         TypeError,
     ),
     "tp attribute dim": (
-        lambda: mc_tp_layers.set_tensor_model_parallel_attributes(torch.zeros(2), True, 5, 1),
+        lambda: mc_tp_layers.layers.set_tensor_model_parallel_attributes(
+            torch.zeros(2), True, 5, 1
+        ),
         ValueError,
     ),
     "rank generator": (

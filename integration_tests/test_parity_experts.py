@@ -12,7 +12,7 @@ The model, per token (``H = F = 8``)::
 
 Routing is deterministic, and scaled by the router's softmax probability so the router gets
 grads. Tokens move to the rank owning their expert and back through mc: the per-expert
-counts by ``mg.all_to_all``, the tokens by ``mc_tp_layers.all_to_all`` (autograd: backward
+counts by ``mg.all_to_all``, the tokens by ``mc_tp_layers.mappings.all_to_all`` (autograd: backward
 is the reverse exchange) over the ``ep`` group. Under sequence parallelism each TP rank
 routes its own sequence slice; the output is gathered over TP with
 ``gather_from_sequence_parallel_region(tensor_parallel_output_grad=False)`` and the loss
@@ -106,10 +106,7 @@ from integration_tests._compositions import (
 )
 from mc_ddp import DistributedDataParallel
 from mc_groups.testing import RankPools
-from mc_tp_layers import (
-    all_to_all,
-    gather_from_sequence_parallel_region,
-)
+from mc_tp_layers.mappings import all_to_all, gather_from_sequence_parallel_region
 
 H, FFN, E = 8, 8, 4
 S, B = 8, 2  # a unit: 16 tokens, 4 per expert

@@ -104,11 +104,11 @@ MEGATRON_ELSEWHERE = {
         "megatron.core.distributed.finalize_model_grads.reset_model_temporary_tensors"
     ),
     **{  # every public mapping keeps Megatron's name in Megatron's mappings module
-        f"mc_tp_layers.{name}": f"{_TP}.mappings.{name}"
+        f"mc_tp_layers.mappings.{name}": f"{_TP}.mappings.{name}"
         for name in importlib.import_module("mc_tp_layers.mappings").__all__
     },
     **{
-        f"mc_tp_layers.{name}": f"{_TP}.random.{name}"
+        f"mc_tp_layers.random.{name}": f"{_TP}.random.{name}"
         for name in (
             "CudaRNGStatesTracker",
             "get_cuda_rng_tracker",
@@ -117,9 +117,9 @@ MEGATRON_ELSEWHERE = {
             "model_parallel_cuda_manual_seed",
         )
     },
-    "mc_tp_layers.VocabUtility": f"{_TP}.utils.VocabUtility",
-    "mc_tp_layers.split_tensor_along_last_dim": f"{_TP}.utils.split_tensor_along_last_dim",
-    "mc_tp_layers.divide": "megatron.core.utils.divide",
+    "mc_tp_layers.utils.VocabUtility": f"{_TP}.utils.VocabUtility",
+    "mc_tp_layers.utils.split_tensor_along_last_dim": f"{_TP}.utils.split_tensor_along_last_dim",
+    "mc_tp_layers.utils.divide": "megatron.core.utils.divide",
     "mc_tp_layers.vocab_parallel_cross_entropy": (
         f"{_TP}.cross_entropy.vocab_parallel_cross_entropy"
     ),

@@ -51,6 +51,7 @@ from torch import nn
 import mc_groups as mg
 import mc_tp_layers as tpl
 from examples.gpt.config import GPTConfig
+from mc_tp_layers.mappings import gather_from_sequence_parallel_region
 
 __all__ = ["GPT", "LayerNorm", "TransformerLayer"]
 
@@ -193,8 +194,8 @@ class _SelfAttention(nn.Module):
         k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]  # [s, b, groups, d]
         cp_rank, cp_size = self._cp()
         if cp_size > 1:
-            k = tpl.gather_from_sequence_parallel_region(k.contiguous(), group=self.cp_group)
-            v = tpl.gather_from_sequence_parallel_region(v.contiguous(), group=self.cp_group)
+            k = gather_from_sequence_parallel_region(k.contiguous(), group=self.cp_group)
+            v = gather_from_sequence_parallel_region(v.contiguous(), group=self.cp_group)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or groups, s, d]
         if cp_size == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=per > 1)

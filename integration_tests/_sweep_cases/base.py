@@ -22,6 +22,7 @@ import mc_groups as _mg
 import mc_tp_layers as _tpl
 from mc_groups import device as _device
 from mc_groups import testing as _testing
+from mc_tp_layers.random import clear_cuda_rng_tracker
 
 mg: Any = _mg
 mb: Any = _mb
@@ -216,7 +217,7 @@ class Ctx:
         """Undo what a case left behind (groups, defaults, switches)."""
         os.environ.pop(mg.SCHEDULE_CHECK_ENV, None)
         mg.clear_default_collection()
-        tpl.clear_cuda_rng_tracker()
+        clear_cuda_rng_tracker()
         made, self.made = self.made, []
         if not dist.is_initialized():
             self._rejoin()

@@ -21,6 +21,24 @@ from integration_tests._sweep_cases.base import (
 from integration_tests._sweep_cases.groups_collectives import (
     _enter,
 )
+from mc_tp_layers import layers as tp_layers
+from mc_tp_layers import mappings as tp_mappings
+from mc_tp_layers.gtp import shard_weight_for_gtp
+from mc_tp_layers.layers import (
+    copy_gtp_attributes,
+    copy_tensor_model_parallel_attributes,
+    gtp_local_pad_zero_count,
+    param_is_not_tensor_parallel_duplicate,
+    set_tensor_model_parallel_attributes,
+)
+from mc_tp_layers.linear import (
+    linear_with_frozen_weight,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
+from mc_tp_layers.mappings import all_to_all, gather_from_sequence_parallel_region
+from mc_tp_layers.random import set_cuda_rng_tracker
+from mc_tp_layers.sharded_state import tp_sharded_tensor
+from mc_tp_layers.utils import VocabUtility, divide, split_tensor_along_last_dim
 
 _MAPPINGS = (
     "copy_to_tensor_model_parallel_region",
@@ -39,7 +57,7 @@ _MAPPINGS = (
 
 def _function_slots() -> None:
     for name in _MAPPINGS:
-        fn = getattr(tpl, name)
+        fn = getattr(tp_mappings, name)
         arg(
             T,
             f"{name}(input_=)",
@@ -54,16 +72,16 @@ def _function_slots() -> None:
             T,
             f"gather_from_sequence_parallel_region({name}=)",
             "flag",
-            lambda c, v, n=name: tpl.gather_from_sequence_parallel_region(
+            lambda c, v, n=name: gather_from_sequence_parallel_region(
                 torch.ones(2, 4), group=c.world_group, **{n: v}
             ),
         )
-    arg(T, "mappings.all_to_all(group=)", "group", lambda c, v: tpl.all_to_all(v, torch.ones(4)))
+    arg(T, "mappings.all_to_all(group=)", "group", lambda c, v: all_to_all(v, torch.ones(4)))
     arg(
         T,
         "mappings.all_to_all(input_=)",
         "tensor",
-        lambda c, v: tpl.all_to_all(c.world_group, v),
+        lambda c, v: all_to_all(c.world_group, v),
         ("input",),
         good=torch.ones(4),
     )
@@ -71,7 +89,7 @@ def _function_slots() -> None:
         T,
         "gather_from_sequence_parallel_region(output_split_sizes=)",
         "misuse",
-        lambda c, v: tpl.gather_from_sequence_parallel_region(
+        lambda c, v: gather_from_sequence_parallel_region(
             torch.ones(2, 2), group=c.world_group, output_split_sizes=v
         ),
         ("output_split_sizes",),
@@ -79,7 +97,7 @@ def _function_slots() -> None:
         only=True,
         good=[2],
     )
-    lin = tpl.linear_with_grad_accumulation_and_async_allreduce
+    lin = linear_with_grad_accumulation_and_async_allreduce
 
     def linear(c: Ctx, **kw: Any) -> Any:
         args: dict[str, Any] = {
@@ -140,7 +158,7 @@ def _function_slots() -> None:
         "opt_group",
         lambda c, v: linear(c, tp_group=v),
     )
-    frozen = tpl.linear_with_frozen_weight
+    frozen = linear_with_frozen_weight
     for name in ("gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel"):
         arg(
             T,
@@ -168,17 +186,17 @@ def _function_slots() -> None:
         T,
         "divide(numerator=)",
         "count",
-        lambda c, v: tpl.divide(v, 2),
+        lambda c, v: divide(v, 2),
         ("numerator",),
         values=(5,),
         good=4,
     )
-    arg(T, "divide(denominator=)", "size", lambda c, v: tpl.divide(4, v), ("denominator",), good=2)
+    arg(T, "divide(denominator=)", "size", lambda c, v: divide(4, v), ("denominator",), good=2)
     arg(
         T,
         "split_tensor_along_last_dim(num_partitions=)",
         "size",
-        lambda c, v: tpl.split_tensor_along_last_dim(torch.ones(2, 4), v),
+        lambda c, v: split_tensor_along_last_dim(torch.ones(2, 4), v),
         ("num_partitions",),
         values=(3,),
     )
@@ -186,7 +204,7 @@ def _function_slots() -> None:
         T,
         "split_tensor_along_last_dim(tensor=)",
         "tensor",
-        lambda c, v: tpl.split_tensor_along_last_dim(v, 2),
+        lambda c, v: split_tensor_along_last_dim(v, 2),
         ("tensor",),
         good=torch.ones(2, 4),
     )
@@ -194,9 +212,9 @@ def _function_slots() -> None:
         T,
         "split_tensor_along_last_dim(contiguous_split_chunks=)",
         "flag",
-        lambda c, v: tpl.split_tensor_along_last_dim(torch.ones(2, 4), 2, v),
+        lambda c, v: split_tensor_along_last_dim(torch.ones(2, 4), 2, v),
     )
-    vu = tpl.VocabUtility
+    vu = VocabUtility
     for name, call in (
         ("global_vocab_size", lambda v: vu.vocab_range_from_global_vocab_size(v, 0, 2)),
         ("rank", lambda v: vu.vocab_range_from_global_vocab_size(8, v, 2)),
@@ -214,7 +232,7 @@ def _function_slots() -> None:
             values=(-8, 2) if name == "rank" else (-8,),
             good=0 if name == "rank" else 8,
         )
-    sta = tpl.set_tensor_model_parallel_attributes
+    sta = set_tensor_model_parallel_attributes
     arg(
         T,
         "set_tensor_model_parallel_attributes(tensor=)",
@@ -254,7 +272,7 @@ def _function_slots() -> None:
             T,
             f"{name}(tensor=)",
             "tensor",
-            lambda c, v, n=name: getattr(tpl, n)(v),
+            lambda c, v, n=name: getattr(tp_layers, n)(v),
             ("tensor", "param"),
             good=nn.Parameter(z()),
         )
@@ -262,7 +280,7 @@ def _function_slots() -> None:
         T,
         "param_is_not_tensor_parallel_duplicate(param=)",
         "tensor",
-        lambda c, v: tpl.param_is_not_tensor_parallel_duplicate(v, c.world_group),
+        lambda c, v: param_is_not_tensor_parallel_duplicate(v, c.world_group),
         ("param",),
         good=nn.Parameter(z()),
     )
@@ -270,13 +288,13 @@ def _function_slots() -> None:
         T,
         "param_is_not_tensor_parallel_duplicate(tp_group=)",
         "opt_group",
-        lambda c, v: tpl.param_is_not_tensor_parallel_duplicate(nn.Parameter(z()), v),
+        lambda c, v: param_is_not_tensor_parallel_duplicate(nn.Parameter(z()), v),
     )
     arg(
         T,
         "copy_tensor_model_parallel_attributes(source_tensor=)",
         "tensor",
-        lambda c, v: tpl.copy_tensor_model_parallel_attributes(nn.Parameter(z()), v),
+        lambda c, v: copy_tensor_model_parallel_attributes(nn.Parameter(z()), v),
         ("source", "tensor"),
         good=nn.Parameter(z()),
     )
@@ -284,7 +302,7 @@ def _function_slots() -> None:
         T,
         "copy_gtp_attributes(destination=)",
         "tensor",
-        lambda c, v: tpl.copy_gtp_attributes(v, nn.Parameter(z())),
+        lambda c, v: copy_gtp_attributes(v, nn.Parameter(z())),
         ("destination",),
         good=nn.Parameter(z()),
     )
@@ -292,7 +310,7 @@ def _function_slots() -> None:
         T,
         "gtp_local_pad_zero_count(range_start=)",
         "misuse",
-        lambda c, v: tpl.gtp_local_pad_zero_count(z(), v, 4),
+        lambda c, v: gtp_local_pad_zero_count(z(), v, 4),
         ("range_start",),
         values=(-1, 5, "0", 1.5),
         only=True,
@@ -302,7 +320,7 @@ def _function_slots() -> None:
         T,
         "gtp_local_pad_zero_count(gtp_shard=)",
         "tensor",
-        lambda c, v: tpl.gtp_local_pad_zero_count(v, 0, 4),
+        lambda c, v: gtp_local_pad_zero_count(v, 0, 4),
         ("gtp_shard",),
         good=z(),
     )
@@ -310,13 +328,13 @@ def _function_slots() -> None:
         T,
         "shard_weight_for_gtp(group=)",
         "group",
-        lambda c, v: tpl.shard_weight_for_gtp(nn.Parameter(torch.ones(4, 2)), v),
+        lambda c, v: shard_weight_for_gtp(nn.Parameter(torch.ones(4, 2)), v),
     )
     arg(
         T,
         "shard_weight_for_gtp(weight=)",
         "tensor",
-        lambda c, v: tpl.shard_weight_for_gtp(v, c.world_group),
+        lambda c, v: shard_weight_for_gtp(v, c.world_group),
         ("weight",),
         good=nn.Parameter(torch.ones(4, 2)),
     )
@@ -324,7 +342,7 @@ def _function_slots() -> None:
         T,
         "shard_weight_for_gtp(calculate_per_token_loss=)",
         "flag",
-        lambda c, v: tpl.shard_weight_for_gtp(
+        lambda c, v: shard_weight_for_gtp(
             nn.Parameter(torch.ones(4, 2)), c.world_group, calculate_per_token_loss=v
         ),
     )
@@ -332,7 +350,7 @@ def _function_slots() -> None:
         T,
         "tp_sharded_tensor(partition_dim=)",
         "misuse",
-        lambda c, v: tpl.tp_sharded_tensor(torch.ones(2, 2), c.world_group, v),
+        lambda c, v: tp_sharded_tensor(torch.ones(2, 2), c.world_group, v),
         ("partition_dim",),
         values=(5, -3, "0", None),
         only=True,
@@ -342,14 +360,14 @@ def _function_slots() -> None:
         T,
         "tp_sharded_tensor(stride=)",
         "size",
-        lambda c, v: tpl.tp_sharded_tensor(torch.ones(2, 2), c.world_group, 0, v),
+        lambda c, v: tp_sharded_tensor(torch.ones(2, 2), c.world_group, 0, v),
         ("stride",),
     )
     arg(
         T,
         "tp_sharded_tensor(tp_group=)",
         "group",
-        lambda c, v: tpl.tp_sharded_tensor(torch.ones(2, 2), v, 0),
+        lambda c, v: tp_sharded_tensor(torch.ones(2, 2), v, 0),
     )
     arg(
         T,
@@ -440,7 +458,7 @@ def _rng_slots() -> None:
         T,
         "set_cuda_rng_tracker(tracker=)",
         "misuse",
-        lambda c, v: tpl.set_cuda_rng_tracker(v),
+        lambda c, v: set_cuda_rng_tracker(v),
         ("tracker",),
         values=(None, "x"),
         only=True,

@@ -52,7 +52,7 @@ from mc_moe.permutation import (
     sort_chunks_by_idxs,
     unpermute,
 )
-from mc_tp_layers import (
+from mc_tp_layers.mappings import (
     all_to_all,
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,

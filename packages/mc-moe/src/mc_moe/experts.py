@@ -49,7 +49,6 @@ from mc_groups import param_attrs
 from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_moe.dispatcher import TokenDispatcher
-from mc_tp_layers import set_tensor_model_parallel_attributes
 
 __all__ = ["ExpertWeights", "is_converted", "read_experts", "shard_experts"]
 
@@ -203,7 +202,7 @@ def shard_experts(
             new = torch.nn.Parameter(piece.contiguous().clone(), requires_grad=old.requires_grad)
         param_attrs.mark_allreduce(new, allreduce)
         if dim is not None and etp > 1:
-            set_tensor_model_parallel_attributes(new, True, dim, layout.stride(pname))
+            param_attrs.set_tensor_model_parallel_attributes(new, True, dim, layout.stride(pname))
         setattr(module, pname, new)
     # the shards replace the whole experts on purpose: a mark record made before (by
     # mc_tp_layers.parallelize) would refuse their shapes; mc_moe.parallelize records anew

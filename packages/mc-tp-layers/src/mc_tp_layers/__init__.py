@@ -1,29 +1,31 @@
 """mc_tp_layers: Megatron-Core's tensor- and sequence-parallel layers on mc_groups.
 
-- :mod:`mc_tp_layers.mappings`: autograd mappings between the TP and SP regions.
-- :mod:`mc_tp_layers.linear`: the linear autograd functions (overlapped TP collectives,
-  gradient-accumulation fusion, wgrad deferral, gtp_remat).
+The package root holds what a training script calls; everything else is in the module of
+its mechanism, under Megatron's module names where Megatron has one:
+
 - :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
-  :class:`VocabParallelEmbedding`: the layers.
+  :class:`VocabParallelEmbedding`: the layers (:mod:`mc_tp_layers.layers`, which also
+  holds every other name of Megatron's ``core.tensor_parallel.layers``: the linear
+  functions, the param-mark helpers).
 - :func:`vocab_parallel_cross_entropy`: the loss of a vocabulary-split LM head.
-- :mod:`mc_tp_layers.random`: the RNG tracker for device initialisation and dropout, and
-  activation checkpointing that replays it (``mc_tp_layers.random.checkpoint``).
-- :mod:`mc_tp_layers.sharded_state`: DTensor views for ``torch.distributed.checkpoint``,
-  per layer and for a whole model (:func:`model_sharded_state_dict`).
-- :mod:`mc_tp_layers.shards`: full tensor ↔ this rank's shard for any param carrying mc's
-  attributes (strided, gtp_remat); :func:`full_state_dict` / :func:`load_full_state_dict`
-  for any mc model.
-- :mod:`mc_tp_layers.layers`: every name of Megatron's ``core.tensor_parallel.layers`` (this
-  package takes its layers and attribute helpers from there, as Megatron's
-  ``core.tensor_parallel`` does).
-- :func:`backends`: which optional CUDA kernels (Transformer Engine, apex) are in use.
+- :func:`model_parallel_cuda_manual_seed`, :func:`get_cuda_rng_tracker`,
+  :class:`RNGStatesTracker`, :func:`checkpoint`, :class:`CheckpointWithoutOutput`: RNG
+  streams and activation recompute that replays them (:mod:`mc_tp_layers.random`).
+- :func:`parallelize`, :func:`sequence_parallel_plan`, :func:`vocab_parallel_causal_lm_loss`:
+  any model (``transformers``, torchtitan, your own ``nn.Linear`` / ``nn.Embedding``)
+  gets these layers from a plan with ``transformers``' ``tp_plan`` names, built from its
+  existing weights (styles in :mod:`mc_tp_layers.tp_plan`).
+- :func:`full_state_dict` / :func:`load_full_state_dict` (whole tensors, any mc model;
+  :mod:`mc_tp_layers.shards`) and :func:`model_sharded_state_dict` (DTensor views for
+  ``torch.distributed.checkpoint``; :mod:`mc_tp_layers.sharded_state`).
 - :func:`check_tp_agreement` / :class:`TensorParallelAgreementError`: TP peers compare how
   they built their layers, once (:mod:`mc_tp_layers.agreement`).
-- :func:`parallelize`: any model (``transformers``, torchtitan, your own ``nn.Linear`` /
-  ``nn.Embedding``) gets these layers from a plan with ``transformers``' ``tp_plan`` names,
-  built from its existing weights; :func:`sequence_parallel_plan` adds the
-  sequence-parallel entries a decoder needs; styles in :mod:`mc_tp_layers.tp_plan`.
+- :func:`drain_embedding_wgrad_compute`: the deferred LM-head weight gradients
+  (:mod:`mc_tp_layers.linear`).
+- :func:`backends`: which optional CUDA kernels (Transformer Engine, apex) are in use.
 
+The mappings between the TP and sequence-parallel regions are :mod:`mc_tp_layers.mappings`;
+Megatron's helpers :mod:`mc_tp_layers.utils`; gtp_remat sharding :mod:`mc_tp_layers.gtp`.
 Groups are passed explicitly (``tp_group=`` / ``pg_collection=``); every collective goes
 through :mod:`mc_groups`, so :func:`mc_groups.record_collectives` sees it.
 """
@@ -35,67 +37,21 @@ from importlib.metadata import PackageNotFoundError, version
 from mc_tp_layers._gemm import backends
 from mc_tp_layers.agreement import TensorParallelAgreementError, check_tp_agreement
 from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
-from mc_tp_layers.gtp import shard_weight_for_gtp
-from mc_tp_layers.layers import (
-    ColumnParallelLinear,
-    LinearWithFrozenWeight,
-    LinearWithGradAccumulationAndAsyncCommunication,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    copy_gtp_attributes,
-    copy_tensor_model_parallel_attributes,
-    gtp_local_pad_zero_count,
-    linear_with_frozen_weight,
-    linear_with_grad_accumulation_and_async_allreduce,
-    param_is_not_gtp_duplicate,
-    param_is_not_tensor_parallel_duplicate,
-    set_defaults_if_not_set_tensor_model_parallel_attributes,
-    set_tensor_model_parallel_attributes,
-)
+from mc_tp_layers.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from mc_tp_layers.linear import drain_embedding_wgrad_compute
-from mc_tp_layers.mappings import (
-    all_gather_last_dim_from_tensor_parallel_region,
-    all_to_all,
-    all_to_all_hp2sp,
-    all_to_all_sp2hp,
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_last_dim_to_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region,
-)
 from mc_tp_layers.random import (
     CheckpointWithoutOutput,
-    CudaRNGStatesTracker,
     RNGStatesTracker,
-    clear_cuda_rng_tracker,
+    checkpoint,
     get_cuda_rng_tracker,
-    get_data_parallel_rng_tracker_name,
-    get_expert_parallel_rng_tracker_name,
-    get_model_parallel_rng_tracker_name,
     model_parallel_cuda_manual_seed,
-    set_cuda_rng_tracker,
 )
-from mc_tp_layers.sharded_state import (
-    gtp_sharded_tensor,
-    model_sharded_state_dict,
-    tp_sharded_tensor,
-)
+from mc_tp_layers.sharded_state import model_sharded_state_dict
 from mc_tp_layers.shards import full_state_dict, load_full_state_dict
 from mc_tp_layers.tp_plan import (
     parallelize,
     sequence_parallel_plan,
     vocab_parallel_causal_lm_loss,
-)
-from mc_tp_layers.utils import (
-    VocabUtility,
-    divide,
-    gather_split_1d_tensor,
-    split_tensor_along_last_dim,
-    split_tensor_into_1d_equal_chunks,
 )
 
 try:  # one source of the version: the distribution's pyproject.toml
@@ -106,57 +62,21 @@ except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/g
 __all__ = [
     "CheckpointWithoutOutput",
     "ColumnParallelLinear",
-    "CudaRNGStatesTracker",
-    "LinearWithFrozenWeight",
-    "LinearWithGradAccumulationAndAsyncCommunication",
     "RNGStatesTracker",
     "RowParallelLinear",
     "TensorParallelAgreementError",
     "VocabParallelEmbedding",
-    "VocabUtility",
-    "all_gather_last_dim_from_tensor_parallel_region",
-    "all_to_all",
-    "all_to_all_hp2sp",
-    "all_to_all_sp2hp",
     "backends",
     "check_tp_agreement",
-    "clear_cuda_rng_tracker",
-    "copy_gtp_attributes",
-    "copy_tensor_model_parallel_attributes",
-    "copy_to_tensor_model_parallel_region",
-    "divide",
+    "checkpoint",
     "drain_embedding_wgrad_compute",
     "full_state_dict",
-    "gather_from_sequence_parallel_region",
-    "gather_from_tensor_model_parallel_region",
-    "gather_split_1d_tensor",
     "get_cuda_rng_tracker",
-    "get_data_parallel_rng_tracker_name",
-    "get_expert_parallel_rng_tracker_name",
-    "get_model_parallel_rng_tracker_name",
-    "gtp_local_pad_zero_count",
-    "gtp_sharded_tensor",
-    "linear_with_frozen_weight",
-    "linear_with_grad_accumulation_and_async_allreduce",
     "load_full_state_dict",
     "model_parallel_cuda_manual_seed",
     "model_sharded_state_dict",
     "parallelize",
-    "param_is_not_gtp_duplicate",
-    "param_is_not_tensor_parallel_duplicate",
-    "reduce_from_tensor_model_parallel_region",
-    "reduce_scatter_last_dim_to_tensor_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
-    "scatter_to_sequence_parallel_region",
-    "scatter_to_tensor_model_parallel_region",
     "sequence_parallel_plan",
-    "set_cuda_rng_tracker",
-    "set_defaults_if_not_set_tensor_model_parallel_attributes",
-    "set_tensor_model_parallel_attributes",
-    "shard_weight_for_gtp",
-    "split_tensor_along_last_dim",
-    "split_tensor_into_1d_equal_chunks",
-    "tp_sharded_tensor",
     "vocab_parallel_causal_lm_loss",
     "vocab_parallel_cross_entropy",
 ]

@@ -1,8 +1,9 @@
 r"""The tensor-parallel layers, with every name of Megatron-Core's
 ``core.tensor_parallel.layers`` documentation (``from megatron.core.tensor_parallel.layers
-import X`` becomes ``from mc_tp_layers.layers import X``, the underscore helpers it
-documents included; :mod:`mc_tp_layers` re-exports the public ones, as Megatron's
-``core.tensor_parallel`` does).
+import X`` becomes ``from mc_tp_layers.layers import X``; the underscore helpers it
+documents, ``_initialize_affine_weight_cpu`` / ``_gpu``, ``_linear_forward``,
+``_wgrad_gemm``, ``_grad_accum_fusion_available`` and
+``_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS``, import from here too, outside ``__all__``).
 
 :class:`ColumnParallelLinear`, :class:`RowParallelLinear` and :class:`VocabParallelEmbedding`
 (each class states its math and collective schedule) share two bases:
@@ -54,7 +55,7 @@ from mc_groups.param_attrs import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
-from mc_tp_layers import agreement
+from mc_tp_layers import _gemm, agreement, initialization
 from mc_tp_layers._config import (
     check_layer_config,
     expert_parallel,
@@ -62,7 +63,6 @@ from mc_tp_layers._config import (
     sequence_parallel,
     uses_expert_groups,
 )
-from mc_tp_layers._gemm import _grad_accum_fusion_available, _linear_forward, _wgrad_gemm
 from mc_tp_layers.gtp import shard_weight_for_gtp, unsharded_shape
 from mc_tp_layers.initialization import (
     InitMethod,
@@ -70,8 +70,6 @@ from mc_tp_layers.initialization import (
     _check_device,
     _check_init,
     _check_tracker,
-    _initialize_affine_weight_cpu,
-    _initialize_affine_weight_gpu,
     _layer_device,
     _new_parameter,
 )
@@ -99,17 +97,11 @@ from mc_tp_layers.sharded_state import sharded_state_dict_of
 from mc_tp_layers.utils import _check_index_range, _resolve_gtp_group, _resolve_tp_group
 
 __all__ = [
-    "_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS",
     "ColumnParallelLinear",
     "LinearWithFrozenWeight",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "RowParallelLinear",
     "VocabParallelEmbedding",
-    "_grad_accum_fusion_available",
-    "_initialize_affine_weight_cpu",
-    "_initialize_affine_weight_gpu",
-    "_linear_forward",
-    "_wgrad_gemm",
     "copy_gtp_attributes",
     "copy_tensor_model_parallel_attributes",
     "gtp_local_pad_zero_count",
@@ -121,8 +113,13 @@ __all__ = [
     "set_tensor_model_parallel_attributes",
 ]
 
+# Megatron's documented underscore names (importable from here, outside __all__)
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = param_attrs.MODEL_PARALLEL_ATTRIBUTE_DEFAULTS
-"""Megatron's name of :data:`mc_groups.param_attrs.MODEL_PARALLEL_ATTRIBUTE_DEFAULTS`."""
+_grad_accum_fusion_available = _gemm._grad_accum_fusion_available
+_linear_forward = _gemm._linear_forward
+_wgrad_gemm = _gemm._wgrad_gemm
+_initialize_affine_weight_cpu = initialization._initialize_affine_weight_cpu
+_initialize_affine_weight_gpu = initialization._initialize_affine_weight_gpu
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

@@ -19,7 +19,7 @@ import torch
 
 import mc_tp_layers as tpl
 from mc_groups.testing import gpu_skip_reason
-from mc_tp_layers.random import checkpoint
+from mc_tp_layers.random import checkpoint, clear_cuda_rng_tracker
 from mc_tp_layers_tests._helpers import backward, grad
 
 _CUDA = gpu_skip_reason(1)
@@ -98,7 +98,7 @@ def test_checkpoint_equals_the_plain_run_bit_for_bit(device: str) -> None:
 def test_checkpoint_uses_the_default_tracker_and_megatrons_none_flag() -> None:
     """Megatron's call ``checkpoint(fn, None, *args)`` (None: keep the inputs whole) with
     the tracker that ``model_parallel_cuda_manual_seed`` registered."""
-    tpl.clear_cuda_rng_tracker()
+    clear_cuda_rng_tracker()
     try:
         tracker = tpl.model_parallel_cuda_manual_seed(3, tp_rank=0, ep_rank=0, etp_rank=0)
         x = torch.ones(16, requires_grad=True)
@@ -116,7 +116,7 @@ def test_checkpoint_uses_the_default_tracker_and_megatrons_none_flag() -> None:
         backward(out.sum(), torch.ones(()))
         assert torch.equal(grad(x), mask.float() * 2.0)
     finally:
-        tpl.clear_cuda_rng_tracker()
+        clear_cuda_rng_tracker()
 
 
 def test_checkpoint_without_output_frees_and_recomputes() -> None:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
+from mc_tp_layers.sharded_state import gtp_sharded_tensor
 from mc_tp_layers_tests._helpers import config, row_parallel, world
 
 SEED = 77
@@ -122,7 +123,7 @@ def _refusals() -> list[str]:
 def test_gtp_sharded_tensor_refuses_a_plain_tensor() -> None:
     world_group = torch.distributed.group.WORLD  # never reached: the check comes first
     with pytest.raises(ValueError, match=r"needs a weight sharded by shard_weight_for_gtp"):
-        tpl.gtp_sharded_tensor(torch.zeros(3, 2), world_group, 0)  # type: ignore[arg-type]
+        gtp_sharded_tensor(torch.zeros(3, 2), world_group, 0)  # type: ignore[arg-type]
 
 
 def test_unsupported_options_are_refused(rank_pools: RankPools) -> None:

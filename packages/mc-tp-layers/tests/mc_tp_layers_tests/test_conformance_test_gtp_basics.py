@@ -1,7 +1,7 @@
 """Conformance with Megatron-LM's ``tests/unit_tests/generalized_tensor_parallel/test_gtp_basics.py``.
 
 Upstream drives gtp_remat through Transformer Engine modules wrapped by
-``wrap_module_params_gtp``; mc's counterparts are :func:`mc_tp_layers.shard_weight_for_gtp`,
+``wrap_module_params_gtp``; mc's counterparts are :func:`mc_tp_layers.gtp.shard_weight_for_gtp`,
 the layers' ``config.gtp_remat_size`` and the linear functions' ``gtp_remat_size``. Four
 ranks form one gtp_remat group of 4 (TP = 1), as upstream's world of 4.
 
@@ -28,6 +28,8 @@ import torch
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
+from mc_tp_layers.gtp import shard_weight_for_gtp
+from mc_tp_layers.linear import linear_with_grad_accumulation_and_async_allreduce
 from mc_tp_layers_tests._helpers import assert_close, backward, config, world
 
 W = 4  # gtp_remat ranks
@@ -41,11 +43,11 @@ def _gtp_basics() -> dict[str, Any]:
         out: dict[str, Any] = {}
         # Sharding, aligned: K = 32·W rows, no padding.
         full = torch.arange(128.0 * 16).reshape(128, 16)
-        shard = tpl.shard_weight_for_gtp(torch.nn.Parameter(full.clone()), g)
+        shard = shard_weight_for_gtp(torch.nn.Parameter(full.clone()), g)
         out["aligned"] = (shard.detach(), shard.pad_length)  # type: ignore[attr-defined]
         # Sharding, unaligned: K = 16·W - 1 rows of ones, padded to 16·W.
         ones = torch.nn.Parameter(torch.ones(16 * W - 1, 16))
-        shard = tpl.shard_weight_for_gtp(ones, g)
+        shard = shard_weight_for_gtp(ones, g)
         out["unaligned"] = (shard.detach(), shard.pad_length)  # type: ignore[attr-defined]
         # A layer's weight is replaced by its shard, tagged with the group.
         layer = tpl.ColumnParallelLinear(
@@ -95,12 +97,12 @@ def _wgrad_rs_dtype(r: int) -> dict[str, Any]:
     default = mg.get_default_collection()
     assert default is not None
     assert isinstance(dense.weight, torch.nn.Parameter)
-    weight = tpl.shard_weight_for_gtp(dense.weight, default.require("gtp_remat", "test"))
+    weight = shard_weight_for_gtp(dense.weight, default.require("gtp_remat", "test"))
     weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)  # type: ignore[attr-defined]
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(r)).bfloat16()
     x.requires_grad_()
     with mg.record_collectives() as log:
-        y = tpl.linear_with_grad_accumulation_and_async_allreduce(
+        y = linear_with_grad_accumulation_and_async_allreduce(
             input=x,
             weight=weight,
             bias=None,

@@ -26,8 +26,12 @@ import torch
 import torch.nn.functional as F
 
 import mc_groups as mg
-import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
+from mc_tp_layers.linear import (
+    linear_with_frozen_weight,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
+from mc_tp_layers.mappings import gather_from_tensor_model_parallel_region
 from mc_tp_layers_tests._helpers import assert_close, backward, randn, world
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -40,7 +44,7 @@ def _default_dtypes() -> dict[str, Any]:
         for dtype in DTYPES:
             x = randn(4, 3, 16, seed=1).to(dtype)
             w = randn(32, 16, seed=2).to(dtype)
-            y = tpl.linear_with_grad_accumulation_and_async_allreduce(
+            y = linear_with_grad_accumulation_and_async_allreduce(
                 x, w, None, False, False, False, tp_group=None, output_dtype=None
             )
             out[str(dtype)] = y.detach()
@@ -74,10 +78,10 @@ def _frozen(tp: int, allreduce_dgrad: bool) -> dict[str, Any]:
         with mg.record_collectives() as log:
             # Upstream's positional call: None lands in the tp_group and grad_output_buffer
             # positions, so the default TP group is used.
-            y = tpl.linear_with_frozen_weight(
+            y = linear_with_frozen_weight(
                 x, weight, bias, False, allreduce_dgrad, False, None, None
             )
-            y = tpl.gather_from_tensor_model_parallel_region(y)
+            y = gather_from_tensor_model_parallel_region(y)
             backward(y, torch.ones_like(y))
         assert x.grad is not None
         return {"y": y.detach(), "dx": x.grad, "ops": [(e.op, e.group_ranks) for e in log]}
@@ -106,7 +110,7 @@ def _frozen_3d(d: dict[str, torch.Tensor]) -> dict[str, Any]:
     pgc = world(1, set_default=True)
     try:
         x = d["x"].clone().requires_grad_()
-        y = tpl.linear_with_frozen_weight(x, d["w"], d["b"], False, False, False, None, None)
+        y = linear_with_frozen_weight(x, d["w"], d["b"], False, False, False, None, None)
         backward(y, torch.ones_like(y))
         return {"y": y.detach(), "dx": x.grad}
     finally:

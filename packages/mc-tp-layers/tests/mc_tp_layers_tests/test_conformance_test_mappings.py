@@ -25,8 +25,16 @@ import pytest
 import torch
 
 import mc_groups as mg
-import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
+from mc_tp_layers.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
 from mc_tp_layers_tests._helpers import backward, world
 
 _Mapping = Callable[[torch.Tensor], torch.Tensor]
@@ -59,19 +67,19 @@ def _mappings_with_default_group() -> dict[str, Any]:
         r = torch.distributed.get_rank()
         one = torch.ones(1) * r
         table = torch.arange(32.0).reshape(8, 4)
-        gp = tpl.gather_from_sequence_parallel_region
+        gp = gather_from_sequence_parallel_region
         return {
             "members": mg.group_ranks(pgc.require("tp", "test")),
-            "copy": _through(tpl.copy_to_tensor_model_parallel_region, one, one),
-            "reduce": _through(tpl.reduce_from_tensor_model_parallel_region, one, one),
+            "copy": _through(copy_to_tensor_model_parallel_region, one, one),
+            "reduce": _through(reduce_from_tensor_model_parallel_region, one, one),
             "scatter": _through(
-                tpl.scatter_to_tensor_model_parallel_region, table, torch.ones(8, 2) * r
+                scatter_to_tensor_model_parallel_region, table, torch.ones(8, 2) * r
             ),
             "gather": _through(
-                tpl.gather_from_tensor_model_parallel_region, torch.ones(8, 2) * r, table
+                gather_from_tensor_model_parallel_region, torch.ones(8, 2) * r, table
             ),
             "scatter_sp": _through(
-                tpl.scatter_to_sequence_parallel_region, table, torch.ones(4, 4) * r
+                scatter_to_sequence_parallel_region, table, torch.ones(4, 4) * r
             ),
             "gather_sp": _through(
                 lambda t: gp(t, tensor_parallel_output_grad=True),
@@ -79,7 +87,7 @@ def _mappings_with_default_group() -> dict[str, Any]:
                 _rows([0.0, 1.0], 4),
             ),
             "reduce_scatter_sp": _through(
-                tpl.reduce_scatter_to_sequence_parallel_region,
+                reduce_scatter_to_sequence_parallel_region,
                 _rows([0.0, 1.0], 4),
                 torch.ones(1, 4) * r,
             ),

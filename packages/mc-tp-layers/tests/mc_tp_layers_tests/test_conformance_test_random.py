@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-import mc_tp_layers as tpl
+from mc_tp_layers.random import CudaRNGStatesTracker
 
 
 def _seeded_state(seed: int) -> torch.Tensor:
@@ -44,7 +44,7 @@ def test_cuda_rng_states_tracker() -> None:
     stores the int 1234 (Megatron checks no value); mc carries such a value too
     (``test_random.py::test_set_states_carries_values_that_are_not_tensors``).
     """
-    tracker = tpl.CudaRNGStatesTracker(device="cpu")
+    tracker = CudaRNGStatesTracker(device="cpu")
     state = _seeded_state(1234)
     tracker.set_states({"state1": state})
     assert torch.equal(tracker.get_states()["state1"], state)
@@ -57,7 +57,7 @@ def test_cuda_rng_states_tracker() -> None:
 
 
 def _fork_pattern(nested: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
-    tracker = tpl.CudaRNGStatesTracker(device="cpu")
+    tracker = CudaRNGStatesTracker(device="cpu")
     tracker.add("state1", 1234)
     tracker.add("state2", 5678)
     one: list[torch.Tensor] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mc_tp_layers as tpl
+from mc_tp_layers.utils import VocabUtility, split_tensor_along_last_dim
 
 
 def test_split_tensor_along_last_dim() -> None:
@@ -21,15 +21,15 @@ def test_split_tensor_along_last_dim() -> None:
     ``contiguous_split_chunks``, then contiguous copies with the same values).
     """  # noqa: E501
     t = torch.rand(3, 4, generator=torch.Generator().manual_seed(0))
-    first, second = tpl.split_tensor_along_last_dim(t, 2)
+    first, second = split_tensor_along_last_dim(t, 2)
     assert torch.equal(first, t[:, 0:2])
     assert torch.equal(second, t[:, 2:4])
     assert first.data_ptr() == t.data_ptr()  # a view
-    chunks = tpl.split_tensor_along_last_dim(t, 2, contiguous_split_chunks=True)
+    chunks = split_tensor_along_last_dim(t, 2, contiguous_split_chunks=True)
     assert all(c.is_contiguous() for c in chunks)
     assert torch.equal(torch.cat(chunks, dim=-1), t)
     with pytest.raises(ValueError, match="4 is not divisible by 3"):
-        tpl.split_tensor_along_last_dim(t, 3)
+        split_tensor_along_last_dim(t, 3)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
@@ -44,11 +44,7 @@ def test_vocab(world_size: int) -> None:
     for rank in range(world_size):
         expected = (rank * per_partition, (rank + 1) * per_partition)
         assert (
-            tpl.VocabUtility.vocab_range_from_per_partition_vocab_size(
-                per_partition, rank, world_size
-            )
+            VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank, world_size)
             == expected
         )
-        assert tpl.VocabUtility.vocab_range_from_global_vocab_size(1600, rank, world_size) == (
-            expected
-        )
+        assert VocabUtility.vocab_range_from_global_vocab_size(1600, rank, world_size) == (expected)

@@ -27,6 +27,7 @@ import torch
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
+from mc_tp_layers.layers import param_is_not_tensor_parallel_duplicate
 from mc_tp_layers_tests._helpers import config, row_parallel, world
 
 Z = torch.nn.init.zeros_
@@ -104,12 +105,12 @@ def _duplicate_filter() -> dict[str, bool]:
     pgc = world(2, expert_tensor_parallel_size=1)
     try:
         param = torch.empty(1)
-        plain = tpl.param_is_not_tensor_parallel_duplicate(param, pgc.tp)
+        plain = param_is_not_tensor_parallel_duplicate(param, pgc.tp)
         param.allreduce = False  # type: ignore[attr-defined]
-        expert = tpl.param_is_not_tensor_parallel_duplicate(
+        expert = param_is_not_tensor_parallel_duplicate(
             param, tp_group=pgc.tp, expert_tp_group=pgc.expt_tp
         )
-        given_tp = tpl.param_is_not_tensor_parallel_duplicate(param, tp_group=pgc.tp)
+        given_tp = param_is_not_tensor_parallel_duplicate(param, tp_group=pgc.tp)
         return {"plain": plain, "expert": expert, "given_tp": given_tp}
     finally:
         mg.destroy_model_parallel(pgc)

@@ -17,7 +17,27 @@ import torch
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools, error_kind
-from mc_tp_layers.layers import _initialize_affine_weight_cpu, _initialize_affine_weight_gpu
+from mc_tp_layers.gtp import shard_weight_for_gtp
+from mc_tp_layers.layers import (
+    _initialize_affine_weight_cpu,
+    _initialize_affine_weight_gpu,
+    copy_tensor_model_parallel_attributes,
+    gtp_local_pad_zero_count,
+    param_is_not_tensor_parallel_duplicate,
+)
+from mc_tp_layers.linear import (
+    linear_with_frozen_weight,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
+from mc_tp_layers.mappings import (
+    all_to_all_hp2sp,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from mc_tp_layers.random import clear_cuda_rng_tracker
+from mc_tp_layers.sharded_state import tp_sharded_tensor
+from mc_tp_layers.utils import VocabUtility, divide, split_tensor_along_last_dim
 from mc_tp_layers_tests._helpers import config, row_parallel, world
 
 Z = torch.nn.init.zeros_
@@ -54,7 +74,7 @@ def _linear(*args: Any, **kw: Any) -> torch.Tensor:
     weight unless the arguments say otherwise (fusion, allreduce_dgrad, SP all False)."""
     x, w = kw.pop("x", torch.ones(2, 8)), kw.pop("w", torch.ones(2, 8))
     flags = kw.pop("flags", (False, False, False))
-    return tpl.linear_with_grad_accumulation_and_async_allreduce(
+    return linear_with_grad_accumulation_and_async_allreduce(
         x, w, kw.pop("bias", None), *flags, *args, **kw
     )
 
@@ -95,7 +115,7 @@ def _new_cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
         ),
         "linear_fusion_flag": lambda: _linear(flags=(_loose("no"), False, False)),
         "linear_sp_flag": lambda: _linear(flags=(False, False, _loose(1)), tp_group=pgc.tp),
-        "mapping_flag": lambda: tpl.gather_from_sequence_parallel_region(
+        "mapping_flag": lambda: gather_from_sequence_parallel_region(
             torch.ones(2, 2), _loose("no"), group=pgc.tp
         ),
         "params_dtype": lambda: tpl.ColumnParallelLinear(
@@ -128,13 +148,13 @@ def _new_cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
         ),
         "emb_id_range": lambda: emb(torch.tensor([[0, 8]])),
         "emb_id_device": lambda: emb(torch.zeros(1, 2, dtype=torch.long, device="meta")),
-        "partition_dim_wrap": lambda: tpl.tp_sharded_tensor(torch.ones(2, 4), _loose(pgc.tp), 5),
-        "vocab_range_negative": lambda: tpl.VocabUtility.vocab_range_from_per_partition_vocab_size(
+        "partition_dim_wrap": lambda: tp_sharded_tensor(torch.ones(2, 4), _loose(pgc.tp), 5),
+        "vocab_range_negative": lambda: VocabUtility.vocab_range_from_per_partition_vocab_size(
             4, -1, 2
         ),
-        "vocab_range_rank": lambda: tpl.VocabUtility.vocab_range_from_global_vocab_size(8, 2, 2),
-        "divide_zero": lambda: tpl.divide(4, 0),
-        "split_partitions": lambda: tpl.split_tensor_along_last_dim(torch.ones(2, 4), 0),
+        "vocab_range_rank": lambda: VocabUtility.vocab_range_from_global_vocab_size(8, 2, 2),
+        "divide_zero": lambda: divide(4, 0),
+        "split_partitions": lambda: split_tensor_along_last_dim(torch.ones(2, 4), 0),
         "rng_set_states_none": lambda: tracker.set_states(_loose(None)),
         "rng_set_states_value": lambda: tracker.set_states({"a": torch.zeros(3)}),
         "rng_fork_name": lambda: tracker.fork(_loose(5)).__enter__(),
@@ -151,25 +171,23 @@ def _new_cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
         "drain_pair_shape": lambda: tpl.drain_embedding_wgrad_compute(
             cfg, [torch.ones(2, 7)], [torch.ones(2, 2)], fused_weight, pgc.tp
         ),
-        "mapping_none": lambda: tpl.copy_to_tensor_model_parallel_region(
-            _loose(None), group=pgc.tp
-        ),
-        "split_sizes_type": lambda: tpl.gather_from_sequence_parallel_region(
+        "mapping_none": lambda: copy_to_tensor_model_parallel_region(_loose(None), group=pgc.tp),
+        "split_sizes_type": lambda: gather_from_sequence_parallel_region(
             torch.ones(2, 2), group=pgc.tp, output_split_sizes=_loose(2)
         ),
         "sharded_prefix": lambda: col.sharded_state_dict(prefix=_loose(None)),
         "sharded_offsets": lambda: col.sharded_state_dict(sharded_offsets=_loose(5)),
         "row_forward_none": lambda: _row(pgc)(_loose(None)),
-        "gtp_shard_none": lambda: tpl.shard_weight_for_gtp(_loose(None), _loose(pgc.tp)),
-        "gtp_pad_range": lambda: tpl.gtp_local_pad_zero_count(torch.ones(4), 5, 2),
+        "gtp_shard_none": lambda: shard_weight_for_gtp(_loose(None), _loose(pgc.tp)),
+        "gtp_pad_range": lambda: gtp_local_pad_zero_count(torch.ones(4), 5, 2),
         "init_cpu_partition_dim": lambda: _initialize_affine_weight_cpu(
             torch.empty(2, 8), 4, 8, 2, 2, Z, rank=0, world_size=2
         ),
         "init_gpu_tracker": lambda: _initialize_affine_weight_gpu(
             torch.empty(2, 8), Z, 0, rng_tracker=_loose("t")
         ),
-        "param_dup_none": lambda: tpl.param_is_not_tensor_parallel_duplicate(_loose(None), pgc.tp),
-        "copy_attributes_none": lambda: tpl.copy_tensor_model_parallel_attributes(
+        "param_dup_none": lambda: param_is_not_tensor_parallel_duplicate(_loose(None), pgc.tp),
+        "copy_attributes_none": lambda: copy_tensor_model_parallel_attributes(
             _loose(None), torch.ones(1)
         ),
         "agreement_model": lambda: tpl.check_tp_agreement(_loose("model")),
@@ -217,10 +235,10 @@ def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
             init_method=Z,
             pg_collection=pgc,
         ),
-        "both_reductions": lambda: tpl.linear_with_grad_accumulation_and_async_allreduce(
+        "both_reductions": lambda: linear_with_grad_accumulation_and_async_allreduce(
             torch.ones(2, 8), torch.ones(2, 8), None, False, True, True, tp_group=pgc.tp
         ),
-        "deferral_without_fusion": lambda: tpl.linear_with_grad_accumulation_and_async_allreduce(
+        "deferral_without_fusion": lambda: linear_with_grad_accumulation_and_async_allreduce(
             torch.ones(2, 8), torch.ones(2, 8), None, False, False, True, [], 0, pgc.tp
         ),
         "drain_mismatch": lambda: tpl.drain_embedding_wgrad_compute(
@@ -229,19 +247,19 @@ def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
         "config": lambda: tpl.ColumnParallelLinear(
             8, 4, config=_NOT_A_CONFIG, init_method=Z, pg_collection=pgc
         ),
-        "mapping_group": lambda: tpl.copy_to_tensor_model_parallel_region(
+        "mapping_group": lambda: copy_to_tensor_model_parallel_region(
             torch.ones(2, 4), group=_loose("tp")
         ),
-        "split_sizes_count": lambda: tpl.gather_from_sequence_parallel_region(
+        "split_sizes_count": lambda: gather_from_sequence_parallel_region(
             torch.ones(2, 2), group=pgc.tp, output_split_sizes=[2]
         ),
-        "split_sizes_rows": lambda: tpl.gather_from_sequence_parallel_region(
+        "split_sizes_rows": lambda: gather_from_sequence_parallel_region(
             torch.ones(2, 2), group=pgc.tp, output_split_sizes=[3, 3]
         ),
-        "last_dim_split": lambda: tpl.scatter_to_tensor_model_parallel_region(
+        "last_dim_split": lambda: scatter_to_tensor_model_parallel_region(
             torch.ones(2, 3), group=pgc.tp
         ),
-        "tokens_split": lambda: tpl.all_to_all_hp2sp(torch.ones(3, 3), group=pgc.tp),
+        "tokens_split": lambda: all_to_all_hp2sp(torch.ones(3, 3), group=pgc.tp),
         "smoothing": lambda: tpl.vocab_parallel_cross_entropy(
             torch.ones(2, 2, 4), LONG_TARGET, label_smoothing=1.0, tp_group=pgc.tp
         ),
@@ -251,10 +269,10 @@ def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
         "target_shape": lambda: tpl.vocab_parallel_cross_entropy(
             torch.ones(2, 2, 4), torch.zeros(2, 3, dtype=torch.long), tp_group=pgc.tp
         ),
-        "frozen_deferral": lambda: tpl.linear_with_frozen_weight(
+        "frozen_deferral": lambda: linear_with_frozen_weight(
             torch.ones(2, 8), torch.ones(2, 8), None, False, False, False, pgc.tp, [], None
         ),
-        "output_dtype": lambda: tpl.linear_with_grad_accumulation_and_async_allreduce(
+        "output_dtype": lambda: linear_with_grad_accumulation_and_async_allreduce(
             torch.ones(2, 8),
             torch.ones(2, 8),
             None,
@@ -264,7 +282,7 @@ def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
             tp_group=pgc.tp,
             output_dtype=_loose("bf16"),
         ),
-        "gtp_size": lambda: tpl.linear_with_grad_accumulation_and_async_allreduce(
+        "gtp_size": lambda: linear_with_grad_accumulation_and_async_allreduce(
             torch.ones(2, 8),
             torch.ones(2, 8),
             None,
@@ -279,7 +297,7 @@ def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
 
 def _run_cases() -> dict[str, str]:
     pgc = world(2)
-    tpl.clear_cuda_rng_tracker()  # "device_init" needs no default tracker in this worker
+    clear_cuda_rng_tracker()  # "device_init" needs no default tracker in this worker
     try:
         messages: dict[str, str] = {}
         with mg.record_collectives() as log:

@@ -17,7 +17,11 @@ import torch
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
-from mc_tp_layers.layers import _initialize_affine_weight_cpu
+from mc_tp_layers.layers import (
+    _initialize_affine_weight_cpu,
+    param_is_not_tensor_parallel_duplicate,
+)
+from mc_tp_layers.random import clear_cuda_rng_tracker
 from mc_tp_layers_tests._helpers import config, row_parallel, world
 
 SEED = 1234
@@ -137,7 +141,7 @@ def _attributes(perform: bool, sp: bool) -> dict[str, Any]:
         }
         return {key: {n: getattr(p, n, "unset") for n in names} for key, p in params.items()} | {
             "dup": [
-                p is not None and tpl.param_is_not_tensor_parallel_duplicate(p, pgc.tp)
+                p is not None and param_is_not_tensor_parallel_duplicate(p, pgc.tp)
                 for p in params.values()
             ],
         }
@@ -236,7 +240,7 @@ def _device_init(is_expert: bool, use_default: bool) -> dict[str, Any]:
         # the default generator was seeded with SEED and the init drew from the tracker
         return {"w": col.weight.detach(), "next_default": torch.rand(3)}
     finally:
-        tpl.clear_cuda_rng_tracker()
+        clear_cuda_rng_tracker()
         mg.destroy_model_parallel(pgc)
 
 

@@ -28,6 +28,7 @@ from torch.nn.utils import parametrize
 import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools, error_kind
+from mc_tp_layers.linear import linear_with_grad_accumulation_and_async_allreduce
 
 from ._helpers import (
     assert_close,
@@ -53,18 +54,14 @@ class _ScaledRow(tpl.RowParallelLinear):
     def _forward_impl(
         self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        return 3 * tpl.linear_with_grad_accumulation_and_async_allreduce(
-            input, weight, *args, **kwargs
-        )
+        return 3 * linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
 
 
 class _ScaledColumn(tpl.ColumnParallelLinear):
     def _forward_impl(
         self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        return 3 * tpl.linear_with_grad_accumulation_and_async_allreduce(
-            input, weight, *args, **kwargs
-        )
+        return 3 * linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
 
 
 def _init(w: torch.Tensor) -> None:

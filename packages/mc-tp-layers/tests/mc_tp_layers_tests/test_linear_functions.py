@@ -18,7 +18,12 @@ import mc_tp_layers as tpl
 import mc_tp_layers.linear as tpl_linear
 from mc_groups.testing import RankPools
 from mc_tp_layers import _gemm
-from mc_tp_layers.layers import _linear_forward, _wgrad_gemm
+from mc_tp_layers.layers import (
+    _linear_forward,
+    _wgrad_gemm,
+    gtp_local_pad_zero_count,
+    param_is_not_gtp_duplicate,
+)
 from mc_tp_layers_tests._helpers import (
     assert_close,
     backward,
@@ -308,9 +313,9 @@ def _gtp(d: dict[str, torch.Tensor], fusion: bool, per_token: bool) -> dict[str,
             "grads": grads,
             "pads": [col.weight.pad_length, row.weight.pad_length],  # type: ignore[attr-defined]
             "pad_zeros": [
-                tpl.gtp_local_pad_zero_count(p, 0, p.numel()) for p in (col.weight, row.weight)
+                gtp_local_pad_zero_count(p, 0, p.numel()) for p in (col.weight, row.weight)
             ],
-            "keep": [tpl.param_is_not_gtp_duplicate(p) for p in (col.weight, col.bias)],
+            "keep": [param_is_not_gtp_duplicate(p) for p in (col.weight, col.bias)],
             "fwd": ops(fwd),
             "bwd": ops(bwd),
         }

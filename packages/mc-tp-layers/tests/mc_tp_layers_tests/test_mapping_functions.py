@@ -29,7 +29,9 @@ import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
 from mc_tp_layers import mappings as mp
+from mc_tp_layers.mappings import all_to_all
 from mc_tp_layers.random import checkpoint
+from mc_tp_layers.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 from mc_tp_layers_tests._helpers import backward, grad, world
 
 _Call = Callable[[], Any]
@@ -117,7 +119,7 @@ def _all_to_all(group: torch.distributed.ProcessGroup, t: int) -> dict[str, Any]
     ins = sends[t]
     outs = [sends[0][t], sends[1][t]]
     x = (10.0 * t + torch.arange(float(sum(ins)))).unsqueeze(1).requires_grad_()
-    y, fwd = _recorded(lambda: tpl.all_to_all(group, x, outs, ins, use_nccl_stream=True))
+    y, fwd = _recorded(lambda: all_to_all(group, x, outs, ins, use_nccl_stream=True))
     ctx = _Ctx(group=group, output_split_sizes=outs, input_split_sizes=ins, use_nccl_stream=False)
     direct, _ = _recorded(lambda: mp._AllToAll.backward(ctx, y.detach()))
     _, bwd = _recorded(lambda: backward(y, y.detach()))
@@ -134,13 +136,13 @@ def _all_to_all(group: torch.distributed.ProcessGroup, t: int) -> dict[str, Any]
 
 def _split_helpers(group: torch.distributed.ProcessGroup, t: int) -> dict[str, Any]:
     whole = torch.arange(12.0).reshape(3, 4)
-    view = tpl.split_tensor_into_1d_equal_chunks(whole)  # default collection's tp
-    copy = tpl.split_tensor_into_1d_equal_chunks(whole, new_buffer=True, tp_group=group)
-    gathered, log = _recorded(lambda: tpl.gather_split_1d_tensor(torch.ones(2, 2) * t))
+    view = split_tensor_into_1d_equal_chunks(whole)  # default collection's tp
+    copy = split_tensor_into_1d_equal_chunks(whole, new_buffer=True, tp_group=group)
+    gathered, log = _recorded(lambda: gather_split_1d_tensor(torch.ones(2, 2) * t))
     errors = {}
     bad: dict[str, _Call] = {
-        "odd": lambda: tpl.split_tensor_into_1d_equal_chunks(torch.ones(3)),
-        "strided": lambda: tpl.split_tensor_into_1d_equal_chunks(whole.t()),
+        "odd": lambda: split_tensor_into_1d_equal_chunks(torch.ones(3)),
+        "strided": lambda: split_tensor_into_1d_equal_chunks(whole.t()),
     }
     for name, call in bad.items():
         try:

@@ -14,8 +14,21 @@ import pytest
 import torch
 
 import mc_groups as mg
-import mc_tp_layers as tpl
 from mc_groups.testing import RankPools, error_kind
+from mc_tp_layers.mappings import (
+    all_gather_last_dim_from_tensor_parallel_region,
+    all_to_all,
+    all_to_all_hp2sp,
+    all_to_all_sp2hp,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_last_dim_to_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
 from mc_tp_layers_tests._helpers import ops, world
 
 
@@ -38,28 +51,28 @@ def _tp_region_cases() -> dict[str, Any]:
         row = torch.arange(2.0 * w).expand(2, -1)
         return {
             "copy": _fwd_bwd(
-                lambda t: tpl.copy_to_tensor_model_parallel_region(t, g), ones, (r + 1) * ones
+                lambda t: copy_to_tensor_model_parallel_region(t, g), ones, (r + 1) * ones
             ),
             "reduce": _fwd_bwd(
-                lambda t: tpl.reduce_from_tensor_model_parallel_region(t, g),
+                lambda t: reduce_from_tensor_model_parallel_region(t, g),
                 (r + 1) * ones,
                 (r + 1) * ones,
             ),
             "scatter": _fwd_bwd(
-                lambda t: tpl.scatter_to_tensor_model_parallel_region(t, g), row, (r + 1) * ones
+                lambda t: scatter_to_tensor_model_parallel_region(t, g), row, (r + 1) * ones
             ),
             "gather": _fwd_bwd(
-                lambda t: tpl.gather_from_tensor_model_parallel_region(t, g),
+                lambda t: gather_from_tensor_model_parallel_region(t, g),
                 torch.full((2, 2), float(r)),
                 row,
             ),
             "ag_last": _fwd_bwd(
-                lambda t: tpl.all_gather_last_dim_from_tensor_parallel_region(t, g),
+                lambda t: all_gather_last_dim_from_tensor_parallel_region(t, g),
                 torch.full((2, 2), float(r)),
                 (r + 1) * row,
             ),
             "rs_last": _fwd_bwd(
-                lambda t: tpl.reduce_scatter_last_dim_to_tensor_parallel_region(t, g),
+                lambda t: reduce_scatter_last_dim_to_tensor_parallel_region(t, g),
                 (r + 1) * row,
                 torch.full((2, 2), float(r)),
             ),
@@ -117,18 +130,18 @@ def _sequence_region_cases() -> dict[str, Any]:
         mine = torch.full((2, 1), float(r))
         return {
             "scatter": _fwd_bwd(
-                lambda t: tpl.scatter_to_sequence_parallel_region(t, g),
+                lambda t: scatter_to_sequence_parallel_region(t, g),
                 col,
                 (r + 1) * torch.ones(2, 1),
             ),
             "gather_rs": _fwd_bwd(
-                lambda t: tpl.gather_from_sequence_parallel_region(t, True, g), mine, (r + 1) * col
+                lambda t: gather_from_sequence_parallel_region(t, True, g), mine, (r + 1) * col
             ),
             "gather_split": _fwd_bwd(
-                lambda t: tpl.gather_from_sequence_parallel_region(t, False, g), mine, col
+                lambda t: gather_from_sequence_parallel_region(t, False, g), mine, col
             ),
             "rs": _fwd_bwd(
-                lambda t: tpl.reduce_scatter_to_sequence_parallel_region(t, g), (r + 1) * col, mine
+                lambda t: reduce_scatter_to_sequence_parallel_region(t, g), (r + 1) * col, mine
             ),
         }
     finally:
@@ -167,21 +180,19 @@ def _uneven_cases() -> dict[str, Any]:
         full = torch.arange(8.0).reshape(4, 2)
         return {
             "gather": _fwd_bwd(
-                lambda t: tpl.gather_from_sequence_parallel_region(
+                lambda t: gather_from_sequence_parallel_region(
                     t, True, g, output_split_sizes=sizes
                 ),
                 mine,
                 (r + 1) * full,
             ),
             "rs": _fwd_bwd(
-                lambda t: tpl.reduce_scatter_to_sequence_parallel_region(
-                    t, g, input_split_sizes=sizes
-                ),
+                lambda t: reduce_scatter_to_sequence_parallel_region(t, g, input_split_sizes=sizes),
                 (r + 1) * full,
                 mine,
             ),
             "scatter": _fwd_bwd(
-                lambda t: tpl.scatter_to_sequence_parallel_region(t, g, split_sizes=sizes),
+                lambda t: scatter_to_sequence_parallel_region(t, g, split_sizes=sizes),
                 full,
                 mine,
             ),
@@ -212,20 +223,20 @@ def _all_to_all_cases() -> dict[str, Any]:
         # rank r sends row j = 10r + j to rank j
         x = torch.tensor([[10.0 * r + j] for j in range(w)])
         grad = torch.tensor([[100.0 * r + j] for j in range(w)])
-        even = _fwd_bwd(lambda t: tpl.all_to_all(g, t), x, grad)
+        even = _fwd_bwd(lambda t: all_to_all(g, t), x, grad)
         # uneven on 2 ranks: rank 0 sends 1 row to 0 and 2 to 1; rank 1 sends 2 rows to 0, 1 to 1
         ins = [[1, 2], [2, 1]][r] if w == 2 else None
         outs = [[1, 2], [2, 1]][r] if w == 2 else None
         xu = torch.arange(3.0).unsqueeze(1) + 10 * r
-        uneven = _fwd_bwd(lambda t: tpl.all_to_all(g, t, outs, ins), xu, xu + 100) if w == 2 else {}
+        uneven = _fwd_bwd(lambda t: all_to_all(g, t, outs, ins), xu, xu + 100) if w == 2 else {}
         tokens = torch.arange(4.0 * w * 2 * w).reshape(4 * w, 2 * w)  # [tokens, H]
         sp = tokens.chunk(w, 0)[r].clone()
         hp = tokens.chunk(w, 1)[r].clone()
         return {
             "even": even,
             "uneven": uneven,
-            "sp2hp": _fwd_bwd(lambda t: tpl.all_to_all_sp2hp(t, g), sp, hp),
-            "hp2sp": _fwd_bwd(lambda t: tpl.all_to_all_hp2sp(t, g), hp, sp),
+            "sp2hp": _fwd_bwd(lambda t: all_to_all_sp2hp(t, g), sp, hp),
+            "hp2sp": _fwd_bwd(lambda t: all_to_all_hp2sp(t, g), hp, sp),
         }
     finally:
         mg.destroy_model_parallel(pgc)
@@ -263,27 +274,27 @@ def _single_rank_and_default() -> dict[str, Any]:
         g = pgc.require("tp", "test")
         x = torch.arange(4.0).reshape(2, 2)
         fns: list[Callable[..., torch.Tensor]] = [
-            tpl.copy_to_tensor_model_parallel_region,
-            tpl.reduce_from_tensor_model_parallel_region,
-            tpl.scatter_to_tensor_model_parallel_region,
-            tpl.gather_from_tensor_model_parallel_region,
-            tpl.scatter_to_sequence_parallel_region,
-            tpl.gather_from_sequence_parallel_region,
-            tpl.reduce_scatter_to_sequence_parallel_region,
-            tpl.all_gather_last_dim_from_tensor_parallel_region,
-            tpl.reduce_scatter_last_dim_to_tensor_parallel_region,
-            tpl.all_to_all_sp2hp,
-            tpl.all_to_all_hp2sp,
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+            scatter_to_tensor_model_parallel_region,
+            gather_from_tensor_model_parallel_region,
+            scatter_to_sequence_parallel_region,
+            gather_from_sequence_parallel_region,
+            reduce_scatter_to_sequence_parallel_region,
+            all_gather_last_dim_from_tensor_parallel_region,
+            reduce_scatter_last_dim_to_tensor_parallel_region,
+            all_to_all_sp2hp,
+            all_to_all_hp2sp,
         ]
         with mg.record_collectives() as log:
-            same = [fn(x, group=g) is x for fn in fns] + [tpl.all_to_all(g, x) is x]
+            same = [fn(x, group=g) is x for fn in fns] + [all_to_all(g, x) is x]
         errors = []
         try:
-            tpl.copy_to_tensor_model_parallel_region(x)
+            copy_to_tensor_model_parallel_region(x)
         except ValueError as err:
             errors.append(str(err))
         mg.set_default_collection(pgc)
-        defaulted = tpl.reduce_from_tensor_model_parallel_region(x) is x
+        defaulted = reduce_from_tensor_model_parallel_region(x) is x
         return {"same": same, "log": len(log), "errors": errors, "defaulted": defaulted}
     finally:
         mg.destroy_model_parallel(pgc)
@@ -303,17 +314,17 @@ def _bad_inputs() -> dict[str, str]:
     try:
         g = pgc.require("tp", "test")
         cases: dict[str, Callable[[], object]] = {
-            "last": lambda: tpl.scatter_to_tensor_model_parallel_region(torch.ones(2, 3), g),
-            "seq": lambda: tpl.reduce_scatter_to_sequence_parallel_region(torch.ones(3, 2), g),
-            "sizes": lambda: tpl.gather_from_sequence_parallel_region(
+            "last": lambda: scatter_to_tensor_model_parallel_region(torch.ones(2, 3), g),
+            "seq": lambda: reduce_scatter_to_sequence_parallel_region(torch.ones(3, 2), g),
+            "sizes": lambda: gather_from_sequence_parallel_region(
                 torch.ones(2, 2), True, g, [1, 1]
             ),
-            "count": lambda: tpl.reduce_scatter_to_sequence_parallel_region(
+            "count": lambda: reduce_scatter_to_sequence_parallel_region(
                 torch.ones(4, 2), g, [1, 2, 1]
             ),
-            "type": lambda: tpl.copy_to_tensor_model_parallel_region([1.0], g),  # type: ignore[arg-type]
-            "group": lambda: tpl.copy_to_tensor_model_parallel_region(torch.ones(2), "tp"),  # type: ignore[arg-type]
-            "hp2sp": lambda: tpl.all_to_all_hp2sp(torch.ones(3, 2), g),
+            "type": lambda: copy_to_tensor_model_parallel_region([1.0], g),  # type: ignore[arg-type]
+            "group": lambda: copy_to_tensor_model_parallel_region(torch.ones(2), "tp"),  # type: ignore[arg-type]
+            "hp2sp": lambda: all_to_all_hp2sp(torch.ones(3, 2), g),
         }
         messages: dict[str, str] = {}
         with mg.record_collectives() as log:

@@ -36,6 +36,7 @@ import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools, gpu_skip_reason
 from mc_tp_layers import _gemm
+from mc_tp_layers.random import get_data_parallel_rng_tracker_name
 from mc_tp_layers_tests._helpers import (
     assert_close,
     backward,
@@ -421,7 +422,7 @@ def test_rng_tracker_streams_on_device(kind: str) -> None:
     with tracker.fork():
         first = _draw(device)
     outside = _draw(device)
-    with tracker.fork(tpl.get_data_parallel_rng_tracker_name()):
+    with tracker.fork(get_data_parallel_rng_tracker_name()):
         with tracker.fork():
             nested = _draw(device)
         after_nested = _draw(device)

@@ -13,6 +13,14 @@ import pytest
 import torch
 
 import mc_tp_layers as tpl
+from mc_tp_layers.random import (
+    CudaRNGStatesTracker,
+    clear_cuda_rng_tracker,
+    get_data_parallel_rng_tracker_name,
+    get_expert_parallel_rng_tracker_name,
+    get_model_parallel_rng_tracker_name,
+    set_cuda_rng_tracker,
+)
 
 
 def _draws(seed: int, n: int) -> torch.Tensor:
@@ -77,9 +85,9 @@ def test_model_parallel_seed_streams() -> None:
         100, tp_rank=3, ep_rank=2, etp_rank=1, device="cpu", set_default=False
     )
     expected = {
-        tpl.get_data_parallel_rng_tracker_name(): 100,
-        tpl.get_model_parallel_rng_tracker_name(): 100 + 2718 + 3,
-        tpl.get_expert_parallel_rng_tracker_name(): 100 + 1024 + 100 * 2 + 1,
+        get_data_parallel_rng_tracker_name(): 100,
+        get_model_parallel_rng_tracker_name(): 100 + 2718 + 3,
+        get_expert_parallel_rng_tracker_name(): 100 + 1024 + 100 * 2 + 1,
     }
     # the default generator is seeded with the data-parallel seed
     assert torch.equal(torch.rand(2), _draws(100, 2))
@@ -87,27 +95,27 @@ def test_model_parallel_seed_streams() -> None:
         with tracker.fork(name):
             assert torch.equal(torch.rand(2), _draws(seed, 2)), name
     # Megatron's tracker class (isinstance checks on get_cuda_rng_tracker() hold)
-    assert isinstance(tracker, tpl.CudaRNGStatesTracker)
+    assert isinstance(tracker, CudaRNGStatesTracker)
 
 
 def test_cuda_tracker_takes_megatrons_constructor() -> None:
     """``CudaRNGStatesTracker(use_cudagraphable_rng=False, is_inference_rng_tracker=False)``
     (megatron/core/tensor_parallel/random.py): the generator of the current CUDA device,
     CPU's without CUDA; the graph-safe variant is refused by name."""
-    tracker = tpl.CudaRNGStatesTracker()
+    tracker = CudaRNGStatesTracker()
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert tracker.device.type == expected
     assert isinstance(tracker, tpl.RNGStatesTracker)
     assert (tracker.use_cudagraphable_rng, tracker.is_inference_rng_tracker) == (False, False)
-    assert tpl.CudaRNGStatesTracker(False, True).is_inference_rng_tracker
-    cpu = tpl.CudaRNGStatesTracker(device="cpu")
+    assert CudaRNGStatesTracker(False, True).is_inference_rng_tracker
+    cpu = CudaRNGStatesTracker(device="cpu")
     cpu.add("a", 11)
     with cpu.fork("a"):
         assert torch.equal(torch.rand(3), _draws(11, 3))
     with pytest.raises(NotImplementedError, match="use_cudagraphable_rng=True"):
-        tpl.CudaRNGStatesTracker(use_cudagraphable_rng=True)
+        CudaRNGStatesTracker(use_cudagraphable_rng=True)
     with pytest.raises(TypeError, match="is_inference_rng_tracker"):
-        tpl.CudaRNGStatesTracker(False, "yes")  # type: ignore[arg-type]
+        CudaRNGStatesTracker(False, "yes")  # type: ignore[arg-type]
 
 
 def test_set_states_carries_values_that_are_not_tensors() -> None:
@@ -142,7 +150,7 @@ def test_seeding_registers_the_default_tracker() -> None:
     ``get_cuda_rng_tracker().get_states()['model-parallel-rng']`` exists afterwards); the
     default is opt-out (``set_default=False``) and can be cleared; without one,
     ``get_cuda_rng_tracker()`` is a RuntimeError naming the fix."""
-    tpl.clear_cuda_rng_tracker()
+    clear_cuda_rng_tracker()
     try:
         with pytest.raises(RuntimeError, match="model_parallel_cuda_manual_seed"):
             tpl.get_cuda_rng_tracker()
@@ -152,12 +160,12 @@ def test_seeding_registers_the_default_tracker() -> None:
         tpl.model_parallel_cuda_manual_seed(6, tp_rank=0, ep_rank=0, etp_rank=0, set_default=False)
         assert tpl.get_cuda_rng_tracker() is kept
         other = tpl.RNGStatesTracker()
-        tpl.set_cuda_rng_tracker(other)
+        set_cuda_rng_tracker(other)
         assert tpl.get_cuda_rng_tracker() is other
         with pytest.raises(TypeError, match="RNGStatesTracker"):
-            tpl.set_cuda_rng_tracker("tracker")  # type: ignore[arg-type]
+            set_cuda_rng_tracker("tracker")  # type: ignore[arg-type]
     finally:
-        tpl.clear_cuda_rng_tracker()
+        clear_cuda_rng_tracker()
 
 
 def test_megatron_signature_and_gtp_streams() -> None:

@@ -30,6 +30,7 @@ import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools
 from mc_tp_layers.gtp import gtp_local_rows
+from mc_tp_layers.layers import set_tensor_model_parallel_attributes
 from mc_tp_layers.shards import join_shards, split_full
 from mc_tp_layers_tests._helpers import config, row_parallel, world
 
@@ -186,14 +187,14 @@ def _parallelized_and_plain() -> dict[str, Any]:
         # a module of the user's own holding rows 3r..3r+2 of a [6, 4] weight, marked split
         full = torch.arange(24.0).reshape(6, 4)
         rank = out["rank"]
-        tpl.set_tensor_model_parallel_attributes(plain.weight, True, 0, 1)
+        set_tensor_model_parallel_attributes(plain.weight, True, 0, 1)
         try:
             tpl.full_state_dict(plain)
             out["needs_group"] = "no error"
         except ValueError as err:
             out["needs_group"] = str(err)
         plain.weight = torch.nn.Parameter(full[3 * rank : 3 * rank + 3].clone())
-        tpl.set_tensor_model_parallel_attributes(plain.weight, True, 0, 1)
+        set_tensor_model_parallel_attributes(plain.weight, True, 0, 1)
         tp = pgc.require("tp", "test")
         out["own_module"] = torch.equal(tpl.full_state_dict(plain, tp)["weight"], full)
         return out

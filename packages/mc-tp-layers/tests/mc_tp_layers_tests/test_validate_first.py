@@ -21,6 +21,14 @@ import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools, error_kind
 from mc_tp_layers.layers import _initialize_affine_weight_cpu
+from mc_tp_layers.linear import linear_with_grad_accumulation_and_async_allreduce
+from mc_tp_layers.mappings import (
+    all_to_all,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from mc_tp_layers.random import clear_cuda_rng_tracker
 from mc_tp_layers_tests._helpers import config, world
 
 
@@ -82,7 +90,7 @@ def test_set_states_refused_keeps_the_streams() -> None:
 
 
 def test_a_refused_seed_changes_no_generator_and_no_default() -> None:
-    tpl.clear_cuda_rng_tracker()
+    clear_cuda_rng_tracker()
     state = torch.get_rng_state()
     with pytest.raises(ValueError, match=r"gtp_remat_rank=2 is outside its axis of 2 rank"):
         tpl.model_parallel_cuda_manual_seed(
@@ -108,26 +116,24 @@ def _loose(value: object) -> Any:
 
 CALLS: dict[str, tuple[Callable[[dist.ProcessGroup], object], str, str]] = {
     "split sizes for three ranks": (
-        lambda g: tpl.scatter_to_sequence_parallel_region(
-            torch.ones(4, 2), g, split_sizes=[1, 1, 2]
-        ),
+        lambda g: scatter_to_sequence_parallel_region(torch.ones(4, 2), g, split_sizes=[1, 1, 2]),
         "ValueError",
         "split_sizes=[1, 1, 2] must hold one non-negative int per rank",
     ),
     "a flag that is not a bool": (
-        lambda g: tpl.gather_from_sequence_parallel_region(torch.ones(2, 2), _loose("no"), g),
+        lambda g: gather_from_sequence_parallel_region(torch.ones(2, 2), _loose("no"), g),
         "TypeError",
         "tensor_parallel_output_grad='no' must be a bool",
     ),
     "sizes that do not add up": (
-        lambda g: tpl.reduce_scatter_to_sequence_parallel_region(
+        lambda g: reduce_scatter_to_sequence_parallel_region(
             torch.ones(4, 2), g, input_split_sizes=[5] * g.size()
         ),
         "ValueError",
         "sum to",
     ),
     "split sizes as a string": (
-        lambda g: tpl.all_to_all(g, torch.ones(2, 2), output_split_sizes_=_loose("2")),
+        lambda g: all_to_all(g, torch.ones(2, 2), output_split_sizes_=_loose("2")),
         "TypeError",
         "output_split_sizes_='2' must be a list of ints",
     ),
@@ -220,7 +226,7 @@ def _offloaded_main_grad() -> str:
         weight.main_grad.untyped_storage().resize_(0)  # type: ignore[attr-defined]
         with mg.record_collectives() as log:
             try:
-                tpl.linear_with_grad_accumulation_and_async_allreduce(
+                linear_with_grad_accumulation_and_async_allreduce(
                     torch.ones(2, 4), weight, None, True, False, False, tp_group=pgc.tp
                 )
             except RuntimeError as err:
