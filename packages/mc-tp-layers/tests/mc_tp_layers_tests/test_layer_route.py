@@ -121,6 +121,7 @@ def _params_and_hooks() -> dict[str, Any]:
         out["bad width"] = "no error"
     except Exception as err:
         out["bad width"] = f"{error_kind(err)}: {err}"
+    mg.destroy_model_parallel(pgc)
     return out
 
 
@@ -149,10 +150,10 @@ def test_every_forward_reads_the_params_and_the_hook(rank_pools: RankPools) -> N
 
 def _row_backward(cases: list[tuple[bool, bool]]) -> list[dict[str, Any]]:
     outs = []
+    pgc = world(2)  # one set of groups for every case
+    assert pgc.tp is not None
+    rank = mg.group_rank(pgc.tp)
     for sp, fusion in cases:
-        pgc = world(2)
-        assert pgc.tp is not None
-        rank = mg.group_rank(pgc.tp)
         row = row_parallel(6, 8, config(2, sequence_parallel=sp), _init, pg_collection=pgc)
         if fusion:
             row.gradient_accumulation_fusion = True
@@ -182,7 +183,7 @@ def _row_backward(cases: list[tuple[bool, bool]]) -> list[dict[str, Any]]:
             )
         out["main_grad"] = main_grad(row.weight).clone() if fusion else None
         outs.append(out)
-        mg.destroy_model_parallel(pgc)
+    mg.destroy_model_parallel(pgc)
     return outs
 
 
