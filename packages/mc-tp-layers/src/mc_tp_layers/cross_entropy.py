@@ -39,10 +39,17 @@ vocabulary).
 **Gathered logits.** Logits that already hold the whole vocabulary on every rank (a
 column-parallel head with ``gather_output=True``, ``transformers``' ``colwise_gather_output``)
 look like a slice of ``V·W`` classes: every rank agrees, targets are in range, and the loss
-comes out as the true loss + log(W) with no error (Megatron-LM #7452 row 2). Pass the full
-vocabulary size (``vocab_size=``, a Python int: no device work) and the call checks
-``V_local · W == vocab_size`` before any collective. Without it mc cannot tell: a
-``[..., V]`` tensor is a valid slice of a ``V·W`` vocabulary.
+would come out as the true loss + log(W) with no other sign (Megatron-LM #7452 row 2). Their
+values cannot tell (a ``[..., V]`` tensor is a valid slice of a ``V·W`` vocabulary, and
+Megatron's own test passes one tensor to every rank), but their history can: the call
+follows the logits' autograd graph back through ops that keep the vocabulary dim whole
+(views, transposes, slices of other dims, casts, copies, scaling by a number) and refuses,
+before any collective, logits that come straight out of mc's all-gather along the last dim
+(:func:`~mc_tp_layers.gather_from_tensor_model_parallel_region`, which a column-parallel
+layer with ``gather_output`` runs). Logits without that history (computed under
+``no_grad``, gathered by other code) are not recognised: pass the full vocabulary size
+(``vocab_size=``, a Python int: no device work) and the call checks
+``V_local · W == vocab_size`` before any collective.
 
 **Under torch.compile** both checks take their device form on every device
 (``torch._assert_async`` in the graph: on CPU a ``RuntimeError`` naming the check when the
@@ -63,7 +70,7 @@ from mc_groups.comm import traceable
 from mc_groups.comm.cross_rank import differences
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers.agreement import TensorParallelAgreementError
-from mc_tp_layers.mappings import _apply
+from mc_tp_layers.mappings import _apply, _GatherFromModelParallelRegion
 from mc_tp_layers.utils import _check_index_range, _resolve_tp_group
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -212,6 +219,55 @@ def _local_target(
     return (target - start).masked_fill(outside, 0), outside
 
 
+# Autograd nodes of ops that keep the last (vocabulary) dim as it is: the walk back from the
+# logits to the op that made them passes through these (elementwise scaling only when one
+# input carries a gradient: a temperature, a mask).
+_KEEP_VOCAB = frozenset(
+    {
+        "AliasBackward0",
+        "AsStridedBackward0",
+        "CloneBackward0",
+        "DivBackward0",
+        "DivBackward1",
+        "ExpandBackward0",
+        "MulBackward0",
+        "MulBackward1",
+        "PermuteBackward0",
+        "ReshapeAliasBackward0",
+        "SelectBackward0",
+        "SliceBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "ToCopyBackward0",
+        "TransposeBackward0",
+        "UnsafeViewBackward0",
+        "UnsqueezeBackward0",
+        "ViewBackward0",
+    }
+)
+_WALK_LIMIT = 64
+
+
+def _gathered(x: torch.Tensor) -> bool:
+    """``x`` comes out of mc's all-gather along the last dim through ops that keep that dim
+    (see notes); False when its history says otherwise or is unknown."""
+    if torch.compiler.is_compiling():
+        return False
+    node = x.grad_fn
+    for _ in range(_WALK_LIMIT):
+        if node is None:
+            return False
+        if isinstance(node, _GatherFromModelParallelRegion._backward_cls):
+            return True
+        if type(node).__name__ not in _KEEP_VOCAB:
+            return False
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
+
+
 def _check_vocab_size(vocab_size: object, local: int, tp_size: int, what: str) -> None:
     """``local · tp_size == vocab_size`` when ``vocab_size`` is given (ints only: no device
     work), else an error naming gathered logits when they look gathered."""
@@ -293,7 +349,8 @@ def vocab_parallel_cross_entropy(
             ``[0, V)``.
         vocab_size: the whole vocabulary's size V (mc addition): when given, logits that
             are not a ``V / TP`` slice (e.g. gathered ones, which would add log(TP) to the
-            loss silently) are a ``ValueError`` before any collective.
+            loss) are a ``ValueError`` before any collective. Without it, logits that come
+            from mc's all-gather along the vocabulary are refused too (see notes).
 
     Returns:
         ``[...]`` losses (fp32, or fp64 for fp64 logits), identical on every rank. The
@@ -302,14 +359,25 @@ def vocab_parallel_cross_entropy(
     Raises:
         ValueError: a target outside ``[0, V)`` that is not ``ignore_index`` (on CPU,
             before any collective; on a device, an asynchronous device assert); logits that
-            are not a ``vocab_size / TP`` slice (before any collective).
+            are not a ``vocab_size / TP`` slice, or that an all-gather along the vocabulary
+            produced (before any collective).
         TensorParallelAgreementError: the ranks passed different vocabulary slices,
             targets, ``label_smoothing`` or ``ignore_index`` (every rank, after the MAX
             all-reduce; on a device, an asynchronous device assert).
     """
     x, t, ignore = _check(vocab_parallel_logits, target, label_smoothing, ignore_index)
     group = _resolve_tp_group(tp_group, None, what="vocab_parallel_cross_entropy")
-    _check_vocab_size(vocab_size, x.shape[-1], int(group.size()), "vocab_parallel_cross_entropy")
+    size = int(group.size())
+    _check_vocab_size(vocab_size, x.shape[-1], size, "vocab_parallel_cross_entropy")
+    if size > 1 and _gathered(x):
+        raise InputValueError(
+            "vocab_parallel_cross_entropy: vocab_parallel_logits come from an all-gather "
+            "along the vocabulary (a column-parallel head with gather_output=True, "
+            "transformers' colwise_gather_output): every rank holds the whole vocabulary, "
+            f"and the loss would be the true loss + log({size}). Pass the head's split "
+            "output (gather_output=False, the plan style 'colwise'), or use "
+            "torch.nn.functional.cross_entropy on gathered logits"
+        )
     vocab = x.shape[-1] * int(group.size())
     fix = (
         "pass ignore_index=<that value> to skip those positions (as F.cross_entropy, whose "

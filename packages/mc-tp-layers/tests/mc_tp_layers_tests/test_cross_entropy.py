@@ -9,6 +9,7 @@ Targets cover every rank's range, including the first and last class.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,55 @@ def test_bad_arguments() -> None:
         tpl.vocab_parallel_cross_entropy(logits, torch.zeros(2))
     with pytest.raises(ValueError, match=r"label_smoothing=1\.0 must be in \[0, 1\)"):
         tpl.vocab_parallel_cross_entropy(logits, torch.zeros(2, dtype=torch.long), 1.0)
+
+
+def _from_a_gathering_head(target: torch.Tensor) -> dict[str, Any]:
+    """TP = 2: logits of a column-parallel head, gathered (``gather_output=True``) and then
+    transposed, cast and scaled as a loss would, or split; and the same values handed in
+    as a new tensor (no history: Megatron's own test passes one tensor to every rank)."""
+    pgc = world(2)
+    out: dict[str, Any] = {}
+    try:
+        tp = pgc.require("tp", "test")
+        cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True)
+        torch.manual_seed(0)
+        head = tpl.ColumnParallelLinear(
+            8, V, config=cfg, init_method=torch.nn.init.normal_, bias=False, pg_collection=pgc
+        )
+        hidden = randn(B, S, 8, seed=5)
+        gathered = head(hidden, runtime_gather_output=True)[0]
+        logits = (gathered.transpose(0, 1).double() / 0.7)[:, :]
+        with mg.record_collectives() as log:
+            try:
+                tpl.vocab_parallel_cross_entropy(logits, target, tp_group=tp)
+            except ValueError as err:
+                out["gathered"] = (str(err), len(log))
+        split = head(hidden)[0].transpose(0, 1)
+        out["split"] = tpl.vocab_parallel_cross_entropy(split, target, tp_group=tp).detach()
+        out["no_history"] = tpl.vocab_parallel_cross_entropy(
+            gathered.detach().transpose(0, 1), target, tp_group=tp
+        )
+        return out
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def test_logits_from_a_gathering_head_are_refused(rank_pools: RankPools) -> None:
+    """Megatron-LM #7452 row 2 without ``vocab_size``: logits that mc's all-gather along
+    the vocabulary produced (through a transpose, a cast, a temperature and a slice) are a
+    ValueError before any collective; the head's split output passes; a tensor without
+    that history is taken as a slice (Megatron's semantics: the true loss + log(TP) for
+    gathered values, as the trap shows)."""
+    target = torch.tensor([[0, 7], [3, 4], [5, 1]])
+    for out in rank_pools.get(2).run(_from_a_gathering_head, target):
+        text, collectives = out["gathered"]
+        assert text.startswith(
+            "vocab_parallel_cross_entropy: vocab_parallel_logits come from an all-gather"
+        ), text
+        assert "loss + log(2)" in text
+        assert collectives == 0
+        assert out["split"].shape == (S, B)
+        assert_close(out["no_history"] - out["split"], torch.full((S, B), math.log(2)), "trap")
 
 
 def _gathered(logits: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:

@@ -35,9 +35,10 @@ def vocab_parallel_causal_lm_loss(
         ignore_index: labels equal to it are skipped.
         vocab_size: the model's whole vocabulary (``model.config.vocab_size``): when given,
             logits that are not a ``V / W`` slice are a ``ValueError`` before any collective.
-            Gathered logits (a ``colwise_gather_output`` head) would otherwise give the true
-            loss + log(W) with no error; without ``vocab_size`` that cannot be told apart
-            from a slice of a W times larger vocabulary.
+            Without it, logits a ``colwise_gather_output`` head gathered (mc's all-gather
+            in their autograd history) are refused too
+            (:func:`~mc_tp_layers.vocab_parallel_cross_entropy`); only logits gathered by
+            other code or under ``no_grad`` need it.
     """
     logits = check_tensor("vocab_parallel_logits", vocab_parallel_logits)
     target = check_tensor("labels", labels)
