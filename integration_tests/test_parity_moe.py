@@ -288,6 +288,12 @@ def _resume(folder: str) -> dict[str, list[float]] | None:
     runs["ep2 -> ep1"] = train("mixtral", ep1, steps=4, resume=f"{folder}/ep2").losses
     train("mixtral", ep1, steps=2, save_dir=f"{folder}/ep1")
     runs["ep1 -> ep2"] = train("mixtral", ep2, steps=4, resume=f"{folder}/ep1").losses
+    # DeepSeek-V3 with Megatron's expert bias: the routers' biases are model state too
+    bias: dict[str, Any] = {"expert_bias": True}
+    runs["deepseek uninterrupted"] = train("deepseek_v3", ep2, steps=4, **bias).losses
+    train("deepseek_v3", ep2, steps=2, save_dir=f"{folder}/ds", **bias)
+    resumed = train("deepseek_v3", ep1, steps=4, resume=f"{folder}/ds", **bias)
+    runs["deepseek ep2 -> ep1"] = resumed.losses
     return runs if dist.get_rank() == 0 else None
 
 
@@ -297,11 +303,12 @@ def test_checkpoint_resumes_across_expert_layouts(rank_pools: RankPools, tmp_pat
     (``mc_moe.model_sharded_state_dict``) and the momentum as pieces of the same shapes, so
     a checkpoint written at EP = 2 loads at EP = 1 and back: the resumed steps' losses
     within 1e-6 relative of the uninterrupted run (a resume that lost the momentum or
-    loaded an expert into the wrong place moves them by more than 1e-3)."""
+    loaded an expert into the wrong place moves them by more than 1e-3). DeepSeek-V3 with
+    the expert bias resumes with its routers' biases (model state that finalize updates)."""
     runs = rank_pools.get(2).run(_resume, str(tmp_path))[0]
     assert runs is not None
-    whole = runs["uninterrupted"]
-    for name in ("ep2 -> ep1", "ep1 -> ep2"):
+    for name in ("ep2 -> ep1", "ep1 -> ep2", "deepseek ep2 -> ep1"):
+        whole = runs["deepseek uninterrupted" if "deepseek" in name else "uninterrupted"]
         resumed = runs[name]
         assert resumed[:2] == whole[:2], name  # the saved history
         rel = max(abs(a - b) / b for a, b in zip(resumed[2:], whole[2:], strict=True))

@@ -53,7 +53,7 @@ __all__ = [
     "use_global_aux_loss",
 ]
 
-_BIAS = "e_score_correction_bias"
+BIAS = "e_score_correction_bias"
 AUX_LABEL = "moe aux loss statistics"
 
 
@@ -62,7 +62,7 @@ def routers_with_bias(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(getattr(module, _BIAS, None), torch.Tensor)
+        if isinstance(getattr(module, BIAS, None), torch.Tensor)
     ]
 
 
@@ -74,14 +74,14 @@ def enable_expert_bias(model: torch.nn.Module) -> None:
     if not routers:
         raise InputValueError(
             f"config.moe_router_enable_expert_bias=True but {type_name(model)} has no router "
-            f"with a per-expert bias that routing reads ({_BIAS}, as DeepSeek-V3's): its "
+            f"with a per-expert bias that routing reads ({BIAS}, as DeepSeek-V3's): its "
             "routers cannot take Megatron's aux-loss-free balancing; set "
             "moe_router_enable_expert_bias=False"
         )
     for _, router in routers:
         if hasattr(router, "local_tokens_per_expert"):
             continue  # wired already
-        bias: torch.Tensor = getattr(router, _BIAS)
+        bias: torch.Tensor = getattr(router, BIAS)
         router.register_buffer(
             "local_tokens_per_expert",
             torch.zeros(bias.shape, dtype=torch.float32, device=bias.device),
@@ -94,7 +94,7 @@ def enable_expert_bias(model: torch.nn.Module) -> None:
 def _count_routed_tokens(module: torch.nn.Module, _args: Any, output: Any) -> None:
     if not (module.training and torch.is_grad_enabled()):
         return
-    bias: torch.Tensor = getattr(module, _BIAS)
+    bias: torch.Tensor = getattr(module, BIAS)
     if module.expert_bias is not bias:  # moved since (module.to() copies each buffer apart)
         module.register_buffer("expert_bias", bias, persistent=False)
     indices = output[-1]  # (logits, weights, top-k indices), as transformers' routers return

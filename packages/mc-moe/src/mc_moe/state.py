@@ -14,7 +14,9 @@ with every expert parameter a DTensor on the ``(ep, expt_tp)`` mesh of this rank
 ``tp_ep`` group, ``Shard(0)`` over ep (whole experts) and, for an expert-TP shard,
 ``Shard(partition_dim)`` over expt_tp (a ``[gate; up]`` shard as its ``[.., 2, I, ..]`` view,
 as ``mc_tp_layers`` stores strided shards), else ``Replicate()``: a checkpoint written at one
-EP × expert-TP layout loads at any other.
+EP × expert-TP layout loads at any other. The routers' expert biases (buffers that
+``finalize_model_grads`` updates: DeepSeek-V3's ``e_score_correction_bias``) are model state
+too and are included, whole (every rank holds the same values).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError
 from mc_moe.dispatcher import TokenDispatcher
 from mc_moe.experts import DISPATCHER_ATTR, is_converted
+from mc_moe.router import BIAS, routers_with_bias
 from mc_tp_layers import full_state_dict as full_tp_state_dict
 from mc_tp_layers import load_full_state_dict as load_tp_state_dict
 from mc_tp_layers.sharded_state import model_sharded_state_dict as tp_sharded_state_dict
@@ -118,6 +121,8 @@ def model_sharded_state_dict(
     for key, param, experts in expert_params(module):
         if prefix + key in out:
             out[prefix + key] = _expert_view(param, getattr(experts, DISPATCHER_ATTR))
+    for name, router in routers_with_bias(module):
+        out[f"{prefix}{name}.{BIAS}" if name else f"{prefix}{BIAS}"] = getattr(router, BIAS)
     return out
 
 

@@ -30,12 +30,15 @@ def unwrap(chunk: nn.Module) -> nn.Module:
 
 def _entries(
     module: nn.Module, tp_group: dist.ProcessGroup | None, prefix: str, seen: set[int]
-) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
-    """``(key, param, value)`` for every param of ``module`` not in ``seen`` (by identity)."""
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(key, param, value)`` for every param of ``module`` not in ``seen`` (by identity),
+    and the buffers ``mc_moe.model_sharded_state_dict`` holds (routers' expert biases)."""
     params = dict(module.named_parameters())  # each weight under its first name, as the dict
-    out: list[tuple[str, nn.Parameter, torch.Tensor]] = []
+    buffers = dict(module.named_buffers())
+    out: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     for key, value in mc_moe.model_sharded_state_dict(module, tp_group, prefix).items():
-        param = params[key[len(prefix) :]]
+        name = key[len(prefix) :]
+        param = params[name] if name in params else buffers[name]
         if id(param) not in seen:
             seen.add(id(param))
             out.append((key, param, value))
