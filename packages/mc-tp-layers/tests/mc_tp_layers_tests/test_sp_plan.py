@@ -191,7 +191,10 @@ def _with(change: str) -> tuple[nn.Module, dict[str, Any]]:
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        ("no list", ["one nn.ModuleList or nn.ModuleDict of decoder layers", "found none", "layers="]),
+        (
+            "no list",
+            ["one nn.ModuleList or nn.ModuleDict of decoder layers", "found none", "layers="],
+        ),
         ("two lists", ["found ['model.layers', 'extra']", "layers="]),
         (
             "loose linear",
