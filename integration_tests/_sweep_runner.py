@@ -50,7 +50,7 @@ OUTCOMES = ("clear", "raw", "silent", "crash", "hang")
 _WORST = {o: i for i, o in enumerate(("clear", "silent", "raw", "hang", "crash", "broken"))}
 _CLEAR_TYPES = (TypeError, ValueError, NotImplementedError, RuntimeError)
 _RAW_TYPES = (AttributeError, KeyError, IndexError)
-_MC_DIRS = ("mc_groups", "mc_buffers", "mc_ddp", "mc_tp_layers", "mc_finalize")
+_MC_DIRS = ("mc_groups", "mc_buffers", "mc_ddp", "mc_tp_layers", "mc_finalize", "mc_moe")
 _CASES_MODULE = "integration_tests._sweep_cases"
 
 
@@ -189,6 +189,7 @@ def _context() -> Any:
             "mc_ddp",
             "mc_tp_layers",
             "mc_finalize",
+            "mc_moe",
             _CASES_MODULE,
         ]
     )

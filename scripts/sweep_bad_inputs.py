@@ -33,7 +33,7 @@ import mc_groups  # noqa: E402
 from integration_tests import _sweep_runner as runner  # noqa: E402
 from integration_tests._sweep_cases import Case, all_cases, control_cases  # noqa: E402
 
-PACKAGES = ("mc-groups", "mc-buffers", "mc-ddp", "mc-tp-layers", "mc-finalize")
+PACKAGES = ("mc-groups", "mc-buffers", "mc-ddp", "mc-tp-layers", "mc-finalize", "mc-moe")
 
 
 def _run_one_process(cases: Sequence[Case], jobs: int, progress: bool) -> list[runner.Result]:

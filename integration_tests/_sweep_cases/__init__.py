@@ -20,7 +20,7 @@ bad value and not for a broken call around it.
 Calls go through ``Any``-typed module handles: wrong types are the point.
 
 The slots live in one module per package (``groups_collectives``, ``groups_setup``,
-``finalize``, ``buffers``, ``ddp``, ``ddp_optimizer``, ``tp_layers``, ``tp_functions``) and
+``finalize``, ``buffers``, ``ddp``, ``ddp_optimizer``, ``tp_layers``, ``tp_functions``, ``moe``) and
 ``two_ranks``; the building blocks (kinds, :class:`Slot`, :class:`Case`, :class:`Ctx`, small
 models, the registry) in ``base``. They register here, in one fixed order: the case list and
 its ids (which the fuzz test draws from and the docs count) do not depend on import order.
@@ -56,6 +56,7 @@ from integration_tests._sweep_cases.groups_setup import (
     _layout_slots,
     _pipeline_slots,
 )
+from integration_tests._sweep_cases.moe import _moe_slots
 from integration_tests._sweep_cases.tp_functions import _function_slots, _rng_slots
 from integration_tests._sweep_cases.tp_layers import _layer_slots
 from integration_tests._sweep_cases.two_ranks import _two_rank_slots
@@ -97,6 +98,7 @@ for _register in (
     _function_slots,
     _rng_slots,
     _two_rank_slots,
+    _moe_slots,
 ):
     _register()
 

@@ -39,7 +39,7 @@ import torch
 import mc_groups as mg
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_int, type_name
-from mc_groups.config import config_value, record_config
+from mc_groups.config import check_config, config_value, record_config
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_moe.experts import ExpertWeights, read_experts, shard_experts
 from mc_moe.router import enable_expert_bias, routers_with_bias, use_global_aux_loss
@@ -205,7 +205,8 @@ def _check(
             "pg_collection must be a mc_groups.ProcessGroupCollection (its ep / expt_tp groups "
             f"split the experts), got {type_name(pgc)}"
         )
-    check_int("sequence_dim", sequence_dim, minimum=0)
+    check_int("sequence_dim", sequence_dim, minimum=0, maximum=1)
+    check_config(config, "mc_moe.parallelize", required=("sequence_parallel",))
     tp_plan = _mapping("plan", plan)
     eps = _mapping("ep_plan", ep_plan)
     for name, entries in (("plan", tp_plan), ("ep_plan", eps)):
