@@ -17,7 +17,10 @@
 - :class:`TorchFullyShardedDataParallel`, :class:`TorchFullyShardedDataParallelConfig`:
   PyTorch's FSDP2 (``fully_shard``) over a tensor-parallel model, mc's param marks kept;
   :func:`clip_grad_norm`: the global grad norm, clipping and fp16 overflow agreement for
-  grads in ``param.grad`` (FSDP2's DTensors, torchtitan's layout).
+  grads in ``param.grad`` (FSDP2's DTensors, torchtitan's layout);
+  :func:`optimizer_sharded_state_dict`, :func:`load_optimizer_sharded_state_dict`: a
+  ``torch.optim`` optimizer over FSDP2's params checkpointed in ``ShardedOptimizer``'s keys
+  (one checkpoint loads on either side, at any layout).
 - :func:`ensure_params_ready`, :data:`PARAM_READY_CALLBACK_ATTR`: publish params on demand.
 - :func:`reduce_scatter_with_fp32_accumulation`: all-to-all + local fp32 sum.
 - :class:`NonFiniteGradError`, :class:`LargeGradMonitor`, :func:`check_finite_grads`: the
@@ -46,6 +49,10 @@ from mc_ddp.torch_fully_sharded_data_parallel import (
     TorchFullyShardedDataParallel,
     TorchFullyShardedDataParallelConfig,
 )
+from mc_ddp.torch_optimizer_state import (
+    load_optimizer_sharded_state_dict,
+    optimizer_sharded_state_dict,
+)
 
 try:  # one source of the version: the distribution's pyproject.toml
     __version__ = version("mc-ddp")
@@ -72,6 +79,8 @@ __all__ = [
     "clip_grad_norm",
     "counts_in_grad_norm",
     "ensure_params_ready",
+    "load_optimizer_sharded_state_dict",
+    "optimizer_sharded_state_dict",
     "partition_buckets",
     "reduce_scatter_with_fp32_accumulation",
 ]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from mc_ddp.checkpoint_pieces import CheckpointPieces, pieces_of_flat_slice
+from mc_groups import dtensors
 from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
@@ -122,8 +123,11 @@ def materialize_state(optimizer: torch.optim.Optimizer, slots: Sequence[OwnedSli
 
 
 def _flat_pieces(flat: torch.Tensor, slot: OwnedSlice, place: Placement) -> CheckpointPieces:
+    local = flat.detach()  # a view DCP loads into in place (a param stepped in place too)
+    if dtensors.is_dtensor(local):  # FSDP2's: this rank's rows
+        local = local.to_local()  # type: ignore[attr-defined]
     return pieces_of_flat_slice(
-        flat.view(-1), slot.start, place.local_shape, place.offsets, place.global_shape
+        local.view(-1), slot.start, place.local_shape, place.offsets, place.global_shape
     )
 
 

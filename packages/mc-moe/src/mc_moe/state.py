@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import param_attrs
+from mc_groups import dtensors, param_attrs
 from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError
 from mc_moe.dispatcher import TokenDispatcher
@@ -119,6 +119,12 @@ def model_sharded_state_dict(
     No communication."""
     out = tp_sharded_state_dict(module, tp_group, prefix)
     for key, param, experts in expert_params(module):
+        if dtensors.is_dtensor(param):
+            raise NotImplementedError(
+                f"model_sharded_state_dict: the expert param {prefix}{key} is under FSDP2's "
+                "fully_shard: DCP views of expert params under FSDP2 are not implemented "
+                "(mc_moe's experts under FSDP2 are not a tested layout)"
+            )
         if prefix + key in out:
             out[prefix + key] = _expert_view(param, getattr(experts, DISPATCHER_ATTR))
     for name, router in routers_with_bias(module):

@@ -30,6 +30,20 @@ any TP and gtp_remat size. Building that mesh all-gathers the gtp_remat ranks ov
 group, so ``sharded_state_dict`` of such a layer is a collective over its TP group (as
 the DCP save/load around it is over every rank). Strided GTP shards are not supported.
 
+Under FSDP2 (``fully_shard``) a param is a DTensor over the data-parallel mesh whose
+"global" tensor is this rank's TP shard, split along dim 0 (``Shard(0)``; the rows
+``torch.chunk`` gives each rank). Its view is one DTensor of the one-process shape on the
+2-D mesh ``(tp, dp)``, placed ``[Shard(partition_dim), Shard(0)]``: split by TP first, then
+FSDP2's rows by dp, so the local tensor is FSDP2's own (the view writes into the param) and
+DCP reads and writes the same chunks a TP-only or whole run does. A param that is not
+split by TP is FSDP2's DTensor itself; a strided one uses the ``[.., k, d/k, ..]`` view
+(``Shard(0)`` over the k packed parts when ``partition_dim`` is 0: the data-parallel size
+must divide k, else FSDP2's rows cut a part and the view is refused). The rank grid of
+the ``(tp, dp)`` mesh takes one exchange over dp per TP group, so under FSDP2
+:func:`model_sharded_state_dict` is a collective over the data-parallel group. Only
+FSDP2's default layout is taken (a 1-D mesh, ``Shard(0)``: no ``shard_placement_fn``, no
+HSDP), and no gtp_remat shard under FSDP2.
+
 For a whole model (mc's layers, ``parallelize``\ d models, plain replicated modules),
 :func:`model_sharded_state_dict` gathers these views under the model's parameter names:
 one home for "this model's params as full-shape DTensors" (``mc_train.checkpoint`` saves
@@ -43,7 +57,7 @@ mc_groups' recorder. Megatron's ``sharded_offsets`` are not supported.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -63,7 +77,8 @@ from mc_tp_layers.gtp import _gtp_group, unsharded_shape
 from mc_tp_layers.shards import _group_of, strided_view
 
 if TYPE_CHECKING:  # DTensor is imported where used: importing it costs over a second
-    from torch.distributed.tensor import Shard
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
 
 __all__ = [
     "gtp_sharded_tensor",
@@ -204,15 +219,30 @@ def sharded_state_dict_of(
     sharded_offsets: tuple[tuple[int, int, int], ...] = (),
     metadata: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``{prefix + name: DTensor or tensor}`` for ``module``'s own parameters (see notes)."""
+    """``{prefix + name: DTensor or tensor}`` for ``module``'s own parameters (see notes;
+    under FSDP2, a collective over the data-parallel group: the views' mesh)."""
     _checked(module, prefix, sharded_offsets, metadata)
+    return _own_entries(module, tp_group, prefix, {})
+
+
+# the (tp, dp) meshes built during one call, by (id of the tp group, id of the dp group)
+_Meshes = dict[tuple[int, int], "DeviceMesh"]
+
+
+def _own_entries(
+    module: torch.nn.Module, tp_group: dist.ProcessGroup | None, prefix: str, meshes: _Meshes
+) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters(recurse=False):
-        if param_attrs.is_gtp_weight_remat(param):
+        if dtensors.is_dtensor(param):
+            out[prefix + name] = _fsdp2_view(param, tp_group, prefix + name, meshes)
+        elif param_attrs.is_gtp_weight_remat(param):
+            assert tp_group is not None  # a gtp_remat layer has its tp_group
             out[prefix + name] = gtp_sharded_tensor(
                 param, tp_group, param_attrs.partition_dim_of(param, 0)
             )
         elif param_attrs.is_tensor_model_parallel(param):
+            assert tp_group is not None  # checked by the callers
             out[prefix + name] = tp_sharded_tensor(
                 param,
                 tp_group,
@@ -224,21 +254,106 @@ def sharded_state_dict_of(
     return out
 
 
+def _fsdp2_view(
+    param: torch.Tensor, tp_group: dist.ProcessGroup | None, name: str, meshes: _Meshes
+) -> torch.Tensor:
+    """An FSDP2 param (module notes) as one DTensor of the one-process shape."""
+    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415 (a DTensor exists)
+
+    sharded = cast("DTensor", param)
+    dp_mesh, placements = sharded.device_mesh, tuple(sharded.placements)
+    if dp_mesh.ndim != 1 or placements != (Shard(0),):
+        raise NotImplementedError(
+            f"{name} is a DTensor placed {placements} on a {dp_mesh.ndim}-D mesh: mc's DCP "
+            "views take FSDP2's default layout (fully_shard over a 1-D data-parallel mesh, "
+            "Shard(0), no shard_placement_fn, no HSDP); save full_state_dict(model) instead"
+        )
+    if param_attrs.is_gtp_weight_remat(param):
+        raise NotImplementedError(
+            f"{name} is a gtp_remat shard under FSDP2: its DCP view is not implemented; save "
+            "full_state_dict(model) instead"
+        )
+    local, dim = sharded.to_local().detach(), 0
+    shape = list(sharded.shape)  # the TP-local shape FSDP2 splits
+    size = dp_mesh.size()
+    split = param_attrs.is_tensor_model_parallel(param)
+    if split:
+        dim = param_attrs.check_partition_dim(param_attrs.partition_dim_of(param), len(shape))
+        stride = param_attrs.partition_stride_of(param)
+        if stride > 1:
+            if dim == 0 and stride % size:
+                raise NotImplementedError(
+                    f"{name} packs partition_stride={stride} blocks along dim 0 and FSDP2 "
+                    f"splits dim 0 over {size} data-parallel ranks, which cut a block ({size} "
+                    f"does not divide {stride}): no one-chunk DCP view; save "
+                    "full_state_dict(model) instead"
+                )
+            block = shape[dim] // stride  # this rank's rows of one packed part
+            local = local.view(*local.shape[:dim], -1, block, *local.shape[dim + 1 :])
+            shape[dim : dim + 1] = [stride, block]
+            dim += 1
+    tp_size = 1 if tp_group is None else mg.group_size(tp_group)
+    if not split or tp_size == 1:
+        mesh, places = dp_mesh, [Shard(0)]
+    else:
+        assert tp_group is not None
+        shape[dim] *= tp_size
+        mesh = _tp_dp_mesh(tp_group, dp_mesh, local.device.type, meshes)
+        places = [Shard(dim), Shard(0)]  # split by tp first, then FSDP2's rows by dp
+    global_shape = torch.Size(shape)
+    return DTensor.from_local(
+        local,
+        mesh,
+        places,
+        run_check=False,
+        shape=global_shape,
+        stride=torch.empty(global_shape, device="meta").stride(),
+    )
+
+
+def _tp_dp_mesh(
+    tp_group: dist.ProcessGroup, dp_mesh: DeviceMesh, device_type: str, meshes: _Meshes
+) -> DeviceMesh:
+    """The ``(tp, dp)`` mesh of this rank's TP group and FSDP2's data-parallel group (built
+    once per call): one exchange over dp of each peer's TP ranks gives the rank grid."""
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (see the imports)
+
+    dp_group = dp_mesh.get_group(0)
+    key = (id(tp_group), id(dp_group))
+    if key not in meshes:
+        columns = mg.all_gather_objects(
+            list(mg.group_ranks(tp_group)), dp_group, label="FSDP2 checkpoint mesh"
+        )
+        meshes[key] = DeviceMesh.from_group(
+            [tp_group, dp_group],
+            device_type,
+            mesh=torch.tensor(columns, dtype=torch.int64).t().contiguous(),  # [tp][dp]
+            mesh_dim_names=("tp", "dp"),
+        )
+    return meshes[key]
+
+
 def _module_entries(
-    module: torch.nn.Module, own: str, tp_group: dist.ProcessGroup | None, what: str
+    module: torch.nn.Module,
+    own: str,
+    tp_group: dist.ProcessGroup | None,
+    what: str,
+    meshes: _Meshes,
 ) -> dict[str, torch.Tensor]:
     """``module``'s own params, split ones as views over its ``tp_group`` (mc's layers,
     ``parallelize``'s) or over ``tp_group`` (required for a tensor-parallel param)."""
     group = _group_of(module, tp_group)
-    if group is not None:
-        return sharded_state_dict_of(module, group, own)
-    for name, param in module.named_parameters(recurse=False):
-        if param_attrs.is_tensor_model_parallel(param):
-            raise InputValueError(
-                f"{what}: {own}{name} is a tensor-parallel shard of a {type_name(module)}, "
-                "not one of mc's layers; pass tp_group= (the group it is split over)"
-            )
-    return {own + n: p.detach() for n, p in module.named_parameters(recurse=False)}
+    if group is None:
+        for name, param in module.named_parameters(recurse=False):
+            if param_attrs.is_tensor_model_parallel(param):
+                raise InputValueError(
+                    f"{what}: {own}{name} is a tensor-parallel shard of a "
+                    f"{type_name(module)}, not one of mc's layers; pass tp_group= (the group "
+                    "it is split over)"
+                )
+    else:
+        _checked(module, own, (), None)
+    return _own_entries(module, group, own, meshes)
 
 
 def model_sharded_state_dict(
@@ -248,26 +363,25 @@ def model_sharded_state_dict(
     DCP, at full shape (module notes). Split params become DTensors over their module's
     ``tp_group`` (mc's layers, ``parallelize``'s), or over ``tp_group`` for a module that
     has none (required when such a module holds a tensor-parallel param); a weight held
-    twice is listed once, under its first name (``named_parameters`` order). No
-    communication, except where a gtp_remat layer builds its mesh (module notes)."""
+    twice is listed once, under its first name (``named_parameters`` order). Under FSDP2
+    (``fully_shard``) each param is one DTensor of the one-process shape over the
+    ``(tp, dp)`` mesh (module notes), the marks ``fully_shard`` dropped put back from the
+    record (:func:`mc_groups.param_attrs.restore_marks`). No communication, except where a
+    gtp_remat layer builds its mesh and, under FSDP2, one exchange over the data-parallel
+    group per TP group (the mesh's rank grid): every rank calls it then."""
     if not isinstance(module, torch.nn.Module):
         raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
     check_optional_group("tp_group", tp_group, what="model_sharded_state_dict")
     check_str("prefix", prefix)
-    for name, param in module.named_parameters():
-        if dtensors.is_dtensor(param):
-            raise NotImplementedError(
-                f"model_sharded_state_dict: {prefix}{name} is a DTensor (the model is under "
-                "FSDP2's fully_shard): mc's DCP views of FSDP2 params are not implemented; "
-                "save mc_tp_layers.full_state_dict(model) (whole tensors, one-process names) "
-                "and load it with load_full_state_dict at any layout"
-            )
+    param_attrs.restore_marks(module)  # after FSDP2's fully_shard replaced the params
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
+    meshes: _Meshes = {}
     for name, sub in module.named_modules():
         own = f"{prefix}{name}." if name else prefix
         params = dict(sub.named_parameters(recurse=False))
-        for key, value in _module_entries(sub, own, tp_group, "model_sharded_state_dict").items():
+        entries = _module_entries(sub, own, tp_group, "model_sharded_state_dict", meshes)
+        for key, value in entries.items():
             param = params[key[len(own) :]]
             if id(param) not in seen:
                 seen.add(id(param))

@@ -43,16 +43,20 @@ one (rank r gets rank r's).
 **The state dict** (:func:`save_state`, :func:`load_state`)::
 
     model.<param name>               a tensor-parallel param as a DTensor over its TP group
-                                     (full shape in the file), any other as a plain tensor
+                                     (full shape in the file), any other as a plain tensor;
+                                     under FSDP2 a DTensor over (tp, dp)
                                      (:func:`model_sharded_state_dict`)
     optimizer.<param name>.<state>   ShardedOptimizer.sharded_state_dict(): fp32 masters and
                                      the optimizer's state as pieces of full-shaped tensors
+                                     (under FSDP2, the torch optimizer's own state in the
+                                     same keys: mc_ddp.optimizer_sharded_state_dict)
     optimizer.param_groups.<i>.<hp>  the hyperparameters
 
 Both halves are stored at full-parameter shape under the whole model's parameter names
 (:func:`mc_train.split_model` keeps them; a Megatron-style stage names its blocks by global
-index), so DCP reshards them to whatever TP size, DP size, bucket size, optimizer sharding
-and pipeline split loads them. One weight, one key: a weight held twice on a rank (a tied
+index), so DCP reshards them to whatever TP size, DP size, bucket size, optimizer sharding,
+pipeline split and data-parallel wrapper (mc DDP with ``ShardedOptimizer``, or FSDP2 with a
+``torch.optim`` optimizer over its params) loads them. One weight, one key: a weight held twice on a rank (a tied
 embedding on one stage) is written once, under its first name; a weight copied across
 pipeline stages (both copies marked ``shared_embedding``) is written by the first stage only,
 under its name there, since two stages writing one key in different slices (their

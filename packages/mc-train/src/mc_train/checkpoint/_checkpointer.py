@@ -64,7 +64,10 @@ class Checkpointer:
         folder: where checkpoints are published (``folder/step-NNNNNNNN``), on a file
             system every rank sees; None: this checkpointer only loads (by path).
         model: this rank's model chunks (mc DDP wrappers or plain modules), or one module.
-        optimizer: their ``ShardedOptimizer`` (None: the model only).
+        optimizer: their ``ShardedOptimizer``, or, for chunks under FSDP2, the
+            ``torch.optim`` optimizer stepping their sharded params (checkpointed in
+            ShardedOptimizer's keys: a checkpoint loads on either side,
+            :mod:`mc_ddp.torch_optimizer_state`); None: the model only.
         pg_collection: the groups (``world`` coordinates; ``pp`` finds tied copies; ``tp``
             splits non-mc tensor-parallel params).
         interval: :meth:`save` writes every ``interval`` steps (and when told ``last``);
@@ -78,7 +81,7 @@ class Checkpointer:
         self,
         folder: str | Path | None,
         model: nn.Module | Sequence[nn.Module],
-        optimizer: ShardedOptimizer | None,
+        optimizer: ShardedOptimizer | torch.optim.Optimizer | None,
         *,
         pg_collection: mg.ProcessGroupCollection,
         interval: int | None = None,
@@ -90,10 +93,12 @@ class Checkpointer:
             raise InputTypeError(f"folder must be a path or None, got {type_name(folder)}")
         self.folder = None if folder is None else Path(folder)
         self.chunks = _check_chunks(model)
-        if optimizer is not None and not isinstance(optimizer, ShardedOptimizer):
+        if optimizer is not None and not isinstance(
+            optimizer, (ShardedOptimizer, torch.optim.Optimizer)
+        ):
             raise InputTypeError(
-                f"optimizer must be an mc_ddp.ShardedOptimizer over the model's chunks (or "
-                f"None), got {type_name(optimizer)}"
+                f"optimizer must be an mc_ddp.ShardedOptimizer over the model's chunks, a "
+                f"torch.optim.Optimizer over FSDP2's params, or None; got {type_name(optimizer)}"
             )
         self.optimizer = optimizer
         if not isinstance(pg_collection, mg.ProcessGroupCollection):

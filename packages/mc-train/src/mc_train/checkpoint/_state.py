@@ -12,7 +12,14 @@ from torch import nn
 
 import mc_groups as mg
 import mc_moe
-from mc_ddp import DistributedDataParallel, ShardedOptimizer, ensure_params_ready
+from mc_ddp import (
+    DistributedDataParallel,
+    ShardedOptimizer,
+    TorchFullyShardedDataParallel,
+    ensure_params_ready,
+    load_optimizer_sharded_state_dict,
+    optimizer_sharded_state_dict,
+)
 from mc_groups import param_attrs
 from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError, InputValueError
@@ -23,9 +30,16 @@ MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optimizer."
 
 
+# ShardedOptimizer over mc DDP chunks, or a torch optimizer stepping the params in place
+# (FSDP2's): both checkpointed in ShardedOptimizer's keys
+Optimizer = ShardedOptimizer | torch.optim.Optimizer
+
+
 def unwrap(chunk: nn.Module) -> nn.Module:
-    """The model inside an mc ``DistributedDataParallel`` (the chunk itself otherwise)."""
-    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+    """The model inside an mc ``DistributedDataParallel`` or ``TorchFullyShardedDataParallel``
+    (the chunk itself otherwise)."""
+    wrappers = (DistributedDataParallel, TorchFullyShardedDataParallel)
+    return chunk.module if isinstance(chunk, wrappers) else chunk
 
 
 def _entries(
@@ -97,12 +111,13 @@ class _State:
     def __init__(
         self,
         chunks: Sequence[nn.Module],
-        optimizer: ShardedOptimizer | None,
+        optimizer: Optimizer | None,
         pg_collection: mg.ProcessGroupCollection,
     ) -> None:
         self.modules = [unwrap(c) for c in chunks]
         self.optimizer = optimizer
         self.tp = pg_collection.tp
+        self.loading: dict[str, torch.Tensor] = {}  # the model views the load read into
         self._copies: dict[int, str] | None = None
         self._pp = pg_collection.pp
 
@@ -136,7 +151,7 @@ class _State:
         # The optimizer finds every param it steps by memory; its state of the copies is
         # dropped (the first stage writes it).
         full = {**own, **{k: v for k, (_, v) in copies.items()}}
-        state = self.optimizer.sharded_state_dict(full, is_loading=False)
+        state = self._optimizer_state(full, is_loading=False)
         dropped = tuple(f"{OPTIMIZER_PREFIX}{k}." for k in copies)
         return {**own, **{k: v for k, v in state.items() if not k.startswith(dropped)}}
 
@@ -152,13 +167,28 @@ class _State:
             own[canonical] = value
         if self.optimizer is None:
             return own
-        return {**own, **self.optimizer.sharded_state_dict(own, is_loading=True)}
+        self.loading = own
+        return {**own, **self._optimizer_state(own, is_loading=True)}
+
+    def _optimizer_state(self, model: dict[str, torch.Tensor], is_loading: bool) -> dict[str, Any]:
+        if isinstance(self.optimizer, ShardedOptimizer):
+            return self.optimizer.sharded_state_dict(model, is_loading=is_loading)
+        assert self.optimizer is not None
+        return optimizer_sharded_state_dict(self.optimizer, model, is_loading=is_loading)
+
+    def finish_load(self, loaded: dict[str, Any]) -> None:
+        """After DCP filled ``loaded``: the optimizer's values DCP replaced (and, with
+        ShardedOptimizer, the masters written into the params and gathered)."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.load_sharded_state_dict(loaded)
+        elif self.optimizer is not None:
+            load_optimizer_sharded_state_dict(self.optimizer, loaded, self.loading)
 
 
 def save_state(
     path: str,
     chunks: Sequence[nn.Module],
-    optimizer: ShardedOptimizer | None,
+    optimizer: Optimizer | None,
     pg_collection: mg.ProcessGroupCollection,
 ) -> None:
     """Write the model (and optimizer) state of every rank's ``chunks`` to the folder
@@ -171,7 +201,7 @@ def save_state(
 def load_state(
     path: str,
     chunks: Sequence[nn.Module],
-    optimizer: ShardedOptimizer | None,
+    optimizer: Optimizer | None,
     pg_collection: mg.ProcessGroupCollection,
 ) -> None:
     """Load a checkpoint written by :func:`save_state` at any layout into ``chunks`` (and
@@ -182,8 +212,7 @@ def load_state(
     state = _State(_check_chunks(chunks), optimizer, pg_collection)
     loaded = state.for_load()
     load(loaded, checkpoint_id=path)
-    if optimizer is not None:
-        optimizer.load_sharded_state_dict(loaded)
+    state.finish_load(loaded)
 
 
 def _check_chunks(chunks: object) -> list[nn.Module]:
