@@ -56,13 +56,13 @@ Both halves are stored at full-parameter shape under the whole model's parameter
 (:func:`mc_train.split_model` keeps them; a Megatron-style stage names its blocks by global
 index), so DCP reshards them to whatever TP size, DP size, bucket size, optimizer sharding,
 pipeline split and data-parallel wrapper (mc DDP with ``ShardedOptimizer``, or FSDP2 with a
-``torch.optim`` optimizer over its params) loads them. One weight, one key: a weight held twice on a rank (a tied
-embedding on one stage) is written once, under its first name; a weight copied across
-pipeline stages (both copies marked ``shared_embedding``) is written by the first stage only,
-under its name there, since two stages writing one key in different slices (their
-distributed-optimizer shards differ) would overlap in DCP's plan; the other copies load from
-that key, model and optimizer state alike (the ranks learn the name once: one all-gather of
-the marked names over ``pp``).
+``torch.optim`` optimizer over its params) loads them. One weight, one key: a weight held
+twice on a rank (a tied embedding on one stage) is written once, under its first name; a
+weight copied across pipeline stages (both copies marked ``shared_embedding``) is written by
+the first stage only, under its name there, since two stages writing one key in different
+slices (their distributed-optimizer shards differ) would overlap in DCP's plan; the other
+copies load from that key, model and optimizer state alike (the ranks learn the name once:
+one all-gather of the marked names over ``pp``).
 """
 
 from __future__ import annotations
