@@ -65,9 +65,10 @@ def model_sharded_state_dict(
     """``{prefix + param name: DTensor or tensor}``: views of ``module``'s params for DCP
     (package notes): :func:`mc_moe.model_sharded_state_dict` (``mc_tp_layers``' views, and
     the experts of a model ``mc_moe.parallelize`` split, over ``ep`` × ``expt_tp``) of the
-    model inside an mc DDP wrapper, under ``model.``. Split params become DTensors over
-    their layer's TP group, or over ``tp_group`` for a module without one (required when
-    there are such params); a weight held twice is listed once. No communication."""
+    model inside an mc DDP or FSDP2 wrapper, under ``model.``. Split params become DTensors
+    over their layer's TP group, or over ``tp_group`` for a module without one (required
+    when there are such params), FSDP2's over ``(tp, dp)``; a weight held twice is listed
+    once. No communication (under FSDP2: one exchange over the data-parallel group)."""
     if not isinstance(module, nn.Module):
         raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
     return mc_moe.model_sharded_state_dict(unwrap(module), tp_group, prefix)
