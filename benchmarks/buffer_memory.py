@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mc_buffers import build_param_and_grad_buffers
+from mc_buffers.build import build_param_and_grad_buffers
 
 VOCAB, SEQ, LAYERS = 50257, 1024, 12
 MODELS = {"gpt2-small (h768)": (768, 3072), "odd (h1000)": (1000, 4000)}

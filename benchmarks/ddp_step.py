@@ -26,7 +26,8 @@ Reported: median step time over ``--iters`` rounds after ``--warmup``, its ratio
 DDP with bucket views (the slower rank's median counts), gradient memory per rank (torch:
 its reducer buckets plus ``param.grad`` storages that are not bucket views; mc: the grad
 buffers, any fp32 local-accumulation tensors and any ``param.grad`` left) and the
-reduce-scatter buffers the bucket groups' ``mc_groups.Communicator`` s keep on gloo (see
+reduce-scatter buffers the bucket groups' ``mc_groups.comm.communicator.Communicator`` s keep on
+gloo (see
 mc_ddp). Targets:
 mc DDP (overlap) ≤ 0.95 × and the distributed optimizer ≤ 1.0 × torch DDP (bucket view).
 Prints a Markdown table; exits 1 when a target is missed. From the repository root::

@@ -75,6 +75,7 @@ from mc_ddp import (
 )
 from mc_finalize import finalize_model_grads
 from mc_groups import param_attrs
+from mc_groups.pipeline_stages import pipeline_rank
 from mc_groups.testing import RankPools
 from mc_tp_layers import (
     full_state_dict,
@@ -323,7 +324,7 @@ def train_pipeline(norm_type: float, clip: float) -> RankRun:
     forward and backward on stage 1, the activation grad back, backward on stage 0."""
     pgc = mg.initialize_model_parallel(pipeline_model_parallel_size=2)
     try:
-        stage, pp = mg.pipeline_rank(pgc), pgc.require("pp", "test")
+        stage, pp = pipeline_rank(pgc), pgc.require("pp", "test")
         config = mg.ModelParallelConfig(pipeline_model_parallel_size=2)
         module = _Stage(stage)
         ddp = DistributedDataParallel(

@@ -21,9 +21,11 @@ import torch
 import mc_buffers
 import mc_ddp
 import mc_finalize
-import mc_groups as mg
 import mc_tp_layers
 import mc_tp_layers.layers
+from mc_groups.collection import MissingGroupError
+from mc_groups.errors import InputStateError, InputTypeError, InputValueError
+from mc_groups.rank_generator import RankGenerator
 
 ROOT = Path(__file__).resolve().parents[1]
 _PLAIN = re.compile(r"\braise (ValueError|TypeError)\(")
@@ -44,15 +46,15 @@ def test_no_package_raises_a_plain_value_or_type_error() -> None:
 
 
 def test_the_types_are_both() -> None:
-    assert issubclass(mg.InputValueError, ValueError)
-    assert issubclass(mg.InputValueError, AssertionError)
-    assert issubclass(mg.InputTypeError, TypeError)
-    assert issubclass(mg.InputTypeError, AssertionError)
-    assert issubclass(mg.InputStateError, RuntimeError)
-    assert issubclass(mg.InputStateError, AssertionError)
+    assert issubclass(InputValueError, ValueError)
+    assert issubclass(InputValueError, AssertionError)
+    assert issubclass(InputTypeError, TypeError)
+    assert issubclass(InputTypeError, AssertionError)
+    assert issubclass(InputStateError, RuntimeError)
+    assert issubclass(InputStateError, AssertionError)
     # the named errors built on them keep their old base too
-    assert issubclass(mg.MissingGroupError, ValueError)
-    assert issubclass(mg.MissingGroupError, AssertionError)
+    assert issubclass(MissingGroupError, ValueError)
+    assert issubclass(MissingGroupError, AssertionError)
     assert issubclass(mc_ddp.DataParallelAgreementError, AssertionError)
     assert issubclass(mc_tp_layers.TensorParallelAgreementError, AssertionError)
 
@@ -88,7 +90,7 @@ CALLS: dict[str, tuple[Callable[[], object], type[Exception]]] = {
         ValueError,
     ),
     "rank generator": (
-        lambda: mg.RankGenerator(tp=0, ep=1, dp=1, pp=1, cp=1, order="tp-dp"),
+        lambda: RankGenerator(tp=0, ep=1, dp=1, pp=1, cp=1, order="tp-dp"),
         ValueError,
     ),
 }

@@ -60,7 +60,8 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from integration_tests import test_parity_layer_wise as lw
-from mc_buffers import BufferKey, compute_distributed_optimizer_param_layout
+from mc_buffers import BufferKey
+from mc_buffers.layout import compute_distributed_optimizer_param_layout
 from mc_ddp import DistributedDataParallel, DistributedDataParallelConfig, ensure_params_ready
 from mc_groups.testing import RankPool
 

@@ -45,6 +45,7 @@ from mc_ddp import (
     ShardedOptimizer,
 )
 from mc_finalize import finalize_model_grads
+from mc_groups.errors import InputStateError
 from mc_groups.testing import RankPools, error_kind
 
 IN, HIDDEN, OUT = 8, 16, 4
@@ -370,7 +371,7 @@ def _one_rank_misuse() -> dict[str, Any]:
         out["norm"] = opt.clip_grad_norm(1.0)
         try:
             opt.clip_grad_norm(1.0)
-        except mg.InputStateError as err:
+        except InputStateError as err:
             out["twice"] = f"{error_kind(err)}: {err}"
         out["stepped"] = not opt.step().skipped
         return out

@@ -44,12 +44,8 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from integration_tests._compositions import LOSS_RTOL, MIN_MOVE, WEIGHT_ATOL, merge
-from mc_buffers import (
-    BufferKey,
-    FullParamLayout,
-    PerBufferParamLayout,
-    compute_distributed_optimizer_param_layout,
-)
+from mc_buffers import BufferKey, FullParamLayout, PerBufferParamLayout
+from mc_buffers.layout import compute_distributed_optimizer_param_layout
 from mc_ddp import (
     DistributedDataParallel,
     DistributedDataParallelConfig,

@@ -20,7 +20,8 @@ dispatch when the first iteration's per-param grad count is reached, as Megatron
 tied table's two copies get the summed grad (a missing or doubled embedding all-reduce
 moves the weights), the loss scaling (mean / M, or Σ mask·CE / N) matches the reference.
 
-Collectives, recorded per step (the schedule's P2P through ``mc_groups.record_p2p_ops``):
+Collectives, recorded per step (the schedule's P2P through
+``mc_groups.comm.collectives.record_p2p_ops``):
 each chunk ``c`` of the ``P·V`` global stages sends M activations forward unless it is
 last and M activation grads back unless it is first, and receives as many; every rank
 issues exactly one ``embedding grads`` all-reduce (every rank here is on the first or the
@@ -65,6 +66,7 @@ from integration_tests._per_token import (
     per_token_reference,
     plain_reference,
 )
+from mc_groups.pipeline_stages import pipeline_rank
 from mc_groups.testing import RankPools
 from mc_train import in_flight_forwards
 
@@ -112,7 +114,7 @@ def _train(layout: ParallelLayout, schedule: str, device: torch.device) -> dict[
         with pytest.raises(ValueError, match="the pipeline's stages were built for") as bad:
             pipeline_step(trainer, batch(0)[:4], loss_mask(0) if mask is not None else None)
         return {
-            "stage": mg.pipeline_rank(pgc),
+            "stage": pipeline_rank(pgc),
             "tp_rank": mg.group_rank(pgc.require("tp", "test")),
             "dp_rank": mg.group_rank(pgc.require("dp", "test")),
             "pp_ranks": tuple(mg.group_ranks(pgc.require("pp", "test"))),

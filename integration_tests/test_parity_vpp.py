@@ -79,6 +79,7 @@ from integration_tests._per_token import (
 )
 from mc_ddp import DistributedDataParallel, ShardedOptimizer, ensure_params_ready
 from mc_finalize import finalize_model_grads
+from mc_groups.pipeline_stages import pipeline_rank, pipeline_size
 from mc_groups.testing import RankPools
 
 CFG4 = GPTConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=4, seq_length=16)
@@ -119,7 +120,7 @@ def _microbatch(
     """All forwards, then all backwards, of one micro-batch through the 4 chunks; the loss
     (``Σ mask·CE`` per token, else mean CE / m) on the rank holding the last chunk."""
     pp = pgc.require("pp", "vpp test")
-    stage, stages = mg.pipeline_rank(pgc), mg.pipeline_size(pgc)
+    stage, stages = pipeline_rank(pgc), pipeline_size(pgc)
     prev, nxt = (stage - 1) % stages, (stage + 1) % stages
     tokens, labels = mb[:, :-1], mb[:, 1:]
     last = stages * len(chunks) - 1
@@ -232,7 +233,7 @@ def _train(layout: ParallelLayout, backend: str) -> dict[str, Any]:
         params = [p for chunk in chunks for p in chunk.parameters()]
         optimizer = ShardedOptimizer(SGD.build(params), chunks)
         out: dict[str, Any] = {
-            "stage": mg.pipeline_rank(pgc),
+            "stage": pipeline_rank(pgc),
             "placement": [_placement(chunk) for chunk in chunks],
         }
         out["losses"] = [_step(chunks, optimizer, pgc, layout, t, out) for t in range(STEPS)]

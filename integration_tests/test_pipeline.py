@@ -48,6 +48,7 @@ from integration_tests._common import (
     smallest_update,
 )
 from mc_finalize import ModelChunk, finalize_model_grads
+from mc_groups.pipeline_stages import pipeline_rank
 from mc_groups.testing import RankPools
 
 LAYOUTS = [
@@ -118,7 +119,7 @@ def _train(layout: ParallelLayout, backend: str) -> dict[str, Any]:
             (r.op, r.reduce_op, r.group_ranks) for r in first["log"] if r.label == "embedding grads"
         ]
         return {
-            "stage": mg.pipeline_rank(pgc),
+            "stage": pipeline_rank(pgc),
             "losses": losses,
             "grads_before": first["before"],
             "grads_after": first["after"],

@@ -33,12 +33,13 @@ SNIPPETS = {
     "mc-groups": """
 import torch
 import mc_groups as mg
+from mc_groups.rank_generator import RankGenerator
 
 def reduce_over_dp(t: torch.Tensor, pgc: mg.ProcessGroupCollection) -> None:
     mg.all_reduce(t, pgc.require("dp", "my trainer"), op=mg.ReduceOp.SUM)
 
 config: mg.ModelParallelConfig = mg.ModelParallelConfig(tensor_model_parallel_size=2)
-ranks: list[list[int]] = mg.RankGenerator(2, 1, 2, 1, 1).get_ranks("tp")
+ranks: list[list[int]] = RankGenerator(2, 1, 2, 1, 1).get_ranks("tp")
 with mg.record_collectives() as log:
     pass
 ops: list[str] = [record.op for record in log]

@@ -177,7 +177,7 @@ DELIBERATE = """\
 
 - **Errors that are also asserts.** Bad input is a `TypeError` / `ValueError` naming the
   argument, the value and the fix, raised before any state changes or any collective
-  (Megatron asserts, or fails later). The types are `mc_groups.InputTypeError` /
+  (Megatron asserts, or fails later). The types are `mc_groups.errors.InputTypeError` /
   `InputValueError` (and `InputStateError`, a `RuntimeError`, for a call the object's state
   forbids), each also an `AssertionError`, so code written for Megatron
   (`except AssertionError`, `pytest.raises(AssertionError)`) keeps working.

@@ -72,7 +72,7 @@ _TP = "megatron.core.tensor_parallel"
 # a row to link to), each found in Megatron-LM's megatron/core (main branch, 2026-08-22):
 # mc name -> Megatron-Core name. Every mc name must import (the build fails otherwise).
 MEGATRON_ELSEWHERE = {
-    "mc_groups.RankGenerator": "megatron.core.parallel_state.RankGenerator",
+    "mc_groups.rank_generator.RankGenerator": "megatron.core.parallel_state.RankGenerator",
     "mc_groups.initialize_model_parallel": "megatron.core.parallel_state.initialize_model_parallel",
     "mc_groups.destroy_model_parallel": "megatron.core.parallel_state.destroy_model_parallel",
     "mc_groups.ProcessGroupCollection": (
@@ -93,7 +93,7 @@ MEGATRON_ELSEWHERE = {
     "mc_buffers.shard_buffer": f"{_PG}.shard_buffer",
     "mc_buffers.ParamAndGradBuffer": f"{_PG}._ParamAndGradBuffer",
     "mc_buffers.ParamAndGradBucket": f"{_PG}._ParamAndGradBucket",
-    "mc_ddp.ParamAndGradBucketGroup": f"{_PG}._ParamAndGradBucketGroup",
+    "mc_ddp.bucket_group.ParamAndGradBucketGroup": f"{_PG}._ParamAndGradBucketGroup",
     "mc_ddp.partition_buckets": f"{_PG}.partition_buckets",
     "mc_ddp.reduce_scatter_with_fp32_accumulation": (
         "megatron.core.distributed.reduce_scatter_with_fp32_accumulation."

@@ -13,12 +13,12 @@ import time
 
 import torch
 
-import mc_groups as mg
 from examples.dry_run.activations import measure_activations
 from examples.dry_run.report import RankReport, describe_rank
 from examples.dry_run.spec import DryRunSpec
 from examples.dry_run.step import Batch, build_stage, record_step, run_step
 from examples.dry_run.world import fake_world
+from mc_groups.rank_generator import RankGenerator
 
 __all__ = ["META", "dry_run", "meta_batches", "stage_ranks"]
 
@@ -36,7 +36,7 @@ def stage_ranks(spec: DryRunSpec) -> list[int]:
     """One rank per pipeline stage: the ranks of rank 0's pipeline group (TP, CP and DP
     rank 0 of every stage), in stage order."""
     lay = spec.layout
-    generator = mg.RankGenerator(lay.tp, 1, lay.dp, lay.pp, lay.cp, gtp_remat=lay.gtp_remat)
+    generator = RankGenerator(lay.tp, 1, lay.dp, lay.pp, lay.cp, gtp_remat=lay.gtp_remat)
     return next(ranks for ranks in generator.get_ranks("pp") if 0 in ranks)
 
 

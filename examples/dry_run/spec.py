@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-import mc_groups as mg
 from examples.gpt import GPTConfig, ParallelLayout
+from mc_groups.rank_generator import MAX_WORLD_SIZE
 
 __all__ = ["DTYPES", "DryRunSpec", "llama70b"]
 
@@ -136,8 +136,8 @@ class DryRunSpec:
 def _check_world(world_size: int, lay: ParallelLayout) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"--world-size {world_size!r} must be an int")
-    if not 1 <= world_size <= mg.MAX_WORLD_SIZE:
-        raise ValueError(f"--world-size {world_size} must be in [1, {mg.MAX_WORLD_SIZE}]")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"--world-size {world_size} must be in [1, {MAX_WORLD_SIZE}]")
     for flag, value in (
         ("--tp", lay.tp),
         ("--pp", lay.pp),

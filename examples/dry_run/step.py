@@ -33,6 +33,7 @@ from examples.dry_run.spec import DryRunSpec
 from examples.gpt import GPT, load_full_weights, stage_layers
 from mc_ddp import DistributedDataParallel, ShardedOptimizer
 from mc_finalize import finalize_model_grads
+from mc_groups.pipeline_stages import pipeline_rank, pipeline_size
 
 __all__ = [
     "Chunks",
@@ -70,7 +71,7 @@ class StageModel:
     @property
     def stage(self) -> int:
         """This rank's pipeline stage."""
-        return mg.pipeline_rank(self.pgc)
+        return pipeline_rank(self.pgc)
 
     def layers(self) -> list[range]:
         """Global indices of the blocks of each chunk."""
@@ -123,7 +124,7 @@ class _Pipeline:
     def __init__(self, stage: StageModel) -> None:
         self.stage = stage
         self.pp = stage.pgc.require("pp", "dry run step")
-        self.stages = mg.pipeline_size(stage.pgc)
+        self.stages = pipeline_size(stage.pgc)
         self.me = stage.stage
         self.last = self.stages * len(stage.chunks) - 1
         self.mine = [c for c in range(self.last + 1) if c % self.stages == self.me]

@@ -28,6 +28,7 @@ from examples.gpt.model import GPT
 from examples.gpt.weights import gather_full_weights, load_full_weights
 from mc_ddp import DistributedDataParallel, ShardedOptimizer, StepResult, ensure_params_ready
 from mc_finalize import finalize_model_grads
+from mc_groups.pipeline_stages import pipeline_rank, pipeline_size
 
 __all__ = [
     "Trainer",
@@ -66,7 +67,7 @@ def stage_layers(
     the model is cut into ``P·V`` equal runs and stage ``p``'s chunk ``v`` holds run
     ``c = v·P + p``, i.e. blocks ``[c·L/(P·V), (c+1)·L/(P·V))``.
     """
-    stages, stage = mg.pipeline_size(pgc), mg.pipeline_rank(pgc)
+    stages, stage = pipeline_size(pgc), pipeline_rank(pgc)
     if vp_stage is None:
         per_stage = cfg.num_layers // stages
         return range(stage * per_stage, (stage + 1) * per_stage)

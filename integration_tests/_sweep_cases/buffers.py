@@ -15,6 +15,9 @@ from integration_tests._sweep_cases.base import (
     mlp,
     z,
 )
+from mc_buffers.build import build_param_and_grad_buffers
+from mc_buffers.keys import is_expert_parallel_param
+from mc_buffers.layout import compute_distributed_optimizer_param_layout, compute_full_param_layout
 
 
 def _params() -> list[nn.Parameter]:
@@ -42,7 +45,7 @@ def _buffer_slots() -> None:
         B,
         "is_expert_parallel_param(param=)",
         "tensor",
-        lambda c, v: mb.is_expert_parallel_param(v),
+        lambda c, v: is_expert_parallel_param(v),
         ("param",),
         good=z(),
     )
@@ -72,19 +75,19 @@ def _buffer_slots() -> None:
         B,
         "compute_distributed_optimizer_param_layout(data_parallel_size=)",
         "size",
-        lambda c, v: mb.compute_distributed_optimizer_param_layout(_params(), None, v),
+        lambda c, v: compute_distributed_optimizer_param_layout(_params(), None, v),
     )
     arg(
         B,
         "compute_distributed_optimizer_param_layout(pad_buckets_for_high_nccl_busbw=)",
         "flag",
-        lambda c, v: mb.compute_distributed_optimizer_param_layout(_params(), None, 2, v),
+        lambda c, v: compute_distributed_optimizer_param_layout(_params(), None, 2, v),
     )
     arg(
         B,
         "compute_full_param_layout(use_distributed_optimizer=)",
         "flag",
-        lambda c, v: mb.compute_full_param_layout(
+        lambda c, v: compute_full_param_layout(
             _params(), None, 1, use_distributed_optimizer=v, grad_reduce_in_fp32=False
         ),
     )
@@ -92,7 +95,7 @@ def _buffer_slots() -> None:
         B,
         "compute_full_param_layout(grad_reduce_in_fp32=)",
         "flag",
-        lambda c, v: mb.compute_full_param_layout(
+        lambda c, v: compute_full_param_layout(
             _params(), None, 1, use_distributed_optimizer=False, grad_reduce_in_fp32=v
         ),
     )
@@ -201,13 +204,13 @@ def _buffer_slots() -> None:
         B,
         "build_param_and_grad_buffers(bucket_size=)",
         "size",
-        lambda c, v: mb.build_param_and_grad_buffers(_params(), bucket_size=v),
+        lambda c, v: build_param_and_grad_buffers(_params(), bucket_size=v),
     )
     arg(
         B,
         "build_param_and_grad_buffers(data_parallel_size=)",
         "size",
-        lambda c, v: mb.build_param_and_grad_buffers(
+        lambda c, v: build_param_and_grad_buffers(
             _params(), bucket_size=None, data_parallel_size=v
         ),
     )
@@ -215,7 +218,7 @@ def _buffer_slots() -> None:
         B,
         "build_param_and_grad_buffers(gradient_scaling_factor=)",
         "real",
-        lambda c, v: mb.build_param_and_grad_buffers(
+        lambda c, v: build_param_and_grad_buffers(
             _params(), bucket_size=None, gradient_scaling_factor=v
         ),
     )
@@ -223,7 +226,7 @@ def _buffer_slots() -> None:
         B,
         "build_param_and_grad_buffers(expert_gradient_scaling_factor=)",
         "real",
-        lambda c, v: mb.build_param_and_grad_buffers(
+        lambda c, v: build_param_and_grad_buffers(
             _params(), bucket_size=None, expert_gradient_scaling_factor=v
         ),
     )
@@ -231,7 +234,7 @@ def _buffer_slots() -> None:
         B,
         "build_param_and_grad_buffers(grad_reduce_in_fp32=)",
         "flag",
-        lambda c, v: mb.build_param_and_grad_buffers(
+        lambda c, v: build_param_and_grad_buffers(
             _params(), bucket_size=None, grad_reduce_in_fp32=v
         ),
     )

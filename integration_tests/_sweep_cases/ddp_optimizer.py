@@ -23,6 +23,7 @@ from integration_tests._sweep_cases.base import (
     step,
     z,
 )
+from mc_ddp.grad_checks import LargeGradMonitor, check_finite_grads
 
 
 def _optimizer(model: Any) -> Any:
@@ -166,7 +167,7 @@ def _optimizer_slots() -> None:
         D,
         "check_finite_grads(buckets=)",
         "misuse",
-        lambda c, v: md.check_finite_grads(v, {}, "here"),
+        lambda c, v: check_finite_grads(v, {}, "here"),
         ("buckets",),
         values=(None, "x", [None], []),
         only=True,
@@ -175,7 +176,7 @@ def _optimizer_slots() -> None:
         D,
         "check_finite_grads(names=)",
         "misuse",
-        lambda c, v: md.check_finite_grads(buffer().buckets, v, "here"),
+        lambda c, v: check_finite_grads(buffer().buckets, v, "here"),
         ("names",),
         values=(None, "x"),
         only=True,
@@ -185,25 +186,25 @@ def _optimizer_slots() -> None:
         D,
         "check_finite_grads(where=)",
         "text",
-        lambda c, v: md.check_finite_grads(buffer().buckets, {}, v),
+        lambda c, v: check_finite_grads(buffer().buckets, {}, v),
         ("where",),
     )
     arg(
         D,
         "check_finite_grads(groups=)",
         "misuse",
-        lambda c, v: md.check_finite_grads(buffer().buckets, {}, "here", groups=v),
+        lambda c, v: check_finite_grads(buffer().buckets, {}, "here", groups=v),
         ("groups",),
         values=("x", [None], Ref("world")),
         only=True,
         good=(),
     )
-    arg(D, "LargeGradMonitor(num_buckets=)", "size", lambda c, v: md.LargeGradMonitor(v))
+    arg(D, "LargeGradMonitor(num_buckets=)", "size", lambda c, v: LargeGradMonitor(v))
     arg(
         D,
         "LargeGradMonitor.check(buckets=)",
         "misuse",
-        lambda c, v: md.LargeGradMonitor(1).check(v, "here"),
+        lambda c, v: LargeGradMonitor(1).check(v, "here"),
         ("buckets",),
         values=(None, "x", [None]),
         only=True,

@@ -17,6 +17,7 @@ from integration_tests._sweep_cases.base import (
     z,
 )
 from mc_groups.comm.collectives import all_reduce_flat
+from mc_groups.comm.communicator import Communicator
 
 
 def w(ctx: Ctx) -> Any:
@@ -100,12 +101,12 @@ def _collective_slots() -> None:
         lambda c, v: mg.reduce_scatter(z(), z(), w(c), accumulate_dtype=v),
     )
     # the communicator
-    arg(G, "Communicator(group=)", "group", lambda c, v: mg.Communicator(v))
+    arg(G, "Communicator(group=)", "group", lambda c, v: Communicator(v))
     arg(
         G,
         "Communicator.reduce_scatter(pairs=)",
         "misuse",
-        lambda c, v: mg.Communicator(w(c)).reduce_scatter(v),
+        lambda c, v: Communicator(w(c)).reduce_scatter(v),
         ("pairs",),
         values=(None, "x", [z()], [(z(3), z())], [(z(), z(), z())]),
         only=True,
@@ -115,7 +116,7 @@ def _collective_slots() -> None:
         G,
         "Communicator.all_reduce(tensors=)",
         "misuse",
-        lambda c, v: mg.Communicator(w(c)).all_reduce(v),
+        lambda c, v: Communicator(w(c)).all_reduce(v),
         ("tensors",),
         values=(None, z(), [None]),
         only=True,

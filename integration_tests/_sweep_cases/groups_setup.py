@@ -25,6 +25,8 @@ from integration_tests._sweep_cases.base import (
 from integration_tests._sweep_cases.groups_collectives import (
     _enter,
 )
+from mc_groups import pipeline_stages
+from mc_groups.rank_generator import RankGenerator
 
 _SIZE_ARGS = (
     "tensor_model_parallel_size",
@@ -174,10 +176,10 @@ def _after_destroy(ctx: Ctx, use: Callable[[Any], object]) -> None:
 
 
 def _generator_slots() -> None:
-    base = {"tp": 1, "ep": 1, "dp": 1, "pp": 1, "cp": 1}
+    base: dict[str, Any] = {"tp": 1, "ep": 1, "dp": 1, "pp": 1, "cp": 1}
 
     def generate(**changes: Any) -> Any:
-        return mg.RankGenerator(**{**base, **changes}).get_ranks("dp")
+        return RankGenerator(**{**base, **changes}).get_ranks("dp")
 
     for name in ("tp", "ep", "dp", "pp", "cp", "gtp_remat"):
         extra = (HUGE,) if name in ("tp", "dp") else ()
@@ -210,7 +212,7 @@ def _generator_slots() -> None:
         G,
         "RankGenerator.get_ranks(token=)",
         "misuse",
-        lambda c, v: mg.RankGenerator(**base).get_ranks(v),
+        lambda c, v: RankGenerator(**base).get_ranks(v),
         ("token",),
         values=(3, None, "", "tp-zz"),
         only=True,
@@ -284,7 +286,7 @@ def _pipeline_slots() -> None:
             G,
             f"{name}(pg_collection=)",
             "misuse",
-            lambda c, v, n=name: getattr(mg, n)(v),
+            lambda c, v, n=name: getattr(pipeline_stages, n)(v),
             ("pg_collection",),
             values=(None, "pp", Ref("world"), {}),
             only=True,
@@ -295,7 +297,7 @@ def _pipeline_slots() -> None:
             G,
             f"{name}(vp_stage=)",
             "misuse",
-            lambda c, v, n=name: getattr(mg, n)(c.pgc, vp_stage=v, vp_size=2),
+            lambda c, v, n=name: getattr(pipeline_stages, n)(c.pgc, vp_stage=v, vp_size=2),
             ("vp_stage",),
             values=(-1, 2, "0", True, 1.5),
             only=True,
@@ -305,7 +307,7 @@ def _pipeline_slots() -> None:
             G,
             f"{name}(vp_size=)",
             "misuse",
-            lambda c, v, n=name: getattr(mg, n)(c.pgc, vp_stage=0, vp_size=v),
+            lambda c, v, n=name: getattr(pipeline_stages, n)(c.pgc, vp_stage=0, vp_size=v),
             ("vp_size",),
             values=(0, -1, "2", True),
             only=True,

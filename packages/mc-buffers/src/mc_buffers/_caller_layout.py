@@ -9,7 +9,7 @@ from mc_buffers.adopt import as_per_buffer_param_layout
 from mc_buffers.layout import PerBufferParamLayout
 from mc_groups.errors import InputValueError
 
-_FIX = "recompute it with mc_buffers.compute_full_param_layout over these params"
+_FIX = "recompute it with compute_full_param_layout over these params"
 
 
 def check_layout(

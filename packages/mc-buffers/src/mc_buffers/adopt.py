@@ -100,7 +100,7 @@ def as_per_buffer_param_layout(value: object, name: str = "param_layout") -> Per
         raise InputTypeError(
             f"{name} must be a mc_buffers.PerBufferParamLayout or an object with the fields "
             f"{list(_PER_BUFFER_FIELDS)} (e.g. Megatron-Core's), got {type_name(value)} "
-            f"without {missing}; compute it with mc_buffers.compute_full_param_layout"
+            f"without {missing}; compute it with compute_full_param_layout"
         )
     like: PerBufferParamLayoutLike = value  # type: ignore[assignment]  # fields checked above
     shards = like.num_optimizer_shards
@@ -148,7 +148,7 @@ def as_full_param_layout(value: object, name: str = "full_param_layout") -> Full
         raise InputTypeError(
             f"{name} must be a mc_buffers.FullParamLayout or an object with a `layouts` "
             f"mapping of buffer keys to per-buffer layouts (e.g. Megatron-Core's), got "
-            f"{type_name(value)}; compute it with mc_buffers.compute_full_param_layout"
+            f"{type_name(value)}; compute it with compute_full_param_layout"
         )
     return FullParamLayout(
         layouts={

@@ -16,15 +16,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from mc_buffers import (
-    BufferKey,
-    FullParamLayout,
-    ParamAndGradBuffer,
-    as_full_param_layout,
-    as_per_buffer_param_layout,
-    build_param_and_grad_buffers,
-    compute_full_param_layout,
-)
+from mc_buffers import BufferKey, FullParamLayout, ParamAndGradBuffer
+from mc_buffers.adopt import as_full_param_layout, as_per_buffer_param_layout
+from mc_buffers.build import build_param_and_grad_buffers
+from mc_buffers.layout import compute_full_param_layout
 from mc_buffers_tests._params import linears, param
 
 

@@ -19,15 +19,14 @@ from mc_buffers import (
     ParamAndGradBuffer,
     PerBufferParamLayout,
     bucket_end_divisor,
-    build_param_and_grad_buffers,
     compute_default_per_buffer_param_layout,
-    compute_distributed_optimizer_param_layout,
-    compute_full_param_layout,
     group_params_for_buffers,
-    is_expert_parallel_param,
     pad_to_divisor,
     shard_buffer,
 )
+from mc_buffers.build import build_param_and_grad_buffers
+from mc_buffers.keys import is_expert_parallel_param
+from mc_buffers.layout import compute_distributed_optimizer_param_layout, compute_full_param_layout
 from mc_buffers_tests._params import param
 from mc_groups import record_collectives
 

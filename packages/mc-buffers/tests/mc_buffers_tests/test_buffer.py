@@ -13,13 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from mc_buffers import (
-    BufferKey,
-    OffloadedView,
-    ParamAndGradBuffer,
-    build_param_and_grad_buffers,
-    compute_distributed_optimizer_param_layout,
-)
+from mc_buffers import BufferKey, OffloadedView, ParamAndGradBuffer
+from mc_buffers.build import build_param_and_grad_buffers
+from mc_buffers.layout import compute_distributed_optimizer_param_layout
 from mc_buffers_tests._params import linears, param
 
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from mc_buffers import BufferKey, group_params_for_buffers, is_expert_parallel_param
+from mc_buffers import BufferKey, group_params_for_buffers
+from mc_buffers.keys import is_expert_parallel_param
 from mc_buffers_tests._params import meta_param
 
 BF16, FP32 = torch.bfloat16, torch.float32

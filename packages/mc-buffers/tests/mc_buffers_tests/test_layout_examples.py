@@ -10,12 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mc_buffers import (
-    BufferKey,
-    compute_default_per_buffer_param_layout,
-    compute_distributed_optimizer_param_layout,
-    compute_full_param_layout,
-)
+from mc_buffers import BufferKey, compute_default_per_buffer_param_layout
+from mc_buffers.layout import compute_distributed_optimizer_param_layout, compute_full_param_layout
 from mc_buffers_tests._params import linears, meta_param
 
 W = 9025  # elements of one Linear(95, 95) weight

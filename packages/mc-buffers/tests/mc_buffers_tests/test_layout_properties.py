@@ -17,10 +17,9 @@ from hypothesis import strategies as st
 from mc_buffers import (
     PerBufferParamLayout,
     compute_default_per_buffer_param_layout,
-    compute_distributed_optimizer_param_layout,
-    compute_full_param_layout,
     pad_param_start,
 )
+from mc_buffers.layout import compute_distributed_optimizer_param_layout, compute_full_param_layout
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _SETTINGS = settings(max_examples=120, deadline=None)

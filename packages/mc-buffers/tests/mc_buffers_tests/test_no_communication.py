@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import mc_buffers
-from mc_buffers import build_param_and_grad_buffers
+from mc_buffers.build import build_param_and_grad_buffers
 from mc_buffers_tests._params import linears
 from mc_groups import record_collectives
 

@@ -4,14 +4,15 @@
 - :class:`DistributedDataParallel`: contiguous grad buffers, bucketed grad reduction
   (all-reduce, or reduce-scatter into this rank's shard with the distributed optimizer)
   overlapped with backward, ``no_sync``, param all-gather overlapped with forward.
-- :class:`ParamAndGradBucketGroup`, :func:`partition_buckets`: the per-group state machine
-  (``start_grad_sync`` / ``finish_grad_sync`` / ``start_param_sync`` / ``finish_param_sync``).
-- :class:`ShardedOptimizer`: any torch optimizer on fp32 masters of this rank's shard
-  (:class:`OwnedSlice` each); its ``sharded_state_dict`` stores the state as
+- :func:`partition_buckets`: which buckets share a group; the per-group state machine
+  (``start_grad_sync`` / ``finish_grad_sync`` / ``start_param_sync`` / ``finish_param_sync``)
+  is :class:`~mc_ddp.bucket_group.ParamAndGradBucketGroup`.
+- :class:`ShardedOptimizer`: any torch optimizer on fp32 masters of this rank's shard; its
+  ``sharded_state_dict`` stores the state as
   :class:`~mc_ddp.checkpoint_pieces.CheckpointPieces` of full-param-shaped tensors, so
   ``torch.distributed.checkpoint`` reshards it across TP / DP layouts. Global grad-norm
-  clipping (``max_grad_norm=``, ``clip_grad_norm``; the rule in :mod:`mc_ddp.grad_norm`:
-  :class:`GradNormRanks`, :func:`counts_in_grad_norm`), fp16 loss scaling
+  clipping (``max_grad_norm=``, ``clip_grad_norm``; the rule in :mod:`mc_ddp.grad_norm`),
+  fp16 loss scaling
   (:class:`DynamicGradScaler`) and skipped steps, reported by ``step()`` as a
   :class:`StepResult`.
 - :class:`TorchFullyShardedDataParallel`, :class:`TorchFullyShardedDataParallelConfig`:
@@ -23,8 +24,8 @@
   (one checkpoint loads on either side, at any layout).
 - :func:`ensure_params_ready`, :data:`PARAM_READY_CALLBACK_ATTR`: publish params on demand.
 - :func:`reduce_scatter_with_fp32_accumulation`: all-to-all + local fp32 sum.
-- :class:`NonFiniteGradError`, :class:`LargeGradMonitor`, :func:`check_finite_grads`: the
-  checks run before a collective.
+- :class:`NonFiniteGradError`: a bucket held NaN or Inf before its collective (the checks
+  run before a collective: :mod:`mc_ddp.grad_checks`).
 - :class:`DataParallelAgreementError`: ranks of a reduction group that built their DDP
   differently (compared once, at construction; every rank raises it).
 """
@@ -34,17 +35,15 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from mc_ddp._agreement import DataParallelAgreementError
-from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
-from mc_ddp.checkpoint_pieces import CheckpointPieces
+from mc_ddp.bucket_group import partition_buckets
 from mc_ddp.clip_grads import clip_grad_norm
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
 from mc_ddp.fp32_reduce_scatter import reduce_scatter_with_fp32_accumulation
-from mc_ddp.grad_checks import LargeGradMonitor, NonFiniteGradError, check_finite_grads
-from mc_ddp.grad_norm import GradNormRanks, counts_in_grad_norm
+from mc_ddp.grad_checks import NonFiniteGradError
 from mc_ddp.grad_scaler import DynamicGradScaler
 from mc_ddp.hooks import PARAM_READY_CALLBACK_ATTR, ensure_params_ready
-from mc_ddp.sharded_optimizer import OwnedSlice, ShardedOptimizer, StepResult
+from mc_ddp.sharded_optimizer import ShardedOptimizer, StepResult
 from mc_ddp.torch_fully_sharded_data_parallel import (
     TorchFullyShardedDataParallel,
     TorchFullyShardedDataParallelConfig,
@@ -61,23 +60,16 @@ except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/g
 
 __all__ = [
     "PARAM_READY_CALLBACK_ATTR",
-    "CheckpointPieces",
     "DataParallelAgreementError",
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
     "DynamicGradScaler",
-    "GradNormRanks",
-    "LargeGradMonitor",
     "NonFiniteGradError",
-    "OwnedSlice",
-    "ParamAndGradBucketGroup",
     "ShardedOptimizer",
     "StepResult",
     "TorchFullyShardedDataParallel",
     "TorchFullyShardedDataParallelConfig",
-    "check_finite_grads",
     "clip_grad_norm",
-    "counts_in_grad_norm",
     "ensure_params_ready",
     "load_optimizer_sharded_state_dict",
     "optimizer_sharded_state_dict",

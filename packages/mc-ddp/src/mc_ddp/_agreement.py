@@ -23,7 +23,11 @@ What is compared (each a field of the record; values are short strings):
   others with no error. The common case is an expert weight left untagged: its shards
   differ across the expert-parallel ranks, and untagged it counts as dense and is averaged
   over ``dp_cp``; tagged ``allreduce=False`` it is compared (and reduced) over ``expt_dp``,
-  where the shards are the same expert. The checksum of a param of ``n`` elements whose
+  where the shards are the same expert. Values that differ are an error when the rest of
+  the model shows the ranks initialised it alike (some param that is not constant agrees);
+  when every param differs (the model was initialised per rank, e.g. without a common seed,
+  as Megatron's ``data_parallel_random_init`` does before ``broadcast_params()``) it is a
+  warning. The checksum of a param of ``n`` elements whose
   bits read as integers ``b_i`` is ``(Σ b_i, Σ (i + 1) · b_i) mod 2^64``, computed on the
   param's device in chunks, read back once for all params. Params on the meta device and
   DTensors (sharded by design) are not compared. ``check_param_values=False`` turns the
@@ -45,8 +49,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from collections.abc import Mapping, Sequence
 from numbers import Integral
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -105,7 +111,16 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 22  # elements per step of the checksum (64 MiB of int64 temporaries)
 
 
-def value_checksums(params: Sequence[Param]) -> list[str | None]:
+class Checksum(NamedTuple):
+    """A param's values in a few bytes: ``text`` (compared across ranks) and whether every
+    element is the same number (``constant``: zeros, ones; such a param agrees across ranks
+    whatever the seed, so its agreement says nothing about how the model was initialised)."""
+
+    text: str
+    constant: bool
+
+
+def value_checksums(params: Sequence[Param]) -> list[Checksum | None]:
     """One checksum per param (module notes), None for a param that is not compared (meta
     device, DTensor, an element size without an integer view). One device-to-host read."""
     sums: list[torch.Tensor | None] = []
@@ -116,16 +131,24 @@ def value_checksums(params: Sequence[Param]) -> list[str | None]:
             sums.append(None)
             continue
         bits = data.reshape(-1).view(kind)
-        total = torch.zeros(2, dtype=torch.int64, device=bits.device)
+        total = torch.zeros(3, dtype=torch.int64, device=bits.device)
         for start in range(0, bits.numel(), _CHUNK):
             chunk = bits[start : start + _CHUNK].to(torch.int64)
             weight = torch.arange(start + 1, start + 1 + chunk.numel(), device=chunk.device)
             total[0] += chunk.sum()
             total[1] += (chunk * weight).sum()
+        total[2] = (bits.amin() == bits.amax()).to(torch.int64)
         sums.append(total)
     present = [t.cpu() for t in sums if t is not None]
     host = iter(torch.stack(present).tolist()) if present else iter(())
-    return [None if t is None else "".join(f"{v % 2**64:016x}" for v in next(host)) for t in sums]
+    out: list[Checksum | None] = []
+    for t in sums:
+        if t is None:
+            out.append(None)
+            continue
+        first, weighted, constant = next(host)
+        out.append(Checksum(f"{first % 2**64:016x}{weighted % 2**64:016x}", bool(constant)))
+    return out
 
 
 def build_record(
@@ -138,7 +161,7 @@ def build_record(
     layout: FullParamLayout,
     expert: bool,
     expert_count: int,
-    checksums: Mapping[Param, str | None] | None = None,
+    checksums: Mapping[Param, Checksum | None] | None = None,
 ) -> Record:
     """What the ranks of one reduction group must agree on (``expert`` selects the buffers
     and params of that kind); see the module notes."""
@@ -161,20 +184,55 @@ def build_record(
     for name, param in members if checksums is not None else ():
         value = checksums.get(param) if checksums is not None else None
         if value is not None:
-            record[f"{_VALUES}'{name}'"] = value
+            record[f"{_VALUES}'{name}'"] = value.text
     return record
+
+
+def telling_fields(
+    named: Sequence[tuple[str, Param]], checksums: Mapping[Param, Checksum | None] | None
+) -> frozenset[str]:
+    """The value fields whose agreement says the ranks initialised the model alike: params
+    compared and not constant (a constant param agrees whatever the seed)."""
+    if checksums is None:
+        return frozenset()
+    return frozenset(
+        f"{_VALUES}'{name}'"
+        for name, param in named
+        if (value := checksums.get(param)) is not None and not value.constant
+    )
 
 
 _VALUES = "values of "
 """The prefix of a param's checksum field (the error names the param by it)."""
 
 
-def agree(group: dist.ProcessGroup, group_name: str, record: Record) -> None:
+def agree(
+    group: dist.ProcessGroup,
+    group_name: str,
+    record: Record,
+    telling: frozenset[str] = frozenset(),
+) -> None:
     """Every rank of ``group`` holds the same ``record``, else every rank raises
-    :class:`DataParallelAgreementError` (see the module notes)."""
+    :class:`DataParallelAgreementError` (see the module notes). Params' values that differ
+    while no ``telling`` value field agrees (the whole model initialised per rank) are
+    accepted with a warning; every rank reads the same differences, so every rank decides
+    alike."""
     try:
         mg.cross_check(group, f"DistributedDataParallel over {group_name}", record)
     except mg.AgreementError as err:
+        differing = {d.field for d in err.differences}
+        values = {f for f in differing if f.startswith(_VALUES)}
+        agreeing = telling - differing
+        if values == differing and not agreeing:
+            warnings.warn(
+                f"DistributedDataParallel over {group_name}: the values of every param differ "
+                f"across the ranks {list(err.group_ranks)} (the model was initialised per "
+                "rank); their gradients are averaged over the group: make the params equal "
+                "(ddp.broadcast_params()) before training",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
         raise DataParallelAgreementError(
             _message(group_name, err), err.what, err.group_ranks, err.differences
         ) from None

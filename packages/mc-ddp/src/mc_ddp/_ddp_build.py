@@ -10,18 +10,15 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_buffers import (
-    BufferKey,
-    FullParamLayout,
-    ParamAndGradBuffer,
-    as_full_param_layout,
-    build_param_and_grad_buffers,
-    compute_full_param_layout,
-)
+from mc_buffers import BufferKey, FullParamLayout, ParamAndGradBuffer
+from mc_buffers.adopt import as_full_param_layout
+from mc_buffers.build import build_param_and_grad_buffers
+from mc_buffers.layout import compute_full_param_layout
 from mc_ddp import _agreement as agreement
 from mc_ddp._ddp_groups import DDPGroups
 from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
 from mc_ddp.config import DistributedDataParallelConfig
+from mc_groups import param_attrs
 from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputValueError
 
@@ -248,6 +245,9 @@ def agree_across_ranks(
             checksums=checksums,
         )
 
-    agreement.agree(groups.dp_cp, "dp_cp", record(expert=False))
+    dense = [(n, p) for n, p in named if not param_attrs.is_expert_param(p)]
+    expert = [(n, p) for n, p in named if param_attrs.is_expert_param(p)]
+    telling = agreement.telling_fields
+    agreement.agree(groups.dp_cp, "dp_cp", record(expert=False), telling(dense, checksums))
     if experts and groups.expt_dp is not None:
-        agreement.agree(groups.expt_dp, "expt_dp", record(expert=True))
+        agreement.agree(groups.expt_dp, "expt_dp", record(expert=True), telling(expert, checksums))

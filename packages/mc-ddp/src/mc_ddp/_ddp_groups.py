@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_ddp.config import DistributedDataParallelConfig
+from mc_groups.collection import is_group_live
 from mc_groups.errors import InputValueError
 
 _WHAT = "DistributedDataParallel"
@@ -59,7 +60,7 @@ def require_live(groups: Iterable[tuple[str, dist.ProcessGroup | None]], what: s
     before anything is issued (a collective on a destroyed group fails inside the backend,
     far from the cause)."""
     for name, group in groups:
-        if group is not None and not mg.is_group_live(group):
+        if group is not None and not is_group_live(group):
             raise RuntimeError(
                 f"{what}: {name} was destroyed (destroy_model_parallel() or "
                 "torch.distributed.destroy_process_group()), so this DistributedDataParallel "

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_ddp.grad_scaler import DynamicGradScaler
+from mc_groups.comm.cross_rank import CarriedStatus
 
 _LABEL = "grad norm and step status"
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s and Megatron's
@@ -96,7 +97,7 @@ def reduce_step_values(
     guard: Guard,
     grads: list[torch.Tensor],
     counted: list[bool],
-    status: mg.CarriedStatus,
+    status: CarriedStatus,
     device: torch.device,
 ) -> StepResult:
     """The local values, the one reduction over the world, the status settled (every rank

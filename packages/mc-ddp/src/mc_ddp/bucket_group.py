@@ -19,7 +19,8 @@ then all-reduced over ``inter_distributed_optimizer_instance_group`` (when the g
 finishes: on CPU a chained collective cannot wait on a stream).
 
 The group's collectives are bound once, at construction, on its
-:class:`mc_groups.Communicator` (:meth:`mc_groups.Communicator.bind`: the tensors and
+:class:`mc_groups.comm.communicator.Communicator`
+(:meth:`mc_groups.comm.communicator.Communicator.bind`: the tensors and
 options checked then): the gradient reduction (reduce-scatter into this rank's shard, or
 all-reduce), the param all-gather and the gather of reduced shards for
 ``force_all_reduce``. A step only issues them. One collective per bucket, Megatron's
@@ -47,7 +48,8 @@ from mc_ddp._iteration import ReadyCounts
 from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_buckets, check_finite_grads
 from mc_groups.argcheck import check_flag, check_group, check_optional_group, check_str, type_name
-from mc_groups.comm.communicator import BoundCollectives
+from mc_groups.collection import is_group_live
+from mc_groups.comm.communicator import BoundCollectives, Communicator
 from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 
 __all__ = ["ParamAndGradBucketGroup", "partition_buckets"]
@@ -88,7 +90,8 @@ class ParamAndGradBucketGroup:
     digest, passed as ``detail=`` to every collective: shown in collective errors, compared
     by mc_groups' schedule check), ``collective_group``,
     ``inter_distributed_optimizer_instance_group`` and ``communicator`` (the
-    :class:`mc_groups.Communicator` of ``collective_group`` that issues the group's
+    :class:`mc_groups.comm.communicator.Communicator` of ``collective_group`` that issues the
+    group's
     collectives and keeps their temporaries between iterations).
     """
 
@@ -129,7 +132,7 @@ class ParamAndGradBucketGroup:
         self.param_gather_dispatched = False
         self._scattered = False
         self._large_grads = LargeGradMonitor(len(self.buckets))
-        self.communicator = mg.Communicator(collective_group)
+        self.communicator = Communicator(collective_group)
         self.layout_detail = bucket_layout_detail(self.buckets, self._names)
         self._bind_collectives(inter_instance_group)
 
@@ -180,7 +183,7 @@ class ParamAndGradBucketGroup:
             )
         self._across_instances: tuple[BoundCollectives, BoundCollectives] | None = None
         if inter_group is not None:  # the second stage of a multi-instance reduction
-            inter = mg.Communicator(inter_group)
+            inter = Communicator(inter_group)
             label = f"grad reduce across instances {self.name}"
             whole = inter.bind("all_reduce", grads, op=op, label=label, detail=detail)
             part = inter.bind("all_reduce", shards, op=op, label=label, detail=detail)
@@ -391,7 +394,7 @@ class ParamAndGradBucketGroup:
 
     def _require_live(self, what: str) -> None:
         inter = self.inter_distributed_optimizer_instance_group
-        if mg.is_group_live(self.collective_group) and (inter is None or mg.is_group_live(inter)):
+        if is_group_live(self.collective_group) and (inter is None or is_group_live(inter)):
             return  # the common case: no message built
         groups = [(f"the reduction group of {self.name}", self.collective_group)]
         require_live([*groups, (f"the inter-instance group of {self.name}", inter)], what)

@@ -45,6 +45,8 @@ from mc_ddp.grad_norm import GradNormRanks, check_norm_type, counts_in_grad_norm
 from mc_ddp.grad_scaler import DynamicGradScaler
 from mc_groups import dtensors, param_attrs
 from mc_groups.argcheck import check_flag, type_name
+from mc_groups.comm.cross_rank import CarriedStatus
+from mc_groups.default_collection import collection_or_default
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["clip_grad_norm"]
@@ -93,8 +95,8 @@ def clip_grad_norm(
         _check_scaler(grad_scaler),
         check_flag("error_if_nonfinite", error_if_nonfinite),
     )
-    collection = mg.collection_or_default(pg_collection, _WHERE)
-    status = mg.CarriedStatus(_WHERE)
+    collection = collection_or_default(pg_collection, _WHERE)
+    status = CarriedStatus(_WHERE)
     grads: list[torch.Tensor] = []
     counted: list[bool] = []
     with status.checks():

@@ -35,13 +35,9 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import TypeVar
 
 import mc_groups as mg
-from mc_buffers import (
-    FullParamLayout,
-    FullParamLayoutLike,
-    OffloadedView,
-    ParamAndGradBuffer,
-    is_expert_parallel_param,
-)
+from mc_buffers import FullParamLayout, OffloadedView, ParamAndGradBuffer
+from mc_buffers.adopt import FullParamLayoutLike
+from mc_buffers.keys import is_expert_parallel_param
 from mc_ddp import _ddp_build as build
 from mc_ddp import _ddp_checks as checks
 from mc_ddp._ddp_groups import DDPGroups, require_live, resolve_groups
@@ -57,7 +53,9 @@ from mc_ddp.hooks import (
 from mc_groups import device as mg_device
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, type_name
+from mc_groups.collection import MissingGroupError, is_group_live
 from mc_groups.config import TransformerConfigLike, config_value
+from mc_groups.default_collection import collection_or_default
 from mc_groups.device import is_graph_capturing
 from mc_groups.errors import InputStateError, InputTypeError
 from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr
@@ -120,7 +118,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             several optimizer instances; ``intra_expt_dp`` / ``inter_expt_dp`` too when
             there are expert params); None: the registered default collection.
         full_param_layout: precomputed layouts per buffer key: mc_buffers' FullParamLayout or
-            Megatron-Core's (any object with the same fields; see mc_buffers.as_full_param_layout),
+            Megatron-Core's (any object with the same fields; see as_full_param_layout),
             including the shard-aligned layouts of Megatron's ``LayerWiseDistributedOptimizer``
             (``compute_full_param_layout``; params tagged ``is_managed_by_layer_wise_optimizer``
             get buffers of their own, reduce-scattered and all-gathered as any
@@ -164,7 +162,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             single = check_flag("disable_bucketing", disable_bucketing)
             check_values = check_flag("check_param_values", check_param_values)
             experts = sum(is_expert_parallel_param(p) for _, p in named)
-            pgc = mg.collection_or_default(pg_collection, "DistributedDataParallel")
+            pgc = collection_or_default(pg_collection, "DistributedDataParallel")
             groups = resolve_groups(pgc, ddp_config, experts > 0)
             checks.check_materialised(named, groups.dp_cp)
             scaling = build.gradient_scaling(config, ddp_config, groups)  # before any state
@@ -550,7 +548,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         """Before communicating: live groups, resident params (and grads, kept this
         iteration, unless ``grads=False``)."""
         named = self._named_groups
-        if not all(g is None or mg.is_group_live(g) for _, g in named):
+        if not all(g is None or is_group_live(g) for _, g in named):
             require_live(named, what)  # raises, naming the destroyed group
         if self._params_offloaded():
             raise RuntimeError(
@@ -703,7 +701,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         if not is_expert_parallel_param(param):
             return self.dp_cp_group
         if self.expt_dp_group is None:
-            raise mg.MissingGroupError(
+            raise MissingGroupError(
                 "broadcast_params() needs pg_collection.expt_dp for the expert param "
                 f"'{self._name_of(param)}' (allreduce=False)"
             )

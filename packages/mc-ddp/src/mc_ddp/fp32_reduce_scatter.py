@@ -12,7 +12,7 @@ dtype and sums locally in fp32::
 
 so the result is rounded once, from the exact fp32 sum. The mechanism is
 :func:`mc_groups.reduce_scatter` (``accumulate_dtype``); DDP's bucket groups reach it
-through their :class:`mc_groups.Communicator`.
+through their :class:`mc_groups.comm.communicator.Communicator`.
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ from mc_ddp.distributed_data_parallel import DistributedDataParallel
 from mc_ddp.grad_norm import counted_slices
 from mc_ddp.grad_scaler import DynamicGradScaler
 from mc_groups.argcheck import check_flag, type_name
+from mc_groups.comm.cross_rank import CarriedStatus
+from mc_groups.default_collection import collection_or_default
 from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 from mc_groups.param_attrs import MAIN_GRAD
 
@@ -312,7 +314,7 @@ class ShardedOptimizer:
 
     def _guarded(self, guard: guarded.Guard, where: str) -> StepResult:
         """Checks, norm and overflow in one all-reduce, then unscale and clip (or skip)."""
-        status = mg.CarriedStatus(where)
+        status = CarriedStatus(where)
         counted: list[bool] = []
         with status.checks():
             self._require_step_ready()
@@ -338,7 +340,7 @@ class ShardedOptimizer:
     def _counted_slots(self) -> list[bool]:
         """Per slot: this rank counts it in the global norm (computed once)."""
         if self._counted is None:
-            pgc = mg.collection_or_default(self._pg_collection, "ShardedOptimizer (grad norm)")
+            pgc = collection_or_default(self._pg_collection, "ShardedOptimizer (grad norm)")
             self._counted = counted_slices(self.model_chunks, self._slots, pgc)
         return self._counted
 

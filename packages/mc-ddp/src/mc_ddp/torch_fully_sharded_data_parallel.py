@@ -67,6 +67,7 @@ from mc_ddp.grad_checks import NonFiniteGradError
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_optional_group, type_name
 from mc_groups.config import check_config, config_value
+from mc_groups.default_collection import collection_or_default
 from mc_groups.errors import InputTypeError, InputValueError
 
 if TYPE_CHECKING:  # importing FSDP2 imports DTensor (over a second): done where used
@@ -409,7 +410,7 @@ def _data_group(
     )
     collection = None
     if group is None or pg_collection is not None:
-        collection = mg.collection_or_default(pg_collection, "TorchFullyShardedDataParallel")
+        collection = collection_or_default(pg_collection, "TorchFullyShardedDataParallel")
     if group is None:
         assert collection is not None
         group = collection.require("dp_cp", "TorchFullyShardedDataParallel (the FSDP2 mesh)")

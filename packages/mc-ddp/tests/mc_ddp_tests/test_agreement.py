@@ -15,6 +15,7 @@ per step. Exact string comparisons, no tolerance.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 from unittest import mock
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import mc_groups as mg
-from mc_buffers import compute_full_param_layout
+from mc_buffers.layout import compute_full_param_layout
 from mc_ddp import DataParallelAgreementError, DistributedDataParallel, ShardedOptimizer
 from mc_ddp_tests._harness import (
     ddp_backward,
@@ -326,16 +327,45 @@ def test_a_param_that_differs_across_its_reduction_group_is_refused_by_name(
 def test_value_checksums_by_hand() -> None:
     """The checksum of bits ``b_i`` is ``(Σ b_i, Σ (i + 1) b_i) mod 2^64`` as 32 hex digits:
     int32 params [1, 2, 3] give (6, 1 + 4 + 9 = 14); a permutation of the same values has
-    the same sum and another weighted sum; meta params are not compared."""
-    from mc_ddp._agreement import value_checksums
+    the same sum and another weighted sum; a param of one repeated value is ``constant``;
+    meta params are not compared."""
+    from mc_ddp._agreement import Checksum, value_checksums
 
     ints = nn.Parameter(torch.tensor([1, 2, 3], dtype=torch.int32), requires_grad=False)
     swapped = nn.Parameter(torch.tensor([3, 2, 1], dtype=torch.int32), requires_grad=False)
     meta = nn.Parameter(torch.empty(3, device="meta"))
     assert value_checksums([ints, swapped, meta]) == [
-        f"{6:016x}{14:016x}",
-        f"{6:016x}{3 + 4 + 3:016x}",
+        Checksum(f"{6:016x}{14:016x}", False),
+        Checksum(f"{6:016x}{3 + 4 + 3:016x}", False),
         None,
     ]
-    one = nn.Parameter(torch.tensor([-1.0]))  # bits 0xbf800000 as int32: negative
-    assert value_checksums([one]) == [f"{(0xBF800000 - 2**32) % 2**64:016x}" * 2]
+    ones = nn.Parameter(torch.full((2,), -1.0))  # bits 0xbf800000 as int32: negative
+    word = (0xBF800000 - 2**32) % 2**64
+    assert value_checksums([ones]) == [
+        Checksum(f"{2 * word % 2**64:016x}{3 * word % 2**64:016x}", True)
+    ]
+
+
+def _per_rank_init() -> list[str]:
+    """Every param initialised per rank (another seed per rank, as a model built without a
+    common seed): built, with a warning naming the fix; no error."""
+    with model_parallel() as pgc:
+        torch.manual_seed(10 + dist.get_rank())
+        module = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DistributedDataParallel(MP, ddp_config(), module, pg_collection=pgc)
+        return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_a_model_initialised_per_rank_builds_with_a_warning(rank_pools: RankPools) -> None:
+    """As Megatron's DDP (its own unit tests build models without a common seed; its
+    ``data_parallel_random_init`` broadcasts after wrapping): when no param that is not
+    constant agrees across the ranks (the LayerNorm's ones and zeros agree whatever the
+    seed), differing values are a warning, not an error."""
+    for messages in rank_pools.get(2).run(_per_rank_init):
+        assert len(messages) == 1, messages
+        assert messages[0].startswith(
+            "DistributedDataParallel over dp_cp: the values of every param differ"
+        )
+        assert "broadcast_params()" in messages[0]

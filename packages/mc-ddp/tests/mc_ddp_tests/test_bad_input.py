@@ -24,13 +24,12 @@ import mc_groups as mg
 from mc_ddp import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
-    LargeGradMonitor,
-    ParamAndGradBucketGroup,
-    check_finite_grads,
     ensure_params_ready,
     partition_buckets,
     reduce_scatter_with_fp32_accumulation,
 )
+from mc_ddp.bucket_group import ParamAndGradBucketGroup
+from mc_ddp.grad_checks import LargeGradMonitor, check_finite_grads
 from mc_ddp_tests._catalogue import Expect, assert_fails_as
 from mc_ddp_tests._harness import (
     ddp_backward,

@@ -20,8 +20,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from mc_ddp import CheckpointPieces
-from mc_ddp.checkpoint_pieces import Box, flat_range_boxes, pieces_of_flat_slice
+from mc_ddp.checkpoint_pieces import Box, CheckpointPieces, flat_range_boxes, pieces_of_flat_slice
 
 
 @st.composite

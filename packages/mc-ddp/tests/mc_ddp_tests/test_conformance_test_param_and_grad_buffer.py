@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 import mc_groups as mg
-from mc_ddp import DistributedDataParallel, ParamAndGradBucketGroup
+from mc_ddp import DistributedDataParallel
+from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp_tests._harness import ddp_config, model_parallel
 from mc_groups.testing import RankPools
 
@@ -445,7 +446,8 @@ def test_free_overlap_buffers(two_ranks: list[dict[str, Any]]) -> None:
     pending param all-gather handle is waited on exactly once and dropped; the group's
     temporaries are released (upstream's are the layer-wise optimizer's gather lists, which
     mc does not have; mc's are the gloo reduce-scatter buffers a group's
-    ``mc_groups.Communicator`` keeps between iterations); DDP's ``free_overlap_buffers``
+    ``mc_groups.comm.communicator.Communicator`` keeps between iterations); DDP's
+    ``free_overlap_buffers``
     calls it on every dense and expert group.
     Upstream's model has ``use_distributed_optimizer=False`` with ``overlap_param_gather``
     (the layer-wise path), which mc refuses; the distributed optimizer is on here.

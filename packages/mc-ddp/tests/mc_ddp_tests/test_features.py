@@ -23,12 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 import mc_groups as mg
 from mc_buffers import ParamAndGradBuffer
-from mc_ddp import (
-    DistributedDataParallel,
-    NonFiniteGradError,
-    ParamAndGradBucketGroup,
-    partition_buckets,
-)
+from mc_ddp import DistributedDataParallel, NonFiniteGradError, partition_buckets
+from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp_tests._harness import (
     GATHER_OP,
     LOCAL_BATCH,

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from mc_ddp import DynamicGradScaler, GradNormRanks, counts_in_grad_norm
+from mc_ddp import DynamicGradScaler
+from mc_ddp.grad_norm import GradNormRanks, counts_in_grad_norm
 from mc_groups import param_attrs
 from mc_groups.errors import InputTypeError, InputValueError
 

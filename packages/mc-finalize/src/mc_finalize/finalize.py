@@ -90,8 +90,10 @@ import mc_groups as mg
 from mc_finalize import _fsdp2
 from mc_groups import dtensors, param_attrs
 from mc_groups.argcheck import check_flag, check_optional_group, check_tensor, type_name
+from mc_groups.collection import MissingGroupError
 from mc_groups.comm.collectives import all_reduce_flat
 from mc_groups.config import TransformerConfigLike, check_config, config_value, recorded_config
+from mc_groups.default_collection import collection_or_default
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["ModelChunk", "finalize_model_grads", "reset_model_temporary_tensors"]
@@ -266,10 +268,10 @@ def _group(
     collection (None there: a MissingGroupError when ``required``)."""
     if check_optional_group(arg, group, what=what) is not None:
         return group
-    collection = mg.collection_or_default(None, what, explicit=f"{arg}=pg_collection.{field}")
+    collection = collection_or_default(None, what, explicit=f"{arg}=pg_collection.{field}")
     found: Group | None = getattr(collection, field)
     if found is None and required:
-        raise mg.MissingGroupError(
+        raise MissingGroupError(
             f"{what} needs the {field} group, but none was passed and the default "
             f"ProcessGroupCollection has {field}=None; pass it explicitly"
         )
@@ -443,7 +445,7 @@ def _embedding_weight(
     if not _multi(group):
         return []
     if pp_group is None:
-        raise mg.MissingGroupError(
+        raise MissingGroupError(
             "an embedding group of more than one rank needs pp_group to tell the first "
             "pipeline stage from the last; pass pg_collection.pp"
         )
@@ -766,7 +768,7 @@ def finalize_model_grads(
         force = (
             False if force_all_reduce is None else check_flag("force_all_reduce", force_all_reduce)
         )
-        groups = _Groups.plan(mg.collection_or_default(pg_collection, what), config)
+        groups = _Groups.plan(collection_or_default(pg_collection, what), config)
         _check_chunks(chunks, groups.tp)
         _check_num_tokens(num_tokens, chunks, per_token)
         shared: WeightGetter = partial(_get_shared_word_embedding_weight, config=config)

@@ -212,7 +212,7 @@ def check_collection(name: str, value: object, *, what: str = "") -> ProcessGrou
 
     Another library's collection (Megatron-Core's ``ProcessGroupCollection``, kept by a user
     who keeps Megatron's ``parallel_state`` or model code) is accepted by what it has: its
-    attributes named in :data:`~mc_groups.GROUP_FIELDS` that hold a ``ProcessGroup`` are
+    attributes named in :data:`~mc_groups.collection.GROUP_FIELDS` that hold a ``ProcessGroup`` are
     copied into a new mc collection (:meth:`ProcessGroupCollection.adopt`; other values,
     e.g. Megatron's list of ``hcp`` groups, are left out).
     """

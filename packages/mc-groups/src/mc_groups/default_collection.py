@@ -11,7 +11,7 @@ fails, the same everywhere:
 
 - a ``ProcessGroupCollection``: returned as is (a destroyed one is a ``RuntimeError``);
 - ``None``: the registered default, or :class:`NoDefaultCollectionError` (a
-  :class:`~mc_groups.MissingGroupError`, so a ``ValueError``) saying how to pass groups
+  :class:`~mc_groups.collection.MissingGroupError`, so a ``ValueError``) saying how to pass groups
   or register a default; with ``required=False`` None is returned instead;
 - anything else: ``TypeError``.
 

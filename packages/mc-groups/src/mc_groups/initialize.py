@@ -1,7 +1,7 @@
 """``initialize_model_parallel``: build every process group of a layout once.
 
 The layout (Megatron-Core's; its sizes and rank lists are computed in
-:mod:`mc_groups.layout`): a dense and an expert rank generator that share ``pp`` and the
+:mod:`mc_groups.rank_generator`): a dense and an expert rank generator that share ``pp`` and the
 ``order`` string; the dense one has ``ep = 1``, the expert one ``cp = 1``. All sizes are
 validated before any group is created, so a bad layout fails with a ``ValueError`` on
 every rank instead of a hang inside ``new_group``. Then the ranks compare their layouts in
@@ -34,7 +34,7 @@ from mc_groups.default_collection import (
     set_default_collection,
 )
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_groups.layout import ParallelSizes, _role_rank_lists, validate_sizes
+from mc_groups.rank_generator import ParallelSizes, _role_rank_lists, validate_sizes
 
 __all__ = [
     "DistributedNotInitializedError",

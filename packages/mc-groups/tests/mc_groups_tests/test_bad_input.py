@@ -27,6 +27,9 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_groups import argcheck, device
 from mc_groups.comm.collectives import all_reduce_flat
+from mc_groups.comm.communicator import Communicator
+from mc_groups.pipeline_stages import pipeline_rank
+from mc_groups.rank_generator import RankGenerator
 from mc_groups.testing import RankPool, RankPools, error_kind
 
 
@@ -194,7 +197,7 @@ CASES: dict[str, Case] = {
         doc_input="`torch.int64`",
     ),
     "communicator pair size": Case(
-        lambda g, r: mg.Communicator(g).reduce_scatter(
+        lambda g, r: Communicator(g).reduce_scatter(
             [(torch.zeros(2), torch.zeros(4)), (torch.zeros(3), torch.zeros(4))]
         ),
         "ValueError",
@@ -203,7 +206,7 @@ CASES: dict[str, Case] = {
         doc_input="second pair's output of 3 for an input of 4 (nothing issued for the first)",
     ),
     "communicator pairs": Case(
-        lambda g, r: mg.Communicator(g).all_gather(Loose(torch.zeros(4))),
+        lambda g, r: Communicator(g).all_gather(Loose(torch.zeros(4))),
         "TypeError",
         ("pairs=tensor", "must be a list"),
         doc_call="`Communicator(group).all_gather(pairs)`",
@@ -395,56 +398,56 @@ CASES: dict[str, Case] = {
     ),
     # -- RankGenerator -------------------------------------------------------------------
     "generator ep with cp": Case(
-        lambda g, r: mg.RankGenerator(**{**_RG, "ep": 2, "cp": 2}),
+        lambda g, r: RankGenerator(**{**_RG, "ep": 2, "cp": 2}),
         "ValueError",
         ("ep=2", "cp=2"),
         doc_call="`RankGenerator(...)`",
         doc_input="`ep=2` and `cp=2` together",
     ),
     "generator order misses": Case(
-        lambda g, r: mg.RankGenerator(**{**_RG, "tp": 2, "dp": 2}, order="dp-pp"),
+        lambda g, r: RankGenerator(**{**_RG, "tp": 2, "dp": 2}, order="dp-pp"),
         "ValueError",
         ("'tp'", "size 2"),
         doc_call="`RankGenerator(..., order=)`",
         doc_input="order without `tp` while `tp=2`",
     ),
     "generator zero": Case(
-        lambda g, r: mg.RankGenerator(**{**_RG, "tp": 0}),
+        lambda g, r: RankGenerator(**{**_RG, "tp": 0}),
         "ValueError",
         ("tp=0",),
         doc_call="`RankGenerator(tp=)`",
         doc_input="`tp=0`",
     ),
     "generator bool": Case(
-        lambda g, r: mg.RankGenerator(**{**_RG, "tp": True}),
+        lambda g, r: RankGenerator(**{**_RG, "tp": True}),
         "TypeError",
         ("tp=True",),
         doc_call="`RankGenerator(tp=)`",
         doc_input="`tp=True`",
     ),
     "generator token": Case(
-        lambda g, r: mg.RankGenerator(**_RG, order="tp-xx"),
+        lambda g, r: RankGenerator(**_RG, order="tp-xx"),
         "ValueError",
         ("'tp-xx'",),
         doc_call="`RankGenerator(order=)`",
         doc_input="`order='tp-xx'`",
     ),
     "generator repeat": Case(
-        lambda g, r: mg.RankGenerator(**_RG, order="tp-tp"),
+        lambda g, r: RankGenerator(**_RG, order="tp-tp"),
         "ValueError",
         ("'tp-tp'",),
         doc_call="`RankGenerator(order=)`",
         doc_input="`order='tp-tp'`",
     ),
     "generator offset": Case(
-        lambda g, r: mg.RankGenerator(**_RG, rank_offset=-1),
+        lambda g, r: RankGenerator(**_RG, rank_offset=-1),
         "ValueError",
         ("rank_offset=-1",),
         doc_call="`RankGenerator(rank_offset=)`",
         doc_input="`rank_offset=-1`",
     ),
     "generator query": Case(
-        lambda g, r: mg.RankGenerator(**{**_RG, "tp": 2}).get_ranks("tp-zz"),
+        lambda g, r: RankGenerator(**{**_RG, "tp": 2}).get_ranks("tp-zz"),
         "ValueError",
         ("token='tp-zz'",),
         doc_call="`gen.get_ranks(token)`",
@@ -714,21 +717,21 @@ CASES: dict[str, Case] = {
         doc_input="`name=3`",
     ),
     "generator absurd": Case(
-        lambda g, r: mg.RankGenerator(**{**_RG, "tp": 2**40}),
+        lambda g, r: RankGenerator(**{**_RG, "tp": 2**40}),
         "ValueError",
         ("tp=1099511627776", "exceeds MAX_WORLD_SIZE=1048576"),
         doc_call="`RankGenerator(tp=)`",
         doc_input="`2**40` (refused before anything is allocated)",
     ),
     "generator expert flag": Case(
-        lambda g, r: mg.RankGenerator(**_RG, is_expert=Loose("no")),
+        lambda g, r: RankGenerator(**_RG, is_expert=Loose("no")),
         "TypeError",
         ("is_expert='no' must be a bool",),
         doc_call="`RankGenerator(is_expert=)`",
         doc_input="`'no'`",
     ),
     "generator token type": Case(
-        lambda g, r: mg.RankGenerator(**_RG).get_ranks(Loose(3)),
+        lambda g, r: RankGenerator(**_RG).get_ranks(Loose(3)),
         "TypeError",
         ("token=3 must be a str",),
         doc_call="`gen.get_ranks(token)`",
@@ -743,7 +746,7 @@ CASES: dict[str, Case] = {
         doc_input="`torch.int64`",
     ),
     "pipeline collection": Case(
-        lambda g, r: mg.pipeline_rank(Loose(None)),
+        lambda g, r: pipeline_rank(Loose(None)),
         "TypeError",
         ("pipeline_rank: pg_collection=None must be a ProcessGroupCollection",),
         doc_call="`pipeline_rank(pg_collection)`",

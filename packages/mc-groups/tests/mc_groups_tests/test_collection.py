@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from mc_groups import GROUP_FIELDS, ProcessGroupCollection
+from mc_groups import ProcessGroupCollection
+from mc_groups.collection import GROUP_FIELDS
 from mc_groups.testing import RankPools
 
 

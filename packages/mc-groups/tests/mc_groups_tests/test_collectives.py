@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import ReduceOp, record_collectives
-from mc_groups.comm.collectives import all_reduce_flat
+from mc_groups.comm.collectives import all_reduce_flat, record_p2p_ops
+from mc_groups.comm.communicator import Communicator
 from mc_groups.testing import RankPools
 
 
@@ -129,7 +130,7 @@ def _with_kept_buffers() -> dict[str, Any]:
     g, r, w = _world(), dist.get_rank(), dist.get_world_size()
     n = 4 * w
     received = torch.full((n,), float("nan"))  # garbage in the buffer must not leak out
-    comm = mg.Communicator(g)
+    comm = Communicator(g)
     results: dict[str, Any] = {}
     for round_ in range(2):
         flat = torch.arange(n, dtype=torch.float32) * (r + 1)
@@ -178,7 +179,7 @@ def _communicator_batches() -> dict[str, Any]:
     order (a batch of one alone, not coalesced); with ``accumulate_dtype`` one all-to-all
     per pair; values equal to one collective at a time."""
     g, r, w = _world(), dist.get_rank(), dist.get_world_size()
-    comm = mg.Communicator(g)
+    comm = Communicator(g)
     dtypes = [torch.float32, torch.bfloat16, torch.float32]
     tensors = [torch.full((2 * w,), float(r + 1), dtype=d) for d in dtypes]
     out: dict[str, Any] = {}
@@ -378,13 +379,13 @@ def _recorded_p2p_ops() -> dict[str, Any]:
         dist.P2POp(dist.irecv, got[:2], group=g, group_peer=1 - r),
     ]
     with record_collectives() as log:
-        mg.record_p2p_ops(ops, label="activation")
+        record_p2p_ops(ops, label="activation")
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     errors = []
     for bad in ("ops", [ops[0], "op"]):
         try:
-            mg.record_p2p_ops(bad)
+            record_p2p_ops(bad)
         except TypeError as err:
             errors.append(str(err))
     return {

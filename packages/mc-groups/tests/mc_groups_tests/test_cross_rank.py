@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups.comm import cross_rank
-from mc_groups.errors import ABSENT, Difference, ScheduleVariant
+from mc_groups.comm.cross_rank import CarriedStatus
+from mc_groups.errors import ABSENT, Difference, InputValueError, ScheduleVariant
 from mc_groups.testing import RankPools, error_kind
 
 BOUND_S = 5.0
@@ -143,7 +144,7 @@ def _carried(bad_ranks: list[int]) -> tuple[str, str, float, list[str]]:
     numbers; what each rank raised, the sum read back, and what a recorder opened with
     ``status_exchanges=True`` saw (one all-reduce; no status exchange)."""
     me = dist.get_rank()
-    status = mg.CarriedStatus("the test's carrying entry point")
+    status = CarriedStatus("the test's carrying entry point")
     with status.checks():
         if me in bad_ranks:
             raise TypeError(f"x=3 on rank {me} must be a str")
@@ -288,7 +289,7 @@ def test_the_error_keeps_its_attributes_across_processes() -> None:
         (0, 1),
         found,
     )
-    assert isinstance(back, mg.InputValueError)
+    assert isinstance(back, InputValueError)
     for other in (
         mg.PeerCheckError("text", {1: "TypeError: x"}),
         mg.CollectiveScheduleError("text", [0, 1], [ScheduleVariant((0,), "A")]),

@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import RankGenerator, validate_sizes
+from mc_groups import validate_sizes
+from mc_groups.pipeline_stages import get_pipeline_next_rank, get_pipeline_prev_rank
+from mc_groups.rank_generator import RankGenerator
 from mc_groups.testing import RankPools, error_kind
 
 
@@ -138,8 +140,8 @@ def _pipeline_facts() -> tuple[bool, bool, int, int, bool]:
         return (
             mg.is_pipeline_first_stage(pgc),
             mg.is_pipeline_last_stage(pgc),
-            mg.get_pipeline_next_rank(pgc),
-            mg.get_pipeline_prev_rank(pgc),
+            get_pipeline_next_rank(pgc),
+            get_pipeline_prev_rank(pgc),
             mg.is_pipeline_last_stage(pgc, vp_stage=0, vp_size=2),
         )
     finally:

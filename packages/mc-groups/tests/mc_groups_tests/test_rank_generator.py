@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-import mc_groups as mg
-from mc_groups import RankGenerator
+from mc_groups.rank_generator import MAX_WORLD_SIZE, RankGenerator
 
 
 def _dense(tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1, **kw: object) -> RankGenerator:
@@ -132,7 +131,7 @@ def test_world_size_is_bounded_before_anything_is_allocated() -> None:
     # exactly MAX_WORLD_SIZE ranks is a layout (2**20 = 2**10 tp × 2**10 dp); one more
     # factor of 2 is refused in the constructor, so get_ranks never enumerates 2**40 ranks
     gen = RankGenerator(tp=2**10, ep=1, dp=2**10, pp=1, cp=1)
-    assert gen.world_size == mg.MAX_WORLD_SIZE == 2**20
+    assert gen.world_size == MAX_WORLD_SIZE == 2**20
     with pytest.raises(ValueError, match=r"tp=1024 × dp=2048 = 2097152 ranks exceeds MAX_WORLD"):
         RankGenerator(tp=2**10, ep=1, dp=2**11, pp=1, cp=1)
     with pytest.raises(ValueError, match=r"tp=1099511627776 = 1099511627776 ranks exceeds"):

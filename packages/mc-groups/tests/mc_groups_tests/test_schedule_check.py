@@ -23,6 +23,7 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_groups import ReduceOp
 from mc_groups.comm import cross_rank
+from mc_groups.comm._common import schedule_check_enabled
 from mc_groups.testing import RankPools, error_kind
 
 
@@ -223,13 +224,13 @@ def _switches() -> dict[str, Any]:
     except ValueError as err:
         out["bad_value"] = (str(err), len(log))
     os.environ[env] = "on"  # read at call time: no context manager needed
-    out["on"] = mg.schedule_check_enabled()
+    out["on"] = schedule_check_enabled()
     with mg.check_collective_schedule(False):
-        out["inner_off"] = (os.environ.get(env), mg.schedule_check_enabled())
+        out["inner_off"] = (os.environ.get(env), schedule_check_enabled())
     out["restored"] = os.environ.get(env)
     del os.environ[env]
     with mg.check_collective_schedule():
-        out["inside"] = mg.schedule_check_enabled()
+        out["inside"] = schedule_check_enabled()
     out["end"] = os.environ.get(env)
     try:
         with mg.check_collective_schedule("yes"):  # type: ignore[arg-type]
@@ -272,7 +273,7 @@ def test_fingerprints_are_stable_and_distinguish_fields() -> None:
 @pytest.mark.parametrize("value", ["", "0", "off", "False", " no "])
 def test_off_values(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(mg.SCHEDULE_CHECK_ENV, value)
-    assert mg.schedule_check_enabled() is False
+    assert schedule_check_enabled() is False
 
 
 @pytest.mark.parametrize(
@@ -290,6 +291,6 @@ def test_switch_reads_what_os_environ_holds(
         monkeypatch.setenv(mg.SCHEDULE_CHECK_ENV, value)
     if expected is None:
         with pytest.raises(ValueError, match="is not a switch"):
-            mg.schedule_check_enabled()
+            schedule_check_enabled()
     else:
-        assert mg.schedule_check_enabled() is expected
+        assert schedule_check_enabled() is expected

@@ -50,8 +50,9 @@ from typing import Any, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from mc_groups import ProcessGroupCollection, collection_or_default
+from mc_groups import ProcessGroupCollection
 from mc_groups.argcheck import check_flag, check_int, check_tensor, type_name
+from mc_groups.default_collection import collection_or_default
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers.utils import (
     _resolve_tp_group,

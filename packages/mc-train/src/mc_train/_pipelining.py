@@ -4,7 +4,8 @@ r"""The one place mc_train leans on ``torch.distributed.pipelining`` beyond its 
 backward of a micro-batch is about to run" or "these P2P ops are about to be issued", and
 mc needs both: mc DDP must stay in ``no_sync`` until a chunk's last backward (then its
 hooks start the bucket reductions), and the tests record the schedule's sends and receives
-(``mg.record_p2p_ops``). :class:`MCStage` overrides these methods of ``PipelineStage``,
+(``mc_groups.comm.collectives.record_p2p_ops``). :class:`MCStage` overrides these methods
+of ``PipelineStage``,
 which every schedule offered calls (torch 2.13):
 
 - ``forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)``;
@@ -37,8 +38,8 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-import mc_groups as mg
 from mc_ddp import DistributedDataParallel
+from mc_groups.comm.collectives import record_p2p_ops
 from mc_train.schedules import InFlight
 from mc_train.stages import StageForward, StageInfo
 
@@ -136,7 +137,7 @@ class MCStage(PipelineStage):
 
 
 def _recorded(ops: list[dist.P2POp], label: str) -> list[dist.P2POp]:
-    mg.record_p2p_ops(ops, label=label)
+    record_p2p_ops(ops, label=label)
     return ops
 
 

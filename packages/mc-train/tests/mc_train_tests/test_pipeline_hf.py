@@ -33,6 +33,7 @@ import torch
 
 import mc_groups as mg
 from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer
+from mc_groups.pipeline_stages import pipeline_rank
 from mc_groups.testing import RankPools
 from mc_train import (
     build_pipeline,
@@ -86,7 +87,7 @@ def _train(case: Case) -> dict[str, Any]:
             logs.append([(r.op, r.group_ranks, r.label) for r in log])
             peaks.append(pipe.in_flight.peak)
         return {
-            "stage": mg.pipeline_rank(pgc),
+            "stage": pipeline_rank(pgc),
             "pp_ranks": tuple(mg.group_ranks(pgc.require("pp", "test"))),
             "tied": [
                 n

@@ -4,7 +4,8 @@ Every other module of mc, in every package, communicates through it, so that eac
 collective is validated before it is issued, bounded when waited on, recorded
 (:func:`mc_groups.record_collectives`), optionally schedule-checked across the ranks, and
 named in its errors. Each collective has one issuing function, and every caller (the
-public collectives, the traceable ones, coalesced batches, :class:`~mc_groups.Communicator`)
+public collectives, the traceable ones, coalesced batches,
+:class:`~mc_groups.comm.communicator.Communicator`)
 reaches it after its own checks. Its public names are exported by :mod:`mc_groups`; the
 modules:
 

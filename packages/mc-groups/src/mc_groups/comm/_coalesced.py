@@ -206,8 +206,9 @@ class CoalescedBatch:
     def _close(self, manager_works: Sequence[Any]) -> None:
         """Turn what was issued into :attr:`handle` (one handle naming the batch, holding
         every collective's work and local step); wait now unless the batch is async."""
-        works = [*manager_works, *(w for h in self._issued for w in h._works)]
-        finishers = [f for h in self._issued for f in h._finishers]
+        issued = self._issued if self._per_op else []  # under the manager: its works only
+        works = [*manager_works, *(w for h in issued for w in h._works)]
+        finishers = [f for h in issued for f in h._finishers]
         self.handle = CollectiveHandle(works, self.describe(), finishers)
         if not self._async:
             self.handle.wait()
@@ -247,7 +248,8 @@ def open_batch(
     allocate: Allocate,
 ) -> Iterator[CoalescedBatch]:
     """:func:`coalesced` with checked arguments; ``allocate`` gives the batch's
-    reduce-scatter temporaries (a :class:`~mc_groups.Communicator` passes its kept ones)."""
+    reduce-scatter temporaries (a :class:`~mc_groups.comm.communicator.Communicator` passes its
+    kept ones)."""
     batch = CoalescedBatch(group, async_op, label, detail, allocate)
     try:
         if group.size() == 1:

@@ -87,7 +87,8 @@ class CollectiveHandle:
     A handle holds, all optional:
 
     - ``works``: torch.distributed work objects (one per issued collective or exchange);
-    - ``children``: other handles (e.g. one per batch of a :class:`~mc_groups.Communicator`
+    - ``children``: other handles (e.g. one per batch of a
+      :class:`~mc_groups.comm.communicator.Communicator`
       call, or one per bucket of a caller's step);
     - ``finishers``: functions run once, in order, after every child and work finished
       (the local step of a collective composed from others, e.g. the sum after an
@@ -275,7 +276,8 @@ def by_dtype(items: Sequence[_T], key: Callable[[_T], Hashable]) -> list[list[_T
     """``items`` in batches of one ``key`` (a dtype, or a dtype and a device), the batches in
     order of first appearance and the items in order: what one collective may carry (gloo
     batches and flat buffers take one dtype), the same on every rank that passes the same
-    list. The one home of mc's per-dtype batching (:class:`~mc_groups.Communicator` and
+    list. The one home of mc's per-dtype batching
+    (:class:`~mc_groups.comm.communicator.Communicator` and
     :func:`~mc_groups.comm.collectives.all_reduce_flat`)."""
     batches: dict[Hashable, list[_T]] = {}
     for item in items:

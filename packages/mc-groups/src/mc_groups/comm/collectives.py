@@ -26,7 +26,8 @@ others), and every issuing function goes through :func:`_issue`: the schedule ch
 on), the record, the ``torch.distributed`` call, its failure named, its work on a handle.
 The public functions check their arguments and call the issuing function; the
 :mod:`traceable <mc_groups.comm.traceable>` collectives, coalesced batches and
-:class:`~mc_groups.Communicator` call the same issuing functions after their own checks.
+:class:`~mc_groups.comm.communicator.Communicator` call the same issuing functions after their own
+checks.
 
 **gloo.** gloo's own reduce-scatter and all-gather are slower than an all-to-all on CPU
 (torch 2.13: a reduce-scatter of 100 MB on 2 ranks took 200 ms, the all-to-all 53 ms), so
@@ -44,7 +45,7 @@ the repeated input; both are recorded as the collective they stand for::
 The all-to-all needs a receive buffer of the input's size and, when ``output`` is narrower
 than ``acc``, a sum buffer of the output's size. They come from an :data:`Allocate`
 function: a fresh tensor per call, the caller's ``received``, or the buffers a
-:class:`~mc_groups.Communicator` keeps between calls.
+:class:`~mc_groups.comm.communicator.Communicator` keeps between calls.
 
 Every wait is bounded: a handle's :meth:`CollectiveHandle.wait` takes a timeout and, when
 none is given, the process group's own timeout (set at group creation; groups built by
@@ -402,7 +403,8 @@ def reduce_scatter(
       ``all_to_all`` it communicates with.
     - ``received``: the all-to-all's receive buffer (``input``'s numel, dtype and device),
       used when the reduce-scatter runs as an all-to-all; None: a fresh one per call.
-      Callers repeating the collective use a :class:`~mc_groups.Communicator`, which keeps
+      Callers repeating the collective use a :class:`~mc_groups.comm.communicator.Communicator`,
+      which keeps
       its buffers.
     """
     check_group("group", group)
