@@ -44,6 +44,7 @@ from mc_groups.argcheck import (
     check_tensor,
     type_name,
 )
+from mc_groups.collection import is_group_live
 from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_groups.param_attrs import (
@@ -306,7 +307,7 @@ class TensorParallelModule(torch.nn.Module):
         ``torch.compile`` traces a first forward, the checks are traced (Dynamo guards what
         they read) and the exchanges run natively at trace time
         (:func:`_first_forward_at_trace`)."""
-        if not mg.is_group_live(self.tp_group):
+        if not is_group_live(self.tp_group):
             check_group(f"{type(self).__name__}'s tp_group", self.tp_group)
         if self._peers_checked:
             return check(*args, **kwargs)
