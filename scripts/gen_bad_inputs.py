@@ -231,6 +231,17 @@ first step or loaded before it was built). After a forward or backward that rais
 `discard_grad_sync()` recovers: the in-flight and first-iteration 'got no gradient' errors
 name it. The multi-rank cases run on 2 gloo ranks through the `rank_pools` fixture.
 
+**Accepted on purpose** (not errors; issue 41 looked at each): an empty input to a TP layer
+(`[0, h]`, `[s, 0, h]`: an expert or a rank with no tokens, as in Megatron; the output is
+empty and the collectives move zero bytes); a 0-D token id to `VocabParallelEmbedding` without
+`reduce_scatter_embeddings` (a `[h]` embedding, as `torch.nn.Embedding`; with it the ids
+must be `[b, s]`); a config at the default `tensor_model_parallel_size=1` beside a larger
+TP group (read as unstated, the group decides: Megatron's own tests build layers so; any
+other size that differs from the group is an error); a meta-device module in
+`DistributedDataParallel` over torch's `"fake"` backend (the dry run); logits without
+autograd history in `vocab_parallel_cross_entropy` (taken as this rank's slice, as
+Megatron does: pass `vocab_size=` to have their width checked).
+
 Run every package's catalogue:
 
 ```bash

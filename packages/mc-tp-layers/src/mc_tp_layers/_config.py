@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 
 from mc_groups.config import TransformerConfigLike, check_config, config_value
+from mc_groups.errors import InputValueError
 
 # What every layer reads (every Megatron config has them).
 _LAYER_FIELDS = (
@@ -28,6 +29,31 @@ def check_layer_config(config: object) -> TransformerConfigLike:
     """``config`` when it has every field the layers read, each of the right type
     (:func:`mc_groups.config.check_config`)."""
     return check_config(config, "a tensor-parallel layer", required=_LAYER_FIELDS)
+
+
+def check_tp_size(
+    config: TransformerConfigLike, group_size: int, is_expert: bool, what: str
+) -> None:
+    """The TP size the config states matches the group the layer splits over.
+
+    The layer splits over its group; code that reads the config (heads per rank, a
+    sequence-parallel length, Megatron's ``get_tensor_model_parallel_world_size``
+    replacements) would assume the config's size: a mismatch trains wrong numbers. The
+    default ``tensor_model_parallel_size=1`` reads as unstated (Megatron's own tests build
+    layers so with a larger group) and is accepted."""
+    field = "tensor_model_parallel_size"
+    stated = config_value(config, field)
+    if is_expert and config_value(config, "expert_tensor_parallel_size") is not None:
+        field = "expert_tensor_parallel_size"
+        stated = config_value(config, field)
+    if stated not in (1, group_size):
+        raise InputValueError(
+            f"{what}: config.{field}={stated} but its tensor-parallel group has "
+            f"{group_size} rank(s); the layer splits over the group, while code reading the "
+            f"config would assume {stated}: build the config and the groups with one size "
+            "(mc_groups.initialize_model_parallel(tensor_model_parallel_size=...) and "
+            "ModelParallelConfig(tensor_model_parallel_size=...))"
+        )
 
 
 def gtp_remat_size(config: TransformerConfigLike) -> int:

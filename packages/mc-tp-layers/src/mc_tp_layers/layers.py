@@ -59,6 +59,7 @@ from mc_groups.param_attrs import (
 from mc_tp_layers import _gemm, agreement, initialization
 from mc_tp_layers._config import (
     check_layer_config,
+    check_tp_size,
     expert_parallel,
     gtp_remat_size,
     sequence_parallel,
@@ -584,6 +585,7 @@ class ColumnParallelLinear(ParallelLinear):
         self.tp_group = _resolve_tp_group(
             tp_group, pg_collection, is_expert=self.is_expert, what="ColumnParallelLinear"
         )
+        check_tp_size(self.config, self.tp_group.size(), self.is_expert, "ColumnParallelLinear")
         self.output_size_per_partition = _check_divisible(
             output_size,
             self.tp_group.size(),
@@ -838,6 +840,7 @@ class RowParallelLinear(ParallelLinear):
         self.tp_group = _resolve_tp_group(
             tp_group, pg_collection, is_expert=self.is_expert, what="RowParallelLinear"
         )
+        check_tp_size(self.config, self.tp_group.size(), self.is_expert, "RowParallelLinear")
         world = int(self.tp_group.size())
         self.input_size_per_partition = _check_divisible(
             input_size, world, "input_size", "choose an input_size that is a multiple of it"
@@ -1019,6 +1022,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         tracker = _check_tracker(rng_tracker)
         explicit_device = _check_device(device)
         self.tp_group = _resolve_tp_group(tp_group, pg_collection, what="VocabParallelEmbedding")
+        check_tp_size(self.config, self.tp_group.size(), False, "VocabParallelEmbedding")
         rank, world = int(self.tp_group.rank()), int(self.tp_group.size())
         self.num_embeddings_per_partition = _check_divisible(
             num_embeddings,

@@ -276,7 +276,9 @@ def test_check_tp_agreement_refuses_what_is_not_a_module() -> None:
 def _one_rank_group() -> bool:
     pgc = world(1)
     try:
-        layer = _column(pgc, 4, 8)
+        layer = tpl.ColumnParallelLinear(
+            4, 8, config=config(1), init_method=torch.nn.init.ones_, pg_collection=pgc
+        )
         return layer._tp_agreement.checked and layer._tp_agreement.ledger is None
     finally:
         mg.destroy_model_parallel(pgc)

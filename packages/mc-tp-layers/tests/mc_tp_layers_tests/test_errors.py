@@ -211,6 +211,12 @@ def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
             8, 5, config=cfg, init_method=Z, pg_collection=pgc
         ),
         "input_size": lambda: row_parallel(5, 8, cfg, Z, pg_collection=pgc),
+        "config_tp_size": lambda: tpl.ColumnParallelLinear(
+            8, 4, config=config(4), init_method=Z, pg_collection=pgc
+        ),
+        "config_tp_size_embedding": lambda: tpl.VocabParallelEmbedding(
+            8, 4, init_method=Z, config=config(4), pg_collection=pgc
+        ),
         "vocab": lambda: tpl.VocabParallelEmbedding(
             9, 4, init_method=Z, config=cfg, pg_collection=pgc
         ),
@@ -333,6 +339,22 @@ EXPECTED: dict[str, Case] = {
         ),
         "`ColumnParallelLinear(8, 5, ...)` at TP 2",
         "output size not divisible",
+    ),
+    "config_tp_size": Case(
+        "ValueError",
+        (
+            "ColumnParallelLinear: config.tensor_model_parallel_size=4",
+            "group has 2 rank(s)",
+            "one size",
+        ),
+        "`ColumnParallelLinear(..., config=)` at TP 2",
+        "`config.tensor_model_parallel_size=4`",
+    ),
+    "config_tp_size_embedding": Case(
+        "ValueError",
+        ("VocabParallelEmbedding: config.tensor_model_parallel_size=4", "2 rank(s)"),
+        "`VocabParallelEmbedding(..., config=)` at TP 2",
+        "`config.tensor_model_parallel_size=4`",
     ),
     "input_size": Case(
         "ValueError",
