@@ -140,13 +140,9 @@ def test_command_loads_the_plugin_the_package_registers(tmp_path: Path) -> None:
     assert env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] == "1"
     paths = env["PYTHONPATH"].split(":")
     assert paths[0] == str(ROOT)
-    assert {Path(p).parent.name for p in paths[1:6]} == {
-        "mc-groups",
-        "mc-buffers",
-        "mc-ddp",
-        "mc-tp-layers",
-        "mc-finalize",
-    }
+    packages = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "src").is_dir())
+    assert len(packages) >= 7
+    assert sorted(Path(p).parent.name for p in paths[1 : 1 + len(packages)]) == packages
 
 
 def test_junit_parsing(tmp_path: Path) -> None:

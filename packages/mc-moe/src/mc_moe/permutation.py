@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from mc_groups.errors import InputValueError
+
 __all__ = [
     "Permuted",
     "permute",
@@ -78,7 +80,7 @@ def unpermute(
     rows = permuted_tokens
     if probs is not None:
         if routing_map is None:
-            raise ValueError("unpermute: probs need the routing_map that permuted the tokens")
+            raise InputValueError("unpermute: probs need the routing_map that permuted the tokens")
         rows = rows * probs.t()[routing_map.t()].unsqueeze(-1)
     out = rows.new_zeros(tuple(restore_shape))
     return out.index_add(0, sorted_indices, rows).to(permuted_tokens.dtype)

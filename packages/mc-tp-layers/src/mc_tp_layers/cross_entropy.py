@@ -45,7 +45,7 @@ Megatron's own test passes one tensor to every rank), but their history can: the
 follows the logits' autograd graph back through ops that keep the vocabulary dim whole
 (views, transposes, slices of other dims, casts, copies, scaling by a number) and refuses,
 before any collective, logits that come straight out of mc's all-gather along the last dim
-(:func:`~mc_tp_layers.gather_from_tensor_model_parallel_region`, which a column-parallel
+(:func:`~mc_tp_layers.mappings.gather_from_tensor_model_parallel_region`, which a column-parallel
 layer with ``gather_output`` runs). Logits without that history (computed under
 ``no_grad``, gathered by other code) are not recognised: pass the full vocabulary size
 (``vocab_size=``, a Python int: no device work) and the call checks

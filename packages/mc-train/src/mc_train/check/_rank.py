@@ -38,6 +38,7 @@ from mc_ddp import (
     ensure_params_ready,
 )
 from mc_groups import param_attrs
+from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers import parallelize, sequence_parallel_plan
 from mc_train.check._spec import Layout, Workload, resolve, takes_layout
 from mc_train.loss import IGNORE_INDEX, causal_targets, token_cross_entropy
@@ -147,7 +148,7 @@ def _build(work: Workload, config: mg.ModelParallelConfig, pgc: mg.ProcessGroupC
     builder = resolve(work.model)
     model = builder(config, pgc) if takes_layout(builder) else builder()
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise InputTypeError(
             f"model builder {work.model!r} returned {type(model).__name__}, not a module"
         )
     return model
@@ -186,10 +187,12 @@ def global_batch(work: Workload, step: int, rows: int, vocab: int | None) -> tor
         ids = resolve(work.batch)(step)
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.int64:
             got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise TypeError(f"batch {work.batch!r}({step}) must return [B, S] int64 ids, got {got}")
+            raise InputTypeError(
+                f"batch {work.batch!r}({step}) must return [B, S] int64 ids, got {got}"
+            )
         return ids
     if vocab is None:
-        raise ValueError(
+        raise InputValueError(
             "cannot find the model's vocabulary (no config.vocab_size, no embedding): pass "
             "batch= ('module:function' returning each step's [B, S] token ids)"
         )
@@ -243,7 +246,7 @@ def reference_here(work: Workload, rows: int) -> ReferenceRun:
     the mean cross-entropy of the next token, ``torch.optim.SGD``."""
     model = resolve(work.model)()
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise InputTypeError(
             f"model builder {work.model!r} returned {type(model).__name__}, not a module"
         )
     return _train_reference(work, model, rows)
@@ -386,7 +389,7 @@ def _plan_of(
     if isinstance(plan, str):
         made = resolve(plan)(model)
         if not isinstance(made, Mapping):
-            raise TypeError(f"plan {plan!r} returned {type(made).__name__}, not a mapping")
+            raise InputTypeError(f"plan {plan!r} returned {type(made).__name__}, not a mapping")
         return made
     if plan is not None:
         return plan
@@ -396,7 +399,7 @@ def _plan_of(
         return sequence_parallel_plan(model)
     own = getattr(model, "tp_plan", None)
     if not isinstance(own, Mapping) or not own:
-        raise ValueError(
+        raise InputValueError(
             f"{type(model).__name__} has no tp_plan: pass plan= (a mapping of module patterns "
             "to styles, or 'module:function' returning one; docs/parallelize.md)"
         )
