@@ -50,20 +50,17 @@ grads of one step and dtype travel as one flat all-reduce. What the steps comput
 - 10: ``local_tokens_per_expert`` (with expert bias), ``qb_beta_accum`` / ``qb_beta_count``
   zeroed, ``reset_global_aux_loss_tracker()`` called (global aux loss); eval mode included.
 
-**Checks and their cost.** Before step 1, on each rank, without communicating: the model
-list, the config (:mod:`mc_groups.config`), the groups of the steps that run,
-``num_tokens`` (exactly under per-token loss; one count, an exact dtype, the model's
-device), the embedding weights, the routers' state, no chunk finalized twice, and with
-tp > 1 the params' marks. What every rank sees alike (config, groups, marks of replicated
-modules) fails on every rank alike, before any collective. ``num_tokens``' value differs
-between ranks: a missing, NaN, ±inf or negative count travels through the token reduction
-as NaN, so every rank raises the same ``ValueError`` (the one device-to-host read of a
-per-token-loss step). A check failing on one rank only (a chunk finalized twice there)
-raises there, and its peers wait in their next collective until the group's timeout;
-``peer_checks=True`` ends the checks in one status exchange over the world
-(:func:`mc_groups.fail_together`) so that every rank raises together, at the price of one
-collective and (on GPUs) one device synchronisation per step that Megatron's step does not
-have. Off by default: a default call runs exactly Megatron's collectives.
+**Checks.** Before step 1, on each rank, without communicating: the model list, the
+config (:mod:`mc_groups.config`), the groups of the steps that run, ``num_tokens`` (one
+count, an exact dtype, the model's device), the embedding weights, the routers' state, no
+chunk finalized twice, and with tp > 1 the params' marks. What every rank sees alike fails
+on every rank alike, before any collective. A missing, NaN, ±inf or negative
+``num_tokens`` travels through the token reduction as NaN, so every rank raises the same
+``ValueError`` (the one device-to-host read of a per-token-loss step). A check failing on
+one rank only (a chunk finalized twice there) raises there, its peers waiting in their
+next collective until the group's timeout, unless ``peer_checks=True`` ends the checks in
+one status exchange over the world (:func:`mc_groups.fail_together`): one collective and
+(on GPUs) one device synchronisation per step more than Megatron's, hence off by default.
 
 **FSDP2 chunks** (a module under ``fully_shard`` passed as it is, torchtitan's way;
 :mod:`mc_finalize._fsdp2`): no step 1 (FSDP2 reduced in backward), the marks restored from
@@ -76,7 +73,6 @@ is reduced over tp shard by shard (every tp peer holds the same data-parallel sh
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -104,10 +100,9 @@ WeightGetter = Callable[[object], Param | None]
 
 
 class ModelChunk(Protocol):
-    """One (virtual) pipeline chunk of the model on this rank: mc-ddp's or Megatron's DDP
-    wrapper, or any module with these methods (``scale_gradients`` only with per-token loss;
-    the step helpers alone read only ``named_parameters()`` / ``parameters()``). Routers
-    are found through ``modules()`` when the chunk has it."""
+    """One (virtual) pipeline chunk on this rank: mc-ddp's or Megatron's DDP wrapper, or any
+    module with these methods (``scale_gradients`` only with per-token loss); routers are
+    found through ``modules()`` when the chunk has it."""
 
     @property
     def config(self) -> TransformerConfigLike:
@@ -136,9 +131,8 @@ def _get_main_grad_attr(param: Param) -> str:
 
 
 def _unshard_if_dtensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a DTensor (torch FSDP2's grads), any other tensor unchanged:
-    gathered through mc-groups (:func:`mc_groups.dtensors.full_tensor`, recorded; a
-    ``Partial`` placement is a ``TypeError`` before it), the DTensor's attributes copied."""
+    """The full tensor of a DTensor (:func:`mc_groups.dtensors.full_tensor`: recorded, a
+    ``Partial`` placement refused) with its attributes; any other tensor unchanged."""
     check_tensor("tensor", tensor)
     if not dtensors.is_dtensor(tensor):
         return tensor
@@ -150,10 +144,8 @@ def _unshard_if_dtensor(tensor: torch.Tensor) -> torch.Tensor:
 def _reshard_if_dtensor(
     tensor_to_shard: torch.Tensor, reference_tensor: torch.Tensor
 ) -> torch.Tensor:
-    """``tensor_to_shard`` split like ``reference_tensor`` when that is a DTensor (its mesh,
-    placements, global shape, stride and attributes; this rank keeps its ``torch.chunk``
-    slice: no communication), else ``reference_tensor`` itself (a plain grad was reduced in
-    place)."""
+    """``tensor_to_shard`` split like the DTensor ``reference_tensor`` (this rank's
+    ``torch.chunk`` slice, no communication), else ``reference_tensor`` (reduced in place)."""
     check_tensor("tensor_to_shard", tensor_to_shard)
     check_tensor("reference_tensor", reference_tensor)
     if not dtensors.is_dtensor(reference_tensor):
@@ -171,17 +163,16 @@ _GradView = tuple[Param, str, torch.Tensor | None, torch.Tensor]
 
 
 def _grad_views(params: Sequence[Param], shard_group: Group | None = None) -> list[_GradView]:
-    """The grads (``main_grad`` or ``grad``) of the params that have one, unsharded; an
-    FSDP2 grad whose mesh meets ``shard_group`` only at this rank as its local shard (every
-    peer holds the same data-parallel shard: :func:`mc_finalize._fsdp2.local_reduction`)."""
+    """The grads (``main_grad`` or ``grad``) of the params that have one, unsharded, or as
+    the local shard when ``shard_group``'s peers hold the same one (``_fsdp2``)."""
     views: list[_GradView] = []
     for param in params:
         attr = _get_main_grad_attr(param)
         grad = getattr(param, attr)
-        if grad is not None and not isinstance(grad, torch.Tensor):
-            raise InputTypeError(f"param.{attr} is {type_name(grad)}, expected a tensor or None")
         if grad is None:
             continue
+        if not isinstance(grad, torch.Tensor):
+            raise InputTypeError(f"param.{attr} is {type_name(grad)}, expected a tensor or None")
         if not dtensors.is_dtensor(grad):
             views.append((param, attr, None, grad))
         elif shard_group is not None and _fsdp2.local_reduction(grad, shard_group):
@@ -201,9 +192,8 @@ def _commit(views: Sequence[_GradView]) -> None:
 def _allreduce_grads(
     params: Sequence[Param], group: Group | None, op: mg.ReduceOp, label: str, shards: bool = False
 ) -> None:
-    """``g ← op over group of g`` for the grad of every param that has one: one flat
-    all-reduce per dtype (Megatron's flatten / unflatten); nothing on a group of one rank.
-    ``shards``: FSDP2 grads may be reduced shard by shard (:func:`_grad_views`)."""
+    """``g ← op over group of g`` for every param's grad: one flat all-reduce per dtype
+    (Megatron's flatten / unflatten), nothing on one rank; ``shards``: see ``_grad_views``."""
     views = _grad_views(params, group if shards else None) if _multi(group) else []
     if views:
         assert group is not None
@@ -215,9 +205,8 @@ def _allreduce_grads(
 
 
 def _checked_config(config: object, what: str, *, per_token: bool = False) -> TransformerConfigLike:
-    """Every config has ``sequence_parallel``; ``finalize_model_grads`` also needs
-    ``calculate_per_token_loss``, which Megatron's ``ModelParallelConfig`` lacks and its step
-    helpers never read. Every other field reads Megatron's default when absent."""
+    """``finalize_model_grads`` needs ``calculate_per_token_loss`` too, which Megatron's
+    ``ModelParallelConfig`` lacks; other fields read Megatron's default when absent."""
     required = ("sequence_parallel", "calculate_per_token_loss")
     return check_config(config, what, required=required if per_token else required[:1])
 
@@ -242,15 +231,13 @@ def _as_chunks(
     if not model:
         raise InputValueError("model=[] holds no model chunk; pass the chunks this rank owns")
     for index, chunk in enumerate(model):
-        own = [m for m in methods if m != "finish_grad_sync" or not _is_fsdp2(chunk)]
+        own = [m for m in methods if m != "finish_grad_sync" or not _fsdp2.is_fsdp2(chunk)]
         missing = [m for m in own if not callable(getattr(chunk, m, None))]
         if missing:
             raise InputTypeError(
                 f"model[{index}] ({type_name(chunk)}) lacks {missing}; a model chunk is a "
-                "torch.nn.Module (finalize_model_grads: DDP-wrapped, e.g. "
-                "mc_ddp.DistributedDataParallel, a module under FSDP2's fully_shard, or any "
-                "object with finish_grad_sync, named_parameters and parameters; "
-                "scale_gradients with per-token loss)"
+                "DDP-wrapped module (mc_ddp.DistributedDataParallel), a module under FSDP2's "
+                "fully_shard, or any object with those methods"
             )
         first = next(i for i, other in enumerate(model) if other is chunk)
         if first != index:
@@ -269,21 +256,10 @@ def _group(
     if check_optional_group(arg, group, what=what) is not None:
         return group
     collection = collection_or_default(None, what, explicit=f"{arg}=pg_collection.{field}")
-    found: Group | None = getattr(collection, field)
-    if found is None and required:
-        raise MissingGroupError(
-            f"{what} needs the {field} group, but none was passed and the default "
-            f"ProcessGroupCollection has {field}=None; pass it explicitly"
-        )
+    found: Group | None = (
+        collection.require(field, what) if required else getattr(collection, field)
+    )
     return found
-
-
-def _is_fsdp2(chunk: object) -> bool:
-    """``chunk`` is a module under FSDP2's ``fully_shard`` (False without importing FSDP2):
-    it reduced its grads in backward and has no ``finish_grad_sync``."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    module = getattr(fsdp, "FSDPModule", None)
-    return module is not None and isinstance(chunk, module)
 
 
 def _multi(group: Group | None) -> bool:
@@ -303,8 +279,7 @@ def _modules(chunk: object) -> Iterator[object]:
 def _allreduce_conditional_embedding_grads(
     model: Sequence[ModelChunk], config: TransformerConfigLike, pp_group: Group | None = None
 ) -> None:
-    """Step 2 alone: conditional-embedder grads (marked ``pipeline_parallel``: diffusion
-    models' timestep, FPS, label embedders) over pp (None: the default collection's)."""
+    """Step 2 alone, over pp (None: the default collection's)."""
     what = "_allreduce_conditional_embedding_grads"
     mark, label = param_attrs.PIPELINE_PARALLEL, "conditional embedding grads"
     _replicated_step(model, config, pp_group, what, "has_cond_embedder", mark, label)
@@ -351,10 +326,8 @@ def _reduce_over_pp(copies: list[list[Param]], pp: Group | None, label: str) -> 
 def _get_shared_word_embedding_weight(
     model_module: object, config: TransformerConfigLike
 ) -> Param | None:
-    """The shared word-embedding / output weight when it is duplicated across stages: a
-    Megatron language model says so with ``share_embeddings_and_output_weights`` (or MTP
-    layers) and returns it from ``shared_embedding_or_output_weight()``; another model
-    marks it ``shared_embedding=True`` (the first such param)."""
+    """The word-embedding / output weight shared across stages: a Megatron language model's
+    ``shared_embedding_or_output_weight()``, else the first param marked ``shared_embedding``."""
     _checked_config(config, "_get_shared_word_embedding_weight")
     if not hasattr(model_module, "share_embeddings_and_output_weights"):
         parameters = getattr(model_module, "parameters", None)
@@ -397,9 +370,6 @@ def _allreduce_word_embedding_grads(
     """Step 6 alone: the shared word-embedding grad over the first and last stage. Both
     groups None: the default collection's (``embd`` None: this rank holds no copy)."""
     what = "_allreduce_word_embedding_grads"
-    _checked_config(config, what)
-    check_optional_group("embd_group", embd_group, what=what)
-    check_optional_group("pp_group", pp_group, what=what)
     if embd_group is None and pp_group is None:
         embd_group = _group(None, "embd_group", "embd", what, required=False)
         pp_group = _group(None, "pp_group", "pp", what, required=False)
@@ -469,12 +439,8 @@ def _allreduce_position_embedding_grads(
     pos_emb_group: Group | None,
     pp_group: Group | None,
 ) -> None:
-    """Step 7 alone: ``position_embeddings.weight``'s grad over the position-embedding group
-    (a member without it: a ValueError; a None group: this rank holds no copy)."""
-    what = "_allreduce_position_embedding_grads"
-    _checked_config(config, what)
-    check_optional_group("pos_emb_group", pos_emb_group, what=what)
-    check_optional_group("pp_group", pp_group, what=what)
+    """Step 7 alone (a member without the weight: a ValueError; a None group: no copy here)."""
+    _checked_config(config, "_allreduce_position_embedding_grads")
     weight = _get_position_embedding_weight
     _allreduce_embedding_grad(model, pos_emb_group, pp_group, weight, skip_if_none=False)
 
@@ -482,8 +448,7 @@ def _allreduce_position_embedding_grads(
 def _allreduce_router_grads(
     model: Sequence[ModelChunk], config: TransformerConfigLike, pp_group: Group | None = None
 ) -> None:
-    """Step 3 alone: Flextron router grads (marked ``flextron_router_pp_sync``) over pp
-    (None: the default collection's)."""
+    """Step 3 alone, over pp (None: the default collection's)."""
     what, mark = "_allreduce_router_grads", param_attrs.FLEXTRON_ROUTER_PP_SYNC
     _replicated_step(model, config, pp_group, what, "flextron", mark, "router grads")
 
@@ -491,8 +456,7 @@ def _allreduce_router_grads(
 def reset_model_temporary_tensors(
     config: TransformerConfigLike, model: Sequence[ModelChunk]
 ) -> None:
-    """Step 10: reset the per-global-batch accumulators of every module (module notes; no
-    communication)."""
+    """Step 10: reset every module's per-global-batch accumulators (no communication)."""
     chunks = _as_chunks(model)
     _checked_config(config, "reset_model_temporary_tensors")
     expert_bias = config_value(config, "moe_router_enable_expert_bias")
@@ -516,12 +480,21 @@ def _update_router_expert_bias(
 ) -> None:
     """Step 8 alone: expert biases from the tokens per expert over TP×DP×CP (None: the
     default collection's ``tp_dp_cp``); the counters are left for the reset."""
-    what = "_update_router_expert_bias"
-    chunks = _as_chunks(model)
-    rate = config_value(_checked_config(config, what), "moe_router_bias_update_rate")
-    group = _group(tp_dp_cp_group, "tp_dp_cp_group", "tp_dp_cp", what)
-    assert group is not None
+    what, setting = "_update_router_expert_bias", "moe_router_bias_update_rate"
+    chunks, rate, group = _router_step(model, config, setting, tp_dp_cp_group, "tp_dp_cp", what)
     _update_expert_bias(_bias_routers(chunks), rate, group)
+
+
+def _router_step(
+    model: object, config: object, setting: str, group: Group | None, field: str, what: str
+) -> tuple[list[ModelChunk], float, Group]:
+    """Steps 8 and 9 alone: the chunks, the config's ``setting`` and the group (argument
+    ``<field>_group``, else the default collection's ``field``), checked."""
+    chunks = _as_chunks(model)
+    value = config_value(_checked_config(config, what), setting)
+    found = _group(group, f"{field}_group", field, what)
+    assert found is not None
+    return chunks, value, found
 
 
 def _bias_routers(chunks: Sequence[ModelChunk]) -> list[object]:
@@ -554,11 +527,8 @@ def _update_router_qb_beta(
 ) -> None:
     """Step 9 alone: the quantile-balancing bias over DP×CP (None: the default collection's
     ``dp_cp``; finalize passes ``dp_cp_gtp_remat`` under gtp_remat); accumulators left."""
-    what = "_update_router_qb_beta"
-    chunks = _as_chunks(model)
-    ema = config_value(_checked_config(config, what), "moe_router_quantile_balancing_ema")
-    group = _group(dp_cp_group, "dp_cp_group", "dp_cp", what)
-    assert group is not None
+    what, setting = "_update_router_qb_beta", "moe_router_quantile_balancing_ema"
+    chunks, ema, group = _router_step(model, config, setting, dp_cp_group, "dp_cp", what)
     _update_qb_beta(_quantile_routers(chunks), ema, group)
 
 
@@ -635,8 +605,7 @@ def _check_router_state(routers: Sequence[object], counts: str, bias: str) -> No
 def _allreduce_non_tensor_model_parallel_grads(
     model: Sequence[ModelChunk], config: TransformerConfigLike, tp_group: Group | None = None
 ) -> None:
-    """Step 4 alone: layer-norm grads (sequence parallelism, q/k layer norm) and marked
-    params' grads over tp (None: the default collection's)."""
+    """Step 4 alone, over tp (None: the default collection's)."""
     what = "_allreduce_non_tensor_model_parallel_grads"
     chunks = _as_chunks(model)
     _checked_config(config, what)
@@ -653,10 +622,8 @@ _allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
 
 
 def _tp_params(chunks: Sequence[ModelChunk], config: object) -> tuple[list[Param], list[Param]]:
-    """The params whose grads step 4 sums and averages over tp, their marks checked:
-    ``sum_gradients_across_tp_domain`` neither with the AVG mark nor on a TP shard, and no
-    ``sequence_parallel`` mark (unless averaged or summed) while sequence parallelism is off:
-    a mark finalize would ignore, its grad left a partial sum (Megatron-LM #7452)."""
+    """The params whose grads step 4 sums and averages over tp, their marks checked (the
+    SUM mark neither with the AVG mark nor on a TP shard; module notes for the rest)."""
     sequence_parallel = config_value(config, "sequence_parallel")
     qk_layernorm = config_value(config, "qk_layernorm")
     sums: list[Param] = []
@@ -710,8 +677,8 @@ def _allreduce_replicated_grads_over_gtp_remat_group(
     egtp_remat_group: Group | None,
     calculate_per_token_loss: bool = False,
 ) -> None:
-    """Step 5: grads of params not gtp_remat-sharded, dense over ``gtp_remat_group``, expert
-    over ``egtp_remat_group``, AVG (SUM under per-token loss); None or 1-rank: nothing."""
+    """Step 5: dense params over ``gtp_remat_group``, expert params over
+    ``egtp_remat_group`` (None or one rank: nothing)."""
     what = "_allreduce_replicated_grads_over_gtp_remat_group"
     chunks = _as_chunks(model)
     check_optional_group("gtp_remat_group", gtp_remat_group, what=what)
@@ -746,8 +713,7 @@ def finalize_model_grads(
 
     Args:
         model: this rank's model chunks (one per virtual pipeline stage), in order: DDP
-            wrappers (:class:`ModelChunk`), or modules under FSDP2's ``fully_shard`` as
-            they are (module notes).
+            wrappers (:class:`ModelChunk`) or modules under FSDP2's ``fully_shard``.
         num_tokens: this rank's non-padded token count, exactly with
             ``config.calculate_per_token_loss`` (the last stage's is used, the global count
             written back): one int32/int64/float32/float64 element on the model's device.
@@ -765,9 +731,7 @@ def finalize_model_grads(
         per_token = config_value(config, "calculate_per_token_loss")
         if per_token:
             _as_chunks(chunks, ("scale_gradients",))
-        force = (
-            False if force_all_reduce is None else check_flag("force_all_reduce", force_all_reduce)
-        )
+        force = force_all_reduce is not None and check_flag("force_all_reduce", force_all_reduce)
         groups = _Groups.plan(collection_or_default(pg_collection, what), config)
         _check_chunks(chunks, groups.tp)
         _check_num_tokens(num_tokens, chunks, per_token)
@@ -787,7 +751,7 @@ def finalize_model_grads(
         quantile_routers = _quantile_routers(chunks) if quantile else []
     # 1. the data-parallel reduction of every chunk (DDP's buckets; FSDP2 reduced in backward)
     for chunk in chunks:
-        if not _is_fsdp2(chunk):
+        if not _fsdp2.is_fsdp2(chunk):
             chunk.finish_grad_sync(force_all_reduce=force)
     # 2, 3. params replicated on every pipeline stage: SUM over pp
     _reduce_over_pp(embedders, groups.pp, "conditional embedding grads")
@@ -832,19 +796,17 @@ def _config_of(chunk: ModelChunk) -> object:
         config = recorded_config(chunk) or config
     if config is None:
         raise InputTypeError(
-            f"model[0] ({type_name(chunk)}) has no config; finalize_model_grads reads the "
-            "config from model[0].config, or the one mc_tp_layers.parallelize recorded on "
-            "the model"
+            f"model[0] ({type_name(chunk)}) has no config; finalize_model_grads reads "
+            "model[0].config, or the config mc_tp_layers.parallelize recorded on the model"
         )
     return config
 
 
 def _check_chunks(chunks: Sequence[ModelChunk], tp: Group) -> None:
-    """An FSDP2 chunk gets its marks back (module notes); a chunk that says its grads were
-    finalized (``grads_finalized``, as mc's DDP until its next ``zero_grad_buffer()``) would
-    have them reduced and scaled twice."""
+    """FSDP2 chunks get their marks back; a chunk whose grads were finalized (mc's DDP until
+    its next ``zero_grad_buffer()``) would have them reduced and scaled twice."""
     for index, chunk in enumerate(chunks):
-        if _is_fsdp2(chunk):  # marks back from parallelize's record, mesh checked
+        if _fsdp2.is_fsdp2(chunk):  # marks back from parallelize's record, mesh checked
             _fsdp2.check_chunk(index, cast(torch.nn.Module, chunk), tp)
         if getattr(chunk, "grads_finalized", False) is True:
             raise RuntimeError(
