@@ -81,8 +81,11 @@ class FullParamLayoutLike(Protocol):
     def layouts(self) -> Mapping[Any, Any]: ...
 
 
-def _missing(value: object, fields: tuple[str, ...]) -> list[str]:
-    return [name for name in fields if not hasattr(value, name)]
+def _check_fields(value: object, fields: tuple[str, ...], wanted: str) -> None:
+    """A TypeError saying what ``value`` should be (``wanted``) and which fields it lacks."""
+    missing = [name for name in fields if not hasattr(value, name)]
+    if missing:
+        raise InputTypeError(f"{wanted}, got {type_name(value)} without {missing}")
 
 
 def as_per_buffer_param_layout(value: object, name: str = "param_layout") -> PerBufferParamLayout:
@@ -95,13 +98,12 @@ def as_per_buffer_param_layout(value: object, name: str = "param_layout") -> Per
     """
     if isinstance(value, PerBufferParamLayout):
         return value
-    missing = _missing(value, _PER_BUFFER_FIELDS)
-    if missing:
-        raise InputTypeError(
-            f"{name} must be a mc_buffers.PerBufferParamLayout or an object with the fields "
-            f"{list(_PER_BUFFER_FIELDS)} (e.g. Megatron-Core's), got {type_name(value)} "
-            f"without {missing}; compute it with compute_full_param_layout"
-        )
+    _check_fields(
+        value,
+        _PER_BUFFER_FIELDS,
+        f"{name} must be a mc_buffers.PerBufferParamLayout or an object with the fields "
+        f"{list(_PER_BUFFER_FIELDS)} (e.g. Megatron-Core's, from compute_full_param_layout)",
+    )
     like: PerBufferParamLayoutLike = value  # type: ignore[assignment]  # fields checked above
     shards = like.num_optimizer_shards
     return PerBufferParamLayout(
@@ -118,12 +120,12 @@ def as_per_buffer_param_layout(value: object, name: str = "param_layout") -> Per
 def _as_key(key: object, name: str) -> BufferKey:
     if isinstance(key, BufferKey):
         return key
-    missing = _missing(key, _KEY_FIELDS)
-    if missing:
-        raise InputTypeError(
-            f"{name} has key {key!r} ({type_name(key)}) without {missing}: keys must be "
-            "mc_buffers.BufferKey or have param_dtype, grad_dtype and is_expert_parallel"
-        )
+    _check_fields(
+        key,
+        _KEY_FIELDS,
+        f"{name}'s keys must be mc_buffers.BufferKey or have param_dtype, grad_dtype and "
+        f"is_expert_parallel; key {key!r}",
+    )
     like: BufferKeyLike = key  # type: ignore[assignment]  # fields checked above
     # Megatron-Core main's fourth field (absent in a three-field key: Megatron's default)
     layer_wise = getattr(key, _LAYER_WISE_FIELD, False)

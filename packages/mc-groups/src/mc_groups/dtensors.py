@@ -17,6 +17,7 @@ exists (importing it costs over a second).
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
@@ -26,6 +27,8 @@ from mc_groups.comm.collectives import all_gather, group_size
 from mc_groups.errors import InputTypeError, InputValueError
 
 if TYPE_CHECKING:
+    import torch.distributed.device_mesh
+    import torch.distributed.tensor
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Placement, Shard
 
@@ -33,6 +36,7 @@ __all__ = [
     "check_placements",
     "distribute_like",
     "first_replica_local",
+    "from_local",
     "full_tensor",
     "is_dtensor",
     "local_piece",
@@ -122,6 +126,24 @@ def distribute_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         run_check=False,
         shape=reference.shape,
         stride=reference.stride(),
+    )
+
+
+def from_local(
+    local: torch.Tensor,
+    mesh: torch.distributed.device_mesh.DeviceMesh,
+    placements: Sequence[torch.distributed.tensor.Placement],
+    global_shape: Sequence[int],
+) -> torch.Tensor:
+    """``local`` as this rank's part of a DTensor of ``global_shape`` (contiguous strides)
+    placed by ``placements`` on ``mesh``; no communication and no cross-rank check: the
+    caller computed the shape every rank agrees on."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (see the module notes)
+
+    shape = torch.Size(global_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local, mesh, tuple(placements), run_check=False, shape=shape, stride=stride
     )
 
 

@@ -134,7 +134,6 @@ def model_sharded_state_dict(
 
 def _expert_view(param: torch.Tensor, dispatcher: TokenDispatcher) -> torch.Tensor:
     local = param.detach()
-    placements: list[object] = []
     dim = None
     if param_attrs.is_tensor_model_parallel(param):
         dim, stride = param_attrs.partition_dim_of(param), param_attrs.partition_stride_of(param)
@@ -144,12 +143,12 @@ def _expert_view(param: torch.Tensor, dispatcher: TokenDispatcher) -> torch.Tens
     if p * q == 1:
         return local
     from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (slow import)
-    from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: PLC0415
+    from torch.distributed.tensor import Placement, Replicate, Shard  # noqa: PLC0415
 
     shape = list(local.shape)
     shape[0] *= p
     groups = [dispatcher.ep, dispatcher.expt_tp]
-    placements = [Shard(0), Replicate() if dim is None else Shard(dim)]
+    axes: list[Placement] = [Shard(0), Replicate() if dim is None else Shard(dim)]
     if dim is not None:
         shape[dim] *= q
     grid = torch.tensor(mg.group_ranks(dispatcher.tp_ep)).view(p, q)  # expt_tp fastest
@@ -159,12 +158,4 @@ def _expert_view(param: torch.Tensor, dispatcher: TokenDispatcher) -> torch.Tens
         local.device.type,
         mesh=grid.squeeze() if len(keep) == 1 else grid,
     )
-    global_shape = torch.Size(shape)
-    return DTensor.from_local(
-        local,
-        mesh,
-        [placements[i] for i in keep],  # type: ignore[misc]
-        run_check=False,
-        shape=global_shape,
-        stride=torch.empty(global_shape, device="meta").stride(),
-    )
+    return dtensors.from_local(local, mesh, [axes[i] for i in keep], shape)

@@ -111,19 +111,11 @@ def tp_sharded_tensor(
         return local
     shape = list(local.shape)
     shape[dim] *= int(tp_group.size())
-    global_shape = torch.Size(shape)
     from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (see the imports)
-    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
+    from torch.distributed.tensor import Shard  # noqa: PLC0415
 
     mesh = DeviceMesh.from_group(tp_group, local.device.type)
-    return DTensor.from_local(
-        local,
-        mesh,
-        [Shard(dim)],
-        run_check=False,
-        shape=global_shape,
-        stride=torch.empty(global_shape, device="meta").stride(),
-    )
+    return dtensors.from_local(local, mesh, [Shard(dim)], shape)
 
 
 def _checked(module: torch.nn.Module, prefix: object, sharded_offsets: Any, metadata: Any) -> None:
@@ -168,10 +160,8 @@ def gtp_sharded_tensor(
     local = shard.detach()[: max(0, min(rows, tp_local_shape[0] - g * rows))]
     shape = list(tp_local_shape)
     shape[dim] *= int(tp_group.size())
-    global_shape = torch.Size(shape)
     groups, placements = _mesh_axes(tp_group, gtp_group, dim)
     from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (see the imports)
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     if len(groups) == 2:
         mesh = DeviceMesh.from_group(
@@ -182,14 +172,7 @@ def gtp_sharded_tensor(
         )
     else:
         mesh = DeviceMesh.from_group(groups[0], local.device.type)
-    return DTensor.from_local(
-        local,
-        mesh,
-        placements,
-        run_check=False,
-        shape=global_shape,
-        stride=torch.empty(global_shape, device="meta").stride(),
-    )
+    return dtensors.from_local(local, mesh, placements, shape)
 
 
 def _mesh_axes(
@@ -258,7 +241,7 @@ def _fsdp2_view(
     param: torch.Tensor, tp_group: dist.ProcessGroup | None, name: str, meshes: _Meshes
 ) -> torch.Tensor:
     """An FSDP2 param (module notes) as one DTensor of the one-process shape."""
-    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415 (a DTensor exists)
+    from torch.distributed.tensor import Shard  # noqa: PLC0415 (a DTensor exists)
 
     sharded = cast("DTensor", param)
     dp_mesh, placements = sharded.device_mesh, tuple(sharded.placements)
@@ -300,15 +283,7 @@ def _fsdp2_view(
         shape[dim] *= tp_size
         mesh = _tp_dp_mesh(tp_group, dp_mesh, local.device.type, meshes)
         places = [Shard(dim), Shard(0)]  # split by tp first, then FSDP2's rows by dp
-    global_shape = torch.Size(shape)
-    return DTensor.from_local(
-        local,
-        mesh,
-        places,
-        run_check=False,
-        shape=global_shape,
-        stride=torch.empty(global_shape, device="meta").stride(),
-    )
+    return dtensors.from_local(local, mesh, places, shape)
 
 
 def _tp_dp_mesh(

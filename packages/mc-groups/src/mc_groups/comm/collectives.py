@@ -61,7 +61,8 @@ layout: it is shown in errors and compared by the schedule check, never recorded
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import partial
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -523,20 +524,7 @@ def send(
 ) -> None:
     """Point-to-point send of ``tensor`` to group rank ``group_dst`` (blocking; not
     schedule-checked: the group's other ranks take no part)."""
-    check_group("group", group)
-    check_contiguous("tensor", tensor)
-    check_options(False, label, group=group)
-    check_peer(group, group_dst, "group_dst")
-    _issue(
-        "send",
-        group,
-        tensor,
-        lambda: dist.send(tensor, group=group, group_dst=group_dst),
-        async_op=False,
-        label=label,
-        checked_as=None,
-        shown_as=f"send to group rank {group_dst}",
-    )
+    _p2p("send", tensor, group, group_dst, label)
 
 
 def recv(
@@ -544,20 +532,29 @@ def recv(
 ) -> None:
     """Point-to-point receive into ``tensor`` from group rank ``group_src`` (blocking; not
     schedule-checked)."""
+    _p2p("recv", tensor, group, group_src, label)
+
+
+def _p2p(
+    op: Literal["send", "recv"],
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    peer: int,
+    label: str,
+) -> None:
+    """The one route of :func:`send` and :func:`recv`: checked, then issued blocking."""
+    send = op == "send"
     check_group("group", group)
     check_contiguous("tensor", tensor)
     check_options(False, label, group=group)
-    check_peer(group, group_src, "group_src")
-    _issue(
-        "recv",
-        group,
-        tensor,
-        lambda: dist.recv(tensor, group=group, group_src=group_src),
-        async_op=False,
-        label=label,
-        checked_as=None,
-        shown_as=f"recv from group rank {group_src}",
+    check_peer(group, peer, "group_dst" if send else "group_src")
+    call: Callable[[], object] = (
+        partial(dist.send, tensor, group=group, group_dst=peer)
+        if send
+        else partial(dist.recv, tensor, group=group, group_src=peer)
     )
+    shown = f"send to group rank {peer}" if send else f"recv from group rank {peer}"
+    _issue(op, group, tensor, call, async_op=False, label=label, checked_as=None, shown_as=shown)
 
 
 def record_p2p_ops(ops: object, *, label: str = "") -> None:
