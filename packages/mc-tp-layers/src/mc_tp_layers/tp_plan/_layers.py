@@ -68,6 +68,21 @@ class Setup:
             setattr(derived, field, value)
         return check_layer_config(derived)
 
+    def linear_args(
+        self, source: torch.nn.Linear, name: str, sequence_parallel: bool
+    ) -> dict[str, Any]:
+        """The keyword arguments of a parallel linear built from ``source`` (its dtype,
+        device and bias; no initialisation)."""
+        weight = source.weight
+        return {
+            "config": self.layer_config(weight.dtype, sequence_parallel),
+            "init_method": _untouched,
+            "bias": source.bias is not None,
+            "pg_collection": self.pg_collection,
+            "name": name,
+            "device": weight.device,
+        }
+
 
 def _untouched(_weight: torch.Tensor) -> None:
     """The init method of a layer built from existing weights (never called)."""
@@ -92,6 +107,15 @@ class ConvertedModule(torch.nn.Module):
     """
 
     tp_group: dist.ProcessGroup
+
+    def copy_from(self, source: torch.nn.Linear) -> None:
+        """This rank's piece of a linear ``source``'s weight and bias."""
+        bias = getattr(self, "bias", None)
+        _fill(
+            self.get_parameter("weight"), source.weight, source.weight.requires_grad, self.tp_group
+        )
+        if source.bias is not None and bias is not None:
+            _fill(bias, source.bias, source.bias.requires_grad, self.tp_group)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``torch.nn.Module._apply`` keeping each param's attributes (``to_empty`` after
@@ -126,31 +150,18 @@ class ColwiseLinear(ColumnParallelLinear, ConvertedModule):
     def __init__(
         self, source: torch.nn.Linear, style: Colwise, setup: Setup, name: str, in_block: bool
     ) -> None:
-        weight = source.weight
         super().__init__(
             source.in_features,
             source.out_features,
-            config=setup.layer_config(weight.dtype, False),
-            init_method=_untouched,
-            bias=source.bias is not None,
             gather_output=style.gather_output,
             stride=style.parts,
             disable_grad_reduce=in_block,
-            pg_collection=setup.pg_collection,
-            name=name,
-            device=weight.device,
+            **setup.linear_args(source, name, False),
         )
         self.parts = style.parts
         self.qualified_name = name
         self.needs_block_input = in_block and style.block_input
         self.copy_from(source)
-
-    def copy_from(self, source: torch.nn.Linear) -> None:
-        """This rank's rows of ``source``'s weight and bias."""
-        assert self.weight is not None  # built with its weight
-        _fill(self.weight, source.weight, source.weight.requires_grad, self.tp_group)
-        if source.bias is not None and self.bias is not None:
-            _fill(self.bias, source.bias, source.bias.requires_grad, self.tp_group)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``nn.Linear``'s contract: ``[..., out/W]`` (``[..., out]`` when gathering)."""
@@ -182,25 +193,17 @@ class RowwiseLinear(RowParallelLinear, ConvertedModule):
     set_extra_state = torch.nn.Module.set_extra_state
 
     def __init__(self, source: torch.nn.Linear, style: Rowwise, setup: Setup, name: str) -> None:
-        weight = source.weight
         self_split = style.split_input and setup.sequence_parallel
         super().__init__(
             source.in_features,
             source.out_features,
-            config=setup.layer_config(weight.dtype, setup.sequence_parallel),
-            init_method=_untouched,
-            bias=source.bias is not None,
             input_is_parallel=not style.split_input or self_split,
             skip_bias_add=False,
-            pg_collection=setup.pg_collection,
-            name=name,
-            device=weight.device,
+            **setup.linear_args(source, name, setup.sequence_parallel),
         )
         self.sequence_dim = setup.sequence_dim
         self.split_here = self_split
-        _fill(self.weight, weight, weight.requires_grad, self.tp_group)
-        if source.bias is not None and self.bias is not None:
-            _fill(self.bias, source.bias, source.bias.requires_grad, self.tp_group)
+        self.copy_from(source)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``nn.Linear``'s contract: ``[..., out]`` (this rank's part of the sequence under SP)."""

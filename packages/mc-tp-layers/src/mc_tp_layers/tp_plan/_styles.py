@@ -15,19 +15,7 @@ from types import MappingProxyType
 from mc_groups.argcheck import check_flag, check_int, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
-__all__ = [
-    "Colwise",
-    "ColwiseRMSNorm",
-    "Plan",
-    "ReplicatedWithGradAllReduce",
-    "Rowwise",
-    "SequenceGather",
-    "SequenceParallelNorm",
-    "SequenceScatter",
-    "Style",
-    "VocabEmbedding",
-    "style_names",
-]
+__all__: list[str] = []  # private: tp_plan exports the styles
 
 
 @dataclass(frozen=True)
