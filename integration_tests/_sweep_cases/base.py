@@ -20,6 +20,7 @@ import mc_ddp as _md
 import mc_finalize as _mf
 import mc_groups as _mg
 import mc_tp_layers as _tpl
+from mc_groups import collection as _collection
 from mc_groups import device as _device
 from mc_groups import testing as _testing
 from mc_tp_layers.random import clear_cuda_rng_tracker
@@ -215,8 +216,8 @@ class Ctx:
 
     def after_case(self) -> None:
         """Undo what a case left behind (groups, defaults, switches)."""
-        os.environ.pop(mg.SCHEDULE_CHECK_ENV, None)
-        mg.clear_default_collection()
+        os.environ.pop("MC_CHECK_COLLECTIVE_SCHEDULE", None)
+        _collection.clear_default_collection()
         clear_cuda_rng_tracker()
         made, self.made = self.made, []
         if not dist.is_initialized():

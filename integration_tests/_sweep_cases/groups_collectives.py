@@ -359,5 +359,5 @@ def _enter(manager: Any) -> None:
 
 
 def _switch(ctx: Ctx, value: str) -> None:
-    os.environ[mg.SCHEDULE_CHECK_ENV] = value
+    os.environ["MC_CHECK_COLLECTIVE_SCHEDULE"] = value
     mg.all_reduce(z(), ctx.world_group)

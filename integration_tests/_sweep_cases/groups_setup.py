@@ -25,7 +25,7 @@ from integration_tests._sweep_cases.base import (
 from integration_tests._sweep_cases.groups_collectives import (
     _enter,
 )
-from mc_groups import pipeline_stages
+from mc_groups import collection, pipeline_stages
 from mc_groups.rank_generator import RankGenerator
 
 _SIZE_ARGS = (
@@ -125,7 +125,7 @@ def _layout_slots() -> None:
         G,
         "set_default_collection(collection=)",
         "misuse",
-        lambda c, v: mg.set_default_collection(v),
+        lambda c, v: collection.set_default_collection(v),
         ("collection",),
         values=("tp", None, Ref("world"), {}),
         only=True,

@@ -134,7 +134,7 @@ def _cross_entropy(ctx: Ctx) -> None:
 
 def _checked(fn: Callable[[Ctx], object]) -> Callable[[Ctx], object]:
     def run(ctx: Ctx) -> object:
-        os.environ[mg.SCHEDULE_CHECK_ENV] = "1"
+        os.environ["MC_CHECK_COLLECTIVE_SCHEDULE"] = "1"
         return fn(ctx)
 
     return run

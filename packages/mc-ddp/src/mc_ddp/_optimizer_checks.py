@@ -15,7 +15,8 @@ from mc_ddp._optimizer_state import OwnedSlice
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
 from mc_ddp.grad_scaler import DynamicGradScaler
-from mc_groups.argcheck import check_collection, check_flag, type_name
+from mc_groups.argcheck import check_flag, type_name
+from mc_groups.collection import check_collection
 from mc_groups.errors import InputTypeError, InputValueError
 
 Param = torch.nn.Parameter

@@ -45,8 +45,8 @@ from mc_ddp.grad_norm import GradNormRanks, check_norm_type, counts_in_grad_norm
 from mc_ddp.grad_scaler import DynamicGradScaler
 from mc_groups import dtensors, param_attrs
 from mc_groups.argcheck import check_flag, type_name
+from mc_groups.collection import collection_or_default
 from mc_groups.comm.cross_rank import CarriedStatus
-from mc_groups.default_collection import collection_or_default
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["clip_grad_norm"]

@@ -53,9 +53,8 @@ from mc_ddp.hooks import (
 from mc_groups import device as mg_device
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, type_name
-from mc_groups.collection import MissingGroupError, is_group_live
+from mc_groups.collection import MissingGroupError, collection_or_default, is_group_live
 from mc_groups.config import TransformerConfigLike, config_value
-from mc_groups.default_collection import collection_or_default
 from mc_groups.device import is_graph_capturing
 from mc_groups.errors import InputStateError, InputTypeError
 from mc_groups.param_attrs import GRAD_ADDED_TO_MAIN_GRAD, MAIN_GRAD, ZERO_OUT_WGRAD, bool_attr

@@ -47,8 +47,8 @@ from mc_ddp.distributed_data_parallel import DistributedDataParallel
 from mc_ddp.grad_norm import counted_slices
 from mc_ddp.grad_scaler import DynamicGradScaler
 from mc_groups.argcheck import check_flag, type_name
+from mc_groups.collection import collection_or_default
 from mc_groups.comm.cross_rank import CarriedStatus
-from mc_groups.default_collection import collection_or_default
 from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 from mc_groups.param_attrs import MAIN_GRAD
 

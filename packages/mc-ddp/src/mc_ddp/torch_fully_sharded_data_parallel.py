@@ -66,8 +66,8 @@ from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import NonFiniteGradError
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_optional_group, type_name
+from mc_groups.collection import collection_or_default
 from mc_groups.config import check_config, config_value
-from mc_groups.default_collection import collection_or_default
 from mc_groups.errors import InputTypeError, InputValueError
 
 if TYPE_CHECKING:  # importing FSDP2 imports DTensor (over a second): done where used

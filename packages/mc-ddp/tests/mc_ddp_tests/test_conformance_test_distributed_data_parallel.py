@@ -25,6 +25,7 @@ import mc_groups as mg
 from mc_buffers import BufferKey
 from mc_ddp import DistributedDataParallel
 from mc_ddp_tests._harness import ddp_config
+from mc_groups.collection import clear_default_collection
 from mc_groups.testing import RankPools
 
 IN, OUT, BATCH = 13, 17, 2
@@ -173,7 +174,7 @@ def _default_and_custom_groups() -> dict[str, Any]:
         mg.barrier(world_group)
         for group in [dp, dp_cp] + [singles[i][rank] for i in range(3)]:
             dist.destroy_process_group(group)
-        mg.clear_default_collection()
+        clear_default_collection()
         mg.destroy_model_parallel(default)
 
 

@@ -86,10 +86,9 @@ import mc_groups as mg
 from mc_finalize import _fsdp2
 from mc_groups import dtensors, param_attrs
 from mc_groups.argcheck import check_flag, check_optional_group, check_tensor, type_name
-from mc_groups.collection import MissingGroupError
+from mc_groups.collection import MissingGroupError, collection_or_default
 from mc_groups.comm.collectives import all_reduce_flat
 from mc_groups.config import TransformerConfigLike, check_config, config_value, recorded_config
-from mc_groups.default_collection import collection_or_default
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = ["ModelChunk", "finalize_model_grads", "reset_model_temporary_tensors"]

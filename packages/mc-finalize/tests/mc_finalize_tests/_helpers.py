@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
+from mc_groups.collection import clear_default_collection
 
 TIMEOUT = timedelta(seconds=30)
 
@@ -130,7 +131,7 @@ def layout(**sizes: Any) -> Iterator[mg.ProcessGroupCollection]:
     try:
         yield pgc
     finally:
-        mg.clear_default_collection()
+        clear_default_collection()
         mg.destroy_model_parallel(pgc)
 
 

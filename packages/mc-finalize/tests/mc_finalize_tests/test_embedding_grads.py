@@ -23,6 +23,7 @@ from mc_finalize import (
     _get_shared_word_embedding_weight,
 )
 from mc_finalize_tests._helpers import Cfg, Chunk, add_param, extra_group, first, layout, records
+from mc_groups.collection import set_default_collection
 from mc_groups.testing import RankPools
 
 LABEL = "embedding grads"
@@ -85,7 +86,7 @@ def _pp2_virtual() -> dict[str, Any]:
         out["skipped"] = {"unshared": _word(unshared), "log": len(log)}
 
         marked = _marked_chunks(pgc)
-        mg.set_default_collection(pgc)
+        set_default_collection(pgc)
         with mg.record_collectives() as log:
             _allreduce_word_embedding_grads(marked, Cfg())  # groups from the default
         out["marked"] = {"values": [first(p) for c in marked for p in c.parameters()]}

@@ -41,6 +41,7 @@ from mc_finalize_tests._helpers import (
     records,
 )
 from mc_finalize_tests.test_router_state import BiasRouter, QuantileRouter
+from mc_groups.collection import set_default_collection
 from mc_groups.testing import RankPools, error_kind
 
 
@@ -211,7 +212,7 @@ def _tokens_pp2_dp2() -> dict[str, Any]:
         add_param(chunk, "w", 2**r)
         add_param(chunk, "g", 2**r, main_grad=False)
         num_tokens = torch.tensor(5 + d if p == 1 else 1000, dtype=torch.int32)
-        mg.set_default_collection(pgc)
+        set_default_collection(pgc)
         with mg.record_collectives() as log:
             finalize_model_grads([chunk], num_tokens)  # groups from the default collection
         return {

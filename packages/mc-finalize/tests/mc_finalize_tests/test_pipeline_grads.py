@@ -15,6 +15,7 @@ import torch
 import mc_groups as mg
 from mc_finalize import _allreduce_conditional_embedding_grads, _allreduce_router_grads
 from mc_finalize_tests._helpers import Cfg, Chunk, add_param, first, layout, records
+from mc_groups.collection import set_default_collection
 from mc_groups.testing import RankPools
 
 VIRTUAL_CHUNKS = 2
@@ -57,7 +58,7 @@ def _pp_steps() -> dict[str, Any]:
             out[name] = {"values": _values(chunks), "log": records(log)}
         cfg = Cfg(has_cond_embedder=True, flextron=True)
         chunks = _chunks(cfg, p)
-        mg.set_default_collection(pgc)
+        set_default_collection(pgc)
         with mg.record_collectives() as log:
             _allreduce_conditional_embedding_grads(chunks, cfg)
             _allreduce_router_grads(chunks, cfg)

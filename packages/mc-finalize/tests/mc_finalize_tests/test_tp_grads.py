@@ -29,6 +29,7 @@ from mc_finalize import (
     finalize_model_grads,
 )
 from mc_finalize_tests._helpers import Cfg, Chunk, add_param, first, layout, rank, records
+from mc_groups.collection import set_default_collection
 from mc_groups.testing import RankPools
 
 LABEL = "non-tensor-parallel grads"
@@ -77,7 +78,7 @@ def _tp_cases() -> dict[str, Any]:
                 _allreduce_non_tensor_model_parallel_grads([chunk], cfg, pgc.tp)
             out[name] = {"values": _values(chunk), "log": records(log)}
         chunk = _chunk(Cfg(sequence_parallel=True))
-        mg.set_default_collection(pgc)
+        set_default_collection(pgc)
         _allreduce_layernorm_grads([chunk], Cfg(sequence_parallel=True))  # legacy alias
         out["alias"] = _values(chunk)
     with layout() as pgc:  # tp = 1: nothing to do

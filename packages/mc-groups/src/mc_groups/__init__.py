@@ -4,9 +4,9 @@ The package root holds what users call; the rest lives in its modules.
 
 - :class:`ProcessGroupCollection`, :func:`initialize_model_parallel`,
   :func:`destroy_model_parallel`: the groups of a layout, built once and passed explicitly;
-  :func:`set_default_collection` / :func:`get_default_collection` /
-  :func:`clear_default_collection`: the optional default collection
-  (:mod:`mc_groups.default_collection`). :func:`validate_sizes`: a layout's sizes checked by
+  :func:`get_default_collection`: the optional default collection that
+  ``initialize_model_parallel(..., set_default=True)`` registers (set and cleared through
+  :mod:`mc_groups.collection`). :func:`validate_sizes`: a layout's sizes checked by
   pure arithmetic (:mod:`mc_groups.rank_generator`, with Megatron's ``RankGenerator``).
   :func:`is_pipeline_first_stage` / :func:`is_pipeline_last_stage`: where a model chunk sits
   (:mod:`mc_groups.pipeline_stages`).
@@ -24,7 +24,7 @@ The package root holds what users call; the rest lives in its modules.
   passed their checks and hold the same values, else every rank raises the same error:
   :class:`PeerCheckError`, :class:`AgreementError`, :class:`CollectiveScheduleError`);
   :func:`fail_together` (an entry point's local checks, then the exchange); the
-  per-collective check behind ``MC_CHECK_COLLECTIVE_SCHEDULE``
+  per-collective check behind the environment variable ``MC_CHECK_COLLECTIVE_SCHEDULE``
   (:func:`check_collective_schedule`, a debug switch).
 - :class:`ModelParallelConfig`: the validated parallel config (Megatron field names);
   :class:`TransformerConfigLike`: what every package reads from a config (Megatron's
@@ -45,13 +45,9 @@ from importlib.metadata import PackageNotFoundError, version
 from mc_groups import argcheck as argcheck
 from mc_groups import elastic as elastic
 from mc_groups import param_attrs as param_attrs
-from mc_groups.collection import ProcessGroupCollection
-from mc_groups.comm import traceable as traceable
+from mc_groups.collection import ProcessGroupCollection, get_default_collection
 from mc_groups.comm._coalesced import CoalescedBatch, coalesced
-from mc_groups.comm._common import (
-    SCHEDULE_CHECK_ENV,
-    check_collective_schedule,
-)
+from mc_groups.comm._common import check_collective_schedule
 from mc_groups.comm.collectives import (
     CollectiveHandle,
     ReduceOp,
@@ -71,11 +67,6 @@ from mc_groups.comm.collectives import (
 from mc_groups.comm.cross_rank import cross_check, fail_together
 from mc_groups.comm.recorder import CollectiveRecord, record_collectives
 from mc_groups.config import ModelParallelConfig, TransformerConfigLike
-from mc_groups.default_collection import (
-    clear_default_collection,
-    get_default_collection,
-    set_default_collection,
-)
 from mc_groups.errors import (
     AgreementError,
     CollectiveError,
@@ -100,7 +91,6 @@ except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/g
     __version__ = "0+unknown"
 
 __all__ = [
-    "SCHEDULE_CHECK_ENV",
     "AgreementError",
     "CoalescedBatch",
     "CollectiveError",
@@ -119,7 +109,6 @@ __all__ = [
     "barrier",
     "broadcast",
     "check_collective_schedule",
-    "clear_default_collection",
     "coalesced",
     "cross_check",
     "destroy_model_parallel",
@@ -135,6 +124,5 @@ __all__ = [
     "recv",
     "reduce_scatter",
     "send",
-    "set_default_collection",
     "validate_sizes",
 ]

@@ -11,10 +11,10 @@ before anything changes or communicates:
 
 The checks' own keyword arguments (``minimum``, ``positive``, ...) are checked the same way.
 
-Process groups and collections are arguments too: :func:`check_group` (a live
-``ProcessGroup``; a destroyed one is a ``RuntimeError``), :func:`check_optional_group` and
-:func:`check_collection` (a ``ProcessGroupCollection`` not destroyed). Their ``what=``
-names the caller when the argument's name alone would not say where it failed.
+Process groups are arguments too: :func:`check_group` (a live ``ProcessGroup``; a
+destroyed one is a ``RuntimeError``) and :func:`check_optional_group`; a collection is
+checked where it is defined (:func:`mc_groups.collection.check_collection`). Their
+``what=`` names the caller when the argument's name alone would not say where it failed.
 
 Domain checks (divisibility by a group size, shapes against a layout) stay with their
 package; they use these for the types. Cheap: ``isinstance``, comparisons and a dictionary
@@ -31,11 +31,10 @@ from numbers import Integral, Real
 import torch
 import torch.distributed as dist
 
-from mc_groups.collection import ProcessGroupCollection, is_group_live
+from mc_groups.collection import is_group_live
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
-    "check_collection",
     "check_flag",
     "check_float_dtype",
     "check_group",
@@ -204,30 +203,3 @@ def _live_group(name: str, value: object, what: str, or_none: str) -> dist.Proce
             "(initialize_model_parallel()) and new objects on them"
         )
     return value
-
-
-def check_collection(name: str, value: object, *, what: str = "") -> ProcessGroupCollection:
-    """``value`` as a :class:`~mc_groups.ProcessGroupCollection` that
-    ``destroy_model_parallel()`` has not destroyed (``TypeError`` / ``RuntimeError``).
-
-    Another library's collection (Megatron-Core's ``ProcessGroupCollection``, kept by a user
-    who keeps Megatron's ``parallel_state`` or model code) is accepted by what it has: its
-    attributes named in :data:`~mc_groups.collection.GROUP_FIELDS` that hold a ``ProcessGroup`` are
-    copied into a new mc collection (:meth:`ProcessGroupCollection.adopt`; other values,
-    e.g. Megatron's list of ``hcp`` groups, are left out).
-    """
-    caller = f"{what}: " if what else ""
-    collection = ProcessGroupCollection.adopt(value)
-    if collection is None:
-        raise InputTypeError(
-            f"{caller}{name}={value!r} must be a ProcessGroupCollection (e.g. from "
-            "initialize_model_parallel()) or an object with its group attributes (tp, dp, "
-            f"dp_cp, ...), such as Megatron-Core's; got {type_name(value)}"
-        )
-    if collection.destroyed:
-        raise RuntimeError(
-            f"{caller}{name} was destroyed by destroy_model_parallel(); its groups can no "
-            "longer communicate: build a new collection with initialize_model_parallel() and "
-            "new objects on it"
-        )
-    return collection

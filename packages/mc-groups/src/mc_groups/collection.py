@@ -1,21 +1,53 @@
 """``ProcessGroupCollection``: the process groups one rank belongs to, passed explicitly;
-:func:`is_group_live`: whether one of them still exists.
+:func:`is_group_live`: whether one of them still exists; :func:`check_collection`: an
+argument checked to be one; and the optional process default collection with the one
+fallback to it (:func:`collection_or_default`).
 
 Every mc function that communicates takes its groups from a collection (or a single group
 argument) instead of reading global state. Field names follow Megatron-Core so code
 written against ``megatron.core.process_groups_config`` ports by changing the import.
+
+For code ported from Megatron-Core, which reads its groups from ``parallel_state``, one
+collection may be registered as the process default (:func:`set_default_collection`, or
+``initialize_model_parallel(..., set_default=True)``); nothing in mc requires it. Every mc
+function that accepts ``pg_collection=None`` (or a group argument that may be None)
+resolves it through :func:`collection_or_default`, so the fallback behaves, and fails, the
+same everywhere:
+
+- a ``ProcessGroupCollection``: returned as is (a destroyed one is a ``RuntimeError``);
+- ``None``: the registered default, or :class:`NoDefaultCollectionError` (a
+  :class:`MissingGroupError`, so a ``ValueError``) saying how to pass groups or register a
+  default; with ``required=False`` None is returned instead;
+- anything else: ``TypeError``.
+
+Messages share one shape: ``"<what> got no process group and no default
+ProcessGroupCollection is registered: pass <explicit>, or register a default with ..."``,
+``"<what>: pg_collection=<value> must be a ProcessGroupCollection (...)"`` and
+``"<what>: pg_collection was destroyed by destroy_model_parallel() ..."``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Literal, overload
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
 from mc_groups.errors import InputTypeError, InputValueError
 
-__all__ = ["GROUP_FIELDS", "MissingGroupError", "ProcessGroupCollection", "is_group_live"]
+__all__ = [
+    "GROUP_FIELDS",
+    "MissingGroupError",
+    "NoDefaultCollectionError",
+    "ProcessGroupCollection",
+    "check_collection",
+    "clear_default_collection",
+    "collection_or_default",
+    "get_default_collection",
+    "is_group_live",
+    "set_default_collection",
+]
 
 GROUP_FIELDS: tuple[str, ...] = (
     "tp",  # tensor parallel
@@ -196,3 +228,121 @@ def is_group_live(group: dist.ProcessGroup) -> bool:
     except (ValueError, RuntimeError):
         return False
     return True
+
+
+def check_collection(name: str, value: object, *, what: str = "") -> ProcessGroupCollection:
+    """``value`` as a :class:`~mc_groups.ProcessGroupCollection` that
+    ``destroy_model_parallel()`` has not destroyed (``TypeError`` / ``RuntimeError``).
+
+    Another library's collection (Megatron-Core's ``ProcessGroupCollection``, kept by a user
+    who keeps Megatron's ``parallel_state`` or model code) is accepted by what it has: its
+    attributes named in :data:`~mc_groups.collection.GROUP_FIELDS` that hold a ``ProcessGroup`` are
+    copied into a new mc collection (:meth:`ProcessGroupCollection.adopt`; other values,
+    e.g. Megatron's list of ``hcp`` groups, are left out).
+    """
+    caller = f"{what}: " if what else ""
+    collection = ProcessGroupCollection.adopt(value)
+    if collection is None:
+        kind = type(value)  # with its module (builtins bare), as argcheck.type_name names it
+        got = f"{kind.__module__}.".removeprefix("builtins.") + kind.__qualname__
+        raise InputTypeError(
+            f"{caller}{name}={value!r} must be a ProcessGroupCollection (e.g. from "
+            "initialize_model_parallel()) or an object with its group attributes (tp, dp, "
+            f"dp_cp, ...), such as Megatron-Core's; got {got}"
+        )
+    if collection.destroyed:
+        raise RuntimeError(
+            f"{caller}{name} was destroyed by destroy_model_parallel(); its groups can no "
+            "longer communicate: build a new collection with initialize_model_parallel() and "
+            "new objects on it"
+        )
+    return collection
+
+
+# ---------------------------------------------------------------- the optional default collection
+
+_PASS_COLLECTION = "pg_collection=initialize_model_parallel(...)"
+
+
+class NoDefaultCollectionError(MissingGroupError):
+    """A caller passed no groups and no default collection is registered."""
+
+
+class _DefaultSlot:
+    """Holds the optional process default collection (the one permitted global)."""
+
+    collection: ProcessGroupCollection | None = None
+
+
+def set_default_collection(collection: ProcessGroupCollection) -> None:
+    """Register ``collection`` for callers that pass ``pg_collection=None``."""
+    _DefaultSlot.collection = check_collection(
+        "collection", collection, what="set_default_collection()"
+    )
+
+
+def get_default_collection() -> ProcessGroupCollection | None:
+    """The registered default collection, or ``None`` when none was registered."""
+    return _DefaultSlot.collection
+
+
+def clear_default_collection() -> None:
+    """Forget the registered default collection."""
+    _DefaultSlot.collection = None
+
+
+@overload
+def collection_or_default(
+    pg_collection: object,
+    what: str,
+    *,
+    explicit: str = ...,
+    required: Literal[True] = ...,
+) -> ProcessGroupCollection: ...
+
+
+@overload
+def collection_or_default(
+    pg_collection: object,
+    what: str,
+    *,
+    explicit: str = ...,
+    required: bool,
+) -> ProcessGroupCollection | None: ...
+
+
+def collection_or_default(
+    pg_collection: object,
+    what: str,
+    *,
+    explicit: str = _PASS_COLLECTION,
+    required: bool = True,
+) -> ProcessGroupCollection | None:
+    """``pg_collection``, or the registered default when it is None.
+
+    Args:
+        pg_collection: the caller's argument: a ``ProcessGroupCollection`` (mc's, or another
+            library's such as Megatron-Core's, adopted by its group attributes) or None.
+        what: the caller, as its errors name it (``"DistributedDataParallel"``).
+        explicit: how the caller's user passes groups explicitly, for the error without a
+            default (``"tp_group=<ProcessGroup> or pg_collection=<ProcessGroupCollection>"``,
+            ``"pp_group=pg_collection.pp"``).
+        required: with False, None and no default registered returns None (callers that
+            fall back further, e.g. to rank 0 of a single process).
+
+    Raises:
+        TypeError: ``pg_collection`` is neither None nor a collection.
+        RuntimeError: the collection was destroyed by ``destroy_model_parallel()``.
+        NoDefaultCollectionError: None, no default registered, and ``required``.
+    """
+    collection = _DefaultSlot.collection if pg_collection is None else pg_collection
+    if collection is None:
+        if not required:
+            return None
+        raise NoDefaultCollectionError(
+            f"{what} got no process group and no default ProcessGroupCollection is "
+            f"registered: pass {explicit}, or register a default with "
+            "initialize_model_parallel(..., set_default=True) or "
+            "mc_groups.set_default_collection(collection)"
+        )
+    return check_collection("pg_collection", collection, what=what)

@@ -25,14 +25,15 @@ import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_flag
-from mc_groups.collection import ProcessGroupCollection, is_group_live
-from mc_groups.comm.collectives import all_gather, all_gather_objects, barrier
-from mc_groups.comm.cross_rank import fail_together, key_device
-from mc_groups.default_collection import (
+from mc_groups.collection import (
+    ProcessGroupCollection,
     clear_default_collection,
     get_default_collection,
+    is_group_live,
     set_default_collection,
 )
+from mc_groups.comm.collectives import all_gather, all_gather_objects, barrier
+from mc_groups.comm.cross_rank import fail_together, key_device
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_groups.rank_generator import ParallelSizes, _role_rank_lists, validate_sizes
 

@@ -112,7 +112,7 @@ from mc_groups.argcheck import (
     check_tensor,
     type_name,
 )
-from mc_groups.default_collection import collection_or_default
+from mc_groups.collection import collection_or_default
 from mc_groups.errors import InputStateError, InputTypeError, InputValueError
 
 __all__ = [

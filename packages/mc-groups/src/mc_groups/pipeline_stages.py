@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from mc_groups.argcheck import check_collection, check_optional_int
-from mc_groups.collection import ProcessGroupCollection
+from mc_groups.argcheck import check_optional_int
+from mc_groups.collection import ProcessGroupCollection, check_collection
 from mc_groups.comm.collectives import group_rank, group_ranks
 from mc_groups.errors import InputValueError
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_groups import argcheck, device
+from mc_groups.collection import set_default_collection
 from mc_groups.comm.collectives import all_reduce_flat
 from mc_groups.comm.communicator import Communicator
 from mc_groups.pipeline_stages import pipeline_rank
@@ -62,11 +63,11 @@ def _batch_mixing_kinds(g: dist.ProcessGroup) -> None:
 
 
 def _bad_switch(g: dist.ProcessGroup) -> None:
-    os.environ[mg.SCHEDULE_CHECK_ENV] = "maybe"
+    os.environ["MC_CHECK_COLLECTIVE_SCHEDULE"] = "maybe"
     try:
         mg.all_reduce(torch.ones(2), g)
     finally:
-        del os.environ[mg.SCHEDULE_CHECK_ENV]
+        del os.environ["MC_CHECK_COLLECTIVE_SCHEDULE"]
 
 
 def _enter(manager: Any) -> None:
@@ -86,11 +87,11 @@ def _one_rank_group() -> dist.ProcessGroup:
 
 
 def _one_rank_switch(g: dist.ProcessGroup) -> None:
-    os.environ[mg.SCHEDULE_CHECK_ENV] = "maybe"
+    os.environ["MC_CHECK_COLLECTIVE_SCHEDULE"] = "maybe"
     try:
         mg.all_reduce(torch.ones(2), g)
     finally:
-        del os.environ[mg.SCHEDULE_CHECK_ENV]
+        del os.environ["MC_CHECK_COLLECTIVE_SCHEDULE"]
 
 
 def _batch_after_block(g: dist.ProcessGroup) -> None:
@@ -390,7 +391,7 @@ CASES: dict[str, Case] = {
         doc_input="`name='nope'`",
     ),
     "default collection": Case(
-        lambda g, r: mg.set_default_collection(Loose("tp")),
+        lambda g, r: set_default_collection(Loose("tp")),
         "TypeError",
         ("collection='tp' must be a ProcessGroupCollection",),
         doc_call="`set_default_collection(c)`",
@@ -702,7 +703,7 @@ CASES: dict[str, Case] = {
         doc_input="a destroyed collection",
     ),
     "destroyed default": Case(
-        lambda pgc, r: mg.set_default_collection(pgc),
+        lambda pgc, r: set_default_collection(pgc),
         "RuntimeError",
         ("destroyed by destroy_model_parallel()",),
         setup=_destroyed,

@@ -215,7 +215,7 @@ def test_the_disagreeing_rank_is_named_among_four(rank_pools: RankPools) -> None
 
 def _switches() -> dict[str, Any]:
     g = _world()
-    env = mg.SCHEDULE_CHECK_ENV
+    env = "MC_CHECK_COLLECTIVE_SCHEDULE"
     out: dict[str, Any] = {"start": os.environ.get(env)}
     os.environ[env] = "maybe"
     try:
@@ -272,7 +272,7 @@ def test_fingerprints_are_stable_and_distinguish_fields() -> None:
 
 @pytest.mark.parametrize("value", ["", "0", "off", "False", " no "])
 def test_off_values(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(mg.SCHEDULE_CHECK_ENV, value)
+    monkeypatch.setenv("MC_CHECK_COLLECTIVE_SCHEDULE", value)
     assert schedule_check_enabled() is False
 
 
@@ -286,9 +286,9 @@ def test_switch_reads_what_os_environ_holds(
     # the per-collective read (the byte mapping behind os.environ on POSIX) sees every
     # write through os.environ, set or unset
     if value is None:
-        monkeypatch.delenv(mg.SCHEDULE_CHECK_ENV, raising=False)
+        monkeypatch.delenv("MC_CHECK_COLLECTIVE_SCHEDULE", raising=False)
     else:
-        monkeypatch.setenv(mg.SCHEDULE_CHECK_ENV, value)
+        monkeypatch.setenv("MC_CHECK_COLLECTIVE_SCHEDULE", value)
     if expected is None:
         with pytest.raises(ValueError, match="is not a switch"):
             schedule_check_enabled()

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from mc_groups import ProcessGroupCollection
 from mc_groups.argcheck import check_flag, check_int, check_tensor, type_name
-from mc_groups.default_collection import collection_or_default
+from mc_groups.collection import collection_or_default
 from mc_groups.errors import InputTypeError, InputValueError
 from mc_tp_layers.utils import (
     _resolve_tp_group,

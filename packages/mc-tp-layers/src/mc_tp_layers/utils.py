@@ -5,7 +5,7 @@ and class targets.
 **Groups are passed explicitly.** A ``group=None`` / ``tp_group=None`` argument falls back
 to ``pg_collection`` and then to the collection registered with
 :func:`mc_groups.set_default_collection`
-(:func:`mc_groups.default_collection.collection_or_default`); when none is registered the
+(:func:`mc_groups.collection.collection_or_default`); when none is registered the
 error says how to pass one (``_resolve_tp_group``, as Megatron's
 ``get_tensor_model_parallel_group_if_none``).
 
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_flag, check_group, check_int, check_tensor
+from mc_groups.collection import collection_or_default
 from mc_groups.comm import traceable
-from mc_groups.default_collection import collection_or_default
 from mc_groups.errors import InputValueError
 
 __all__ = [

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import mc_groups as mg
 import mc_tp_layers as tpl
+from mc_groups.collection import clear_default_collection
 from mc_groups.testing import RankPools
 from mc_tp_layers.sharded_state import gtp_sharded_tensor
 from mc_tp_layers_tests._helpers import config, row_parallel, world
@@ -176,7 +177,7 @@ def _gtp_round_trip(path: str, saved: tuple[int, int], loaded: tuple[int, int]) 
                         want = torch.full_like(want, 3.0)
                     out[prefix + name] = (tuple(p.shape), torch.equal(p.detach(), want))
         finally:
-            mg.clear_default_collection()
+            clear_default_collection()
             mg.destroy_model_parallel(pgc)
     return out
 

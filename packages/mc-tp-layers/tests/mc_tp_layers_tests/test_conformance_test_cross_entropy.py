@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import mc_groups as mg
 import mc_tp_layers as tpl
+from mc_groups.collection import clear_default_collection, set_default_collection
 from mc_groups.testing import RankPools
 from mc_tp_layers_tests._helpers import assert_close, chunk, world
 
@@ -67,7 +68,7 @@ def _explicit_group(logits: torch.Tensor, target: torch.Tensor) -> dict[str, Any
         # 2) A default with one-rank TP groups is registered; the explicit 2-rank group
         #    must still be the one used (with the default each rank would normalise over
         #    its own half of the vocabulary only).
-        mg.set_default_collection(one)
+        set_default_collection(one)
         with mg.record_collectives() as log_two:
             split = tpl.vocab_parallel_cross_entropy(
                 chunk(logits, 2, r, -1), target, tp_group=two.tp
@@ -79,7 +80,7 @@ def _explicit_group(logits: torch.Tensor, target: torch.Tensor) -> dict[str, Any
             "log_two": [e.group_ranks for e in log_two],
         }
     finally:
-        mg.clear_default_collection()
+        clear_default_collection()
         mg.destroy_model_parallel(two)
         mg.destroy_model_parallel(one)
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 import mc_tp_layers as tpl
+from mc_groups.collection import clear_default_collection, set_default_collection
 from mc_groups.testing import RankPools
 from mc_tp_layers_tests._helpers import assert_close, backward, config, randn, row_parallel, world
 
@@ -65,13 +66,13 @@ def _seed_from_explicit_groups(
         gtp_remat=default.gtp_remat,
         expt_gtp_remat=strided,
     )
-    mg.clear_default_collection()
+    clear_default_collection()
     try:
         tracker = tpl.model_parallel_cuda_manual_seed(
             42, pg_collection=explicit, device="cpu", set_default=False
         )
     finally:
-        mg.set_default_collection(default)
+        set_default_collection(default)
     draws = {}
     for name in tracker.get_states():
         with tracker.fork(name):

@@ -26,6 +26,7 @@ import torch
 
 import mc_groups as mg
 import mc_tp_layers as tpl
+from mc_groups.collection import clear_default_collection
 from mc_groups.testing import RankPools
 from mc_tp_layers.layers import param_is_not_tensor_parallel_duplicate
 from mc_tp_layers_tests._helpers import config, row_parallel, world
@@ -59,7 +60,7 @@ def _layers_without_init_or_groups() -> dict[str, Any]:
                 }
                 for name, layer in (("emb", emb), ("col", col), ("row", row))
             } | {"row_forward": [(e.op, e.group_ranks) for e in log]}
-        mg.clear_default_collection()
+        clear_default_collection()
         try:
             tpl.ColumnParallelLinear(8, 8, config=config(2), init_method=Z)
             out["without_default"] = "no error"

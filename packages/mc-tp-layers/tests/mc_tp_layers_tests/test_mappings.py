@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import mc_groups as mg
+from mc_groups.collection import set_default_collection
 from mc_groups.testing import RankPools, error_kind
 from mc_tp_layers.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
@@ -293,7 +294,7 @@ def _single_rank_and_default() -> dict[str, Any]:
             copy_to_tensor_model_parallel_region(x)
         except ValueError as err:
             errors.append(str(err))
-        mg.set_default_collection(pgc)
+        set_default_collection(pgc)
         defaulted = reduce_from_tensor_model_parallel_region(x) is x
         return {"same": same, "log": len(log), "errors": errors, "defaulted": defaulted}
     finally:
