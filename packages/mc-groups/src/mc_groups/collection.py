@@ -343,6 +343,6 @@ def collection_or_default(
             f"{what} got no process group and no default ProcessGroupCollection is "
             f"registered: pass {explicit}, or register a default with "
             "initialize_model_parallel(..., set_default=True) or "
-            "mc_groups.set_default_collection(collection)"
+            "mc_groups.collection.set_default_collection(collection)"
         )
     return check_collection("pg_collection", collection, what=what)

@@ -18,8 +18,8 @@ is a no-op (it keeps drawing from the same stream).
 It also registers the tracker as the process default (``set_default=False`` opts out), as
 Megatron's call sets its global tracker: :func:`get_cuda_rng_tracker` returns it and layers
 built with ``rng_tracker=None`` initialise with it. This is the opt-in pattern of
-``mc_groups.set_default_collection``: nothing requires the default, explicit trackers keep
-working, and a process that never seeds has none.
+``mc_groups.collection.set_default_collection``: nothing requires the default, explicit
+trackers keep working, and a process that never seeds has none.
 
 **Activation checkpointing that replays the RNG** (:func:`checkpoint`,
 :class:`CheckpointWithoutOutput`). The forward runs without autograd and keeps only its

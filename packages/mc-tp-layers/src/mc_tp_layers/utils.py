@@ -4,7 +4,7 @@ and class targets.
 
 **Groups are passed explicitly.** A ``group=None`` / ``tp_group=None`` argument falls back
 to ``pg_collection`` and then to the collection registered with
-:func:`mc_groups.set_default_collection`
+:func:`mc_groups.collection.set_default_collection`
 (:func:`mc_groups.collection.collection_or_default`); when none is registered the
 error says how to pass one (``_resolve_tp_group``, as Megatron's
 ``get_tensor_model_parallel_group_if_none``).
