@@ -37,8 +37,8 @@ from importlib.metadata import PackageNotFoundError, version
 from mc_ddp._agreement import DataParallelAgreementError
 from mc_ddp.bucket_group import partition_buckets
 from mc_ddp.clip_grads import clip_grad_norm
-from mc_ddp.config import DistributedDataParallelConfig
 from mc_ddp.distributed_data_parallel import DistributedDataParallel
+from mc_ddp.distributed_data_parallel_config import DistributedDataParallelConfig
 from mc_ddp.fp32_reduce_scatter import reduce_scatter_with_fp32_accumulation
 from mc_ddp.grad_checks import NonFiniteGradError
 from mc_ddp.grad_scaler import DynamicGradScaler

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_buffers import FullParamLayout, PerBufferParamLayout
-from mc_ddp.config import DistributedDataParallelConfig
+from mc_ddp.distributed_data_parallel_config import DistributedDataParallelConfig
 from mc_groups import param_attrs
 
 __all__ = ["DataParallelAgreementError"]

@@ -17,7 +17,7 @@ from mc_buffers.layout import compute_full_param_layout
 from mc_ddp import _agreement as agreement
 from mc_ddp._ddp_groups import DDPGroups
 from mc_ddp.bucket_group import ParamAndGradBucketGroup, partition_buckets
-from mc_ddp.config import DistributedDataParallelConfig
+from mc_ddp.distributed_data_parallel_config import DistributedDataParallelConfig
 from mc_groups import param_attrs
 from mc_groups.config import TransformerConfigLike
 from mc_groups.errors import InputValueError

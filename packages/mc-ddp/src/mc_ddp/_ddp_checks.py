@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mc_ddp.config import DistributedDataParallelConfig
+from mc_ddp.distributed_data_parallel_config import DistributedDataParallelConfig
 from mc_groups import config as mc_config
 from mc_groups import param_attrs
 from mc_groups.argcheck import type_name

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_ddp.config import DistributedDataParallelConfig
+from mc_ddp.distributed_data_parallel_config import DistributedDataParallelConfig
 from mc_groups.collection import is_group_live
 from mc_groups.errors import InputValueError
 

@@ -45,7 +45,7 @@ import mc_groups as mg
 from mc_buffers import ParamAndGradBucket, ParamAndGradBuffer
 from mc_ddp._ddp_groups import require_live
 from mc_ddp._iteration import ReadyCounts
-from mc_ddp.config import DistributedDataParallelConfig
+from mc_ddp.distributed_data_parallel_config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import LargeGradMonitor, check_buckets, check_finite_grads
 from mc_groups.argcheck import check_flag, check_group, check_optional_group, check_str, type_name
 from mc_groups.collection import is_group_live

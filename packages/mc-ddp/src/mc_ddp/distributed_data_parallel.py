@@ -43,7 +43,7 @@ from mc_ddp import _ddp_checks as checks
 from mc_ddp._ddp_groups import DDPGroups, require_live, resolve_groups
 from mc_ddp._iteration import IterationState
 from mc_ddp.bucket_group import ParamAndGradBucketGroup
-from mc_ddp.config import DistributedDataParallelConfig
+from mc_ddp.distributed_data_parallel_config import DistributedDataParallelConfig
 from mc_ddp.hooks import (
     PARAM_READY_CALLBACK_ATTR,
     ForwardPreHook,

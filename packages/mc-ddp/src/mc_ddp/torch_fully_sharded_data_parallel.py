@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_ddp.config import DistributedDataParallelConfig
+from mc_ddp.distributed_data_parallel_config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import NonFiniteGradError
 from mc_groups import param_attrs
 from mc_groups.argcheck import check_flag, check_optional_group, type_name
