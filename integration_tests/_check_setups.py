@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import mc_groups as mg
-import mc_moe
 from examples import hf_3d
 from mc_groups import param_attrs
+from mc_moe.state import expert_params
 from mc_tp_layers import sequence_parallel_plan
 from mc_train import StageInfo
 
@@ -145,7 +145,7 @@ def mixtral() -> nn.Module:
 def untag_experts(chunk: nn.Module, stage: StageInfo) -> None:
     """An ``after_parallelize`` hook: the expert params lose their ``allreduce=False`` tag
     (what a hand-rolled expert split forgets)."""
-    for _, param, _ in mc_moe.expert_params(chunk):
+    for _, param, _ in expert_params(chunk):
         param_attrs.mark_allreduce(param, True)
 
 

@@ -108,6 +108,7 @@ def _schedule() -> dict[str, Any]:
     from mc_ddp import DataParallelAgreementError, DistributedDataParallel
     from mc_ddp import DistributedDataParallelConfig as DDPConfig
     from mc_finalize import finalize_model_grads
+    from mc_moe.state import expert_params
 
     torch.set_num_threads(1)
     pgc = mg.initialize_model_parallel(expert_model_parallel_size=2)
@@ -127,7 +128,7 @@ def _schedule() -> dict[str, Any]:
             finalize_model_grads([ddp], pg_collection=pgc)
         records = [(r.op, r.group_ranks, r.dtype, r.bytes, r.label) for r in log]
         del step
-    experts = sum(p.numel() for _, p, _ in mc_moe.expert_params(model))
+    experts = sum(p.numel() for _, p, _ in expert_params(model))
     dense = sum(p.numel() for p in model.parameters()) - experts
     ranks = {n: mg.group_ranks(pgc.require(n, "test")) for n in ("ep", "dp", "expt_dp", "tp_ep")}
     ranks["tp_dp_cp"] = mg.group_ranks(pgc.require("tp_dp_cp", "test"))
@@ -142,8 +143,7 @@ def _schedule() -> dict[str, Any]:
         torch.equal(again[key], state[key]) for key in state
     )
     cut = all(
-        torch.equal(param, state[key][first : first + 2])
-        for key, param, _ in mc_moe.expert_params(fresh)
+        torch.equal(param, state[key][first : first + 2]) for key, param, _ in expert_params(fresh)
     )
     # an expert shard tagged dense (allreduce=True) is refused by DDP's build, by name
     other = build_model("mixtral")

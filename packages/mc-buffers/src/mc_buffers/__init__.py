@@ -11,8 +11,8 @@ Memory and layout only; nothing here communicates (``mc_ddp`` does, over these b
   distributed optimizer's and the full layout included, are in :mod:`mc_buffers.layout`).
 - :class:`ParamAndGradBuffer` (``grad_data``, ``param_data``, ``param.main_grad`` views,
   ``buckets``, ``reset``, ``scale_gradients``, ``offload_to_cpu`` / ``reload_from_cpu``),
-  :class:`ParamAndGradBucket` (with per-shard views), :func:`shard_buffer`; one buffer per
-  key: :mod:`mc_buffers.build`.
+  its buckets (:class:`~mc_buffers.bucket.ParamAndGradBucket`, with per-shard views),
+  :func:`shard_buffer`; one buffer per key: :mod:`mc_buffers.build`.
 - A layout Megatron-Core computed (any object with the same fields) is adopted as mc's by
   :mod:`mc_buffers.adopt`.
 - :class:`OffloadedView`: what ``param.main_grad`` is while its buffer is offloaded
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from mc_buffers.bucket import ParamAndGradBucket, shard_buffer
+from mc_buffers.bucket import shard_buffer
 from mc_buffers.buffer import ParamAndGradBuffer
 from mc_buffers.keys import BufferKey, group_params_for_buffers
 from mc_buffers.layout import (
@@ -49,7 +49,6 @@ __all__ = [
     "BufferKey",
     "FullParamLayout",
     "OffloadedView",
-    "ParamAndGradBucket",
     "ParamAndGradBuffer",
     "PerBufferParamLayout",
     "bucket_end_divisor",

@@ -64,7 +64,7 @@ class ParamAndGradBuffer:
           ``main_grad_copy_in_grad_buffer`` = its view in ``grad_data``. Skipped when
           ``grad_dtype`` is already fp32/fp64 (``main_grad`` accumulates in fp32 anyway).
 
-    What DDP uses: ``buckets`` (each a :class:`~mc_buffers.ParamAndGradBucket`:
+    What DDP uses: ``buckets`` (each a :class:`~mc_buffers.bucket.ParamAndGradBucket`:
     ``params_list``, ``params``, ``param_data``, ``grad_data``, ``offset``,
     ``numel_unpadded``, ``bucket_id``, ``param_to_index``, ``params_with_extra_main_grads``,
     ``grad_shard(rank, dp)`` / ``param_shard(rank, dp)`` / ``shard_param_slices``),

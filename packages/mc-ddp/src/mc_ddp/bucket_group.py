@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_buffers import ParamAndGradBucket, ParamAndGradBuffer
+from mc_buffers import ParamAndGradBuffer
+from mc_buffers.bucket import ParamAndGradBucket
 from mc_ddp._ddp_groups import require_live
 from mc_ddp._iteration import ReadyCounts
 from mc_ddp.distributed_data_parallel_config import DistributedDataParallelConfig

@@ -1,5 +1,5 @@
-"""The token dispatcher (``mc_moe.TokenDispatcher``) on 2 and 4 gloo ranks against the same
-computation on one process, with its collectives recorded.
+"""The token dispatcher (``mc_moe.dispatcher.TokenDispatcher``) on 2 and 4 gloo ranks against
+the same computation on one process, with its collectives recorded.
 
 Each rank routes its own tokens (different per rank) to E = 4 experts, top-2; expert e
 computes ``x ↦ a_e · x + b_e · x²`` (a_e, b_e the same on every rank), split over expert TP
@@ -44,7 +44,7 @@ def _run(ep: int, etp: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import mc_groups as mg
-    from mc_moe import TokenDispatcher
+    from mc_moe.dispatcher import TokenDispatcher
 
     torch.set_num_threads(1)
     pgc = mg.initialize_model_parallel(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mc_moe import permute, routing_map_from_top_k, sort_chunks_by_idxs, unpermute
+from mc_moe.permutation import permute, routing_map_from_top_k, sort_chunks_by_idxs, unpermute
 
 
 def _routing() -> tuple[torch.Tensor, torch.Tensor]:

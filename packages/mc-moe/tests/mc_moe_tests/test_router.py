@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-import mc_moe
 from examples.hf_moe import build_model
 from mc_groups.testing import RankPools
+from mc_moe.router import enable_expert_bias, global_load_balancing_loss, routers_with_bias
 
 pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
 
@@ -51,7 +51,7 @@ def _global_loss(masked: bool) -> dict[str, Any]:
     assert world is not None
     mask = _masks(rank) if masked else None
     with mg.record_collectives() as log:
-        loss = mc_moe.global_load_balancing_loss(logits, E, K, world, 2.0, mask)
+        loss = global_load_balancing_loss(logits, E, K, world, 2.0, mask)
     grads = torch.autograd.grad(loss, logits)
     return {
         "loss": float(loss),
@@ -81,8 +81,8 @@ def test_global_loss_is_transformers_loss_of_the_whole_batch(rank_pools: RankPoo
 
 def test_expert_bias_counts_training_forwards_only() -> None:
     model: Any = build_model("deepseek_v3")
-    mc_moe.enable_expert_bias(model)
-    names = [name for name, _ in mc_moe.routers_with_bias(model)]
+    enable_expert_bias(model)
+    names = [name for name, _ in routers_with_bias(model)]
     assert names == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
     gate: Any = model.get_submodule(names[0])
     assert gate.expert_bias is gate.e_score_correction_bias
@@ -102,4 +102,4 @@ def test_expert_bias_counts_training_forwards_only() -> None:
 
 def test_expert_bias_flag_needs_a_router_with_a_bias() -> None:
     with pytest.raises(ValueError, match=r"moe_router_enable_expert_bias=True but .*Mixtral"):
-        mc_moe.enable_expert_bias(build_model("mixtral"))
+        enable_expert_bias(build_model("mixtral"))

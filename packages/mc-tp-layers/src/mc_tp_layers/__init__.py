@@ -20,11 +20,11 @@ its mechanism, under Megatron's module names where Megatron has one:
   ``torch.distributed.checkpoint``; :mod:`mc_tp_layers.sharded_state`).
 - :func:`check_tp_agreement` / :class:`TensorParallelAgreementError`: TP peers compare how
   they built their layers, once (:mod:`mc_tp_layers.agreement`).
-- :func:`drain_embedding_wgrad_compute`: the deferred LM-head weight gradients
-  (:mod:`mc_tp_layers.linear`).
 - :func:`backends`: which optional CUDA kernels (Transformer Engine, apex) are in use.
 
 The mappings between the TP and sequence-parallel regions are :mod:`mc_tp_layers.mappings`;
+the linear functions and the deferred LM-head weight gradients
+(:func:`~mc_tp_layers.linear.drain_embedding_wgrad_compute`) :mod:`mc_tp_layers.linear`;
 Megatron's helpers :mod:`mc_tp_layers.utils`; gtp_remat sharding :mod:`mc_tp_layers.gtp`.
 Groups are passed explicitly (``tp_group=`` / ``pg_collection=``); every collective goes
 through :mod:`mc_groups`, so :func:`mc_groups.record_collectives` sees it.
@@ -38,7 +38,6 @@ from mc_tp_layers._gemm import backends
 from mc_tp_layers.agreement import TensorParallelAgreementError, check_tp_agreement
 from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
 from mc_tp_layers.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from mc_tp_layers.linear import drain_embedding_wgrad_compute
 from mc_tp_layers.random import (
     CheckpointWithoutOutput,
     RNGStatesTracker,
@@ -69,7 +68,6 @@ __all__ = [
     "backends",
     "check_tp_agreement",
     "checkpoint",
-    "drain_embedding_wgrad_compute",
     "full_state_dict",
     "get_cuda_rng_tracker",
     "load_full_state_dict",

@@ -34,15 +34,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "TE_SUPPORTED_VERSIONS",
-    "_grad_accum_fusion_available",
-    "_linear_forward",
-    "_te_gemm_available",
-    "_wgrad_gemm",
-    "accumulate_wgrad",
-    "backends",
-]
+__all__ = ["TE_SUPPORTED_VERSIONS", "accumulate_wgrad", "backends"]
 
 TE_SUPPORTED_VERSIONS = ">=2.20.2,<2.21"
 """The Transformer Engine releases mc's TE path is tested against: the bound of the ``te``

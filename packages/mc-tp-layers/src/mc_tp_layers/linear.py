@@ -21,7 +21,7 @@ Backward, in issue order (collectives are asynchronous so they overlap the GEMMs
            W.grad_added_to_main_grad = True and a dummy gradient is returned when W
            carries that attribute, else None), or
          - deferred: dY is appended to grad_output_buffer (embedding wgrad deferral,
-           see :func:`mc_tp_layers.drain_embedding_wgrad_compute`)
+           see :func:`drain_embedding_wgrad_compute`)
        GTP: dW is padded, pre-scaled by the shard's gtp_wgrad_scale (1/G: the mean over
        gtp_remat; 1 under calculate_per_token_loss) and SUM-reduce-scattered over
        gtp_remat (rank g keeps its rows); see :mod:`mc_tp_layers.gtp`.

@@ -26,6 +26,7 @@ from mc_tp_layers.layers import (
     param_is_not_tensor_parallel_duplicate,
 )
 from mc_tp_layers.linear import (
+    drain_embedding_wgrad_compute,
     linear_with_frozen_weight,
     linear_with_grad_accumulation_and_async_allreduce,
 )
@@ -162,13 +163,11 @@ def _new_cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
         "seed_type": lambda: tpl.model_parallel_cuda_manual_seed(
             _loose("1"), pg_collection=pgc, device="cpu", set_default=False
         ),
-        "drain_weight": lambda: tpl.drain_embedding_wgrad_compute(
-            cfg, [], [], _loose(None), pgc.tp
-        ),
-        "drain_buffer_type": lambda: tpl.drain_embedding_wgrad_compute(
+        "drain_weight": lambda: drain_embedding_wgrad_compute(cfg, [], [], _loose(None), pgc.tp),
+        "drain_buffer_type": lambda: drain_embedding_wgrad_compute(
             cfg, _loose(None), [], fused_weight, pgc.tp
         ),
-        "drain_pair_shape": lambda: tpl.drain_embedding_wgrad_compute(
+        "drain_pair_shape": lambda: drain_embedding_wgrad_compute(
             cfg, [torch.ones(2, 7)], [torch.ones(2, 2)], fused_weight, pgc.tp
         ),
         "mapping_none": lambda: copy_to_tensor_model_parallel_region(_loose(None), group=pgc.tp),
@@ -247,7 +246,7 @@ def _cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
         "deferral_without_fusion": lambda: linear_with_grad_accumulation_and_async_allreduce(
             torch.ones(2, 8), torch.ones(2, 8), None, False, False, True, [], 0, pgc.tp
         ),
-        "drain_mismatch": lambda: tpl.drain_embedding_wgrad_compute(
+        "drain_mismatch": lambda: drain_embedding_wgrad_compute(
             cfg, [torch.ones(1)], [], torch.ones(2, 8), pgc.tp
         ),
         "config": lambda: tpl.ColumnParallelLinear(

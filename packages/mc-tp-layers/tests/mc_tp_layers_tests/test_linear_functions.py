@@ -24,6 +24,7 @@ from mc_tp_layers.layers import (
     gtp_local_pad_zero_count,
     param_is_not_gtp_duplicate,
 )
+from mc_tp_layers.linear import drain_embedding_wgrad_compute
 from mc_tp_layers_tests._helpers import (
     assert_close,
     backward,
@@ -240,7 +241,7 @@ def _deferral(limit: int, sp: bool, xs: list[torch.Tensor], dy: torch.Tensor) ->
             after_each.append(layer.weight.main_grad.clone())  # type: ignore[attr-defined]
         held = (len(acts), len(grads))
         with mg.record_collectives() as log:
-            tpl.drain_embedding_wgrad_compute(cfg, acts, grads, layer.weight, pgc.tp)
+            drain_embedding_wgrad_compute(cfg, acts, grads, layer.weight, pgc.tp)
         return {
             "after_each": after_each,
             "held": held,

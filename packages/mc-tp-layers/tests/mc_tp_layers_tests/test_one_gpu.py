@@ -36,6 +36,7 @@ import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools, gpu_skip_reason
 from mc_tp_layers import _gemm
+from mc_tp_layers.linear import drain_embedding_wgrad_compute
 from mc_tp_layers.random import get_data_parallel_rng_tracker_name
 from mc_tp_layers_tests._helpers import (
     assert_close,
@@ -254,7 +255,7 @@ def _deferral(kind: str, limit: int, xs: list[torch.Tensor], dy: torch.Tensor) -
             after_each.append(main_grad(layer.weight).detach().cpu().clone())
         held = (len(acts), len(grads))
         with mg.record_collectives() as log:
-            tpl.drain_embedding_wgrad_compute(cfg, acts, grads, layer.weight, pgc.tp)
+            drain_embedding_wgrad_compute(cfg, acts, grads, layer.weight, pgc.tp)
         return {
             "after_each": after_each,
             "held": held,

@@ -21,7 +21,10 @@ import mc_groups as mg
 import mc_tp_layers as tpl
 from mc_groups.testing import RankPools, error_kind
 from mc_tp_layers.layers import _initialize_affine_weight_cpu
-from mc_tp_layers.linear import linear_with_grad_accumulation_and_async_allreduce
+from mc_tp_layers.linear import (
+    drain_embedding_wgrad_compute,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
 from mc_tp_layers.mappings import (
     all_to_all,
     gather_from_sequence_parallel_region,
@@ -46,7 +49,7 @@ def _drain(sequence_parallel: bool) -> dict[str, Any]:
         cfg = config(2, sequence_parallel=sequence_parallel)
         with mg.record_collectives() as log:
             try:
-                tpl.drain_embedding_wgrad_compute(cfg, activations, grads, weight, pgc.tp)
+                drain_embedding_wgrad_compute(cfg, activations, grads, weight, pgc.tp)
                 error = "no error"
             except ValueError as err:
                 error = str(err)

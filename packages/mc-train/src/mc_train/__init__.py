@@ -21,13 +21,7 @@ from importlib.metadata import PackageNotFoundError, version
 from mc_train.loss import IGNORE_INDEX, TokenLoss, causal_targets, token_cross_entropy
 from mc_train.pipeline import Pipeline, StageShapes, build_pipeline
 from mc_train.schedules import SCHEDULES, InFlight, check_schedule, in_flight_forwards
-from mc_train.split import (
-    decoder_stages,
-    split_model,
-    stage_module,
-    stage_plan,
-    tied_parameter_names,
-)
+from mc_train.split import decoder_stages, split_model, stage_plan
 from mc_train.stages import (
     HFCausalLMForward,
     StageForward,
@@ -59,8 +53,6 @@ __all__ = [
     "hf_causal_lm_forward",
     "in_flight_forwards",
     "split_model",
-    "stage_module",
     "stage_plan",
-    "tied_parameter_names",
     "token_cross_entropy",
 ]

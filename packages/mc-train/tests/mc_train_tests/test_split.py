@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from mc_groups.errors import InputTypeError, InputValueError
-from mc_train import decoder_stages, stage_module, tied_parameter_names
+from mc_train import decoder_stages
+from mc_train.split import stage_module, tied_parameter_names
 from mc_train_tests import _hf
 
 

@@ -39,6 +39,7 @@ from mc_ddp import (
 )
 from mc_groups import param_attrs
 from mc_groups.errors import InputTypeError, InputValueError
+from mc_moe.state import expert_params
 from mc_tp_layers import parallelize, sequence_parallel_plan
 from mc_train.check._spec import Layout, Workload, resolve, takes_layout
 from mc_train.loss import IGNORE_INDEX, causal_targets, token_cross_entropy
@@ -136,7 +137,7 @@ _MARKS: tuple[tuple[str, Callable[[torch.Tensor], bool]], ...] = (
     ("expert (allreduce=False)", param_attrs.is_expert_param),
 )
 IN_EXPERTS = "in an experts module"
-"""The mark of a param that :func:`mc_moe.expert_params` lists (a converted experts
+"""The mark of a param that :func:`expert_params` lists (a converted experts
 module's), whatever its tags say."""
 
 
@@ -607,7 +608,7 @@ def _train(me: _Rank, pipe: Pipeline, opt: Any, vocab: int, rows: int) -> RankRu
     tracker.phase = "gathering the final weights"
     ensure_params_ready(pipe.parameters())
     final = _whole_params(modules, me.pgc)
-    in_experts = {name for chunk in modules for name, _, _ in mc_moe.expert_params(chunk)}
+    in_experts = {name for chunk in modules for name, _, _ in expert_params(chunk)}
     params = {
         name: ParamRecord(
             _split_of(param),
