@@ -92,7 +92,7 @@ MEGATRON_ELSEWHERE = {
     "mc_buffers.group_params_for_buffers": f"{_PG}.group_params_for_buffers",
     "mc_buffers.shard_buffer": f"{_PG}.shard_buffer",
     "mc_buffers.ParamAndGradBuffer": f"{_PG}._ParamAndGradBuffer",
-    "mc_buffers.bucket.ParamAndGradBucket": f"{_PG}._ParamAndGradBucket",
+    "mc_buffers.buffer.ParamAndGradBucket": f"{_PG}._ParamAndGradBucket",
     "mc_ddp.bucket_group.ParamAndGradBucketGroup": f"{_PG}._ParamAndGradBucketGroup",
     "mc_ddp.partition_buckets": f"{_PG}.partition_buckets",
     "mc_ddp.reduce_scatter_with_fp32_accumulation": (

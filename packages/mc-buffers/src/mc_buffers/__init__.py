@@ -11,7 +11,7 @@ Memory and layout only; nothing here communicates (``mc_ddp`` does, over these b
   distributed optimizer's and the full layout included, are in :mod:`mc_buffers.layout`).
 - :class:`ParamAndGradBuffer` (``grad_data``, ``param_data``, ``param.main_grad`` views,
   ``buckets``, ``reset``, ``scale_gradients``, ``offload_to_cpu`` / ``reload_from_cpu``),
-  its buckets (:class:`~mc_buffers.bucket.ParamAndGradBucket`, with per-shard views),
+  its buckets (:class:`~mc_buffers.buffer.ParamAndGradBucket`, with per-shard views),
   :func:`shard_buffer`; one buffer per key: :mod:`mc_buffers.build`.
 - A layout Megatron-Core computed (any object with the same fields) is adopted as mc's by
   :mod:`mc_buffers.adopt`.
@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from mc_buffers.bucket import shard_buffer
-from mc_buffers.buffer import ParamAndGradBuffer
+from mc_buffers.buffer import ParamAndGradBuffer, shard_buffer
 from mc_buffers.keys import BufferKey, group_params_for_buffers
 from mc_buffers.layout import (
     FullParamLayout,

@@ -23,7 +23,7 @@ from mc_buffers import (
     pad_to_divisor,
     shard_buffer,
 )
-from mc_buffers.bucket import ParamAndGradBucket
+from mc_buffers.buffer import ParamAndGradBucket
 from mc_buffers.build import build_param_and_grad_buffers
 from mc_buffers.keys import is_expert_parallel_param
 from mc_buffers.layout import compute_distributed_optimizer_param_layout, compute_full_param_layout

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_buffers import ParamAndGradBuffer, shard_buffer
-from mc_buffers.bucket import ShardParamSlice
+from mc_buffers.buffer import ShardParamSlice
 from mc_buffers_tests._params import linears, param
 from mc_groups.testing import RankPools
 

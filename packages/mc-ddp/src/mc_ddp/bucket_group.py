@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 import mc_groups as mg
 from mc_buffers import ParamAndGradBuffer
-from mc_buffers.bucket import ParamAndGradBucket
+from mc_buffers.buffer import ParamAndGradBucket
 from mc_ddp._ddp_groups import require_live
 from mc_ddp._iteration import ReadyCounts
 from mc_ddp.distributed_data_parallel_config import DistributedDataParallelConfig

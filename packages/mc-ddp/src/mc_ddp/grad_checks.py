@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_buffers.bucket import ParamAndGradBucket
+from mc_buffers.buffer import ParamAndGradBucket
 from mc_groups.argcheck import check_group, check_int, check_str, type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
@@ -134,7 +134,7 @@ def check_finite_grads(
 
 
 def check_buckets(buckets: object) -> list[ParamAndGradBucket]:
-    """A non-empty sequence of :class:`~mc_buffers.bucket.ParamAndGradBucket` (a bucket group's, or
+    """A non-empty sequence of :class:`~mc_buffers.buffer.ParamAndGradBucket` (a bucket group's, or
     the checks'), as a list."""
     if isinstance(buckets, str) or not isinstance(buckets, Sequence) or not buckets:
         raise InputTypeError(
