@@ -254,11 +254,8 @@ def _group(
     collection (None there: a MissingGroupError when ``required``)."""
     if check_optional_group(arg, group, what=what) is not None:
         return group
-    collection = collection_or_default(None, what, explicit=f"{arg}=pg_collection.{field}")
-    found: Group | None = (
-        collection.require(field, what) if required else getattr(collection, field)
-    )
-    return found
+    pgc = collection_or_default(None, what, explicit=f"{arg}=pg_collection.{field}")
+    return pgc.require(field, what) if required else cast("Group | None", getattr(pgc, field))
 
 
 def _multi(group: Group | None) -> bool:
@@ -570,10 +567,7 @@ def _has(module: object, name: str) -> bool:
 
 
 def _tensor(module: object, name: str) -> torch.Tensor:
-    value = getattr(module, name)
-    if not isinstance(value, torch.Tensor):
-        raise InputTypeError(f"{type_name(module)}.{name} must be a torch.Tensor, got {value!r}")
-    return value
+    return check_tensor(f"{type_name(module)}.{name}", getattr(module, name))
 
 
 def _check_router_state(routers: Sequence[object], counts: str, bias: str) -> None:
