@@ -47,7 +47,6 @@ from mc_groups import elastic as elastic
 from mc_groups import param_attrs as param_attrs
 from mc_groups.collection import ProcessGroupCollection, get_default_collection
 from mc_groups.comm._coalesced import CoalescedBatch, coalesced
-from mc_groups.comm._common import check_collective_schedule
 from mc_groups.comm.collectives import (
     CollectiveHandle,
     ReduceOp,
@@ -57,6 +56,7 @@ from mc_groups.comm.collectives import (
     all_to_all,
     barrier,
     broadcast,
+    check_collective_schedule,
     group_rank,
     group_ranks,
     group_size,

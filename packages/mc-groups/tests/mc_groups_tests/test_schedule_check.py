@@ -23,7 +23,7 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_groups import ReduceOp
 from mc_groups.comm import cross_rank
-from mc_groups.comm._common import schedule_check_enabled
+from mc_groups.comm.collectives import schedule_check_enabled
 from mc_groups.testing import RankPools, error_kind
 
 

@@ -16,7 +16,11 @@ module                              what it holds
                                     ``all_gather``, ``broadcast``, ``all_to_all``,
                                     ``send``/``recv``, ``barrier``, ``all_gather_objects``,
                                     ``all_reduce_flat``), their one issuing route, gloo's
-                                    all-to-all algorithms
+                                    all-to-all algorithms; and what every collective
+                                    shares: ``ReduceOp``, the handle, per-dtype batching
+                                    (``by_dtype``), argument checks, descriptions, the
+                                    record, torch-version names, the
+                                    ``MC_CHECK_COLLECTIVE_SCHEDULE`` switch
 :mod:`.traceable`                   the same collectives returning new tensors, traceable by
                                     ``torch.compile(fullgraph=True)``; the op compiled graphs
                                     call before each collective (record, schedule check)
@@ -25,10 +29,6 @@ module                              what it holds
 :mod:`.recorder`                    ``record_collectives()``: the log of what was issued
 :mod:`.cross_rank`                  cross-rank verification, one primitive (``cross_check``),
                                     ``fail_together``, ``CarriedStatus``
-``_common``                         what every collective shares: ``ReduceOp``, the handle,
-                                    per-dtype batching (``by_dtype``), argument checks,
-                                    descriptions, the record, torch-version names, the
-                                    ``MC_CHECK_COLLECTIVE_SCHEDULE`` switch
 ``_coalesced``                      coalesced batches (one kind of collective per batch)
 ==================================  ===========================================================
 """

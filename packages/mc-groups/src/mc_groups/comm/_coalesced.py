@@ -11,10 +11,14 @@ import torch
 import torch.distributed as dist
 
 from mc_groups.argcheck import check_group
-from mc_groups.comm._common import (
+from mc_groups.comm.collectives import (
     DONE,
+    Allocate,
     CollectiveHandle,
     ReduceOp,
+    _issue_all_gather,
+    _issue_all_reduce,
+    _issue_reduce_scatter,
     check_all_gather,
     check_contiguous,
     check_device,
@@ -24,18 +28,12 @@ from mc_groups.comm._common import (
     coalescing_manager,
     copy_unless_alias,
     dtype_name,
+    fresh,
+    is_gloo,
     kind_text,
     planned_text,
     ranks_of,
     schedule_check_enabled,
-)
-from mc_groups.comm.collectives import (
-    Allocate,
-    _issue_all_gather,
-    _issue_all_reduce,
-    _issue_reduce_scatter,
-    fresh,
-    is_gloo,
 )
 from mc_groups.comm.cross_rank import cross_check, key_device
 from mc_groups.errors import CollectiveError, InputValueError

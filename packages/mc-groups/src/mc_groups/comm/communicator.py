@@ -24,10 +24,14 @@ import torch.distributed as dist
 
 from mc_groups.argcheck import check_flag, check_group, type_name
 from mc_groups.comm._coalesced import open_batch
-from mc_groups.comm._common import (
+from mc_groups.comm.collectives import (
     DONE,
+    Allocate,
     CollectiveHandle,
     ReduceOp,
+    _issue_all_gather,
+    _issue_all_reduce,
+    _issue_reduce_scatter,
     by_dtype,
     check_accumulate_dtype,
     check_all_gather,
@@ -36,15 +40,9 @@ from mc_groups.comm._common import (
     check_options,
     check_reduce_scatter,
     copy_unless_alias,
-    ranks_of,
-)
-from mc_groups.comm.collectives import (
-    Allocate,
-    _issue_all_gather,
-    _issue_all_reduce,
-    _issue_reduce_scatter,
     fresh,
     is_gloo,
+    ranks_of,
 )
 from mc_groups.errors import InputTypeError, InputValueError
 

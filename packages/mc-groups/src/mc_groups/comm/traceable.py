@@ -56,20 +56,18 @@ import torch.distributed as dist
 
 from mc_groups.argcheck import check_flag, check_group, check_str, check_tensor
 from mc_groups.collection import is_group_live
-from mc_groups.comm._common import (
+from mc_groups.comm.collectives import (
     DONE,
     CollectiveHandle,
     ReduceOp,
-    check_op,
-    check_schedule,
-    record,
-)
-from mc_groups.comm.collectives import (
     _issue_all_gather,
     _issue_all_reduce,
     _issue_reduce_scatter,
     all_to_all,
+    check_op,
+    check_schedule,
     is_gloo,
+    record,
 )
 from mc_groups.errors import InputTypeError, InputValueError
 
