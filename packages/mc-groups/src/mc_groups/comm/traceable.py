@@ -171,18 +171,25 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def _traced_all_reduce(
-    x: torch.Tensor, g: dist.ProcessGroup, op: ReduceOp, label: str, async_op: bool
+    tensor: object, group: object, op: object, label: str, async_op: bool
 ) -> PendingTensor:
+    """The compiled path of :func:`all_reduce_tensor` and :func:`start_all_reduce`."""
+    x, g, size = _checked(tensor, group)
+    reduce = check_op(op)
+    if size == 1:
+        return PendingTensor(x)
     flat = _flat(x)
-    _tap(flat, "all_reduce", op, g, async_op, label)
-    out = torch.ops._c10d_functional.all_reduce(flat, _FUNCTIONAL_OPS[op], g.group_name)
+    _tap(flat, "all_reduce", reduce, g, async_op, label)
+    out = torch.ops._c10d_functional.all_reduce(flat, _FUNCTIONAL_OPS[reduce], g.group_name)
     shape = x.shape
     return PendingTensor(out, finish=lambda done: done.view(shape))
 
 
-def _traced_all_gather(
-    x: torch.Tensor, g: dist.ProcessGroup, size: int, label: str, async_op: bool
-) -> PendingTensor:
+def _traced_all_gather(tensor: object, group: object, label: str, async_op: bool) -> PendingTensor:
+    """The compiled path of :func:`all_gather_tensor` and :func:`start_all_gather`."""
+    x, g, size = _checked(tensor, group)
+    if size == 1:
+        return PendingTensor(x)
     flat = _flat(x)
     _tap(flat, "all_gather", None, g, async_op, label)
     shape = (size * _rows(x), *x.shape[1:])
@@ -196,8 +203,15 @@ def _traced_all_gather(
 
 
 def _traced_reduce_scatter(
-    x: torch.Tensor, g: dist.ProcessGroup, size: int, op: ReduceOp, label: str, async_op: bool
+    tensor: object, group: object, reduce_op: object, label: str, async_op: bool, who: str
 ) -> PendingTensor:
+    """The compiled path of :func:`reduce_scatter_tensor` and :func:`start_reduce_scatter`
+    (``who``: the public name, for the error)."""
+    x, g, size = _checked(tensor, group)
+    op = check_op(reduce_op)
+    _divisible(x, size, who)
+    if size == 1:
+        return PendingTensor(x)
     flat = _flat(x)
     _tap(flat, "reduce_scatter", op, g, async_op, label)
     shape = (_rows(x) // size, *x.shape[1:])
@@ -305,11 +319,7 @@ def all_reduce_tensor(
     """
     if not torch.compiler.is_compiling():
         return _eager_all_reduce(tensor, group, op, label, inplace, False)[0]
-    x, g, size = _checked(tensor, group)
-    reduce = check_op(op)
-    if size == 1:
-        return x
-    return _traced_all_reduce(x, g, reduce, label, False).wait()
+    return _traced_all_reduce(tensor, group, op, label, False).wait()
 
 
 def start_all_reduce(
@@ -323,11 +333,7 @@ def start_all_reduce(
     """Start :func:`all_reduce_tensor` (asynchronous: compute may run until ``wait()``)."""
     if not torch.compiler.is_compiling():
         return PendingTensor(*_eager_all_reduce(tensor, group, op, label, inplace, True))
-    x, g, size = _checked(tensor, group)
-    reduce = check_op(op)
-    if size == 1:
-        return PendingTensor(x)
-    return _traced_all_reduce(x, g, reduce, label, True)
+    return _traced_all_reduce(tensor, group, op, label, True)
 
 
 def _gather_output(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -372,10 +378,7 @@ def all_gather_tensor(
     """Every rank's ``tensor`` concatenated along dim 0 in group-rank order (a new tensor)."""
     if not torch.compiler.is_compiling():
         return _eager_all_gather(tensor, group, label, False)[0]
-    x, g, size = _checked(tensor, group)
-    if size == 1:
-        return x
-    return _traced_all_gather(x, g, size, label, False).wait()
+    return _traced_all_gather(tensor, group, label, False).wait()
 
 
 def start_all_gather(
@@ -384,10 +387,7 @@ def start_all_gather(
     """Start :func:`all_gather_tensor` (asynchronous: compute may run until ``wait()``)."""
     if not torch.compiler.is_compiling():
         return PendingTensor(*_eager_all_gather(tensor, group, label, True))
-    x, g, size = _checked(tensor, group)
-    if size == 1:
-        return PendingTensor(x)
-    return _traced_all_gather(x, g, size, label, True)
+    return _traced_all_gather(tensor, group, label, True)
 
 
 def _scatter_output(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -430,12 +430,7 @@ def reduce_scatter_tensor(
     divide by the group size)."""
     if not torch.compiler.is_compiling():
         return _eager_reduce_scatter(tensor, group, op, label, False, "reduce_scatter_tensor")[0]
-    x, g, size = _checked(tensor, group)
-    reduce = check_op(op)
-    _divisible(x, size, "reduce_scatter_tensor")
-    if size == 1:
-        return x
-    return _traced_reduce_scatter(x, g, size, reduce, label, False).wait()
+    return _traced_reduce_scatter(tensor, group, op, label, False, "reduce_scatter_tensor").wait()
 
 
 def start_reduce_scatter(
@@ -449,12 +444,7 @@ def start_reduce_scatter(
     if not torch.compiler.is_compiling():
         out, handle = _eager_reduce_scatter(tensor, group, op, label, True, "start_reduce_scatter")
         return PendingTensor(out, handle)
-    x, g, size = _checked(tensor, group)
-    reduce = check_op(op)
-    _divisible(x, size, "start_reduce_scatter")
-    if size == 1:
-        return PendingTensor(x)
-    return _traced_reduce_scatter(x, g, size, reduce, label, True)
+    return _traced_reduce_scatter(tensor, group, op, label, True, "start_reduce_scatter")
 
 
 def all_to_all_tensor(
