@@ -436,7 +436,9 @@ def _allreduce_position_embedding_grads(
     pp_group: Group | None,
 ) -> None:
     """Step 7 alone (a member without the weight: a ValueError; a None group: no copy here)."""
-    _checked_config(config, "_allreduce_position_embedding_grads")
+    what = "_allreduce_position_embedding_grads"
+    _checked_config(config, what)
+    check_optional_group("pos_emb_group", pos_emb_group, what=what)
     weight = _get_position_embedding_weight
     _allreduce_embedding_grad(model, pos_emb_group, pp_group, weight, skip_if_none=False)
 
