@@ -406,6 +406,22 @@ class _Block(torch.nn.Module):
         return out  # type: ignore[no-any-return]
 
 
+class _OwnSplit(torch.nn.Module):
+    """A user's own tensor-parallel layer (a ``tp_group`` and a param marked split by hand),
+    not one of mc's: nothing records its marks."""
+
+    def __init__(self, pgc: Any) -> None:
+        super().__init__()
+        from mc_groups.param_attrs import set_tensor_model_parallel_attributes
+
+        self.tp_group = pgc.tp
+        self.weight = torch.nn.Parameter(torch.ones(4, 8))  # rows: this rank's outputs
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
 def _refusals() -> list[tuple[str, str]]:
     """What each entry point refuses before any collective, as (error type, message)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -413,7 +429,6 @@ def _refusals() -> list[tuple[str, str]]:
 
     import mc_groups as mg
     from mc_ddp import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
-    from mc_finalize import finalize_model_grads
     from mc_groups.testing import error_kind
 
     pgc = _fresh_groups()
@@ -454,12 +469,22 @@ def _refusals() -> list[tuple[str, str]]:
     mesh = DeviceMesh.from_group(pgc.dp_cp, "cpu")
     fully_shard(sharded, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     attempt(lambda: model_sharded_state_dict(sharded))
-    # torchtitan's way on a model of mc's layers built directly: no record of its marks
-    block = _Block(cfg, pgc)
-    block.config = cfg  # type: ignore[assignment]
-    fully_shard(block, mesh=DeviceMesh.from_group(pgc.dp_cp, "cpu"))
-    block(torch.ones(2, 8)).sum().backward()
-    attempt(lambda: finalize_model_grads([block], pg_collection=pgc))
+    from mc_finalize import finalize_model_grads
+    from mc_tp_layers import ColumnParallelLinear
+
+    # 3 packed parts per TP shard (12 rows, 4 a part): FSDP2's 2 data-parallel halves of 6
+    # rows cut a part, so no DCP view is one chunk of the one-process tensor
+    packed = ColumnParallelLinear(
+        8, 24, config=cfg, init_method=torch.nn.init.ones_, stride=3, pg_collection=pgc
+    )
+    fully_shard(packed, mesh=mesh)
+    attempt(lambda: model_sharded_state_dict(packed))
+    # torchtitan's way on a model whose own TP layer never recorded its marks
+    own = _OwnSplit(pgc)
+    own.config = cfg  # type: ignore[assignment]
+    fully_shard(own, mesh=mesh)
+    own(torch.ones(2, 8)).sum().backward()
+    attempt(lambda: finalize_model_grads([own], pg_collection=pgc))
     mg.destroy_model_parallel(pgc)
     return out
 
@@ -470,10 +495,8 @@ REFUSALS = [
     ("ValueError", ["delay_wgrad_compute=True", "no counterpart under FSDP2"]),
     ("NotImplementedError", ["clone_output_views=True"]),
     ("NotImplementedError", ["fc1.weight is a DTensor placed", "Shard(0)", "full_state_dict"]),
-    (
-        "RuntimeError",
-        ["under fully_shard", "fc1", "record_marks", "TorchFullyShardedDataParallel"],
-    ),
+    ("NotImplementedError", ["weight packs partition_stride=3", "2 does not divide 3"]),
+    ("RuntimeError", ["under fully_shard", "its root", "_OwnSplit", "record_marks"]),
 ]
 
 
@@ -482,14 +505,138 @@ def test_refusals_name_the_argument_and_the_fix(rank_pools: RankPools) -> None:
     """The wrapper refuses a group holding TP peers, the fused wgrad path, DDP settings
     FSDP2 has no counterpart for and Megatron's unimplemented ``clone_output_views``;
     ``model_sharded_state_dict`` refuses FSDP2 params split along another dim than 0
-    (``shard_placement_fn``: no one-process view for DCP); finalize refuses, before any
-    collective, an FSDP2 module of mc's layers whose marks were never recorded
-    (``fully_shard`` dropped them)."""
+    (``shard_placement_fn``) and a packed colwise weight whose parts FSDP2's rows cut
+    (``partition_stride`` 3 over 2 data-parallel ranks): no one-process view for DCP;
+    finalize refuses, before any collective, an FSDP2 module whose own tensor-parallel
+    layer (not one of mc's: those record theirs at construction) has no record of its
+    marks."""
     for outcomes in rank_pools.get(4).run(_refusals):
         for (kind, message), (want, words) in zip(outcomes, REFUSALS, strict=True):
             assert kind == want, message
             for word in words:
                 assert word in message, (word, message)
+
+
+CLIP = 1.0  # below the first two steps' grad norms (1.88, 1.43): those steps are clipped
+
+
+def _gpt_under_fully_shard(steps: int) -> dict[str, Any] | None:
+    """The demo GPT (``examples/gpt``: mc's Column / Row / VocabParallel layers and its own
+    layer norms, built directly, no ``parallelize``) at TP=2 × FSDP2 DP=2 with SP,
+    ``fully_shard`` on each decoder layer and the root by hand (no ``record_marks`` call),
+    the FSDP2 module passed as it is to every mc reader: ``finalize_model_grads``,
+    ``mc_ddp.clip_grad_norm``, ``full_state_dict``, ``model_sharded_state_dict``; SGD with
+    momentum."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    import mc_groups as mg
+    from examples.gpt import ParallelLayout
+    from examples.gpt.data import dp_rows
+    from examples.gpt.model import GPT
+    from examples.gpt.weights import load_full_weights
+    from integration_tests._common import CFG, SGD, batch, full_weights
+    from mc_ddp import clip_grad_norm
+    from mc_finalize import finalize_model_grads
+    from mc_groups.param_attrs import is_sequence_parallel_param, is_tensor_model_parallel
+    from mc_tp_layers import full_state_dict, model_sharded_state_dict
+
+    def marks(model: torch.nn.Module) -> tuple[int, int]:
+        params = list(model.parameters())
+        return sum(map(is_tensor_model_parallel, params)), sum(
+            map(is_sequence_parallel_param, params)
+        )
+
+    pgc = _fresh_groups()
+    tp, dp = pgc.require("tp", "test"), pgc.require("dp", "test")
+    mp = ParallelLayout(tp=2, dp=2, sequence_parallel=True).model_parallel_config()
+    model = GPT(CFG, mp, pgc)
+    load_full_weights(model, full_weights(), tp)
+    # as Megatron's GPTModel carries its config (finalize reads it)
+    model.config = mp  # type: ignore[assignment]
+    marked = marks(model)
+    mesh = DeviceMesh.from_group(pgc.dp_cp, "cpu")
+    for layer in model.decoder.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    lost = marks(model)
+    opt = dataclasses.replace(SGD, clip_grad=CLIP).build(list(model.parameters()))
+    losses, norms = [], []
+    for step in range(steps):
+        tokens = dp_rows(batch(step), dp.rank(), dp.size())
+        opt.zero_grad()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        finalize_model_grads([model], pg_collection=pgc)
+        norms.append(clip_grad_norm(model, CLIP, pg_collection=pgc).grad_norm)
+        opt.step()
+        mean = loss.detach().clone()
+        mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+        losses.append(float(mean))
+    # mc's layers add Megatron's ``_extra_state`` entries (None) to their state dict
+    weights = {k: v for k, v in full_state_dict(model).items() if not k.endswith("_extra_state")}
+    views = {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v
+        for k, v in model_sharded_state_dict(model).items()
+    }
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "weights": weights,
+        "views": views,
+        "marked": marked,
+        "lost": lost,
+        "restored": marks(model),
+    }
+    mg.destroy_model_parallel(pgc)
+    return out if dist.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_mc_layers_under_direct_fully_shard_match_one_process(rank_pools: RankPools) -> None:
+    """A model of mc's layers built directly (the demo GPT) and ``fully_shard``ed by hand
+    keeps its marks for every mc reader with no call of the user's: mc's layers record
+    theirs at construction (the demo's own layer norms and position table record the
+    ``sequence_parallel`` marks they set). ``fully_shard`` drops every mark from the params
+    (counted before and after); finalize puts them back and sums the norms' and position
+    table's grads over TP, ``clip_grad_norm`` counts each element once, ``full_state_dict``
+    gathers whole tensors and ``model_sharded_state_dict`` views them at full shape: 3
+    steps' losses within 1e-5 relative of the plain-PyTorch one-process GPT
+    (``examples/gpt/reference.py``, ``torch.nn.utils.clip_grad_norm_``), its grad norms
+    within 1e-5, the final weights (both readers) within 1e-6."""
+    import dataclasses
+
+    from examples.gpt.reference import train_reference
+    from integration_tests._common import CFG, SGD, batch, full_weights
+
+    steps = 3
+    result = rank_pools.get(4).run(_gpt_under_fully_shard, steps)[0]
+    assert result is not None
+    # split: per layer qkv, proj, fc1 (weight, bias), fc2 (weight); the word embeddings.
+    # SP: per layer 2 norms' weight and bias and 2 Row biases; the final norm; the positions
+    per_layer = (2 + 2 + 1, 2 * 2 + 2)
+    want = (CFG.num_layers * per_layer[0] + 1, CFG.num_layers * per_layer[1] + 2 + 1)
+    assert result["marked"] == want, result["marked"]
+    assert result["lost"] == (0, 0)  # fully_shard replaced every param: no mark on any
+    assert result["restored"] == want  # the readers put them back
+    clipped = dataclasses.replace(SGD, clip_grad=CLIP)
+    ref = train_reference(full_weights(), CFG, clipped, batch, steps)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref.losses, strict=True))
+    assert rel <= 1e-5, (result["losses"], ref.losses)
+    assert min(ref.grad_norms[:2]) > CLIP  # clipping changed those steps
+    pairs = zip(result["norms"], ref.grad_norms, strict=True)
+    assert max(abs(a - b) / b for a, b in pairs) <= 1e-5, (result["norms"], ref.grad_norms)
+    moved = min(float((v - full_weights()[k]).abs().max()) for k, v in ref.weights.items())
+    assert moved >= 1e-4
+    for reader in ("weights", "views"):
+        got = result[reader]
+        assert sorted(got) == sorted(ref.weights), (reader, sorted(got))
+        worst = max(float((got[k] - v).abs().max()) for k, v in ref.weights.items())
+        print(f"GPT under fully_shard: loss rel {rel:.1e}, {reader} {worst:.1e}")
+        assert worst <= 1e-6, (reader, worst)
 
 
 def _pipeline(steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]] | None:

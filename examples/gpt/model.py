@@ -51,6 +51,7 @@ from torch import nn
 import mc_groups as mg
 import mc_tp_layers as tpl
 from examples.gpt.config import GPTConfig
+from mc_groups.param_attrs import mark_sequence_parallel, record_marks
 from mc_tp_layers.mappings import gather_from_sequence_parallel_region
 
 __all__ = ["GPT", "LayerNorm", "TransformerLayer"]
@@ -79,7 +80,10 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
         for param in (self.weight, self.bias):
-            param.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
+            mark_sequence_parallel(param, sequence_parallel)
+        # kept by name on the module, as mc's layers keep theirs: mc's readers put the marks
+        # back on the params that hold the names after FSDP2's fully_shard replaced them
+        record_marks(self)
 
     @classmethod
     def for_model(
@@ -290,7 +294,8 @@ class _Embedding(nn.Module):
             cfg.seq_length, cfg.hidden_size, dtype=mp.params_dtype, device=device
         )
         # Under SP each rank adds only its own rows of the table: a partial grad over TP.
-        self.position_embeddings.weight.sequence_parallel = mp.sequence_parallel  # type: ignore[attr-defined]
+        mark_sequence_parallel(self.position_embeddings.weight, mp.sequence_parallel)
+        record_marks(self.position_embeddings)  # as LayerNorm's
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[b, s]`` ids → ``[s, b, h]`` (``[s/tp, b, h]``, rank r's rows, under SP).

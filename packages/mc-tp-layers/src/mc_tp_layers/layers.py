@@ -293,9 +293,13 @@ class TensorParallelModule(torch.nn.Module):
 
     def _record_construction(self, fields: dict[str, object], name: str | None = None) -> None:
         """Record what this layer was built with, for its TP peers to compare (no
-        communication here; see :mod:`mc_tp_layers.agreement`)."""
+        communication here; see :mod:`mc_tp_layers.agreement`), and its params' marks by
+        name (:func:`mc_groups.param_attrs.record_marks`), so a model of mc's layers under
+        FSDP2's ``fully_shard``, which replaces the params, gets them back in every mc
+        reader with no call of the user's."""
         fields["params_dtype"] = self.config.params_dtype
         self._tp_agreement = agreement.register(self.tp_group, type(self).__name__, fields, name)
+        param_attrs.record_marks(self)
 
     def _checked(self, check: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
         """``check(*args)``: a forward's per-call checks (cheap, local), once the TP group
