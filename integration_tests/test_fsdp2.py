@@ -60,7 +60,7 @@ def _build(kind: str, seed: int = 0) -> torch.nn.Module:
         return build_model("llama", seed)
     from examples.titan_llama import build_model as build_titan
 
-    return build_titan(fused=kind == "titan_fused")
+    return build_titan(fused=kind == "titan_fused", seed=seed)
 
 
 def _batch(kind: str, step: int) -> torch.Tensor:
@@ -637,6 +637,76 @@ def test_mc_layers_under_direct_fully_shard_match_one_process(rank_pools: RankPo
         worst = max(float((got[k] - v).abs().max()) for k, v in ref.weights.items())
         print(f"GPT under fully_shard: loss rel {rel:.1e}, {reader} {worst:.1e}")
         assert worst <= 1e-6, (reader, worst)
+
+
+def _fused_checkpoints() -> list[dict[str, Any]] | None:
+    """torchtitan's fused ``wqkv`` (``examples/titan_llama.py``: its parent's state-dict
+    hooks split it into ``wq`` / ``wk`` / ``wv`` on save and merge them on load) at TP=2 ×
+    FSDP2 DP=2 with SP, per entry point: a one-process checkpoint of other weights (seed 1,
+    the unfused names) loaded by ``load_full_state_dict``, then ``full_state_dict`` and one
+    forward's loss (averaged over DP); and the names of ``model_sharded_state_dict``."""
+    import torch.distributed as dist
+
+    import mc_groups as mg
+    from mc_tp_layers import (
+        full_state_dict,
+        load_full_state_dict,
+        model_sharded_state_dict,
+        parallelize,
+        sequence_parallel_plan,
+    )
+
+    pgc = _fresh_groups()
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    dp = pgc.require("dp", "data")
+    rows = _batch("titan_fused", 0).shape[0] // dp.size()
+    ids = _batch("titan_fused", 0)[dp.rank() * rows : (dp.rank() + 1) * rows]
+    checkpoint = _build("titan_fused", seed=1).state_dict()
+    out = []
+    for entry in ("wrapper", "direct"):
+        model = _build("titan_fused")
+        parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
+        chunk = _shard(model, entry, cfg, pgc)
+        load_full_state_dict(model, checkpoint)
+        with torch.no_grad():
+            loss = _loss("titan_fused", chunk, ids)
+        mg.all_reduce(loss, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+        views = model_sharded_state_dict(model)
+        out.append({"state": full_state_dict(model), "loss": float(loss), "views": sorted(views)})
+    mg.destroy_model_parallel(pgc)
+    return out if dist.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_fused_wqkv_checkpoints_compose_with_the_models_hooks(rank_pools: RankPools) -> None:
+    """Issue 39 item 3: a model's own state-dict hooks that split a packed weight compose
+    with mc's gather and cut under FSDP2 × TP (both entry points, SP on). A one-process
+    checkpoint of torchtitan's fused Llama (``wq`` / ``wk`` / ``wv`` names, other weights
+    than the model was built with) loads through ``load_full_state_dict`` (the model's
+    hook merges ``wqkv`` whole, mc cuts this rank's TP rows, then its FSDP2 rows):
+    ``full_state_dict`` gives the checkpoint back exactly, and one forward's loss equals
+    the one-process model's on those weights (1e-5 relative). Both readers run after that
+    evaluation forward, when FSDP2's root still holds its unsharded params (its own
+    state-dict hooks swap in the sharded ones: mc's readers take those first, not the
+    unsharded ones FSDP2 is about to free). ``model_sharded_state_dict``
+    (DCP) views the params as they are, the model's hooks not run: ``wqkv.weight`` under
+    its own name (a DCP checkpoint loads into the same structure)."""
+    result = rank_pools.get(4).run(_fused_checkpoints)[0]
+    assert result is not None
+    source = _build("titan_fused", seed=1)
+    checkpoint = source.state_dict()
+    assert not any("wqkv" in k for k in checkpoint)  # the model's hook split it
+    assert any((checkpoint[k] != v).any() for k, v in _build("titan_fused").state_dict().items())
+    with torch.no_grad():
+        want = float(_loss("titan_fused", source, _batch("titan_fused", 0)))
+    fused = "layers.0.attention.qkv_linear.wqkv.weight"
+    for entry, got in zip(("wrapper", "direct"), result, strict=True):
+        assert sorted(got["state"]) == sorted(checkpoint), entry
+        for key, value in checkpoint.items():
+            assert torch.equal(got["state"][key], value), (entry, key)
+        assert abs(got["loss"] - want) <= 1e-5 * abs(want), (entry, got["loss"], want)
+        assert fused in got["views"], (entry, got["views"])
+        assert not any(".wq.weight" in k for k in got["views"]), entry
 
 
 def _pipeline(steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]] | None:

@@ -40,6 +40,7 @@ __all__ = [
     "full_tensor",
     "is_dtensor",
     "local_piece",
+    "reshard_fsdp",
 ]
 
 
@@ -47,6 +48,28 @@ def is_dtensor(tensor: object) -> bool:
     """``tensor`` is a DTensor (False, without importing DTensor, when none can exist)."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def reshard_fsdp(module: torch.nn.Module) -> int:
+    """Register the sharded params of every FSDP2 module in ``module`` (``fully_shard``'s
+    ``FSDPModule.reshard()``: frees its unsharded params where they are allocated). Returns
+    the number of FSDP2 modules. No communication; nothing to do without FSDP2.
+
+    After a forward with no backward (evaluation), the root FSDP2 module keeps its
+    unsharded params registered (torch's default ``reshard_after_forward`` for the root),
+    and FSDP2's own state-dict pre-hooks swap in the sharded ones, freeing the unsharded
+    storage: a reader that takes the params before ``state_dict()`` / ``load_state_dict()``
+    would read freed storage or load into params about to be dropped. mc's readers call
+    this first, so they always see FSDP2's sharded DTensor params."""
+    if not isinstance(module, torch.nn.Module):
+        raise InputTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp is None:
+        return 0  # FSDP2 was never imported: no module can be under fully_shard
+    wrapped = [m for m in module.modules() if isinstance(m, fsdp)]
+    for sub in wrapped:
+        sub.reshard()
+    return len(wrapped)
 
 
 def _is_shard(placement: object) -> TypeGuard[Shard]:

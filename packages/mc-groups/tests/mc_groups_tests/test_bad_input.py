@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import argcheck, device
+from mc_groups import argcheck, device, dtensors
 from mc_groups.collection import set_default_collection
 from mc_groups.comm.collectives import all_reduce_flat
 from mc_groups.comm.communicator import Communicator
@@ -846,6 +846,13 @@ CASES: dict[str, Case] = {
         ("env={'A': 1} must be a dict of str to str",),
         doc_call="`RankPool(..., env=)`",
         doc_input="`{'A': 1}`",
+    ),
+    "reshard_fsdp module": Case(
+        lambda g, r: dtensors.reshard_fsdp(Loose("model")),
+        "TypeError",
+        ("module must be a torch.nn.Module", "got str"),
+        doc_call="`dtensors.reshard_fsdp(module)`",
+        doc_input="`'model'`",
     ),
 }
 

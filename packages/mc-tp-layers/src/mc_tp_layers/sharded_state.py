@@ -348,6 +348,7 @@ def model_sharded_state_dict(
         raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
     check_optional_group("tp_group", tp_group, what="model_sharded_state_dict")
     check_str("prefix", prefix)
+    dtensors.reshard_fsdp(module)  # views of FSDP2's sharded params (after an eval forward)
     param_attrs.restore_marks(module)  # after FSDP2's fully_shard replaced the params
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()

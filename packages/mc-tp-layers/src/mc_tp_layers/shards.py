@@ -175,6 +175,7 @@ def _owned_params(module: object, tp_group: dist.ProcessGroup | None, what: str)
     if not isinstance(module, torch.nn.Module):
         raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
     check_optional_group("tp_group", tp_group, what=what)
+    dtensors.reshard_fsdp(module)  # FSDP2's sharded params, as its state-dict hooks will
     param_attrs.restore_marks(module)  # after FSDP2's fully_shard replaced the params
     out: _Owned = []
     for name, sub in module.named_modules():
