@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -422,6 +423,27 @@ class _OwnSplit(torch.nn.Module):
         return x @ self.weight.t()
 
 
+def _finalize_refusals(
+    cfg: Any, pgc: Any, attempt: Callable[[Callable[[], object]], None], expert: Any
+) -> None:
+    """torchtitan's way (``fully_shard`` by hand) on a model whose own TP layer never
+    recorded its marks, and on one holding an expert param: finalize refuses both."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from mc_finalize import finalize_model_grads
+    from mc_groups.param_attrs import record_marks
+
+    mesh = DeviceMesh.from_group(pgc.dp_cp, "cpu")
+    own = _OwnSplit(pgc)
+    record_marks(expert)  # as parallelize would: only the expert mark is in the way
+    for model in (own, expert):
+        model.config = cfg
+        fully_shard(model, mesh=mesh)
+        model(torch.ones(2, 8)).sum().backward()
+        attempt(partial(finalize_model_grads, [model], pg_collection=pgc))
+
+
 def _refusals() -> list[tuple[str, str]]:
     """What each entry point refuses before any collective, as (error type, message)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -469,7 +491,6 @@ def _refusals() -> list[tuple[str, str]]:
     mesh = DeviceMesh.from_group(pgc.dp_cp, "cpu")
     fully_shard(sharded, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     attempt(lambda: model_sharded_state_dict(sharded))
-    from mc_finalize import finalize_model_grads
     from mc_tp_layers import ColumnParallelLinear
 
     # 3 packed parts per TP shard (12 rows, 4 a part): FSDP2's 2 data-parallel halves of 6
@@ -479,12 +500,18 @@ def _refusals() -> list[tuple[str, str]]:
     )
     fully_shard(packed, mesh=mesh)
     attempt(lambda: model_sharded_state_dict(packed))
-    # torchtitan's way on a model whose own TP layer never recorded its marks
-    own = _OwnSplit(pgc)
-    own.config = cfg  # type: ignore[assignment]
-    fully_shard(own, mesh=mesh)
-    own(torch.ones(2, 8)).sum().backward()
-    attempt(lambda: finalize_model_grads([own], pg_collection=pgc))
+    from mc_groups.param_attrs import mark_allreduce
+
+    def with_expert() -> _Block:  # an expert param: its replicas are expt_dp, not FSDP2's
+        block = _Block(cfg, pgc)
+        assert block.fc1.weight is not None
+        mark_allreduce(block.fc1.weight, False)
+        return block
+
+    attempt(
+        lambda: TorchFullyShardedDataParallel(cfg, fsdp_config(), with_expert(), pg_collection=pgc)
+    )
+    _finalize_refusals(cfg, pgc, attempt, with_expert())
     mg.destroy_model_parallel(pgc)
     return out
 
@@ -496,7 +523,9 @@ REFUSALS = [
     ("NotImplementedError", ["clone_output_views=True"]),
     ("NotImplementedError", ["fc1.weight is a DTensor placed", "Shard(0)", "full_state_dict"]),
     ("NotImplementedError", ["weight packs partition_stride=3", "2 does not divide 3"]),
+    ("ValueError", ["'fc1.weight'", "allreduce=False", "expt_dp", "DistributedDataParallel"]),
     ("RuntimeError", ["under fully_shard", "its root", "_OwnSplit", "record_marks"]),
+    ("ValueError", ["fc1.weight", "allreduce=False", "under fully_shard", "expt_dp"]),
 ]
 
 
@@ -509,7 +538,8 @@ def test_refusals_name_the_argument_and_the_fix(rank_pools: RankPools) -> None:
     (``partition_stride`` 3 over 2 data-parallel ranks): no one-process view for DCP;
     finalize refuses, before any collective, an FSDP2 module whose own tensor-parallel
     layer (not one of mc's: those record theirs at construction) has no record of its
-    marks."""
+    marks. Both entry points refuse an expert-parallel param (``allreduce=False``): FSDP2
+    would shard and average it over the dense data-parallel group, not ``expt_dp``."""
     for outcomes in rank_pools.get(4).run(_refusals):
         for (kind, message), (want, words) in zip(outcomes, REFUSALS, strict=True):
             assert kind == want, message

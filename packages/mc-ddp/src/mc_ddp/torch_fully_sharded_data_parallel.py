@@ -43,8 +43,10 @@ every instance, as Megatron does; a sub-module's ``_fsdp_modules`` adds more.
 Refused before anything changes (every rank raises, :func:`mc_groups.fail_together`): a
 module already under ``fully_shard``; ``config.gradient_accumulation_fusion`` (FSDP2 keeps
 grads in ``param.grad``, the fused path writes ``main_grad``); a ``process_group`` holding
-another tensor-parallel rank (its reduce-scatter would average different shards); the DDP
-settings FSDP2 has no counterpart for: ``num_distributed_optimizer_instances`` > 1,
+another tensor-parallel rank (its reduce-scatter would average different shards); an
+expert-parallel param (``allreduce=False``: its replicas are ``expt_dp``, not the group
+FSDP2 shards over); the DDP settings FSDP2 has no counterpart for:
+``num_distributed_optimizer_instances`` > 1,
 ``reduce_scatter_with_fp32_accumulation``,
 ``param_name_patterns_for_fp32_local_accumulation``, ``delay_wgrad_compute``,
 ``check_for_large_grads``. The bucketing and overlap settings are accepted and have no
@@ -371,6 +373,15 @@ def _check_module(module: object) -> None:
         )
     if not any(p.requires_grad for p in module.parameters()):
         raise InputValueError(f"module ({type_name(module)}) has no parameter requiring grad")
+    experts = [n for n, p in module.named_parameters() if param_attrs.is_expert_param(p)]
+    if experts:
+        raise InputValueError(
+            f"module's param '{experts[0]}' ({len(experts)} in all) is an expert-parallel "
+            "param (allreduce=False): its replicas are the expert data-parallel group "
+            "(expt_dp), not the group FSDP2 shards over, so FSDP2 would shard and average "
+            "different experts; expert parallelism under FSDP2 is not implemented in mc: "
+            "train MoE models under mc_ddp.DistributedDataParallel"
+        )
 
 
 def _is_fsdp(module: torch.nn.Module) -> bool:

@@ -4,10 +4,12 @@
 An FSDP2 module has no ``finish_grad_sync``: FSDP2 reduce-scattered its grads over the
 data-parallel mesh in backward, so step 1 has nothing to do for it. Its parameters were
 replaced by ``fully_shard`` and lost mc's marks: they are restored from the record
-``parallelize`` left on the modules (:func:`mc_groups.param_attrs.restore_marks`), and a
-tensor-parallel layer without a record is an error before any collective (its grads would
-be reduced as if unmarked). Its own ``.config`` is its library's (``transformers``,
-torchtitan): mc's settings come from the config ``parallelize`` recorded
+``parallelize`` (or mc's layers, at construction) left on the modules
+(:func:`mc_groups.param_attrs.restore_marks`), and a tensor-parallel layer without a record
+is an error before any collective (its grads would be reduced as if unmarked), and so is an
+expert-parallel param (``allreduce=False``: FSDP2 averaged its grad over its mesh, not over
+``expt_dp``). Its own ``.config`` is its library's (``transformers``, torchtitan): mc's
+settings come from the config ``parallelize`` recorded
 (:func:`mc_groups.config.recorded_config`). Its mesh must not hold another tensor-parallel
 rank (the reduce-scatter would have averaged different shards).
 """
@@ -30,6 +32,15 @@ __all__: list[str] = []
 def check_chunk(index: int, chunk: torch.nn.Module, tp: dist.ProcessGroup) -> None:
     """Put the marks back and refuse what FSDP2 cannot reduce right (module notes)."""
     param_attrs.restore_marks(chunk)
+    for name, param in chunk.named_parameters():
+        if param_attrs.is_expert_param(param) and dtensors.is_dtensor(param):
+            raise InputValueError(
+                f"finalize_model_grads: model[{index}]'s param {name} is an expert-parallel "
+                "param (allreduce=False) under fully_shard: FSDP2 averaged its grad over its "
+                "mesh, not over the expert data-parallel group (expt_dp); expert parallelism "
+                "under FSDP2 is not implemented in mc: train MoE models under "
+                "mc_ddp.DistributedDataParallel"
+            )
     if mg.group_size(tp) <= 1:
         return
     tp_ranks = set(mg.group_ranks(tp))
