@@ -53,6 +53,7 @@ SOURCES = (
     Source("mc-ddp", "mc_ddp_tests.test_bad_input", "CONSTRUCTION", "test_construction_errors"),
     Source("mc-ddp", "mc_ddp_tests.test_bad_input", "ORDER", "test_calls_out_of_order"),
     Source("mc-ddp", "mc_ddp_tests.test_bad_input", "FUNCTIONS", "test_function_arguments"),
+    Source("mc-ddp", "mc_ddp_tests.test_bad_input", "FSDP2", "test_fsdp2_entry_points"),
     Source("mc-ddp", "mc_ddp_tests.test_config", "WRONG_TYPES", "test_wrong_types_are_type_errors"),
     Source(
         "mc-ddp",

@@ -2,9 +2,11 @@
 before any collective.
 
 Localizes argument validation (module, devices, configs, process groups, the methods' and
-the fp32-accumulating reduce-scatter's arguments) and the state machine's guards (finish
-before start, a second start, zero/offload with a reduction in flight, gradients after
-finish, unused params under overlap, param-sync calls without the distributed optimizer).
+the fp32-accumulating reduce-scatter's arguments; the FSDP2 entry points: the wrapper and
+its config, ``clip_grad_norm``, the torch optimizer's sharded state) and the state
+machine's guards (finish before start, a second start, zero/offload with a reduction in
+flight, gradients after finish, unused params under overlap, param-sync calls without the
+distributed optimizer).
 Each case runs under the recorder on 2 gloo ranks and must leave the log empty; messages
 are matched on the words that name the argument, the value and the fix (listed in
 ``docs/bad_inputs.md``). No numeric tolerance.
@@ -841,3 +843,236 @@ def test_unknown_config_field_is_rejected() -> None:
     config: Any = DistributedDataParallelConfig
     with pytest.raises(TypeError, match="bucket_sise"):
         config(bucket_sise=10)
+
+
+def _fsdp2_errors() -> dict[str, tuple[str, int]]:
+    """The FSDP2 entry points: ``TorchFullyShardedDataParallel`` (and its config),
+    ``clip_grad_norm``, ``optimizer_sharded_state_dict`` /
+    ``load_optimizer_sharded_state_dict``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from mc_ddp import (
+        ShardedOptimizer,
+        TorchFullyShardedDataParallel,
+        TorchFullyShardedDataParallelConfig,
+        clip_grad_norm,
+        load_optimizer_sharded_state_dict,
+        optimizer_sharded_state_dict,
+    )
+
+    loose: Any = TorchFullyShardedDataParallel
+    fsdp_config: Any = TorchFullyShardedDataParallelConfig
+    clip: Any = clip_grad_norm
+    osd: Any = optimizer_sharded_state_dict
+    load_osd: Any = load_optimizer_sharded_state_dict
+    with model_parallel() as pgc:
+        cfg = fsdp_config()
+        fused = mg.ModelParallelConfig(gradient_accumulation_fusion=True)
+        wrapped = mlp()
+        fully_shard(wrapped, mesh=DeviceMesh.from_group(pgc.require("dp_cp", "test"), "cpu"))
+        ddp = DistributedDataParallel(MP, ddp_config(), mlp(), pg_collection=pgc)
+        sharded = ShardedOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp)
+        sgd = torch.optim.SGD(mlp().parameters(), lr=0.1)
+        calls: dict[str, Callable[[], object]] = {
+            "fsdp_module": lambda: loose(MP, cfg, object(), pg_collection=pgc),
+            "fsdp_ddp_config": lambda: loose(MP, {"bucket_size": 1}, mlp(), pg_collection=pgc),
+            "fsdp_wrap_str": lambda: loose(MP, cfg, mlp(), "Linear", pg_collection=pgc),
+            "fsdp_wrap_instance": lambda: loose(
+                MP, cfg, mlp(), {nn.Linear(2, 2)}, pg_collection=pgc
+            ),
+            "fsdp_bucketing": lambda: loose(MP, cfg, mlp(), None, 1, pg_collection=pgc),
+            "fsdp_mp_policy": lambda: loose(MP, cfg, mlp(), pg_collection=pgc, mp_policy="bf16"),
+            "fsdp_fusion": lambda: loose(fused, cfg, mlp(), pg_collection=pgc),
+            "fsdp_large_grads": lambda: loose(
+                MP, fsdp_config(check_for_large_grads=True), mlp(), pg_collection=pgc
+            ),
+            "fsdp_frozen": lambda: loose(MP, cfg, _frozen(), pg_collection=pgc),
+            "fsdp_expert": lambda: loose(MP, cfg, _expert(), pg_collection=pgc),
+            "fsdp_twice": lambda: loose(MP, cfg, wrapped, pg_collection=pgc),
+            "fsdp_reshard": lambda: fsdp_config(reshard_after_forward=1),
+            "fsdp_reshard_type": lambda: fsdp_config(reshard_after_forward="yes"),
+            "fsdp_accumulation": lambda: fsdp_config(gradient_accumulation_mode="sum"),
+            "fsdp_clone_views": lambda: fsdp_config(clone_output_views=True),
+            "clip_model": lambda: clip(None, 1.0, pg_collection=pgc),
+            "clip_ddp": lambda: clip(ddp, 1.0, pg_collection=pgc),
+            "clip_max_norm": lambda: clip(mlp(), 0.0, pg_collection=pgc),
+            "clip_norm_type": lambda: clip(mlp(), 1.0, 0.5, pg_collection=pgc),
+            "clip_scaler": lambda: clip(mlp(), 1.0, grad_scaler="dynamic", pg_collection=pgc),
+            "clip_nonfinite": lambda: clip(mlp(), 1.0, error_if_nonfinite=1, pg_collection=pgc),
+            "osd_optimizer": lambda: osd(None, {}),
+            "osd_sharded": lambda: osd(sharded, {}),
+            "osd_model_state": lambda: osd(sgd, None),
+            "osd_loading": lambda: osd(sgd, {}, is_loading="yes"),
+            "load_osd_state": lambda: load_osd(sgd, None, {}),
+            "load_osd_optimizer": lambda: load_osd(None, {}, {}),
+        }
+        return {name: _attempt(call) for name, call in calls.items()}
+
+
+_FSDP = "`TorchFullyShardedDataParallel(config, ddp_config, module, ...)`"
+_CLIP = "`clip_grad_norm(model, max_norm, ...)`"
+
+FSDP2 = {
+    "fsdp_module": Expect(
+        "TypeError: module must be a torch.nn.Module, got object",
+        doc_call=_FSDP,
+        doc_input="`object()` as `module`",
+    ),
+    "fsdp_ddp_config": Expect(
+        "TypeError: ddp_config must be a mc_ddp.TorchFullyShardedDataParallelConfig",
+        doc_call=_FSDP,
+        doc_input="a dict as `ddp_config`",
+    ),
+    "fsdp_wrap_str": Expect(
+        "TypeError: sub_modules_to_wrap='Linear' must be a set of torch.nn.Module classes",
+        doc_call="`TorchFullyShardedDataParallel(..., sub_modules_to_wrap)`",
+        doc_input="`'Linear'`",
+    ),
+    "fsdp_wrap_instance": Expect(
+        "TypeError: sub_modules_to_wrap holds Linear(",
+        doc_call="`TorchFullyShardedDataParallel(..., sub_modules_to_wrap)`",
+        doc_input="a set holding a module instance",
+        also=("pass classes",),
+    ),
+    "fsdp_bucketing": Expect(
+        "TypeError: disable_bucketing=1 must be a bool",
+        doc_call="`TorchFullyShardedDataParallel(..., disable_bucketing)`",
+        doc_input="`1`",
+    ),
+    "fsdp_mp_policy": Expect(
+        "TypeError: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, "
+        "got str",
+        doc_call="`TorchFullyShardedDataParallel(..., mp_policy=)`",
+        doc_input="`'bf16'`",
+    ),
+    "fsdp_fusion": Expect(
+        "ValueError: config.gradient_accumulation_fusion=True",
+        doc_call=_FSDP,
+        doc_input="`gradient_accumulation_fusion=True` (writes `main_grad`, FSDP2 has none)",
+        also=("set gradient_accumulation_fusion=False",),
+    ),
+    "fsdp_large_grads": Expect(
+        "ValueError: ddp_config.check_for_large_grads=True has no counterpart under FSDP2",
+        doc_call=_FSDP,
+        doc_input="a DDP setting FSDP2 has no counterpart for",
+        also=("leave it at its default",),
+    ),
+    "fsdp_frozen": Expect(
+        "ValueError: module (torch.nn.modules.container.Sequential) has no parameter requiring "
+        "grad",
+        doc_call=_FSDP,
+        doc_input="every param frozen",
+    ),
+    "fsdp_expert": Expect(
+        "ValueError: module's param '2.weight' (1 in all) is an expert-parallel param "
+        "(allreduce=False)",
+        doc_call=_FSDP,
+        doc_input="an expert param (its replicas are `expt_dp`, not FSDP2's mesh)",
+        also=("mc_ddp.DistributedDataParallel",),
+    ),
+    "fsdp_twice": Expect(
+        "ValueError: module (torch.distributed.fsdp._fully_shard._fsdp_init.FSDPSequential) "
+        "is already under fully_shard",
+        doc_call=_FSDP,
+        doc_input="a module `fully_shard` already wrapped",
+        also=("pass the model before FSDP2 wraps it",),
+    ),
+    "fsdp_reshard": Expect(
+        "ValueError: reshard_after_forward=1 must be None, True, False or an int >= 2",
+        doc_call="`TorchFullyShardedDataParallelConfig(reshard_after_forward=)`",
+        doc_input="`1`",
+    ),
+    "fsdp_reshard_type": Expect(
+        "TypeError: reshard_after_forward='yes' must be None, a bool or an int",
+        doc_call="`TorchFullyShardedDataParallelConfig(reshard_after_forward=)`",
+        doc_input="`'yes'`",
+    ),
+    "fsdp_accumulation": Expect(
+        "ValueError: gradient_accumulation_mode='sum' must be one of ['classic', "
+        "'partial_reduce_scatter']",
+        doc_call="`TorchFullyShardedDataParallelConfig(gradient_accumulation_mode=)`",
+        doc_input="`'sum'`",
+    ),
+    "fsdp_clone_views": Expect(
+        "NotImplementedError: clone_output_views=True",
+        doc_call="`TorchFullyShardedDataParallelConfig(clone_output_views=)`",
+        doc_input="`True` (Megatron main's option, not implemented)",
+        also=("leave clone_output_views at Megatron's default False",),
+    ),
+    "clip_model": Expect(
+        "TypeError: model must be a torch.nn.Module or a non-empty list of them",
+        doc_call=_CLIP,
+        doc_input="`None`",
+    ),
+    "clip_ddp": Expect(
+        "TypeError: model[0] is an mc_ddp.DistributedDataParallel",
+        doc_call=_CLIP,
+        doc_input="an mc DDP chunk (grads in `main_grad`)",
+        also=("ShardedOptimizer(max_grad_norm=...)",),
+    ),
+    "clip_max_norm": Expect(
+        "ValueError: max_norm=0.0 must be a finite number > 0",
+        doc_call=_CLIP,
+        doc_input="`max_norm=0.0`",
+    ),
+    "clip_norm_type": Expect(
+        "ValueError: norm_type=0.5",
+        doc_call="`clip_grad_norm(..., norm_type)`",
+        doc_input="`0.5`",
+    ),
+    "clip_scaler": Expect(
+        "TypeError: grad_scaler=str must be an mc_ddp.DynamicGradScaler (or None)",
+        doc_call="`clip_grad_norm(..., grad_scaler=)`",
+        doc_input="`'dynamic'`",
+    ),
+    "clip_nonfinite": Expect(
+        "TypeError: error_if_nonfinite=1 must be a bool",
+        doc_call="`clip_grad_norm(..., error_if_nonfinite=)`",
+        doc_input="`1`",
+    ),
+    "osd_optimizer": Expect(
+        "TypeError: optimizer_sharded_state_dict: optimizer must be a torch.optim.Optimizer, "
+        "got NoneType",
+        doc_call="`optimizer_sharded_state_dict(optimizer, model_sharded_state_dict)`",
+        doc_input="`None`",
+    ),
+    "osd_sharded": Expect(
+        "TypeError: optimizer_sharded_state_dict: optimizer is a ShardedOptimizer",
+        doc_call="`optimizer_sharded_state_dict(optimizer, ...)`",
+        doc_input="a `ShardedOptimizer`",
+        also=("its own sharded_state_dict()",),
+    ),
+    "osd_model_state": Expect(
+        "TypeError: model_sharded_state_dict must be a mapping",
+        doc_call="`optimizer_sharded_state_dict(optimizer, model_sharded_state_dict)`",
+        doc_input="`None`",
+    ),
+    "osd_loading": Expect(
+        "TypeError: is_loading='yes' must be a bool",
+        doc_call="`optimizer_sharded_state_dict(..., is_loading=)`",
+        doc_input="`'yes'`",
+    ),
+    "load_osd_state": Expect(
+        "TypeError: state_dict must be the mapping optimizer_sharded_state_dict() returned, "
+        "got NoneType",
+        doc_call="`load_optimizer_sharded_state_dict(optimizer, state_dict, ...)`",
+        doc_input="`None`",
+    ),
+    "load_osd_optimizer": Expect(
+        "TypeError: load_optimizer_sharded_state_dict: optimizer must be a torch.optim.Optimizer",
+        doc_call="`load_optimizer_sharded_state_dict(optimizer, ...)`",
+        doc_input="`None`",
+    ),
+}
+
+
+def test_fsdp2_entry_points(rank_pools: RankPools) -> None:
+    """The FSDP2 entry points refuse bad input by name before any collective and before
+    anything changes (the wrapper and the optimizer-state functions check inside
+    ``mg.fail_together``: every rank raises)."""
+    for found in rank_pools.get(2).run(_fsdp2_errors):
+        for name, expect in FSDP2.items():
+            message, issued = found[name]
+            assert_fails_as(name, message, expect)
+            assert issued == 0, name
