@@ -739,6 +739,64 @@ def test_fused_wqkv_checkpoints_compose_with_the_models_hooks(rank_pools: RankPo
         assert not any(".wq.weight" in k for k in got["views"]), entry
 
 
+def _per_token_loss() -> Result | None:
+    """torchtitan's fused Llama at TP=2 × FSDP2 DP=2 with SP through the wrapper, Megatron's
+    per-token loss (``calculate_per_token_loss``): each rank's loss is the SUM over its
+    tokens, ``finalize_model_grads(num_tokens=...)`` divides every grad by the global count
+    (so FSDP2 must SUM over dp, not average); 3 SGD steps, then ``full_state_dict``."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import mc_groups as mg
+    from mc_finalize import finalize_model_grads
+    from mc_tp_layers import full_state_dict, parallelize, sequence_parallel_plan
+
+    pgc = _fresh_groups()
+    cfg = mg.ModelParallelConfig(
+        tensor_model_parallel_size=2, sequence_parallel=True, calculate_per_token_loss=True
+    )
+    model = _build("titan_fused")
+    parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
+    chunk = _shard(model, "wrapper", cfg, pgc)
+    opt = torch.optim.SGD(chunk.parameters(), lr=LR)
+    dp = pgc.require("dp", "data")
+    rows = _batch("titan_fused", 0).shape[0] // dp.size()
+    losses = []
+    for step in range(STEPS):
+        ids = _batch("titan_fused", step)[dp.rank() * rows : (dp.rank() + 1) * rows]
+        chunk.zero_grad_buffer()
+        logits = chunk(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+        loss.backward()  # type: ignore[no-untyped-call]
+        tokens = torch.tensor(ids[:, 1:].numel(), dtype=torch.int64)
+        total = torch.stack([loss.detach(), tokens.to(torch.float32)])
+        finalize_model_grads([chunk], num_tokens=tokens, pg_collection=pgc)  # sums tokens
+        opt.step()
+        mg.all_reduce(total, dp, label="loss and tokens for logging")
+        losses.append(float(total[0] / total[1]))
+    weights = full_state_dict(model)
+    mg.destroy_model_parallel(pgc)
+    return (losses, weights, True, 0) if dist.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_per_token_loss_under_the_wrapper_matches_one_process(rank_pools: RankPools) -> None:
+    """Megatron's per-token loss under ``TorchFullyShardedDataParallel``: the wrapper
+    makes FSDP2 reduce-scatter the grads as a SUM over dp (Megatron's rule;
+    ``set_gradient_divide_factor(1)``), and finalize divides by the global token count: 3
+    steps' mean losses within 1e-5 relative of one process (mean loss), the weights within
+    1e-6 (FSDP2's default average would leave every grad 1/dp too small)."""
+    result = rank_pools.get(4).run(_per_token_loss)[0]
+    assert result is not None
+    losses, weights, _, _ = result
+    ref_losses, ref_weights = _reference("titan_fused")
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+    assert rel <= 1e-5, (losses, ref_losses)
+    worst = max(float((weights[k] - v).abs().max()) for k, v in ref_weights.items())
+    print(f"per-token loss under the wrapper: loss rel {rel:.1e}, weights {worst:.1e}")
+    assert worst <= 1e-6, worst
+
+
 def _pipeline(steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]] | None:
     """``examples/hf_3d.py``'s Llama (4 blocks, tied embeddings) at TP=2 × PP=2 × FSDP DP=2
     with SP: ``mc_train.build_pipeline`` with a ``TorchFullyShardedDataParallelConfig`` (each

@@ -20,7 +20,9 @@ shard, and FSDP2 splits that along dim 0 over ``dp``)::
                after its forward (reshard_after_forward)
     backward   per wrapped module: all_gather over dp again (if resharded), then
                reduce_scatter of its grads over dp: param.grad = DTensor Shard(0),
-               (1/D) Σ_dp grad (AVG; in mp_policy.reduce_dtype)
+               (1/D) Σ_dp grad (AVG; in mp_policy.reduce_dtype); with
+               config.calculate_per_token_loss Σ_dp grad (SUM, as Megatron: finalize
+               then divides by the global token count)
     finalize   mc_finalize.finalize_model_grads([model]): finish_grad_sync here is a no-op
                (FSDP2 finished its reductions in backward); the tensor-parallel steps (the
                sequence-parallel norms' and row biases' partial sums over tp, the tied
@@ -211,11 +213,15 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         self.process_group = group
         self.device_mesh: DeviceMesh = DeviceMesh.from_group(group, _device_type(module))
         self._grads_finalized = False
+        per_token = bool(config_value(config, "calculate_per_token_loss"))
         param_attrs.record_marks(module)
         for sub in [*targets, module]:  # innermost first, the root last
             fully_shard(sub, mesh=self.device_mesh, reshard_after_forward=reshard, mp_policy=policy)
             if getattr(ddp_config, "reduce_scatter_unused_params", False):
                 sub.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+            if per_token:  # SUM over dp: finalize divides by the global token count
+                sub.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+                sub.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         param_attrs.restore_marks(module)
         self.wrapped_sub_modules: list[torch.nn.Module] = targets
         """The sub-modules given their own ``fully_shard`` (innermost first; the root too)."""
