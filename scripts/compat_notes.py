@@ -1,7 +1,9 @@
 """What ``docs/compatibility.md`` says about the names whose signature or behaviour differs
 from Megatron-Core's: :data:`NOTES` (per spec name: a declared status and the note),
-:data:`CONFIG_NOTES` (per ``DistributedDataParallelConfig`` field) and :data:`DELIBERATE`
-(the deliberate differences that hold for every name). Data only: ``gen_compatibility.py``
+:data:`FSDP2_NOTES` (Megatron-Core main's FSDP2 wrapper, outside the spec pages: its
+parameters, a declared status and the note), :data:`CONFIG_NOTES` (per
+``DistributedDataParallelConfig`` field) and :data:`DELIBERATE` (the deliberate differences
+that hold for every name). Data only: ``gen_compatibility.py``
 checks each note against the code and the spec and renders the document."""
 
 from __future__ import annotations
@@ -159,6 +161,127 @@ NOTES: dict[str, tuple[str | None, str]] = {
     ),
     "ColumnParallelLinear.sharded_state_dict": ("differs", _DCP),
     "RowParallelLinear.sharded_state_dict": ("differs", _DCP),
+}
+
+# Megatron-Core main's core.distributed.torch_fully_sharded_data_parallel (not in the spec
+# pages): name -> (Megatron's parameters as its source declares them, None for data;
+# declared status or None for the computed one; note). The methods are the wrapper's own
+# and the `_BaseDataParallel` ones it keeps.
+_NO_HSDP = (
+    "refused by name, before anything changes: HSDP (`num_distributed_optimizer_instances` "
+    "> 1: Megatron main builds a 2-D replicate × shard mesh), expert-parallel params "
+    "(`allreduce=False`: Megatron main shards them over an `expt_dp` mesh; mc would average "
+    "different experts), `config.gradient_accumulation_fusion` (FSDP2 has no `main_grad`), "
+    "the DDP settings with no FSDP2 counterpart, and a `process_group` holding "
+    "tensor-parallel peers"
+)
+FSDP2_NOTES: dict[str, tuple[str | None, str | None, str]] = {
+    "TorchFullyShardedDataParallel": (
+        "config, ddp_config, module, sub_modules_to_wrap, disable_bucketing, process_group, "
+        "pg_collection",
+        None,
+        "`pg_collection` is keyword-only, with keyword-only `mp_policy` (FSDP2's "
+        "`MixedPrecisionPolicy`; None: bf16 / fp16 compute from the config, fp32 reduction "
+        "with `grad_reduce_in_fp32`); Megatron main refuses `process_group` with "
+        "`pg_collection`, mc shards over `process_group` and reads `tp` from the collection "
+        "to refuse a group holding TP peers. `sub_modules_to_wrap=None` is mc's structural "
+        "default (the decoder layers, found as `sequence_parallel_plan` finds them, the "
+        "embedding and the head; norms and tied modules stay with the root) where "
+        "Megatron's default set is its own classes (`TransformerLayer`, "
+        "`LanguageModelEmbedding`, `RotaryEmbedding`, `ColumnParallelLinear`); a set of "
+        "classes and `_fsdp_modules` act as in Megatron. The marks are recorded per module "
+        "by name and every mc reader restores them (Megatron copies `vars(param)` back once), "
+        "so a later `fully_shard` by hand keeps them too. The mesh's device type is the "
+        "params' (Megatron: cuda). No explicit backward prefetch order under "
+        "`recompute_granularity` (FSDP2's own). With `calculate_per_token_loss` FSDP2 sums "
+        "over dp, as Megatron's. " + _NO_HSDP.capitalize(),
+    ),
+    "TorchFullyShardedDataParallel.forward": ("*inputs, **kwargs", None, ""),
+    "TorchFullyShardedDataParallel.no_sync": (
+        "",
+        None,
+        "`gradient_accumulation_mode='classic'`: no reduce-scatter inside (FSDP2's "
+        "`set_requires_gradient_sync(False)`), as Megatron main; `'partial_reduce_scatter'` "
+        "reduce-scatters every backward (without HSDP nothing else is deferred)",
+    ),
+    "TorchFullyShardedDataParallel.start_grad_sync": (
+        "*unused",
+        None,
+        "nothing to issue: FSDP2 reduce-scatters in backward, as in Megatron",
+    ),
+    "TorchFullyShardedDataParallel.scale_gradients": (
+        "scaling_factor",
+        None,
+        "multiplies every local grad shard, as Megatron main (finalize's per-token scaling); "
+        "a non-number is a TypeError",
+    ),
+    "TorchFullyShardedDataParallel.finish_grad_sync": (
+        "force_all_reduce",
+        None,
+        "no reduction (FSDP2 finished in backward), as Megatron; with "
+        "`ddp_config.check_for_nan_in_grad` it checks every local grad shard and raises "
+        "`NonFiniteGradError` naming the param (Megatron checks nothing here)",
+    ),
+    "TorchFullyShardedDataParallel.zero_grad_buffer": (
+        "",
+        "differs",
+        "sets every grad to None (FSDP2 accumulates into `param.grad`) and lets finalize run "
+        "again; Megatron's is a no-op that leaves it to the optimizer's `zero_grad`, so a "
+        "schedule that calls both gets the same numbers either way",
+    ),
+    "TorchFullyShardedDataParallel.broadcast_params": (
+        "",
+        None,
+        "nothing to do, as in Megatron: each rank holds only its shard",
+    ),
+    "TorchFullyShardedDataParallel.state_dict": (
+        "prefix, keep_vars, destination",
+        "differs",
+        "torch's parameter order `(destination, prefix, keep_vars)`, as mc's "
+        "`DistributedDataParallel`; Megatron's base class takes `(prefix, keep_vars, "
+        "destination)`: pass them by keyword. The values are FSDP2's DTensors, as in "
+        "Megatron; `mc_tp_layers.full_state_dict` gives whole tensors with one-process names",
+    ),
+    "TorchFullyShardedDataParallel.load_state_dict": (
+        "state_dict, strict",
+        "differs",
+        "loads (DTensor values, as `state_dict` returns; torch's `assign` added): Megatron's "
+        "is a no-op (its checkpoints load in place through `dist_checkpointing`), which "
+        "would drop a call silently; `mc_tp_layers.load_full_state_dict` loads whole tensors",
+    ),
+    "TorchFullyShardedDataParallel.state_dict_for_save_checkpoint": (
+        "prefix, keep_vars",
+        "absent",
+        "checkpoints go through `mc_tp_layers.model_sharded_state_dict` and "
+        "`mc_ddp.optimizer_sharded_state_dict` (DCP), or `mc_train.Checkpointer`",
+    ),
+    "TorchFullyShardedDataParallelConfig": (
+        None,
+        None,
+        "Megatron main's four FSDP2 fields at its defaults, checked at construction",
+    ),
+    "TorchFullyShardedDataParallelConfig.gradient_accumulation_mode": (
+        None,
+        None,
+        "`'classic'` or `'partial_reduce_scatter'` (see `no_sync`); another value is a ValueError",
+    ),
+    "TorchFullyShardedDataParallelConfig.reshard_after_forward": (
+        None,
+        None,
+        "None (torch's automatic policy), a bool or an int >= 2, as Megatron main; 1 or "
+        "another type is refused",
+    ),
+    "TorchFullyShardedDataParallelConfig.reduce_scatter_unused_params": (
+        None,
+        None,
+        "FSDP2's `set_reduce_scatter_unused_params(True)` on every wrapped module",
+    ),
+    "TorchFullyShardedDataParallelConfig.clone_output_views": (
+        None,
+        "differs",
+        "True is a NotImplementedError naming the field (Megatron main clones the root's "
+        "and the embedding's output views before FSDP2's pre-backward hooks)",
+    ),
 }
 
 CONFIG_NOTES = {

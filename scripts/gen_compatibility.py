@@ -1,5 +1,6 @@
-"""Generate ``docs/compatibility.md``: every public name of the three spec modules and every
-field of ``DistributedDataParallelConfig``, with how mc matches Megatron-Core.
+"""Generate ``docs/compatibility.md``: every public name of the three spec modules and of
+Megatron-Core main's FSDP2 wrapper, and every field of ``DistributedDataParallelConfig``,
+with how mc matches Megatron-Core.
 
 Usage: ``python scripts/gen_compatibility.py`` (writes the file) or ``--check`` (exit 1 when
 the file is stale); ``--upstream-run RUN.json`` first records a run of Megatron-LM's own
@@ -41,7 +42,7 @@ import torch
 from mc_ddp import DistributedDataParallelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules below
-from compat_notes import CONFIG_NOTES, DELIBERATE, NOTES
+from compat_notes import CONFIG_NOTES, DELIBERATE, FSDP2_NOTES, NOTES
 from compat_upstream import (
     RUN_MAIN,
     SUITES,
@@ -158,6 +159,16 @@ def _resolve(module: Any, name: str) -> Any:
     return value
 
 
+def _has(module: Any, name: str) -> bool:
+    """Whether ``module`` holds the dotted ``name`` (a field whose value is None too)."""
+    value = module
+    for part in name.split("."):
+        if not hasattr(value, part):
+            return False
+        value = getattr(value, part)
+    return True
+
+
 def _mc_params(obj: Any) -> list[Param] | None:
     target = obj.__init__ if inspect.isclass(obj) else obj
     try:
@@ -187,31 +198,56 @@ def signature_status(spec: list[Param] | None, mine: list[Param] | None) -> str:
     return "differs"
 
 
+def _row(
+    spec_module: str,
+    mc_module: Any,
+    name: str,
+    spec_params: list[Param] | None,
+    declared: str | None,
+    note: str,
+) -> Row:
+    """One name's row, checked against mc (``ValueError`` on any mismatch)."""
+    mc_name = mc_module.__name__
+    obj = _resolve(mc_module, name)
+    if declared == "absent":
+        if _has(mc_module, name):
+            raise ValueError(f"{name} is marked absent but {mc_name} has it")
+        return Row(spec_module, name, "absent", note)
+    if not _has(mc_module, name):
+        raise ValueError(f"{mc_name} lacks {name} (spec {spec_module}); add it or mark it")
+    computed = signature_status(spec_params, _mc_params(obj))
+    status = declared or computed
+    if computed == "differs" and status != "differs":
+        raise ValueError(f"{name}: the signature differs from the spec; explain it in NOTES")
+    if status in ("differs", "extended") and not note:
+        raise ValueError(f"{name} is '{status}' without a note saying how")
+    if declared == "extended" and computed == "differs":
+        raise ValueError(f"{name}: declared extended but the spec's parameters are no prefix")
+    return Row(spec_module, name, status, note)
+
+
 def module_rows(spec_module: str) -> list[Row]:
     """Rows of one spec module, each checked against mc (``ValueError`` on any mismatch)."""
-    mc_name = MODULES[spec_module][1]
-    mc_module = importlib.import_module(mc_name)
-    rows = []
-    for name, spec_params in spec_names(spec_module).items():
-        declared, note = NOTES.get(name, (None, ""))
-        obj = _resolve(mc_module, name)
-        if declared == "absent":
-            if obj is not None:
-                raise ValueError(f"{name} is marked absent but {mc_name} has it")
-            rows.append(Row(spec_module, name, "absent", note))
-            continue
-        if obj is None:
-            raise ValueError(f"{mc_name} lacks {name} (spec {spec_module}); add it or mark it")
-        computed = signature_status(spec_params, _mc_params(obj))
-        status = declared or computed
-        if computed == "differs" and status != "differs":
-            raise ValueError(f"{name}: the signature differs from the spec; explain it in NOTES")
-        if status in ("differs", "extended") and not note:
-            raise ValueError(f"{name} is '{status}' without a note saying how")
-        if declared == "extended" and computed == "differs":
-            raise ValueError(f"{name}: declared extended but the spec's parameters are no prefix")
-        rows.append(Row(spec_module, name, status, note))
-    return rows
+    mc_module = importlib.import_module(MODULES[spec_module][1])
+    return [
+        _row(spec_module, mc_module, name, spec_params, *NOTES.get(name, (None, "")))
+        for name, spec_params in spec_names(spec_module).items()
+    ]
+
+
+FSDP2_MODULE = "core.distributed.torch_fully_sharded_data_parallel"
+FSDP2_MC = "mc_ddp.torch_fully_sharded_data_parallel"
+
+
+def fsdp2_rows() -> list[Row]:
+    """Rows of Megatron-Core main's FSDP2 wrapper, which the spec pages do not document:
+    its parameters are copied from Megatron's source into ``FSDP2_NOTES``; each row is
+    checked against mc as a spec module's is."""
+    mc_module = importlib.import_module(FSDP2_MC)
+    return [
+        _row(FSDP2_MODULE, mc_module, name, _parse_params(params), declared, note)
+        for name, (params, declared, note) in FSDP2_NOTES.items()
+    ]
 
 
 def _check_notes() -> None:
@@ -294,8 +330,8 @@ _INTRO = """\
 when it disagrees with the code or the spec. Edit the script's NOTES, not this file. -->
 
 One row per public name of the three spec modules (`docs/spec/`, a copy of the team's
-`../shared/spec/`: Megatron-Core's API documentation) and per field of
-`DistributedDataParallelConfig`. **same**: mc has the name
+`../shared/spec/`: Megatron-Core's API documentation), of Megatron-Core main's FSDP2
+wrapper and per field of `DistributedDataParallelConfig`. **same**: mc has the name
 with the spec's parameters, in order; **extended**: the spec's parameters, then mc's
 keyword additions; **differs**: a deliberate difference, said how and why; **absent**: not
 implemented (config fields: accepted only at Megatron's default). Statuses of signatures are
@@ -303,6 +339,15 @@ computed from the code and the spec each time the document is generated; behavio
 the signature is held by the conformance tests (`test_conformance_*.py` in each package,
 each naming the Megatron-LM unit test it follows) and the end-to-end parity tests
 (`integration_tests/test_parity*.py`).
+"""
+
+
+_FSDP2_INTRO = """\
+Megatron-Core main's FSDP2 wrapper
+(`megatron/core/distributed/torch_fully_sharded_data_parallel.py`, its config and the
+`_BaseDataParallel` methods it keeps) is not in the spec pages: its parameters are copied
+from Megatron's source into `scripts/compat_notes.py` (`FSDP2_NOTES`), and the statuses
+are computed against them as above.
 """
 
 
@@ -314,6 +359,10 @@ def render() -> str:
         rows = module_rows(spec_module)
         parts.append(f"## `{spec_module}` → `{mc_name}` ({_counts(rows)})\n")
         parts.append("\n".join(_table(rows)) + "\n")
+    rows = fsdp2_rows()
+    parts.append(f"## `{FSDP2_MODULE}` → `{FSDP2_MC}` ({_counts(rows)})\n")
+    parts.append(_FSDP2_INTRO)
+    parts.append("\n".join(_table(rows)) + "\n")
     rows = config_rows()
     parts.append(f"## `DistributedDataParallelConfig` → `mc_ddp` ({_counts(rows)})\n")
     parts.append(f'<a id="megatron.{CONFIG_MODULE}.DistributedDataParallelConfig"></a>\n')

@@ -353,9 +353,13 @@ def _megatron_rows() -> dict[int, tuple[str, str]]:
     whose mc object is a class, function or method."""
     gen = _load_gen_compatibility()
     found: dict[int, tuple[str, str]] = {}
-    for spec_module, (_, mc_name) in gen.MODULES.items():
-        mc_module = importlib.import_module(mc_name)
-        for row in gen.module_rows(spec_module):
+    tables = [
+        (importlib.import_module(mc_name), gen.module_rows(spec_module))
+        for spec_module, (_, mc_name) in gen.MODULES.items()
+    ]
+    tables.append((importlib.import_module(gen.FSDP2_MC), gen.fsdp2_rows()))
+    for mc_module, rows in tables:
+        for row in rows:
             obj = gen._resolve(mc_module, row.name)
             if callable(obj):
                 found.setdefault(id(obj), (gen.megatron_name(row), row.status))
