@@ -150,23 +150,19 @@ def spec_names(spec_module: str) -> dict[str, list[Param] | None]:
     return names
 
 
+def _lookup(module: Any, name: str) -> tuple[bool, Any]:
+    """Whether ``module`` holds the dotted ``name`` (a field whose value is None too), and
+    its value."""
+    value = module
+    for part in name.split("."):
+        if not hasattr(value, part):
+            return False, None
+        value = getattr(value, part)
+    return True, value
+
+
 def _resolve(module: Any, name: str) -> Any:
-    value = module
-    for part in name.split("."):
-        if not hasattr(value, part):
-            return None
-        value = getattr(value, part)
-    return value
-
-
-def _has(module: Any, name: str) -> bool:
-    """Whether ``module`` holds the dotted ``name`` (a field whose value is None too)."""
-    value = module
-    for part in name.split("."):
-        if not hasattr(value, part):
-            return False
-        value = getattr(value, part)
-    return True
+    return _lookup(module, name)[1]
 
 
 def _mc_params(obj: Any) -> list[Param] | None:
@@ -208,12 +204,12 @@ def _row(
 ) -> Row:
     """One name's row, checked against mc (``ValueError`` on any mismatch)."""
     mc_name = mc_module.__name__
-    obj = _resolve(mc_module, name)
+    found, obj = _lookup(mc_module, name)
     if declared == "absent":
-        if _has(mc_module, name):
+        if found:
             raise ValueError(f"{name} is marked absent but {mc_name} has it")
         return Row(spec_module, name, "absent", note)
-    if not _has(mc_module, name):
+    if not found:
         raise ValueError(f"{mc_name} lacks {name} (spec {spec_module}); add it or mark it")
     computed = signature_status(spec_params, _mc_params(obj))
     status = declared or computed
