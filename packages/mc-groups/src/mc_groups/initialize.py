@@ -39,10 +39,8 @@ from mc_groups.rank_generator import ParallelSizes, _role_rank_lists, validate_s
 
 __all__ = [
     "DistributedNotInitializedError",
-    "ParallelSizes",
     "destroy_model_parallel",
     "initialize_model_parallel",
-    "validate_sizes",
 ]
 
 

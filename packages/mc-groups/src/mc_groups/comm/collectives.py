@@ -84,7 +84,6 @@ from mc_groups.argcheck import (
     check_tensor,
     type_name,
 )
-from mc_groups.collection import is_group_live
 from mc_groups.comm.cross_rank import cross_check, key_device
 from mc_groups.comm.recorder import _REGISTRY, CollectiveRecord, _emit
 from mc_groups.errors import CollectiveError, InputTypeError, InputValueError
@@ -104,7 +103,6 @@ __all__ = [
     "group_rank",
     "group_ranks",
     "group_size",
-    "is_group_live",
     "record_p2p_ops",
     "recv",
     "reduce_scatter",
