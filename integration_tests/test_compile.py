@@ -99,7 +99,7 @@ def _llama(sp: bool, how: str) -> dict[str, Any]:
             call = torch.compile(compiled, fullgraph=True, backend=BACKEND)
         torch._dynamo.reset()
         counters.clear()
-        eager(input_ids=ids, labels=ids)  # the first forwards (agreement) of the eager copy
+        eager(input_ids=ids, labels=ids)  # the eager copy's first forward (lazy imports)
         eager.zero_grad()
         call(input_ids=ids, labels=ids)  # compiles (fullgraph=True: a graph break raises)
         compiled.zero_grad()

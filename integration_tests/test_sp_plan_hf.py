@@ -159,7 +159,7 @@ def _schedule(kind: str, tie: bool, overrides: dict[str, str]) -> dict[str, Any]
     plan = sequence_parallel_plan(model, {**model.tp_plan, **overrides})
     parallelize(model, plan, config=cfg, pg_collection=pgc)
     ids = global_batch(0)
-    model(input_ids=ids, labels=ids).loss.backward()  # the agreement exchange happens here
+    model(input_ids=ids, labels=ids).loss.backward()  # a warm-up step
     with mg.record_collectives() as log:
         loss = model(input_ids=ids, labels=ids).loss
         forward = Counter((r.op, r.bytes) for r in log)
@@ -273,7 +273,7 @@ def _bare(steps: int, lr: float) -> tuple[Run, tuple[int, int], bool, dict[str, 
     for step in range(steps):
         ddp.zero_grad_buffer()
         ids = global_batch(step)[rows]
-        with mg.record_collectives() as log:  # step 1: after the first forward's agreement
+        with mg.record_collectives() as log:  # every step: the same collectives
             hidden = ddp(input_ids=ids).last_hidden_state
             forward = Counter((r.op, r.bytes) for r in log if r.group_ranks == tp)
             shape = (hidden.shape[0], hidden.shape[1])

@@ -22,10 +22,10 @@ _FLAGS = (
     "flags must be bools and `params_dtype` / `output_dtype` floating point (Megatron reads "
     "any truthy value: `bias='no'` made a bias)"
 )
-_FIRST_FORWARD = (
-    "The first forward compares how the TP peers built their layers (one 8-byte exchange per "
-    "group for every layer built since; `mc_tp_layers.check_tp_agreement`): a mismatch is "
-    "`TensorParallelAgreementError` on every rank"
+_AGREE = (
+    "the constructor compares how the TP peers built the layer (one 8-byte exchange over its "
+    "TP group; none in any forward): a mismatch is `TensorParallelAgreementError` on every "
+    "rank"
 )
 _DEFAULT_GROUPS = (
     "`pg_collection=None` reads the registered default collection (Megatron: parallel_state "
@@ -123,12 +123,12 @@ NOTES: dict[str, tuple[str | None, str]] = {
         "the full master weight is built with the CPU generator and sliced, so TP=N equals "
         "TP=1 sliced (stride honoured)",
     ),
-    "VocabParallelEmbedding": ("extended", _RNG + "; " + _FLAGS),
+    "VocabParallelEmbedding": ("extended", _RNG + "; " + _FLAGS + "; " + _AGREE),
     "VocabParallelEmbedding.forward": (
         "differs",
         "ids outside [0, num_embeddings) are an error at every TP size (CPU: ValueError "
         "before any collective; CUDA: an asynchronous device assert); Megatron embeds them "
-        "to zeros at TP > 1 and raises torch's IndexError at TP = 1. " + _FIRST_FORWARD,
+        "to zeros at TP > 1 and raises torch's IndexError at TP = 1",
     ),
     "VocabParallelEmbedding.sharded_state_dict": ("differs", _DCP),
     "LinearWithFrozenWeight": (
@@ -140,12 +140,10 @@ NOTES: dict[str, tuple[str | None, str]] = {
         "gtp_remat wgrads are pre-scaled by 1/gtp_remat (1 under calculate_per_token_loss) "
         "before their SUM reduce-scatter, as Megatron's `_prescale_wgrads_for_mean_rs`",
     ),
-    "ColumnParallelLinear": ("extended", _RNG + "; " + _FLAGS),
-    "ColumnParallelLinear.forward": (None, _FIRST_FORWARD),
-    "RowParallelLinear.forward": (None, _FIRST_FORWARD),
+    "ColumnParallelLinear": ("extended", _RNG + "; " + _FLAGS + "; " + _AGREE),
     "RowParallelLinear": (
         "differs",
-        _RNG + "; " + _FLAGS + "; an expert layer's bias is not tagged `sequence_parallel`: "
+        _RNG + "; " + _FLAGS + "; " + _AGREE + "; an expert layer's bias is not tagged `sequence_parallel`: "
         "Megatron tags it, and "
         "finalize then sums over the dense TP group an expert-bias grad that DDP already "
         "reduced (2.0× at TP = 2, ETP = 1; integration_tests/test_parity_experts.py)",
@@ -355,8 +353,8 @@ DELIBERATE = """\
   keyword-only `ignore_index` (loss 0 and no gradient there, as `F.cross_entropy`);
   `VocabParallelEmbedding` refuses ids outside [0, num_embeddings) (Megatron: zeros at
   TP > 1, torch's IndexError at TP = 1). CPU: ValueError; CUDA: asynchronous device assert.
-- **Agreement across the TP group.** The first forward (or `check_tp_agreement`) compares
-  how the TP peers built their layers, one 8-byte exchange per group; the cross-entropy's
+- **Agreement across the TP group.** Each layer's constructor compares how the TP peers
+  built it, one 8-byte exchange over its TP group (no forward exchanges); the cross-entropy's
   MAX all-reduce also compares the vocabulary slice, target, `label_smoothing` and
   `ignore_index`. Megatron compares nothing: disagreeing ranks hang, abort or train on
   wrong numbers.

@@ -163,7 +163,7 @@ def _tp_mlp(roots: dict[str, str]) -> list[str]:
             out, _ = down(F.gelu(hidden))
             out.pow(2).mean().backward()
 
-        step()  # warm-up: the first forward's checks and agreement, lazy imports
+        step()  # warm-up: lazy imports
         return _profile(step, roots)
     finally:
         mg.destroy_model_parallel(pgc)

@@ -18,8 +18,8 @@ its mechanism, under Megatron's module names where Megatron has one:
 - :func:`full_state_dict` / :func:`load_full_state_dict` (whole tensors, any mc model;
   :mod:`mc_tp_layers.shards`) and :func:`model_sharded_state_dict` (DTensor views for
   ``torch.distributed.checkpoint``; :mod:`mc_tp_layers.sharded_state`).
-- :func:`check_tp_agreement` / :class:`TensorParallelAgreementError`: TP peers compare how
-  they built their layers, once (:mod:`mc_tp_layers.agreement`).
+- :class:`TensorParallelAgreementError`: TP peers built a layer differently (each layer's
+  constructor compares it with its peers: :mod:`mc_tp_layers.agreement`).
 - :func:`backends`: which optional CUDA kernels (Transformer Engine, apex) are in use.
 
 The mappings between the TP and sequence-parallel regions are :mod:`mc_tp_layers.mappings`;
@@ -35,7 +35,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from mc_tp_layers._gemm import backends
-from mc_tp_layers.agreement import TensorParallelAgreementError, check_tp_agreement
+from mc_tp_layers.agreement import TensorParallelAgreementError
 from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
 from mc_tp_layers.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from mc_tp_layers.random import (
@@ -66,7 +66,6 @@ __all__ = [
     "TensorParallelAgreementError",
     "VocabParallelEmbedding",
     "backends",
-    "check_tp_agreement",
     "checkpoint",
     "full_state_dict",
     "get_cuda_rng_tracker",

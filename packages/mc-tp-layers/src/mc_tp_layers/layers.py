@@ -7,33 +7,32 @@ documents, ``_initialize_affine_weight_cpu`` / ``_gpu``, ``_linear_forward``,
 
 :class:`ColumnParallelLinear`, :class:`RowParallelLinear` and :class:`VocabParallelEmbedding`
 (each class states its math and collective schedule) share two bases:
-:class:`TensorParallelModule` (every layer: the config check, the TP peers' agreement,
-the DCP state dict over ``self.tp_group``) and :class:`ParallelLinear` (Column and Row:
-Megatron's ``_forward_impl`` hook, Transformer-Engine compatibility stubs, building the
-weight and bias once the subclass chose the split).
+:class:`TensorParallelModule` (every layer: the config check, the TP peers' agreement at
+construction, the DCP state dict over ``self.tp_group``) and :class:`ParallelLinear` (Column
+and Row: Megatron's ``_forward_impl`` hook, Transformer-Engine compatibility stubs, building
+the weight and bias once the subclass chose the split).
 
-One route per forward: the layer's configuration is checked when it is built; each
-forward checks its arguments locally (``_check_call``: the input, the operands' devices,
-dtypes and widths, ``main_grad`` under gradient-accumulation fusion; a few attribute
-reads), the first forward inside one status exchange over the TP group plus the
-agreement of the group's constructions (:mod:`mc_tp_layers.agreement`); then Megatron's
-``_forward_impl`` applies the linear autograd function (:mod:`mc_tp_layers.linear`) on
-the checked arguments. Where a layer's parameters live and how they are initialised is
+Check once at the boundary, then trust: the layer's configuration is checked when it is
+built, and its TP peers compare how they built it at the end of its constructor (one 8-byte
+exchange, :mod:`mc_tp_layers.agreement`). One route per forward, which communicates nothing
+besides the layer's own collectives: each forward checks its arguments locally
+(``_check_call``: the input, the operands' devices, dtypes and widths, ``main_grad`` under
+gradient-accumulation fusion; a few attribute reads), as Megatron's layers do; then
+Megatron's ``_forward_impl`` applies the linear autograd function (:mod:`mc_tp_layers.linear`)
+on the checked arguments. Where a layer's parameters live and how they are initialised is
 :mod:`mc_tp_layers.initialization`; the linear functions and their GEMMs,
 :mod:`mc_tp_layers.linear`; the TP-region mappings, :mod:`mc_tp_layers.mappings`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import mc_groups as mg
 from mc_groups import ProcessGroupCollection, param_attrs
 from mc_groups.argcheck import (
     check_flag,
@@ -220,68 +219,19 @@ def _check_sequence(x: torch.Tensor, size: int) -> None:
         )
 
 
-class _TracedCheckFailed(Exception):
-    """This rank's first-forward check failed while tracing (its own error follows)."""
-
-
-def _first_forward_exchanges(group_name: str, where: str, failure: str | None) -> bool:
-    """A TP layer's first-forward exchanges over its group (``group_name``), run natively
-    while Dynamo traces the layer (as ``_first_forward_at_trace``).
-
-    Marked as ``torch.compiler.assume_constant_result`` does: Dynamo calls it as plain Python
-    when it meets it and keeps only its (constant) result, so the exchanges happen at trace
-    time, outside any graph, and the compiled graph has no break. Every rank traces the
-    same frames, so the exchanges pair up across the TP group as the eager first forward's
-    do: the status exchange (:func:`mc_groups.fail_together`; a rank whose traced checks
-    failed passes its error text, its peers raise :class:`~mc_groups.PeerCheckError`,
-    wrapped by Dynamo, and the failing rank its own error), then the agreement of the
-    group's pending constructions. Returns whether this rank passed.
-
-    It takes the group's name, never the layer or its fingerprint: Dynamo guards on what
-    it passes here (a per-layer object by identity), and a per-layer argument would make
-    every block of a model (one code object) compile again, up to Dynamo's recompile
-    limit (8), past which ``fullgraph=True`` fails. (The group object itself reaches
-    this function as a fake while tracing, hence its name.) Keyed by the group, the
-    blocks share one graph; a block that reuses it traces nothing and exchanges nothing
-    (its constructions were settled with the group's by the first trace, and its traced
-    checks are the first block's, under the same guards). Each trace exchanges (one
-    small message per traced layer, at trace time only).
-    """
-    resolve: Any = getattr(dist.distributed_c10d, "_resolve_process_group")  # noqa: B009
-    group: dist.ProcessGroup = resolve(group_name)
-    if group.size() > 1:
-        try:
-            with mg.fail_together(group, where):
-                if failure is not None:
-                    raise _TracedCheckFailed(failure)
-        except _TracedCheckFailed:
-            return False
-        agreement.settle_group(group)
-    return failure is None
-
-
-# What torch.compiler.assume_constant_result(fn) does (torch 2.13: it sets this attribute),
-# done here directly: calling it at import would import torch._dynamo (and with it
-# torch.distributed.tensor, about a second) into every process that imports mc_tp_layers.
-# The compile tests fail (a graph break) if torch stops honouring it.
-_first_forward_exchanges._dynamo_marked_constant = True  # type: ignore[attr-defined]
-_first_forward_at_trace: Callable[[str, str, str | None], bool] = _first_forward_exchanges
-
-
 class TensorParallelModule(torch.nn.Module):
     """A layer whose parameters are split over ``self.tp_group`` (set by the subclass).
 
-    The subclass ends its constructor with :meth:`_record_construction` and runs its
-    forward's checks through :meth:`_checked` (see :mod:`mc_tp_layers.agreement`).
+    The subclass ends its constructor with :meth:`_record_construction` (its TP peers
+    compare how they built it, :mod:`mc_tp_layers.agreement`) and runs its forward's
+    checks through :meth:`_checked`.
     """
 
     tp_group: dist.ProcessGroup
-    _tp_agreement: agreement.LayerFingerprint
 
     def __init__(self, config: object) -> None:
         super().__init__()
         self.config = check_layer_config(config)
-        self._peers_checked = False  # set by the first forward (see _checked)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``torch.nn.Module._apply`` keeping each param's attributes
@@ -292,53 +242,23 @@ class TensorParallelModule(torch.nn.Module):
         return applied
 
     def _record_construction(self, fields: dict[str, object], name: str | None = None) -> None:
-        """Record what this layer was built with, for its TP peers to compare (no
-        communication here; see :mod:`mc_tp_layers.agreement`), and its params' marks by
-        name (:func:`mc_groups.param_attrs.record_marks`), so a model of mc's layers under
-        FSDP2's ``fully_shard``, which replaces the params, gets them back in every mc
-        reader with no call of the user's."""
-        fields["params_dtype"] = self.config.params_dtype
-        self._tp_agreement = agreement.register(self.tp_group, type(self).__name__, fields, name)
+        """Record this layer's params' marks by name
+        (:func:`mc_groups.param_attrs.record_marks`), so a model of mc's layers under FSDP2's
+        ``fully_shard``, which replaces the params, gets them back in every mc reader with no
+        call of the user's; then compare what this layer was built with (``fields``, and the
+        config's ``params_dtype``) with its TP peers: one exchange over ``self.tp_group``, a
+        :class:`~mc_tp_layers.TensorParallelAgreementError` on every rank of the group when
+        they differ (see :mod:`mc_tp_layers.agreement`). Last in the constructor."""
         param_attrs.record_marks(self)
+        fields["params_dtype"] = self.config.params_dtype
+        agreement._agree(self.tp_group, type(self).__name__, fields, name)
 
     def _checked(self, check: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        """``check(*args)``: a forward's per-call checks (cheap, local), once the TP group
-        was found alive (a dictionary lookup).
-
-        On the layer's first forward they run inside one status exchange over the TP group
-        (:func:`mc_groups.fail_together`: a check failing on one rank is an error on every
-        rank), followed by the agreement of the group's pending constructions
-        (:mod:`mc_tp_layers.agreement`); later forwards exchange nothing. While
-        ``torch.compile`` traces a first forward, the checks are traced (Dynamo guards what
-        they read) and the exchanges run natively at trace time
-        (:func:`_first_forward_at_trace`)."""
+        """``check(*args)``: a forward's per-call checks (cheap, local: nothing is
+        exchanged), once the TP group was found alive (a dictionary lookup)."""
         if not is_group_live(self.tp_group):
             check_group(f"{type(self).__name__}'s tp_group", self.tp_group)
-        if self._peers_checked:
-            return check(*args, **kwargs)
-        with self._first_forward_checks():
-            return check(*args, **kwargs)
-
-    @contextmanager
-    def _first_forward_checks(self) -> Iterator[None]:
-        """Around the first forward's checks (see :meth:`_checked`)."""
-        if torch.compiler.is_compiling():
-            where = f"{type(self).__name__}'s first forward"
-            failure = None
-            try:
-                yield
-            except Exception as err:
-                failure = err
-            _first_forward_at_trace(
-                self.tp_group.group_name, where, None if failure is None else str(failure)
-            )
-            if failure is not None:
-                raise failure
-            return
-        with mg.fail_together(self.tp_group, f"{type(self).__name__}'s first forward"):
-            yield
-        agreement.settle(self._tp_agreement)
-        self._peers_checked = True
+        return check(*args, **kwargs)
 
     def sharded_state_dict(
         self,
@@ -722,9 +642,6 @@ class ColumnParallelLinear(ParallelLinear):
             weight: the weight to use (needed with ``skip_weight_param_allocation``).
             runtime_gather_output: overrides ``gather_output`` for this call (a bool, or
                 None to keep it).
-
-        The first forward first compares this TP group's pending layer constructions (see
-        :mod:`mc_tp_layers.agreement`).
         """
         x, w, bias = self._checked(self._check_call, input_, weight, runtime_gather_output)
         deferring = self.config.defer_embedding_wgrad_compute and w.requires_grad
@@ -903,9 +820,6 @@ class RowParallelLinear(ParallelLinear):
 
         Args:
             input_: ``[s, b, k/W]`` when ``input_is_parallel`` else ``[s, b, k]`` (or 2-D).
-
-        The first forward first compares this TP group's pending layer constructions (see
-        :mod:`mc_tp_layers.agreement`).
         """
         x, weight, bias = self._checked(self._check_call, input_)
         if not (self.input_is_parallel or self.explicit_expert_comm):
@@ -1061,9 +975,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         """Embeddings of the token ids ``input_`` (``[b, s]``), summed over the TP ranks.
 
         Returns ``[b, s, h]``, or ``[s/W, b, h]`` with ``reduce_scatter_embeddings``. Ids
-        outside ``[0, num_embeddings)`` are an error (see the module notes). The first
-        forward first compares this TP group's pending layer constructions (see
-        :mod:`mc_tp_layers.agreement`).
+        outside ``[0, num_embeddings)`` are an error (see the module notes).
         """
         ids = self._checked(self._check_ids, input_)
         world = int(self.tp_group.size())

@@ -1,14 +1,18 @@
-"""Agreement at construction (``mc_tp_layers.agreement``): TP peers built differently fail
-on every rank, at once, with the same error naming the layer, the field and the ranks.
+"""Agreement at construction (``mc_tp_layers.agreement``): TP peers that build a layer
+differently fail on every rank, at that layer's construction, with the same error naming
+the layer, the field and the ranks.
 
-Each disagreement case runs on 2 gloo ranks whose layers differ in one setting and feeds
-each rank an input its own layer accepts, so that without the check the first forward
+Each disagreement case runs on 2 gloo ranks whose layers differ in one setting; each rank
+would feed an input its own layer accepts, so that without the check the first forward
 would abort inside gloo, hang, or run on with wrong numbers (the settings the issue lists:
 Column ``input_size``, Row ``output_size`` at equal numel, ``num_embeddings``, a bias on
-one rank, a flag). The call runs under a 30 s deadline; each rank measures its own time to
-the error, which must stay under 5 s. Agreeing ranks: the exchange is one digest per group
-per batch of new layers, not recorded by ``record_collectives`` (so counts do not change)
-and the outputs equal those of layers that were never compared (exact: same GEMMs).
+one rank, a flag, and a layer more on one rank before a layer both build). The build runs
+under a 30 s deadline; each rank measures its own time to the error, which must stay under
+5 s, and no collective was issued. Agreeing ranks: one exchange of one digest per layer at
+its construction and none in any forward, not recorded by ``record_collectives`` (so
+counts do not change), and the outputs equal those of the twin layers built alike (exact:
+same GEMMs). Layers on a group of one rank and layers built under ``torch.device("meta")``
+are covered too.
 
 The vocabulary-parallel cross-entropy checks its per-call arguments itself: a vocabulary
 slice, a target, a label smoothing that differ are named on every rank (CPU), after the
@@ -92,37 +96,40 @@ def _gather_output(pgc: mg.ProcessGroupCollection, rank: int) -> tuple[Any, torc
 
 
 def _extra_layer(pgc: mg.ProcessGroupCollection, rank: int) -> tuple[Any, torch.Tensor]:
-    layers = [_column(pgc, 8, 4)] + ([_column(pgc, 8, 4)] if rank == 1 else [])
+    # rank 1 builds a Column more before the Row both build: its Column meets rank 0's Row
+    layers: list[torch.nn.Module] = [_column(pgc, 8, 4)]
+    layers += [_column(pgc, 8, 4)] if rank == 1 else []
+    layers.append(_row(pgc, 4, 8))
     return torch.nn.ModuleList(layers), torch.ones(2, 8)
 
 
 CASES: dict[str, tuple[_Build, tuple[str, ...]]] = {
     "column input_size": (
         _column_input_size,
-        ("layer #1 (ColumnParallelLinear)", "input_size = 8 on rank(s) [0], 6 on rank(s) [1]"),
+        ("ColumnParallelLinear: input_size = 8 on rank(s) [0], 6 on rank(s) [1]",),
     ),
     "row output_size at equal numel": (
         _row_output_equal_numel,
-        ("layer #1 (RowParallelLinear)", "output_size = 4 on rank(s) [0], 8 on rank(s) [1]"),
+        ("RowParallelLinear: output_size = 4 on rank(s) [0], 8 on rank(s) [1]",),
     ),
     "num_embeddings": (
         _vocab,
-        (
-            "layer #1 (VocabParallelEmbedding)",
-            "num_embeddings = 8 on rank(s) [0], 12 on rank(s) [1]",
-        ),
+        ("VocabParallelEmbedding: num_embeddings = 8 on rank(s) [0], 12 on rank(s) [1]",),
     ),
     "row bias on one rank": (
         _row_bias,
-        ("bias = False on rank(s) [0], True on rank(s) [1]",),
+        ("RowParallelLinear: bias = False on rank(s) [0], True on rank(s) [1]",),
     ),
     "gather_output": (
         _gather_output,
-        ("gather_output = True on rank(s) [0], False on rank(s) [1]",),
+        ("ColumnParallelLinear: gather_output = True on rank(s) [0], False on rank(s) [1]",),
     ),
     "a layer more on one rank": (
         _extra_layer,
-        ("number of layers built on this group: 1 on rank(s) [0], 2 on rank(s) [1]",),
+        (
+            "class = RowParallelLinear on rank(s) [0], ColumnParallelLinear on rank(s) [1] "
+            "(the ranks built different layers at this point",
+        ),
     ),
 }
 
@@ -136,14 +143,15 @@ def _disagree(case: str) -> dict[str, Any]:
     pgc = world(2)
     try:
         rank = mg.group_rank(pgc.require("tp", "test"))
-        module, x = CASES[case][0](pgc, rank)
         started = time.monotonic()
         with mg.record_collectives() as log:
             try:
-                _forward(module, x)
+                module, x = CASES[case][0](pgc, rank)
                 error = "no error"
             except tpl.TensorParallelAgreementError as err:
                 error = str(err)
+            if error == "no error":  # without the check: the first forward
+                _forward(module, x)
         return {"error": error, "seconds": time.monotonic() - started, "log": len(log)}
     finally:
         mg.destroy_model_parallel(pgc)
@@ -156,150 +164,131 @@ def test_ranks_built_differently_fail_alike_naming_field_layer_and_ranks(
     outs = rank_pools.get(2).run_with_deadline(DEADLINE_S, _disagree, case)
     assert outs[0]["error"] == outs[1]["error"]  # the same message on every rank
     message = outs[0]["error"]
-    assert message.startswith("tensor-parallel group ranks [0, 1] built their layers differently")
+    assert message.startswith(
+        "tensor-parallel group ranks [0, 1] built their layers differently (compared as each "
+        "layer was built"
+    )
     for part in CASES[case][1]:
         assert part in message, f"{part!r} not in {message!r}"
     for out in outs:
         assert out["seconds"] < WITHIN_S
-        assert out["log"] == 0  # nothing of the layer's own schedule was issued
+        assert out["log"] == 0  # nothing of the layers' own schedule was issued
 
 
 def _agree() -> dict[str, Any]:
     pgc = world(2)
     spy = mock.patch.object(mg, "cross_check", wraps=cross_rank.cross_check)
     try:
-        with spy as calls:
+        with spy as calls, mg.record_collectives() as built:
             torch.manual_seed(0)
             cfg = config(2)
             init = torch.nn.init.normal_
             up = tpl.ColumnParallelLinear(8, 16, config=cfg, init_method=init, pg_collection=pgc)
             down = _row(pgc, 16, 8, bias=True)
+            after_two = calls.call_count
             torch.manual_seed(0)
             twin_up = tpl.ColumnParallelLinear(
                 8, 16, config=cfg, init_method=init, pg_collection=pgc
             )
             twin_down = _row(pgc, 16, 8, bias=True)
-            ledger = up._tp_agreement.ledger
-            pending_before = 0 if ledger is None else len(ledger.pending)
+            after_build = calls.call_count
             x = randn(3, 2, 8, seed=4)
             with mg.record_collectives() as first:
                 y = down(up(x)[0])[0]
-            after_first = calls.call_count
             with mg.record_collectives() as second:
                 y2 = down(up(x)[0])[0]
-            # the twins were compared in the same batch: their first forward exchanges nothing
             y_twin = twin_down(twin_up(x)[0])[0]
             total = calls.call_count
         return {
-            "pending_before": pending_before,
-            "exchanges_first": after_first,
+            "after_two": after_two,
+            "after_build": after_build,
             "exchanges_total": total,
+            "built": [r.op for r in built if r.op != "all_reduce"],
             "first": [r.op for r in first],
             "second": [r.op for r in second],
             "equal": torch.equal(y, y2) and torch.equal(y, y_twin),
-            "checked": all(m._tp_agreement.checked for m in (up, down, twin_up, twin_down)),
         }
     finally:
         mg.destroy_model_parallel(pgc)
 
 
-def test_agreeing_ranks_exchange_one_digest_per_batch_and_nothing_per_step(
+def test_agreeing_ranks_exchange_one_digest_per_layer_when_built_and_nothing_in_forwards(
     rank_pools: RankPools,
 ) -> None:
     for out in rank_pools.get(2).run(_agree):
-        assert out["pending_before"] == 4  # every layer built on the group, none compared yet
-        assert out["exchanges_first"] == 1  # one exchange for all four, at the first forward
-        assert out["exchanges_total"] == 1  # none later, none for the twins
+        assert out["after_two"] == 2  # one exchange per layer, in its constructor
+        assert out["after_build"] == 4
+        assert out["exchanges_total"] == 4  # none in any forward (first or later)
+        assert out["built"] == []  # the exchanges are not recorded as collectives
         assert out["first"] == out["second"] == ["all_reduce"]  # the Row all-reduce only
         assert out["equal"]
-        assert out["checked"]
 
 
-def _explicit_check() -> dict[str, Any]:
-    pgc = world(2)
-    try:
-        rank = mg.group_rank(pgc.require("tp", "test"))
-        model = torch.nn.Sequential()
-        model.add_module("embed", _embedding(pgc, 8))
-        model.add_module("head", _column(pgc, 4, 8 if rank == 0 else 16))
-        lone = _column(pgc, 4, 8)  # built on the group too, not part of the model
-        try:
-            tpl.check_tp_agreement(model)
-            error = "no error"
-        except tpl.TensorParallelAgreementError as err:
-            error = str(err)
-        return {"error": error, "lone_pending": not lone._tp_agreement.checked}
-    finally:
-        mg.destroy_model_parallel(pgc)
-
-
-def test_check_tp_agreement_names_layers_by_their_path(rank_pools: RankPools) -> None:
-    outs = rank_pools.get(2).run_with_deadline(DEADLINE_S, _explicit_check)
-    assert outs[0]["error"] == outs[1]["error"]
-    assert (
-        "layer #2 (ColumnParallelLinear 'head'): output_size = 8 on rank(s) [0], 16 on rank(s) [1]"
-        in outs[0]["error"]
-    )
-    assert all(out["lone_pending"] for out in outs)  # a failed comparison settles nothing
-
-
-def _explicit_then_forward() -> dict[str, Any]:
-    pgc = world(2)
-    try:
-        model = torch.nn.Sequential(_column(pgc, 4, 8), _column(pgc, 4, 8, gather_output=True))
-        compared = tpl.check_tp_agreement([model])
-        again = tpl.check_tp_agreement(model)
-        with mg.record_collectives() as log:
-            out = model[1](model[0](torch.ones(2, 4))[0])[0]
-        return {
-            "compared": compared,
-            "again": again,
-            "log": [r.op for r in log],
-            "shape": tuple(out.shape),
-        }
-    finally:
-        mg.destroy_model_parallel(pgc)
-
-
-def test_check_tp_agreement_compares_once(rank_pools: RankPools) -> None:
-    for out in rank_pools.get(2).run(_explicit_then_forward):
-        assert (out["compared"], out["again"]) == (2, 0)
-        assert out["log"] == ["all_gather"]
-        assert out["shape"] == (2, 8)
-
-
-def test_check_tp_agreement_refuses_what_is_not_a_module() -> None:
-    with pytest.raises(TypeError, match=r"model\[0\]='fc1' must be a torch.nn.Module"):
-        tpl.check_tp_agreement(["fc1"])  # type: ignore[list-item]
-
-
-def _one_rank_group() -> bool:
+def _one_rank_group() -> list[str]:
     pgc = world(1)
     try:
-        layer = tpl.ColumnParallelLinear(
-            4, 8, config=config(1), init_method=torch.nn.init.ones_, pg_collection=pgc
-        )
-        return layer._tp_agreement.checked and layer._tp_agreement.ledger is None
+        with mg.record_collectives(status_exchanges=True) as log:
+            tpl.ColumnParallelLinear(
+                4, 8, config=config(1), init_method=torch.nn.init.ones_, pg_collection=pgc
+            )
+        return [r.op for r in log]
     finally:
         mg.destroy_model_parallel(pgc)
 
 
 def test_one_rank_groups_compare_nothing(rank_pools: RankPools) -> None:
-    assert rank_pools.get(2).run(_one_rank_group) == [True, True]
+    assert rank_pools.get(2).run(_one_rank_group) == [[], []]
+
+
+def _meta_build() -> dict[str, Any]:
+    """Built under ``torch.device("meta")`` (as FSDP2 / torchtitan initialise): the digest
+    is made where the group's backend needs it, not on the default (meta) device."""
+    pgc = world(2)
+    try:
+        rank = mg.group_rank(pgc.require("tp", "test"))
+        cfg = config(2, perform_initialization=False)
+        out: dict[str, Any] = {}
+        with torch.device("meta"), mg.record_collectives(status_exchanges=True) as log:
+            tpl.ColumnParallelLinear(8, 4, config=cfg, init_method=Z, pg_collection=pgc)
+            try:
+                tpl.RowParallelLinear(
+                    8,
+                    4 if rank == 0 else 8,
+                    config=cfg,
+                    init_method=Z,
+                    bias=False,
+                    input_is_parallel=True,
+                    skip_bias_add=False,
+                    pg_collection=pgc,
+                )
+                out["error"] = "no error"
+            except tpl.TensorParallelAgreementError as err:
+                out["error"] = str(err)
+        out["log"] = [(r.op, r.label) for r in log]
+        return out
+    finally:
+        mg.destroy_model_parallel(pgc)
+
+
+def test_layers_built_on_the_meta_device_compare_alike(rank_pools: RankPools) -> None:
+    outs = rank_pools.get(2).run_with_deadline(DEADLINE_S, _meta_build)
+    assert outs[0]["error"] == outs[1]["error"]
+    assert "RowParallelLinear: output_size = 4 on rank(s) [0], 8 on rank(s) [1]" in outs[0]["error"]
+    for out in outs:
+        assert out["log"] == [("status_exchange", "tensor-parallel layer construction")] * 2
 
 
 def _peer_busy_elsewhere() -> dict[str, str]:
-    """Rank 0's first forward compares layers while rank 1 runs an all-reduce: with the
+    """Rank 0 builds a layer (its exchange) while rank 1 runs an all-reduce: with the
     schedule check on, both raise the schedule check's error, which says what each was
     about to run (the agreement code passes it through)."""
     pgc = world(2)
     try:
         rank = mg.group_rank(pgc.require("tp", "test"))
-        layer = _column(pgc, 4, 8)
         with mg.check_collective_schedule():
             try:
                 if rank == 0:
-                    layer(torch.ones(2, 4))
+                    _column(pgc, 4, 8)
                 else:
                     mg.all_reduce(torch.ones(3), pgc.require("tp", "test"), label="elsewhere")
                 return {"kind": "no error", "message": ""}
@@ -313,8 +302,8 @@ def test_a_peer_running_another_collective_gets_the_schedule_error(rank_pools: R
     outs = rank_pools.get(2).run_with_deadline(DEADLINE_S, _peer_busy_elsewhere)
     assert [o["kind"] for o in outs] == ["CollectiveScheduleError"] * 2
     assert outs[0]["message"] == outs[1]["message"]
-    # rank 0 is at its first forward's status exchange (mc_groups.fail_together)
-    assert "rank(s) [0]: ColumnParallelLinear's first forward" in outs[0]["message"]
+    # rank 0 is at its layer's construction exchange
+    assert "rank(s) [0]: tensor-parallel layer construction" in outs[0]["message"]
     assert "rank(s) [1]: all_reduce(sum) 'elsewhere' of 3 × float32" in outs[0]["message"]
 
 

@@ -1,8 +1,9 @@
 """mc's TP layers under ``torch.compile(fullgraph=True)``, TP = 2.
 
 Each case builds the same layers twice from one seed (freshly built: the compiled copy's
-first forward, with its agreement exchange, happens while Dynamo traces), runs one
-forward and backward eagerly and compiled on the same inputs, and compares:
+first forward happens while Dynamo traces; the layers' agreement ran at construction, so
+no forward exchanges anything), runs one forward and backward eagerly and compiled on the
+same inputs, and compares:
 
 - outputs and every gradient: compiled equals eager within 1e-5 relative to each tensor's
   scale (``_helpers.assert_close``; eager itself is held to 1-process references by
@@ -26,12 +27,12 @@ Cases: Column → GELU → Row with sequence parallelism off, and on with
 compiled backward); ``VocabParallelEmbedding`` → Column head → ``vocab_parallel_cross_entropy``,
 whose range checks hold in compiled code (an id or target out of range raises when the
 compiled step runs). A check that fails on one rank only at a fresh layer's first
-(traced) forward stops both ranks: the failing rank raises its own error, its peer the
-``PeerCheckError`` of the status exchange that ran while tracing. And more MLP blocks than
-Dynamo's recompile limit (8), each compiled with ``fullgraph=True`` as torchtitan compiles
-every block, compile once and share the graph (before, the first-forward exchange guarded
-on each layer's identity: a recompile per block, and ``FailOnRecompileLimitHit`` past 8),
-with the eager blocks' output.
+(traced) forward is that rank's own clear error naming the argument (no graph break, no
+exchange: its peer, whose forward issues no collective, runs on, as in eager mode). And
+more MLP blocks than Dynamo's recompile limit (8), each compiled with ``fullgraph=True`` as
+torchtitan compiles every block, compile once and share the graph (nothing in a layer's
+forward may guard on the layer's identity: a recompile per block, and
+``FailOnRecompileLimitHit`` past 8), with the eager blocks' output.
 """
 
 from __future__ import annotations
@@ -294,8 +295,7 @@ def test_embedding_and_vocab_parallel_loss_compile_whole(rank_pools: RankPools) 
             assert "input_" in failed, failed
             assert f"{H + 1}" in failed, failed
         else:
-            assert "PeerCheckError" in failed, failed
-            assert "rank(s) [1]" in failed, failed
+            assert failed == "no error", failed
         many = res["many blocks"]
         assert many["blocks"] > 8
         assert many["graphs"] == 1  # the blocks share one graph: no recompile per block

@@ -189,7 +189,6 @@ def _new_cases(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[], Any]]:
         "copy_attributes_none": lambda: copy_tensor_model_parallel_attributes(
             _loose(None), torch.ones(1)
         ),
-        "agreement_model": lambda: tpl.check_tp_agreement(_loose("model")),
     }
 
 
@@ -958,12 +957,6 @@ EXPECTED: dict[str, Case] = {
         ("destination_tensor must be a torch.Tensor, got NoneType",),
         "`copy_tensor_model_parallel_attributes(dst, src)`",
         "`None`",
-    ),
-    "agreement_model": Case(
-        "TypeError",
-        ("model='model' must be a torch.nn.Module or a list of model chunks",),
-        "`check_tp_agreement(model)`",
-        "`'model'`",
     ),
 }
 

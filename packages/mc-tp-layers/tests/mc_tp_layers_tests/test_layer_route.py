@@ -98,7 +98,7 @@ def _params_and_hooks() -> dict[str, Any]:
     out: dict[str, Any] = {}
     with torch.no_grad():
         logs = []
-        for _ in range(2):  # the first forward (with its exchanges) and a later one
+        for _ in range(2):  # the first forward and a later one: the same route
             with mg.record_collectives() as log:
                 out.setdefault("col", []).append(col(x)[0].clone())
                 out.setdefault("row", []).append(row(h)[0].clone())

@@ -142,14 +142,15 @@ def test_a_rank_skipping_a_tp_layer_is_caught_by_the_schedule_check(
     rank_pools: RankPools,
 ) -> None:
     outs = rank_pools.get(2).run(_skipping_a_layer)
-    # rank 0 is at block 2's first forward (its status exchange, mc_groups.fail_together)
-    # when rank 1 (blocks 0 and 2 only) has started backward with block 2's dgrad all-reduce
+    # rank 0 is at block 2's Row all-reduce (block 1's matched rank 1's block 2: same op,
+    # size and label) when rank 1 (blocks 0 and 2 only) has started backward with block 2's
+    # dgrad all-reduce
     assert [o["where"] for o in outs] == ["forward", "backward"]
     assert outs[0]["message"] == outs[1]["message"]
     assert outs[0]["message"].startswith(
         "collective schedule mismatch on group ranks [0, 1]: the ranks were about to run 2 "
         "different collectives or checks (none was issued):\n"
-        "  rank(s) [0]: ColumnParallelLinear's first forward\n"
+        "  rank(s) [0]: all_reduce(sum) 'tp all-reduce' of 64 × float32, shape (4, 2, 8)\n"
         "  rank(s) [1]: all_reduce(sum) 'tp dgrad all-reduce' of 64 × float32, shape (4, 2, 8)"
     )
 

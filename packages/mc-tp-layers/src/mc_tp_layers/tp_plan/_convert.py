@@ -118,9 +118,9 @@ def parallelize(
     Every check runs before any module changes: a pattern matching nothing, a module matched
     twice, an unknown style, a style on the wrong kind of module, sizes or attention heads
     (a parent's ``head_dim``) not divisible by W, a tied weight the plan splits differently
-    are ``ValueError``/``TypeError`` naming the module, the style and the fix. Nothing here
-    communicates; each layer's first forward compares its TP peers' construction
-    (:mod:`mc_tp_layers.agreement`).
+    are ``ValueError``/``TypeError`` naming the module, the style and the fix. The only
+    communication is each converted layer's construction, where its TP peers compare how
+    they built it (one 8-byte exchange per layer, :mod:`mc_tp_layers.agreement`).
     """
     setup, targets = _check(module, plan, config, pg_collection, sequence_dim)
     converted: dict[int, torch.nn.Parameter] = {}
