@@ -143,8 +143,12 @@ NOTES: dict[str, tuple[str | None, str]] = {
     "ColumnParallelLinear": ("extended", _RNG + "; " + _FLAGS + "; " + _AGREE),
     "RowParallelLinear": (
         "differs",
-        _RNG + "; " + _FLAGS + "; " + _AGREE + "; an expert layer's bias is not tagged `sequence_parallel`: "
-        "Megatron tags it, and "
+        _RNG
+        + "; "
+        + _FLAGS
+        + "; "
+        + _AGREE
+        + "; an expert layer's bias is not tagged `sequence_parallel`: Megatron tags it, and "
         "finalize then sums over the dense TP group an expert-bias grad that DDP already "
         "reduced (2.0× at TP = 2, ETP = 1; integration_tests/test_parity_experts.py)",
     ),
