@@ -366,6 +366,7 @@ def _allreduce_word_embedding_grads(
     """Step 6 alone: the shared word-embedding grad over the first and last stage. Both
     groups None: the default collection's (``embd`` None: this rank holds no copy)."""
     what = "_allreduce_word_embedding_grads"
+    _checked_config(config, what)  # also where no group has a second copy to reduce
     if embd_group is None and pp_group is None:
         embd_group = _group(None, "embd_group", "embd", what, required=False)
         pp_group = _group(None, "pp_group", "pp", what, required=False)
