@@ -41,7 +41,7 @@ from integration_tests._sweep_cases.base import (
 )
 from integration_tests._sweep_cases.buffers import _buffer_slots
 from integration_tests._sweep_cases.ddp import _ddp_config_slots, _ddp_slots
-from integration_tests._sweep_cases.ddp_optimizer import _optimizer_slots
+from integration_tests._sweep_cases.ddp_optimizer import _fsdp2_slots, _optimizer_slots
 from integration_tests._sweep_cases.finalize import _finalize_slots, _step_slots
 from integration_tests._sweep_cases.groups_collectives import (
     _collective_slots,
@@ -94,6 +94,7 @@ for _register in (
     _ddp_config_slots,
     _ddp_slots,
     _optimizer_slots,
+    _fsdp2_slots,
     _layer_slots,
     _function_slots,
     _rng_slots,

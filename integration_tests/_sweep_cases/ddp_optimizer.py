@@ -20,6 +20,7 @@ from integration_tests._sweep_cases.base import (
     mg,
     misuse,
     mlp,
+    mp_config,
     step,
     z,
 )
@@ -307,3 +308,171 @@ def _step_offloaded(ctx: Ctx) -> None:
     ddp_step(model)
     model.offload_grad_buffers()
     opt.step()
+
+
+def _fsdp2(ctx: Ctx, *args: Any, **kw: Any) -> Any:
+    """``TorchFullyShardedDataParallel`` of a fresh model over the one-rank world."""
+    config = kw.pop("ddp_config", md.TorchFullyShardedDataParallelConfig())
+    module = kw.pop("module", mlp())
+    return md.TorchFullyShardedDataParallel(
+        mp_config(), config, module, *args, pg_collection=ctx.pgc, **kw
+    )
+
+
+def _stepped(ctx: Ctx) -> Any:
+    """A plain model after one backward (grads in ``param.grad``)."""
+    model = mlp()
+    step(model)
+    return model
+
+
+def _torch_state(ctx: Ctx, **kw: Any) -> Any:
+    """``optimizer_sharded_state_dict`` of an SGD over a plain model (a build for loading)."""
+    from mc_tp_layers import model_sharded_state_dict
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    views = kw.pop("views", model_sharded_state_dict(model))
+    kw.setdefault("is_loading", True)
+    return md.optimizer_sharded_state_dict(kw.pop("optimizer", opt), views, **kw)
+
+
+def _fsdp2_slots() -> None:
+    """The FSDP2 entry points: the wrapper and its config, ``clip_grad_norm``, the torch
+    optimizer's sharded state."""
+    bad: tuple[object, ...]
+    for name, bad in (
+        ("module", (None, "x", Opaque())),
+        ("ddp_config", (None, {}, "x")),
+        ("mp_policy", ("bf16", 1)),
+    ):
+        arg(
+            D,
+            f"TorchFullyShardedDataParallel({name}=)",
+            "misuse",
+            lambda c, v, n=name: _fsdp2(c, **{n: v}),
+            (name,),
+            values=bad,
+            only=True,
+        )
+    arg(
+        D,
+        "TorchFullyShardedDataParallel(sub_modules_to_wrap=)",
+        "misuse",
+        _fsdp2,
+        ("sub_modules_to_wrap",),
+        values=("Linear", 3, [Opaque()], [torch.nn.Linear(2, 2)]),
+        only=True,
+    )
+    arg(
+        D,
+        "TorchFullyShardedDataParallel(disable_bucketing=)",
+        "flag",
+        lambda c, v: _fsdp2(c, None, v),
+    )
+    arg(
+        D,
+        "TorchFullyShardedDataParallel(process_group=)",
+        "misuse",
+        lambda c, v: _fsdp2(c, None, False, v),
+        ("process_group",),
+        values=("tp", 0, Ref("pgc")),
+        only=True,
+    )
+    for name, bad in (
+        ("reshard_after_forward", (1, 0, -2, "yes", 2.5)),
+        ("gradient_accumulation_mode", ("sum", 1, None)),
+        ("clone_output_views", (True,)),
+    ):
+        arg(
+            D,
+            f"TorchFullyShardedDataParallelConfig({name}=)",
+            "misuse",
+            lambda c, v, n=name: md.TorchFullyShardedDataParallelConfig(**{n: v}),
+            (name,),
+            values=bad,
+            only=True,
+        )
+    arg(
+        D,
+        "TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=)",
+        "flag",
+        lambda c, v: md.TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=v),
+    )
+    arg(
+        D,
+        "clip_grad_norm(model=)",
+        "misuse",
+        lambda c, v: md.clip_grad_norm(v, 1.0, pg_collection=c.pgc),
+        ("model",),
+        values=(None, [], "x", [Opaque()], Ref("ddp")),
+        only=True,
+    )
+    arg(
+        D,
+        "clip_grad_norm(max_norm=)",
+        "real",
+        lambda c, v: md.clip_grad_norm(_stepped(c), v, pg_collection=c.pgc),
+        values=(0.0, -1.0),
+    )
+    arg(
+        D,
+        "clip_grad_norm(norm_type=)",
+        "misuse",
+        lambda c, v: md.clip_grad_norm(_stepped(c), 1.0, v, pg_collection=c.pgc),
+        ("norm_type",),
+        values=("fro", 0.5, 0, NAN, True, None),
+        only=True,
+    )
+    arg(
+        D,
+        "clip_grad_norm(grad_scaler=)",
+        "misuse",
+        lambda c, v: md.clip_grad_norm(_stepped(c), 1.0, grad_scaler=v, pg_collection=c.pgc),
+        ("grad_scaler",),
+        values=("x", 1.0),
+        only=True,
+    )
+    arg(
+        D,
+        "clip_grad_norm(error_if_nonfinite=)",
+        "flag",
+        lambda c, v: md.clip_grad_norm(_stepped(c), 1.0, error_if_nonfinite=v, pg_collection=c.pgc),
+    )
+    arg(
+        D,
+        "optimizer_sharded_state_dict(optimizer=)",
+        "misuse",
+        lambda c, v: _torch_state(c, optimizer=v),
+        ("optimizer",),
+        values=(None, "sgd", Opaque()),
+        only=True,
+    )
+    arg(
+        D,
+        "optimizer_sharded_state_dict(model_sharded_state_dict=)",
+        "misuse",
+        lambda c, v: _torch_state(c, views=v),
+        ("model_sharded_state_dict",),
+        values=(None, [1], "x"),
+        only=True,
+    )
+    arg(
+        D,
+        "optimizer_sharded_state_dict(is_loading=)",
+        "flag",
+        lambda c, v: _torch_state(c, is_loading=v),
+        good=True,
+    )
+    arg(D, "optimizer_sharded_state_dict(prefix=)", "text", lambda c, v: _torch_state(c, prefix=v))
+    arg(
+        D,
+        "load_optimizer_sharded_state_dict(state_dict=)",
+        "misuse",
+        lambda c, v: md.load_optimizer_sharded_state_dict(
+            torch.optim.SGD(mlp().parameters(), lr=0.1), v, {}
+        ),
+        ("state_dict",),
+        values=(None, 3, "x"),
+        only=True,
+    )

@@ -32,6 +32,7 @@ from mc_tp_layers.layers import (
     set_tensor_model_parallel_attributes,
 )
 from mc_tp_layers.linear import (
+    drain_embedding_wgrad_compute,
     linear_with_frozen_weight,
     linear_with_grad_accumulation_and_async_allreduce,
 )
@@ -373,7 +374,7 @@ def _function_slots() -> None:
         T,
         "drain_embedding_wgrad_compute(weight=)",
         "misuse",
-        lambda c, v: tpl.drain_embedding_wgrad_compute(
+        lambda c, v: drain_embedding_wgrad_compute(
             tp_config(), [torch.ones(2, 4)], [torch.ones(2, 6)], v, c.world_group
         ),
         ("weight", "main_grad"),
@@ -401,9 +402,7 @@ _FROZEN: dict[str, Any] = {
 def _drain_keeps(ctx: Ctx) -> None:
     acts, grads = [torch.ones(2, 4)], [torch.ones(2, 6)]
     try:
-        tpl.drain_embedding_wgrad_compute(
-            tp_config(), acts, grads, torch.ones(6, 4), ctx.world_group
-        )
+        drain_embedding_wgrad_compute(tp_config(), acts, grads, torch.ones(6, 4), ctx.world_group)
     except (TypeError, ValueError):
         if len(acts) == 1 and len(grads) == 1:
             raise
