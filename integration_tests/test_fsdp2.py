@@ -739,6 +739,69 @@ def test_fused_wqkv_checkpoints_compose_with_the_models_hooks(rank_pools: RankPo
         assert not any(".wq.weight" in k for k in got["views"]), entry
 
 
+def _packed_views(strides: list[int]) -> list[dict[str, Any]] | None:
+    """Per stride ``k``: a packed colwise layer (``ColumnParallelLinear(8, 8k, stride=k)``:
+    each TP shard holds its rows of each of the ``k`` parts, as ``packed_colwise`` lays
+    out a fused ``[gate; up]``) and a rowwise one, ``fully_shard`` over DP=2 (which divides
+    ``k``); the DCP views of ``model_sharded_state_dict`` made whole (``full_tensor``: over
+    TP, then DP) and ``full_state_dict``'s tensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    import mc_groups as mg
+    from mc_tp_layers import full_state_dict, model_sharded_state_dict
+    from mc_tp_layers.layers import ColumnParallelLinear, RowParallelLinear
+
+    pgc = _fresh_groups()
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True)
+    mesh = DeviceMesh.from_group(pgc.dp_cp, "cpu")
+    out = []
+    for stride in strides:
+        torch.manual_seed(stride)  # the same whole weights on every rank, distinct values
+        init = torch.nn.init.normal_
+        model = torch.nn.Sequential(
+            ColumnParallelLinear(
+                8, 8 * stride, config=cfg, init_method=init, stride=stride, pg_collection=pgc
+            ),
+            RowParallelLinear(
+                8 * stride,
+                8,
+                config=cfg,
+                init_method=init,
+                bias=True,
+                skip_bias_add=False,
+                input_is_parallel=True,
+                pg_collection=pgc,
+            ),
+        )
+        fully_shard(model, mesh=mesh)
+        dcp: dict[str, Any] = model_sharded_state_dict(model)  # DTensors: whole by DTensor
+        views = {k: v.full_tensor() for k, v in dcp.items()}
+        whole = {k: v for k, v in full_state_dict(model).items() if not k.endswith("_state")}
+        out.append({"views": views, "whole": whole})
+    mg.destroy_model_parallel(pgc)
+    return out if dist.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_packed_colwise_dcp_views_under_fsdp2(rank_pools: RankPools) -> None:
+    """A packed colwise weight (``partition_stride`` 2 and 4) under TP=2 × FSDP2 DP=2:
+    ``model_sharded_state_dict`` views it through its ``[k, rows/k, ..]`` layout (FSDP2's
+    rows of whole parts), and that view made whole equals the one-process tensor
+    ``full_state_dict`` gathers, exactly, as do the other params' views. (DP not dividing
+    ``k`` is refused: ``test_refusals_name_the_argument_and_the_fix``.)"""
+    result = rank_pools.get(4).run(_packed_views, [2, 4])[0]
+    assert result is not None
+    for stride, got in zip([2, 4], result, strict=True):
+        assert sorted(got["views"]) == sorted(got["whole"]), stride
+        packed = got["views"]["0.weight"]
+        assert tuple(packed.shape) == (stride, 8, 8), (stride, tuple(packed.shape))
+        for key, value in got["whole"].items():
+            view = got["views"][key].reshape(value.shape)
+            assert torch.equal(view, value), (stride, key)
+
+
 def _per_token_loss() -> Result | None:
     """torchtitan's fused Llama at TP=2 × FSDP2 DP=2 with SP through the wrapper, Megatron's
     per-token loss (``calculate_per_token_loss``): each rank's loss is the SUM over its
