@@ -16,8 +16,6 @@ rank (the reduce-scatter would have averaged different shards).
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 
@@ -84,11 +82,3 @@ def local_reduction(grad: torch.Tensor, group: dist.ProcessGroup) -> bool:
     if mesh.ndim != 1:
         return False
     return set(mesh.mesh.tolist()) & set(mg.group_ranks(group)) == {dist.get_rank()}
-
-
-def is_fsdp2(chunk: object) -> bool:
-    """``chunk`` is a module under FSDP2's ``fully_shard`` (False without importing FSDP2):
-    it reduced its grads in backward and has no ``finish_grad_sync``."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    module = getattr(fsdp, "FSDPModule", None)
-    return module is not None and isinstance(chunk, module)

@@ -73,6 +73,7 @@ is reduced over tp shard by shard (every tp peer holds the same data-parallel sh
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -218,6 +219,15 @@ def _balancing(config: object, kind: str) -> bool:
     return kind in config_value(config, "moe_router_load_balancing_type")
 
 
+def _is_fsdp2(chunk: object) -> bool:
+    """``chunk`` is a module under FSDP2's ``fully_shard`` (False without importing FSDP2):
+    it reduced its grads in backward and has no ``finish_grad_sync``. Here, not in
+    :mod:`mc_finalize._fsdp2`, so that a call with no FSDP2 module never enters that module."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module = getattr(fsdp, "FSDPModule", None)
+    return module is not None and isinstance(chunk, module)
+
+
 def _as_chunks(
     model: object, methods: Sequence[str] = ("named_parameters", "parameters")
 ) -> list[ModelChunk]:
@@ -230,7 +240,7 @@ def _as_chunks(
     if not model:
         raise InputValueError("model=[] holds no model chunk; pass the chunks this rank owns")
     for index, chunk in enumerate(model):
-        own = [m for m in methods if m != "finish_grad_sync" or not _fsdp2.is_fsdp2(chunk)]
+        own = [m for m in methods if m != "finish_grad_sync" or not _is_fsdp2(chunk)]
         missing = [m for m in own if not callable(getattr(chunk, m, None))]
         if missing:
             raise InputTypeError(
@@ -747,7 +757,7 @@ def finalize_model_grads(
         quantile_routers = _quantile_routers(chunks) if quantile else []
     # 1. the data-parallel reduction of every chunk (DDP's buckets; FSDP2 reduced in backward)
     for chunk in chunks:
-        if not _fsdp2.is_fsdp2(chunk):
+        if not _is_fsdp2(chunk):
             chunk.finish_grad_sync(force_all_reduce=force)
     # 2, 3. params replicated on every pipeline stage: SUM over pp
     _reduce_over_pp(embedders, groups.pp, "conditional embedding grads")
@@ -802,7 +812,7 @@ def _check_chunks(chunks: Sequence[ModelChunk], tp: Group) -> None:
     """FSDP2 chunks get their marks back; a chunk whose grads were finalized (mc's DDP until
     its next ``zero_grad_buffer()``) would have them reduced and scaled twice."""
     for index, chunk in enumerate(chunks):
-        if _fsdp2.is_fsdp2(chunk):  # marks back from parallelize's record, mesh checked
+        if _is_fsdp2(chunk):  # marks back from parallelize's record, mesh checked
             _fsdp2.check_chunk(index, cast(torch.nn.Module, chunk), tp)
         if getattr(chunk, "grads_finalized", False) is True:
             raise RuntimeError(
