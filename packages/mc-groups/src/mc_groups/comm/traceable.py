@@ -340,14 +340,6 @@ def _gather_output(x: torch.Tensor, size: int) -> torch.Tensor:
     return x.new_empty((size * _rows(x), *x.shape[1:]))
 
 
-def _exact(tensor: object, group: object, label: object) -> bool:
-    """A plain tensor, a process group and a ``str`` label: what the eager fast paths take
-    (anything else takes the general checks)."""
-    return (
-        type(tensor) is torch.Tensor and type(label) is str and isinstance(group, dist.ProcessGroup)
-    )
-
-
 def _eager_all_gather(
     tensor: object, group: object, label: object, async_op: bool
 ) -> tuple[torch.Tensor, CollectiveHandle]:
