@@ -22,8 +22,6 @@ Memory and layout only; nothing here communicates (``mc_ddp`` does, over these b
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from mc_buffers.buffer import ParamAndGradBuffer, shard_buffer
 from mc_buffers.keys import BufferKey, group_params_for_buffers
 from mc_buffers.layout import (
@@ -38,11 +36,9 @@ from mc_buffers.padding import (
     pad_param_start,
     pad_to_divisor,
 )
+from mc_groups import package_version
 
-try:  # one source of the version: the distribution's pyproject.toml
-    __version__ = version("mc-buffers")
-except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/gpu_check.py)
-    __version__ = "0+unknown"
+__version__ = package_version("mc-buffers")
 
 __all__ = [
     "BufferKey",

@@ -32,8 +32,6 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from mc_ddp._agreement import DataParallelAgreementError
 from mc_ddp.bucket_group import partition_buckets
 from mc_ddp.clip_grads import clip_grad_norm
@@ -52,11 +50,9 @@ from mc_ddp.torch_optimizer_state import (
     load_optimizer_sharded_state_dict,
     optimizer_sharded_state_dict,
 )
+from mc_groups import package_version
 
-try:  # one source of the version: the distribution's pyproject.toml
-    __version__ = version("mc-ddp")
-except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/gpu_check.py)
-    __version__ = "0+unknown"
+__version__ = package_version("mc-ddp")
 
 __all__ = [
     "PARAM_READY_CALLBACK_ATTR",

@@ -35,7 +35,8 @@ The package root holds what users call; the rest lives in its modules.
   attributes mc and Megatron-Core hang on parameters: who sets and who reads each),
   :mod:`mc_groups.device` (stream/synchronise helpers that are no-ops on CPU),
   :mod:`mc_groups.elastic` (:func:`~mc_groups.elastic.init_process_group` for torchrun
-  restarts), :mod:`mc_groups.testing` (a reusable multi-process CPU harness for tests).
+  restarts), :mod:`mc_groups.testing` (a reusable multi-process CPU harness for tests);
+  :func:`package_version`, every mc package's ``__version__``.
 """
 
 from __future__ import annotations
@@ -85,10 +86,18 @@ from mc_groups.rank_generator import (
     validate_sizes,
 )
 
-try:  # one source of the version: the distribution's pyproject.toml
-    __version__ = version("mc-groups")
-except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/gpu_check.py)
-    __version__ = "0+unknown"
+
+def package_version(distribution: str) -> str:
+    """The version of the installed mc package ``distribution`` (``"mc-ddp"``): every mc
+    package's ``__version__``, read from one source, its pyproject.toml; ``"0+unknown"``
+    for a checkout put on ``sys.path`` without installing it (``scripts/gpu_check.py``)."""
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = package_version("mc-groups")
 
 __all__ = [
     "AgreementError",
@@ -120,6 +129,7 @@ __all__ = [
     "initialize_model_parallel",
     "is_pipeline_first_stage",
     "is_pipeline_last_stage",
+    "package_version",
     "record_collectives",
     "recv",
     "reduce_scatter",

@@ -31,15 +31,11 @@ Groups are passed explicitly (``pg_collection=``); every collective goes through
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
+from mc_groups import package_version
 from mc_moe.plan import MoEPlanWarning, parallelize, sequence_parallel_plan
 from mc_moe.state import full_state_dict, load_full_state_dict, model_sharded_state_dict
 
-try:  # one source of the version: the distribution's pyproject.toml
-    __version__ = version("mc-moe")
-except PackageNotFoundError:  # a checkout on sys.path, not installed
-    __version__ = "0+unknown"
+__version__ = package_version("mc-moe")
 
 __all__ = [
     "MoEPlanWarning",

@@ -32,8 +32,7 @@ through :mod:`mc_groups`, so :func:`mc_groups.record_collectives` sees it.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
+from mc_groups import package_version
 from mc_tp_layers._gemm import backends
 from mc_tp_layers.agreement import TensorParallelAgreementError
 from mc_tp_layers.cross_entropy import vocab_parallel_cross_entropy
@@ -53,10 +52,7 @@ from mc_tp_layers.tp_plan import (
     vocab_parallel_causal_lm_loss,
 )
 
-try:  # one source of the version: the distribution's pyproject.toml
-    __version__ = version("mc-tp-layers")
-except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/gpu_check.py)
-    __version__ = "0+unknown"
+__version__ = package_version("mc-tp-layers")
 
 __all__ = [
     "CheckpointWithoutOutput",

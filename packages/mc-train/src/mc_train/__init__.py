@@ -16,8 +16,7 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
+from mc_groups import package_version
 from mc_train.loss import IGNORE_INDEX, TokenLoss, causal_targets, token_cross_entropy
 from mc_train.pipeline import Pipeline, StageShapes, build_pipeline
 from mc_train.schedules import SCHEDULES, InFlight, check_schedule, in_flight_forwards
@@ -30,10 +29,7 @@ from mc_train.stages import (
     hf_causal_lm_forward,
 )
 
-try:  # one source of the version: the distribution's pyproject.toml
-    __version__ = version("mc-train")
-except PackageNotFoundError:  # a checkout on sys.path, not installed
-    __version__ = "0+unknown"
+__version__ = package_version("mc-train")
 
 __all__ = [
     "IGNORE_INDEX",
