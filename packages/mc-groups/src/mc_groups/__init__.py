@@ -12,13 +12,13 @@ The package root holds what users call; the rest lives in its modules.
   (:mod:`mc_groups.pipeline_stages`).
 - The collectives (:mod:`mc_groups.comm.collectives`): :func:`all_reduce`,
   :func:`reduce_scatter`, :func:`all_gather`, :func:`broadcast`, :func:`all_to_all`,
-  :func:`send` / :func:`recv`, :func:`barrier`, :func:`all_gather_objects`, :func:`coalesced`
-  (:class:`CoalescedBatch`), group queries; typed, validated, recorded
-  (:func:`record_collectives`, :class:`CollectiveRecord`), bounded, failures naming op,
-  group ranks and label (:class:`CollectiveError`); :class:`CollectiveHandle` is the one
-  handle for work in flight. :mod:`mc_groups.comm.traceable`: the same collectives
-  returning new tensors, which trace under ``torch.compile(fullgraph=True)``;
-  :mod:`mc_groups.comm.communicator`: a caller's batched collectives bound once.
+  :func:`send` / :func:`recv`, :func:`barrier`, :func:`all_gather_objects`, group queries;
+  typed, validated, recorded (:func:`record_collectives`, :class:`CollectiveRecord`),
+  bounded, failures naming op, group ranks and label (:class:`CollectiveError`);
+  :class:`CollectiveHandle` is the one handle for work in flight.
+  :mod:`mc_groups.comm.traceable`: the same collectives returning new tensors, which trace
+  under ``torch.compile(fullgraph=True)``; :mod:`mc_groups.comm.communicator`: batched
+  collectives, :func:`coalesced` (:class:`CoalescedBatch`) and a caller's lists bound once.
 - Cross-rank verification (:mod:`mc_groups.comm.cross_rank`), one primitive:
   :func:`cross_check` (one 8-byte exchange: the ranks of a group are at the same point,
   passed their checks and hold the same values, else every rank raises the same error:
@@ -47,7 +47,6 @@ from mc_groups import argcheck as argcheck
 from mc_groups import elastic as elastic
 from mc_groups import param_attrs as param_attrs
 from mc_groups.collection import ProcessGroupCollection, get_default_collection
-from mc_groups.comm._coalesced import CoalescedBatch, coalesced
 from mc_groups.comm.collectives import (
     CollectiveHandle,
     ReduceOp,
@@ -65,6 +64,7 @@ from mc_groups.comm.collectives import (
     reduce_scatter,
     send,
 )
+from mc_groups.comm.communicator import CoalescedBatch, coalesced
 from mc_groups.comm.cross_rank import cross_check, fail_together
 from mc_groups.comm.recorder import CollectiveRecord, record_collectives
 from mc_groups.config import ModelParallelConfig, TransformerConfigLike

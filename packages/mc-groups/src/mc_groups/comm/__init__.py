@@ -24,12 +24,13 @@ module                              what it holds
 :mod:`.traceable`                   the same collectives returning new tensors, traceable by
                                     ``torch.compile(fullgraph=True)``; the op compiled graphs
                                     call before each collective (record, schedule check)
-:mod:`.communicator`                ``Communicator``: one caller's batched collectives on one
-                                    group, bound once (``bind``), keeping their temporaries
+:mod:`.communicator`                batched collectives on one group: ``coalesced`` /
+                                    ``CoalescedBatch`` (one kind of collective per batch)
+                                    and ``Communicator`` (one caller's lists, bound once
+                                    with ``bind``, keeping their temporaries)
 :mod:`.recorder`                    ``record_collectives()``: the log of what was issued
 :mod:`.cross_rank`                  cross-rank verification, one primitive (``cross_check``),
                                     ``fail_together``, ``CarriedStatus``
-``_coalesced``                      coalesced batches (one kind of collective per batch)
 ==================================  ===========================================================
 """
 
