@@ -366,12 +366,19 @@ class ParamAndGradBucketGroup:
         distributed-optimizer mode (an all-reduce; a reduce-scatter already issued by a
         hook is completed with an all-gather of the shards, which gives the same values).
         """
-        check_flag("force_all_reduce", force_all_reduce)
-        if self.grad_reduce_finished and self.ddp_config.overlap_grad_reduce:
-            self.param_gather_dispatched = False
-            return
-        self._require_communicable("finish_grad_sync()")
+        flag: object = force_all_reduce  # callers may pass anything
+        if flag is not True and flag is not False:
+            check_flag("force_all_reduce", flag)
+        if not (self.grad_reduce_finished and self.ddp_config.overlap_grad_reduce):
+            self._require_communicable("finish_grad_sync()")
+        self._finish_grad_sync(force_all_reduce)
+
+    def _finish_grad_sync(self, force_all_reduce: bool) -> None:
+        """:meth:`finish_grad_sync` once its argument and the group's state are checked
+        (``DistributedDataParallel.finish_grad_sync`` checks them once for all its groups)."""
         self.param_gather_dispatched = False
+        if self.grad_reduce_finished and self.ddp_config.overlap_grad_reduce:
+            return
         if self.grad_reduce_handle is None:
             if self._dispatches_from_hooks():
                 raise InputStateError(self._ready.not_dispatched(self.name, self._names))

@@ -459,9 +459,10 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
         twice. ``force_all_reduce=True`` (None reads as False): full reduced grads on every
         rank even with the distributed optimizer; it must be given to the first call of the
         iteration (a later one would find the shards already final)."""
-        force = (
-            False if force_all_reduce is None else check_flag("force_all_reduce", force_all_reduce)
-        )
+        flag: object = force_all_reduce  # callers may pass anything
+        if flag is not True and flag is not False and flag is not None:
+            check_flag("force_all_reduce", flag)
+        force = flag is True
         self._require_usable("finish_grad_sync()")
         done = self._iteration.force_all_reduce
         if force and done is False and self.ddp_config.use_distributed_optimizer:
@@ -473,8 +474,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ConfigT_co]):
             )
         if done is not None:  # finished this iteration: a second reduction would be wrong
             return
-        for group in self._all_groups():
-            group.finish_grad_sync(force_all_reduce=force)
+        for group in self._all_groups():  # checked above, for all of them
+            group._finish_grad_sync(force)
         self._iteration.force_all_reduce = force
 
     @property

@@ -78,7 +78,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -204,19 +204,54 @@ def _allreduce_grads(
 # ------------------------------------------------------------------ arguments
 
 
-def _checked_config(config: object, what: str, *, per_token: bool = False) -> TransformerConfigLike:
-    """``finalize_model_grads`` needs ``calculate_per_token_loss`` too, which Megatron's
-    ``ModelParallelConfig`` lacks; other fields read Megatron's default when absent."""
-    required = ("sequence_parallel", "calculate_per_token_loss")
-    return check_config(config, what, required=required if per_token else required[:1])
+class _Settings(NamedTuple):
+    """The config fields the steps read, checked, Megatron's default where a config lacks
+    one (:func:`mc_groups.config.config_value`)."""
+
+    sequence_parallel: bool
+    calculate_per_token_loss: bool
+    qk_layernorm: bool
+    mtp_num_layers: int | None
+    has_cond_embedder: bool
+    flextron: bool
+    moe_router_enable_expert_bias: bool
+    moe_router_bias_update_rate: float
+    moe_router_load_balancing_type: tuple[str, ...]
+    moe_router_quantile_balancing_ema: float
+    gtp_remat_size: int
+    expert_gtp_remat_size: int
+
+    @classmethod
+    def of(cls, config: object, what: str, *, per_token: bool = False) -> _Settings:
+        """``finalize_model_grads`` needs ``calculate_per_token_loss`` too, which Megatron's
+        ``ModelParallelConfig`` lacks (the steps alone read its default)."""
+        required = ("sequence_parallel", "calculate_per_token_loss")[: 2 if per_token else 1]
+        checked = check_config(config, what, required=required)
+        return cls(*(config_value(checked, name) for name in cls._fields))
+
+    @classmethod
+    def kept(cls, chunk: object, config: object) -> _Settings:
+        """Checked once per config: ``model[0]`` keeps them, read again only when the config
+        object or one of the fields changed (a chunk without ``__dict__``: every call)."""
+        raw = tuple(getattr(config, name, _ABSENT) for name in cls._fields)
+        kept = getattr(chunk, "__dict__", {}).get(_SETTINGS)
+        if isinstance(kept, tuple) and kept[0] is config and kept[1] == raw:
+            return cast(_Settings, kept[2])
+        settings = cls.of(config, "finalize_model_grads", per_token=True)
+        if hasattr(chunk, "__dict__"):
+            vars(chunk)[_SETTINGS] = (config, raw, settings)
+        return settings
+
+    @property
+    def has_mtp(self) -> bool:
+        return (self.mtp_num_layers or 0) > 0
+
+    def balancing(self, kind: str) -> bool:
+        return kind in self.moe_router_load_balancing_type
 
 
-def _has_mtp(config: object) -> bool:
-    return bool((config_value(config, "mtp_num_layers") or 0) > 0)
-
-
-def _balancing(config: object, kind: str) -> bool:
-    return kind in config_value(config, "moe_router_load_balancing_type")
+_SETTINGS = "_mc_finalize_settings"  # model[0]'s (config, its raw fields, _Settings)
+_ABSENT = object()
 
 
 def _is_fsdp2(chunk: object) -> bool:
@@ -269,7 +304,8 @@ def _group(
 
 
 def _multi(group: Group | None) -> bool:
-    return group is not None and mg.group_size(group) > 1
+    """``group`` has a peer (a group checked where it entered: argument or collection)."""
+    return group is not None and group.size() > 1
 
 
 def _modules(chunk: object) -> Iterator[object]:
@@ -297,7 +333,7 @@ def _replicated_step(
     """Steps 2 and 3 alone: check their arguments, then reduce when the switch is on."""
     chunks = _as_chunks(model)
     pp = check_optional_group("pp_group", pp_group, what=what)
-    if config_value(_checked_config(config, what), switch):
+    if getattr(_Settings.of(config, what), switch):
         _reduce_over_pp(_by_name(chunks, mark), _group(pp, "pp_group", "pp", what), label)
 
 
@@ -334,7 +370,11 @@ def _get_shared_word_embedding_weight(
 ) -> Param | None:
     """The word-embedding / output weight shared across stages: a Megatron language model's
     ``shared_embedding_or_output_weight()``, else the first param marked ``shared_embedding``."""
-    _checked_config(config, "_get_shared_word_embedding_weight")
+    has_mtp = _Settings.of(config, "_get_shared_word_embedding_weight").has_mtp
+    return _shared_weight(model_module, has_mtp)
+
+
+def _shared_weight(model_module: object, has_mtp: bool) -> Param | None:
     if not hasattr(model_module, "share_embeddings_and_output_weights"):
         parameters = getattr(model_module, "parameters", None)
         if not callable(parameters):
@@ -343,7 +383,7 @@ def _get_shared_word_embedding_weight(
                 "parameters() or share_embeddings_and_output_weights)"
             )
         return next((p for p in parameters() if param_attrs.is_shared_embedding(p)), None)
-    if not (model_module.share_embeddings_and_output_weights or _has_mtp(config)):
+    if not (model_module.share_embeddings_and_output_weights or has_mtp):
         return None
     getter = getattr(model_module, "shared_embedding_or_output_weight", None)
     if not callable(getter):
@@ -376,7 +416,7 @@ def _allreduce_word_embedding_grads(
     """Step 6 alone: the shared word-embedding grad over the first and last stage. Both
     groups None: the default collection's (``embd`` None: this rank holds no copy)."""
     what = "_allreduce_word_embedding_grads"
-    _checked_config(config, what)  # also where no group has a second copy to reduce
+    _Settings.of(config, what)  # also where no group has a second copy to reduce
     if embd_group is None and pp_group is None:
         embd_group = _group(None, "embd_group", "embd", what, required=False)
         pp_group = _group(None, "pp_group", "pp", what, required=False)
@@ -404,7 +444,7 @@ def _allreduce_embedding_grad(
             "returning the weight (or None)"
         )
     check_flag("skip_if_none", skip_if_none)
-    has_mtp = config is not None and _has_mtp(_checked_config(config, what))
+    has_mtp = config is not None and _Settings.of(config, what).has_mtp
     chunks = _as_chunks(model)
     weight = _embedding_weight(chunks, embd_group, pp_group, weight_getter, has_mtp, skip_if_none)
     _allreduce_grads(weight, embd_group, mg.ReduceOp.SUM, "embedding grads")
@@ -448,7 +488,7 @@ def _allreduce_position_embedding_grads(
 ) -> None:
     """Step 7 alone (a member without the weight: a ValueError; a None group: no copy here)."""
     what = "_allreduce_position_embedding_grads"
-    _checked_config(config, what)
+    _Settings.of(config, what)
     check_optional_group("pos_emb_group", pos_emb_group, what=what)
     weight = _get_position_embedding_weight
     _allreduce_embedding_grad(model, pos_emb_group, pp_group, weight, skip_if_none=False)
@@ -467,9 +507,13 @@ def reset_model_temporary_tensors(
 ) -> None:
     """Step 10: reset every module's per-global-batch accumulators (no communication)."""
     chunks = _as_chunks(model)
-    _checked_config(config, "reset_model_temporary_tensors")
-    expert_bias = config_value(config, "moe_router_enable_expert_bias")
-    global_aux_loss = _balancing(config, "global_aux_loss")
+    settings = _Settings.of(config, "reset_model_temporary_tensors")
+    _reset(chunks, settings)
+
+
+def _reset(chunks: Sequence[ModelChunk], settings: _Settings) -> None:
+    expert_bias = settings.moe_router_enable_expert_bias
+    global_aux_loss = settings.balancing("global_aux_loss")
     for chunk in chunks:
         for module in _modules(chunk):
             if expert_bias and _has(module, "local_tokens_per_expert"):
@@ -500,7 +544,7 @@ def _router_step(
     """Steps 8 and 9 alone: the chunks, the config's ``setting`` and the group (argument
     ``<field>_group``, else the default collection's ``field``), checked."""
     chunks = _as_chunks(model)
-    value = config_value(_checked_config(config, what), setting)
+    value = getattr(_Settings.of(config, what), setting)
     found = _group(group, f"{field}_group", field, what)
     assert found is not None
     return chunks, value, found
@@ -614,9 +658,9 @@ def _allreduce_non_tensor_model_parallel_grads(
     """Step 4 alone, over tp (None: the default collection's)."""
     what = "_allreduce_non_tensor_model_parallel_grads"
     chunks = _as_chunks(model)
-    _checked_config(config, what)
+    settings = _Settings.of(config, what)
     tp = _group(tp_group, "tp_group", "tp", what)
-    sums, avgs = _tp_params(chunks, config) if _multi(tp) else ([], [])
+    sums, avgs = _tp_params(chunks, settings) if _multi(tp) else ([], [])
     _allreduce_grads(sums, tp, mg.ReduceOp.SUM, _TP_LABEL, shards=True)
     _allreduce_grads(avgs, tp, mg.ReduceOp.AVG, _TP_LABEL, shards=True)
 
@@ -627,11 +671,12 @@ _TP_LABEL = "non-tensor-parallel grads"
 _allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
 
 
-def _tp_params(chunks: Sequence[ModelChunk], config: object) -> tuple[list[Param], list[Param]]:
+def _tp_params(
+    chunks: Sequence[ModelChunk], settings: _Settings
+) -> tuple[list[Param], list[Param]]:
     """The params whose grads step 4 sums and averages over tp, their marks checked (the
     SUM mark neither with the AVG mark nor on a TP shard; module notes for the rest)."""
-    sequence_parallel = config_value(config, "sequence_parallel")
-    qk_layernorm = config_value(config, "qk_layernorm")
+    sequence_parallel, qk_layernorm = settings.sequence_parallel, settings.qk_layernorm
     sums: list[Param] = []
     avgs: list[Param] = []
     for index, chunk in enumerate(chunks):
@@ -690,7 +735,13 @@ def _allreduce_replicated_grads_over_gtp_remat_group(
     check_optional_group("gtp_remat_group", gtp_remat_group, what=what)
     check_optional_group("egtp_remat_group", egtp_remat_group, what=what)
     per_token = check_flag("calculate_per_token_loss", calculate_per_token_loss)
-    for group, expert in ((gtp_remat_group, False), (egtp_remat_group, True)):
+    _reduce_replicated(chunks, gtp_remat_group, egtp_remat_group, per_token)
+
+
+def _reduce_replicated(
+    chunks: Sequence[ModelChunk], gtp: Group | None, egtp: Group | None, per_token: bool
+) -> None:
+    for group, expert in ((gtp, False), (egtp, True)):
         params = [
             param
             for chunk in (chunks if _multi(group) else [])
@@ -729,36 +780,39 @@ def finalize_model_grads(
             mc's, keyword only).
     """
     what = "finalize_model_grads"
-    check_flag("peer_checks", peer_checks)
+    if peer_checks is not True and peer_checks is not False:  # argcheck only to raise
+        check_flag("peer_checks", peer_checks)
     # A check failing on one rank stops every rank of the world here (one exchange).
     with mg.fail_together(None, what) if peer_checks else nullcontext():
         chunks = _as_chunks(model, ("finish_grad_sync", "named_parameters", "parameters"))
-        config = _checked_config(_config_of(chunks[0]), what, per_token=True)
-        per_token = config_value(config, "calculate_per_token_loss")
+        settings = _Settings.kept(chunks[0], _config_of(chunks[0]))
+        per_token = settings.calculate_per_token_loss
         if per_token:
             _as_chunks(chunks, ("scale_gradients",))
-        force = force_all_reduce is not None and check_flag("force_all_reduce", force_all_reduce)
-        groups = _Groups.plan(collection_or_default(pg_collection, what), config)
+        force: object = force_all_reduce
+        if force is not True and force is not False and force is not None:
+            check_flag("force_all_reduce", force)
+        groups = _Groups.plan(collection_or_default(pg_collection, what), settings)
         _check_chunks(chunks, groups.tp)
         _check_num_tokens(num_tokens, chunks, per_token)
-        shared: WeightGetter = partial(_get_shared_word_embedding_weight, config=config)
-        word = _embedding_weight(chunks, groups.embd, groups.pp, shared, _has_mtp(config), True)
+        shared = partial(_shared_weight, has_mtp=settings.has_mtp)
+        word = _embedding_weight(chunks, groups.embd, groups.pp, shared, settings.has_mtp, True)
         at = _get_position_embedding_weight
         position = _embedding_weight(chunks, groups.pos_embd, groups.pp, at, False, False)
         pp_steps = _multi(groups.pp)
-        cond = config_value(config, "has_cond_embedder") and pp_steps
+        cond = settings.has_cond_embedder and pp_steps
         embedders = _by_name(chunks, param_attrs.PIPELINE_PARALLEL) if cond else []
-        flextron = config_value(config, "flextron") and pp_steps
+        flextron = settings.flextron and pp_steps
         routers = _by_name(chunks, param_attrs.FLEXTRON_ROUTER_PP_SYNC) if flextron else []
-        tp_sums, tp_avgs = _tp_params(chunks, config) if _multi(groups.tp) else ([], [])
-        expert_bias = config_value(config, "moe_router_enable_expert_bias")
-        bias_routers = _bias_routers(chunks) if expert_bias else []
-        quantile = _balancing(config, "quantile_balancing")
-        quantile_routers = _quantile_routers(chunks) if quantile else []
+        tp_sums, tp_avgs = _tp_params(chunks, settings) if _multi(groups.tp) else ([], [])
+        bias_routers = _bias_routers(chunks) if settings.moe_router_enable_expert_bias else []
+        quantile_routers = (
+            _quantile_routers(chunks) if settings.balancing("quantile_balancing") else []
+        )
     # 1. the data-parallel reduction of every chunk (DDP's buckets; FSDP2 reduced in backward)
     for chunk in chunks:
         if not _is_fsdp2(chunk):
-            chunk.finish_grad_sync(force_all_reduce=force)
+            chunk.finish_grad_sync(force_all_reduce=force is True)
     # 2, 3. params replicated on every pipeline stage: SUM over pp
     _reduce_over_pp(embedders, groups.pp, "conditional embedding grads")
     _reduce_over_pp(routers, groups.pp, "router grads")
@@ -766,21 +820,17 @@ def finalize_model_grads(
     _allreduce_grads(tp_sums, groups.tp, mg.ReduceOp.SUM, _TP_LABEL, shards=True)
     _allreduce_grads(tp_avgs, groups.tp, mg.ReduceOp.AVG, _TP_LABEL, shards=True)
     # 5. the gtp_remat axis of params not gtp_remat-sharded
-    _allreduce_replicated_grads_over_gtp_remat_group(
-        chunks, groups.gtp_remat, groups.expt_gtp_remat, per_token
-    )
+    _reduce_replicated(chunks, groups.gtp_remat, groups.expt_gtp_remat, per_token)
     # 6, 7. embedding weights held on two pipeline stages: SUM over embd / pos_embd
     _allreduce_grads(word, groups.embd, mg.ReduceOp.SUM, "embedding grads")
     _allreduce_grads(position, groups.pos_embd, mg.ReduceOp.SUM, "embedding grads")
     # 8, 9. the routers' balancing state
     if bias_routers and groups.tp_dp_cp is not None:
-        rate = config_value(config, "moe_router_bias_update_rate")
-        _update_expert_bias(bias_routers, rate, groups.tp_dp_cp)
+        _update_expert_bias(bias_routers, settings.moe_router_bias_update_rate, groups.tp_dp_cp)
     if quantile_routers and groups.data is not None:
-        ema = config_value(config, "moe_router_quantile_balancing_ema")
-        _update_qb_beta(quantile_routers, ema, groups.data)
+        _update_qb_beta(quantile_routers, settings.moe_router_quantile_balancing_ema, groups.data)
     # 10. the per-batch counters
-    reset_model_temporary_tensors(config, chunks)
+    _reset(chunks, settings)
     # 11. per-token loss: every grad ÷ the global token count
     if per_token:
         assert groups.pp is not None
@@ -838,24 +888,23 @@ class _Groups:
     expt_gtp_remat: Group | None
 
     @classmethod
-    def plan(cls, pgc: mg.ProcessGroupCollection, config: object) -> _Groups:
+    def plan(cls, pgc: mg.ProcessGroupCollection, settings: _Settings) -> _Groups:
         """Every group a step that runs needs, or a MissingGroupError naming the steps."""
-        value = partial(config_value, config)
-        per_token = value("calculate_per_token_loss")
-        gtp, egtp = value("gtp_remat_size"), value("expert_gtp_remat_size")
+        per_token = settings.calculate_per_token_loss
+        gtp, egtp = settings.gtp_remat_size, settings.expert_gtp_remat_size
         embeddings = _multi(pgc.embd) or _multi(pgc.pos_embd)
         needs = {  # group: (does a step that needs it run, which)
             "pp": (
-                (value("has_cond_embedder"), "conditional-embedder grads"),
-                (value("flextron"), "Flextron router grads"),
+                (settings.has_cond_embedder, "conditional-embedder grads"),
+                (settings.flextron, "Flextron router grads"),
                 (embeddings, "embedding grads of the first/last stage"),
                 (per_token, "num_tokens broadcast from the last stage"),
             ),
             "data": (
-                (_balancing(config, "quantile_balancing"), "qb_beta"),
+                (settings.balancing("quantile_balancing"), "qb_beta"),
                 (per_token, "num_tokens"),
             ),
-            "tp_dp_cp": ((value("moe_router_enable_expert_bias"), "router expert bias"),),
+            "tp_dp_cp": ((settings.moe_router_enable_expert_bias, "router expert bias"),),
             "gtp_remat": ((gtp > 1, "config.gtp_remat_size > 1"),),
             "expt_gtp_remat": ((egtp > 1, "config.expert_gtp_remat_size > 1"),),
         }

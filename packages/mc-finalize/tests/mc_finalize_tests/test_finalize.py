@@ -751,3 +751,43 @@ def test_a_second_finalize_in_one_iteration_is_refused_before_anything_runs(
     for out in rank_pools.get(2).run(_finalize_twice):
         assert "model[0]'s gradients were already finalized this iteration" in out["error"]
         assert (out["log"], out["w"], out["syncs"]) == (0, 1.0, 1)
+
+
+def _config_changed_between_calls() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with layout(tensor_model_parallel_size=2) as pgc:
+        cfg = Cfg(sequence_parallel=True)
+        chunk = Chunk(cfg)
+        norm = add_param(chunk, "ln.weight", 1.0 + rank(), sequence_parallel=True)
+
+        def attempt(key: str) -> None:
+            try:
+                finalize_model_grads([chunk], None, pgc)
+                out[key] = ("none", first(norm))
+            except (TypeError, ValueError) as err:
+                out[key] = (error_kind(err), str(err))
+
+        attempt("first")  # SUM over tp: 1 + 2
+        cfg.sequence_parallel = False  # the same config object, a field changed
+        attempt("sp_off")
+        cfg.sequence_parallel = "yes"  # type: ignore[assignment]
+        attempt("not_a_bool")
+        cfg.sequence_parallel = True
+        attempt("back_on")  # SUM again: 3 + 3
+        chunk.config = Cfg(sequence_parallel=False)  # another config object
+        attempt("new_config")
+    return out
+
+
+def test_the_config_is_read_again_when_it_changes(rank_pools: RankPools) -> None:
+    # finalize checks model[0]'s config once and keeps the result on model[0]; a changed
+    # field or another config object is read (and checked) again, never a stale setting.
+    for out in rank_pools.get(2).run(_config_changed_between_calls):
+        assert out["first"] == ("none", 3.0)
+        kind, message = out["sp_off"]
+        assert kind == "ValueError" and "config.sequence_parallel is False" in message
+        kind, message = out["not_a_bool"]
+        assert kind == "TypeError" and "config.sequence_parallel='yes'" in message
+        assert out["back_on"] == ("none", 6.0)
+        kind, message = out["new_config"]
+        assert kind == "ValueError" and "config.sequence_parallel is False" in message
