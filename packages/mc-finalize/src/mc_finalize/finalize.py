@@ -51,9 +51,12 @@ grads of one step and dtype travel as one flat all-reduce. What the steps comput
   zeroed, ``reset_global_aux_loss_tracker()`` called (global aux loss); eval mode included.
 
 **Checks.** Before step 1, on each rank, without communicating: the model list, the
-config (:mod:`mc_groups.config`), the groups of the steps that run, ``num_tokens`` (one
-count, an exact dtype, the model's device), the embedding weights, the routers' state, no
-chunk finalized twice, and with tp > 1 the params' marks. What every rank sees alike fails
+groups of the steps that run (from the checked collection, then trusted), ``num_tokens``
+(one count, an exact dtype, the model's device), the embedding weights, the routers' state,
+no chunk finalized twice, and with tp > 1 the params' marks. The config
+(:mod:`mc_groups.config`) is checked at the first call: ``model[0]`` keeps the settings
+read from it, and they are read and checked again only when the config object or a field
+finalize reads changed (a step's settings are never stale). What every rank sees alike fails
 on every rank alike, before any collective. A missing, NaN, ±inf or negative
 ``num_tokens`` travels through the token reduction as NaN, so every rank raises the same
 ``ValueError`` (the one device-to-host read of a per-token-loss step). A check failing on
