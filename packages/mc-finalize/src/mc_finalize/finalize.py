@@ -783,8 +783,9 @@ def finalize_model_grads(
             mc's, keyword only).
     """
     what = "finalize_model_grads"
-    if peer_checks is not True and peer_checks is not False:  # argcheck only to raise
-        check_flag("peer_checks", peer_checks)
+    flag: object = peer_checks  # callers may pass anything; argcheck only to raise
+    if flag is not True and flag is not False:
+        check_flag("peer_checks", flag)
     # A check failing on one rank stops every rank of the world here (one exchange).
     with mg.fail_together(None, what) if peer_checks else nullcontext():
         chunks = _as_chunks(model, ("finish_grad_sync", "named_parameters", "parameters"))

@@ -785,9 +785,12 @@ def test_the_config_is_read_again_when_it_changes(rank_pools: RankPools) -> None
     for out in rank_pools.get(2).run(_config_changed_between_calls):
         assert out["first"] == ("none", 3.0)
         kind, message = out["sp_off"]
-        assert kind == "ValueError" and "config.sequence_parallel is False" in message
+        assert kind == "ValueError"
+        assert "config.sequence_parallel is False" in message
         kind, message = out["not_a_bool"]
-        assert kind == "TypeError" and "config.sequence_parallel='yes'" in message
+        assert kind == "TypeError"
+        assert "config.sequence_parallel='yes'" in message
         assert out["back_on"] == ("none", 6.0)
         kind, message = out["new_config"]
-        assert kind == "ValueError" and "config.sequence_parallel is False" in message
+        assert kind == "ValueError"
+        assert "config.sequence_parallel is False" in message
