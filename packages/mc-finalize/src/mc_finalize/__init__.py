@@ -15,8 +15,6 @@ structural type (:class:`ModelChunk`); its config any object with Megatron's fie
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from mc_finalize.finalize import (
     ModelChunk,
     finalize_model_grads,
@@ -47,10 +45,8 @@ from mc_finalize.finalize import _reshard_if_dtensor as _reshard_if_dtensor
 from mc_finalize.finalize import _unshard_if_dtensor as _unshard_if_dtensor
 from mc_finalize.finalize import _update_router_expert_bias as _update_router_expert_bias
 from mc_finalize.finalize import _update_router_qb_beta as _update_router_qb_beta
+from mc_groups import package_version
 
-try:  # one source of the version: the distribution's pyproject.toml
-    __version__ = version("mc-finalize")
-except PackageNotFoundError:  # a checkout on sys.path, not installed (scripts/gpu_check.py)
-    __version__ = "0+unknown"
+__version__ = package_version("mc-finalize")
 
 __all__ = ["ModelChunk", "finalize_model_grads", "reset_model_temporary_tensors"]
