@@ -376,6 +376,16 @@ def _harness_slots() -> None:
     )
     arg(
         G,
+        "RankPools(preload=)",
+        "misuse",
+        lambda c, v: testing.RankPools(preload=v).get(1),
+        ("preload",),
+        values=("transformers", [1], [""]),
+        only=True,
+        good=["json"],
+    )
+    arg(
+        G,
         "RankPool.run(fn=)",
         "misuse",
         lambda c, v: pool(1).run(v),

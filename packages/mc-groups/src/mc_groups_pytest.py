@@ -5,6 +5,13 @@ A top-level module, not part of the ``mc_groups`` package, so that pytest can lo
 every environment where mc-groups is installed without importing ``mc_groups`` (and with
 it torch) at start-up: the fixture imports the harness only when a test asks for it.
 Load it explicitly with ``pytest -p mc_groups_pytest`` where plugin autoloading is off.
+
+The ini option ``mc_rank_pool_preload`` (module names) is the pools' ``preload``: what the
+ranks of every pool would otherwise each import (``transformers`` costs seconds per rank),
+imported once by the fork server, e.g. in ``pyproject.toml``::
+
+    [tool.pytest.ini_options]
+    mc_rank_pool_preload = ["transformers.models.llama.modeling_llama"]
 """
 
 from __future__ import annotations
@@ -18,11 +25,21 @@ if TYPE_CHECKING:
     from mc_groups.testing import RankPools
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        "mc_rank_pool_preload",
+        "modules the rank pools' fork server imports once before forking the ranks "
+        "(RankPool(preload=)); a module that cannot be imported is skipped",
+        type="linelist",
+        default=[],
+    )
+
+
 @pytest.fixture(scope="session")
-def rank_pools() -> Iterator[RankPools]:
+def rank_pools(pytestconfig: pytest.Config) -> Iterator[RankPools]:
     """Rank-process pools shared by every test of the session, closed at its end."""
     from mc_groups.testing import RankPools  # noqa: PLC0415 (lazy: torch only when used)
 
-    pools = RankPools()
+    pools = RankPools(preload=list(pytestconfig.getini("mc_rank_pool_preload")))
     yield pools
     pools.close()

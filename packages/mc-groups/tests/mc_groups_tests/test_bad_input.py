@@ -819,6 +819,13 @@ CASES: dict[str, Case] = {
         doc_call="`RankPool(..., preload=)`",
         doc_input="`preload='transformers'`",
     ),
+    "pools preload": Case(
+        lambda g, r: RankPools(preload="transformers"),
+        "TypeError",
+        ("preload='transformers' must be a list or tuple of module names",),
+        doc_call="`RankPools(preload=)`",
+        doc_input="`preload='transformers'`",
+    ),
     "pool deadline": Case(
         lambda g, r: RankPool(2).run_with_deadline(-1.0, Loose(_batch_after_block)),
         "ValueError",

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mc_groups import testing
 from mc_groups.testing import (
     RankFailure,
     RankPool,
@@ -131,6 +132,30 @@ def test_ranks_fork_from_the_fork_server_on_linux_only(
     reason Python made spawn its default there); Linux forks from the fork server."""
     monkeypatch.setattr(sys, "platform", platform)
     assert _pool._context().get_start_method() == method
+
+
+def test_every_pool_of_a_session_takes_its_preload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RankPools(preload=)`` (the ``rank_pools`` fixture's ``mc_rank_pool_preload``) reaches
+    the pool of every world size: whichever starts the fork server, it preloads them."""
+    made: list[tuple[int, object]] = []
+
+    class Recorder:
+        def __init__(self, world_size: int, **kwargs: object) -> None:
+            made.append((world_size, kwargs["preload"]))
+
+    monkeypatch.setattr(testing, "RankPool", Recorder)
+    pools = RankPools(preload=["json", "transformers"])
+    assert isinstance(pools.get(2), Recorder)
+    pools.get(4)
+    pools.get(2)  # the same pool: not built again
+    assert made == [(2, ("json", "transformers")), (4, ("json", "transformers"))]
+
+
+def test_the_session_preload_is_the_ini_option(pytestconfig: pytest.Config) -> None:
+    assert pytestconfig.getini("mc_rank_pool_preload") == [
+        "transformers.models.llama.modeling_llama",
+        "torch._inductor.compile_fx",
+    ]
 
 
 def test_functions_must_be_importable(rank_pools: RankPools) -> None:

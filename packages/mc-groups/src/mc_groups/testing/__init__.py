@@ -24,6 +24,8 @@ name instead of hanging the suite.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from mc_groups.argcheck import check_int
@@ -33,6 +35,7 @@ from mc_groups.testing._pool import (
     RankOutcome,
     RankPool,
     RankTimeout,
+    check_preload,
     check_times,
 )
 
@@ -61,7 +64,12 @@ def gpu_skip_reason(count: int) -> str | None:
 
 
 class RankPools:
-    """One lazily started :class:`RankPool` per (world size, backend); close them together."""
+    """One lazily started :class:`RankPool` per (world size, backend); close them together.
+
+    ``preload`` is every pool's :class:`RankPool` ``preload``: modules the fork server imports
+    once, so that the ranks of every world size (and every pool restarted after a failure)
+    start with them instead of importing them each (the ``rank_pools`` fixture takes them
+    from the ``mc_rank_pool_preload`` ini option)."""
 
     def __init__(
         self,
@@ -69,8 +77,10 @@ class RankPools:
         pg_timeout_s: float = 20.0,
         call_deadline_s: float = 120.0,
         failure_grace_s: float = 2.0,
+        preload: Sequence[str] = (),
     ) -> None:
         check_times(pg_timeout_s, call_deadline_s, failure_grace_s=failure_grace_s)
+        self._preload = check_preload(preload)
         self._pg_timeout_s = pg_timeout_s
         self._call_deadline_s = call_deadline_s
         self._failure_grace_s = failure_grace_s
@@ -86,6 +96,7 @@ class RankPools:
                 pg_timeout_s=self._pg_timeout_s,
                 call_deadline_s=self._call_deadline_s,
                 failure_grace_s=self._failure_grace_s,
+                preload=self._preload,
             )
         return self._pools[key]
 
