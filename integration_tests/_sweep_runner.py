@@ -141,8 +141,10 @@ def worker_main(
     detail)`` after it. Cases (``("case", index, case_id)`` or ``("value", index, slot_key,
     value)`` for a drawn value) come until ``("stop",)``.
     """
+    import gc
     import importlib
 
+    gc.freeze()  # the fork server's objects: never walked by this worker's collections
     _limit_memory()
     os.environ.update(env)
     cases = importlib.import_module(_CASES_MODULE)
