@@ -25,10 +25,12 @@ import io
 import json
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from examples import train_gpt
 from examples.gpt.faults import Fault
+from integration_tests import _prefetch
 from integration_tests._scripts import load_script
 from mc_groups.testing import RankPools
 
@@ -41,17 +43,28 @@ def pool_demo(argv: list[str]) -> list[float]:
     return train_gpt.run(plan, io.StringIO()).losses
 
 
+FAULTS = (Fault(0, 1, 4, "damage"), Fault(1, 0, 5, "stall"), Fault(2, 1, 6, "save"))
+PLAN = chaos.ChaosPlan(FAULTS, steps=8, save_every=2, nproc=2)
+
+
+def _chaos_run(out: Path) -> tuple[int, list[float]]:
+    return chaos.run_chaos(PLAN, out, timeout_s=10.0)  # type: ignore[no-any-return]
+
+
+# Started in the background when the session has collected this module (one torchrun job
+# of four attempts): integration_tests/_prefetch.py.
+PREFETCH = {"chaos run": _chaos_run}
+
+
 def test_three_faults_in_a_row_end_with_the_uninterrupted_losses(
-    rank_pools: RankPools, tmp_path: Path
+    rank_pools: RankPools, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    faults = (Fault(0, 1, 4, "damage"), Fault(1, 0, 5, "stall"), Fault(2, 1, 6, "save"))
-    plan = chaos.ChaosPlan(faults, steps=8, save_every=2, nproc=2)
-    code, losses = chaos.run_chaos(plan, tmp_path, timeout_s=10.0)
-    log = (tmp_path / "chaos.log").read_text(encoding="utf-8", errors="replace")
+    out, (code, losses) = _prefetch.take(request, "chaos run", tmp_path)
+    log = (out / "chaos.log").read_text(encoding="utf-8", errors="replace")
     assert code == 0, log[-6000:]
-    reports = chaos.fault_reports(tmp_path / "events.jsonl")
+    reports = chaos.fault_reports(out / "events.jsonl")
     struck = [(r.attempt, r.rank, r.step, r.kind) for r in reports]
-    assert struck == [(f.attempt, f.rank, f.step, f.kind) for f in faults]
+    assert struck == [(f.attempt, f.rank, f.step, f.kind) for f in FAULTS]
     assert [r.resumed_from for r in reports] == [2, 4, 4]
     assert [len(r.passed_over) for r in reports] == [1, 0, 0]
     assert reports[0].passed_over[0].startswith("step-00000004: __1_0.distcp differs")
@@ -59,9 +72,9 @@ def test_three_faults_in_a_row_end_with_the_uninterrupted_losses(
     assert all(r.recovery_s is not None and r.recovery_s > 0 for r in reports)
     assert "ignored .step-00000006.partial" in log
 
-    argv = [*chaos.demo_argv(plan), "--output", str(tmp_path / "reference")]
+    argv = [*chaos.demo_argv(PLAN), "--output", str(tmp_path / "reference")]
     reference = rank_pools.get(2).run(pool_demo, argv)[0]
     assert len(losses) == 8
     assert losses == reference
-    metrics = json.loads((tmp_path / "chaos" / "metrics.json").read_text(encoding="utf-8"))
+    metrics = json.loads((out / "chaos" / "metrics.json").read_text(encoding="utf-8"))
     assert metrics["resumed_step"] == 4

@@ -34,7 +34,8 @@ same numbers in the same order, whatever launched the ranks):
 
 The issue's example runs 40 steps saving every 10; 16 steps saving every 4 exercise the
 same path at less than half the cost. Cost: each torchrun agent and worker imports torch
-(about 4-6 s of CPU each), and the three tests start 17 such processes.
+(about 4-6 s of CPU each), and the three tests start 17 such processes; the three jobs run
+in the background, one after the other, from the end of collection on (``PREFETCH``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import pytest
 import torch.distributed as dist
 
 from examples import train_gpt
+from integration_tests import _prefetch
 from mc_groups.testing import RankPools
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,6 +165,36 @@ def _c10d(nodes: int, per_node: int) -> list[str]:
     ]
 
 
+def _sigkill_mid_run(out: Path) -> tuple[str, Path]:
+    return _elastic_run(out, "10:step")
+
+
+def _sigkill_while_saving(out: Path) -> tuple[str, Path]:
+    return _elastic_run(out, "8:save", nodes=2)
+
+
+def _two_nodes(out: Path) -> str:
+    """``--nnodes 2 --nproc-per-node 2``: two agents, 20 steps; their logs."""
+    rdzv = _c10d(2, 2)
+    logs = [out / f"node{i}.log" for i in range(2)]
+    start = time.perf_counter()
+    argv = ["--steps", "20", "--output", str(out / "two_nodes")]
+    agents = [_start(rdzv, argv, _env(), log) for log in logs]
+    text = _finish(agents, logs)
+    seconds = time.perf_counter() - start
+    print(f"torchrun --nnodes 2 --nproc-per-node 2 (two agents): {seconds:.1f} s")
+    return text
+
+
+# The three torchrun jobs start in the background, one after the other, when the session
+# has collected this module (integration_tests/_prefetch.py); each test asserts on its own.
+PREFETCH = {
+    "sigkill mid run": _sigkill_mid_run,
+    "sigkill while saving on two nodes": _sigkill_while_saving,
+    "two nodes": _two_nodes,
+}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(rank_pools: RankPools, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     """The 16 losses of the same demo run through without a stop (the 2-rank pool)."""
@@ -174,43 +206,37 @@ def uninterrupted(rank_pools: RankPools, tmp_path_factory: pytest.TempPathFactor
 
 
 def test_sigkill_mid_run_restarts_from_the_last_checkpoint(
-    uninterrupted: list[float], tmp_path: Path
+    uninterrupted: list[float], request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    log, save_dir = _elastic_run(tmp_path, "10:step")
+    out, (log, save_dir) = _prefetch.take(request, "sigkill mid run", tmp_path)
     assert f"resumed from {save_dir / 'step-00000008'} at step 8" in log, log[-4000:]
-    assert _losses(tmp_path / "out") == uninterrupted
+    assert _losses(out / "out") == uninterrupted
 
 
 def test_sigkill_while_saving_on_two_nodes_ignores_the_partial_checkpoint(
-    uninterrupted: list[float], tmp_path: Path
+    uninterrupted: list[float], request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    log, save_dir = _elastic_run(tmp_path, "8:save", nodes=2)
+    out, (log, save_dir) = _prefetch.take(request, "sigkill while saving on two nodes", tmp_path)
     assert (
         "ignored .step-00000008.partial: incomplete, never loaded (removed: an interrupted save)"
         in log
     ), log[-4000:]
     assert f"resumed from {save_dir / 'step-00000004'} at step 4" in log, log[-4000:]
-    assert _losses(tmp_path / "out") == uninterrupted
+    assert _losses(out / "out") == uninterrupted
     assert sorted(p.name for p in save_dir.iterdir()) == [f"step-{s:08d}" for s in (4, 8, 12, 16)]
 
 
-def test_two_nodes_train_as_one(rank_pools: RankPools, tmp_path: Path) -> None:
-    argv = ["--steps", "20"]
-    rdzv = _c10d(2, 2)
-    out = tmp_path / "two_nodes"
-    logs = [tmp_path / f"node{i}.log" for i in range(2)]
-    start = time.perf_counter()
-    agents = [_start(rdzv, [*argv, "--output", str(out)], _env(), log) for log in logs]
-    text = _finish(agents, logs)
-    seconds = time.perf_counter() - start
-    print(f"torchrun --nnodes 2 --nproc-per-node 2 (two agents): {seconds:.1f} s")
+def test_two_nodes_train_as_one(
+    rank_pools: RankPools, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    out, text = _prefetch.take(request, "two nodes", tmp_path)
     assert "on 4 gloo ranks" in text, text[-4000:]
     assert "groups:  r0: tp[0, 1] dp[0, 2]  r1: tp[0, 1] dp[1, 3]" in text
 
     # One node: the same demo on one 4-process world (the session's pool; a --standalone
     # torchrun job would add 5 more torch start-ups to the suite for the same numbers).
     one = tmp_path / "one_node"
-    losses = rank_pools.get(4).run(pool_demo, [*argv, "--output", str(one)])[0]
+    losses = rank_pools.get(4).run(pool_demo, ["--steps", "20", "--output", str(one)])[0]
     assert _losses(one) == losses
-    assert len(_losses(out)) == 20
-    assert _losses(out) == losses
+    assert len(_losses(out / "two_nodes")) == 20
+    assert _losses(out / "two_nodes") == losses

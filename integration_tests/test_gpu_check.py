@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from benchmarks import gpu_step
+from integration_tests import _prefetch
 from integration_tests._scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,10 +40,8 @@ ONE_GPU_FILES = {
 gpu_check = load_script("gpu_check")
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("gpu_check")
-    done = subprocess.run(
+def _dry_run(out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, str(SCRIPT), "--cpu-dry-run", str(out)],
         cwd=ROOT,
         capture_output=True,
@@ -50,6 +49,18 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
         timeout=300,
         check=False,
     )
+
+
+# Started in the background when the session has collected this module (about 20 s of
+# four programs run one after the other): integration_tests/_prefetch.py.
+PREFETCH = {"gpu_check dry run": _dry_run}
+
+
+@pytest.fixture(scope="module")
+def dry_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, Any]]:
+    out, done = _prefetch.take(request, "gpu_check dry run", tmp_path_factory.mktemp("gpu_check"))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "[gpu_check" in done.stdout  # progress lines
     return out, json.loads((out / "gpu_check.json").read_text(encoding="utf-8"))

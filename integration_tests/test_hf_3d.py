@@ -55,6 +55,7 @@ import torch
 
 import mc_groups as mg
 from examples import hf_3d
+from integration_tests import _prefetch
 from mc_groups.testing import RankPools
 from mc_train.checkpoint import inspect_checkpoint
 
@@ -260,11 +261,9 @@ def test_resume_across_layouts_past_a_damaged_checkpoint(
     assert (republished.step, republished.damaged) == (4, ()), republished
 
 
-def test_torchrun_command_line(ref: hf_3d.Run, tmp_path: Path) -> None:
-    """``torchrun -m examples.hf_3d --pp 2 --schedule gpipe --json``: the note on TP=1 once,
-    the JSON's losses and grad norms within 1e-5 of one process and its reference equal to
-    it."""
-    out = tmp_path / "run.json"
+def _torchrun(folder: Path) -> subprocess.CompletedProcess[str]:
+    """``torchrun -m examples.hf_3d --pp 2 --schedule gpipe --json folder/run.json``."""
+    out = folder / "run.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     argv = [
         "-m",
@@ -280,12 +279,26 @@ def test_torchrun_command_line(ref: hf_3d.Run, tmp_path: Path) -> None:
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    done = subprocess.run(
+    return subprocess.run(
         [*cmd, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False
     )
+
+
+# Started in the background when the session has collected this module (a torchrun job of
+# three processes importing torch and transformers): integration_tests/_prefetch.py.
+PREFETCH = {"torchrun": _torchrun}
+
+
+def test_torchrun_command_line(
+    ref: hf_3d.Run, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """``torchrun -m examples.hf_3d --pp 2 --schedule gpipe --json``: the note on TP=1 once,
+    the JSON's losses and grad norms within 1e-5 of one process and its reference equal to
+    it."""
+    folder, done = _prefetch.take(request, "torchrun", tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert done.stdout.count(hf_3d.SP_OFF) == 1, done.stdout
-    result = json.loads(out.read_text(encoding="utf-8"))
+    result = json.loads((folder / "run.json").read_text(encoding="utf-8"))
     assert result["layout"] == {"tp": 1, "pp": 2, "dp": 1, "schedule": "gpipe"}
     assert result["reference"] == ref.losses
     assert result["reference_grad_norms"] == ref.grad_norms
