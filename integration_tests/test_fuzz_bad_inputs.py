@@ -100,10 +100,17 @@ def _values(slot: cases.Slot) -> st.SearchStrategy[object]:
     return st.one_of(drawn, own)
 
 
+# Built once (the same strategies, so the same examples): hypothesis computes a strategy's
+# label from its elements, and a sampled_from over 400+ slots built anew for every example
+# cost more than the examples themselves.
+_SLOT_STRATEGY = st.sampled_from(FUZZ_SLOTS)
+_VALUE_STRATEGIES = {slot.key: _values(slot) for slot in FUZZ_SLOTS}
+
+
 @st.composite
 def _slot_and_value(draw: st.DrawFn) -> tuple[cases.Slot, object]:
-    slot = draw(st.sampled_from(FUZZ_SLOTS))
-    return slot, draw(_values(slot))
+    slot = draw(_SLOT_STRATEGY)
+    return slot, draw(_VALUE_STRATEGIES[slot.key])
 
 
 @pytest.fixture(scope="module")
