@@ -35,11 +35,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def _preload(config: pytest.Config) -> list[str]:
+    return list(config.getini("mc_rank_pool_preload"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When a collected test uses ``rank_pools``: start the fork server now, so that its
+    imports (torch and the preload) overlap the first tests instead of the first pool."""
+    if any("rank_pools" in getattr(item, "fixturenames", ()) for item in session.items):
+        from mc_groups.testing._pool import check_preload, start_fork_server  # noqa: PLC0415
+
+        start_fork_server(check_preload(_preload(session.config)))
+
+
 @pytest.fixture(scope="session")
 def rank_pools(pytestconfig: pytest.Config) -> Iterator[RankPools]:
     """Rank-process pools shared by every test of the session, closed at its end."""
     from mc_groups.testing import RankPools  # noqa: PLC0415 (lazy: torch only when used)
 
-    pools = RankPools(preload=list(pytestconfig.getini("mc_rank_pool_preload")))
+    pools = RankPools(preload=_preload(pytestconfig))
     yield pools
     pools.close()

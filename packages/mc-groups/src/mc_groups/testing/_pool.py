@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
@@ -109,6 +110,17 @@ def _context(preload: tuple[str, ...] = ()) -> ForkServerContext | SpawnContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(dict.fromkeys((*_PRELOAD, *preload))))
     return ctx
+
+
+def start_fork_server(preload: tuple[str, ...] = ()) -> None:
+    """Start the process's fork server now (Linux; elsewhere nothing), with ``preload``:
+    it returns at once and the server imports while the caller goes on, so the first pool
+    forks from a server that is (nearly) ready instead of waiting for its imports (the
+    ``rank_pools`` plugin calls it when the session has collected a test that uses pools).
+    A server already running is kept as it is."""
+    if sys.platform.startswith("linux"):
+        _context(preload)
+        forkserver.ensure_running()
 
 
 def check_preload(preload: object) -> tuple[str, ...]:
