@@ -13,6 +13,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+from integration_tests import _prefetch
 
 HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor")
 PACKAGES = (
@@ -26,14 +31,26 @@ PACKAGES = (
 )
 
 
-def test_importing_the_packages_leaves_dcp_and_dtensor_unimported() -> None:
+def _fresh_interpreter(_folder: Path) -> subprocess.CompletedProcess[str]:
+    """The modules of ``HEAVY`` that importing every package brought in, printed as JSON."""
     probe = (
         "import importlib, json, sys\n"
         f"for name in {PACKAGES!r}:\n"
         "    importlib.import_module(name)\n"
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
     )
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
     )
+
+
+# Started in the background when the session has collected this module (a fresh
+# interpreter importing torch): integration_tests/_prefetch.py.
+PREFETCH = {"fresh interpreter": _fresh_interpreter}
+
+
+def test_importing_the_packages_leaves_dcp_and_dtensor_unimported(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    _, done = _prefetch.take(request, "fresh interpreter", tmp_path)
     assert json.loads(done.stdout.splitlines()[-1]) == []
