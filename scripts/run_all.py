@@ -2,10 +2,10 @@
 
 Order: lint and the package checks first (a second each, and the cheapest failures to
 read), then the test suite in the foreground while ``mypy``, the install-alone check and the
-documentation build run one after the other in the background. The suite leaves most of a
-2-core machine idle (its rank processes mostly wait on each other and on timeouts), so the
-background checks cost little wall time; their output is printed whole, after the suite's,
-never interleaved.
+documentation build run one after the other in the background, at a lower CPU priority
+(``nice -n 10`` where ``nice`` exists): the suite's ranks wait on each other under short
+timeouts and get the cores first, and the background checks fill what the suite leaves
+idle. Their output is printed whole, after the suite's, never interleaved.
 Exits non-zero if any step failed; every step runs even after a failure, so one run shows
 all of them. Extra arguments go to pytest. The background steps share one bound
 (``BACKGROUND_BOUND_S``): a step still running then is killed and reported as failed.
@@ -14,6 +14,7 @@ all of them. Extra arguments go to pytest. The background steps share one bound
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKGROUND_BOUND_S = 900.0
+# the background steps' command prefix: a lower CPU priority than the suite's
+NICE = ["nice", "-n", "10"] if shutil.which("nice") else []
 PY = sys.executable
 
 FIRST = [
@@ -64,7 +67,7 @@ def _run_background(log: Path, steps: list[_Step], deadline: float) -> None:
             started = time.monotonic()
             try:
                 status = subprocess.run(
-                    cmd,
+                    [*NICE, *cmd],
                     cwd=ROOT,
                     stdout=out,
                     stderr=subprocess.STDOUT,
