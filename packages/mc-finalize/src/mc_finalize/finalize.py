@@ -419,11 +419,11 @@ def _allreduce_word_embedding_grads(
     """Step 6 alone: the shared word-embedding grad over the first and last stage. Both
     groups None: the default collection's (``embd`` None: this rank holds no copy)."""
     what = "_allreduce_word_embedding_grads"
-    _Settings.of(config, what)  # also where no group has a second copy to reduce
+    has_mtp = _Settings.of(config, what).has_mtp  # checked also where nothing is reduced
     if embd_group is None and pp_group is None:
         embd_group = _group(None, "embd_group", "embd", what, required=False)
         pp_group = _group(None, "pp_group", "pp", what, required=False)
-    getter = partial(_get_shared_word_embedding_weight, config=config)
+    getter = partial(_shared_weight, has_mtp=has_mtp)  # the config checked once, above
     _allreduce_embedding_grad(model, embd_group, pp_group, getter, config=config)
 
 
