@@ -860,6 +860,141 @@ def test_per_token_loss_under_the_wrapper_matches_one_process(rank_pools: RankPo
     assert worst <= 1e-6, worst
 
 
+def _six_rows() -> torch.Tensor:
+    """A global batch of 6 rows: 3 per data-parallel rank, one per micro-batch."""
+    return torch.cat([_batch("hf", 0), _batch("hf", 1)[:2]])
+
+
+def _one_sgd_step(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One process: the ``transformers`` Llama's weights after one SGD step on ``ids``."""
+    model = _build("hf")
+    _loss("hf", model, ids).backward()  # type: ignore[no-untyped-call]
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _micro_batches() -> dict[str, Any] | None:
+    """The wrapper's ``no_sync`` and recompute prefetch at TP=2 × FSDP DP=2 with SP (the
+    ``transformers`` Llama), each on a fresh model: :func:`_nested_no_sync`, then
+    :func:`_recompute_prefetch`."""
+    import torch.distributed as dist
+
+    import mc_groups as mg
+
+    pgc = _fresh_groups()
+    result = {**_nested_no_sync(pgc), **_recompute_prefetch(pgc)}
+    mg.destroy_model_parallel(pgc)
+    return result if dist.get_rank() == 0 else None
+
+
+def _nested_no_sync(pgc: Any) -> dict[str, Any]:
+    """A ``no_sync`` whose body raises, then 3 micro-batches of one row: the first under two
+    nested ``no_sync``, the second under the outer one only, the third outside; FSDP2's
+    reduce-scatters counted per micro-batch, then finalize, one SGD step, the weights."""
+    import mc_groups as mg
+    from mc_finalize import finalize_model_grads
+    from mc_tp_layers import full_state_dict, parallelize, sequence_parallel_plan
+
+    dp = pgc.require("dp", "data")
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    model = _build("hf")
+    parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
+    chunk = _shard(model, "wrapper", cfg, pgc)
+    try:
+        with chunk.no_sync():
+            raise RuntimeError("a failed micro-batch")
+    except RuntimeError:
+        pass
+    rows = _six_rows()[dp.rank() * 3 : (dp.rank() + 1) * 3]
+    counts = []
+
+    def micro_batch(row: int) -> None:
+        with _counting_dist() as fsdp:
+            loss = _loss("hf", chunk, rows[row : row + 1]) / 3
+            loss.backward()  # type: ignore[no-untyped-call]
+        counts.append(sum(1 for op, *_ in fsdp if op == "reduce_scatter_single"))
+
+    with chunk.no_sync():
+        with chunk.no_sync():
+            micro_batch(0)
+        micro_batch(1)
+    micro_batch(2)
+    finalize_model_grads([chunk], pg_collection=pgc)
+    torch.optim.SGD(chunk.parameters(), lr=LR).step()
+    return {"counts": counts, "nested": full_state_dict(model)}
+
+
+def _recompute_prefetch(pgc: Any) -> dict[str, Any]:
+    """``recompute_granularity="full"`` with the model's own activation checkpointing
+    (``activation_checkpointing_enable``, non-reentrant): the wrapper's
+    ``set_modules_to_backward_prefetch`` calls, how often the first layer's attention ran
+    in one step, the weights after finalize and one SGD step on 2 rows."""
+    from torch.distributed.fsdp import FSDPModule
+
+    import mc_groups as mg
+    from mc_finalize import finalize_model_grads
+    from mc_tp_layers import full_state_dict, parallelize, sequence_parallel_plan
+
+    dp = pgc.require("dp", "data")
+    cfg = mg.ModelParallelConfig(
+        tensor_model_parallel_size=2, sequence_parallel=True, recompute_granularity="full"
+    )
+    model: Any = _build("hf")
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
+    names = {id(m): n for n, m in model.named_modules()}
+    calls: list[tuple[str, list[str]]] = []
+    original = FSDPModule.set_modules_to_backward_prefetch
+
+    def spy(self: Any, modules: list[Any]) -> None:
+        calls.append((names[id(self)], [names[id(m)] for m in modules]))
+        original(self, modules)
+
+    FSDPModule.set_modules_to_backward_prefetch = spy  # type: ignore[method-assign]
+    try:
+        chunk = _shard(model, "wrapper", cfg, pgc)
+    finally:
+        FSDPModule.set_modules_to_backward_prefetch = original  # type: ignore[method-assign]
+    runs = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: runs.append(1))
+    ids = _batch("hf", 0)[dp.rank() * 2 : (dp.rank() + 1) * 2]
+    _loss("hf", chunk, ids).backward()  # type: ignore[no-untyped-call]
+    finalize_model_grads([chunk], pg_collection=pgc)
+    torch.optim.SGD(chunk.parameters(), lr=LR).step()
+    return {"prefetch": calls, "attention_runs": len(runs), "recompute": full_state_dict(model)}
+
+
+@pytest.mark.timeout(180)
+def test_no_sync_nesting_and_recompute_prefetch_match_one_process(rank_pools: RankPools) -> None:
+    """Megatron main's ``no_sync`` of the wrapper: only the outermost of nested contexts
+    turns FSDP2's gradient sync off and back on (a context whose body raised restores it):
+    0 reduce-scatters in the micro-batch under both contexts and in the one under the
+    outer only, FSDP2's 5 (2 layers, the embedding, the head, the root's norm) in the last
+    one, outside; the weights after finalize and SGD within 1e-6 of one process's step on
+    the 6 rows (each rank's 3 micro-batch losses ÷ 3, FSDP2's average over dp: the mean
+    over the 6 equal rows). Under ``recompute_granularity="full"`` each wrapped module
+    prefetches, in backward, the one before it in forward order (Megatron's explicit
+    order), the model's own checkpointing reruns the attention in backward (2 runs in the
+    step), and the weights after one step match one process's within 1e-6."""
+    result = rank_pools.get(4).run(_micro_batches)[0]
+    assert result is not None
+    assert result["counts"] == [0, 0, 5], result["counts"]
+    for key, ref in (
+        ("nested", _one_sgd_step(_six_rows())),
+        ("recompute", _one_sgd_step(_batch("hf", 0))),
+    ):
+        got = result[key]
+        assert sorted(got) == sorted(ref), key
+        worst = max(float((got[k] - v).abs().max()) for k, v in ref.items())
+        moved = min(float((v - _build("hf").state_dict()[k]).abs().max()) for k, v in ref.items())
+        print(f"{key}: weights {worst:.1e} from one process (every weight moved >= {moved:.1e})")
+        assert worst <= 1e-6, (key, worst)
+    layers = ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
+    expected = [(name, layers[i - 1 : i]) for i, name in enumerate(layers)]
+    assert result["prefetch"] == expected, result["prefetch"]
+    assert result["attention_runs"] == 2, result["attention_runs"]
+
+
 def _pipeline(steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]] | None:
     """``examples/hf_3d.py``'s Llama (4 blocks, tied embeddings) at TP=2 × PP=2 × FSDP DP=2
     with SP: ``mc_train.build_pipeline`` with a ``TorchFullyShardedDataParallelConfig`` (each

@@ -194,9 +194,9 @@ FSDP2_NOTES: dict[str, tuple[str | None, str | None, str]] = {
         "classes and `_fsdp_modules` act as in Megatron. The marks are recorded per module "
         "by name and every mc reader restores them (Megatron copies `vars(param)` back once), "
         "so a later `fully_shard` by hand keeps them too. The mesh's device type is the "
-        "params' (Megatron: cuda). No explicit backward prefetch order under "
-        "`recompute_granularity` (FSDP2's own). With `calculate_per_token_loss` FSDP2 sums "
-        "over dp, as Megatron's. " + _NO_HSDP.capitalize(),
+        "params' (Megatron: cuda). Under `config.recompute_granularity` each wrapped module "
+        "prefetches the one before it in forward order, as Megatron. With "
+        "`calculate_per_token_loss` FSDP2 sums over dp, as Megatron's. " + _NO_HSDP.capitalize(),
     ),
     "TorchFullyShardedDataParallel.forward": ("*inputs, **kwargs", None, ""),
     "TorchFullyShardedDataParallel.no_sync": (
@@ -204,7 +204,9 @@ FSDP2_NOTES: dict[str, tuple[str | None, str | None, str]] = {
         None,
         "`gradient_accumulation_mode='classic'`: no reduce-scatter inside (FSDP2's "
         "`set_requires_gradient_sync(False)`), as Megatron main; `'partial_reduce_scatter'` "
-        "reduce-scatters every backward (without HSDP nothing else is deferred)",
+        "reduce-scatters every backward (without HSDP nothing else is deferred); both set "
+        "`set_is_last_backward(False)` inside, and only the outermost of nested contexts "
+        "changes and restores the controls (Megatron main's depth count)",
     ),
     "TorchFullyShardedDataParallel.start_grad_sync": (
         "*unused",

@@ -222,7 +222,10 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             if per_token:  # SUM over dp: finalize divides by the global token count
                 sub.set_gradient_divide_factor(1.0)  # type: ignore[operator]
                 sub.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        if config_value(config, "recompute_granularity") is not None:
+            _prefetch_in_forward_order(module, targets)
         param_attrs.restore_marks(module)
+        self._no_sync_depth = 0
         self.wrapped_sub_modules: list[torch.nn.Module] = targets
         """The sub-modules given their own ``fully_shard`` (innermost first; the root too)."""
 
@@ -246,16 +249,29 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         unreduced grads and communicates nothing over dp (FSDP2's
         ``set_requires_gradient_sync(False)``); the first backward after it reduces the
         accumulated grads. With ``"partial_reduce_scatter"`` every backward reduce-scatters
-        (nothing changes without HSDP)."""
-        if getattr(self.ddp_config, "gradient_accumulation_mode", "classic") != "classic":
-            yield
-            return
+        (nothing changes without HSDP). In both, FSDP2 is told that the backwards inside
+        are not an iteration's last (``set_is_last_backward(False)``: it keeps its
+        backward-prefetch state between them; the next backward outside waits for every
+        reduction and clears it). Nested contexts: only the outermost one changes and
+        restores these controls (Megatron counts the depth), also when its body raises."""
         root = self.module
-        root.set_requires_gradient_sync(False)  # type: ignore[operator]
+        classic = getattr(self.ddp_config, "gradient_accumulation_mode", "classic") == "classic"
+        outermost = self._no_sync_depth == 0
+        self._no_sync_depth += 1
         try:
+            if outermost:
+                root.set_is_last_backward(False)  # type: ignore[operator]
+                if classic:
+                    root.set_requires_gradient_sync(False)  # type: ignore[operator]
             yield
         finally:
-            root.set_requires_gradient_sync(True)  # type: ignore[operator]
+            self._no_sync_depth -= 1
+            if outermost:
+                try:
+                    if classic:
+                        root.set_requires_gradient_sync(True)  # type: ignore[operator]
+                finally:
+                    root.set_is_last_backward(True)  # type: ignore[operator]
 
     def start_grad_sync(self, *unused: Any) -> None:
         """Nothing to issue: FSDP2 reduce-scatters each wrapped module's grads in its own
@@ -470,6 +486,20 @@ def _policy(
         param_dtype = torch.float16
     reduce_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else None
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def _prefetch_in_forward_order(module: torch.nn.Module, targets: list[torch.nn.Module]) -> None:
+    """Each wrapped sub-module prefetches, in backward, the one before it in forward order
+    (``set_modules_to_backward_prefetch``), as Megatron does under recompute: FSDP2's own
+    order comes from the forward it records, and a recomputed forward inside backward would
+    reorder it."""
+    wrapped = {id(sub) for sub in targets}
+    previous: torch.nn.Module | None = None
+    for sub in module.modules():  # registration order: the forward order of a layer stack
+        if id(sub) in wrapped:
+            prefetch = [] if previous is None else [previous]
+            sub.set_modules_to_backward_prefetch(prefetch)  # type: ignore[operator]
+            previous = sub
 
 
 def _targets(

@@ -44,6 +44,8 @@ check and default)::
     moe_router_bias_update_rate             1e-3         finalize
     moe_router_load_balancing_type          "aux_loss"   finalize (str or list of str)
     moe_router_quantile_balancing_ema       0.0          finalize (in [0, 1])
+    recompute_granularity                   None         ddp's FSDP2 wrapper (backward prefetch
+                                                         order; None, "full" or "selective")
 
 plus the fields only :class:`ModelParallelConfig` validates (pipeline and context sizes,
 fp16 / bf16, ...). A new field goes into ``_FIELDS`` with Megatron's name and default.
@@ -63,6 +65,7 @@ from mc_groups.argcheck import (
     check_float_dtype,
     check_int,
     check_optional_int,
+    check_optional_str,
     check_real,
     check_str,
     type_name,
@@ -163,6 +166,15 @@ def _fraction(name: str, value: object) -> float:
     return number
 
 
+def _granularity(name: str, value: object) -> str | None:
+    granularity = check_optional_str(name, value)
+    if granularity not in (None, "full", "selective"):
+        raise InputValueError(
+            f"{name}={value!r} must be None, 'full' or 'selective' (Megatron-Core's values)"
+        )
+    return granularity
+
+
 def _dtype(name: str, value: object) -> torch.dtype:
     dtype = check_float_dtype(name, value)
     assert dtype is not None  # allow_none=False
@@ -236,6 +248,7 @@ _FIELDS: dict[str, _Field] = {
     "moe_router_bias_update_rate": _Field(_rate, 1e-3),
     "moe_router_load_balancing_type": _Field(_balancing_types, ("aux_loss",)),
     "moe_router_quantile_balancing_ema": _Field(_fraction, 0.0),
+    "recompute_granularity": _Field(_granularity, None),
 }
 
 
@@ -311,6 +324,9 @@ class ModelParallelConfig:
             rate towards balance once per global batch (``mc_moe.parallelize`` wires
             ``transformers`` routers that have such a bias).
         moe_router_quantile_balancing_ema: EMA of the quantile-balancing bias ``qb_beta``.
+        recompute_granularity: the model recomputes activations in backward (``"full"`` or
+            ``"selective"``, Megatron's ``TransformerConfig`` field; the model does the
+            recomputing): FSDP2's wrapper then fixes the backward prefetch order.
 
     Fields are checked by ``check_config`` at construction and by :meth:`replace`.
     """
@@ -338,6 +354,7 @@ class ModelParallelConfig:
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
     moe_router_quantile_balancing_ema: float = 0.0
+    recompute_granularity: str | None = None
 
     def __post_init__(self) -> None:
         check_config(self, "ModelParallelConfig")

@@ -104,6 +104,8 @@ def test_a_present_field_is_checked_and_read() -> None:
         ({"moe_router_quantile_balancing_ema": 1.5}, ValueError, "<= 1.0"),
         ({"moe_router_bias_update_rate": float("nan")}, ValueError, "must be finite"),
         ({"moe_router_load_balancing_type": 3}, TypeError, "a str or a list of str"),
+        ({"recompute_granularity": "layer"}, ValueError, "None, 'full' or 'selective'"),
+        ({"recompute_granularity": True}, TypeError, "config.recompute_granularity=True"),
         (
             {"moe_router_load_balancing_type": ["aux_loss", "global_aux_los"]},
             ValueError,
@@ -123,9 +125,13 @@ def test_check_config_names_the_field_and_the_fix(
 
 
 def test_none_only_where_megatrons_type_allows_it() -> None:
-    cfg = SimpleNamespace(expert_tensor_parallel_size=None, mtp_num_layers=None)
+    cfg = SimpleNamespace(
+        expert_tensor_parallel_size=None, mtp_num_layers=None, recompute_granularity=None
+    )
     assert check_config(cfg, "X") is cfg  # Optional in Megatron: None reads as None
     assert config_value(cfg, "mtp_num_layers") is None
+    assert config_value(cfg, "recompute_granularity") is None
+    assert config_value(SimpleNamespace(recompute_granularity="full"), "recompute_granularity")
 
 
 def test_model_parallel_config_is_checked_by_the_same_table() -> None:
