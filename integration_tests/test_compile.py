@@ -101,7 +101,8 @@ def _llama(sp: bool, how: str) -> dict[str, Any]:
         counters.clear()
         eager(input_ids=ids, labels=ids)  # the eager copy's first forward (lazy imports)
         eager.zero_grad()
-        call(input_ids=ids, labels=ids)  # compiles (fullgraph=True: a graph break raises)
+        with mg.record_collectives():  # traced as the recorded step runs: no retrace there
+            call(input_ids=ids, labels=ids)  # compiles (fullgraph=True: a break raises)
         compiled.zero_grad()
         loss, grads, log = _step(compiled, call, ids)
         eager_loss, eager_grads, eager_log = _step(eager, eager, ids)

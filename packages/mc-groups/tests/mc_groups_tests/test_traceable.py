@@ -17,6 +17,8 @@ SUM and MAX, gather, reduce-scatter, all-to-all) eagerly and compiled with
 - the opt-in schedule check runs in compiled code: ranks that compiled different labels
   raise :class:`~mc_groups.CollectiveScheduleError` on both ranks (a second, tiny compile,
   ``aot_eager``: the graph holds the same record op, without Inductor's code generation);
+- the record op is in a graph only while a recorder is open (else the graph holds no
+  operator Inductor's FX graph cache refuses), the recorder's flag guarded by Dynamo;
 - the eager ``inplace`` flag reuses the input; one-rank groups return the input itself;
   bad inputs are refused before anything is issued.
 """
@@ -162,6 +164,69 @@ def test_eager_and_compiled_collectives_match_by_hand_and_record_alike(
         assert not any(res["eager flags"])
         assert "rank 0" in res["mismatch"], res["mismatch"]
         assert "rank 1" in res["mismatch"], res["mismatch"]
+
+
+def _graphs_with_and_without_the_record_op() -> dict[str, Any]:
+    """One all-reduce compiled through AOTAutograd with a backend that keeps each graph it
+    is given: called without a recorder, inside one, and without again."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+    from torch._functorch._aot_autograd.utils import make_boxed_func
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=120))
+    x = _inputs(dist.get_rank())
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        return traceable.all_reduce_tensor(t * 2, group, label="tap")
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(reduce, fullgraph=True, backend=aot_autograd(fw_compiler=keep))
+    plain = compiled(x)
+    with mg.record_collectives() as log:
+        recorded = compiled(x)
+    again = compiled(x)
+    seen = []
+    for gm in graphs:
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+        hops = [n.target for n in nodes if isinstance(n.target, torch._ops.HigherOrderOperator)]
+        seen.append(
+            {
+                "record op": any("mc_groups.collective" in str(n.args) for n in nodes),
+                "uncacheable": [hop.name() for hop in hops if not hop.cacheable()],  # type: ignore[no-untyped-call]
+            }
+        )
+    torch._dynamo.reset()
+    return {
+        "values": [plain, recorded, again],
+        "graphs": seen,
+        "unique graphs": counters["stats"]["unique_graphs"],
+        "records": [(r.op, r.label, r.compiled) for r in log],
+    }
+
+
+def test_the_record_op_is_traced_only_while_a_recorder_is_open(rank_pools: RankPools) -> None:
+    """Without a recorder (and without the schedule check) a compiled collective's graph
+    holds no ``mc_groups::collective`` op and so no ``with_effects`` operator, which
+    Inductor's FX graph cache refuses (``HigherOrderOperator.cacheable()``, the test
+    Inductor's cache makes); opening a recorder retraces (Dynamo guards the recorder's
+    flag) into a graph with the op, which records the run (``compiled=True``); closing it
+    goes back to the first graph (2 graphs in all). Values: 2·(x_0 + x_1) on every call."""
+    results = rank_pools.get(2).run_with_deadline(300.0, _graphs_with_and_without_the_record_op)
+    want = 2 * (_inputs(0) + _inputs(1))
+    for res in results:
+        assert all(torch.equal(v, want) for v in res["values"])
+        assert res["graphs"] == [
+            {"record op": False, "uncacheable": []},
+            {"record op": True, "uncacheable": ["with_effects"]},
+        ], res["graphs"]
+        assert res["unique graphs"] == 2
+        assert res["records"] == [("all_reduce", "tap", True)]
 
 
 def _eager_details() -> dict[str, Any]:

@@ -25,9 +25,15 @@ Both paths send the same bytes with the same algorithm::
                                                 (in fp32 for narrower dtypes)
     all_to_all       all-to-all (even splits)   all-to-all (even splits)
 
-**Compiled code: what runs outside the graph.** Each collective traced into a graph is
-preceded by the custom op ``mc_groups::collective`` (:func:`_tap`, below): an
-ordered side effect, which Inductor keeps in program order among mc's collectives. When
+**Compiled code: what runs outside the graph.** While a recorder is open or the schedule
+check is on, each collective traced into a graph is preceded by the custom op
+``mc_groups::collective`` (:func:`_tap`, below): an ordered side effect, which Inductor
+keeps in program order among mc's collectives. Both switches are read while tracing and
+Dynamo guards them, so opening a recorder (or turning the check on) around a graph traced
+without retraces it with the op, and closing it goes back to the graph without. A graph
+without the op holds no side-effect operator, which Inductor's FX graph cache refuses
+(``with_effects`` is not cacheable in torch 2.13): training code compiles once and later
+runs load it from the cache. When
 the compiled code runs, it does in Python what the eager path does before issuing: the
 per-collective check behind ``MC_CHECK_COLLECTIVE_SCHEDULE``
 (:mod:`mc_groups.comm.cross_rank`) and a :class:`~mc_groups.CollectiveRecord` with
@@ -68,7 +74,9 @@ from mc_groups.comm.collectives import (
     check_schedule,
     is_gloo,
     record,
+    schedule_check_enabled,
 )
+from mc_groups.comm.recorder import _REGISTRY
 from mc_groups.errors import InputTypeError, InputValueError
 
 __all__ = [
@@ -478,7 +486,8 @@ def all_to_all_tensor(
 
 
 # -- the run-time side of compiled collectives ---------------------------------------------
-# Each traced collective is preceded by the custom op ``mc_groups::collective`` (:func:`_tap`).
+# While a recorder is open or the schedule check is on (module notes), each traced collective
+# is preceded by the custom op ``mc_groups::collective`` (:func:`_tap`).
 # Registered as an *ordered side effect* (AOTAutograd threads an effect token through it: it
 # is never dead code and keeps program order among mc's collectives), it is called, in
 # Python, every time the compiled graph runs, and does what the eager path does before
@@ -540,7 +549,8 @@ def _tap(
     async_op: bool,
     label: str,
 ) -> None:
-    """While tracing: put the op into the graph before the collective on ``input``."""
-    if _TAPPED:
+    """While tracing: put the op into the graph before the collective on ``input`` when a
+    recorder is open or the schedule check is on (module notes); else nothing."""
+    if _TAPPED and (_REGISTRY.active or schedule_check_enabled()):
         reduce = "" if reduce_op is None else reduce_op.value
         torch.ops.mc_groups.collective(input, op, reduce, group.group_name, async_op, label)
