@@ -200,13 +200,15 @@ def test_fsdp2_with_mc_tp_matches_one_process(rank_pools: RankPools) -> None:
 
 
 @contextmanager
-def _counting_dist() -> Iterator[list[tuple[str, tuple[int, ...], int, torch.dtype]]]:
+def _counting_dist(
+    names: tuple[str, ...] = ("all_gather_single", "reduce_scatter_single"),
+) -> Iterator[list[tuple[str, tuple[int, ...], int, torch.dtype]]]:
     """``(op, group ranks, numel, dtype)`` of every ``dist.all_gather_single`` /
-    ``dist.reduce_scatter_single`` issued inside (FSDP2's collectives)."""
+    ``dist.reduce_scatter_single`` (or other ``names``: FSDP2 calls each with ``group=``)
+    issued inside (FSDP2's collectives)."""
     import torch.distributed as dist
 
     seen: list[tuple[str, tuple[int, ...], int, torch.dtype]] = []
-    names = ("all_gather_single", "reduce_scatter_single")
     originals = {name: getattr(dist, name) for name in names}
 
     def counting(name: str) -> Callable[..., Any]:
@@ -482,6 +484,8 @@ def _refusals() -> list[tuple[str, str]]:
             cfg, fsdp_config(delay_wgrad_compute=True), _Block(cfg, pgc), pg_collection=pgc
         )
     )
+    hsdp = fsdp_config(num_distributed_optimizer_instances=2)  # groups built with 1 instance
+    attempt(lambda: TorchFullyShardedDataParallel(cfg, hsdp, _Block(cfg, pgc), pg_collection=pgc))
     attempt(lambda: fsdp_config(clone_output_views=True))
     from torch.distributed.tensor import Shard
 
@@ -520,6 +524,7 @@ REFUSALS = [
     ("ValueError", ["process_group", "tensor-parallel peers", "dp_cp"]),
     ("ValueError", ["gradient_accumulation_fusion=True", "main_grad"]),
     ("ValueError", ["delay_wgrad_compute=True", "no counterpart under FSDP2"]),
+    ("MissingGroupError", ["HSDP", "num_distributed_optimizer_instances", "intra_dp_cp"]),
     ("NotImplementedError", ["clone_output_views=True"]),
     ("NotImplementedError", ["fc1.weight is a DTensor placed", "Shard(0)", "full_state_dict"]),
     ("NotImplementedError", ["weight packs partition_stride=3", "2 does not divide 3"]),
@@ -532,7 +537,8 @@ REFUSALS = [
 @pytest.mark.timeout(120)
 def test_refusals_name_the_argument_and_the_fix(rank_pools: RankPools) -> None:
     """The wrapper refuses a group holding TP peers, the fused wgrad path, DDP settings
-    FSDP2 has no counterpart for and Megatron's unimplemented ``clone_output_views``;
+    FSDP2 has no counterpart for, HSDP over a collection built without its groups, and
+    Megatron's unimplemented ``clone_output_views``;
     ``model_sharded_state_dict`` refuses FSDP2 params split along another dim than 0
     (``shard_placement_fn``) and a packed colwise weight whose parts FSDP2's rows cut
     (``partition_stride`` 3 over 2 data-parallel ranks): no one-process view for DCP;
@@ -993,6 +999,111 @@ def test_no_sync_nesting_and_recompute_prefetch_match_one_process(rank_pools: Ra
     expected = [(name, layers[i - 1 : i]) for i, name in enumerate(layers)]
     assert result["prefetch"] == expected, result["prefetch"]
     assert result["attention_runs"] == 2, result["attention_runs"]
+
+
+_FSDP2_OPS = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+
+
+def _hsdp() -> dict[str, Any] | None:
+    """The ``transformers`` Llama at TP=2 × HSDP over DP=4 (2 replicas × 2 shards,
+    ``num_distributed_optimizer_instances=2``) with SP, through the wrapper, 8 ranks:
+    (1) 3 SGD steps, 1 row per data-parallel rank, FSDP2's collectives of the last step
+    counted; (2) ``gradient_accumulation_mode="partial_reduce_scatter"``: one step of 2
+    micro-batches of one row, the first under ``no_sync``, collectives counted per
+    micro-batch. The whole weights after each."""
+    import torch.distributed as dist
+
+    import mc_groups as mg
+    from mc_ddp import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from mc_finalize import finalize_model_grads
+    from mc_tp_layers import full_state_dict, parallelize, sequence_parallel_plan
+
+    torch.set_num_threads(1)
+    pgc = mg.initialize_model_parallel(
+        tensor_model_parallel_size=2, num_distributed_optimizer_instances=2
+    )
+    cfg = mg.ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    dp = pgc.require("dp", "data")
+    tp = mg.group_ranks(pgc.require("tp", "test"))  # mc's all-reduces over tp: not FSDP2's
+    out: dict[str, Any] = {"groups": {}}
+    for name in ("dp", "intra_dp_cp", "inter_dist_opt"):
+        out["groups"][name] = mg.group_ranks(pgc.require(name, "test"))
+    for mode in ("classic", "partial_reduce_scatter"):
+        model = _build("hf")
+        parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
+        ddp_config = TorchFullyShardedDataParallelConfig(
+            num_distributed_optimizer_instances=2, gradient_accumulation_mode=mode
+        )
+        chunk = TorchFullyShardedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
+        opt = torch.optim.SGD(chunk.parameters(), lr=LR)
+        counts = []
+        if mode == "classic":
+            for step in range(STEPS):
+                ids = _batch("hf", step)[dp.rank() : dp.rank() + 1]
+                opt.zero_grad()
+                with _counting_dist(_FSDP2_OPS) as fsdp:
+                    _loss("hf", chunk, ids).backward()  # type: ignore[no-untyped-call]
+                finalize_model_grads([chunk], pg_collection=pgc)
+                opt.step()
+            counts.append(Counter((op, g) for op, g, *_ in fsdp if g != tp))
+        else:
+            rows = _eight_rows()[2 * dp.rank() : 2 * dp.rank() + 2]
+            with chunk.no_sync(), _counting_dist(_FSDP2_OPS) as fsdp:
+                (_loss("hf", chunk, rows[:1]) / 2).backward()  # type: ignore[no-untyped-call]
+            counts.append(Counter((op, g) for op, g, *_ in fsdp if g != tp))
+            with _counting_dist(_FSDP2_OPS) as fsdp:
+                (_loss("hf", chunk, rows[1:]) / 2).backward()  # type: ignore[no-untyped-call]
+            counts.append(Counter((op, g) for op, g, *_ in fsdp if g != tp))
+            finalize_model_grads([chunk], pg_collection=pgc)
+            opt.step()
+        out[mode] = {"counts": counts, "weights": full_state_dict(model)}
+    mg.destroy_model_parallel(pgc)
+    return out if dist.get_rank() == 0 else None
+
+
+def _eight_rows() -> torch.Tensor:
+    """A global batch of 8 rows: 2 per data-parallel rank of 4."""
+    return torch.cat([_batch("hf", 0), _batch("hf", 1)])
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools) -> None:
+    """HSDP (Megatron main's ``num_distributed_optimizer_instances`` > 1 under
+    ``TorchFullyShardedDataParallel``): the 2-D mesh (replicate over ``inter_dist_opt``,
+    shard over ``intra_dp_cp``) at TP=2 × 2 replicas × 2 shards with SP, 8 ranks. By
+    hand, per step: FSDP2's 5 groups (2 layers, the embedding, the head, the root's norm)
+    all-gather in forward and 4 again in backward over ``intra_dp_cp``, reduce-scatter over
+    ``intra_dp_cp`` and all-reduce the shard over ``inter_dist_opt`` (5 each), nothing
+    over the whole ``dp``. The weights after 3 SGD steps within 1e-6 of one process's
+    (``_reference``: the average over 4 rows equals HSDP's average over the shards then
+    the replicas). With ``"partial_reduce_scatter"`` a micro-batch under ``no_sync``
+    reduce-scatters but does not all-reduce (5 and 0), the last one does both (5 and 5),
+    and one step on 8 rows in 2 micro-batches matches one process's step on them."""
+    result = rank_pools.get(8).run_with_deadline(280.0, _hsdp)[0]
+    assert result is not None
+    shard, replicate = result["groups"]["intra_dp_cp"], result["groups"]["inter_dist_opt"]
+    assert (len(shard), len(replicate), len(result["groups"]["dp"])) == (2, 2, 4), result["groups"]
+    step = Counter(
+        {
+            ("all_gather_single", shard): 9,
+            ("reduce_scatter_single", shard): 5,
+            ("all_reduce", replicate): 5,
+        }
+    )
+    assert result["classic"]["counts"] == [step], result["classic"]["counts"]
+    first, last = result["partial_reduce_scatter"]["counts"]
+    assert first == step - Counter({("all_reduce", replicate): 5}), first
+    assert last == step, last
+    _, three_steps = _reference("hf")
+    for mode, ref in (
+        ("classic", three_steps),
+        ("partial_reduce_scatter", _one_sgd_step(_eight_rows())),
+    ):
+        got = result[mode]["weights"]
+        assert sorted(got) == sorted(ref), mode
+        worst = max(float((got[k] - v).abs().max()) for k, v in ref.items())
+        print(f"HSDP {mode}: weights {worst:.1e} from one process")
+        assert worst <= 1e-6, (mode, worst)
 
 
 def _pipeline(steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]] | None:

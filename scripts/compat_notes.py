@@ -170,8 +170,9 @@ NOTES: dict[str, tuple[str | None, str]] = {
 # declared status or None for the computed one; note). The methods are the wrapper's own
 # and the `_BaseDataParallel` ones it keeps.
 _NO_HSDP = (
-    "refused by name, before anything changes: HSDP (`num_distributed_optimizer_instances` "
-    "> 1: Megatron main builds a 2-D replicate × shard mesh), expert-parallel params "
+    "HSDP (`num_distributed_optimizer_instances` > 1) builds Megatron main's 2-D mesh "
+    "(replicate: `inter_dist_opt`, shard: `intra_dp_cp`), its groups' layout checked as "
+    "Megatron does. Refused by name, before anything changes: expert-parallel params "
     "(`allreduce=False`: Megatron main shards them over an `expt_dp` mesh; mc would average "
     "different experts), `config.gradient_accumulation_fusion` (FSDP2 has no `main_grad`), "
     "the DDP settings with no FSDP2 counterpart, and a `process_group` holding "
@@ -196,7 +197,7 @@ FSDP2_NOTES: dict[str, tuple[str | None, str | None, str]] = {
         "so a later `fully_shard` by hand keeps them too. The mesh's device type is the "
         "params' (Megatron: cuda). Under `config.recompute_granularity` each wrapped module "
         "prefetches the one before it in forward order, as Megatron. With "
-        "`calculate_per_token_loss` FSDP2 sums over dp, as Megatron's. " + _NO_HSDP.capitalize(),
+        "`calculate_per_token_loss` FSDP2 sums over dp, as Megatron's. " + _NO_HSDP,
     ),
     "TorchFullyShardedDataParallel.forward": ("*inputs, **kwargs", None, ""),
     "TorchFullyShardedDataParallel.no_sync": (
@@ -204,7 +205,8 @@ FSDP2_NOTES: dict[str, tuple[str | None, str | None, str]] = {
         None,
         "`gradient_accumulation_mode='classic'`: no reduce-scatter inside (FSDP2's "
         "`set_requires_gradient_sync(False)`), as Megatron main; `'partial_reduce_scatter'` "
-        "reduce-scatters every backward (without HSDP nothing else is deferred); both set "
+        "reduce-scatters every backward and defers HSDP's all-reduce across replicas "
+        "(`set_requires_all_reduce(False)`); both set "
         "`set_is_last_backward(False)` inside, and only the outermost of nested contexts "
         "changes and restores the controls (Megatron main's depth count)",
     ),

@@ -180,10 +180,15 @@ class DistributedDataParallelConfig:
             self.param_name_patterns_for_fp32_local_accumulation,
         )
 
+    # mc DDP's instances shard the optimizer; FSDP2's config (HSDP replicas) sets False.
+    _instances_need_distributed_optimizer = True
+
     def _check_combinations(self) -> None:
         dist_opt = self.use_distributed_optimizer
         _need(
-            self.num_distributed_optimizer_instances == 1 or dist_opt,
+            self.num_distributed_optimizer_instances == 1
+            or dist_opt
+            or not self._instances_need_distributed_optimizer,
             f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances} "
             "needs use_distributed_optimizer=True (the instances shard the optimizer)",
         )

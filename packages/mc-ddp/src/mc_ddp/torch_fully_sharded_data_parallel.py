@@ -10,7 +10,10 @@ What construction does, on every rank of the data-parallel group ``dp`` (× ``cp
     2. fully_shard(sub_module)          each sub-module to wrap, innermost first (its params
                                         all-gathered just in time), then the root; over
                                         DeviceMesh.from_group(dp_cp), mp_policy,
-                                        reshard_after_forward
+                                        reshard_after_forward; HSDP (ddp_config.
+                                        num_distributed_optimizer_instances = R > 1):
+                                        the 2-D mesh (replicate: inter_dist_opt,
+                                        shard: intra_dp_cp), Megatron main's layout
     3. restore_marks(module)            the marks back on the new DTensor params
 
 One step, then (``D`` = data-parallel size; a param's local tensor is its tensor-parallel
@@ -22,7 +25,9 @@ shard, and FSDP2 splits that along dim 0 over ``dp``)::
                reduce_scatter of its grads over dp: param.grad = DTensor Shard(0),
                (1/D) Σ_dp grad (AVG; in mp_policy.reduce_dtype); with
                config.calculate_per_token_loss Σ_dp grad (SUM, as Megatron: finalize
-               then divides by the global token count)
+               then divides by the global token count); under HSDP the all-gathers and
+               the reduce-scatter run over intra_dp_cp (D/R ranks) and an all_reduce
+               of the shard over inter_dist_opt (R ranks) completes the same average
     finalize   mc_finalize.finalize_model_grads([model]): finish_grad_sync here is a no-op
                (FSDP2 finished its reductions in backward); the tensor-parallel steps (the
                sequence-parallel norms' and row biases' partial sums over tp, the tied
@@ -47,9 +52,9 @@ module already under ``fully_shard``; ``config.gradient_accumulation_fusion`` (F
 grads in ``param.grad``, the fused path writes ``main_grad``); a ``process_group`` holding
 another tensor-parallel rank (its reduce-scatter would average different shards); an
 expert-parallel param (``allreduce=False``: its replicas are ``expt_dp``, not the group
-FSDP2 shards over); the DDP settings FSDP2 has no counterpart for:
-``num_distributed_optimizer_instances`` > 1,
-``reduce_scatter_with_fp32_accumulation``,
+FSDP2 shards over); HSDP groups that do not tile the data-parallel group in rows of
+``intra_dp_cp`` and columns of ``inter_dist_opt``; the DDP settings FSDP2 has no
+counterpart for: ``reduce_scatter_with_fp32_accumulation``,
 ``param_name_patterns_for_fp32_local_accumulation``, ``delay_wgrad_compute``,
 ``check_for_large_grads``. The bucketing and overlap settings are accepted and have no
 effect (FSDP2 groups the params per wrapped module and always overlaps), as in Megatron.
@@ -83,7 +88,6 @@ __all__ = ["TorchFullyShardedDataParallel", "TorchFullyShardedDataParallelConfig
 # DDP settings with no FSDP2 counterpart that would change the numbers: field → why (each
 # must stay at its default: 1, False or empty)
 _UNSUPPORTED: dict[str, str] = {
-    "num_distributed_optimizer_instances": "FSDP2 shards over one group (HSDP: a 2-D mesh)",
     "reduce_scatter_with_fp32_accumulation": (
         "use grad_reduce_in_fp32 (or mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))"
     ),
@@ -109,7 +113,8 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
             ``set_requires_gradient_sync(False)``; the unreduced grads accumulate whole and
             the last backward reduces them); ``"partial_reduce_scatter"``: each backward
             reduce-scatters (the accumulated grads stay sharded) and only the all-reduce
-            across HSDP replicas waits for the last one (no HSDP here: no such all-reduce).
+            across HSDP replicas waits for the last one (FSDP2's
+            ``set_requires_all_reduce(False)``; without HSDP nothing is deferred).
         reshard_after_forward: free each wrapped module's gathered params after its
             forward. None: torch's automatic policy (non-root modules reshard, the root
             keeps its params gathered); True / False for every module; an int ``n`` > 1:
@@ -122,6 +127,7 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
     """
 
     gradient_accumulation_mode: Literal["classic", "partial_reduce_scatter"] = "classic"
+    _instances_need_distributed_optimizer = False  # the instances are HSDP's replicas
     reshard_after_forward: bool | int | None = None
     reduce_scatter_unused_params: bool = False
     clone_output_views: bool = False
@@ -203,6 +209,8 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             types = _check_types(sub_modules_to_wrap)
             check_flag("disable_bucketing", disable_bucketing)
             group = _data_group(process_group, pg_collection)
+            instances = ddp_config.num_distributed_optimizer_instances
+            hsdp = _hsdp_layout(group, pg_collection, instances) if instances > 1 else None
             policy = _policy(mp_policy, config, ddp_config)
             reshard = getattr(ddp_config, "reshard_after_forward", None)
             targets = _targets(module, types)
@@ -211,7 +219,14 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         self._config = config
         self.ddp_config = ddp_config
         self.process_group = group
-        self.device_mesh: DeviceMesh = DeviceMesh.from_group(group, _device_type(module))
+        device = _device_type(module)
+        self.device_mesh: DeviceMesh = (
+            DeviceMesh.from_group(group, device)
+            if hsdp is None
+            else DeviceMesh.from_group(
+                [hsdp[0], hsdp[1]], device, mesh=hsdp[2], mesh_dim_names=("replicate", "shard")
+            )
+        )
         self._grads_finalized = False
         per_token = bool(config_value(config, "calculate_per_token_loss"))
         param_attrs.record_marks(module)
@@ -254,24 +269,23 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         backward-prefetch state between them; the next backward outside waits for every
         reduction and clears it). Nested contexts: only the outermost one changes and
         restores these controls (Megatron counts the depth), also when its body raises."""
-        root = self.module
+        root: Any = self.module
         classic = getattr(self.ddp_config, "gradient_accumulation_mode", "classic") == "classic"
+        control = root.set_requires_gradient_sync if classic else root.set_requires_all_reduce
         outermost = self._no_sync_depth == 0
         self._no_sync_depth += 1
         try:
             if outermost:
-                root.set_is_last_backward(False)  # type: ignore[operator]
-                if classic:
-                    root.set_requires_gradient_sync(False)  # type: ignore[operator]
+                root.set_is_last_backward(False)
+                control(False)
             yield
         finally:
             self._no_sync_depth -= 1
             if outermost:
                 try:
-                    if classic:
-                        root.set_requires_gradient_sync(True)  # type: ignore[operator]
+                    control(True)
                 finally:
-                    root.set_is_last_backward(True)  # type: ignore[operator]
+                    root.set_is_last_backward(True)
 
     def start_grad_sync(self, *unused: Any) -> None:
         """Nothing to issue: FSDP2 reduce-scatters each wrapped module's grads in its own
@@ -377,8 +391,7 @@ def _check_ddp_config(ddp_config: object) -> None:
     for name, why in _UNSUPPORTED.items():
         value = getattr(ddp_config, name)
         # a bool flag or the sequence of patterns is set when truthy
-        changed = value != 1 if name == "num_distributed_optimizer_instances" else bool(value)
-        if changed:
+        if value:
             raise InputValueError(
                 f"ddp_config.{name}={value!r} has no counterpart under FSDP2 ({why}); leave it "
                 "at its default"
@@ -458,6 +471,37 @@ def _data_group(
                 "data-parallel group (pg_collection.dp_cp)"
             )
     return group
+
+
+def _hsdp_layout(
+    group: dist.ProcessGroup, pg_collection: mg.ProcessGroupCollection | None, instances: int
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[list[int]]]:
+    """HSDP's ``(replicate, shard, mesh)`` (Megatron main's layout): the data-parallel
+    group's ranks in ``instances`` rows, a row one ``intra_dp_cp`` group (FSDP2 shards over
+    it), a column one ``inter_dist_opt`` group (it all-reduces the shards)."""
+    what = "TorchFullyShardedDataParallel (HSDP, num_distributed_optimizer_instances > 1)"
+    pgc = collection_or_default(pg_collection, what)
+    shard = pgc.require("intra_dp_cp", f"{what}: the shard dimension")
+    replicate = pgc.require("inter_dist_opt", f"{what}: the replicate dimension")
+    full, me = list(mg.group_ranks(group)), dist.get_rank()
+    columns, rows = list(mg.group_ranks(replicate)), list(mg.group_ranks(shard))
+    size = len(rows)
+    if len(columns) != instances or len(columns) * size != len(full) or me not in full:
+        raise InputValueError(
+            f"ddp_config.num_distributed_optimizer_instances={instances} needs "
+            f"pg_collection.inter_dist_opt of {instances} ranks (has {columns}) times "
+            f"intra_dp_cp ({rows}) to tile the data-parallel group {full}; build the "
+            f"collection with initialize_model_parallel(num_distributed_optimizer_instances="
+            f"{instances})"
+        )
+    replica, position = divmod(full.index(me), size)
+    if rows != full[replica * size : (replica + 1) * size] or columns != full[position::size]:
+        raise InputValueError(
+            f"pg_collection.intra_dp_cp {rows} and inter_dist_opt {columns} are not a row and "
+            f"a column of the data-parallel group {full} in {instances} rows (Megatron's HSDP "
+            "layout); build them with initialize_model_parallel"
+        )
+    return replicate, shard, [full[i : i + size] for i in range(0, len(full), size)]
 
 
 def _device_type(module: torch.nn.Module) -> str:
