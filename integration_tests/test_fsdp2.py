@@ -1004,19 +1004,29 @@ def test_no_sync_nesting_and_recompute_prefetch_match_one_process(rank_pools: Ra
 _FSDP2_OPS = ("all_gather_single", "reduce_scatter_single", "all_reduce")
 
 
-def _hsdp() -> dict[str, Any] | None:
+def _hsdp(folder: str) -> dict[str, Any] | None:
     """The ``transformers`` Llama at TP=2 × HSDP over DP=4 (2 replicas × 2 shards,
     ``num_distributed_optimizer_instances=2``) with SP, through the wrapper, 8 ranks:
     (1) 3 SGD steps, 1 row per data-parallel rank, FSDP2's collectives of the last step
     counted; (2) ``gradient_accumulation_mode="partial_reduce_scatter"``: one step of 2
     micro-batches of one row, the first under ``no_sync``, collectives counted per
-    micro-batch. The whole weights after each."""
+    micro-batch. The whole weights after each; after (1), the DCP views of
+    ``model_sharded_state_dict`` made whole (``full_tensor``), and the weights of a model
+    built from other weights (seed 1) after ``dcp.load`` of the views ``dcp.save`` wrote
+    to ``folder``."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     import mc_groups as mg
     from mc_ddp import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
     from mc_finalize import finalize_model_grads
-    from mc_tp_layers import full_state_dict, parallelize, sequence_parallel_plan
+    from mc_tp_layers import (
+        full_state_dict,
+        model_sharded_state_dict,
+        parallelize,
+        sequence_parallel_plan,
+    )
 
     torch.set_num_threads(1)
     pgc = mg.initialize_model_parallel(
@@ -1028,13 +1038,17 @@ def _hsdp() -> dict[str, Any] | None:
     out: dict[str, Any] = {"groups": {}}
     for name in ("dp", "intra_dp_cp", "inter_dist_opt"):
         out["groups"][name] = mg.group_ranks(pgc.require(name, "test"))
-    for mode in ("classic", "partial_reduce_scatter"):
-        model = _build("hf")
+
+    def build(mode: Any, seed: int = 0) -> tuple[Any, Any]:
+        model = _build("hf", seed)
         parallelize(model, sequence_parallel_plan(model), config=cfg, pg_collection=pgc)
         ddp_config = TorchFullyShardedDataParallelConfig(
             num_distributed_optimizer_instances=2, gradient_accumulation_mode=mode
         )
-        chunk = TorchFullyShardedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
+        return model, TorchFullyShardedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
+
+    for mode in ("classic", "partial_reduce_scatter"):
+        model, chunk = build(mode)
         opt = torch.optim.SGD(chunk.parameters(), lr=LR)
         counts = []
         if mode == "classic":
@@ -1057,6 +1071,13 @@ def _hsdp() -> dict[str, Any] | None:
             finalize_model_grads([chunk], pg_collection=pgc)
             opt.step()
         out[mode] = {"counts": counts, "weights": full_state_dict(model)}
+        if mode == "classic":
+            views = model_sharded_state_dict(model)
+            out["views"] = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in views.items()}
+            dcp_save(views, checkpoint_id=folder)
+            fresh, _ = build(mode, seed=1)
+            dcp_load(model_sharded_state_dict(fresh), checkpoint_id=folder)
+            out["loaded"] = full_state_dict(fresh)
     mg.destroy_model_parallel(pgc)
     return out if dist.get_rank() == 0 else None
 
@@ -1067,7 +1088,7 @@ def _eight_rows() -> torch.Tensor:
 
 
 @pytest.mark.timeout(300)
-def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools) -> None:
+def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools, tmp_path: Path) -> None:
     """HSDP (Megatron main's ``num_distributed_optimizer_instances`` > 1 under
     ``TorchFullyShardedDataParallel``): the 2-D mesh (replicate over ``inter_dist_opt``,
     shard over ``intra_dp_cp``) at TP=2 × 2 replicas × 2 shards with SP, 8 ranks. By
@@ -1078,8 +1099,11 @@ def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools) -> No
     (``_reference``: the average over 4 rows equals HSDP's average over the shards then
     the replicas). With ``"partial_reduce_scatter"`` a micro-batch under ``no_sync``
     reduce-scatters but does not all-reduce (5 and 0), the last one does both (5 and 5),
-    and one step on 8 rows in 2 micro-batches matches one process's step on them."""
-    result = rank_pools.get(8).run_with_deadline(280.0, _hsdp)[0]
+    and one step on 8 rows in 2 micro-batches matches one process's step on them. The DCP
+    views (``[Shard(partition_dim), Replicate(), Shard(0)]`` on the ``(tp, replicate,
+    shard)`` mesh) made whole equal ``full_state_dict``'s tensors exactly, and a model built
+    from other weights loads them through ``dcp.save`` / ``dcp.load`` exactly."""
+    result = rank_pools.get(8).run_with_deadline(280.0, _hsdp, str(tmp_path))[0]
     assert result is not None
     shard, replicate = result["groups"]["intra_dp_cp"], result["groups"]["inter_dist_opt"]
     assert (len(shard), len(replicate), len(result["groups"]["dp"])) == (2, 2, 4), result["groups"]
@@ -1104,6 +1128,11 @@ def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools) -> No
         worst = max(float((got[k] - v).abs().max()) for k, v in ref.items())
         print(f"HSDP {mode}: weights {worst:.1e} from one process")
         assert worst <= 1e-6, (mode, worst)
+    trained = result["classic"]["weights"]
+    for key in ("views", "loaded"):
+        assert sorted(result[key]) == sorted(trained), key
+        for name, value in trained.items():
+            assert torch.equal(result[key][name], value), (key, name)
 
 
 def _pipeline(steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]] | None:

@@ -39,10 +39,12 @@ DCP reads and writes the same chunks a TP-only or whole run does. A param that i
 split by TP is FSDP2's DTensor itself; a strided one uses the ``[.., k, d/k, ..]`` view
 (``Shard(0)`` over the k packed parts when ``partition_dim`` is 0: the data-parallel size
 must divide k, else FSDP2's rows cut a part and the view is refused). The rank grid of
-the ``(tp, dp)`` mesh takes one exchange over dp per TP group, so under FSDP2
-:func:`model_sharded_state_dict` is a collective over the data-parallel group. Only
-FSDP2's default layout is taken (a 1-D mesh, ``Shard(0)``: no ``shard_placement_fn``, no
-HSDP), and no gtp_remat shard under FSDP2.
+the ``(tp, dp)`` mesh takes one exchange over dp per TP group (HSDP: one over the shard
+group, one over the replicate group), so under FSDP2 :func:`model_sharded_state_dict` is
+a collective over the data-parallel group. FSDP2's default layouts are taken: a 1-D mesh,
+``Shard(0)``; HSDP's 2-D ``(replicate, shard)`` mesh, ``(Replicate(), Shard(0))``, viewed on
+the 3-D ``(tp, replicate, shard)`` mesh as ``[Shard(partition_dim), Replicate(),
+Shard(0)]``. No ``shard_placement_fn``, and no gtp_remat shard under FSDP2.
 
 For a whole model (mc's layers, ``parallelize``\ d models, plain replicated modules),
 :func:`model_sharded_state_dict` gathers these views under the model's parameter names:
@@ -208,8 +210,8 @@ def sharded_state_dict_of(
     return _own_entries(module, tp_group, prefix, {})
 
 
-# the (tp, dp) meshes built during one call, by (id of the tp group, id of the dp group)
-_Meshes = dict[tuple[int, int], "DeviceMesh"]
+# the (tp, dp) meshes built during one call, by the ids of the tp group and the dp mesh's groups
+_Meshes = dict[tuple[int, ...], "DeviceMesh"]
 
 
 def _own_entries(
@@ -241,15 +243,17 @@ def _fsdp2_view(
     param: torch.Tensor, tp_group: dist.ProcessGroup | None, name: str, meshes: _Meshes
 ) -> torch.Tensor:
     """An FSDP2 param (module notes) as one DTensor of the one-process shape."""
-    from torch.distributed.tensor import Shard  # noqa: PLC0415 (a DTensor exists)
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415 (a DTensor exists)
 
     sharded = cast("DTensor", param)
     dp_mesh, placements = sharded.device_mesh, tuple(sharded.placements)
-    if dp_mesh.ndim != 1 or placements != (Shard(0),):
+    dp_places = [Shard(0)] if dp_mesh.ndim == 1 else [Replicate(), Shard(0)]
+    if placements != tuple(dp_places):
         raise NotImplementedError(
             f"{name} is a DTensor placed {placements} on a {dp_mesh.ndim}-D mesh: mc's DCP "
-            "views take FSDP2's default layout (fully_shard over a 1-D data-parallel mesh, "
-            "Shard(0), no shard_placement_fn, no HSDP); save full_state_dict(model) instead"
+            "views take FSDP2's default layouts (fully_shard over a 1-D data-parallel mesh, "
+            "Shard(0); HSDP's (Replicate(), Shard(0)); no shard_placement_fn); save "
+            "full_state_dict(model) instead"
         )
     if param_attrs.is_gtp_weight_remat(param):
         raise NotImplementedError(
@@ -258,7 +262,7 @@ def _fsdp2_view(
         )
     local, dim = sharded.to_local().detach(), 0
     shape = list(sharded.shape)  # the TP-local shape FSDP2 splits
-    size = dp_mesh.size()
+    size = dp_mesh.size(dp_mesh.ndim - 1)  # the ranks FSDP2 splits dim 0 over
     split = param_attrs.is_tensor_model_parallel(param)
     if split:
         dim = param_attrs.check_partition_dim(param_attrs.partition_dim_of(param), len(shape))
@@ -277,33 +281,38 @@ def _fsdp2_view(
             dim += 1
     tp_size = 1 if tp_group is None else mg.group_size(tp_group)
     if not split or tp_size == 1:
-        mesh, places = dp_mesh, [Shard(0)]
+        mesh, places = dp_mesh, dp_places
     else:
         assert tp_group is not None
         shape[dim] *= tp_size
         mesh = _tp_dp_mesh(tp_group, dp_mesh, local.device.type, meshes)
-        places = [Shard(dim), Shard(0)]  # split by tp first, then FSDP2's rows by dp
+        places = [Shard(dim), *dp_places]  # split by tp first, then FSDP2's rows by dp
     return dtensors.from_local(local, mesh, places, shape)
 
 
 def _tp_dp_mesh(
     tp_group: dist.ProcessGroup, dp_mesh: DeviceMesh, device_type: str, meshes: _Meshes
 ) -> DeviceMesh:
-    """The ``(tp, dp)`` mesh of this rank's TP group and FSDP2's data-parallel group (built
-    once per call): one exchange over dp of each peer's TP ranks gives the rank grid."""
+    """The ``(tp, dp)`` mesh of this rank's TP group and FSDP2's data-parallel mesh (built
+    once per call; under HSDP ``(tp, replicate, shard)``): each peer's TP ranks gathered
+    over the shard group (one exchange), then those rows over the replicate group (HSDP's
+    second) give the rank grid."""
     from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (see the imports)
 
-    dp_group = dp_mesh.get_group(0)
-    key = (id(tp_group), id(dp_group))
+    groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)]  # [shard] or [rep, shard]
+    key = (id(tp_group), *(id(g) for g in groups))
     if key not in meshes:
-        columns = mg.all_gather_objects(
-            list(mg.group_ranks(tp_group)), dp_group, label="FSDP2 checkpoint mesh"
-        )
+        label = "FSDP2 checkpoint mesh"
+        grid: Any = mg.all_gather_objects(list(mg.group_ranks(tp_group)), groups[-1], label=label)
+        if len(groups) == 2:
+            grid = mg.all_gather_objects(grid, groups[0], label=label)  # [rep][shard][tp]
+        ranks = torch.tensor(grid, dtype=torch.int64)
+        names = ("dp",) if len(groups) == 1 else ("replicate", "shard")
         meshes[key] = DeviceMesh.from_group(
-            [tp_group, dp_group],
+            [tp_group, *groups],
             device_type,
-            mesh=torch.tensor(columns, dtype=torch.int64).t().contiguous(),  # [tp][dp]
-            mesh_dim_names=("tp", "dp"),
+            mesh=ranks.permute(ranks.dim() - 1, *range(ranks.dim() - 1)).contiguous(),
+            mesh_dim_names=("tp", *names),
         )
     return meshes[key]
 
