@@ -425,25 +425,31 @@ class _OwnSplit(torch.nn.Module):
         return x @ self.weight.t()
 
 
-def _finalize_refusals(
-    cfg: Any, pgc: Any, attempt: Callable[[Callable[[], object]], None], expert: Any
-) -> None:
+def _finalize_refusals(cfg: Any, pgc: Any, attempt: Callable[[Callable[[], object]], None]) -> None:
     """torchtitan's way (``fully_shard`` by hand) on a model whose own TP layer never
-    recorded its marks, and on one holding an expert param: finalize refuses both."""
+    recorded its marks, and, at EP=2 (expert data-parallel 2 of the 4 data-parallel ranks),
+    on one whose expert param FSDP2 sharded over all 4: finalize refuses both."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    import mc_groups as mg
     from mc_finalize import finalize_model_grads
-    from mc_groups.param_attrs import record_marks
+    from mc_groups.param_attrs import mark_allreduce, record_marks
 
-    mesh = DeviceMesh.from_group(pgc.dp_cp, "cpu")
     own = _OwnSplit(pgc)
-    record_marks(expert)  # as parallelize would: only the expert mark is in the way
-    for model in (own, expert):
-        model.config = cfg
-        fully_shard(model, mesh=mesh)
-        model(torch.ones(2, 8)).sum().backward()
-        attempt(partial(finalize_model_grads, [model], pg_collection=pgc))
+    own.config = cfg
+    fully_shard(own, mesh=DeviceMesh.from_group(pgc.dp_cp, "cpu"))
+    own(torch.ones(2, 8)).sum().backward()
+    attempt(partial(finalize_model_grads, [own], pg_collection=pgc))
+    ep = mg.initialize_model_parallel(expert_model_parallel_size=2)
+    expert: Any = torch.nn.Linear(8, 8)
+    mark_allreduce(expert.weight, False)
+    record_marks(expert)  # as mc_moe.parallelize would
+    expert.config = mg.ModelParallelConfig(expert_model_parallel_size=2)
+    fully_shard(expert, mesh=DeviceMesh.from_group(ep.require("dp_cp", "test"), "cpu"))
+    expert(torch.ones(2, 8)).sum().backward()
+    attempt(partial(finalize_model_grads, [expert], pg_collection=ep))
+    mg.destroy_model_parallel(ep)
 
 
 def _refusals() -> list[tuple[str, str]]:
@@ -515,7 +521,7 @@ def _refusals() -> list[tuple[str, str]]:
     attempt(
         lambda: TorchFullyShardedDataParallel(cfg, fsdp_config(), with_expert(), pg_collection=pgc)
     )
-    _finalize_refusals(cfg, pgc, attempt, with_expert())
+    _finalize_refusals(cfg, pgc, attempt)
     mg.destroy_model_parallel(pgc)
     return out
 
@@ -528,9 +534,9 @@ REFUSALS = [
     ("NotImplementedError", ["clone_output_views=True"]),
     ("NotImplementedError", ["fc1.weight is a DTensor placed", "Shard(0)", "full_state_dict"]),
     ("NotImplementedError", ["weight packs partition_stride=3", "2 does not divide 3"]),
-    ("ValueError", ["'fc1.weight'", "allreduce=False", "expt_dp", "DistributedDataParallel"]),
+    ("ValueError", ["'fc1.weight'", "allreduce=False", "reduce_scatter_unused_params=True"]),
     ("RuntimeError", ["under fully_shard", "its root", "_OwnSplit", "record_marks"]),
-    ("ValueError", ["fc1.weight", "allreduce=False", "under fully_shard", "expt_dp"]),
+    ("ValueError", ["weight", "allreduce=False", "fully_shard", "expt_dp", "[0, 1, 2, 3]"]),
 ]
 
 
@@ -544,8 +550,10 @@ def test_refusals_name_the_argument_and_the_fix(rank_pools: RankPools) -> None:
     (``partition_stride`` 3 over 2 data-parallel ranks): no one-process view for DCP;
     finalize refuses, before any collective, an FSDP2 module whose own tensor-parallel
     layer (not one of mc's: those record theirs at construction) has no record of its
-    marks. Both entry points refuse an expert-parallel param (``allreduce=False``): FSDP2
-    would shard and average it over the dense data-parallel group, not ``expt_dp``."""
+    marks. The wrapper takes an expert-parallel param (``allreduce=False``) only with
+    ``reduce_scatter_unused_params=True`` (Megatron main's rule); finalize refuses one that
+    ``fully_shard`` by hand sharded over the dense data-parallel group instead of
+    ``expt_dp`` (FSDP2 averaged different experts)."""
     for outcomes in rank_pools.get(4).run(_refusals):
         for (kind, message), (want, words) in zip(outcomes, REFUSALS, strict=True):
             assert kind == want, message
@@ -1133,6 +1141,84 @@ def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools, tmp_p
         assert sorted(result[key]) == sorted(trained), key
         for name, value in trained.items():
             assert torch.equal(result[key][name], value), (key, name)
+
+
+def _moe_under_fsdp2() -> dict[str, Any] | None:
+    """``examples/hf_moe.py``'s Mixtral (4 experts, top-2, the model's load-balancing loss)
+    at EP=2 × FSDP2 over DP=4 (expert data-parallel 2) through the wrapper, 4 ranks: 3 steps
+    of SGD with momentum after ``finalize_model_grads`` and ``mc_ddp.clip_grad_norm`` at the
+    example's bound, FSDP2's collectives of the last backward counted by group, the whole
+    weights (``mc_moe.full_state_dict``)."""
+    import torch.distributed as dist
+
+    import mc_groups as mg
+    import mc_moe
+    from examples.hf_moe import BATCH, CLIP, LR, MOMENTUM, build_model, global_batch
+    from mc_ddp import (
+        TorchFullyShardedDataParallel,
+        TorchFullyShardedDataParallelConfig,
+        clip_grad_norm,
+    )
+    from mc_finalize import finalize_model_grads
+
+    torch.set_num_threads(1)
+    pgc = mg.initialize_model_parallel(expert_model_parallel_size=2)
+    cfg = mg.ModelParallelConfig(expert_model_parallel_size=2)
+    model = build_model("mixtral")
+    mc_moe.parallelize(model, model.tp_plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
+    ddp_config = TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True)
+    chunk = TorchFullyShardedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
+    opt = torch.optim.SGD(chunk.parameters(), lr=LR, momentum=MOMENTUM)
+    dp = pgc.require("dp", "data")
+    rows = BATCH // dp.size()
+    losses = []
+    for step in range(STEPS):
+        ids = global_batch(step)[dp.rank() * rows : (dp.rank() + 1) * rows]
+        opt.zero_grad()
+        loss = chunk(input_ids=ids, labels=ids, output_router_logits=True).loss
+        with _counting_dist() as fsdp:
+            loss.backward()
+        finalize_model_grads([chunk], pg_collection=pgc)
+        clip_grad_norm(chunk, CLIP, pg_collection=pgc)
+        opt.step()
+        mean = loss.detach().clone()
+        mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+        losses.append(float(mean))
+    result = {
+        "losses": losses,
+        "weights": mc_moe.full_state_dict(model, pg_collection=pgc),
+        "scatters": Counter(group for op, group, *_ in fsdp if op == "reduce_scatter_single"),
+        "dp": mg.group_ranks(dp),
+        "expt_dp": mg.group_ranks(pgc.require("expt_dp", "test")),
+    }
+    mg.destroy_model_parallel(pgc)
+    return result if dist.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(240)
+def test_expert_parallel_moe_under_the_wrapper_matches_one_process(rank_pools: RankPools) -> None:
+    """Expert parallelism under ``TorchFullyShardedDataParallel`` (Megatron main's
+    per-parameter mesh): the expert params (``allreduce=False``) sharded over ``expt_dp``,
+    the rest over ``dp_cp``, every group's reduction a SUM ÷ the dense data-parallel size
+    (the experts' grads are Σ over expt_dp ÷ 4: each EP rank's expert saw its EP peer's
+    tokens). Mixtral at EP=2 on 4 ranks: 3 steps' mean losses within 1e-5 relative and the
+    final weights within 1e-6 of one process (``examples.hf_moe.reference``: SGD with
+    momentum, ``clip_grad_norm_`` at 1.0, the load-balancing loss over the global batch);
+    the last backward reduce-scatters over both groups."""
+    from examples.hf_moe import reference
+
+    result = rank_pools.get(4).run_with_deadline(220.0, _moe_under_fsdp2)[0]
+    assert result is not None
+    ref = reference("mixtral", STEPS)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref.losses, strict=True))
+    assert rel <= 1e-5, (result["losses"], ref.losses)
+    got = result["weights"]
+    assert sorted(got) == sorted(ref.weights)
+    worst = max(float((got[k] - v).abs().max()) for k, v in ref.weights.items())
+    print(f"MoE under FSDP2: loss rel {rel:.1e}, weights {worst:.1e}")
+    assert worst <= 1e-6, worst
+    scatters = result["scatters"]
+    assert set(scatters) == {result["dp"], result["expt_dp"]}, scatters
 
 
 def _pipeline(steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]] | None:

@@ -172,9 +172,10 @@ NOTES: dict[str, tuple[str | None, str]] = {
 _NO_HSDP = (
     "HSDP (`num_distributed_optimizer_instances` > 1) builds Megatron main's 2-D mesh "
     "(replicate: `inter_dist_opt`, shard: `intra_dp_cp`), its groups' layout checked as "
-    "Megatron does. Refused by name, before anything changes: expert-parallel params "
-    "(`allreduce=False`: Megatron main shards them over an `expt_dp` mesh; mc would average "
-    "different experts), `config.gradient_accumulation_fusion` (FSDP2 has no `main_grad`), "
+    "Megatron does. Expert-parallel params (`allreduce=False`) are sharded over an `expt_dp` "
+    "mesh as in Megatron main (needing `reduce_scatter_unused_params=True`; under HSDP they "
+    "are refused). Refused by name, before anything changes: "
+    "`config.gradient_accumulation_fusion` (FSDP2 has no `main_grad`), "
     "the DDP settings with no FSDP2 counterpart, and a `process_group` holding "
     "tensor-parallel peers"
 )

@@ -13,7 +13,10 @@ What construction does, on every rank of the data-parallel group ``dp`` (× ``cp
                                         reshard_after_forward; HSDP (ddp_config.
                                         num_distributed_optimizer_instances = R > 1):
                                         the 2-D mesh (replicate: inter_dist_opt,
-                                        shard: intra_dp_cp), Megatron main's layout
+                                        shard: intra_dp_cp), Megatron main's layout;
+                                        expert params (allreduce=False) on their own
+                                        mesh over expt_dp (shard_placement_fn), every
+                                        reduction SUM ÷ |dp_cp|
     3. restore_marks(module)            the marks back on the new DTensor params
 
 One step, then (``D`` = data-parallel size; a param's local tensor is its tensor-parallel
@@ -51,10 +54,10 @@ Refused before anything changes (every rank raises, :func:`mc_groups.fail_togeth
 module already under ``fully_shard``; ``config.gradient_accumulation_fusion`` (FSDP2 keeps
 grads in ``param.grad``, the fused path writes ``main_grad``); a ``process_group`` holding
 another tensor-parallel rank (its reduce-scatter would average different shards); an
-expert-parallel param (``allreduce=False``: its replicas are ``expt_dp``, not the group
-FSDP2 shards over); HSDP groups that do not tile the data-parallel group in rows of
-``intra_dp_cp`` and columns of ``inter_dist_opt``; the DDP settings FSDP2 has no
-counterpart for: ``reduce_scatter_with_fp32_accumulation``,
+expert-parallel param (``allreduce=False``, sharded over ``expt_dp``) without
+``reduce_scatter_unused_params=True`` or under HSDP; HSDP groups that do not tile the
+data-parallel group in rows of ``intra_dp_cp`` and columns of ``inter_dist_opt``; the DDP
+settings FSDP2 has no counterpart for: ``reduce_scatter_with_fp32_accumulation``,
 ``param_name_patterns_for_fp32_local_accumulation``, ``delay_wgrad_compute``,
 ``check_for_large_grads``. The bucketing and overlap settings are accepted and have no
 effect (FSDP2 groups the params per wrapped module and always overlaps), as in Megatron.
@@ -62,7 +65,7 @@ effect (FSDP2 groups the params per wrapped module and always overlaps), as in M
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -211,6 +214,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             group = _data_group(process_group, pg_collection)
             instances = ddp_config.num_distributed_optimizer_instances
             hsdp = _hsdp_layout(group, pg_collection, instances) if instances > 1 else None
+            expert_group = _expert_group(module, ddp_config, pg_collection, instances)
             policy = _policy(mp_policy, config, ddp_config)
             reshard = getattr(ddp_config, "reshard_after_forward", None)
             targets = _targets(module, types)
@@ -228,14 +232,31 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             )
         )
         self._grads_finalized = False
+        self.expert_device_mesh: DeviceMesh | None = (
+            None if expert_group is None else DeviceMesh.from_group(expert_group, device)
+        )
+        """The expert params' mesh (``expt_dp``), or None without expert params."""
+        place = (
+            None if self.expert_device_mesh is None else _expert_placement(self.expert_device_mesh)
+        )
         per_token = bool(config_value(config, "calculate_per_token_loss"))
+        # SUM, then ÷ the dense data-parallel size (÷ 1 with per-token loss: finalize divides
+        # by the global token count); the dense params' average either way, and the expert
+        # params' Σ over expt_dp ÷ |dp_cp| (each EP rank's expert saw every EP peer's tokens)
+        divide = 1.0 if per_token else float(group.size())
         param_attrs.record_marks(module)
         for sub in [*targets, module]:  # innermost first, the root last
-            fully_shard(sub, mesh=self.device_mesh, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(
+                sub,
+                mesh=self.device_mesh,
+                reshard_after_forward=reshard,
+                mp_policy=policy,
+                shard_placement_fn=place,
+            )
             if getattr(ddp_config, "reduce_scatter_unused_params", False):
                 sub.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
-            if per_token:  # SUM over dp: finalize divides by the global token count
-                sub.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+            if per_token or place is not None:
+                sub.set_gradient_divide_factor(divide)  # type: ignore[operator]
                 sub.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         if config_value(config, "recompute_granularity") is not None:
             _prefetch_in_forward_order(module, targets)
@@ -408,15 +429,54 @@ def _check_module(module: object) -> None:
         )
     if not any(p.requires_grad for p in module.parameters()):
         raise InputValueError(f"module ({type_name(module)}) has no parameter requiring grad")
+
+
+def _expert_group(
+    module: torch.nn.Module,
+    ddp_config: DistributedDataParallelConfig,
+    pg_collection: mg.ProcessGroupCollection | None,
+    instances: int,
+) -> dist.ProcessGroup | None:
+    """The group FSDP2 shards the expert params (``allreduce=False``) over: ``expt_dp``,
+    the ranks holding the same experts (Megatron main's per-parameter mesh); None when the
+    module has none."""
     experts = [n for n, p in module.named_parameters() if param_attrs.is_expert_param(p)]
-    if experts:
+    if not experts:
+        return None
+    where = f"module's param '{experts[0]}' ({len(experts)} expert params in all)"
+    if instances > 1:
         raise InputValueError(
-            f"module's param '{experts[0]}' ({len(experts)} in all) is an expert-parallel "
-            "param (allreduce=False): its replicas are the expert data-parallel group "
-            "(expt_dp), not the group FSDP2 shards over, so FSDP2 would shard and average "
-            "different experts; expert parallelism under FSDP2 is not implemented in mc: "
-            "train MoE models under mc_ddp.DistributedDataParallel"
+            f"{where} is an expert-parallel param (allreduce=False) and ddp_config."
+            f"num_distributed_optimizer_instances={instances}: expert params under HSDP are "
+            "not implemented in mc (Megatron main shards them over intra_expt_dp × "
+            "inter_dist_opt); use one instance, or mc_ddp.DistributedDataParallel"
         )
+    if not getattr(ddp_config, "reduce_scatter_unused_params", False):
+        raise InputValueError(
+            f"{where} is an expert-parallel param (allreduce=False): set "
+            "TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True), as "
+            "Megatron main requires: an expert that gets no token on a rank would skip its "
+            "reduce-scatter there while its expert data-parallel peers issue theirs"
+        )
+    pgc = collection_or_default(pg_collection, "TorchFullyShardedDataParallel")
+    return pgc.require("expt_dp", "TorchFullyShardedDataParallel (the expert params' mesh)")
+
+
+def _expert_placement(mesh: DeviceMesh) -> Callable[[torch.nn.Parameter], Any]:
+    """FSDP2's ``shard_placement_fn``: an expert param on ``mesh`` (``expt_dp``), dim 0
+    split (torch's per-parameter mesh, Megatron main's route); any other param on the
+    module's own mesh."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (  # noqa: PLC0415
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
+    expert = ShardPlacementResult(placement=None, mesh_info=FSDPMeshInfo(mesh, shard_mesh_dim=0))
+
+    def place(param: torch.nn.Parameter) -> Any:
+        return expert if param_attrs.is_expert_param(param) else None
+
+    return place
 
 
 def _is_fsdp(module: torch.nn.Module) -> bool:

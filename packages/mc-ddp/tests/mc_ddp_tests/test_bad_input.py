@@ -965,11 +965,12 @@ FSDP2 = {
         doc_input="every param frozen",
     ),
     "fsdp_expert": Expect(
-        "ValueError: module's param '2.weight' (1 in all) is an expert-parallel param "
-        "(allreduce=False)",
+        "ValueError: module's param '2.weight' (1 expert params in all) is an expert-parallel "
+        "param (allreduce=False): set TorchFullyShardedDataParallelConfig("
+        "reduce_scatter_unused_params=True)",
         doc_call=_FSDP,
-        doc_input="an expert param (its replicas are `expt_dp`, not FSDP2's mesh)",
-        also=("mc_ddp.DistributedDataParallel",),
+        doc_input="an expert param without `reduce_scatter_unused_params=True`",
+        also=("an expert that gets no token on a rank",),
     ),
     "fsdp_twice": Expect(
         "ValueError: module (torch.distributed.fsdp._fully_shard._fsdp_init.FSDPSequential) "

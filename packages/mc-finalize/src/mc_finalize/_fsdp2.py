@@ -7,11 +7,12 @@ replaced by ``fully_shard`` and lost mc's marks: they are restored from the reco
 ``parallelize`` (or mc's layers, at construction) left on the modules
 (:func:`mc_groups.param_attrs.restore_marks`), and a tensor-parallel layer without a record
 is an error before any collective (its grads would be reduced as if unmarked), and so is an
-expert-parallel param (``allreduce=False``: FSDP2 averaged its grad over its mesh, not over
-``expt_dp``). Its own ``.config`` is its library's (``transformers``, torchtitan): mc's
-settings come from the config ``parallelize`` recorded
-(:func:`mc_groups.config.recorded_config`). Its mesh must not hold another tensor-parallel
-rank (the reduce-scatter would have averaged different shards).
+expert-parallel param (``allreduce=False``) whose mesh is not ``expt_dp`` (FSDP2 would have
+averaged different experts; ``mc_ddp.TorchFullyShardedDataParallel`` puts them there).
+Its own ``.config`` is its library's (``transformers``, torchtitan): mc's settings come
+from the config ``parallelize`` recorded (:func:`mc_groups.config.recorded_config`). The
+mesh of a dense param must not hold another tensor-parallel rank (the reduce-scatter would
+have averaged different shards).
 """
 
 from __future__ import annotations
@@ -27,17 +28,24 @@ from mc_groups.errors import InputStateError, InputValueError
 __all__: list[str] = []
 
 
-def check_chunk(index: int, chunk: torch.nn.Module, tp: dist.ProcessGroup) -> None:
+def check_chunk(
+    index: int, chunk: torch.nn.Module, tp: dist.ProcessGroup, expt_dp: dist.ProcessGroup | None
+) -> None:
     """Put the marks back and refuse what FSDP2 cannot reduce right (module notes)."""
     param_attrs.restore_marks(chunk)
+    experts = set() if expt_dp is None else set(mg.group_ranks(expt_dp))
     for name, param in chunk.named_parameters():
-        if param_attrs.is_expert_param(param) and dtensors.is_dtensor(param):
+        if not (param_attrs.is_expert_param(param) and dtensors.is_dtensor(param)):
+            continue
+        mesh = set(param.device_mesh.mesh.flatten().tolist())  # type: ignore[attr-defined]
+        if mesh != experts:
             raise InputValueError(
                 f"finalize_model_grads: model[{index}]'s param {name} is an expert-parallel "
-                "param (allreduce=False) under fully_shard: FSDP2 averaged its grad over its "
-                "mesh, not over the expert data-parallel group (expt_dp); expert parallelism "
-                "under FSDP2 is not implemented in mc: train MoE models under "
-                "mc_ddp.DistributedDataParallel"
+                f"param (allreduce=False) sharded by fully_shard over ranks {sorted(mesh)}, "
+                f"not over the expert data-parallel group (expt_dp, {sorted(experts)}): "
+                "FSDP2 averaged different experts; wrap with "
+                "mc_ddp.TorchFullyShardedDataParallel (it shards expert params over expt_dp), "
+                "or train MoE models under mc_ddp.DistributedDataParallel"
             )
     if mg.group_size(tp) <= 1:
         return
@@ -59,6 +67,8 @@ def check_chunk(index: int, chunk: torch.nn.Module, tp: dist.ProcessGroup) -> No
                 "or wrap with mc_ddp.TorchFullyShardedDataParallel"
             )
         for param in own:
+            if param_attrs.is_expert_param(param):
+                continue  # on expt_dp (checked above): its tensor-parallel group is expert tp
             mesh_ranks = set(param.device_mesh.mesh.flatten().tolist())
             if mesh_ranks & tp_ranks != {me}:
                 raise InputValueError(

@@ -797,7 +797,7 @@ def finalize_model_grads(
         if force is not True and force is not False and force is not None:
             check_flag("force_all_reduce", force)
         groups = _Groups.plan(collection_or_default(pg_collection, what), settings)
-        _check_chunks(chunks, groups.tp)
+        _check_chunks(chunks, groups.tp, groups.expt_dp)
         _check_num_tokens(num_tokens, chunks, per_token)
         shared = partial(_shared_weight, has_mtp=settings.has_mtp)
         word = _embedding_weight(chunks, groups.embd, groups.pp, shared, settings.has_mtp, True)
@@ -862,12 +862,12 @@ def _config_of(chunk: ModelChunk) -> object:
     return config
 
 
-def _check_chunks(chunks: Sequence[ModelChunk], tp: Group) -> None:
+def _check_chunks(chunks: Sequence[ModelChunk], tp: Group, expt_dp: Group | None) -> None:
     """FSDP2 chunks get their marks back; a chunk whose grads were finalized (mc's DDP until
     its next ``zero_grad_buffer()``) would have them reduced and scaled twice."""
     for index, chunk in enumerate(chunks):
         if _is_fsdp2(chunk):  # marks back from parallelize's record, mesh checked
-            _fsdp2.check_chunk(index, cast(torch.nn.Module, chunk), tp)
+            _fsdp2.check_chunk(index, cast(torch.nn.Module, chunk), tp, expt_dp)
         if getattr(chunk, "grads_finalized", False) is True:
             raise RuntimeError(
                 f"finalize_model_grads: model[{index}]'s gradients were already finalized this "
@@ -890,6 +890,7 @@ class _Groups:
     tp_dp_cp: Group | None
     gtp_remat: Group | None
     expt_gtp_remat: Group | None
+    expt_dp: Group | None  # where FSDP2 chunks' expert params must be sharded
 
     @classmethod
     def plan(cls, pgc: mg.ProcessGroupCollection, settings: _Settings) -> _Groups:
@@ -927,7 +928,7 @@ class _Groups:
                     f"{size}; build the collection with the config's sizes"
                 )
         tp = pgc.require("tp", "finalize_model_grads (non-tensor-parallel grads over tp)")
-        return cls(tp=tp, embd=pgc.embd, pos_embd=pgc.pos_embd, **found)
+        return cls(tp=tp, embd=pgc.embd, pos_embd=pgc.pos_embd, expt_dp=pgc.expt_dp, **found)
 
 
 # Half-precision counts are exact only up to 2048 (fp16) / 256 (bf16) tokens.
