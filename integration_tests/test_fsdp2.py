@@ -1143,9 +1143,10 @@ def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools, tmp_p
             assert torch.equal(result[key][name], value), (key, name)
 
 
-def _moe_under_fsdp2() -> dict[str, Any] | None:
+def _moe_under_fsdp2(tp: int) -> dict[str, Any] | None:
     """``examples/hf_moe.py``'s Mixtral (4 experts, top-2, the model's load-balancing loss)
-    at EP=2 × FSDP2 over DP=4 (expert data-parallel 2) through the wrapper, 4 ranks: 3 steps
+    at TP=``tp`` (SP on, expert TP 1) × EP=2 × FSDP2 over the rest through the wrapper, 4
+    ranks: 3 steps
     of SGD with momentum after ``finalize_model_grads`` and ``mc_ddp.clip_grad_norm`` at the
     example's bound, FSDP2's collectives of the last backward counted by group, the whole
     weights (``mc_moe.full_state_dict``)."""
@@ -1162,10 +1163,12 @@ def _moe_under_fsdp2() -> dict[str, Any] | None:
     from mc_finalize import finalize_model_grads
 
     torch.set_num_threads(1)
-    pgc = mg.initialize_model_parallel(expert_model_parallel_size=2)
-    cfg = mg.ModelParallelConfig(expert_model_parallel_size=2)
+    sizes: dict[str, Any] = {"tensor_model_parallel_size": tp, "expert_model_parallel_size": 2}
+    pgc = mg.initialize_model_parallel(**sizes, expert_tensor_parallel_size=1)
+    cfg = mg.ModelParallelConfig(**sizes, expert_tensor_parallel_size=1, sequence_parallel=tp > 1)
     model = build_model("mixtral")
-    mc_moe.parallelize(model, model.tp_plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
+    plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
+    mc_moe.parallelize(model, plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
     ddp_config = TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True)
     chunk = TorchFullyShardedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
     opt = torch.optim.SGD(chunk.parameters(), lr=LR, momentum=MOMENTUM)
@@ -1196,18 +1199,22 @@ def _moe_under_fsdp2() -> dict[str, Any] | None:
 
 
 @pytest.mark.timeout(240)
-def test_expert_parallel_moe_under_the_wrapper_matches_one_process(rank_pools: RankPools) -> None:
+@pytest.mark.parametrize("tp", [1, 2], ids=["ep2_dp4", "tp2_ep2_dp2"])
+def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
+    rank_pools: RankPools, tp: int
+) -> None:
     """Expert parallelism under ``TorchFullyShardedDataParallel`` (Megatron main's
     per-parameter mesh): the expert params (``allreduce=False``) sharded over ``expt_dp``,
     the rest over ``dp_cp``, every group's reduction a SUM ÷ the dense data-parallel size
     (the experts' grads are Σ over expt_dp ÷ 4: each EP rank's expert saw its EP peer's
-    tokens). Mixtral at EP=2 on 4 ranks: 3 steps' mean losses within 1e-5 relative and the
+    tokens). Mixtral at EP=2 on 4 ranks, TP 1 (DP 4) and TP 2 with SP (DP 2, expert TP 1):
+    3 steps' mean losses within 1e-5 relative and the
     final weights within 1e-6 of one process (``examples.hf_moe.reference``: SGD with
     momentum, ``clip_grad_norm_`` at 1.0, the load-balancing loss over the global batch);
     the last backward reduce-scatters over both groups."""
     from examples.hf_moe import reference
 
-    result = rank_pools.get(4).run_with_deadline(220.0, _moe_under_fsdp2)[0]
+    result = rank_pools.get(4).run_with_deadline(220.0, _moe_under_fsdp2, tp)[0]
     assert result is not None
     ref = reference("mixtral", STEPS)
     rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref.losses, strict=True))
@@ -1215,7 +1222,7 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(rank_pools: R
     got = result["weights"]
     assert sorted(got) == sorted(ref.weights)
     worst = max(float((got[k] - v).abs().max()) for k, v in ref.weights.items())
-    print(f"MoE under FSDP2: loss rel {rel:.1e}, weights {worst:.1e}")
+    print(f"MoE under FSDP2 at TP={tp}: loss rel {rel:.1e}, weights {worst:.1e}")
     assert worst <= 1e-6, worst
     scatters = result["scatters"]
     assert set(scatters) == {result["dp"], result["expt_dp"]}, scatters

@@ -232,13 +232,17 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             )
         )
         self._grads_finalized = False
-        self.expert_device_mesh: DeviceMesh | None = (
-            None if expert_group is None else DeviceMesh.from_group(expert_group, device)
-        )
-        """The expert params' mesh (``expt_dp``), or None without expert params."""
-        place = (
-            None if self.expert_device_mesh is None else _expert_placement(self.expert_device_mesh)
-        )
+        self.expert_device_mesh: DeviceMesh | None = None
+        """The expert params' mesh (``expt_dp``; the data-parallel mesh itself when
+        ``expt_dp`` holds its ranks, e.g. expert TP 1 with EP = TP), or None without expert
+        params."""
+        place = None
+        if expert_group is not None:
+            if mg.group_ranks(expert_group) == mg.group_ranks(group):
+                self.expert_device_mesh = self.device_mesh
+            else:
+                self.expert_device_mesh = DeviceMesh.from_group(expert_group, device)
+                place = _expert_placement(self.expert_device_mesh)
         per_token = bool(config_value(config, "calculate_per_token_loss"))
         # SUM, then ÷ the dense data-parallel size (÷ 1 with per-token loss: finalize divides
         # by the global token count); the dense params' average either way, and the expert
@@ -255,7 +259,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             )
             if getattr(ddp_config, "reduce_scatter_unused_params", False):
                 sub.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
-            if per_token or place is not None:
+            if per_token or expert_group is not None:
                 sub.set_gradient_divide_factor(divide)  # type: ignore[operator]
                 sub.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         if config_value(config, "recompute_granularity") is not None:
