@@ -232,10 +232,9 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             )
         )
         self._grads_finalized = False
+        # the expert params' mesh (expt_dp; the data-parallel mesh itself when expt_dp holds
+        # its ranks, e.g. expert TP 1 with EP = TP), or None without expert params
         self.expert_device_mesh: DeviceMesh | None = None
-        """The expert params' mesh (``expt_dp``; the data-parallel mesh itself when
-        ``expt_dp`` holds its ranks, e.g. expert TP 1 with EP = TP), or None without expert
-        params."""
         place = None
         if expert_group is not None:
             if mg.group_ranks(expert_group) == mg.group_ranks(group):
