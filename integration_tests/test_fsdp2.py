@@ -1020,8 +1020,8 @@ def _hsdp(folder: str) -> dict[str, Any] | None:
     micro-batches of one row, the first under ``no_sync``, collectives counted per
     micro-batch. The whole weights after each; after (1), the DCP views of
     ``model_sharded_state_dict`` made whole (``full_tensor``), and the weights of a model
-    built from other weights (seed 1) after ``dcp.load`` of the views ``dcp.save`` wrote
-    to ``folder``."""
+    built from other weights (seed 1), at TP=2 without FSDP2, after ``dcp.load`` of the
+    views ``dcp.save`` wrote to ``folder``."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -1083,7 +1083,8 @@ def _hsdp(folder: str) -> dict[str, Any] | None:
             views = model_sharded_state_dict(model)
             out["views"] = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in views.items()}
             dcp_save(views, checkpoint_id=folder)
-            fresh, _ = build(mode, seed=1)
+            fresh = _build("hf", 1)  # TP=2 without FSDP2: views checked elsewhere
+            parallelize(fresh, sequence_parallel_plan(fresh), config=cfg, pg_collection=pgc)
             dcp_load(model_sharded_state_dict(fresh), checkpoint_id=folder)
             out["loaded"] = full_state_dict(fresh)
     mg.destroy_model_parallel(pgc)
@@ -1110,7 +1111,8 @@ def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools, tmp_p
     and one step on 8 rows in 2 micro-batches matches one process's step on them. The DCP
     views (``[Shard(partition_dim), Replicate(), Shard(0)]`` on the ``(tp, replicate,
     shard)`` mesh) made whole equal ``full_state_dict``'s tensors exactly, and a model built
-    from other weights loads them through ``dcp.save`` / ``dcp.load`` exactly."""
+    from other weights at TP=2 without FSDP2 loads the checkpoint (``dcp.load``) and gives
+    them back exactly."""
     result = rank_pools.get(8).run_with_deadline(280.0, _hsdp, str(tmp_path))[0]
     assert result is not None
     shard, replicate = result["groups"]["intra_dp_cp"], result["groups"]["inter_dist_opt"]
@@ -1143,14 +1145,19 @@ def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools, tmp_p
             assert torch.equal(result[key][name], value), (key, name)
 
 
-def _moe_under_fsdp2(tp: int) -> dict[str, Any] | None:
+def _moe_under_fsdp2(tp: int, folder: str) -> dict[str, Any] | None:
     """``examples/hf_moe.py``'s Mixtral (4 experts, top-2, the model's load-balancing loss)
     at TP=``tp`` (SP on, expert TP 1) × EP=2 × FSDP2 over the rest through the wrapper, 4
     ranks: 3 steps
     of SGD with momentum after ``finalize_model_grads`` and ``mc_ddp.clip_grad_norm`` at the
     example's bound, FSDP2's collectives of the last backward counted by group, the whole
-    weights (``mc_moe.full_state_dict``)."""
+    weights (``mc_moe.full_state_dict``); then the DCP views of
+    ``mc_moe.model_sharded_state_dict`` made whole, and the weights of a model built from
+    other weights (seed 1), at the same TP × EP without FSDP2, after ``dcp.load`` of the
+    views ``dcp.save`` wrote to ``folder``."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     import mc_groups as mg
     import mc_moe
@@ -1166,9 +1173,14 @@ def _moe_under_fsdp2(tp: int) -> dict[str, Any] | None:
     sizes: dict[str, Any] = {"tensor_model_parallel_size": tp, "expert_model_parallel_size": 2}
     pgc = mg.initialize_model_parallel(**sizes, expert_tensor_parallel_size=1)
     cfg = mg.ModelParallelConfig(**sizes, expert_tensor_parallel_size=1, sequence_parallel=tp > 1)
-    model = build_model("mixtral")
-    plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
-    mc_moe.parallelize(model, plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
+
+    def build(seed: int) -> Any:
+        model = build_model("mixtral", seed)
+        plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
+        mc_moe.parallelize(model, plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
+        return model
+
+    model = build(0)
     ddp_config = TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True)
     chunk = TorchFullyShardedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
     opt = torch.optim.SGD(chunk.parameters(), lr=LR, momentum=MOMENTUM)
@@ -1187,7 +1199,14 @@ def _moe_under_fsdp2(tp: int) -> dict[str, Any] | None:
         mean = loss.detach().clone()
         mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
         losses.append(float(mean))
+    views = mc_moe.model_sharded_state_dict(model)
+    whole = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in views.items()}
+    dcp_save(views, checkpoint_id=folder)
+    fresh = build(1)  # not under FSDP2: its views are mc_moe's EP ones, checked elsewhere
+    dcp_load(mc_moe.model_sharded_state_dict(fresh), checkpoint_id=folder)
     result = {
+        "views": whole,
+        "loaded": mc_moe.full_state_dict(fresh, pg_collection=pgc),
         "losses": losses,
         "weights": mc_moe.full_state_dict(model, pg_collection=pgc),
         "scatters": Counter(group for op, group, *_ in fsdp if op == "reduce_scatter_single"),
@@ -1201,7 +1220,7 @@ def _moe_under_fsdp2(tp: int) -> dict[str, Any] | None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp", [1, 2], ids=["ep2_dp4", "tp2_ep2_dp2"])
 def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
-    rank_pools: RankPools, tp: int
+    rank_pools: RankPools, tp: int, tmp_path: Path
 ) -> None:
     """Expert parallelism under ``TorchFullyShardedDataParallel`` (Megatron main's
     per-parameter mesh): the expert params (``allreduce=False``) sharded over ``expt_dp``,
@@ -1211,10 +1230,14 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
     3 steps' mean losses within 1e-5 relative and the
     final weights within 1e-6 of one process (``examples.hf_moe.reference``: SGD with
     momentum, ``clip_grad_norm_`` at 1.0, the load-balancing loss over the global batch);
-    the last backward reduce-scatters over both groups."""
+    the last backward reduce-scatters over both groups. The DCP views (experts on the
+    ``(ep, expt_dp)`` mesh, ``[Shard(0), Shard(0)]``) made whole equal the whole weights
+    exactly, and a model built from other weights at the same TP × EP without FSDP2 loads
+    the checkpoint (``dcp.load``) and gives them back exactly: the checkpoint holds the
+    unsplit tensors, not FSDP2's layout."""
     from examples.hf_moe import reference
 
-    result = rank_pools.get(4).run_with_deadline(220.0, _moe_under_fsdp2, tp)[0]
+    result = rank_pools.get(4).run_with_deadline(220.0, _moe_under_fsdp2, tp, str(tmp_path))[0]
     assert result is not None
     ref = reference("mixtral", STEPS)
     rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref.losses, strict=True))
@@ -1226,6 +1249,10 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
     assert worst <= 1e-6, worst
     scatters = result["scatters"]
     assert set(scatters) == {result["dp"], result["expt_dp"]}, scatters
+    for key in ("views", "loaded"):
+        assert sorted(result[key]) == sorted(got), key
+        for name, value in got.items():
+            assert torch.equal(result[key][name], value), (key, name)
 
 
 def _pipeline(steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]] | None:

@@ -14,7 +14,10 @@ with every expert parameter a DTensor on the ``(ep, expt_tp)`` mesh of this rank
 ``tp_ep`` group, ``Shard(0)`` over ep (whole experts) and, for an expert-TP shard,
 ``Shard(partition_dim)`` over expt_tp (a ``[gate; up]`` shard as its ``[.., 2, I, ..]`` view,
 as ``mc_tp_layers`` stores strided shards), else ``Replicate()``: a checkpoint written at one
-EP × expert-TP layout loads at any other. The routers' expert biases (buffers that
+EP × expert-TP layout loads at any other. Under FSDP2 (expert TP 1) an expert param is a
+DTensor over ``expt_dp`` holding its rows of this EP rank's experts; its view is on the
+``(ep, expt_dp)`` mesh, ``[Shard(0), Shard(0)]``: the same global tensor, so FSDP2 and mc
+DDP checkpoints hold the same tensors. The routers' expert biases (buffers that
 ``finalize_model_grads`` updates: DeepSeek-V3's ``e_score_correction_bias``) are model state
 too and are included, whole (every rank holds the same values).
 """
@@ -22,6 +25,7 @@ too and are included, whole (every rank holds the same values).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,21 +119,53 @@ def model_sharded_state_dict(
 ) -> dict[str, torch.Tensor]:
     """``{prefix + param name: DTensor or tensor}``: views of every param of ``module`` at
     full shape for DCP (module notes); ``tp_group`` as
-    :func:`mc_tp_layers.model_sharded_state_dict`.
-    No communication."""
+    :func:`mc_tp_layers.model_sharded_state_dict`. No communication, except under FSDP2
+    (those of :func:`mc_tp_layers.model_sharded_state_dict`, and one exchange over the
+    expert params' FSDP2 group per experts module to build their mesh)."""
     out = tp_sharded_state_dict(module, tp_group, prefix)
     for key, param, experts in expert_params(module):
+        if prefix + key not in out:
+            continue
+        dispatcher = getattr(experts, DISPATCHER_ATTR)
         if dtensors.is_dtensor(param):
-            raise NotImplementedError(
-                f"model_sharded_state_dict: the expert param {prefix}{key} is under FSDP2's "
-                "fully_shard: DCP views of expert params under FSDP2 are not implemented "
-                "(mc_moe's experts under FSDP2 are not a tested layout)"
-            )
-        if prefix + key in out:
-            out[prefix + key] = _expert_view(param, getattr(experts, DISPATCHER_ATTR))
+            out[prefix + key] = _fsdp2_expert_view(param, dispatcher, prefix + key)
+        else:
+            out[prefix + key] = _expert_view(param, dispatcher)
     for name, router in routers_with_bias(module):
         out[f"{prefix}{name}.{BIAS}" if name else f"{prefix}{BIAS}"] = getattr(router, BIAS)
     return out
+
+
+def _fsdp2_expert_view(param: torch.Tensor, dispatcher: TokenDispatcher, name: str) -> torch.Tensor:
+    """An expert param under FSDP2 (``mc_ddp.TorchFullyShardedDataParallel``: a DTensor over
+    ``expt_dp``, ``Shard(0)``: each rank its rows of this EP rank's experts) as one DTensor
+    of the unsplit shape on the ``(ep, expt_dp)`` mesh, ``[Shard(0), Shard(0)]``: split into
+    the EP ranks' experts, then FSDP2's rows of those (expert TP 1 only)."""
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (slow import)
+    from torch.distributed.tensor import Shard  # noqa: PLC0415
+
+    sharded: Any = param
+    dp_mesh = sharded.device_mesh
+    if dispatcher.tp_size > 1 or dp_mesh.ndim != 1 or tuple(sharded.placements) != (Shard(0),):
+        raise NotImplementedError(
+            f"model_sharded_state_dict: the expert param {name} is a DTensor placed "
+            f"{tuple(sharded.placements)} on a {dp_mesh.ndim}-D mesh with expert TP "
+            f"{dispatcher.tp_size}: DCP views of expert params under FSDP2 take expert TP 1 "
+            "and one Shard(0) data-parallel mesh; save mc_moe.full_state_dict instead"
+        )
+    local = sharded.to_local().detach()
+    shape = [sharded.shape[0] * dispatcher.ep_size, *sharded.shape[1:]]
+    dp = dp_mesh.get_group(0)
+    if dispatcher.ep_size == 1:
+        return dtensors.from_local(local, dp_mesh, [Shard(0)], shape)
+    rows = mg.all_gather_objects(list(mg.group_ranks(dispatcher.ep)), dp, label="expert mesh")
+    mesh = DeviceMesh.from_group(
+        [dispatcher.ep, dp],
+        local.device.type,
+        mesh=torch.tensor(rows, dtype=torch.int64).t().contiguous(),  # [ep][expt_dp]
+        mesh_dim_names=("ep", "expt_dp"),
+    )
+    return dtensors.from_local(local, mesh, [Shard(0), Shard(0)], shape)
 
 
 def _expert_view(param: torch.Tensor, dispatcher: TokenDispatcher) -> torch.Tensor:
