@@ -121,7 +121,7 @@ def model_sharded_state_dict(
     full shape for DCP (module notes); ``tp_group`` as
     :func:`mc_tp_layers.model_sharded_state_dict`. No communication, except under FSDP2
     (those of :func:`mc_tp_layers.model_sharded_state_dict`, and one exchange over the
-    expert params' FSDP2 group per experts module to build their mesh)."""
+    expert params' FSDP2 group per expert param to build its mesh)."""
     out = tp_sharded_state_dict(module, tp_group, prefix)
     for key, param, experts in expert_params(module):
         if prefix + key not in out:
