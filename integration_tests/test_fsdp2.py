@@ -1145,10 +1145,10 @@ def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools, tmp_p
             assert torch.equal(result[key][name], value), (key, name)
 
 
-def _moe_under_fsdp2(tp: int, folder: str) -> dict[str, Any] | None:
+def _moe_under_fsdp2(tp: int, folder: str, instances: int = 1) -> dict[str, Any] | None:
     """``examples/hf_moe.py``'s Mixtral (4 experts, top-2, the model's load-balancing loss)
-    at TP=``tp`` (SP on, expert TP 1) × EP=2 × FSDP2 over the rest through the wrapper, 4
-    ranks: 3 steps
+    at TP=``tp`` (SP on, expert TP 1) × EP=2 × FSDP2 over the rest through the wrapper
+    (``instances`` > 1: HSDP), every rank of the world: 3 steps
     of SGD with momentum after ``finalize_model_grads`` and ``mc_ddp.clip_grad_norm`` at the
     example's bound, FSDP2's collectives of the last backward counted by group, the whole
     weights (``mc_moe.full_state_dict``); then the DCP views of
@@ -1171,7 +1171,9 @@ def _moe_under_fsdp2(tp: int, folder: str) -> dict[str, Any] | None:
 
     torch.set_num_threads(1)
     sizes: dict[str, Any] = {"tensor_model_parallel_size": tp, "expert_model_parallel_size": 2}
-    pgc = mg.initialize_model_parallel(**sizes, expert_tensor_parallel_size=1)
+    pgc = mg.initialize_model_parallel(
+        **sizes, expert_tensor_parallel_size=1, num_distributed_optimizer_instances=instances
+    )
     cfg = mg.ModelParallelConfig(**sizes, expert_tensor_parallel_size=1, sequence_parallel=tp > 1)
 
     def build(seed: int) -> Any:
@@ -1181,7 +1183,9 @@ def _moe_under_fsdp2(tp: int, folder: str) -> dict[str, Any] | None:
         return model
 
     model = build(0)
-    ddp_config = TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True)
+    ddp_config = TorchFullyShardedDataParallelConfig(
+        reduce_scatter_unused_params=True, num_distributed_optimizer_instances=instances
+    )
     chunk = TorchFullyShardedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
     opt = torch.optim.SGD(chunk.parameters(), lr=LR, momentum=MOMENTUM)
     dp = pgc.require("dp", "data")
@@ -1218,15 +1222,21 @@ def _moe_under_fsdp2(tp: int, folder: str) -> dict[str, Any] | None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("tp", [1, 2], ids=["ep2_dp4", "tp2_ep2_dp2"])
+@pytest.mark.parametrize(
+    ("tp", "instances", "world"),
+    [(1, 1, 4), (2, 1, 4), (1, 2, 8)],
+    ids=["ep2_dp4", "tp2_ep2_dp2", "ep2_hsdp2x4"],
+)
 def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
-    rank_pools: RankPools, tp: int, tmp_path: Path
+    rank_pools: RankPools, tp: int, instances: int, world: int, tmp_path: Path
 ) -> None:
     """Expert parallelism under ``TorchFullyShardedDataParallel`` (Megatron main's
     per-parameter mesh): the expert params (``allreduce=False``) sharded over ``expt_dp``,
     the rest over ``dp_cp``, every group's reduction a SUM ÷ the dense data-parallel size
     (the experts' grads are Σ over expt_dp ÷ 4: each EP rank's expert saw its EP peer's
-    tokens). Mixtral at EP=2 on 4 ranks, TP 1 (DP 4) and TP 2 with SP (DP 2, expert TP 1):
+    tokens). Mixtral at EP=2 on 4 ranks, TP 1 (DP 4) and TP 2 with SP (DP 2, expert TP 1),
+    and under HSDP on 8 ranks (2 replicas × 4 shards; the experts' mesh: 2 replicas
+    (``inter_expt_dp``) × 2 shards (``intra_expt_dp``)):
     3 steps' mean losses within 1e-5 relative and the
     final weights within 1e-6 of one process (``examples.hf_moe.reference``: SGD with
     momentum, ``clip_grad_norm_`` at 1.0, the load-balancing loss over the global batch);
@@ -1237,7 +1247,9 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
     unsplit tensors, not FSDP2's layout."""
     from examples.hf_moe import reference
 
-    result = rank_pools.get(4).run_with_deadline(220.0, _moe_under_fsdp2, tp, str(tmp_path))[0]
+    result = rank_pools.get(world).run_with_deadline(
+        220.0, _moe_under_fsdp2, tp, str(tmp_path), instances
+    )[0]
     assert result is not None
     ref = reference("mixtral", STEPS)
     rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref.losses, strict=True))
@@ -1245,10 +1257,13 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
     got = result["weights"]
     assert sorted(got) == sorted(ref.weights)
     worst = max(float((got[k] - v).abs().max()) for k, v in ref.weights.items())
-    print(f"MoE under FSDP2 at TP={tp}: loss rel {rel:.1e}, weights {worst:.1e}")
+    print(f"MoE under FSDP2 TP={tp} x{instances}: loss rel {rel:.1e}, weights {worst:.1e}")
     assert worst <= 1e-6, worst
     scatters = result["scatters"]
-    assert set(scatters) == {result["dp"], result["expt_dp"]}, scatters
+    if instances == 1:
+        assert set(scatters) == {result["dp"], result["expt_dp"]}, scatters
+    else:  # over the rows: intra_dp_cp (4 ranks) and intra_expt_dp (2)
+        assert sorted(len(group) for group in scatters) == [2, 4], scatters
     for key in ("views", "loaded"):
         assert sorted(result[key]) == sorted(got), key
         for name, value in got.items():

@@ -55,8 +55,9 @@ module already under ``fully_shard``; ``config.gradient_accumulation_fusion`` (F
 grads in ``param.grad``, the fused path writes ``main_grad``); a ``process_group`` holding
 another tensor-parallel rank (its reduce-scatter would average different shards); an
 expert-parallel param (``allreduce=False``, sharded over ``expt_dp``) without
-``reduce_scatter_unused_params=True`` or under HSDP; HSDP groups that do not tile the
-data-parallel group in rows of ``intra_dp_cp`` and columns of ``inter_dist_opt``; the DDP
+``reduce_scatter_unused_params=True``; HSDP groups that do not tile the data-parallel
+group in rows of ``intra_dp_cp`` and columns of ``inter_dist_opt`` (the experts'
+``expt_dp`` in rows of ``intra_expt_dp`` and columns of ``inter_expt_dp``); the DDP
 settings FSDP2 has no counterpart for: ``reduce_scatter_with_fp32_accumulation``,
 ``param_name_patterns_for_fp32_local_accumulation``, ``delay_wgrad_compute``,
 ``check_for_large_grads``. The bucketing and overlap settings are accepted and have no
@@ -214,7 +215,12 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             group = _data_group(process_group, pg_collection)
             instances = ddp_config.num_distributed_optimizer_instances
             hsdp = _hsdp_layout(group, pg_collection, instances) if instances > 1 else None
-            expert_group = _expert_group(module, ddp_config, pg_collection, instances)
+            expert_group = _expert_group(module, ddp_config, pg_collection)
+            expert_hsdp = (
+                _hsdp_layout(expert_group, pg_collection, instances, _EXPERT_HSDP)
+                if expert_group is not None and instances > 1
+                else None
+            )
             policy = _policy(mp_policy, config, ddp_config)
             reshard = getattr(ddp_config, "reshard_after_forward", None)
             targets = _targets(module, types)
@@ -237,10 +243,20 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         self.expert_device_mesh: DeviceMesh | None = None
         place = None
         if expert_group is not None:
-            if mg.group_ranks(expert_group) == mg.group_ranks(group):
+            same = expert_hsdp is None or hsdp is None or expert_hsdp[2] == hsdp[2]
+            if mg.group_ranks(expert_group) == mg.group_ranks(group) and same:
                 self.expert_device_mesh = self.device_mesh
             else:
-                self.expert_device_mesh = DeviceMesh.from_group(expert_group, device)
+                self.expert_device_mesh = (
+                    DeviceMesh.from_group(expert_group, device)
+                    if expert_hsdp is None
+                    else DeviceMesh.from_group(
+                        [expert_hsdp[0], expert_hsdp[1]],
+                        device,
+                        mesh=expert_hsdp[2],
+                        mesh_dim_names=("replicate", "shard"),
+                    )
+                )
                 place = _expert_placement(self.expert_device_mesh)
         per_token = bool(config_value(config, "calculate_per_token_loss"))
         # SUM, then ÷ the dense data-parallel size (÷ 1 with per-token loss: finalize divides
@@ -438,22 +454,14 @@ def _expert_group(
     module: torch.nn.Module,
     ddp_config: DistributedDataParallelConfig,
     pg_collection: mg.ProcessGroupCollection | None,
-    instances: int,
 ) -> dist.ProcessGroup | None:
     """The group FSDP2 shards the expert params (``allreduce=False``) over: ``expt_dp``,
-    the ranks holding the same experts (Megatron main's per-parameter mesh); None when the
-    module has none."""
+    the ranks holding the same experts (Megatron main's per-parameter mesh; under HSDP its
+    rows ``intra_expt_dp`` and columns ``inter_expt_dp``); None when the module has none."""
     experts = [n for n, p in module.named_parameters() if param_attrs.is_expert_param(p)]
     if not experts:
         return None
     where = f"module's param '{experts[0]}' ({len(experts)} expert params in all)"
-    if instances > 1:
-        raise InputValueError(
-            f"{where} is an expert-parallel param (allreduce=False) and ddp_config."
-            f"num_distributed_optimizer_instances={instances}: expert params under HSDP are "
-            "not implemented in mc (Megatron main shards them over intra_expt_dp × "
-            "inter_dist_opt); use one instance, or mc_ddp.DistributedDataParallel"
-        )
     if not getattr(ddp_config, "reduce_scatter_unused_params", False):
         raise InputValueError(
             f"{where} is an expert-parallel param (allreduce=False): set "
@@ -466,15 +474,21 @@ def _expert_group(
 
 
 def _expert_placement(mesh: DeviceMesh) -> Callable[[torch.nn.Parameter], Any]:
-    """FSDP2's ``shard_placement_fn``: an expert param on ``mesh`` (``expt_dp``), dim 0
-    split (torch's per-parameter mesh, Megatron main's route); any other param on the
-    module's own mesh."""
+    """FSDP2's ``shard_placement_fn``: an expert param on ``mesh`` (``expt_dp``; HSDP's 2-D
+    ``(replicate, shard)`` mesh of it), dim 0 split (torch's per-parameter mesh, Megatron
+    main's route); any other param on the module's own mesh."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import (  # noqa: PLC0415
         FSDPMeshInfo,
+        HSDPMeshInfo,
         ShardPlacementResult,
     )
 
-    expert = ShardPlacementResult(placement=None, mesh_info=FSDPMeshInfo(mesh, shard_mesh_dim=0))
+    info = (
+        FSDPMeshInfo(mesh, shard_mesh_dim=0)
+        if mesh.ndim == 1
+        else HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    )
+    expert = ShardPlacementResult(placement=None, mesh_info=info)
 
     def place(param: torch.nn.Parameter) -> Any:
         return expert if param_attrs.is_expert_param(param) else None
@@ -537,34 +551,40 @@ def _data_group(
 
 
 def _hsdp_layout(
-    group: dist.ProcessGroup, pg_collection: mg.ProcessGroupCollection | None, instances: int
+    group: dist.ProcessGroup,
+    pg_collection: mg.ProcessGroupCollection | None,
+    instances: int,
+    names: tuple[str, str] = ("intra_dp_cp", "inter_dist_opt"),
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[list[int]]]:
-    """HSDP's ``(replicate, shard, mesh)`` (Megatron main's layout): the data-parallel
-    group's ranks in ``instances`` rows, a row one ``intra_dp_cp`` group (FSDP2 shards over
-    it), a column one ``inter_dist_opt`` group (it all-reduces the shards)."""
+    """HSDP's ``(replicate, shard, mesh)`` (Megatron main's layout): ``group``'s ranks in
+    ``instances`` rows, a row one ``names[0]`` group (FSDP2 shards over it), a column one
+    ``names[1]`` group (it all-reduces the shards); the expert params' with
+    ``("intra_expt_dp", "inter_expt_dp")`` over ``expt_dp``."""
     what = "TorchFullyShardedDataParallel (HSDP, num_distributed_optimizer_instances > 1)"
     pgc = collection_or_default(pg_collection, what)
-    shard = pgc.require("intra_dp_cp", f"{what}: the shard dimension")
-    replicate = pgc.require("inter_dist_opt", f"{what}: the replicate dimension")
+    shard = pgc.require(names[0], f"{what}: the shard dimension")
+    replicate = pgc.require(names[1], f"{what}: the replicate dimension")
     full, me = list(mg.group_ranks(group)), dist.get_rank()
     columns, rows = list(mg.group_ranks(replicate)), list(mg.group_ranks(shard))
     size = len(rows)
     if len(columns) != instances or len(columns) * size != len(full) or me not in full:
         raise InputValueError(
             f"ddp_config.num_distributed_optimizer_instances={instances} needs "
-            f"pg_collection.inter_dist_opt of {instances} ranks (has {columns}) times "
-            f"intra_dp_cp ({rows}) to tile the data-parallel group {full}; build the "
-            f"collection with initialize_model_parallel(num_distributed_optimizer_instances="
-            f"{instances})"
+            f"pg_collection.{names[1]} of {instances} ranks (has {columns}) times "
+            f"{names[0]} ({rows}) to tile the group {full}; build the collection with "
+            f"initialize_model_parallel(num_distributed_optimizer_instances={instances})"
         )
     replica, position = divmod(full.index(me), size)
     if rows != full[replica * size : (replica + 1) * size] or columns != full[position::size]:
         raise InputValueError(
-            f"pg_collection.intra_dp_cp {rows} and inter_dist_opt {columns} are not a row and "
-            f"a column of the data-parallel group {full} in {instances} rows (Megatron's HSDP "
-            "layout); build them with initialize_model_parallel"
+            f"pg_collection.{names[0]} {rows} and {names[1]} {columns} are not a row and a "
+            f"column of the group {full} in {instances} rows (Megatron's HSDP layout); build "
+            "them with initialize_model_parallel"
         )
     return replicate, shard, [full[i : i + size] for i in range(0, len(full), size)]
+
+
+_EXPERT_HSDP = ("intra_expt_dp", "inter_expt_dp")
 
 
 def _device_type(module: torch.nn.Module) -> str:

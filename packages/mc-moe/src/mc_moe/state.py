@@ -17,7 +17,8 @@ as ``mc_tp_layers`` stores strided shards), else ``Replicate()``: a checkpoint w
 EP × expert-TP layout loads at any other. Under FSDP2 (expert TP 1) an expert param is a
 DTensor over ``expt_dp`` holding its rows of this EP rank's experts; its view is on the
 ``(ep, expt_dp)`` mesh, ``[Shard(0), Shard(0)]``: the same global tensor, so FSDP2 and mc
-DDP checkpoints hold the same tensors. The routers' expert biases (buffers that
+DDP checkpoints hold the same tensors (under HSDP: ``(ep, replicate, shard)``,
+``[Shard(0), Replicate(), Shard(0)]``). The routers' expert biases (buffers that
 ``finalize_model_grads`` updates: DeepSeek-V3's ``e_score_correction_bias``) are model state
 too and are included, whole (every rank holds the same values).
 """
@@ -138,34 +139,43 @@ def model_sharded_state_dict(
 
 def _fsdp2_expert_view(param: torch.Tensor, dispatcher: TokenDispatcher, name: str) -> torch.Tensor:
     """An expert param under FSDP2 (``mc_ddp.TorchFullyShardedDataParallel``: a DTensor over
-    ``expt_dp``, ``Shard(0)``: each rank its rows of this EP rank's experts) as one DTensor
-    of the unsplit shape on the ``(ep, expt_dp)`` mesh, ``[Shard(0), Shard(0)]``: split into
-    the EP ranks' experts, then FSDP2's rows of those (expert TP 1 only)."""
+    ``expt_dp``, ``Shard(0)``: each rank its rows of this EP rank's experts; under HSDP
+    ``(Replicate(), Shard(0))`` on the ``(replicate, shard)`` mesh) as one DTensor of the
+    unsplit shape on the ``(ep, expt_dp)`` mesh, ``[Shard(0), Shard(0)]`` (HSDP: ``(ep,
+    replicate, shard)``, ``[Shard(0), Replicate(), Shard(0)]``): split into the EP ranks'
+    experts, then FSDP2's rows of those (expert TP 1 only)."""
     from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (slow import)
-    from torch.distributed.tensor import Shard  # noqa: PLC0415
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
 
     sharded: Any = param
     dp_mesh = sharded.device_mesh
-    if dispatcher.tp_size > 1 or dp_mesh.ndim != 1 or tuple(sharded.placements) != (Shard(0),):
+    dp_places = [Shard(0)] if dp_mesh.ndim == 1 else [Replicate(), Shard(0)]
+    if dispatcher.tp_size > 1 or tuple(sharded.placements) != tuple(dp_places):
         raise NotImplementedError(
             f"model_sharded_state_dict: the expert param {name} is a DTensor placed "
             f"{tuple(sharded.placements)} on a {dp_mesh.ndim}-D mesh with expert TP "
             f"{dispatcher.tp_size}: DCP views of expert params under FSDP2 take expert TP 1 "
-            "and one Shard(0) data-parallel mesh; save mc_moe.full_state_dict instead"
+            "and FSDP2's Shard(0) (HSDP: Replicate(), Shard(0)); save mc_moe.full_state_dict "
+            "instead"
         )
     local = sharded.to_local().detach()
     shape = [sharded.shape[0] * dispatcher.ep_size, *sharded.shape[1:]]
-    dp = dp_mesh.get_group(0)
     if dispatcher.ep_size == 1:
-        return dtensors.from_local(local, dp_mesh, [Shard(0)], shape)
-    rows = mg.all_gather_objects(list(mg.group_ranks(dispatcher.ep)), dp, label="expert mesh")
+        return dtensors.from_local(local, dp_mesh, dp_places, shape)
+    groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)]  # [shard] or [rep, shard]
+    label = "expert mesh"
+    grid: Any = mg.all_gather_objects(list(mg.group_ranks(dispatcher.ep)), groups[-1], label=label)
+    if len(groups) == 2:
+        grid = mg.all_gather_objects(grid, groups[0], label=label)  # [rep][shard][ep]
+    ranks = torch.tensor(grid, dtype=torch.int64)
+    names = ("expt_dp",) if len(groups) == 1 else ("replicate", "shard")
     mesh = DeviceMesh.from_group(
-        [dispatcher.ep, dp],
+        [dispatcher.ep, *groups],
         local.device.type,
-        mesh=torch.tensor(rows, dtype=torch.int64).t().contiguous(),  # [ep][expt_dp]
-        mesh_dim_names=("ep", "expt_dp"),
+        mesh=ranks.permute(ranks.dim() - 1, *range(ranks.dim() - 1)).contiguous(),
+        mesh_dim_names=("ep", *names),
     )
-    return dtensors.from_local(local, mesh, [Shard(0), Shard(0)], shape)
+    return dtensors.from_local(local, mesh, [Shard(0), *dp_places], shape)
 
 
 def _expert_view(param: torch.Tensor, dispatcher: TokenDispatcher) -> torch.Tensor:
