@@ -202,8 +202,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         pg_collection: mg.ProcessGroupCollection | None = None,
         mp_policy: torch.distributed.fsdp.MixedPrecisionPolicy | None = None,
     ) -> None:
-        from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (slow import)
-        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 (slow import)
 
         # A check failing on one rank stops every rank of the world here (one exchange).
         with mg.fail_together(None, "TorchFullyShardedDataParallel"):
@@ -230,13 +229,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         self.ddp_config = ddp_config
         self.process_group = group
         device = _device_type(module)
-        self.device_mesh: DeviceMesh = (
-            DeviceMesh.from_group(group, device)
-            if hsdp is None
-            else DeviceMesh.from_group(
-                [hsdp[0], hsdp[1]], device, mesh=hsdp[2], mesh_dim_names=("replicate", "shard")
-            )
-        )
+        self.device_mesh: DeviceMesh = _mesh(group, hsdp, device)
         self._grads_finalized = False
         # the expert params' mesh (expt_dp; the data-parallel mesh itself when expt_dp holds
         # its ranks, e.g. expert TP 1 with EP = TP), or None without expert params
@@ -247,16 +240,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             if mg.group_ranks(expert_group) == mg.group_ranks(group) and same:
                 self.expert_device_mesh = self.device_mesh
             else:
-                self.expert_device_mesh = (
-                    DeviceMesh.from_group(expert_group, device)
-                    if expert_hsdp is None
-                    else DeviceMesh.from_group(
-                        [expert_hsdp[0], expert_hsdp[1]],
-                        device,
-                        mesh=expert_hsdp[2],
-                        mesh_dim_names=("replicate", "shard"),
-                    )
-                )
+                self.expert_device_mesh = _mesh(expert_group, expert_hsdp, device)
                 place = _expert_placement(self.expert_device_mesh)
         per_token = bool(config_value(config, "calculate_per_token_loss"))
         # SUM, then ÷ the dense data-parallel size (÷ 1 with per-token loss: finalize divides
@@ -550,12 +534,17 @@ def _data_group(
     return group
 
 
+# HSDP: (replicate group, shard group, the group's ranks as rows); the experts' group names
+_Layout = tuple[dist.ProcessGroup, dist.ProcessGroup, list[list[int]]]
+_EXPERT_HSDP = ("intra_expt_dp", "inter_expt_dp")
+
+
 def _hsdp_layout(
     group: dist.ProcessGroup,
     pg_collection: mg.ProcessGroupCollection | None,
     instances: int,
     names: tuple[str, str] = ("intra_dp_cp", "inter_dist_opt"),
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[list[int]]]:
+) -> _Layout:
     """HSDP's ``(replicate, shard, mesh)`` (Megatron main's layout): ``group``'s ranks in
     ``instances`` rows, a row one ``names[0]`` group (FSDP2 shards over it), a column one
     ``names[1]`` group (it all-reduces the shards); the expert params' with
@@ -584,7 +573,17 @@ def _hsdp_layout(
     return replicate, shard, [full[i : i + size] for i in range(0, len(full), size)]
 
 
-_EXPERT_HSDP = ("intra_expt_dp", "inter_expt_dp")
+def _mesh(group: dist.ProcessGroup, hsdp: _Layout | None, device: str) -> DeviceMesh:
+    """FSDP2's mesh over ``group``: 1-D, or HSDP's ``(replicate, shard)`` from
+    :func:`_hsdp_layout`."""
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (slow import)
+
+    if hsdp is None:
+        return DeviceMesh.from_group(group, device)
+    replicate, shard, rows = hsdp
+    return DeviceMesh.from_group(
+        [replicate, shard], device, mesh=rows, mesh_dim_names=("replicate", "shard")
+    )
 
 
 def _device_type(module: torch.nn.Module) -> str:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, TypeGuard, cast
 import torch
 
 from mc_groups.argcheck import check_tensor
-from mc_groups.comm.collectives import all_gather, group_size
+from mc_groups.comm.collectives import all_gather, all_gather_objects, group_ranks, group_size
 from mc_groups.errors import InputTypeError, InputValueError
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ __all__ = [
     "full_tensor",
     "is_dtensor",
     "local_piece",
+    "mesh_before",
     "reshard_fsdp",
 ]
 
@@ -149,6 +150,33 @@ def distribute_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         run_check=False,
         shape=reference.shape,
         stride=reference.stride(),
+    )
+
+
+def mesh_before(
+    group: torch.distributed.ProcessGroup,
+    mesh: torch.distributed.device_mesh.DeviceMesh,
+    device_type: str,
+    names: Sequence[str],
+    label: str = "mesh rank grid",
+) -> torch.distributed.device_mesh.DeviceMesh:
+    """The mesh ``(group, *mesh's dims)`` named ``names``: a view's mesh that splits by
+    ``group`` (tp, ep) first, then as FSDP2's ``mesh`` (1-D, or HSDP's ``(replicate,
+    shard)``). The rank grid comes from ``group``'s ranks gathered over ``mesh``'s groups,
+    innermost first: one ``all_gather_objects`` per mesh dim, so a collective over
+    ``mesh``'s ranks."""
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (see the module notes)
+
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    grid: object = list(group_ranks(group))
+    for dim_group in reversed(groups):
+        grid = all_gather_objects(grid, dim_group, label=label)
+    ranks = torch.tensor(grid, dtype=torch.int64)  # [mesh dims...][group]
+    return DeviceMesh.from_group(
+        [group, *groups],
+        device_type,
+        mesh=ranks.permute(ranks.dim() - 1, *range(ranks.dim() - 1)).contiguous(),
+        mesh_dim_names=tuple(names),
     )
 
 

@@ -144,7 +144,6 @@ def _fsdp2_expert_view(param: torch.Tensor, dispatcher: TokenDispatcher, name: s
     unsplit shape on the ``(ep, expt_dp)`` mesh, ``[Shard(0), Shard(0)]`` (HSDP: ``(ep,
     replicate, shard)``, ``[Shard(0), Replicate(), Shard(0)]``): split into the EP ranks'
     experts, then FSDP2's rows of those (expert TP 1 only)."""
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (slow import)
     from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
 
     sharded: Any = param
@@ -162,19 +161,8 @@ def _fsdp2_expert_view(param: torch.Tensor, dispatcher: TokenDispatcher, name: s
     shape = [sharded.shape[0] * dispatcher.ep_size, *sharded.shape[1:]]
     if dispatcher.ep_size == 1:
         return dtensors.from_local(local, dp_mesh, dp_places, shape)
-    groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)]  # [shard] or [rep, shard]
-    label = "expert mesh"
-    grid: Any = mg.all_gather_objects(list(mg.group_ranks(dispatcher.ep)), groups[-1], label=label)
-    if len(groups) == 2:
-        grid = mg.all_gather_objects(grid, groups[0], label=label)  # [rep][shard][ep]
-    ranks = torch.tensor(grid, dtype=torch.int64)
-    names = ("expt_dp",) if len(groups) == 1 else ("replicate", "shard")
-    mesh = DeviceMesh.from_group(
-        [dispatcher.ep, *groups],
-        local.device.type,
-        mesh=ranks.permute(ranks.dim() - 1, *range(ranks.dim() - 1)).contiguous(),
-        mesh_dim_names=("ep", *names),
-    )
+    names = ("ep", "expt_dp") if dp_mesh.ndim == 1 else ("ep", "replicate", "shard")
+    mesh = dtensors.mesh_before(dispatcher.ep, dp_mesh, local.device.type, names, "expert mesh")
     return dtensors.from_local(local, mesh, [Shard(0), *dp_places], shape)
 
 

@@ -293,26 +293,15 @@ def _fsdp2_view(
 def _tp_dp_mesh(
     tp_group: dist.ProcessGroup, dp_mesh: DeviceMesh, device_type: str, meshes: _Meshes
 ) -> DeviceMesh:
-    """The ``(tp, dp)`` mesh of this rank's TP group and FSDP2's data-parallel mesh (built
-    once per call; under HSDP ``(tp, replicate, shard)``): each peer's TP ranks gathered
-    over the shard group (one exchange), then those rows over the replicate group (HSDP's
-    second) give the rank grid."""
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (see the imports)
-
-    groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)]  # [shard] or [rep, shard]
+    """The ``(tp, dp)`` mesh of this rank's TP group and FSDP2's data-parallel mesh (under
+    HSDP ``(tp, replicate, shard)``), built once per call (:func:`mc_groups.dtensors.
+    mesh_before`: one exchange per data-parallel mesh dim)."""
+    groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)]
     key = (id(tp_group), *(id(g) for g in groups))
     if key not in meshes:
-        label = "FSDP2 checkpoint mesh"
-        grid: Any = mg.all_gather_objects(list(mg.group_ranks(tp_group)), groups[-1], label=label)
-        if len(groups) == 2:
-            grid = mg.all_gather_objects(grid, groups[0], label=label)  # [rep][shard][tp]
-        ranks = torch.tensor(grid, dtype=torch.int64)
-        names = ("dp",) if len(groups) == 1 else ("replicate", "shard")
-        meshes[key] = DeviceMesh.from_group(
-            [tp_group, *groups],
-            device_type,
-            mesh=ranks.permute(ranks.dim() - 1, *range(ranks.dim() - 1)).contiguous(),
-            mesh_dim_names=("tp", *names),
+        names = ("tp", "dp") if dp_mesh.ndim == 1 else ("tp", "replicate", "shard")
+        meshes[key] = dtensors.mesh_before(
+            tp_group, dp_mesh, device_type, names, label="FSDP2 checkpoint mesh"
         )
     return meshes[key]
 
