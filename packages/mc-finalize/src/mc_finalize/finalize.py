@@ -25,14 +25,12 @@ grads of one step and dtype travel as one flat all-reduce. What the steps comput
 - 2, 3: params on every (virtual) pipeline stage marked ``pipeline_parallel`` (conditional
   embedders) or ``flextron_router_pp_sync``: ``g ← Σ_pp Σ_local chunks g`` per name.
 - 4: ``g ← (1/T) Σ_tp g`` for params marked ``average_gradients_across_tp_domain`` (a full
-  grad on each tp rank); ``g ← Σ_tp g`` for params marked ``sequence_parallel`` under
-  ``config.sequence_parallel``, named ``*q_layernorm*`` / ``*k_layernorm*`` under
-  ``config.qk_layernorm``, or marked ``sum_gradients_across_tp_domain`` (mc's mark: a
-  replicated param whose grad is a partial sum over tp without sequence parallelism, e.g. a
-  norm shared by all heads after a column-parallel layer, Megatron-LM #7452 row 11). The
-  AVG mark wins over ``sequence_parallel``, as in Megatron. A param carrying only
-  ``sequence_parallel`` while ``config.sequence_parallel`` is off is an error at the first
-  finalize (Megatron would leave its grad unreduced without a word).
+  grad on each tp rank; this mark wins, as in Megatron); ``g ← Σ_tp g`` for params marked
+  ``sequence_parallel`` under ``config.sequence_parallel``, named ``*q_layernorm*`` /
+  ``*k_layernorm*`` under ``config.qk_layernorm``, or marked
+  ``sum_gradients_across_tp_domain`` (mc's: a partial sum over tp without sequence
+  parallelism, Megatron-LM #7452 row 11). Only ``sequence_parallel`` with the config's off is
+  an error (Megatron would leave the grad unreduced without a word).
 - 5: DDP reduced only the replicate axis of replicate × gtp_remat; params not
   gtp_remat-sharded need ``g ← AVG_gtp g`` (grads independent of how the ranks split), or
   ``Σ_gtp`` under per-token loss (step 11 counts the gtp_remat peers' tokens). Dense params
@@ -50,27 +48,22 @@ grads of one step and dtype travel as one flat all-reduce. What the steps comput
 - 10: ``local_tokens_per_expert`` (with expert bias), ``qb_beta_accum`` / ``qb_beta_count``
   zeroed, ``reset_global_aux_loss_tracker()`` called (global aux loss); eval mode included.
 
-**Checks.** Before step 1, on each rank, without communicating: the model list, the
-groups of the steps that run (from the checked collection, then trusted), ``num_tokens``
-(one count, an exact dtype, the model's device), the embedding weights, the routers' state,
-no chunk finalized twice, and with tp > 1 the params' marks. The config
-(:mod:`mc_groups.config`) is checked at the first call: ``model[0]`` keeps the settings
-read from it, and they are read and checked again only when the config object or a field
-finalize reads changed (a step's settings are never stale). What every rank sees alike fails
-on every rank alike, before any collective. A missing, NaN, ±inf or negative
-``num_tokens`` travels through the token reduction as NaN, so every rank raises the same
-``ValueError`` (the one device-to-host read of a per-token-loss step). A check failing on
-one rank only (a chunk finalized twice there) raises there, its peers waiting in their
-next collective until the group's timeout, unless ``peer_checks=True`` ends the checks in
-one status exchange over the world (:func:`mc_groups.fail_together`): one collective and
-(on GPUs) one device synchronisation per step more than Megatron's, hence off by default.
+**Checks.** Before step 1, on each rank, without communicating: the model list, the groups
+of the steps that run (from the checked collection, then trusted), ``num_tokens`` (one
+count, an exact dtype, the model's device), the embedding weights, the routers' state, no
+chunk finalized twice, and with tp > 1 the params' marks. ``model[0]`` keeps the settings
+read from its config (:mod:`mc_groups.config`), read and checked again only when the config
+object or one of those fields changed. What every rank sees alike fails on every rank alike.
+A missing, NaN, ±inf or negative ``num_tokens`` travels through the token reduction as NaN,
+so every rank raises the same ``ValueError`` (the step's one device-to-host read). A check
+failing on one rank only raises there, its peers waiting in their next collective until the
+group's timeout, unless ``peer_checks=True`` ends the checks in one status exchange over the
+world (:func:`mc_groups.fail_together`): one collective and (on GPUs) one device
+synchronisation per step more than Megatron's, hence off by default.
 
-**FSDP2 chunks** (a module under ``fully_shard`` passed as it is, torchtitan's way;
-:mod:`mc_finalize._fsdp2`): no step 1 (FSDP2 reduced in backward), the marks restored from
-the record ``mc_tp_layers.parallelize`` left and the config it recorded when
-``model[0].config`` is its library's, a tensor-parallel layer without a record or a mesh
-holding tp peers refused before any collective; a grad whose mesh meets tp only at this rank
-is reduced over tp shard by shard (every tp peer holds the same data-parallel shard).
+**FSDP2 chunks** (a module under ``fully_shard``, torchtitan's way) skip step 1 (FSDP2
+reduced in backward); :mod:`mc_finalize._fsdp2` restores their marks and checks their
+meshes before any collective.
 """
 
 from __future__ import annotations
@@ -159,9 +152,8 @@ def _reshard_if_dtensor(
     return sharded
 
 
-# A param's grad as a plain tensor to reduce: (param, attribute, the DTensor grad the
-# reduced tensor is resharded like by _commit or None: nothing to write back, the tensor
-# reduced: the grad itself, a DTensor grad's local shard, or its unsharded copy).
+# (param, grad attribute, the DTensor grad _commit reshards the result like or None, the
+# plain tensor reduced: the grad, a DTensor grad's local shard or its unsharded copy).
 _GradView = tuple[Param, str, torch.Tensor | None, torch.Tensor]
 
 
@@ -174,12 +166,10 @@ def _grad_views(params: Sequence[Param], shard_group: Group | None = None) -> li
         grad = getattr(param, attr)
         if grad is None:
             continue
-        if not isinstance(grad, torch.Tensor):
-            raise InputTypeError(f"param.{attr} is {type_name(grad)}, expected a tensor or None")
         if not dtensors.is_dtensor(grad):
             views.append((param, attr, None, grad))
         elif shard_group is not None and _fsdp2.local_reduction(grad, shard_group):
-            views.append((param, attr, None, grad.to_local()))  # type: ignore[attr-defined]
+            views.append((param, attr, None, grad.to_local()))
         else:
             views.append((param, attr, grad, _unshard_if_dtensor(grad)))
     return views
@@ -282,15 +272,14 @@ def _as_chunks(
         missing = [m for m in own if not callable(getattr(chunk, m, None))]
         if missing:
             raise InputTypeError(
-                f"model[{index}] ({type_name(chunk)}) lacks {missing}; a model chunk is a "
-                "DDP-wrapped module (mc_ddp.DistributedDataParallel), a module under FSDP2's "
-                "fully_shard, or any object with those methods"
+                f"model[{index}] ({type_name(chunk)}) lacks {missing}; pass a DDP-wrapped "
+                "module, a module under FSDP2's fully_shard, or an object with those methods"
             )
         first = next(i for i, other in enumerate(model) if other is chunk)
         if first != index:
             raise InputValueError(
-                f"model[{index}] is the same object as model[{first}]: each model chunk must "
-                "appear once (its grads would be reduced and scaled twice)"
+                f"model[{index}] is the same object as model[{first}]: pass each chunk once "
+                "(its grads would be reduced and scaled twice)"
             )
     return list(model)
 
@@ -381,20 +370,11 @@ def _shared_weight(model_module: object, has_mtp: bool) -> Param | None:
     if not hasattr(model_module, "share_embeddings_and_output_weights"):
         parameters = getattr(model_module, "parameters", None)
         if not callable(parameters):
-            raise InputTypeError(
-                f"model_module={model_module!r} must be the wrapped model (an object with "
-                "parameters() or share_embeddings_and_output_weights)"
-            )
+            raise InputTypeError(f"model_module={model_module!r} must be the wrapped model")
         return next((p for p in parameters() if param_attrs.is_shared_embedding(p)), None)
     if not (model_module.share_embeddings_and_output_weights or has_mtp):
         return None
-    getter = getattr(model_module, "shared_embedding_or_output_weight", None)
-    if not callable(getter):
-        raise InputTypeError(
-            f"{type_name(model_module)} shares its embedding and output weights but has no "
-            "shared_embedding_or_output_weight() to return that weight"
-        )
-    weight: Param | None = getter()
+    weight: Param | None = model_module.shared_embedding_or_output_weight()  # type: ignore[attr-defined]
     return weight
 
 
@@ -403,9 +383,8 @@ def _get_position_embedding_weight(model_module: object) -> Param:
     weight = getattr(getattr(model_module, "position_embeddings", None), "weight", None)
     if not isinstance(weight, Param):
         raise InputValueError(
-            f"{type_name(model_module)} has no position_embeddings.weight, but this rank is "
-            "in a position-embedding group of more than one rank; give the stage its "
-            "position_embeddings or leave pos_embd unset"
+            f"{type_name(model_module)} has no position_embeddings.weight but is in a "
+            "position-embedding group; give it position_embeddings or leave pos_embd unset"
         )
     return weight
 
@@ -443,8 +422,7 @@ def _allreduce_embedding_grad(
     check_optional_group("pp_group", pp_group, what=what)
     if not callable(weight_getter):
         raise InputTypeError(
-            f"weight_getter={weight_getter!r} must be a callable taking the model module and "
-            "returning the weight (or None)"
+            f"weight_getter={weight_getter!r} must be a callable (module → weight)"
         )
     check_flag("skip_if_none", skip_if_none)
     has_mtp = config is not None and _Settings.of(config, what).has_mtp
@@ -465,10 +443,7 @@ def _embedding_weight(
     if not _multi(group):
         return []
     if pp_group is None:
-        raise MissingGroupError(
-            "an embedding group of more than one rank needs pp_group to tell the first "
-            "pipeline stage from the last; pass pg_collection.pp"
-        )
+        raise MissingGroupError("an embedding group needs pp_group (pass pg_collection.pp)")
     stage, stages = mg.group_rank(pp_group), mg.group_size(pp_group)
     module: object = chunks[-1] if stage > 0 and (stage == stages - 1 or has_mtp) else chunks[0]
     inner = getattr(module, "module", None)  # DDP, Float16Module: the model is in .module
@@ -477,8 +452,8 @@ def _embedding_weight(
     weight = weight_getter(module)
     if weight is None and not skip_if_none:
         raise InputValueError(
-            "weight_getter returned None on a rank of an embedding group of more than one "
-            "rank; every member must hold the weight (or pass skip_if_none=True)"
+            "weight_getter returned None on a member of an embedding group; every member must "
+            "hold the weight (or pass skip_if_none=True)"
         )
     return [] if weight is None else [weight]
 
@@ -554,14 +529,8 @@ def _router_step(
 
 
 def _bias_routers(chunks: Sequence[ModelChunk]) -> list[object]:
-    """The training routers whose expert bias moves, their state checked."""
-    routers = [
-        m
-        for m in _training_modules(chunks, ("expert_bias", "local_tokens_per_expert"))
-        if not getattr(m, "frozen_expert_bias", False)
-    ]
-    _check_router_state(routers, "local_tokens_per_expert", "expert_bias")
-    return routers
+    """The training routers whose expert bias moves (not ``frozen_expert_bias``)."""
+    return _routers(chunks, "local_tokens_per_expert", "expert_bias", frozen="frozen_expert_bias")
 
 
 def _update_expert_bias(routers: Sequence[object], rate: float, group: Group) -> None:
@@ -589,11 +558,7 @@ def _update_router_qb_beta(
 
 
 def _quantile_routers(chunks: Sequence[ModelChunk]) -> list[object]:
-    routers = _training_modules(chunks, ("qb_beta", "qb_beta_accum", "qb_beta_count"))
-    _check_router_state(routers, "qb_beta_accum", "qb_beta")
-    for router in routers:
-        _tensor(router, "qb_beta_count")
-    return routers
+    return _routers(chunks, "qb_beta_accum", "qb_beta", "qb_beta_count")
 
 
 def _update_qb_beta(routers: Sequence[object], ema: float, group: Group) -> None:
@@ -612,15 +577,6 @@ def _update_qb_beta(routers: Sequence[object], ema: float, group: Group) -> None
             beta.copy_(blended - blended.mean(dim=-1, keepdim=True))
 
 
-def _training_modules(chunks: Sequence[ModelChunk], names: tuple[str, ...]) -> list[object]:
-    return [
-        module
-        for chunk in chunks
-        for module in _modules(chunk)
-        if all(_has(module, n) for n in names) and getattr(module, "training", True)
-    ]
-
-
 def _has(module: object, name: str) -> bool:
     # Hash routers define the attributes as None: they own no balancing state.
     return getattr(module, name, None) is not None
@@ -630,29 +586,32 @@ def _tensor(module: object, name: str) -> torch.Tensor:
     return check_tensor(f"{type_name(module)}.{name}", getattr(module, name))
 
 
-def _check_router_state(routers: Sequence[object], counts: str, bias: str) -> None:
-    """Every router's ``counts`` has its ``bias``'s shape, all one shape (stacked into one
-    all-reduce), and a floating-point bias (an integer one would round updates away)."""
+def _routers(
+    chunks: Sequence[ModelChunk], counts: str, bias: str, *more: str, frozen: str = ""
+) -> list[object]:
+    """The training-mode routers holding ``counts``, ``bias`` and ``more`` (``frozen`` not
+    set), checked: each ``counts`` of its ``bias``'s shape and of one shape for all (one entry
+    per expert; reduced stacked), a floating-point ``bias`` (an integer one rounds updates away)."""
+    found: list[object] = []
     first: tuple[int, ...] | None = None
-    for router in routers:
-        name = type(router).__name__
-        count, value = _tensor(router, counts), _tensor(router, bias)
-        if count.shape != value.shape:
+    names = (counts, bias, *more)
+    for module in (m for chunk in chunks for m in _modules(chunk)):
+        if not getattr(module, "training", True) or not all(_has(module, n) for n in names):
+            continue
+        if frozen and getattr(module, frozen, False):
+            continue
+        count, value, *_ = (_tensor(module, n) for n in names)
+        name, first = type(module).__name__, first or tuple(count.shape)
+        if count.shape != value.shape or tuple(count.shape) != first:
             raise InputValueError(
                 f"{name}.{counts} has shape {tuple(count.shape)} but {name}.{bias} has "
-                f"{tuple(value.shape)}: one entry per expert in both"
+                f"{tuple(value.shape)} (the first router's {counts}: {first}); every router "
+                "needs one entry per expert in both, and the same number of experts"
             )
         if not value.is_floating_point():
-            raise InputTypeError(
-                f"{name}.{bias} has dtype {value.dtype}; it must be floating-point"
-            )
-        if first is not None and tuple(count.shape) != first:
-            raise InputValueError(
-                f"{name}.{counts} has shape {tuple(count.shape)} but an earlier router's has "
-                f"{first}: the routers' counts are reduced together, so every router needs "
-                "the same number of experts"
-            )
-        first = tuple(count.shape)
+            raise InputTypeError(f"{name}.{bias} has dtype {value.dtype}; make it floating-point")
+        found.append(module)
+    return found
 
 
 def _allreduce_non_tensor_model_parallel_grads(
@@ -691,15 +650,13 @@ def _tp_params(
             where = f"model[{index}] param '{name}'"
             if summed and averaged:
                 raise InputValueError(
-                    f"{where} is marked both sum_gradients_across_tp_domain (its grad is a "
-                    "partial sum over tp: SUM) and average_gradients_across_tp_domain (a full "
-                    "grad on every tp rank: AVG); keep the one that says how its grad was computed"
+                    f"{where} is marked both sum_gradients_across_tp_domain and average_"
+                    "gradients_across_tp_domain; keep the one that says how its grad was computed"
                 )
             if summed and param_attrs.is_tensor_model_parallel(param):
                 raise InputValueError(
-                    f"{where} is a tensor-parallel shard (tensor_model_parallel=True) marked "
-                    "sum_gradients_across_tp_domain: a shard's grad is its own, not a partial "
-                    "sum of a replicated param's; drop the mark"
+                    f"{where} is a tensor-parallel shard marked sum_gradients_across_tp_domain "
+                    "(a shard's grad is its own, not a partial sum); drop the mark"
                 )
             if not param.requires_grad:
                 continue
@@ -715,12 +672,9 @@ def _tp_params(
             elif marked_sp:
                 raise InputValueError(
                     f"{where} is marked sequence_parallel=True but config.sequence_parallel is "
-                    "False, so finalize would leave its grad as each tp rank computed it "
-                    "(Megatron's layers set the mark to config.sequence_parallel). If that grad "
-                    "is a partial sum over tp without sequence parallelism (e.g. a norm after a "
-                    "column-parallel layer), mark it with mc_groups.param_attrs."
-                    "mark_sum_gradients_across_tp_domain(param); else clear the mark "
-                    "(mark_sequence_parallel(param, False)) or turn sequence parallelism on"
+                    "False: its grad would stay unreduced. A partial sum over tp without SP? "
+                    "mc_groups.param_attrs.mark_sum_gradients_across_tp_domain(param); else "
+                    "mark_sequence_parallel(param, False) or turn sequence parallelism on"
                 )
     return sums, avgs
 
@@ -856,8 +810,8 @@ def _config_of(chunk: ModelChunk) -> object:
         config = recorded_config(chunk) or config
     if config is None:
         raise InputTypeError(
-            f"model[0] ({type_name(chunk)}) has no config; finalize_model_grads reads "
-            "model[0].config, or the config mc_tp_layers.parallelize recorded on the model"
+            f"model[0] ({type_name(chunk)}) has no config; give it .config, or build it with "
+            "mc_tp_layers.parallelize (which records one)"
         )
     return config
 
@@ -871,9 +825,8 @@ def _check_chunks(chunks: Sequence[ModelChunk], tp: Group, expt_dp: Group | None
         if getattr(chunk, "grads_finalized", False) is True:
             raise RuntimeError(
                 f"finalize_model_grads: model[{index}]'s gradients were already finalized this "
-                "iteration (finalize_model_grads ran on it); finalizing twice would reduce and "
-                "scale them twice. Call zero_grad_buffer() and run the next iteration's "
-                "backward first"
+                "iteration (a second finalize would reduce and scale them twice); call "
+                "zero_grad_buffer() and run the next backward first"
             )
 
 
@@ -942,30 +895,29 @@ def _check_num_tokens(num_tokens: object, chunks: Sequence[ModelChunk], per_toke
         return
     if not per_token:
         raise InputValueError(
-            "num_tokens was given but config.calculate_per_token_loss=False: DDP already "
-            "averaged the grads, dividing by the count would shrink them again; pass it only "
-            "with calculate_per_token_loss=True (as Megatron's schedules do)"
+            "num_tokens was given but config.calculate_per_token_loss=False (DDP averaged the "
+            "grads already); pass it only with calculate_per_token_loss=True"
         )
     if not isinstance(num_tokens, torch.Tensor):
         raise InputTypeError(
-            f"num_tokens must be a torch.Tensor holding this rank's token count, got "
-            f"{type_name(num_tokens)}; e.g. torch.tensor(n, dtype=torch.int64)"
+            f"num_tokens must be a torch.Tensor, got {type_name(num_tokens)}; "
+            "e.g. torch.tensor(n, dtype=torch.int64)"
         )
     if num_tokens.dim() > 1 or num_tokens.numel() != 1:
         raise InputValueError(
-            f"num_tokens has shape {tuple(num_tokens.shape)}; it must hold one count "
-            "(shape () or (1,)): sum the per-micro-batch counts first"
+            f"num_tokens has shape {tuple(num_tokens.shape)}; sum the micro-batches' counts "
+            "into one (shape () or (1,))"
         )
     if num_tokens.dtype not in _TOKEN_DTYPES:
         raise InputTypeError(
-            f"num_tokens has dtype {num_tokens.dtype}; use torch.int64 (or int32, float32, "
-            "float64): half-precision and bool cannot hold token counts exactly"
+            f"num_tokens has dtype {num_tokens.dtype}, which cannot hold counts exactly; use "
+            "torch.int64 (or int32, float32, float64)"
         )
     param = next(iter(chunks[0].parameters()), None)
     if param is not None and num_tokens.device != param.device:
         raise InputValueError(
             f"num_tokens is on {num_tokens.device} but the model is on {param.device}; "
-            "move it with num_tokens.to(device) (the collective needs both on one device)"
+            "pass num_tokens.to(device)"
         )
 
 

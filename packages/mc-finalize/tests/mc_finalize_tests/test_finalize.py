@@ -291,6 +291,20 @@ def _mismatched_router(chunk: Chunk) -> Chunk:
     return chunk
 
 
+def _integer_bias_router(chunk: Chunk) -> Chunk:
+    chunk.add_module("router", BiasRouter([1.0, 2.0], [0, 0]))  # int64 bias: updates round away
+    return chunk
+
+
+def _routers_of_two_sizes(chunk: Chunk) -> Chunk:
+    frozen = BiasRouter([1.0], [0.0])  # frozen: not reduced, so its size does not matter
+    frozen.frozen_expert_bias = True  # type: ignore[assignment]
+    chunk.add_module("frozen", frozen)
+    chunk.add_module("first", BiasRouter([1.0, 2.0], [0.0, 0.0]))
+    chunk.add_module("second", BiasRouter([1.0, 2.0, 3.0], [0.0, 0.0, 0.0]))
+    return chunk
+
+
 def _bad_calls(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[Chunk], object]]:
     pgc_ = mg.ProcessGroupCollection
     tokens = torch.tensor(4)
@@ -370,6 +384,13 @@ def _bad_calls(pgc: mg.ProcessGroupCollection) -> dict[str, Callable[[Chunk], ob
         "unshard": lambda c: _unshard_if_dtensor("grad"),  # type: ignore[arg-type]
         "router_shape": lambda c: _update_router_expert_bias(
             [_mismatched_router(c)], Cfg(moe_router_enable_expert_bias=True), world
+        ),
+        "router_dtype": lambda c: _update_router_expert_bias(
+            [_integer_bias_router(c)], Cfg(moe_router_enable_expert_bias=True), world
+        ),
+        "router_sizes": lambda c: finalize_model_grads(
+            [_set(_routers_of_two_sizes(c), Cfg(moe_router_enable_expert_bias=True))],
+            pg_collection=pgc,
         ),
         "module": lambda c: _get_shared_word_embedding_weight(None, cfg),
     }
@@ -637,6 +658,18 @@ EXPECTED_ERRORS = {
         ("BiasRouter.local_tokens_per_expert has shape (3,)", "BiasRouter.expert_bias has (2,)"),
         doc_call="`_update_router_expert_bias(model, config, group)`",
         doc_input="a router with 3 token counts for 2 biases",
+    ),
+    "router_dtype": Expected(
+        "TypeError",
+        ("BiasRouter.expert_bias has dtype torch.int64; make it floating-point",),
+        doc_call="`_update_router_expert_bias(model, config, group)`",
+        doc_input="a router with an integer `expert_bias`",
+    ),
+    "router_sizes": Expected(
+        "ValueError",
+        ("BiasRouter.local_tokens_per_expert has shape (3,)", "first router's", "(2,)"),
+        doc_call="`finalize_model_grads(model)` with expert bias",
+        doc_input="two routers of 2 and 3 experts (a frozen one of 1 is ignored)",
     ),
     "module": Expected(
         "TypeError",
