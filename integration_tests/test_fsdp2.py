@@ -1145,7 +1145,20 @@ def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools, tmp_p
             assert torch.equal(result[key][name], value), (key, name)
 
 
-def _moe_under_fsdp2(tp: int, folder: str, instances: int = 1) -> dict[str, Any] | None:
+def _moe_loss(chunk: Any, ids: torch.Tensor, per_token: bool) -> torch.Tensor:
+    """The model's mean loss with its load-balancing loss, or (``per_token``) the SUM of the
+    rows' next-token cross entropy (HF's shift: ``logits[:, :-1]`` against ``ids[:, 1:]``)."""
+    import torch.nn.functional as F
+
+    if not per_token:
+        return chunk(input_ids=ids, labels=ids, output_router_logits=True).loss  # type: ignore[no-any-return]
+    logits = chunk(input_ids=ids).logits[:, :-1].flatten(0, 1).float()
+    return F.cross_entropy(logits, ids[:, 1:].flatten(), reduction="sum")
+
+
+def _moe_under_fsdp2(
+    tp: int, folder: str, instances: int = 1, per_token: bool = False
+) -> dict[str, Any] | None:
     """``examples/hf_moe.py``'s Mixtral (4 experts, top-2, the model's load-balancing loss)
     at TP=``tp`` (SP on, expert TP 1) × EP=2 × FSDP2 over the rest through the wrapper
     (``instances`` > 1: HSDP), every rank of the world: 3 steps
@@ -1154,7 +1167,10 @@ def _moe_under_fsdp2(tp: int, folder: str, instances: int = 1) -> dict[str, Any]
     weights (``mc_moe.full_state_dict``); then the DCP views of
     ``mc_moe.model_sharded_state_dict`` made whole, and the weights of a model built from
     other weights (seed 1), at the same TP × EP without FSDP2, after ``dcp.load`` of the
-    views ``dcp.save`` wrote to ``folder``."""
+    views ``dcp.save`` wrote to ``folder``. ``per_token``: Megatron's per-token loss
+    (``calculate_per_token_loss``) without the load-balancing loss: each rank's loss is the
+    SUM of its tokens' cross entropy, ``finalize_model_grads(num_tokens=)`` divides by the
+    global count; no checkpoint."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -1174,7 +1190,12 @@ def _moe_under_fsdp2(tp: int, folder: str, instances: int = 1) -> dict[str, Any]
     pgc = mg.initialize_model_parallel(
         **sizes, expert_tensor_parallel_size=1, num_distributed_optimizer_instances=instances
     )
-    cfg = mg.ModelParallelConfig(**sizes, expert_tensor_parallel_size=1, sequence_parallel=tp > 1)
+    cfg = mg.ModelParallelConfig(
+        **sizes,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=tp > 1,
+        calculate_per_token_loss=per_token,
+    )
 
     def build(seed: int) -> Any:
         model = build_model("mixtral", seed)
@@ -1194,41 +1215,46 @@ def _moe_under_fsdp2(tp: int, folder: str, instances: int = 1) -> dict[str, Any]
     for step in range(STEPS):
         ids = global_batch(step)[dp.rank() * rows : (dp.rank() + 1) * rows]
         opt.zero_grad()
-        loss = chunk(input_ids=ids, labels=ids, output_router_logits=True).loss
+        tokens = torch.tensor(ids[:, 1:].numel(), dtype=torch.int64) if per_token else None
+        loss = _moe_loss(chunk, ids, per_token)
         with _counting_dist() as fsdp:
-            loss.backward()
-        finalize_model_grads([chunk], pg_collection=pgc)
+            loss.backward()  # type: ignore[no-untyped-call]
+        count = float(dp.size()) if tokens is None else float(tokens)
+        logged = torch.stack([loss.detach(), torch.tensor(count)])
+        finalize_model_grads([chunk], num_tokens=tokens, pg_collection=pgc)
         clip_grad_norm(chunk, CLIP, pg_collection=pgc)
         opt.step()
-        mean = loss.detach().clone()
-        mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
-        losses.append(float(mean))
-    views = mc_moe.model_sharded_state_dict(model)
-    whole = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in views.items()}
-    dcp_save(views, checkpoint_id=folder)
-    fresh = build(1)  # not under FSDP2: its views are mc_moe's EP ones, checked elsewhere
-    dcp_load(mc_moe.model_sharded_state_dict(fresh), checkpoint_id=folder)
-    result = {
-        "views": whole,
-        "loaded": mc_moe.full_state_dict(fresh, pg_collection=pgc),
+        # mean loss: Σ of the ranks' means ÷ dp, or Σ of their sums ÷ Σ of their counts
+        mg.all_reduce(logged, dp, label="loss (and tokens) for logging")
+        losses.append(float(logged[0] / (logged[1] if per_token else dp.size())))
+    result: dict[str, Any] = {
         "losses": losses,
         "weights": mc_moe.full_state_dict(model, pg_collection=pgc),
         "scatters": Counter(group for op, group, *_ in fsdp if op == "reduce_scatter_single"),
         "dp": mg.group_ranks(dp),
         "expt_dp": mg.group_ranks(pgc.require("expt_dp", "test")),
     }
+    if per_token:
+        mg.destroy_model_parallel(pgc)
+        return result if dist.get_rank() == 0 else None
+    views = mc_moe.model_sharded_state_dict(model)
+    whole = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in views.items()}
+    dcp_save(views, checkpoint_id=folder)
+    fresh = build(1)  # not under FSDP2: its views are mc_moe's EP ones, checked elsewhere
+    dcp_load(mc_moe.model_sharded_state_dict(fresh), checkpoint_id=folder)
+    result.update(views=whole, loaded=mc_moe.full_state_dict(fresh, pg_collection=pgc))
     mg.destroy_model_parallel(pgc)
     return result if dist.get_rank() == 0 else None
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("tp", "instances", "world"),
-    [(1, 1, 4), (2, 1, 4), (1, 2, 8)],
-    ids=["ep2_dp4", "tp2_ep2_dp2", "ep2_hsdp2x4"],
+    ("tp", "instances", "world", "per_token"),
+    [(1, 1, 4, False), (2, 1, 4, False), (1, 2, 8, False), (2, 1, 4, True)],
+    ids=["ep2_dp4", "tp2_ep2_dp2", "ep2_hsdp2x4", "tp2_ep2_dp2_per_token"],
 )
 def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
-    rank_pools: RankPools, tp: int, instances: int, world: int, tmp_path: Path
+    rank_pools: RankPools, tp: int, instances: int, world: int, per_token: bool, tmp_path: Path
 ) -> None:
     """Expert parallelism under ``TorchFullyShardedDataParallel`` (Megatron main's
     per-parameter mesh): the expert params (``allreduce=False``) sharded over ``expt_dp``,
@@ -1244,14 +1270,16 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
     ``(ep, expt_dp)`` mesh, ``[Shard(0), Shard(0)]``) made whole equal the whole weights
     exactly, and a model built from other weights at the same TP × EP without FSDP2 loads
     the checkpoint (``dcp.load``) and gives them back exactly: the checkpoint holds the
-    unsplit tensors, not FSDP2's layout."""
+    unsplit tensors, not FSDP2's layout. With per-token loss (no load-balancing loss; the
+    reference's mean cross entropy over the global batch) FSDP2 SUMs over both groups
+    (÷ 1) and finalize divides every grad by the global token count."""
     from examples.hf_moe import reference
 
     result = rank_pools.get(world).run_with_deadline(
-        220.0, _moe_under_fsdp2, tp, str(tmp_path), instances
+        220.0, _moe_under_fsdp2, tp, str(tmp_path), instances, per_token
     )[0]
     assert result is not None
-    ref = reference("mixtral", STEPS)
+    ref = reference("mixtral", STEPS, aux=not per_token)
     rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref.losses, strict=True))
     assert rel <= 1e-5, (result["losses"], ref.losses)
     got = result["weights"]
@@ -1264,7 +1292,7 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
         assert set(scatters) == {result["dp"], result["expt_dp"]}, scatters
     else:  # over the rows: intra_dp_cp (4 ranks) and intra_expt_dp (2)
         assert sorted(len(group) for group in scatters) == [2, 4], scatters
-    for key in ("views", "loaded"):
+    for key in () if per_token else ("views", "loaded"):
         assert sorted(result[key]) == sorted(got), key
         for name, value in got.items():
             assert torch.equal(result[key][name], value), (key, name)
