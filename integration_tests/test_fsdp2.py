@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -1086,9 +1086,56 @@ def _hsdp(folder: str) -> dict[str, Any] | None:
             fresh = _build("hf", 1)  # TP=2 without FSDP2: views checked elsewhere
             parallelize(fresh, sequence_parallel_plan(fresh), config=cfg, pg_collection=pgc)
             dcp_load(model_sharded_state_dict(fresh), checkpoint_id=folder)
-            out["loaded"] = full_state_dict(fresh)
+            out.update(
+                loaded=full_state_dict(fresh),
+                adamw=_adamw_round_trip(model, fresh, f"{folder}/adamw", pgc),
+            )
     mg.destroy_model_parallel(pgc)
     return out if dist.get_rank() == 0 else None
+
+
+def _adamw_round_trip(model: Any, fresh: Any, folder: str, pgc: Any) -> dict[str, float]:
+    """AdamW's state over ``model``'s FSDP2 (here HSDP) params through DCP into a plain
+    ``torch.optim.AdamW`` over ``fresh`` (the same TP, no FSDP2): one step at lr 0 on the
+    grads the last backward left (the params stay; ``exp_avg = 0.1·g``,
+    ``exp_avg_sq = 0.001·g²``, ``step = 1``), saved with ``mc_ddp.optimizer_sharded_state_dict``
+    beside the model's views, loaded with ``load_optimizer_sharded_state_dict``. Per key
+    kind, the largest difference over the world: the saved states made whole against
+    AdamW's rule on the whole grad, and against the loaded states."""
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    import mc_groups as mg
+    from mc_ddp import load_optimizer_sharded_state_dict, optimizer_sharded_state_dict
+    from mc_tp_layers import model_sharded_state_dict
+
+    def whole(tensor: Any) -> torch.Tensor:
+        return cast(torch.Tensor, getattr(tensor, "full_tensor", lambda: tensor)())
+
+    params = dict(model.named_parameters())
+    saved = torch.optim.AdamW(params.values(), lr=0.0)
+    saved.step()
+    dcp_save(
+        optimizer_sharded_state_dict(saved, model_sharded_state_dict(model)), checkpoint_id=folder
+    )
+    loaded = torch.optim.AdamW(fresh.parameters(), lr=0.0)
+    views = model_sharded_state_dict(fresh)
+    state = optimizer_sharded_state_dict(loaded, views, is_loading=True)
+    dcp_load(state, checkpoint_id=folder)
+    load_optimizer_sharded_state_dict(loaded, state, views)
+    worst = [0.0, 0.0, 0.0]
+    for name, other in fresh.named_parameters():
+        mine, theirs = saved.state[params[name]], loaded.state[other]
+        grad = whole(params[name].grad)
+        rule = (0.1 * grad, 0.001 * grad * grad)
+        for i, key in enumerate(("exp_avg", "exp_avg_sq")):
+            state_whole = whole(mine[key])
+            worst[i] = max(worst[i], float((state_whole - rule[i]).abs().max()))
+            worst[2] = max(worst[2], float((state_whole - theirs[key]).abs().max()))
+        worst[2] = max(worst[2], abs(float(whole(mine["step"])) - float(theirs["step"])))
+    largest = torch.tensor(worst, dtype=torch.float64)
+    mg.all_reduce(largest, pgc.require("world", "test"), op=mg.ReduceOp.MAX, label="test")
+    return dict(zip(("exp_avg rule", "exp_avg_sq rule", "loaded"), largest.tolist(), strict=True))
 
 
 def _eight_rows() -> torch.Tensor:
@@ -1112,7 +1159,9 @@ def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools, tmp_p
     views (``[Shard(partition_dim), Replicate(), Shard(0)]`` on the ``(tp, replicate,
     shard)`` mesh) made whole equal ``full_state_dict``'s tensors exactly, and a model built
     from other weights at TP=2 without FSDP2 loads the checkpoint (``dcp.load``) and gives
-    them back exactly."""
+    them back exactly; so does AdamW's state (``_adamw_round_trip``: ``exp_avg`` and
+    ``exp_avg_sq`` made whole follow AdamW's first step on the whole grad within 1e-7 and
+    load exactly into a plain AdamW at TP=2 without FSDP2)."""
     result = rank_pools.get(8).run_with_deadline(280.0, _hsdp, str(tmp_path))[0]
     assert result is not None
     shard, replicate = result["groups"]["intra_dp_cp"], result["groups"]["inter_dist_opt"]
@@ -1143,6 +1192,11 @@ def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools, tmp_p
         assert sorted(result[key]) == sorted(trained), key
         for name, value in trained.items():
             assert torch.equal(result[key][name], value), (key, name)
+    adamw = result["adamw"]
+    print(f"HSDP AdamW state through DCP: {adamw}")
+    assert adamw["exp_avg rule"] <= 1e-7, adamw
+    assert adamw["exp_avg_sq rule"] <= 1e-7, adamw
+    assert adamw["loaded"] == 0.0, adamw
 
 
 def _moe_loss(chunk: Any, ids: torch.Tensor, per_token: bool) -> torch.Tensor:
