@@ -1211,7 +1211,7 @@ def _moe_loss(chunk: Any, ids: torch.Tensor, per_token: bool) -> torch.Tensor:
 
 
 def _moe_under_fsdp2(
-    tp: int, folder: str, instances: int = 1, per_token: bool = False
+    tp: int, folder: str, instances: int = 1, per_token: bool = False, etp: int = 1
 ) -> dict[str, Any] | None:
     """``examples/hf_moe.py``'s Mixtral (4 experts, top-2, the model's load-balancing loss)
     at TP=``tp`` (SP on, expert TP 1) × EP=2 × FSDP2 over the rest through the wrapper
@@ -1221,7 +1221,8 @@ def _moe_under_fsdp2(
     weights (``mc_moe.full_state_dict``); then the DCP views of
     ``mc_moe.model_sharded_state_dict`` made whole, and the weights of a model built from
     other weights (seed 1), at the same TP × EP without FSDP2, after ``dcp.load`` of the
-    views ``dcp.save`` wrote to ``folder``. ``per_token``: Megatron's per-token loss
+    views ``dcp.save`` wrote to ``folder``, at the other expert TP (2 for ``etp`` 1, else 1;
+    a checkpoint serves every expert layout). ``per_token``: Megatron's per-token loss
     (``calculate_per_token_loss``) without the load-balancing loss: each rank's loss is the
     SUM of its tokens' cross entropy, ``finalize_model_grads(num_tokens=)`` divides by the
     global count; no checkpoint."""
@@ -1242,22 +1243,22 @@ def _moe_under_fsdp2(
     torch.set_num_threads(1)
     sizes: dict[str, Any] = {"tensor_model_parallel_size": tp, "expert_model_parallel_size": 2}
     pgc = mg.initialize_model_parallel(
-        **sizes, expert_tensor_parallel_size=1, num_distributed_optimizer_instances=instances
+        **sizes, expert_tensor_parallel_size=etp, num_distributed_optimizer_instances=instances
     )
     cfg = mg.ModelParallelConfig(
         **sizes,
-        expert_tensor_parallel_size=1,
+        expert_tensor_parallel_size=etp,
         sequence_parallel=tp > 1,
         calculate_per_token_loss=per_token,
     )
 
-    def build(seed: int) -> Any:
+    def build(seed: int, cfg: Any, pgc: Any) -> Any:
         model = build_model("mixtral", seed)
         plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
         mc_moe.parallelize(model, plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
         return model
 
-    model = build(0)
+    model = build(0, cfg, pgc)
     ddp_config = TorchFullyShardedDataParallelConfig(
         reduce_scatter_unused_params=True, num_distributed_optimizer_instances=instances
     )
@@ -1294,21 +1295,36 @@ def _moe_under_fsdp2(
     views = mc_moe.model_sharded_state_dict(model)
     whole = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in views.items()}
     dcp_save(views, checkpoint_id=folder)
-    fresh = build(1)  # not under FSDP2: its views are mc_moe's EP ones, checked elsewhere
-    dcp_load(mc_moe.model_sharded_state_dict(fresh), checkpoint_id=folder)
-    result.update(views=whole, loaded=mc_moe.full_state_dict(fresh, pg_collection=pgc))
+    other = {**sizes, "expert_tensor_parallel_size": 2 if etp == 1 else 1}
+    there = mg.initialize_model_parallel(**other)
+    fresh = build(1, mg.ModelParallelConfig(**other, sequence_parallel=tp > 1), there)
+    dcp_load(mc_moe.model_sharded_state_dict(fresh), checkpoint_id=folder)  # not under FSDP2
+    result.update(views=whole, loaded=mc_moe.full_state_dict(fresh, pg_collection=there))
+    mg.destroy_model_parallel(there)
     mg.destroy_model_parallel(pgc)
     return result if dist.get_rank() == 0 else None
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("tp", "instances", "world", "per_token"),
-    [(1, 1, 4, False), (2, 1, 4, False), (1, 2, 8, False), (2, 1, 4, True)],
-    ids=["ep2_dp4", "tp2_ep2_dp2", "ep2_hsdp2x4", "tp2_ep2_dp2_per_token"],
+    ("tp", "etp", "instances", "world", "per_token"),
+    [
+        (1, 1, 1, 4, False),
+        (2, 1, 1, 4, False),
+        (1, 1, 2, 8, False),
+        (2, 1, 1, 4, True),
+        (2, 2, 1, 8, False),
+    ],
+    ids=["ep2_dp4", "tp2_ep2_dp2", "ep2_hsdp2x4", "tp2_ep2_dp2_per_token", "tp2_etp2_ep2_dp4"],
 )
 def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
-    rank_pools: RankPools, tp: int, instances: int, world: int, per_token: bool, tmp_path: Path
+    rank_pools: RankPools,
+    tp: int,
+    etp: int,
+    instances: int,
+    world: int,
+    per_token: bool,
+    tmp_path: Path,
 ) -> None:
     """Expert parallelism under ``TorchFullyShardedDataParallel`` (Megatron main's
     per-parameter mesh): the expert params (``allreduce=False``) sharded over ``expt_dp``,
@@ -1316,21 +1332,23 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
     (the experts' grads are Σ over expt_dp ÷ 4: each EP rank's expert saw its EP peer's
     tokens). Mixtral at EP=2 on 4 ranks, TP 1 (DP 4) and TP 2 with SP (DP 2, expert TP 1),
     and under HSDP on 8 ranks (2 replicas × 4 shards; the experts' mesh: 2 replicas
-    (``inter_expt_dp``) × 2 shards (``intra_expt_dp``)):
-    3 steps' mean losses within 1e-5 relative and the
-    final weights within 1e-6 of one process (``examples.hf_moe.reference``: SGD with
-    momentum, ``clip_grad_norm_`` at 1.0, the load-balancing loss over the global batch);
-    the last backward reduce-scatters over both groups. The DCP views (experts on the
-    ``(ep, expt_dp)`` mesh, ``[Shard(0), Shard(0)]``) made whole equal the whole weights
-    exactly, and a model built from other weights at the same TP × EP without FSDP2 loads
-    the checkpoint (``dcp.load``) and gives them back exactly: the checkpoint holds the
-    unsplit tensors, not FSDP2's layout. With per-token loss (no load-balancing loss; the
+    (``inter_expt_dp``) × 2 shards (``intra_expt_dp``)), and at TP 2 × expert TP 2 on 8
+    ranks (DP 4; experts: expert TP 2 × EP 2 × expt_dp 2): 3 steps' mean losses within 1e-5
+    relative and the final weights within 1e-6 of one process
+    (``examples.hf_moe.reference``: SGD with momentum, ``clip_grad_norm_`` at 1.0, the
+    load-balancing loss over the global batch); the last backward reduce-scatters over both
+    groups. The DCP views (experts on the ``(ep, expt_tp, expt_dp)`` mesh, ``[Shard(0),
+    Shard(d), Shard(0)]``, a mesh axis of one rank left out; ``[gate; up]`` as ``[E, 2, I,
+    H]``) made whole equal the whole weights exactly, and a model built from other weights
+    at the other expert TP (1 ↔ 2) without FSDP2 loads the checkpoint (``dcp.load``) and
+    gives them back exactly: the checkpoint holds the unsplit tensors, not FSDP2's or one
+    expert TP's layout. With per-token loss (no load-balancing loss; the
     reference's mean cross entropy over the global batch) FSDP2 SUMs over both groups
     (÷ 1) and finalize divides every grad by the global token count."""
     from examples.hf_moe import reference
 
     result = rank_pools.get(world).run_with_deadline(
-        220.0, _moe_under_fsdp2, tp, str(tmp_path), instances, per_token
+        220.0, _moe_under_fsdp2, tp, str(tmp_path), instances, per_token, etp
     )[0]
     assert result is not None
     ref = reference("mixtral", STEPS, aux=not per_token)
@@ -1348,8 +1366,8 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
         assert sorted(len(group) for group in scatters) == [2, 4], scatters
     for key in () if per_token else ("views", "loaded"):
         assert sorted(result[key]) == sorted(got), key
-        for name, value in got.items():
-            assert torch.equal(result[key][name], value), (key, name)
+        for name, value in got.items():  # a [gate; up] view is [E, 2, I, H]
+            assert torch.equal(result[key][name].reshape(value.shape), value), (key, name)
 
 
 def _pipeline(steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]] | None:

@@ -12,13 +12,15 @@ the TP shards.
 ``mc_train.Checkpointer``) full-shape views: :func:`mc_tp_layers.model_sharded_state_dict`
 with every expert parameter a DTensor on the ``(ep, expt_tp)`` mesh of this rank's
 ``tp_ep`` group, ``Shard(0)`` over ep (whole experts) and, for an expert-TP shard,
-``Shard(partition_dim)`` over expt_tp (a ``[gate; up]`` shard as its ``[.., 2, I, ..]`` view,
-as ``mc_tp_layers`` stores strided shards), else ``Replicate()``: a checkpoint written at one
-EP × expert-TP layout loads at any other. Under FSDP2 (expert TP 1) an expert param is a
-DTensor over ``expt_dp`` holding its rows of this EP rank's experts; its view is on the
-``(ep, expt_dp)`` mesh, ``[Shard(0), Shard(0)]``: the same global tensor, so FSDP2 and mc
-DDP checkpoints hold the same tensors (under HSDP: ``(ep, replicate, shard)``,
-``[Shard(0), Replicate(), Shard(0)]``). The routers' expert biases (buffers that
+``Shard(d)`` over expt_tp along the dim it splits, else ``Replicate()``. A packed
+``[gate; up]`` is viewed as ``[E, 2, I, H]`` at every expert TP (as ``mc_tp_layers`` stores
+strided shards; the dims come from the experts' layout, not from marks, which expert TP 1
+leaves off): a checkpoint written at one EP × expert-TP layout loads at any other. Under
+FSDP2 an expert param is a DTensor over ``expt_dp`` holding its rows of this EP and
+expert-TP rank's experts; its view is on the ``(ep, expt_tp, expt_dp)`` mesh, ``[Shard(0),
+Shard(d), Shard(0)]``: the same global tensor, so FSDP2 and mc DDP checkpoints hold the same
+tensors (under HSDP: ``(ep, expt_tp, replicate, shard)``, ``[Shard(0), Shard(d),
+Replicate(), Shard(0)]``). The routers' expert biases (buffers that
 ``finalize_model_grads`` updates: DeepSeek-V3's ``e_score_correction_bias``) are model state
 too and are included, whole (every rank holds the same values).
 """
@@ -32,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 import mc_groups as mg
-from mc_groups import dtensors, param_attrs
+from mc_groups import dtensors
 from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError
 from mc_moe.dispatcher import TokenDispatcher
-from mc_moe.experts import DISPATCHER_ATTR, is_converted
+from mc_moe.experts import DISPATCHER_ATTR, is_converted, read_experts
 from mc_moe.router import BIAS, routers_with_bias
 from mc_tp_layers import full_state_dict as full_tp_state_dict
 from mc_tp_layers import load_full_state_dict as load_tp_state_dict
@@ -128,68 +130,100 @@ def model_sharded_state_dict(
         if prefix + key not in out:
             continue
         dispatcher = getattr(experts, DISPATCHER_ATTR)
+        path, _, pname = key.rpartition(".")
+        layout = read_experts(experts, path)
+        dim, stride = layout.split_dim(pname), layout.stride(pname)
         if dtensors.is_dtensor(param):
-            out[prefix + key] = _fsdp2_expert_view(param, dispatcher, prefix + key)
+            out[prefix + key] = _fsdp2_expert_view(param, dispatcher, dim, stride, prefix + key)
         else:
-            out[prefix + key] = _expert_view(param, dispatcher)
+            out[prefix + key] = _expert_view(param, dispatcher, dim, stride)
     for name, router in routers_with_bias(module):
         out[f"{prefix}{name}.{BIAS}" if name else f"{prefix}{BIAS}"] = getattr(router, BIAS)
     return out
 
 
-def _fsdp2_expert_view(param: torch.Tensor, dispatcher: TokenDispatcher, name: str) -> torch.Tensor:
+def _global(
+    local: torch.Tensor, shape: list[int], dim: int | None, stride: int, dispatcher: TokenDispatcher
+) -> tuple[torch.Tensor, int | None, list[int]]:
+    """An expert param's ``local`` tensor (a packed ``[gate; up]``, ``stride`` 2, viewed as
+    ``[.., 2, I, ..]`` at every expert TP, as ``mc_tp_layers`` stores strided shards, so that
+    one checkpoint serves every layout), the dim expert TP splits in that view (None: whole)
+    and the one-process shape: ``shape`` (this EP and expert-TP rank's) with dim 0 × ep and
+    the split dim × expert TP."""
+    if stride > 1:
+        assert dim is not None
+        local = strided_view(local, dim, stride)
+        shape[dim : dim + 1] = [stride, shape[dim] // stride]
+        dim += 1
+    shape[0] *= dispatcher.ep_size
+    if dim is not None:
+        shape[dim] *= dispatcher.tp_size
+    return local, dim, shape
+
+
+def _fsdp2_expert_view(
+    param: torch.Tensor, dispatcher: TokenDispatcher, dim: int | None, stride: int, name: str
+) -> torch.Tensor:
     """An expert param under FSDP2 (``mc_ddp.TorchFullyShardedDataParallel``: a DTensor over
     ``expt_dp``, ``Shard(0)``: each rank its rows of this EP rank's experts; under HSDP
     ``(Replicate(), Shard(0))`` on the ``(replicate, shard)`` mesh) as one DTensor of the
-    unsplit shape on the ``(ep, expt_dp)`` mesh, ``[Shard(0), Shard(0)]`` (HSDP: ``(ep,
-    replicate, shard)``, ``[Shard(0), Replicate(), Shard(0)]``): split into the EP ranks'
-    experts, then FSDP2's rows of those (expert TP 1 only)."""
-    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
+    one-process shape (:func:`_global`) on the ``(ep, expt_tp, expt_dp)`` mesh (HSDP: ``(ep,
+    expt_tp, replicate, shard)``; an axis of one rank left out), ``[Shard(0), Shard(d),
+    Shard(0)]``: split into the EP ranks' experts, each expert by expert TP along ``d``
+    (``Replicate()`` for a param expert TP keeps whole), then into FSDP2's rows. Building the
+    mesh gathers the groups' ranks over the mesh's groups (one ``all_gather_objects`` per
+    mesh dim)."""
+    from torch.distributed.tensor import Placement, Replicate, Shard  # noqa: PLC0415
 
     sharded: Any = param
     dp_mesh = sharded.device_mesh
-    dp_places = [Shard(0)] if dp_mesh.ndim == 1 else [Replicate(), Shard(0)]
-    if dispatcher.tp_size > 1 or tuple(sharded.placements) != tuple(dp_places):
+    places: list[Placement] = [Shard(0)] if dp_mesh.ndim == 1 else [Replicate(), Shard(0)]
+    if tuple(sharded.placements) != tuple(places):
         raise NotImplementedError(
             f"model_sharded_state_dict: the expert param {name} is a DTensor placed "
-            f"{tuple(sharded.placements)} on a {dp_mesh.ndim}-D mesh with expert TP "
-            f"{dispatcher.tp_size}: DCP views of expert params under FSDP2 take expert TP 1 "
-            "and FSDP2's Shard(0) (HSDP: Replicate(), Shard(0)); save mc_moe.full_state_dict "
-            "instead"
+            f"{tuple(sharded.placements)} on a {dp_mesh.ndim}-D mesh: DCP views of expert "
+            "params under FSDP2 take FSDP2's Shard(0) (HSDP: Replicate(), Shard(0)); save "
+            "mc_moe.full_state_dict instead"
         )
-    local = sharded.to_local().detach()
-    shape = [sharded.shape[0] * dispatcher.ep_size, *sharded.shape[1:]]
-    if dispatcher.ep_size == 1:
-        return dtensors.from_local(local, dp_mesh, dp_places, shape)
-    names = ("ep", "expt_dp") if dp_mesh.ndim == 1 else ("ep", "replicate", "shard")
-    mesh = dtensors.mesh_before(dispatcher.ep, dp_mesh, local.device.type, names, "expert mesh")
-    return dtensors.from_local(local, mesh, [Shard(0), *dp_places], shape)
+    local, dim, shape = _global(
+        sharded.to_local().detach(), list(sharded.shape), dim, stride, dispatcher
+    )
+    names = ["expt_dp"] if dp_mesh.ndim == 1 else ["replicate", "shard"]
+    mesh, device = dp_mesh, local.device.type
+    tp_place: Placement = Replicate() if dim is None else Shard(dim)
+    for group, size, place, axis in (
+        (dispatcher.expt_tp, dispatcher.tp_size, tp_place, "expt_tp"),
+        (dispatcher.ep, dispatcher.ep_size, Shard(0), "ep"),
+    ):
+        if size > 1:
+            names.insert(0, axis)
+            mesh = dtensors.mesh_before(group, mesh, device, names, "expert mesh")
+            places.insert(0, place)
+    return dtensors.from_local(local, mesh, places, shape)
 
 
-def _expert_view(param: torch.Tensor, dispatcher: TokenDispatcher) -> torch.Tensor:
-    local = param.detach()
-    dim = None
-    if param_attrs.is_tensor_model_parallel(param):
-        dim, stride = param_attrs.partition_dim_of(param), param_attrs.partition_stride_of(param)
-        if stride > 1:
-            local, dim = strided_view(local, dim, stride), dim + 1
+def _expert_view(
+    param: torch.Tensor, dispatcher: TokenDispatcher, dim: int | None, stride: int
+) -> torch.Tensor:
+    """An expert param (not under FSDP2) as one DTensor of the one-process shape
+    (:func:`_global`) on the ``(ep, expt_tp)`` mesh of this rank's ``tp_ep`` group (an axis
+    of one rank left out): ``Shard(0)`` over ep, ``Shard(d)`` over expt_tp (``Replicate()``
+    for a param expert TP keeps whole); at EP 1 × expert TP 1 the local tensor itself."""
     p, q = dispatcher.ep_size, dispatcher.tp_size
+    local, dim, shape = _global(param.detach(), list(param.shape), dim, stride, dispatcher)
     if p * q == 1:
         return local
     from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (slow import)
     from torch.distributed.tensor import Placement, Replicate, Shard  # noqa: PLC0415
 
-    shape = list(local.shape)
-    shape[0] *= p
     groups = [dispatcher.ep, dispatcher.expt_tp]
     axes: list[Placement] = [Shard(0), Replicate() if dim is None else Shard(dim)]
-    if dim is not None:
-        shape[dim] *= q
     grid = torch.tensor(mg.group_ranks(dispatcher.tp_ep)).view(p, q)  # expt_tp fastest
     keep = [i for i, size in enumerate((p, q)) if size > 1]
     mesh = DeviceMesh.from_group(
         groups[keep[0]] if len(keep) == 1 else groups,
         local.device.type,
         mesh=grid.squeeze() if len(keep) == 1 else grid,
+        mesh_dim_names=tuple(("ep", "expt_tp")[i] for i in keep),
     )
     return dtensors.from_local(local, mesh, [axes[i] for i in keep], shape)
