@@ -16,7 +16,7 @@ the distributed optimizer, clipping; DeepSeek-V3 with Megatron's expert bias);
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -121,10 +121,12 @@ class Layout:
 
 @dataclass
 class Run:
-    """Per-step losses (averaged over DP) and the final full, original-named weights."""
+    """Per-step losses (averaged over DP), the final full, original-named weights and (the
+    one-process reference only) every step's grad norm before clipping."""
 
     losses: list[float]
     weights: dict[str, torch.Tensor]
+    grad_norms: list[float] = field(default_factory=list)
 
 
 def reference(
@@ -154,13 +156,13 @@ def reference(
                         ),
                     )
                 )
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         ids = global_batch(step)
         loss = model(input_ids=ids, labels=ids, output_router_logits=aux).loss
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         with torch.no_grad():
             for router, tokens in routed.items():
@@ -169,7 +171,8 @@ def reference(
                 bias += (RATE * torch.sign(counts.mean() - counts)).to(bias.dtype)
         routed.clear()
         losses.append(loss.item())
-    return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Run(losses, weights, norms)
 
 
 # --8<-- [start:train]

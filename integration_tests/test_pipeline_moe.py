@@ -1,0 +1,192 @@
+"""Expert parallelism inside pipeline stages, against one process.
+
+``examples/hf_moe.py``'s ``transformers`` Mixtral (2 layers, 4 experts of width 32, top-2)
+cut into 2 pipeline stages by ``mc_train.split_model`` (one MoE layer each), each rank's
+stage converted by ``mc_moe.parallelize`` with the stage's entries of the model's own
+``tp_plan`` and ``ep_plan`` (experts over ``ep``, 2 whole experts per rank) and trained
+by ``mc_train.build_pipeline`` (mc DDP, the expert params in their own buffers reduced
+over ``expt_dp``, 1F1B over 2 micro-batches, ``finalize_model_grads``), the whole model's
+grad norm clipped by ``ShardedOptimizer(max_grad_norm=...)`` (mc DDP's grads live in
+``main_grad``: ``mc_ddp.clip_grad_norm`` refuses them and names this route), SGD with
+momentum. One world of 8 gloo ranks, two layouts:
+
+- PP=2 × EP=2 × DP=4 (TP 1): per stage, ``dp`` holds 4 ranks and ``expt_dp`` 2 (the
+  ranks of the same EP coordinate), so a dense grad and an expert grad are reduced over
+  different groups; the expert grad is Σ over expt_dp ÷ |dp| (each EP rank's experts saw
+  the tokens of both ranks of its ep group).
+- PP=2 × TP=2 with sequence parallelism × EP=2 (expert TP 1) × DP=2, the distributed
+  optimizer: each TP rank routes its half of the sequence, the stages exchange ``[b, s/2,
+  h]``; grads reduce-scattered over dp and expt_dp.
+
+Against ``examples.hf_moe.reference("mixtral", 3, aux=False)`` (one process, plain
+PyTorch: the mean cross entropy of the whole global batch, SGD with momentum,
+``clip_grad_norm_`` at 1.0; no load-balancing loss: a pipeline stage does not compute the
+model's loss, ``mc_moe.parallelize`` leaves it off under PP): every step's loss (the same
+on every rank) within 1e-5 relative, the grad norm before clipping within 1e-5 relative
+(above 1.0 at every step, so the clip acts), every rank's final weights of its stage
+(``mc_moe.full_state_dict``: whole experts, one-process names) within 1e-6.
+
+The collectives of step 2 (``mc_groups.record_collectives``), per rank: the grad
+reductions (label ``grad reduce``) are exactly one pass over this rank's expert grads on
+its ``expt_dp`` group and one over its dense grads on its ``dp`` group (elements counted
+from the params; under the distributed optimizer the buffers' padded sizes), SUM (the
+``÷ |dp|`` is applied before: Megatron's ``gradient_scaling_factor``); every all-to-all
+is on this rank's ``ep`` group, 4 per micro-batch (dispatch and combine, forward and
+backward, one MoE layer per stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from mc_groups.testing import RankPools
+
+pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
+
+STEPS, MICROBATCHES, WORLD, RECORDED = 3, 2, 8, 1
+CASES = [(1, False), (2, True)]  # (tensor-parallel size with SP, distributed optimizer)
+
+
+def _train(tp: int, distributed: bool) -> dict[str, Any]:
+    """One layout (module notes) on every rank of the world: this rank's losses, grad
+    norms, stage weights, group members, param sizes and the collectives of one step."""
+    import mc_groups as mg
+    import mc_moe
+    import mc_train
+    from examples.hf_moe import BATCH, CLIP, LR, MOMENTUM, build_model, global_batch
+    from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
+    from mc_moe.state import expert_params
+
+    sizes: dict[str, Any] = {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": 2,
+        "expert_model_parallel_size": 2,
+        "expert_tensor_parallel_size": 1,
+    }
+    pgc = mg.initialize_model_parallel(**sizes)
+    cfg = mg.ModelParallelConfig(**sizes, sequence_parallel=tp > 1)
+    model = build_model("mixtral")
+    plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
+    chunks = mc_train.split_model(model, mc_train.decoder_stages(model, 2), pgc)
+    for chunk in chunks:  # each stage takes the entries of both plans its modules match
+        mc_moe.parallelize(
+            chunk,
+            mc_train.stage_plan(plan, chunk),
+            ep_plan=mc_train.stage_plan(model.ep_plan, chunk),
+            config=cfg,
+            pg_collection=pgc,
+        )
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=True, use_distributed_optimizer=distributed
+    )
+    pipe = mc_train.build_pipeline(
+        chunks,
+        config=cfg,
+        ddp_config=ddp_config,
+        pg_collection=pgc,
+        microbatches=MICROBATCHES,
+        loss_fn=mc_train.token_cross_entropy(),
+        forward=mc_train.HFCausalLMForward(sequence_parallel_size=tp),
+    )
+    sgd = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = ShardedOptimizer(sgd, pipe.chunks, max_grad_norm=CLIP, pg_collection=pgc)
+    dp = pgc.require("dp", "test")
+    rows = BATCH // mg.group_size(dp)
+    losses, norms, records = [], [], []
+    for step in range(STEPS):
+        ids = global_batch(step)[mg.group_rank(dp) * rows : (mg.group_rank(dp) + 1) * rows]
+        with mg.record_collectives() as log:
+            losses.append(pipe.forward_backward(ids, mc_train.causal_targets(ids)))
+            norms.append(opt.step().grad_norm)
+        if step == RECORDED:
+            records = [(r.op, r.group_ranks, r.numel, r.reduce_op, r.label) for r in log]
+    ensure_params_ready(pipe.parameters())  # the last step's param all-gather
+    weights = {n: w for c in pipe.chunks for n, w in mc_moe.full_state_dict(c.module, pgc).items()}
+    experts = {id(p) for c in pipe.chunks for _, p, _ in expert_params(c.module)}
+    local = [p for c in pipe.chunks for p in c.module.parameters()]
+    buffers = {
+        "expert": [b for c in pipe.chunks for b in c.expert_parallel_buffers],
+        "dense": [b for c in pipe.chunks for b in c.buffers],
+    }
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "weights": weights,
+        "records": records,
+        "groups": {n: mg.group_ranks(pgc.require(n, "test")) for n in ("dp", "expt_dp", "ep")},
+        "numel": {
+            "expert": sum(p.numel() for p in local if id(p) in experts),
+            "dense": sum(p.numel() for p in local if id(p) not in experts),
+        },
+        "padded": {k: sum(b.grad_data.numel() for b in v) for k, v in buffers.items()},
+    }
+    mg.destroy_model_parallel(pgc)
+    return out
+
+
+def _grid(cases: list[tuple[int, bool]]) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    return [_train(tp, distributed) for tp, distributed in cases]
+
+
+def _grad_reductions(out: dict[str, Any], distributed: bool) -> Iterator[str]:
+    """What is wrong with one rank's grad reductions of the recorded step (nothing: empty)."""
+    groups, numel = out["groups"], out["padded" if distributed else "numel"]
+    reduced: dict[tuple[int, ...], int] = {}
+    for op, ranks, count, reduce_op, label in out["records"]:
+        if label.startswith("grad reduce"):
+            want = "reduce_scatter" if distributed else "all_reduce"
+            if (op, reduce_op) != (want, "sum"):
+                yield f"{label}: {op} {reduce_op}, expected {want} sum"
+            reduced[ranks] = reduced.get(ranks, 0) + count
+    want = {groups["expt_dp"]: numel["expert"]}
+    want[groups["dp"]] = want.get(groups["dp"], 0) + numel["dense"]  # TP 2: the same ranks
+    if reduced != want:
+        yield f"grad reductions {reduced}, expected {want} (expt_dp: experts, dp: dense)"
+
+
+@pytest.mark.timeout(240)
+def test_expert_parallel_pipeline_stages_match_one_process(rank_pools: RankPools) -> None:
+    """PP=2 × EP=2 × DP=4 and PP=2 × TP=2 (SP) × EP=2 × DP=2 on 8 ranks (module notes):
+    losses, grad norms and weights against one process; one step's grad reductions (experts
+    over expt_dp, dense over dp, each element once) and all-to-alls (ep) counted."""
+    from examples.hf_moe import CLIP, build_model, reference
+
+    outcomes = rank_pools.get(WORLD).run_with_deadline(200.0, _grid, CASES)
+    ref = reference("mixtral", STEPS, aux=False)
+    assert min(ref.grad_norms) > CLIP, ref.grad_norms  # the clip acts at every step
+    start = build_model("mixtral").state_dict()
+    assert all(float((ref.weights[k] - v).abs().max()) > 1e-4 for k, v in start.items())
+    for index, (tp, distributed) in enumerate(CASES):
+        runs = [outcome[index] for outcome in outcomes]
+        worst_loss = worst_norm = worst_weight = 0.0
+        stages: dict[str, torch.Tensor] = {}
+        for rank, run in enumerate(runs):
+            for got, want in ((run["losses"], ref.losses), (run["norms"], ref.grad_norms)):
+                rel = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+                assert rel <= 1e-5, (tp, rank, got, want)
+            worst_loss = max(worst_loss, *(abs(a - b) / b for a, b in zip(run["losses"], ref.losses)))
+            worst_norm = max(
+                worst_norm, *(abs(a - b) / b for a, b in zip(run["norms"], ref.grad_norms))
+            )
+            for name, value in run["weights"].items():
+                diff = float((value - ref.weights[name]).abs().max())
+                assert diff <= 1e-6, (tp, rank, name, diff)
+                worst_weight = max(worst_weight, diff)
+                stages[name] = value
+            groups = run["groups"]
+            if tp == 1:  # the layout where the two reductions differ
+                assert (len(groups["dp"]), len(groups["expt_dp"])) == (4, 2), groups
+            problems = list(_grad_reductions(run, distributed))
+            assert not problems, (tp, rank, problems)
+            a2a = [r[1] for r in run["records"] if r[0] == "all_to_all"]
+            assert a2a == [groups["ep"]] * (4 * MICROBATCHES), (tp, rank, a2a)
+        assert sorted(stages) == sorted(ref.weights), tp  # the two stages hold every weight
+        print(
+            f"PP=2 x TP={tp} x EP=2: loss rel {worst_loss:.1e}, grad norm rel "
+            f"{worst_norm:.1e}, weights {worst_weight:.1e}"
+        )
