@@ -129,11 +129,15 @@ def parallelize(
     whose layers are MoE are skipped with one :class:`MoEPlanWarning`, as ``transformers``
     skips them), a number of experts the EP size does not divide, an expert width the
     expert-TP size does not divide, EP > 1 without an ``ep_plan``, TP > 1 without sequence
-    parallelism. Nothing here communicates; collectives per MoE layer and step are
-    :mod:`mc_moe.dispatcher`'s.
+    parallelism, a pipeline stage (``pg_collection.pp`` of more than one rank) of a model
+    configured to add its load-balancing loss (``config.output_router_logits`` with a
+    nonzero ``router_aux_loss_coef``: no stage computes the model's loss, so the aux loss
+    would be dropped without a word). Nothing here communicates; collectives per MoE layer
+    and step are :mod:`mc_moe.dispatcher`'s.
     """
     dense, experts = _check(module, plan, ep_plan, config, pg_collection, sequence_dim)
     check_flag("global_aux_loss", global_aux_loss)
+    _refuse_aux_loss_in_stage(module, experts, pg_collection)
     expert_bias = bool(config_value(config, "moe_router_enable_expert_bias"))
     if expert_bias and not routers_with_bias(module):
         enable_expert_bias(module)  # raises, naming the flag, before anything changed
@@ -156,6 +160,29 @@ def parallelize(
     param_attrs.record_marks(module)  # readers after FSDP2's fully_shard find the marks
     record_config(module, config)
     return module
+
+
+def _refuse_aux_loss_in_stage(
+    module: torch.nn.Module, experts: list[_Experts], pgc: mg.ProcessGroupCollection
+) -> None:
+    """A pipeline stage runs its blocks on hidden states and returns hidden states (or
+    logits): ``transformers`` adds ``router_aux_loss_coef · aux`` only where it computes the
+    loss from ``labels``, which no stage does, and its ``aux`` would pool this stage's
+    layers only. A model asking for that loss would train without it, silently."""
+    if not experts or pgc.pp is None or mg.group_size(pgc.pp) == 1:
+        return
+    coef = getattr(module, "router_aux_loss_coef", 0.0)
+    wants = bool(getattr(getattr(module, "config", None), "output_router_logits", False))
+    if wants and isinstance(coef, (int, float)) and coef != 0:
+        raise InputValueError(
+            f"{type_name(module)} has config.output_router_logits=True (router_aux_loss_coef="
+            f"{coef}) and pg_collection.pp has {mg.group_size(pgc.pp)} ranks: no pipeline stage "
+            "computes transformers' load-balancing loss (a stage returns hidden states, the "
+            "model adds the aux loss only to a loss it computes from labels), so it would be "
+            "dropped silently. Set model.config.output_router_logits=False to train without "
+            "it, or train at pipeline_model_parallel_size=1 (mc_moe then computes it on the "
+            "global batch)"
+        )
 
 
 def _aux_routers(

@@ -5,7 +5,7 @@ value and the fix, raised before any module changes and before any collective (l
 Every case runs on 4 gloo ranks inside ``record_collectives()``; the log must stay empty
 (the check ran before anything was communicated) and, where a model was given, its state
 dict must be unchanged (nothing was converted). The groups are built outside the recorder:
-EP = 2, and TP = 2 × EP = 2.
+EP = 2, TP = 2 × EP = 2, and PP = 2 × EP = 2.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def _loose(value: object) -> Any:
 
 class Case(NamedTuple):
     """``call(model, groups)`` must raise ``error`` with every fragment of ``words``;
-    ``kind`` the model it gets (``mixtral3``: Mixtral with 3 experts), ``layout`` the groups
-    (``ep2``: EP = 2; ``tp2``: TP = 2 × EP = 2).
+    ``kind`` the model it gets (``mixtral3``: Mixtral with 3 experts; ``mixtral_aux``: with
+    ``config.output_router_logits=True``), ``layout`` the groups (``ep2``: EP = 2; ``tp2``:
+    TP = 2 × EP = 2; ``pp2``: PP = 2 × EP = 2).
     ``doc_call`` / ``doc_input``: the catalogue's cells."""
 
     call: Callable[[Any, Any], object]
@@ -55,6 +56,12 @@ def _bias_config() -> Any:
     import mc_groups as mg
 
     return mg.ModelParallelConfig(expert_model_parallel_size=2, moe_router_enable_expert_bias=True)
+
+
+def _pp_config() -> Any:
+    import mc_groups as mg
+
+    return mg.ModelParallelConfig(pipeline_model_parallel_size=2, expert_model_parallel_size=2)
 
 
 def _no_sp_config() -> Any:
@@ -121,6 +128,19 @@ CASES: dict[str, Case] = {
         "`mc_moe.parallelize` (Mixtral)",
         "`moe_router_enable_expert_bias=True`, no router with a bias",
     ),
+    "aux_loss_in_pipeline_stage": Case(
+        lambda m, g: _parallelize(m, g, config=_pp_config()),
+        "ValueError",
+        (
+            "config.output_router_logits=True",
+            "pg_collection.pp has 2 ranks",
+            "output_router_logits=False",
+        ),
+        "`mc_moe.parallelize` at PP = 2 (Mixtral)",
+        "`config.output_router_logits=True` (the load-balancing loss no stage computes)",
+        kind="mixtral_aux",
+        layout="pp2",
+    ),
     "gpt_oss_tensor_parallel": Case(
         lambda m, g: __import__("mc_moe").sequence_parallel_plan(m),
         "ValueError",
@@ -163,10 +183,17 @@ def _run_cases() -> dict[str, tuple[str, str, int, bool]]:
         "tp2": mg.initialize_model_parallel(
             tensor_model_parallel_size=2, expert_model_parallel_size=2
         ),
+        "pp2": mg.initialize_model_parallel(
+            pipeline_model_parallel_size=2, expert_model_parallel_size=2
+        ),
     }
     out: dict[str, tuple[str, str, int, bool]] = {}
     for name, case in CASES.items():
-        model = _three_experts() if case.kind == "mixtral3" else build_model(case.kind)
+        if case.kind == "mixtral3":
+            model = _three_experts()
+        else:
+            model = build_model(case.kind.removesuffix("_aux"))
+            model.config.output_router_logits = case.kind.endswith("_aux")  # aux loss asked
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with mg.record_collectives() as log:
             try:
