@@ -1227,8 +1227,6 @@ def _moe_under_fsdp2(
     SUM of its tokens' cross entropy, ``finalize_model_grads(num_tokens=)`` divides by the
     global count; no checkpoint."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     import mc_groups as mg
     import mc_moe
@@ -1289,20 +1287,35 @@ def _moe_under_fsdp2(
         "dp": mg.group_ranks(dp),
         "expt_dp": mg.group_ranks(pgc.require("expt_dp", "test")),
     }
-    if per_token:
-        mg.destroy_model_parallel(pgc)
-        return result if dist.get_rank() == 0 else None
-    views = mc_moe.model_sharded_state_dict(model)
-    whole = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in views.items()}
-    dcp_save(views, checkpoint_id=folder)
-    other = {**sizes, "expert_tensor_parallel_size": 2 if etp == 1 else 1}
-    there = mg.initialize_model_parallel(**other)
-    fresh = build(1, mg.ModelParallelConfig(**other, sequence_parallel=tp > 1), there)
-    dcp_load(mc_moe.model_sharded_state_dict(fresh), checkpoint_id=folder)  # not under FSDP2
-    result.update(views=whole, loaded=mc_moe.full_state_dict(fresh, pg_collection=there))
-    mg.destroy_model_parallel(there)
+    if not per_token:
+        other = {**sizes, "expert_tensor_parallel_size": 2 if etp == 1 else 1}
+        there = mg.initialize_model_parallel(**other)
+        fresh = build(1, mg.ModelParallelConfig(**other, sequence_parallel=tp > 1), there)
+        result.update(_moe_checkpoint(model, fresh, there, folder))
+        mg.destroy_model_parallel(there)
     mg.destroy_model_parallel(pgc)
     return result if dist.get_rank() == 0 else None
+
+
+def _moe_checkpoint(model: Any, fresh: Any, there: Any, folder: str) -> dict[str, Any]:
+    """``model``'s DCP views (``mc_moe.model_sharded_state_dict``, the expert-mesh
+    exchanges counted) made whole, saved to ``folder`` and loaded into ``fresh`` (not under
+    FSDP2, built on the collection ``there``): the views, ``fresh``'s whole weights after
+    the load and the count."""
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    import mc_groups as mg
+    import mc_moe
+
+    with mg.record_collectives() as log:
+        views = mc_moe.model_sharded_state_dict(model)
+    meshes = sum(r.op == "all_gather_object" and r.label == "expert mesh" for r in log)
+    whole = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in views.items()}
+    dcp_save(views, checkpoint_id=folder)
+    dcp_load(mc_moe.model_sharded_state_dict(fresh), checkpoint_id=folder)
+    loaded = mc_moe.full_state_dict(fresh, pg_collection=there)
+    return {"views": whole, "loaded": loaded, "meshes": meshes}
 
 
 @pytest.mark.timeout(240)
@@ -1364,6 +1377,9 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
         assert set(scatters) == {result["dp"], result["expt_dp"]}, scatters
     else:  # over the rows: intra_dp_cp (4 ranks) and intra_expt_dp (2)
         assert sorted(len(group) for group in scatters) == [2, 4], scatters
+    if not per_token:  # the view meshes built once per call, not per expert param (4 here)
+        dims = 1 if instances == 1 else 2  # FSDP2's expert mesh: expt_dp, or HSDP's 2-D
+        assert result["meshes"] == (dims if etp == 1 else dims + dims + 1), result["meshes"]
     for key in () if per_token else ("views", "loaded"):
         assert sorted(result[key]) == sorted(got), key
         for name, value in got.items():  # a [gate; up] view is [E, 2, I, H]

@@ -126,6 +126,7 @@ def model_sharded_state_dict(
     (those of :func:`mc_tp_layers.model_sharded_state_dict`, and one exchange over the
     expert params' FSDP2 group per expert param to build its mesh)."""
     out = tp_sharded_state_dict(module, tp_group, prefix)
+    meshes: dict[tuple[int, ...], Any] = {}  # FSDP2 expert view meshes, one per group set
     for key, param, experts in expert_params(module):
         if prefix + key not in out:
             continue
@@ -134,7 +135,8 @@ def model_sharded_state_dict(
         layout = read_experts(experts, path)
         dim, stride = layout.split_dim(pname), layout.stride(pname)
         if dtensors.is_dtensor(param):
-            out[prefix + key] = _fsdp2_expert_view(param, dispatcher, dim, stride, prefix + key)
+            view = _fsdp2_expert_view(param, dispatcher, dim, stride, prefix + key, meshes)
+            out[prefix + key] = view
         else:
             out[prefix + key] = _expert_view(param, dispatcher, dim, stride)
     for name, router in routers_with_bias(module):
@@ -162,7 +164,12 @@ def _global(
 
 
 def _fsdp2_expert_view(
-    param: torch.Tensor, dispatcher: TokenDispatcher, dim: int | None, stride: int, name: str
+    param: torch.Tensor,
+    dispatcher: TokenDispatcher,
+    dim: int | None,
+    stride: int,
+    name: str,
+    meshes: dict[tuple[int, ...], Any],
 ) -> torch.Tensor:
     """An expert param under FSDP2 (``mc_ddp.TorchFullyShardedDataParallel``: a DTensor over
     ``expt_dp``, ``Shard(0)``: each rank its rows of this EP rank's experts; under HSDP
@@ -170,9 +177,10 @@ def _fsdp2_expert_view(
     one-process shape (:func:`_global`) on the ``(ep, expt_tp, expt_dp)`` mesh (HSDP: ``(ep,
     expt_tp, replicate, shard)``; an axis of one rank left out), ``[Shard(0), Shard(d),
     Shard(0)]``: split into the EP ranks' experts, each expert by expert TP along ``d``
-    (``Replicate()`` for a param expert TP keeps whole), then into FSDP2's rows. Building the
+    (``Replicate()`` for a param expert TP keeps whole), then into FSDP2's rows. Building a
     mesh gathers the groups' ranks over the mesh's groups (one ``all_gather_objects`` per
-    mesh dim)."""
+    mesh dim), once per call of :func:`model_sharded_state_dict` for each set of groups
+    (``meshes``; every rank meets the same sets in the same order)."""
     from torch.distributed.tensor import Placement, Replicate, Shard  # noqa: PLC0415
 
     sharded: Any = param
@@ -190,6 +198,7 @@ def _fsdp2_expert_view(
     )
     names = ["expt_dp"] if dp_mesh.ndim == 1 else ["replicate", "shard"]
     mesh, device = dp_mesh, local.device.type
+    key = tuple(id(dp_mesh.get_group(i)) for i in range(dp_mesh.ndim))
     tp_place: Placement = Replicate() if dim is None else Shard(dim)
     for group, size, place, axis in (
         (dispatcher.expt_tp, dispatcher.tp_size, tp_place, "expt_tp"),
@@ -197,7 +206,10 @@ def _fsdp2_expert_view(
     ):
         if size > 1:
             names.insert(0, axis)
-            mesh = dtensors.mesh_before(group, mesh, device, names, "expert mesh")
+            key = (id(group), *key)
+            if key not in meshes:
+                meshes[key] = dtensors.mesh_before(group, mesh, device, names, "expert mesh")
+            mesh = meshes[key]
             places.insert(0, place)
     return dtensors.from_local(local, mesh, places, shape)
 
