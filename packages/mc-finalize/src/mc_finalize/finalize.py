@@ -370,7 +370,9 @@ def _shared_weight(model_module: object, has_mtp: bool) -> Param | None:
     if not hasattr(model_module, "share_embeddings_and_output_weights"):
         parameters = getattr(model_module, "parameters", None)
         if not callable(parameters):
-            raise InputTypeError(f"model_module={model_module!r} must be the wrapped model")
+            raise InputTypeError(
+                f"model_module={model_module!r} must be the wrapped model (with parameters())"
+            )
         return next((p for p in parameters() if param_attrs.is_shared_embedding(p)), None)
     if not (model_module.share_embeddings_and_output_weights or has_mtp):
         return None
