@@ -5,7 +5,7 @@ comparisons."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import cache
 from typing import Any, NamedTuple
@@ -131,3 +131,33 @@ def smallest_update(ref: ReferenceRun, relative_to_tensor: bool = False) -> floa
         move = float((final - start[key]).abs().max())
         moves.append(move / float(final.abs().max()) if relative_to_tensor else move)
     return min(moves)
+
+
+@contextmanager
+def counting_dist(
+    names: tuple[str, ...] = ("all_gather_single", "reduce_scatter_single"),
+) -> Iterator[list[tuple[str, tuple[int, ...], int, torch.dtype]]]:
+    """``(op, group ranks, numel, dtype)`` of every ``dist.all_gather_single`` /
+    ``dist.reduce_scatter_single`` (or other ``names``: FSDP2 calls each with ``group=``)
+    issued inside (FSDP2's collectives)."""
+    import torch.distributed as dist
+
+    seen: list[tuple[str, tuple[int, ...], int, torch.dtype]] = []
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            tensor = (list(args) or list(kwargs.values()))[0]
+            group = tuple(dist.get_process_group_ranks(kwargs["group"]))
+            seen.append((name, group, int(tensor.numel()), tensor.dtype))
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield seen
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)

@@ -33,8 +33,7 @@ through ``mc_groups.record_collectives``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -42,6 +41,7 @@ from typing import Any, cast
 import pytest
 import torch
 
+from integration_tests._common import counting_dist
 from mc_groups.testing import RankPools
 
 pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
@@ -199,36 +199,6 @@ def test_fsdp2_with_mc_tp_matches_one_process(rank_pools: RankPools) -> None:
         print(f"{case}: loss rel {rel:.1e}, weights {worst:.1e}")
 
 
-@contextmanager
-def _counting_dist(
-    names: tuple[str, ...] = ("all_gather_single", "reduce_scatter_single"),
-) -> Iterator[list[tuple[str, tuple[int, ...], int, torch.dtype]]]:
-    """``(op, group ranks, numel, dtype)`` of every ``dist.all_gather_single`` /
-    ``dist.reduce_scatter_single`` (or other ``names``: FSDP2 calls each with ``group=``)
-    issued inside (FSDP2's collectives)."""
-    import torch.distributed as dist
-
-    seen: list[tuple[str, tuple[int, ...], int, torch.dtype]] = []
-    originals = {name: getattr(dist, name) for name in names}
-
-    def counting(name: str) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            tensor = (list(args) or list(kwargs.values()))[0]
-            group = tuple(dist.get_process_group_ranks(kwargs["group"]))
-            seen.append((name, group, int(tensor.numel()), tensor.dtype))
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in names:
-        setattr(dist, name, counting(name))
-    try:
-        yield seen
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
 def _one_step_collectives(entry: str) -> dict[str, Any] | None:
     """The second step of the ``transformers`` Llama at TP=2 × DP=2 with SP (the first
     holds the one-off agreement exchanges): FSDP2's collectives and mc's."""
@@ -248,7 +218,7 @@ def _one_step_collectives(entry: str) -> dict[str, Any] | None:
     for step in range(2):
         ids = _batch("hf", step)[dp.rank() * rows : (dp.rank() + 1) * rows]
         chunk.zero_grad()
-        with _counting_dist() as fsdp, mg.record_collectives() as log:
+        with counting_dist() as fsdp, mg.record_collectives() as log:
             loss = _loss("hf", chunk, ids)
             forward = Counter(fsdp)
             loss.backward()  # type: ignore[no-untyped-call]
@@ -923,7 +893,7 @@ def _nested_no_sync(pgc: Any) -> dict[str, Any]:
     counts = []
 
     def micro_batch(row: int) -> None:
-        with _counting_dist() as fsdp:
+        with counting_dist() as fsdp:
             loss = _loss("hf", chunk, rows[row : row + 1]) / 3
             loss.backward()  # type: ignore[no-untyped-call]
         counts.append(sum(1 for op, *_ in fsdp if op == "reduce_scatter_single"))
@@ -1063,17 +1033,17 @@ def _hsdp(folder: str) -> dict[str, Any] | None:
             for step in range(STEPS):
                 ids = _batch("hf", step)[dp.rank() : dp.rank() + 1]
                 opt.zero_grad()
-                with _counting_dist(_FSDP2_OPS) as fsdp:
+                with counting_dist(_FSDP2_OPS) as fsdp:
                     _loss("hf", chunk, ids).backward()  # type: ignore[no-untyped-call]
                 finalize_model_grads([chunk], pg_collection=pgc)
                 opt.step()
             counts.append(Counter((op, g) for op, g, *_ in fsdp if g != tp))
         else:
             rows = _eight_rows()[2 * dp.rank() : 2 * dp.rank() + 2]
-            with chunk.no_sync(), _counting_dist(_FSDP2_OPS) as fsdp:
+            with chunk.no_sync(), counting_dist(_FSDP2_OPS) as fsdp:
                 (_loss("hf", chunk, rows[:1]) / 2).backward()  # type: ignore[no-untyped-call]
             counts.append(Counter((op, g) for op, g, *_ in fsdp if g != tp))
-            with _counting_dist(_FSDP2_OPS) as fsdp:
+            with counting_dist(_FSDP2_OPS) as fsdp:
                 (_loss("hf", chunk, rows[1:]) / 2).backward()  # type: ignore[no-untyped-call]
             counts.append(Counter((op, g) for op, g, *_ in fsdp if g != tp))
             finalize_model_grads([chunk], pg_collection=pgc)
@@ -1270,7 +1240,7 @@ def _moe_under_fsdp2(
         opt.zero_grad()
         tokens = torch.tensor(ids[:, 1:].numel(), dtype=torch.int64) if per_token else None
         loss = _moe_loss(chunk, ids, per_token)
-        with _counting_dist() as fsdp:
+        with counting_dist() as fsdp:
             loss.backward()  # type: ignore[no-untyped-call]
         count = float(dp.size()) if tokens is None else float(tokens)
         logged = torch.stack([loss.detach(), torch.tensor(count)])
@@ -1485,7 +1455,7 @@ def _bf16_step() -> dict[str, Any] | None:
     for step in range(STEPS):
         ids = _batch("hf", step)[dp.rank() * rows : (dp.rank() + 1) * rows]
         chunk.zero_grad_buffer()
-        with _counting_dist() as fsdp:
+        with counting_dist() as fsdp:
             loss = _loss("hf", chunk, ids)
             loss.backward()  # type: ignore[no-untyped-call]
         ops = Counter((name, dtype) for name, _, _, dtype in fsdp)
