@@ -261,6 +261,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             if per_token or expert_group is not None:
                 sub.set_gradient_divide_factor(divide)  # type: ignore[operator]
                 sub.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+                _divide_once_on_one_rank(sub)
         if config_value(config, "recompute_granularity") is not None:
             _prefetch_in_forward_order(module, targets)
         param_attrs.restore_marks(module)
@@ -455,6 +456,20 @@ def _expert_group(
         )
     pgc = collection_or_default(pg_collection, "TorchFullyShardedDataParallel")
     return pgc.require("expt_dp", "TorchFullyShardedDataParallel (the expert params' mesh)")
+
+
+def _divide_once_on_one_rank(module: torch.nn.Module) -> None:
+    """Each of ``module``'s FSDP2 param groups whose mesh shards over one rank (an expert
+    param on a one-rank ``expt_dp``, e.g. expert TP 2 × EP 2 on 4 data-parallel ranks)
+    reduces without ``force_sum_reduction_for_comms``: with it, torch's FSDP2 divides such
+    a group's grads by the divide factor twice (its one-rank copy divides, then its
+    post-divide again: Σ ÷ |dp|² instead of ÷ |dp|), without it once. A group over one rank
+    issues no reduce-scatter, so the SUM-only rule has nothing to act on there (an HSDP
+    replica all-reduce still SUMs)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    for group in state._fsdp_param_groups:
+        if getattr(group.mesh_info, "shard_mesh_size", 0) == 1:
+            group.force_sum_reduction_for_comms = False
 
 
 def _expert_placement(mesh: DeviceMesh) -> Callable[[torch.nn.Parameter], Any]:
