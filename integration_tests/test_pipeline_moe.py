@@ -33,16 +33,23 @@ from the params; under the distributed optimizer the buffers' padded sizes), SUM
 ``÷ |dp|`` is applied before: Megatron's ``gradient_scaling_factor``); every all-to-all
 is on this rank's ``ep`` group, 4 per micro-batch (dispatch and combine, forward and
 backward, one MoE layer per stage).
+
+The same under FSDP2 (torchtitan's DeepSeek-V3 layout, PP × FSDP2 × EP): each stage in
+``mc_ddp.TorchFullyShardedDataParallel`` through ``build_pipeline``, clipped by
+``mc_ddp.clip_grad_norm``, with expert TP 1 and 2
+(``test_expert_parallel_pipeline_stages_under_fsdp2_match_one_process``).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from integration_tests._common import counting_dist
 from mc_groups.testing import RankPools
 
 pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
@@ -187,4 +194,163 @@ def test_expert_parallel_pipeline_stages_match_one_process(rank_pools: RankPools
         print(
             f"PP=2 x TP={tp} x EP=2: loss rel {worst['losses']:.1e}, grad norm rel "
             f"{worst['norms']:.1e}, weights {worst['weights']:.1e}"
+        )
+
+
+FSDP2_CASES = [(1, 1), (2, 2)]  # (tensor-parallel size with SP, expert tensor-parallel size)
+
+
+def _train_fsdp2(tp: int, etp: int) -> dict[str, Any]:
+    """One layout under FSDP2 (``test_expert_parallel_pipeline_stages_under_fsdp2``'s
+    notes) on every rank: losses, grad norms, stage weights, groups, the local param sizes
+    of each kind and FSDP2's reduce-scatters of the last step."""
+    import mc_groups as mg
+    import mc_moe
+    import mc_train
+    from examples.hf_moe import BATCH, CLIP, LR, MOMENTUM, build_model, global_batch
+    from mc_ddp import TorchFullyShardedDataParallelConfig, clip_grad_norm
+    from mc_moe.state import expert_params
+
+    sizes: dict[str, Any] = {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": 2,
+        "expert_model_parallel_size": 2,
+        "expert_tensor_parallel_size": etp,
+    }
+    pgc = mg.initialize_model_parallel(**sizes)
+    cfg = mg.ModelParallelConfig(**sizes, sequence_parallel=tp > 1)
+    model = build_model("mixtral")
+    plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
+    chunks = mc_train.split_model(model, mc_train.decoder_stages(model, 2), pgc)
+    for chunk in chunks:
+        mc_moe.parallelize(
+            chunk,
+            mc_train.stage_plan(plan, chunk),
+            ep_plan=mc_train.stage_plan(model.ep_plan, chunk),
+            config=cfg,
+            pg_collection=pgc,
+        )
+    experts = {id(p) for c in chunks for _, p, _ in expert_params(c)}
+    shapes = {  # this rank's TP / EP-local param shapes, before FSDP2 shards them
+        kind: [tuple(p.shape) for c in chunks for p in c.parameters() if (id(p) in experts) == e]
+        for kind, e in (("expert", True), ("dense", False))
+    }
+    pipe = mc_train.build_pipeline(
+        chunks,
+        config=cfg,
+        ddp_config=TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True),
+        pg_collection=pgc,
+        microbatches=MICROBATCHES,
+        loss_fn=mc_train.token_cross_entropy(),
+        forward=mc_train.HFCausalLMForward(sequence_parallel_size=tp),
+    )
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=MOMENTUM)
+    dp = pgc.require("dp", "test")
+    rows = BATCH // mg.group_size(dp)
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids = global_batch(step)[mg.group_rank(dp) * rows : (mg.group_rank(dp) + 1) * rows]
+        opt.zero_grad()
+        with counting_dist(("reduce_scatter_single",)) as fsdp:
+            losses.append(pipe.forward_backward(ids, mc_train.causal_targets(ids)))
+        norms.append(clip_grad_norm(pipe.chunks, CLIP, pg_collection=pgc).grad_norm or 0.0)
+        opt.step()
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "weights": {n: w for c in chunks for n, w in mc_moe.full_state_dict(c, pgc).items()},
+        "scatters": [(group, numel) for _, group, numel, _ in fsdp],
+        "groups": {n: mg.group_ranks(pgc.require(n, "test")) for n in ("dp", "expt_dp")},
+        "stage": mg.group_rank(pgc.require("pp", "test")),
+        "shapes": shapes,
+    }
+    mg.destroy_model_parallel(pgc)
+    return out
+
+
+def _grid_fsdp2(cases: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    return [_train_fsdp2(tp, etp) for tp, etp in cases]
+
+
+def _shard_numel(shapes: list[tuple[int, ...]], ranks: int) -> int:
+    """This rank's share of ``shapes`` under FSDP2 over ``ranks``: each param's dim 0
+    padded up to a multiple of ``ranks``, split in ``ranks`` (``Shard(0)``)."""
+    total = 0
+    for shape in shapes:
+        rest = 1
+        for size in shape[1:]:
+            rest *= size
+        total += -(-shape[0] // ranks) * rest
+    return total
+
+
+@pytest.mark.timeout(240)
+def test_expert_parallel_pipeline_stages_under_fsdp2_match_one_process(
+    rank_pools: RankPools,
+) -> None:
+    """torchtitan's DeepSeek-V3 layout (PP × FSDP2 × EP): the Mixtral of the module notes
+    in 2 pipeline stages, each chunk converted at EP=2 and put under
+    ``mc_ddp.TorchFullyShardedDataParallel`` by ``build_pipeline`` (a
+    ``TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True)``), 1F1B over
+    2 micro-batches, ``mc_ddp.clip_grad_norm`` at 1.0, SGD with momentum (torch.optim), 3
+    steps on 8 ranks, two layouts:
+
+    - PP=2 × EP=2 × DP=4 (TP 1, expert TP 1): FSDP2 shards the dense params over ``dp``
+      (4 ranks) and the experts over ``expt_dp`` (2);
+    - PP=2 × TP=2 (SP) × expert TP 2 × EP=2 × DP=2: dense over ``dp`` (2), each expert's
+      TP half over ``expt_dp`` (1 rank: 4 / (expert TP 2 × EP 2); FSDP2 reduces nothing
+      there, and the wrapper must still divide the expert grads by |dp| once, not twice).
+
+    Against ``examples.hf_moe.reference("mixtral", 3, aux=False)``: losses and grad norms
+    before clipping within 1e-5 relative, every rank's final whole weights of its stage
+    (``mc_moe.full_state_dict``) within 1e-6. FSDP2's reduce-scatters of the last step
+    (``dist.reduce_scatter_single``, which bypasses mc's recorder), per rank, only in the
+    chunk's last backward (the others run under ``no_sync``): one over ``expt_dp`` for the
+    stage's MoE layer's experts (none when ``expt_dp`` is one rank) and over ``dp`` one per
+    dense FSDP2 unit (first stage: the layer and the embedding, 2; last stage: the head, the
+    layer and the root's final norm, 3), their output elements on each group this rank's
+    shard of the params of that kind (each param's dim 0 padded to the group size)."""
+    from examples.hf_moe import CLIP, reference
+
+    outcomes = rank_pools.get(WORLD).run_with_deadline(200.0, _grid_fsdp2, FSDP2_CASES)
+    ref = reference("mixtral", STEPS, aux=False)
+    assert min(ref.grad_norms) > CLIP, ref.grad_norms
+    for index, (tp, etp) in enumerate(FSDP2_CASES):
+        worst = {"losses": 0.0, "norms": 0.0, "weights": 0.0}
+        stages: dict[str, torch.Tensor] = {}
+        for rank, outcome in enumerate(outcomes):
+            run, where = outcome[index], f"TP={tp} expert TP={etp} rank {rank}"
+            groups, shapes = run["groups"], run["shapes"]
+            # FSDP2 units: the layer's experts, the layer's dense params, the embedding
+            # (first stage) or the head and the root's final norm (last stage)
+            units = {"expert": 1, "dense": 2 + run["stage"]}
+            want: Counter[tuple[int, ...]] = Counter()
+            numel: Counter[tuple[int, ...]] = Counter()
+            for group, kind in ((groups["expt_dp"], "expert"), (groups["dp"], "dense")):
+                if len(group) > 1:  # FSDP2 reduces nothing over one rank
+                    want[group] += units[kind]
+                    numel[group] += _shard_numel(shapes[kind], len(group))
+            got = Counter(group for group, _ in run["scatters"])
+            assert got == want, (where, "reduce-scatters (expt_dp: experts, dp: dense)", got)
+            got_numel: Counter[tuple[int, ...]] = Counter()
+            for group, count in run["scatters"]:
+                got_numel[group] += count
+            assert got_numel == numel, (where, "reduce-scattered elements", got_numel, numel)
+            if tp == 1:
+                assert (len(groups["dp"]), len(groups["expt_dp"])) == (4, 2), groups
+            for key, ref_values in (("norms", ref.grad_norms), ("losses", ref.losses)):
+                values = run[key]
+                rel = max(abs(a - b) / abs(b) for a, b in zip(values, ref_values, strict=True))
+                assert rel <= 1e-5, (where, key, values, ref_values)
+                worst[key] = max(worst[key], rel)
+            for name, value in run["weights"].items():
+                diff = float((value - ref.weights[name]).abs().max())
+                assert diff <= 1e-6, (where, name, diff)
+                worst["weights"] = max(worst["weights"], diff)
+                stages[name] = value
+        assert sorted(stages) == sorted(ref.weights), (tp, etp)
+        print(
+            f"FSDP2 PP=2 x TP={tp} x expert TP={etp} x EP=2: loss rel {worst['losses']:.1e}, "
+            f"grad norm rel {worst['norms']:.1e}, weights {worst['weights']:.1e}"
         )
