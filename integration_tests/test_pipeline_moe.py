@@ -58,28 +58,27 @@ STEPS, MICROBATCHES, WORLD, RECORDED = 3, 2, 8, 1
 CASES = [(1, False), (2, True)]  # (tensor-parallel size with SP, distributed optimizer)
 
 
-def _train(tp: int, distributed: bool) -> dict[str, Any]:
-    """One layout (module notes) on every rank of the world: this rank's losses, grad
-    norms, stage weights, group members, param sizes and the collectives of one step."""
+def _stages(tp: int, etp: int) -> tuple[Any, Any, list[torch.nn.Module]]:
+    """The groups, config and this rank's chunks of the Mixtral at PP 2 × TP ``tp`` (SP
+    when 2) × EP 2 × expert TP ``etp``: split into 2 stages, each converted by
+    ``mc_moe.parallelize`` with the entries of both plans its modules match."""
     import mc_groups as mg
     import mc_moe
     import mc_train
-    from examples.hf_moe import BATCH, CLIP, LR, MOMENTUM, build_model, global_batch
-    from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
-    from mc_moe.state import expert_params
+    from examples.hf_moe import build_model
 
     sizes: dict[str, Any] = {
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": 2,
         "expert_model_parallel_size": 2,
-        "expert_tensor_parallel_size": 1,
+        "expert_tensor_parallel_size": etp,
     }
     pgc = mg.initialize_model_parallel(**sizes)
     cfg = mg.ModelParallelConfig(**sizes, sequence_parallel=tp > 1)
     model = build_model("mixtral")
     plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
     chunks = mc_train.split_model(model, mc_train.decoder_stages(model, 2), pgc)
-    for chunk in chunks:  # each stage takes the entries of both plans its modules match
+    for chunk in chunks:
         mc_moe.parallelize(
             chunk,
             mc_train.stage_plan(plan, chunk),
@@ -87,6 +86,20 @@ def _train(tp: int, distributed: bool) -> dict[str, Any]:
             config=cfg,
             pg_collection=pgc,
         )
+    return pgc, cfg, list(chunks)
+
+
+def _train(tp: int, distributed: bool) -> dict[str, Any]:
+    """One layout (module notes) on every rank of the world: this rank's losses, grad
+    norms, stage weights, group members, param sizes and the collectives of one step."""
+    import mc_groups as mg
+    import mc_moe
+    import mc_train
+    from examples.hf_moe import BATCH, CLIP, LR, MOMENTUM, global_batch
+    from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
+    from mc_moe.state import expert_params
+
+    pgc, cfg, chunks = _stages(tp, 1)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=True, use_distributed_optimizer=distributed
     )
@@ -156,6 +169,20 @@ def _grad_reductions(out: dict[str, Any], distributed: bool) -> Iterator[str]:
         yield f"grad reductions {reduced}, expected {want} (expt_dp: experts, dp: dense)"
 
 
+def _compare(run: dict[str, Any], ref: Any, where: str, worst: dict[str, float]) -> None:
+    """One rank's grad norms and losses (within 1e-5 relative) and stage weights (within
+    1e-6) against the one-process run ``ref``; the largest differences kept in ``worst``."""
+    for key, want in (("norms", ref.grad_norms), ("losses", ref.losses)):
+        got = run[key]
+        rel = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+        assert rel <= 1e-5, (where, key, got, want)
+        worst[key] = max(worst[key], rel)
+    for name, value in run["weights"].items():
+        diff = float((value - ref.weights[name]).abs().max())
+        assert diff <= 1e-6, (where, name, diff)
+        worst["weights"] = max(worst["weights"], diff)
+
+
 @pytest.mark.timeout(240)
 def test_expert_parallel_pipeline_stages_match_one_process(rank_pools: RankPools) -> None:
     """PP=2 × EP=2 × DP=4 and PP=2 × TP=2 (SP) × EP=2 × DP=2 on 8 ranks (module notes):
@@ -180,16 +207,8 @@ def test_expert_parallel_pipeline_stages_match_one_process(rank_pools: RankPools
             assert not problems, (where, problems)
             a2a = [r[1] for r in run["records"] if r[0] == "all_to_all"]
             assert a2a == [groups["ep"]] * (4 * MICROBATCHES), (where, a2a)
-            for key, want in (("norms", ref.grad_norms), ("losses", ref.losses)):
-                got = run[key]
-                rel = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
-                assert rel <= 1e-5, (where, key, got, want)
-                worst[key] = max(worst[key], rel)
-            for name, value in run["weights"].items():
-                diff = float((value - ref.weights[name]).abs().max())
-                assert diff <= 1e-6, (where, name, diff)
-                worst["weights"] = max(worst["weights"], diff)
-                stages[name] = value
+            _compare(run, ref, where, worst)
+            stages.update(run["weights"])
         assert sorted(stages) == sorted(ref.weights), tp  # the two stages hold every weight
         print(
             f"PP=2 x TP={tp} x EP=2: loss rel {worst['losses']:.1e}, grad norm rel "
@@ -207,29 +226,11 @@ def _train_fsdp2(tp: int, etp: int) -> dict[str, Any]:
     import mc_groups as mg
     import mc_moe
     import mc_train
-    from examples.hf_moe import BATCH, CLIP, LR, MOMENTUM, build_model, global_batch
+    from examples.hf_moe import BATCH, CLIP, LR, MOMENTUM, global_batch
     from mc_ddp import TorchFullyShardedDataParallelConfig, clip_grad_norm
     from mc_moe.state import expert_params
 
-    sizes: dict[str, Any] = {
-        "tensor_model_parallel_size": tp,
-        "pipeline_model_parallel_size": 2,
-        "expert_model_parallel_size": 2,
-        "expert_tensor_parallel_size": etp,
-    }
-    pgc = mg.initialize_model_parallel(**sizes)
-    cfg = mg.ModelParallelConfig(**sizes, sequence_parallel=tp > 1)
-    model = build_model("mixtral")
-    plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
-    chunks = mc_train.split_model(model, mc_train.decoder_stages(model, 2), pgc)
-    for chunk in chunks:
-        mc_moe.parallelize(
-            chunk,
-            mc_train.stage_plan(plan, chunk),
-            ep_plan=mc_train.stage_plan(model.ep_plan, chunk),
-            config=cfg,
-            pg_collection=pgc,
-        )
+    pgc, cfg, chunks = _stages(tp, etp)
     experts = {id(p) for c in chunks for _, p, _ in expert_params(c)}
     shapes = {  # this rank's TP / EP-local param shapes, before FSDP2 shards them
         kind: [tuple(p.shape) for c in chunks for p in c.parameters() if (id(p) in experts) == e]
@@ -339,16 +340,8 @@ def test_expert_parallel_pipeline_stages_under_fsdp2_match_one_process(
             assert got_numel == numel, (where, "reduce-scattered elements", got_numel, numel)
             if tp == 1:
                 assert (len(groups["dp"]), len(groups["expt_dp"])) == (4, 2), groups
-            for key, ref_values in (("norms", ref.grad_norms), ("losses", ref.losses)):
-                values = run[key]
-                rel = max(abs(a - b) / abs(b) for a, b in zip(values, ref_values, strict=True))
-                assert rel <= 1e-5, (where, key, values, ref_values)
-                worst[key] = max(worst[key], rel)
-            for name, value in run["weights"].items():
-                diff = float((value - ref.weights[name]).abs().max())
-                assert diff <= 1e-6, (where, name, diff)
-                worst["weights"] = max(worst["weights"], diff)
-                stages[name] = value
+            _compare(run, ref, where, worst)
+            stages.update(run["weights"])
         assert sorted(stages) == sorted(ref.weights), (tp, etp)
         print(
             f"FSDP2 PP=2 x TP={tp} x expert TP={etp} x EP=2: loss rel {worst['losses']:.1e}, "
