@@ -422,6 +422,25 @@ def _finalize_refusals(cfg: Any, pgc: Any, attempt: Callable[[Callable[[], objec
     mg.destroy_model_parallel(ep)
 
 
+def _one_rank_experts_in_fp16(cfg: Any, attempt: Callable[[Callable[[], object]], None]) -> None:
+    """The wrapper over an expert param on a one-rank ``expt_dp`` (TP 2, expert TP 2 × EP 2
+    on 4 ranks) with ``config.fp16`` (grads reduced in float16)."""
+    import mc_groups as mg
+    from mc_ddp import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from mc_groups.param_attrs import mark_allreduce
+
+    alone = mg.initialize_model_parallel(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=2
+    )
+    fp16 = cfg.replace(fp16=True, expert_model_parallel_size=2, expert_tensor_parallel_size=2)
+    expert = _Block(fp16, alone)
+    assert expert.fc1.weight is not None
+    mark_allreduce(expert.fc1.weight, False)
+    unused = TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True)
+    attempt(lambda: TorchFullyShardedDataParallel(fp16, unused, expert, pg_collection=alone))
+    mg.destroy_model_parallel(alone)
+
+
 def _refusals() -> list[tuple[str, str]]:
     """What each entry point refuses before any collective, as (error type, message)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -492,6 +511,7 @@ def _refusals() -> list[tuple[str, str]]:
         lambda: TorchFullyShardedDataParallel(cfg, fsdp_config(), with_expert(), pg_collection=pgc)
     )
     _finalize_refusals(cfg, pgc, attempt)
+    _one_rank_experts_in_fp16(cfg, attempt)
     mg.destroy_model_parallel(pgc)
     return out
 
@@ -507,6 +527,7 @@ REFUSALS = [
     ("ValueError", ["'fc1.weight'", "allreduce=False", "reduce_scatter_unused_params=True"]),
     ("RuntimeError", ["under fully_shard", "its root", "_OwnSplit", "record_marks"]),
     ("ValueError", ["weight", "allreduce=False", "fully_shard", "expt_dp", "[0, 1, 2, 3]"]),
+    ("ValueError", ["expt_dp is one rank", "float16", "twice", "grad_reduce_in_fp32=True"]),
 ]
 
 
@@ -523,7 +544,9 @@ def test_refusals_name_the_argument_and_the_fix(rank_pools: RankPools) -> None:
     marks. The wrapper takes an expert-parallel param (``allreduce=False``) only with
     ``reduce_scatter_unused_params=True`` (Megatron main's rule); finalize refuses one that
     ``fully_shard`` by hand sharded over the dense data-parallel group instead of
-    ``expt_dp`` (FSDP2 averaged different experts)."""
+    ``expt_dp`` (FSDP2 averaged different experts). The wrapper refuses expert params on a
+    one-rank ``expt_dp`` (expert TP 2 × EP 2 on 4 ranks) reduced in float16 (torch's
+    one-rank FSDP2 path would divide their grads twice) and names ``grad_reduce_in_fp32``."""
     for outcomes in rank_pools.get(4).run(_refusals):
         for (kind, message), (want, words) in zip(outcomes, REFUSALS, strict=True):
             assert kind == want, message

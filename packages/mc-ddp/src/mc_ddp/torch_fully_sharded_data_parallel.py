@@ -221,6 +221,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                 else None
             )
             policy = _policy(mp_policy, config, ddp_config)
+            _check_one_rank_experts(module, expert_group, group, policy, config)
             reshard = getattr(ddp_config, "reshard_after_forward", None)
             targets = _targets(module, types)
         super().__init__()
@@ -456,6 +457,34 @@ def _expert_group(
         )
     pgc = collection_or_default(pg_collection, "TorchFullyShardedDataParallel")
     return pgc.require("expt_dp", "TorchFullyShardedDataParallel (the expert params' mesh)")
+
+
+def _check_one_rank_experts(
+    module: torch.nn.Module,
+    expert_group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup,
+    policy: torch.distributed.fsdp.MixedPrecisionPolicy,
+    config: object,
+) -> None:
+    """Refuse expert params on a one-rank ``expt_dp`` whose grads FSDP2 would reduce in
+    float16 with a divide factor above 1: torch's one-rank path divides them by the factor
+    twice in its fp16 (overflow-guarded) route, with or without SUM-only communication
+    (:func:`_divide_once_on_one_rank` fixes the fp32 / bf16 route only)."""
+    if expert_group is None or mg.group_size(expert_group) > 1 or mg.group_size(group) == 1:
+        return
+    if config_value(config, "calculate_per_token_loss"):
+        return  # divide factor 1
+    first = next(iter(module.parameters()))
+    reduce = policy.reduce_dtype or policy.param_dtype or first.dtype
+    if reduce == torch.float16:
+        raise InputValueError(
+            f"the expert params' expt_dp is one rank ({mg.group_ranks(expert_group)}) and "
+            f"their grads would be reduced in float16: torch's FSDP2 divides such grads by "
+            f"the data-parallel size ({mg.group_size(group)}) twice on one rank; set "
+            "TorchFullyShardedDataParallelConfig(grad_reduce_in_fp32=True) (or an mp_policy "
+            "with reduce_dtype float32 or bfloat16), or use a layout with 2 or more ranks "
+            "in expt_dp (smaller expert TP × EP, or more data-parallel ranks)"
+        )
 
 
 def _divide_once_on_one_rank(module: torch.nn.Module) -> None:
