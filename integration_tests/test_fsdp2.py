@@ -1321,6 +1321,7 @@ def _moe_checkpoint(model: Any, fresh: Any, there: Any, folder: str) -> dict[str
         (2, 1, 1, 4, True),
         (2, 2, 1, 8, False),
         (1, 2, 1, 4, False),
+        (1, 2, 2, 8, False),
     ],
     ids=[
         "ep2_dp4",
@@ -1329,6 +1330,7 @@ def _moe_checkpoint(model: Any, fresh: Any, there: Any, folder: str) -> dict[str
         "tp2_ep2_dp2_per_token",
         "tp2_etp2_ep2_dp4",
         "etp2_ep2_dp4",
+        "etp2_ep2_hsdp2x4",
     ],
 )
 def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
@@ -1349,7 +1351,9 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
     (``inter_expt_dp``) × 2 shards (``intra_expt_dp``)), at TP 2 × expert TP 2 on 8
     ranks (DP 4; experts: expert TP 2 × EP 2 × expt_dp 2), and at TP 1 × expert TP 2 × EP 2
     on 4 ranks (``expt_dp`` one rank: torch's FSDP2 would divide those grads by |dp| twice,
-    ``_divide_once_on_one_rank``; weights 1.9e-3 off without it): 3 steps' mean losses within 1e-5
+    ``_divide_once_on_one_rank``; weights 1.9e-3 off without it), and that under HSDP on 8
+    ranks (the experts' shard group one rank, 2 replicas; 2.2e-3 off without it): 3 steps'
+    mean losses within 1e-5
     relative and the final weights within 1e-6 of one process
     (``examples.hf_moe.reference``: SGD with momentum, ``clip_grad_norm_`` at 1.0, the
     load-balancing loss over the global batch); the last backward reduce-scatters over both
@@ -1379,12 +1383,15 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
     if instances == 1:
         groups = {result["dp"], result["expt_dp"]}  # a one-rank expt_dp issues none
         assert set(scatters) == {g for g in groups if len(g) > 1}, scatters
-    else:  # over the rows: intra_dp_cp (4 ranks) and intra_expt_dp (2)
-        assert sorted(len(group) for group in scatters) == [2, 4], scatters
+    else:  # over the rows: intra_dp_cp and intra_expt_dp, each when of more than one rank
+        rows = [world // tp // instances, world // (2 * etp) // instances]
+        assert sorted(len(g) for g in scatters) == sorted(r for r in rows if r > 1), scatters
     if not per_token:  # the view meshes built once per call, not per expert param (4 here)
         # one exchange per mesh dim of more than one rank: FSDP2's expert mesh (expt_dp,
-        # or HSDP's 2 x 2), then expt_tp before it, then ep before those
-        dims = (world // (2 * etp) > 1) if instances == 1 else 2
+        # or HSDP's replicate x shard), then expt_tp before it, then ep before those
+        expt_dp = world // (2 * etp)
+        mesh = [expt_dp] if instances == 1 else [instances, expt_dp // instances]
+        dims = sum(size > 1 for size in mesh)
         assert result["meshes"] == (dims if etp == 1 else 2 * dims + 1), result["meshes"]
     for key in () if per_token else ("views", "loaded"):
         assert sorted(result[key]) == sorted(got), key
