@@ -17,6 +17,9 @@ momentum. One world of 8 gloo ranks, two layouts:
 - PP=2 × TP=2 with sequence parallelism × EP=2 (expert TP 1) × DP=2, the distributed
   optimizer: each TP rank routes its half of the sequence, the stages exchange ``[b, s/2,
   h]``; grads reduce-scattered over dp and expt_dp.
+- PP=2 × TP=2 (SP) × expert TP 2 × EP=2 × DP=2: each expert split over its expert-TP
+  pair, ``expt_dp`` one rank (nothing to reduce the experts over; the ``÷ |dp|`` still
+  applies).
 
 Against ``examples.hf_moe.reference("mixtral", 3, aux=False)`` (one process, plain
 PyTorch: the mean cross entropy of the whole global batch, SGD with momentum,
@@ -55,7 +58,8 @@ from mc_groups.testing import RankPools
 pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
 
 STEPS, MICROBATCHES, WORLD, RECORDED = 3, 2, 8, 1
-CASES = [(1, False), (2, True)]  # (tensor-parallel size with SP, distributed optimizer)
+# (tensor-parallel size with SP, distributed optimizer, expert tensor-parallel size)
+CASES = [(1, False, 1), (2, True, 1), (2, False, 2)]
 
 
 def _stages(tp: int, etp: int) -> tuple[Any, Any, list[torch.nn.Module]]:
@@ -89,7 +93,7 @@ def _stages(tp: int, etp: int) -> tuple[Any, Any, list[torch.nn.Module]]:
     return pgc, cfg, list(chunks)
 
 
-def _train(tp: int, distributed: bool) -> dict[str, Any]:
+def _train(tp: int, distributed: bool, etp: int) -> dict[str, Any]:
     """One layout (module notes) on every rank of the world: this rank's losses, grad
     norms, stage weights, group members, param sizes and the collectives of one step."""
     import mc_groups as mg
@@ -99,7 +103,7 @@ def _train(tp: int, distributed: bool) -> dict[str, Any]:
     from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
     from mc_moe.state import expert_params
 
-    pgc, cfg, chunks = _stages(tp, 1)
+    pgc, cfg, chunks = _stages(tp, etp)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=True, use_distributed_optimizer=distributed
     )
@@ -148,9 +152,9 @@ def _train(tp: int, distributed: bool) -> dict[str, Any]:
     return out
 
 
-def _grid(cases: list[tuple[int, bool]]) -> list[dict[str, Any]]:
+def _grid(cases: list[tuple[int, bool, int]]) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
-    return [_train(tp, distributed) for tp, distributed in cases]
+    return [_train(*case) for case in cases]
 
 
 def _grad_reductions(out: dict[str, Any], distributed: bool) -> Iterator[str]:
@@ -163,7 +167,8 @@ def _grad_reductions(out: dict[str, Any], distributed: bool) -> Iterator[str]:
             if (op, reduce_op) != (kind, "sum"):
                 yield f"{label}: {op} {reduce_op}, expected {kind} sum"
             reduced[ranks] = reduced.get(ranks, 0) + count
-    want = {groups["expt_dp"]: numel["expert"]}
+    # a one-rank expt_dp (expert TP 2 × EP 2 × PP 2 on 8 ranks) reduces nothing
+    want = {groups["expt_dp"]: numel["expert"]} if len(groups["expt_dp"]) > 1 else {}
     want[groups["dp"]] = want.get(groups["dp"], 0) + numel["dense"]  # TP 2: the same ranks
     if reduced != want:
         yield f"grad reductions {reduced}, expected {want} (expt_dp: experts, dp: dense)"
@@ -185,7 +190,8 @@ def _compare(run: dict[str, Any], ref: Any, where: str, worst: dict[str, float])
 
 @pytest.mark.timeout(240)
 def test_expert_parallel_pipeline_stages_match_one_process(rank_pools: RankPools) -> None:
-    """PP=2 × EP=2 × DP=4 and PP=2 × TP=2 (SP) × EP=2 × DP=2 on 8 ranks (module notes):
+    """PP=2 × EP=2 × DP=4, PP=2 × TP=2 (SP) × EP=2 × DP=2 and the same with expert TP 2, on
+    8 ranks (module notes):
     losses, grad norms and weights against one process; one step's grad reductions (experts
     over expt_dp, dense over dp, each element once) and all-to-alls (ep) counted."""
     from examples.hf_moe import CLIP, build_model, reference
@@ -195,11 +201,11 @@ def test_expert_parallel_pipeline_stages_match_one_process(rank_pools: RankPools
     assert min(ref.grad_norms) > CLIP, ref.grad_norms  # the clip acts at every step
     start = build_model("mixtral").state_dict()
     assert all(float((ref.weights[k] - v).abs().max()) > 1e-4 for k, v in start.items())
-    for index, (tp, distributed) in enumerate(CASES):
+    for index, (tp, distributed, etp) in enumerate(CASES):
         worst = {"losses": 0.0, "norms": 0.0, "weights": 0.0}
         stages: dict[str, torch.Tensor] = {}
         for rank, outcome in enumerate(outcomes):
-            run, where = outcome[index], f"TP={tp} rank {rank}"
+            run, where = outcome[index], f"TP={tp} expert TP={etp} rank {rank}"
             groups = run["groups"]
             if tp == 1:  # the layout where the two reductions differ
                 assert (len(groups["dp"]), len(groups["expt_dp"])) == (4, 2), groups
@@ -211,8 +217,8 @@ def test_expert_parallel_pipeline_stages_match_one_process(rank_pools: RankPools
             stages.update(run["weights"])
         assert sorted(stages) == sorted(ref.weights), tp  # the two stages hold every weight
         print(
-            f"PP=2 x TP={tp} x EP=2: loss rel {worst['losses']:.1e}, grad norm rel "
-            f"{worst['norms']:.1e}, weights {worst['weights']:.1e}"
+            f"PP=2 x TP={tp} x expert TP={etp} x EP=2: loss rel {worst['losses']:.1e}, "
+            f"grad norm rel {worst['norms']:.1e}, weights {worst['weights']:.1e}"
         )
 
 
