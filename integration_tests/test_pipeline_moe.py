@@ -17,6 +17,10 @@ momentum. One world of 8 gloo ranks, two layouts:
 - PP=2 × TP=2 with sequence parallelism × EP=2 (expert TP 1) × DP=2, the distributed
   optimizer: each TP rank routes its half of the sequence, the stages exchange ``[b, s/2,
   h]``; grads reduce-scattered over dp and expt_dp.
+- DeepSeek-V3 (MLA attention, a shared expert, grouped top-k routing) at PP=2 × EP=2 ×
+  DP=4 with Megatron's aux-loss-free expert bias: ``finalize_model_grads`` moves each
+  stage's routers' ``e_score_correction_bias`` from the tokens per expert summed over
+  that stage's ``tp_dp_cp`` (the reference moves it from the whole batch's counts).
 - PP=2 × TP=2 (SP) × expert TP 2 × EP=2 × DP=2: each expert split over its expert-TP
   pair, ``expt_dp`` one rank (nothing to reduce the experts over; the ``÷ |dp|`` still
   applies).
@@ -58,18 +62,25 @@ from mc_groups.testing import RankPools
 pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
 
 STEPS, MICROBATCHES, WORLD, RECORDED = 3, 2, 8, 1
-# (tensor-parallel size with SP, distributed optimizer, expert tensor-parallel size)
-CASES = [(1, False, 1), (2, True, 1), (2, False, 2)]
+# (tensor-parallel size with SP, distributed optimizer, expert tensor-parallel size, model)
+CASES = [
+    (1, False, 1, "mixtral"),
+    (2, True, 1, "mixtral"),
+    (2, False, 2, "mixtral"),
+    (1, False, 1, "deepseek_v3"),
+]
+KINDS = sorted({kind for *_, kind in CASES})
 
 
-def _stages(tp: int, etp: int) -> tuple[Any, Any, list[torch.nn.Module]]:
-    """The groups, config and this rank's chunks of the Mixtral at PP 2 × TP ``tp`` (SP
-    when 2) × EP 2 × expert TP ``etp``: split into 2 stages, each converted by
-    ``mc_moe.parallelize`` with the entries of both plans its modules match."""
+def _stages(tp: int, etp: int, kind: str = "mixtral") -> tuple[Any, Any, list[torch.nn.Module]]:
+    """The groups, config and this rank's chunks of the ``kind`` model at PP 2 × TP ``tp``
+    (SP when 2) × EP 2 × expert TP ``etp``: split into 2 stages, each converted by
+    ``mc_moe.parallelize`` with the entries of both plans its modules match; DeepSeek-V3
+    with Megatron's expert bias (``moe_router_enable_expert_bias``, the example's rate)."""
     import mc_groups as mg
     import mc_moe
     import mc_train
-    from examples.hf_moe import build_model
+    from examples.hf_moe import RATE, build_model
 
     sizes: dict[str, Any] = {
         "tensor_model_parallel_size": tp,
@@ -78,8 +89,13 @@ def _stages(tp: int, etp: int) -> tuple[Any, Any, list[torch.nn.Module]]:
         "expert_tensor_parallel_size": etp,
     }
     pgc = mg.initialize_model_parallel(**sizes)
-    cfg = mg.ModelParallelConfig(**sizes, sequence_parallel=tp > 1)
-    model = build_model("mixtral")
+    cfg = mg.ModelParallelConfig(
+        **sizes,
+        sequence_parallel=tp > 1,
+        moe_router_enable_expert_bias=kind == "deepseek_v3",
+        moe_router_bias_update_rate=RATE,
+    )
+    model = build_model(kind)
     plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
     chunks = mc_train.split_model(model, mc_train.decoder_stages(model, 2), pgc)
     for chunk in chunks:
@@ -93,7 +109,7 @@ def _stages(tp: int, etp: int) -> tuple[Any, Any, list[torch.nn.Module]]:
     return pgc, cfg, list(chunks)
 
 
-def _train(tp: int, distributed: bool, etp: int) -> dict[str, Any]:
+def _train(tp: int, distributed: bool, etp: int, kind: str) -> dict[str, Any]:
     """One layout (module notes) on every rank of the world: this rank's losses, grad
     norms, stage weights, group members, param sizes and the collectives of one step."""
     import mc_groups as mg
@@ -103,7 +119,7 @@ def _train(tp: int, distributed: bool, etp: int) -> dict[str, Any]:
     from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
     from mc_moe.state import expert_params
 
-    pgc, cfg, chunks = _stages(tp, etp)
+    pgc, cfg, chunks = _stages(tp, etp, kind)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=True, use_distributed_optimizer=distributed
     )
@@ -152,7 +168,7 @@ def _train(tp: int, distributed: bool, etp: int) -> dict[str, Any]:
     return out
 
 
-def _grid(cases: list[tuple[int, bool, int]]) -> list[dict[str, Any]]:
+def _grid(cases: list[tuple[int, bool, int, str]]) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     return [_train(*case) for case in cases]
 
@@ -190,22 +206,25 @@ def _compare(run: dict[str, Any], ref: Any, where: str, worst: dict[str, float])
 
 @pytest.mark.timeout(240)
 def test_expert_parallel_pipeline_stages_match_one_process(rank_pools: RankPools) -> None:
-    """PP=2 × EP=2 × DP=4, PP=2 × TP=2 (SP) × EP=2 × DP=2 and the same with expert TP 2, on
-    8 ranks (module notes):
+    """PP=2 × EP=2 × DP=4, PP=2 × TP=2 (SP) × EP=2 × DP=2, the same with expert TP 2, and
+    DeepSeek-V3 with Megatron's expert bias at PP=2 × EP=2 × DP=4, on 8 ranks (module notes):
     losses, grad norms and weights against one process; one step's grad reductions (experts
     over expt_dp, dense over dp, each element once) and all-to-alls (ep) counted."""
     from examples.hf_moe import CLIP, build_model, reference
 
     outcomes = rank_pools.get(WORLD).run_with_deadline(200.0, _grid, CASES)
-    ref = reference("mixtral", STEPS, aux=False)
-    assert min(ref.grad_norms) > CLIP, ref.grad_norms  # the clip acts at every step
+    refs = {k: reference(k, STEPS, aux=False, expert_bias=k == "deepseek_v3") for k in KINDS}
+    for ref in refs.values():
+        assert min(ref.grad_norms) > CLIP, ref.grad_norms  # the clip acts at every step
     start = build_model("mixtral").state_dict()
-    assert all(float((ref.weights[k] - v).abs().max()) > 1e-4 for k, v in start.items())
-    for index, (tp, distributed, etp) in enumerate(CASES):
+    moved = refs["mixtral"].weights
+    assert all(float((moved[k] - v).abs().max()) > 1e-4 for k, v in start.items())
+    for index, (tp, distributed, etp, kind) in enumerate(CASES):
+        ref = refs[kind]
         worst = {"losses": 0.0, "norms": 0.0, "weights": 0.0}
         stages: dict[str, torch.Tensor] = {}
         for rank, outcome in enumerate(outcomes):
-            run, where = outcome[index], f"TP={tp} expert TP={etp} rank {rank}"
+            run, where = outcome[index], f"{kind} TP={tp} expert TP={etp} rank {rank}"
             groups = run["groups"]
             if tp == 1:  # the layout where the two reductions differ
                 assert (len(groups["dp"]), len(groups["expt_dp"])) == (4, 2), groups
@@ -217,7 +236,7 @@ def test_expert_parallel_pipeline_stages_match_one_process(rank_pools: RankPools
             stages.update(run["weights"])
         assert sorted(stages) == sorted(ref.weights), tp  # the two stages hold every weight
         print(
-            f"PP=2 x TP={tp} x expert TP={etp} x EP=2: loss rel {worst['losses']:.1e}, "
+            f"{kind} PP=2 x TP={tp} x expert TP={etp} x EP=2: loss rel {worst['losses']:.1e}, "
             f"grad norm rel {worst['norms']:.1e}, weights {worst['weights']:.1e}"
         )
 
