@@ -38,7 +38,11 @@ it), dense params in the dense buffer over ``dp_cp``, and the sequence-parallel 
   replicated grads of each kind averaged over its own axis by finalize; every rank sees
   different data (the data shard is the rank in ``dp_cp_gtp_remat``);
 - EP = 2 and TP = 2 × ETP = 1 on 4 ranks with the distributed optimizer (each buffer
-  reduce-scattered over its group; no step-0 grad check: only the shard is reduced).
+  reduce-scattered over its group; no step-0 grad check: only the shard is reduced);
+- EP = 2 × CP = 2 on 4 ranks and TP = 2 × EP = 2 × CP = 2 on 8: the context-parallel ranks
+  see different tokens (this model is per token, so CP splits data like DP), ``expt_dp``
+  holds them (Megatron's expert layout folds CP into the expert data-parallel size) and the
+  experts are scaled by 1/|dp_cp|, not 1/|dp| (scaling by |dp| fails exactly these two).
 
 Step 2's collectives are recorded: the expert buffer reduced over expt_dp and the dense
 one over dp_cp (each when the group has more than one rank; exactly the local elements of
@@ -353,6 +357,8 @@ LAYOUTS = [
     Layout(4, ep=2, gtp=2, egtp=2),
     Layout(4, ep=2, dist_opt=True),
     Layout(4, tp=2, etp=1, dist_opt=True),
+    Layout(4, ep=2, cp=2),
+    Layout(8, tp=2, etp=1, ep=2, cp=2),
 ]
 
 
