@@ -1192,6 +1192,94 @@ def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools, tmp_p
     assert adamw["loaded"] == 0.0, adamw
 
 
+# (transformers MoE model, TP with SP when 2, expert TP, Megatron's expert bias)
+MOE_KINDS = [
+    ("qwen3_moe", 2, 1, False),
+    ("olmoe", 2, 2, False),
+    ("gpt_oss", 1, 2, False),  # expt_dp one rank (expert TP 2 x EP 2 on 4 ranks)
+    ("deepseek_v3", 2, 1, True),
+]
+
+
+def _moe_kinds(cases: list[tuple[str, int, int, bool]]) -> list[dict[str, Any]]:
+    """Each ``examples/hf_moe.py`` model of ``cases`` at EP 2 under the wrapper on every
+    rank of a 4-rank world: 3 steps of its mean loss (with the model's load-balancing loss
+    where it has one), ``finalize_model_grads`` (DeepSeek-V3: its routers' expert bias),
+    ``mc_ddp.clip_grad_norm`` at the example's bound, SGD with momentum; the losses
+    averaged over dp and the whole weights (``mc_moe.full_state_dict``)."""
+    import mc_groups as mg
+    import mc_moe
+    from examples.hf_moe import BATCH, CLIP, LR, MOMENTUM, RATE, build_model, global_batch
+    from mc_ddp import (
+        TorchFullyShardedDataParallel,
+        TorchFullyShardedDataParallelConfig,
+        clip_grad_norm,
+    )
+    from mc_finalize import finalize_model_grads
+
+    torch.set_num_threads(1)
+    out = []
+    for kind, tp, etp, bias in cases:
+        sizes: dict[str, Any] = {
+            "tensor_model_parallel_size": tp,
+            "expert_model_parallel_size": 2,
+            "expert_tensor_parallel_size": etp,
+        }
+        pgc = mg.initialize_model_parallel(**sizes)
+        cfg = mg.ModelParallelConfig(
+            **sizes,
+            sequence_parallel=tp > 1,
+            moe_router_enable_expert_bias=bias,
+            moe_router_bias_update_rate=RATE,
+        )
+        model = build_model(kind)
+        plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
+        mc_moe.parallelize(model, plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
+        ddp_config = TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True)
+        chunk = TorchFullyShardedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
+        opt = torch.optim.SGD(chunk.parameters(), lr=LR, momentum=MOMENTUM)
+        dp = pgc.require("dp", "data")
+        rows = BATCH // dp.size()
+        losses = []
+        for step in range(STEPS):
+            ids = global_batch(step)[dp.rank() * rows : (dp.rank() + 1) * rows]
+            opt.zero_grad()
+            loss = _moe_loss(chunk, ids, False)
+            loss.backward()  # type: ignore[no-untyped-call]
+            finalize_model_grads([chunk], pg_collection=pgc)
+            clip_grad_norm(chunk, CLIP, pg_collection=pgc)
+            opt.step()
+            mean = loss.detach().clone()
+            mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+            losses.append(float(mean))
+        out.append({"losses": losses, "weights": mc_moe.full_state_dict(model, pgc)})
+        mg.destroy_model_parallel(pgc)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_every_transformers_moe_kind_under_the_wrapper_matches_one_process(
+    rank_pools: RankPools,
+) -> None:
+    """Qwen3-MoE (TP 2), OLMoE (TP 2 × expert TP 2), gpt-oss (expert TP 2: its ``expt_dp`` is
+    one rank) and DeepSeek-V3 (TP 2, Megatron's expert bias moving its routers'
+    ``e_score_correction_bias``) at EP 2 under ``TorchFullyShardedDataParallel`` on 4 ranks,
+    beside Mixtral's cases above: 3 steps' mean losses within 1e-5 relative and every
+    weight (the routers' biases included) within 1e-6 of ``examples.hf_moe.reference``."""
+    from examples.hf_moe import reference
+
+    runs = rank_pools.get(4).run_with_deadline(220.0, _moe_kinds, MOE_KINDS)[0]
+    for (kind, tp, etp, bias), run in zip(MOE_KINDS, runs, strict=True):
+        ref = reference(kind, STEPS, expert_bias=bias)
+        got, where = run["losses"], f"{kind} TP={tp} expert TP={etp}"
+        rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref.losses, strict=True))
+        assert rel <= 1e-5, (where, got, ref.losses)
+        assert sorted(run["weights"]) == sorted(ref.weights), where
+        worst = max(float((run["weights"][k] - v).abs().max()) for k, v in ref.weights.items())
+        print(f"{where} under FSDP2: loss rel {rel:.1e}, weights {worst:.1e}")
+        assert worst <= 1e-6, (where, worst)
+
+
 def _moe_loss(chunk: Any, ids: torch.Tensor, per_token: bool) -> torch.Tensor:
     """The model's mean loss with its load-balancing loss, or (``per_token``) the SUM of the
     rows' next-token cross entropy (HF's shift: ``logits[:, :-1]`` against ``ids[:, 1:]``)."""
