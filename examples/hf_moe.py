@@ -49,12 +49,12 @@ KINDS = {  # kind → its transformers config and model classes
 }
 
 
-def _sizes(kind: str) -> dict[str, Any]:
+def _sizes(kind: str, layers: int = 2) -> dict[str, Any]:
     """Hidden 64, 2 layers, 4 experts of width 32, top-2 (every layer MoE)."""
     sizes: dict[str, Any] = {
         "vocab_size": VOCAB,
         "hidden_size": 64,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "num_experts_per_tok": 2,
@@ -86,14 +86,15 @@ def _sizes(kind: str) -> dict[str, Any]:
     return sizes
 
 
-def build_model(kind: str = "mixtral", seed: int = 0) -> PreTrainedModel:
-    """A tiny MoE causal LM of ``kind`` (a key of ``KINDS``) from a config, seeded."""
+def build_model(kind: str = "mixtral", seed: int = 0, *, layers: int = 2) -> PreTrainedModel:
+    """A tiny MoE causal LM of ``kind`` (a key of ``KINDS``) from a config, seeded, with
+    ``layers`` decoder layers."""
     import transformers  # noqa: PLC0415  (collecting the tests stays cheap)
 
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: choose one of {sorted(KINDS)}")
     config_class, model_class = KINDS[kind]
-    config = getattr(transformers, config_class)(**_sizes(kind))
+    config = getattr(transformers, config_class)(**_sizes(kind, layers))
     torch.manual_seed(seed)
     model: PreTrainedModel = getattr(transformers, model_class)(config)
     with torch.no_grad():  # routers start at zero in some models: give them a direction
@@ -136,12 +137,13 @@ def reference(
     expert_bias: bool = False,
     aux: bool = True,
     lr: float = LR,
+    layers: int = 2,
 ) -> Run:
     """One process, plain PyTorch: SGD on the whole global batch, with the model's own
     load-balancing loss (``aux``); ``expert_bias``: after each step every DeepSeek-V3 router's
     ``e_score_correction_bias`` moves by Megatron's rule, ``bias += RATE · sign(mean − t)``
-    (t: the step's routed tokens per expert)."""
-    model = build_model(kind)
+    (t: the step's routed tokens per expert); ``layers``: as :func:`build_model`."""
+    model = build_model(kind, layers=layers)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
     routed: dict[torch.nn.Module, torch.Tensor] = {}
     if expert_bias:

@@ -21,6 +21,9 @@ momentum. One world of 8 gloo ranks, two layouts:
   DP=4 with Megatron's aux-loss-free expert bias: ``finalize_model_grads`` moves each
   stage's routers' ``e_score_correction_bias`` from the tokens per expert summed over
   that stage's ``tp_dp_cp`` (the reference moves it from the whole batch's counts).
+- PP=2 × EP=2 × DP=4 with 2 virtual stages per rank: a 4-layer Mixtral in 4 stages (one
+  MoE layer each), the interleaved schedule, two chunks per rank whose all-to-alls
+  interleave (8 per micro-batch).
 - PP=2 × TP=2 (SP) × expert TP 2 × EP=2 × DP=2: each expert split over its expert-TP
   pair, ``expt_dp`` one rank (nothing to reduce the experts over; the ``÷ |dp|`` still
   applies).
@@ -62,17 +65,21 @@ from mc_groups.testing import RankPools
 pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
 
 STEPS, MICROBATCHES, WORLD, RECORDED = 3, 2, 8, 1
-# (tensor-parallel size with SP, distributed optimizer, expert tensor-parallel size, model)
+# (tensor-parallel size with SP, distributed optimizer, expert tensor-parallel size, model,
+# virtual stages per pipeline rank: 2 runs the interleaved schedule over a 4-layer model)
 CASES = [
-    (1, False, 1, "mixtral"),
-    (2, True, 1, "mixtral"),
-    (2, False, 2, "mixtral"),
-    (1, False, 1, "deepseek_v3"),
+    (1, False, 1, "mixtral", 1),
+    (2, True, 1, "mixtral", 1),
+    (2, False, 2, "mixtral", 1),
+    (1, False, 1, "deepseek_v3", 1),
+    (1, False, 1, "mixtral", 2),
 ]
-KINDS = sorted({kind for *_, kind in CASES})
+MODELS = sorted({(kind, 2 * vp) for *_, kind, vp in CASES})  # (model, decoder layers)
 
 
-def _stages(tp: int, etp: int, kind: str = "mixtral") -> tuple[Any, Any, list[torch.nn.Module]]:
+def _stages(
+    tp: int, etp: int, kind: str = "mixtral", vp: int = 1
+) -> tuple[Any, Any, list[torch.nn.Module]]:
     """The groups, config and this rank's chunks of the ``kind`` model at PP 2 × TP ``tp``
     (SP when 2) × EP 2 × expert TP ``etp``: split into 2 stages, each converted by
     ``mc_moe.parallelize`` with the entries of both plans its modules match; DeepSeek-V3
@@ -95,9 +102,9 @@ def _stages(tp: int, etp: int, kind: str = "mixtral") -> tuple[Any, Any, list[to
         moe_router_enable_expert_bias=kind == "deepseek_v3",
         moe_router_bias_update_rate=RATE,
     )
-    model = build_model(kind)
+    model = build_model(kind, layers=2 * vp)  # one decoder layer per (virtual) stage
     plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
-    chunks = mc_train.split_model(model, mc_train.decoder_stages(model, 2), pgc)
+    chunks = mc_train.split_model(model, mc_train.decoder_stages(model, 2 * vp), pgc)
     for chunk in chunks:
         mc_moe.parallelize(
             chunk,
@@ -109,7 +116,7 @@ def _stages(tp: int, etp: int, kind: str = "mixtral") -> tuple[Any, Any, list[to
     return pgc, cfg, list(chunks)
 
 
-def _train(tp: int, distributed: bool, etp: int, kind: str) -> dict[str, Any]:
+def _train(tp: int, distributed: bool, etp: int, kind: str, vp: int) -> dict[str, Any]:
     """One layout (module notes) on every rank of the world: this rank's losses, grad
     norms, stage weights, group members, param sizes and the collectives of one step."""
     import mc_groups as mg
@@ -119,7 +126,7 @@ def _train(tp: int, distributed: bool, etp: int, kind: str) -> dict[str, Any]:
     from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
     from mc_moe.state import expert_params
 
-    pgc, cfg, chunks = _stages(tp, etp, kind)
+    pgc, cfg, chunks = _stages(tp, etp, kind, vp)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=True, use_distributed_optimizer=distributed
     )
@@ -130,6 +137,7 @@ def _train(tp: int, distributed: bool, etp: int, kind: str) -> dict[str, Any]:
         pg_collection=pgc,
         microbatches=MICROBATCHES,
         loss_fn=mc_train.token_cross_entropy(),
+        schedule="interleaved" if vp > 1 else "1f1b",
         forward=mc_train.HFCausalLMForward(sequence_parallel_size=tp),
     )
     sgd = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=MOMENTUM)
@@ -168,7 +176,7 @@ def _train(tp: int, distributed: bool, etp: int, kind: str) -> dict[str, Any]:
     return out
 
 
-def _grid(cases: list[tuple[int, bool, int, str]]) -> list[dict[str, Any]]:
+def _grid(cases: list[tuple[int, bool, int, str, int]]) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     return [_train(*case) for case in cases]
 
@@ -206,37 +214,44 @@ def _compare(run: dict[str, Any], ref: Any, where: str, worst: dict[str, float])
 
 @pytest.mark.timeout(240)
 def test_expert_parallel_pipeline_stages_match_one_process(rank_pools: RankPools) -> None:
-    """PP=2 × EP=2 × DP=4, PP=2 × TP=2 (SP) × EP=2 × DP=2, the same with expert TP 2, and
-    DeepSeek-V3 with Megatron's expert bias at PP=2 × EP=2 × DP=4, on 8 ranks (module notes):
+    """PP=2 × EP=2 × DP=4, PP=2 × TP=2 (SP) × EP=2 × DP=2, the same with expert TP 2,
+    DeepSeek-V3 with Megatron's expert bias at PP=2 × EP=2 × DP=4, and the interleaved
+    schedule over 2 virtual stages per rank, on 8 ranks (module notes):
     losses, grad norms and weights against one process; one step's grad reductions (experts
     over expt_dp, dense over dp, each element once) and all-to-alls (ep) counted."""
     from examples.hf_moe import CLIP, build_model, reference
 
     outcomes = rank_pools.get(WORLD).run_with_deadline(200.0, _grid, CASES)
-    refs = {k: reference(k, STEPS, aux=False, expert_bias=k == "deepseek_v3") for k in KINDS}
+    refs = {
+        (kind, layers): reference(
+            kind, STEPS, aux=False, expert_bias=kind == "deepseek_v3", layers=layers
+        )
+        for kind, layers in MODELS
+    }
     for ref in refs.values():
         assert min(ref.grad_norms) > CLIP, ref.grad_norms  # the clip acts at every step
     start = build_model("mixtral").state_dict()
-    moved = refs["mixtral"].weights
+    moved = refs["mixtral", 2].weights
     assert all(float((moved[k] - v).abs().max()) > 1e-4 for k, v in start.items())
-    for index, (tp, distributed, etp, kind) in enumerate(CASES):
-        ref = refs[kind]
+    for index, (tp, distributed, etp, kind, vp) in enumerate(CASES):
+        ref = refs[kind, 2 * vp]
         worst = {"losses": 0.0, "norms": 0.0, "weights": 0.0}
         stages: dict[str, torch.Tensor] = {}
         for rank, outcome in enumerate(outcomes):
-            run, where = outcome[index], f"{kind} TP={tp} expert TP={etp} rank {rank}"
+            run, where = outcome[index], f"{kind} TP={tp} expert TP={etp} VP={vp} rank {rank}"
             groups = run["groups"]
             if tp == 1:  # the layout where the two reductions differ
                 assert (len(groups["dp"]), len(groups["expt_dp"])) == (4, 2), groups
             problems = list(_grad_reductions(run, distributed))
             assert not problems, (where, problems)
             a2a = [r[1] for r in run["records"] if r[0] == "all_to_all"]
-            assert a2a == [groups["ep"]] * (4 * MICROBATCHES), (where, a2a)
+            assert a2a == [groups["ep"]] * (4 * MICROBATCHES * vp), (where, a2a)
             _compare(run, ref, where, worst)
             stages.update(run["weights"])
         assert sorted(stages) == sorted(ref.weights), tp  # the two stages hold every weight
         print(
-            f"{kind} PP=2 x TP={tp} x expert TP={etp} x EP=2: loss rel {worst['losses']:.1e}, "
+            f"{kind} PP=2 x VP={vp} x TP={tp} x expert TP={etp} x EP=2: loss rel "
+            f"{worst['losses']:.1e}, "
             f"grad norm rel {worst['norms']:.1e}, weights {worst['weights']:.1e}"
         )
 
