@@ -335,7 +335,10 @@ def test_demo_gpt_every_param_equal(rank_pools: RankPools) -> None:
 
 def test_moe_at_ep_and_an_untagged_expert(rank_pools: RankPools, failing_pool: RankPool) -> None:
     """A ``transformers`` Mixtral at EP = 2 (``mc_moe.parallelize`` with its ``ep_plan``):
-    every parameter equal. With the experts' ``allreduce=False`` tag stripped after
+    every parameter equal, under mc DDP and under the FSDP2 wrapper (``data_parallel=
+    "fsdp2"``: the check asks FSDP2 to reduce-scatter unused expert params, as the wrapper
+    requires; before, the check could not build it). With the experts' ``allreduce=False``
+    tag stripped after
     ``parallelize`` (the hook), mc DDP refuses to build, naming each expert weight and the
     tag (the check's ``untagged expert param`` verdict covers DDP built with
     ``check_param_values=False``: ``test_check_compare.py``)."""
@@ -346,6 +349,16 @@ def test_moe_at_ep_and_an_untagged_expert(rank_pools: RankPools, failing_pool: R
     assert report.ok, report.text()
     kinds = {(c.op, c.group) for c in report.collectives[0]}
     assert ("all_to_all", "dp=ep") in kinds  # the token dispatch
+    fsdp2 = check_layout(  # the wrapper (reduce_scatter_unused_params: the check sets it)
+        setups.mixtral,
+        dp=2,
+        expert_parallel=2,
+        data_parallel="fsdp2",
+        steps=STEPS,
+        reference=ref,
+        pool=rank_pools.get(2),
+    )
+    assert fsdp2.ok, fsdp2.text()
     untagged = check_layout(
         setups.mixtral,
         dp=2,

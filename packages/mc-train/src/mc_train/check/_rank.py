@@ -550,8 +550,10 @@ def _pipeline(
     forward = _forward(me.work, model, layout.tp if layout.sequence_parallel else 1)
     me.tracker.phase = "build_pipeline"
     fsdp2 = layout.data_parallel == "fsdp2"
+    # expert params need every rank's reduce-scatter, also of an expert without tokens there
+    experts = any(param_attrs.is_expert_param(p) for c in chunks for p in c.parameters())
     ddp_config = (
-        TorchFullyShardedDataParallelConfig()
+        TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=experts)
         if fsdp2
         else DistributedDataParallelConfig(
             use_distributed_optimizer=layout.distributed_optimizer,
