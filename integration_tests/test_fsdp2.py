@@ -1192,6 +1192,27 @@ def test_hsdp_under_the_wrapper_matches_one_process(rank_pools: RankPools, tmp_p
     assert adamw["loaded"] == 0.0, adamw
 
 
+def _wrapped_moe(
+    model: Any, cfg: Any, pgc: Any, instances: int = 1
+) -> tuple[Any, torch.optim.Optimizer, Callable[[int], torch.Tensor]]:
+    """``model`` under ``TorchFullyShardedDataParallel`` (``reduce_scatter_unused_params``,
+    as expert params need; ``instances`` > 1: HSDP), SGD with the example's momentum, and
+    this data-parallel rank's rows of a step's global batch."""
+    import mc_groups as mg
+    from examples.hf_moe import BATCH, LR, MOMENTUM, global_batch
+    from mc_ddp import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+
+    ddp_config = TorchFullyShardedDataParallelConfig(
+        reduce_scatter_unused_params=True, num_distributed_optimizer_instances=instances
+    )
+    chunk = TorchFullyShardedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
+    opt = torch.optim.SGD(chunk.parameters(), lr=LR, momentum=MOMENTUM)
+    dp = pgc.require("dp", "data")
+    rows = BATCH // mg.group_size(dp)
+    first = mg.group_rank(dp) * rows
+    return chunk, opt, lambda step: global_batch(step)[first : first + rows]
+
+
 # (transformers MoE model, TP with SP when 2, expert TP, Megatron's expert bias)
 MOE_KINDS = [
     ("qwen3_moe", 2, 1, False),
@@ -1209,10 +1230,8 @@ def _moe_kinds(cases: list[tuple[str, int, int, bool]]) -> list[dict[str, Any]]:
     averaged over dp and the whole weights (``mc_moe.full_state_dict``)."""
     import mc_groups as mg
     import mc_moe
-    from examples.hf_moe import BATCH, CLIP, LR, MOMENTUM, RATE, build_model, global_batch
+    from examples.hf_moe import CLIP, RATE, build_model
     from mc_ddp import (
-        TorchFullyShardedDataParallel,
-        TorchFullyShardedDataParallelConfig,
         clip_grad_norm,
     )
     from mc_finalize import finalize_model_grads
@@ -1235,14 +1254,10 @@ def _moe_kinds(cases: list[tuple[str, int, int, bool]]) -> list[dict[str, Any]]:
         model = build_model(kind)
         plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
         mc_moe.parallelize(model, plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
-        ddp_config = TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True)
-        chunk = TorchFullyShardedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
-        opt = torch.optim.SGD(chunk.parameters(), lr=LR, momentum=MOMENTUM)
-        dp = pgc.require("dp", "data")
-        rows = BATCH // dp.size()
+        chunk, opt, batch = _wrapped_moe(model, cfg, pgc)
         losses = []
         for step in range(STEPS):
-            ids = global_batch(step)[dp.rank() * rows : (dp.rank() + 1) * rows]
+            ids = batch(step)
             opt.zero_grad()
             loss = _moe_loss(chunk, ids, False)
             loss.backward()  # type: ignore[no-untyped-call]
@@ -1250,7 +1265,7 @@ def _moe_kinds(cases: list[tuple[str, int, int, bool]]) -> list[dict[str, Any]]:
             clip_grad_norm(chunk, CLIP, pg_collection=pgc)
             opt.step()
             mean = loss.detach().clone()
-            mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+            mg.all_reduce(mean, pgc.require("dp", "data"), op=mg.ReduceOp.AVG, label="log")
             losses.append(float(mean))
         out.append({"losses": losses, "weights": mc_moe.full_state_dict(model, pgc)})
         mg.destroy_model_parallel(pgc)
@@ -1311,10 +1326,8 @@ def _moe_under_fsdp2(
 
     import mc_groups as mg
     import mc_moe
-    from examples.hf_moe import BATCH, CLIP, LR, MOMENTUM, build_model, global_batch
+    from examples.hf_moe import CLIP, build_model
     from mc_ddp import (
-        TorchFullyShardedDataParallel,
-        TorchFullyShardedDataParallelConfig,
         clip_grad_norm,
     )
     from mc_finalize import finalize_model_grads
@@ -1338,16 +1351,11 @@ def _moe_under_fsdp2(
         return model
 
     model = build(0, cfg, pgc)
-    ddp_config = TorchFullyShardedDataParallelConfig(
-        reduce_scatter_unused_params=True, num_distributed_optimizer_instances=instances
-    )
-    chunk = TorchFullyShardedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
-    opt = torch.optim.SGD(chunk.parameters(), lr=LR, momentum=MOMENTUM)
+    chunk, opt, batch = _wrapped_moe(model, cfg, pgc, instances)
     dp = pgc.require("dp", "data")
-    rows = BATCH // dp.size()
     losses = []
     for step in range(STEPS):
-        ids = global_batch(step)[dp.rank() * rows : (dp.rank() + 1) * rows]
+        ids = batch(step)
         opt.zero_grad()
         tokens = torch.tensor(ids[:, 1:].numel(), dtype=torch.int64) if per_token else None
         loss = _moe_loss(chunk, ids, per_token)
