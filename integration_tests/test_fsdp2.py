@@ -1418,6 +1418,7 @@ def _moe_checkpoint(model: Any, fresh: Any, there: Any, folder: str) -> dict[str
         (2, 2, 1, 8, False),
         (1, 2, 1, 4, False),
         (1, 2, 2, 8, False),
+        (1, 1, 2, 8, True),
     ],
     ids=[
         "ep2_dp4",
@@ -1427,6 +1428,7 @@ def _moe_checkpoint(model: Any, fresh: Any, there: Any, folder: str) -> dict[str
         "tp2_etp2_ep2_dp4",
         "etp2_ep2_dp4",
         "etp2_ep2_hsdp2x4",
+        "ep2_hsdp2x4_per_token",
     ],
 )
 def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
@@ -1459,8 +1461,9 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
     at the other expert TP (1 ↔ 2) without FSDP2 loads the checkpoint (``dcp.load``) and
     gives them back exactly: the checkpoint holds the unsplit tensors, not FSDP2's or one
     expert TP's layout. With per-token loss (no load-balancing loss; the
-    reference's mean cross entropy over the global batch) FSDP2 SUMs over both groups
-    (÷ 1) and finalize divides every grad by the global token count."""
+    reference's mean cross entropy over the global batch; at TP 2 and under HSDP) FSDP2
+    SUMs over both groups and the replicas (÷ 1) and finalize divides every grad by the
+    global token count."""
     from examples.hf_moe import reference
 
     result = rank_pools.get(world).run_with_deadline(
