@@ -159,25 +159,34 @@ def mesh_before(
     device_type: str,
     names: Sequence[str],
     label: str = "mesh rank grid",
+    cache: dict[tuple[int, ...], torch.distributed.device_mesh.DeviceMesh] | None = None,
 ) -> torch.distributed.device_mesh.DeviceMesh:
     """The mesh ``(group, *mesh's dims)`` named ``names``: a view's mesh that splits by
     ``group`` (tp, ep) first, then as FSDP2's ``mesh`` (1-D, or HSDP's ``(replicate,
     shard)``). The rank grid comes from ``group``'s ranks gathered over ``mesh``'s groups,
     innermost first: one ``all_gather_objects`` per mesh dim, so a collective over
-    ``mesh``'s ranks."""
+    ``mesh``'s ranks. ``cache``: a caller's dict (one state dict's views, say) keyed by the
+    groups; a mesh found there is returned without communicating, so every rank must meet
+    the same groups in the same order."""
     from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (see the module notes)
 
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    key = (id(group), *(id(g) for g in groups))
+    if cache is not None and key in cache:
+        return cache[key]
     grid: object = list(group_ranks(group))
     for dim_group in reversed(groups):
         grid = all_gather_objects(grid, dim_group, label=label)
     ranks = torch.tensor(grid, dtype=torch.int64)  # [mesh dims...][group]
-    return DeviceMesh.from_group(
+    built = DeviceMesh.from_group(
         [group, *groups],
         device_type,
         mesh=ranks.permute(ranks.dim() - 1, *range(ranks.dim() - 1)).contiguous(),
         mesh_dim_names=tuple(names),
     )
+    if cache is not None:
+        cache[key] = built
+    return built
 
 
 def from_local(

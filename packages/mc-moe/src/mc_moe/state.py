@@ -123,8 +123,8 @@ def model_sharded_state_dict(
     """``{prefix + param name: DTensor or tensor}``: views of every param of ``module`` at
     full shape for DCP (module notes); ``tp_group`` as
     :func:`mc_tp_layers.model_sharded_state_dict`. No communication, except under FSDP2
-    (those of :func:`mc_tp_layers.model_sharded_state_dict`, and one exchange over the
-    expert params' FSDP2 group per expert param to build its mesh)."""
+    (those of :func:`mc_tp_layers.model_sharded_state_dict`, and the exchanges that build
+    each expert view mesh, once per call for each set of groups)."""
     out = tp_sharded_state_dict(module, tp_group, prefix)
     meshes: dict[tuple[int, ...], Any] = {}  # FSDP2 expert view meshes, one per group set
     for key, param, experts in expert_params(module):
@@ -198,7 +198,6 @@ def _fsdp2_expert_view(
     )
     names = ["expt_dp"] if dp_mesh.ndim == 1 else ["replicate", "shard"]
     mesh, device = dp_mesh, local.device.type
-    key = tuple(id(dp_mesh.get_group(i)) for i in range(dp_mesh.ndim))
     tp_place: Placement = Replicate() if dim is None else Shard(dim)
     for group, size, place, axis in (
         (dispatcher.expt_tp, dispatcher.tp_size, tp_place, "expt_tp"),
@@ -206,10 +205,7 @@ def _fsdp2_expert_view(
     ):
         if size > 1:
             names.insert(0, axis)
-            key = (id(group), *key)
-            if key not in meshes:
-                meshes[key] = dtensors.mesh_before(group, mesh, device, names, "expert mesh")
-            mesh = meshes[key]
+            mesh = dtensors.mesh_before(group, mesh, device, names, "expert mesh", meshes)
             places.insert(0, place)
     return dtensors.from_local(local, mesh, places, shape)
 

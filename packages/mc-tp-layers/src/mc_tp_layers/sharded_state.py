@@ -296,14 +296,9 @@ def _tp_dp_mesh(
     """The ``(tp, dp)`` mesh of this rank's TP group and FSDP2's data-parallel mesh (under
     HSDP ``(tp, replicate, shard)``), built once per call (:func:`mc_groups.dtensors.
     mesh_before`: one exchange per data-parallel mesh dim)."""
-    groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)]
-    key = (id(tp_group), *(id(g) for g in groups))
-    if key not in meshes:
-        names = ("tp", "dp") if dp_mesh.ndim == 1 else ("tp", "replicate", "shard")
-        meshes[key] = dtensors.mesh_before(
-            tp_group, dp_mesh, device_type, names, label="FSDP2 checkpoint mesh"
-        )
-    return meshes[key]
+    names = ("tp", "dp") if dp_mesh.ndim == 1 else ("tp", "replicate", "shard")
+    label = "FSDP2 checkpoint mesh"
+    return dtensors.mesh_before(tp_group, dp_mesh, device_type, names, label, cache=meshes)
 
 
 def _module_entries(
