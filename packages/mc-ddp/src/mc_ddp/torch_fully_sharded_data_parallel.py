@@ -77,7 +77,7 @@ import torch.distributed as dist
 import mc_groups as mg
 from mc_ddp.distributed_data_parallel_config import DistributedDataParallelConfig
 from mc_ddp.grad_checks import NonFiniteGradError
-from mc_groups import param_attrs
+from mc_groups import dtensors, param_attrs
 from mc_groups.argcheck import check_flag, check_optional_group, type_name
 from mc_groups.collection import collection_or_default
 from mc_groups.config import check_config, config_value
@@ -427,7 +427,7 @@ def _check_ddp_config(ddp_config: object) -> None:
 def _check_module(module: object) -> None:
     if not isinstance(module, torch.nn.Module):
         raise InputTypeError(f"module must be a torch.nn.Module, got {type_name(module)}")
-    if any(_is_fsdp(m) for m in module.modules()):
+    if any(dtensors.is_fsdp_module(m) for m in module.modules()):
         raise InputValueError(
             f"module ({type_name(module)}) is already under fully_shard; pass the model before "
             "FSDP2 wraps it (TorchFullyShardedDataParallel applies fully_shard itself)"
@@ -522,12 +522,6 @@ def _expert_placement(mesh: DeviceMesh) -> Callable[[torch.nn.Parameter], Any]:
         return expert if param_attrs.is_expert_param(param) else None
 
     return place
-
-
-def _is_fsdp(module: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
-
-    return isinstance(module, FSDPModule)
 
 
 def _check_types(

@@ -69,7 +69,6 @@ meshes before any collective.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -247,15 +246,6 @@ _SETTINGS = "_mc_finalize_settings"  # model[0]'s (config, its raw fields, _Sett
 _ABSENT = object()
 
 
-def _is_fsdp2(chunk: object) -> bool:
-    """``chunk`` is a module under FSDP2's ``fully_shard`` (False without importing FSDP2):
-    it reduced its grads in backward and has no ``finish_grad_sync``. Here, not in
-    :mod:`mc_finalize._fsdp2`, so that a call with no FSDP2 module never enters that module."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    module = getattr(fsdp, "FSDPModule", None)
-    return module is not None and isinstance(chunk, module)
-
-
 def _as_chunks(
     model: object, methods: Sequence[str] = ("named_parameters", "parameters")
 ) -> list[ModelChunk]:
@@ -268,7 +258,7 @@ def _as_chunks(
     if not model:
         raise InputValueError("model=[] holds no model chunk; pass the chunks this rank owns")
     for index, chunk in enumerate(model):
-        own = [m for m in methods if m != "finish_grad_sync" or not _is_fsdp2(chunk)]
+        own = [m for m in methods if m != "finish_grad_sync" or not dtensors.is_fsdp_module(chunk)]
         missing = [m for m in own if not callable(getattr(chunk, m, None))]
         if missing:
             raise InputTypeError(
@@ -771,7 +761,7 @@ def finalize_model_grads(
         )
     # 1. the data-parallel reduction of every chunk (DDP's buckets; FSDP2 reduced in backward)
     for chunk in chunks:
-        if not _is_fsdp2(chunk):
+        if not dtensors.is_fsdp_module(chunk):
             chunk.finish_grad_sync(force_all_reduce=force is True)
     # 2, 3. params replicated on every pipeline stage: SUM over pp
     _reduce_over_pp(embedders, groups.pp, "conditional embedding grads")
@@ -822,7 +812,7 @@ def _check_chunks(chunks: Sequence[ModelChunk], tp: Group, expt_dp: Group | None
     """FSDP2 chunks get their marks back; a chunk whose grads were finalized (mc's DDP until
     its next ``zero_grad_buffer()``) would have them reduced and scaled twice."""
     for index, chunk in enumerate(chunks):
-        if _is_fsdp2(chunk):  # marks back from parallelize's record, mesh checked
+        if dtensors.is_fsdp_module(chunk):  # marks back from parallelize's record, mesh checked
             _fsdp2.check_chunk(index, cast(torch.nn.Module, chunk), tp, expt_dp)
         if getattr(chunk, "grads_finalized", False) is True:
             raise RuntimeError(

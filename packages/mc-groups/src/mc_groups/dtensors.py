@@ -28,6 +28,7 @@ from mc_groups.errors import InputTypeError, InputValueError
 
 if TYPE_CHECKING:
     import torch.distributed.device_mesh
+    import torch.distributed.fsdp
     import torch.distributed.tensor
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Placement, Shard
@@ -39,6 +40,7 @@ __all__ = [
     "from_local",
     "full_tensor",
     "is_dtensor",
+    "is_fsdp_module",
     "local_piece",
     "mesh_before",
     "reshard_fsdp",
@@ -49,6 +51,13 @@ def is_dtensor(tensor: object) -> bool:
     """``tensor`` is a DTensor (False, without importing DTensor, when none can exist)."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def is_fsdp_module(module: object) -> TypeGuard[torch.distributed.fsdp.FSDPModule]:
+    """``module`` is under FSDP2's ``fully_shard`` (False, without importing FSDP2, when no
+    module can be): FSDP2 reduce-scatters its grads in backward and replaced its params."""
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    return fsdp is not None and isinstance(module, fsdp)
 
 
 def reshard_fsdp(module: torch.nn.Module) -> int:
@@ -64,10 +73,7 @@ def reshard_fsdp(module: torch.nn.Module) -> int:
     this first, so they always see FSDP2's sharded DTensor params."""
     if not isinstance(module, torch.nn.Module):
         raise InputTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
-    if fsdp is None:
-        return 0  # FSDP2 was never imported: no module can be under fully_shard
-    wrapped = [m for m in module.modules() if isinstance(m, fsdp)]
+    wrapped = [m for m in module.modules() if is_fsdp_module(m)]
     for sub in wrapped:
         sub.reshard()
     return len(wrapped)
