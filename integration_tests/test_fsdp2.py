@@ -37,6 +37,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
+from unittest import mock
 
 import pytest
 import torch
@@ -438,6 +439,26 @@ def _one_rank_experts_in_fp16(cfg: Any, attempt: Callable[[Callable[[], object]]
     mark_allreduce(expert.fc1.weight, False)
     unused = TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True)
     attempt(lambda: TorchFullyShardedDataParallel(fp16, unused, expert, pg_collection=alone))
+    # A torch whose FSDP2 names its SUM-only field otherwise (simulated: the field is
+    # gone and the public setter sets nothing): float32, refused rather than ÷ |dp|² twice
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    init = FSDPParamGroup.__init__
+
+    def without_field(group: Any, *args: Any, **kwargs: Any) -> None:
+        init(group, *args, **kwargs)
+        del group.force_sum_reduction_for_comms
+
+    fp32 = fp16.replace(fp16=False)
+    expert = _Block(fp32, alone)
+    assert expert.fc1.weight is not None
+    mark_allreduce(expert.fc1.weight, False)
+    with (
+        mock.patch.object(FSDPParamGroup, "__init__", without_field),
+        mock.patch.object(FSDPModule, "set_force_sum_reduction_for_comms", return_value=None),
+    ):
+        attempt(lambda: TorchFullyShardedDataParallel(fp32, unused, expert, pg_collection=alone))
     mg.destroy_model_parallel(alone)
 
 
@@ -528,6 +549,7 @@ REFUSALS = [
     ("RuntimeError", ["under fully_shard", "its root", "_OwnSplit", "record_marks"]),
     ("ValueError", ["weight", "allreduce=False", "fully_shard", "expt_dp", "[0, 1, 2, 3]"]),
     ("ValueError", ["expt_dp is one rank", "float16", "twice", "grad_reduce_in_fp32=True"]),
+    ("RuntimeError", ["has no force_sum_reduction_for_comms", "twice", "2 or more ranks"]),
 ]
 
 
@@ -546,7 +568,8 @@ def test_refusals_name_the_argument_and_the_fix(rank_pools: RankPools) -> None:
     ``fully_shard`` by hand sharded over the dense data-parallel group instead of
     ``expt_dp`` (FSDP2 averaged different experts). The wrapper refuses expert params on a
     one-rank ``expt_dp`` (expert TP 2 × EP 2 on 4 ranks) reduced in float16 (torch's
-    one-rank FSDP2 path would divide their grads twice) and names ``grad_reduce_in_fp32``."""
+    one-rank FSDP2 path would divide their grads twice) and names ``grad_reduce_in_fp32``,
+    and in float32 too on a torch whose FSDP2 lacks the private field mc turns off there."""
     for outcomes in rank_pools.get(4).run(_refusals):
         for (kind, message), (want, words) in zip(outcomes, REFUSALS, strict=True):
             assert kind == want, message

@@ -494,10 +494,19 @@ def _divide_once_on_one_rank(module: torch.nn.Module) -> None:
     a group's grads by the divide factor twice (its one-rank copy divides, then its
     post-divide again: Σ ÷ |dp|² instead of ÷ |dp|), without it once. A group over one rank
     issues no reduce-scatter, so the SUM-only rule has nothing to act on there (an HSDP
-    replica all-reduce still SUMs)."""
+    replica all-reduce still SUMs). The field is torch's private one: a torch without it
+    is refused here (the grads would be Σ ÷ |dp|² with no error)."""
     state = module._get_fsdp_state()  # type: ignore[operator]
     for group in state._fsdp_param_groups:
         if getattr(group.mesh_info, "shard_mesh_size", 0) == 1:
+            if not hasattr(group, "force_sum_reduction_for_comms"):
+                raise RuntimeError(
+                    f"torch {torch.__version__}'s FSDP2 param group has no "
+                    "force_sum_reduction_for_comms, which mc turns off for params sharded "
+                    "over one rank (expert params on a one-rank expt_dp; else their grads are "
+                    "divided by the data-parallel size twice); use a layout with 2 or more "
+                    "ranks in expt_dp, or a torch version mc-ddp supports"
+                )
             group.force_sum_reduction_for_comms = False
 
 
