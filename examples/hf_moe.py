@@ -112,12 +112,18 @@ def global_batch(step: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout: TP, EP and expert TP sizes (DP is what the world leaves)."""
+    """A parallel layout: TP, EP and expert TP sizes (DP is what the world leaves);
+    ``recompute``: every decoder layer's activations recomputed in backward
+    (``transformers``' ``activation_checkpointing_enable``, non-reentrant); ``compile``: a
+    ``torch.compile`` backend each decoder layer is compiled with in place (torchtitan's
+    per-block compile; the parameter names stay the model's)."""
 
     tp: int = 1
     ep: int = 2
     etp: int = 1
     distributed_optimizer: bool = False
+    recompute: bool = False
+    compile: str | None = None
 
 
 @dataclass
@@ -210,6 +216,11 @@ def train(
     # under TP the MoE blocks run on each rank's part of the sequence (Megatron's layout)
     plan = mc_moe.sequence_parallel_plan(model) if layout.tp > 1 else model.tp_plan
     mc_moe.parallelize(model, plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
+    if layout.recompute:  # the dispatch and its all-to-alls run again in each layer's backward
+        model.activation_checkpointing_enable()
+    if layout.compile is not None:  # then what DDP wraps: compiled blocks (torchtitan's order)
+        for layer in model.model.layers:
+            layer.compile(backend=layout.compile)
     ddp_cfg = DistributedDataParallelConfig(
         use_distributed_optimizer=layout.distributed_optimizer, overlap_grad_reduce=True
     )

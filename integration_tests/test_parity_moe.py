@@ -19,7 +19,12 @@ router's grads summed over TP; DeepSeek-V3's latent attention split by heads, it
 experts gathered) with expert TP 1 and with expert TP 2 (experts split over expt_tp, their
 tokens all-gathered and reduce-scattered there) and the distributed optimizer; gpt-oss,
 refused at TP > 1, at EP = 2 × expert TP = 2 (interleaved gate/up split by pairs, the down
-bias added once).
+bias added once). With every decoder layer's activations recomputed in backward
+(``transformers``' ``activation_checkpointing_enable``, non-reentrant: each layer's
+dispatch runs again, its all-to-alls included), Mixtral (global aux loss, distributed
+optimizer) and DeepSeek-V3 (expert bias) at EP = 2 × DP = 2: the same parity, and the
+recorded collectives are the run without recomputation plus, per step and MoE layer, the
+forward's counts all-gather and two all-to-alls again (``_check_recompute``).
 
 The models' own load-balancing loss is on (``output_router_logits=True``: Mixtral,
 Qwen3-MoE, OLMoE, gpt-oss), computed by mc on the global batch (``mc_moe.router``): with
@@ -36,6 +41,8 @@ Measured here: loss ≤ 1.2e-7 relative, weights ≤ 1.7e-7 in every case.
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from functools import cache
 from typing import Any
 
@@ -58,19 +65,52 @@ CASES_4 = [
     *((kind, Layout(tp=2, ep=2, etp=1)) for kind in TP_KINDS),  # TP x EP, SP
     *((kind, Layout(tp=2, ep=2, etp=2, distributed_optimizer=True)) for kind in TP_KINDS),
     ("gpt_oss", Layout(ep=2, etp=2)),  # EP x expert TP: interleaved gate/up, the down bias
+    # every decoder layer recomputed in backward (transformers' activation checkpointing):
+    # the aux loss of the global batch (Mixtral), the expert bias's counts (DeepSeek-V3)
+    ("mixtral", Layout(ep=2, distributed_optimizer=True, recompute=True)),
+    ("deepseek_v3", Layout(ep=2, recompute=True)),
 ]
 
 reference = cache(_reference)  # each model's one-process run once
 
 
-def _train_cases(cases: list[tuple[str, Layout]]) -> list[Run] | None:
+Collectives = Counter[tuple[Any, ...]]  # (op, group ranks, elements, label) → how many
+
+
+def _train_cases(cases: list[tuple[str, Layout]]) -> list[tuple[Run, Collectives]] | None:
+    """Each case trained on every rank; rank 0's runs and the collectives it recorded."""
     import torch.distributed as dist
 
+    import mc_groups as mg
     from examples.hf_moe import train
 
     torch.set_num_threads(1)
-    runs = [train(kind, layout, steps=STEPS, expert_bias=kind in BIASED) for kind, layout in cases]
+    runs = []
+    for kind, layout in cases:
+        with mg.record_collectives() as log:
+            run = train(kind, layout, steps=STEPS, expert_bias=kind in BIASED)
+        runs.append((run, Counter((r.op, r.group_ranks, r.numel, r.label) for r in log)))
     return runs if dist.get_rank() == 0 else None
+
+
+def _check_recompute(
+    recomputed: Collectives, plain: Collectives, case: tuple[str, Layout], layers: int = 2
+) -> None:
+    """A run whose decoder layers are recomputed issues every collective of the same run
+    without recomputation, and in each step's backward the forward's dispatch again: per
+    MoE layer one all-gather of the token counts and two all-to-alls (dispatch, combine),
+    each with the forward's groups and sizes; nothing else (the aux loss's all-reduce and
+    the router steps are the model's, outside the layers, once a step)."""
+    assert not plain - recomputed, (case, plain - recomputed)
+    extra = recomputed - plain
+    per_step = Counter(
+        {("all_gather", "moe token counts"): layers, ("all_to_all", "tp all-to-all"): 2 * layers}
+    )
+    kinds: Counter[tuple[str, str]] = Counter()
+    for (op, _, _, label), n in extra.items():
+        kinds[op, label] += n
+    assert kinds == Counter({key: n * STEPS for key, n in per_step.items()}), (case, extra)
+    assert all(plain[key] >= n for key, n in extra.items()), (case, extra)  # the forward's
 
 
 def _check(run: Run, case: tuple[str, Layout]) -> None:
@@ -92,8 +132,13 @@ def test_moe_models_match_one_process(rank_pools: RankPools) -> None:
     for cases, world in ((CASES_2, 2), (CASES_4, 4)):
         runs = rank_pools.get(world).run(_train_cases, cases)[0]
         assert runs is not None
-        for run, case in zip(runs, cases, strict=True):
+        for (run, _), case in zip(runs, cases, strict=True):
             _check(run, case)
+        logs = dict(zip(cases, (log for _, log in runs), strict=True))
+        for (kind, layout), log in logs.items():
+            if layout.recompute:
+                plain = logs[kind, dataclasses.replace(layout, recompute=False)]
+                _check_recompute(log, plain, (kind, layout))
 
 
 def _schedule() -> dict[str, Any]:
