@@ -192,12 +192,14 @@ def train(
     expert_bias: bool = False,
     save_dir: str | None = None,
     resume: str | None = None,
+    layers: int = 2,
 ) -> Run:
     """Train the tiny model on every rank of the world at ``layout``; DP = world / TP; the
     model's own load-balancing loss on (over the global batch); SGD with momentum, the
     grad norm clipped at ``CLIP``; ``expert_bias``: Megatron's aux-loss-free balancing of
     DeepSeek-V3's routers. ``save_dir``: a checkpoint after the last step; ``resume``: a
-    checkpoint folder to start from (written at any layout)."""
+    checkpoint folder to start from (written at any layout); ``layers``: as
+    :func:`build_model`."""
     layout = layout or Layout()
     pgc = mg.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
@@ -212,7 +214,7 @@ def train(
         moe_router_enable_expert_bias=expert_bias,
         moe_router_bias_update_rate=RATE,
     )
-    model = build_model(kind)  # the same weights on every rank (same seed)
+    model = build_model(kind, layers=layers)  # the same weights on every rank (same seed)
     # under TP the MoE blocks run on each rank's part of the sequence (Megatron's layout)
     plan = mc_moe.sequence_parallel_plan(model) if layout.tp > 1 else model.tp_plan
     mc_moe.parallelize(model, plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
