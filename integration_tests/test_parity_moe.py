@@ -52,10 +52,12 @@ import torch
 from examples.hf_moe import Layout, Run
 from examples.hf_moe import reference as _reference
 from mc_groups.testing import RankPools
+from mc_train.checkpoint import Checkpointer
 
 pytest.importorskip("transformers", reason="transformers is pinned in hatch.toml's default env")
 
 STEPS = 3
+SAVED = 1  # the pipeline run's checkpoint: after this many steps
 BIASED = ("deepseek_v3",)  # trained with Megatron's aux-loss-free expert bias
 KINDS = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 CASES_2 = [(kind, Layout(ep=2)) for kind in KINDS]  # EP = 2, expt_dp of one rank
@@ -250,11 +252,13 @@ def test_one_step_collectives(rank_pools: RankPools) -> None:
     assert set(sent.values()) == {0}
 
 
-def _pipeline() -> dict[str, Any] | None:
+def _pipeline(folder: str) -> dict[str, Any] | None:
     """Mixtral (2 layers) at PP = 2 × EP = 2 through ``mc_train``: split into stages, each
     stage's experts split over ep by ``mc_moe.parallelize`` with the stage's entries of the
     model's plans, 1F1B over 4 micro-batches of one sequence per DP rank, SGD with momentum
-    and the grad norm clipped (over both stages), 3 steps."""
+    and the grad norm clipped (over both stages), 3 steps; after step 1 a checkpoint in
+    ``folder`` (``mc_train.Checkpointer``), which :func:`_resumed` continues at another
+    layout."""
     import torch.distributed as dist
 
     import mc_groups as mg
@@ -293,18 +297,89 @@ def _pipeline() -> dict[str, Any] | None:
         ids = global_batch(step)[4 * dp.rank() : 4 * dp.rank() + 4]
         losses.append(pipe.forward_backward(ids, mc_train.causal_targets(ids)))
         opt.step()
+        if step == SAVED - 1:
+            ckpt = Checkpointer(folder, pipe.chunks, opt, pg_collection=pgc)
+            ckpt.save(SAVED, state={"losses": losses}, last=True)
     ensure_params_ready(pipe.parameters())
     weights = {n: w for c in pipe.chunks for n, w in mc_moe.full_state_dict(c.module, pgc).items()}
     mg.destroy_model_parallel(pgc)
-    return {"losses": losses, "weights": weights} if dist.get_rank() in (0, 2) else None
+    resumed = _resumed(folder)
+    if dist.get_rank() not in (0, 2):
+        return None
+    return {"losses": losses, "weights": weights, "resumed": resumed}
+
+
+def _resumed(folder: str) -> dict[str, Any]:
+    """The checkpoint :func:`_pipeline` wrote at PP = 2 × EP = 2 × DP = 2 (2 experts per
+    rank, stage by stage) loaded at PP = 1 × EP = 4 × DP = 4 (one expert per rank, the whole
+    model in one mc DDP, the distributed optimizer) into a model built from other weights,
+    then the remaining steps with ``transformers``' loss on this rank's rows: the losses
+    (the saved history first), the whole weights, the groups and the collectives of the
+    last step."""
+    import mc_groups as mg
+    import mc_moe
+    from examples.hf_moe import CLIP, LR, MOMENTUM, build_model, global_batch
+    from mc_ddp import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        ShardedOptimizer,
+        ensure_params_ready,
+    )
+    from mc_finalize import finalize_model_grads
+    from mc_moe.state import expert_params
+
+    pgc = mg.initialize_model_parallel(expert_model_parallel_size=4)
+    cfg = mg.ModelParallelConfig(expert_model_parallel_size=4)
+    model = build_model("mixtral", seed=1)
+    mc_moe.parallelize(model, model.tp_plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(cfg, ddp_cfg, model, pg_collection=pgc)
+    sgd = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = ShardedOptimizer(sgd, ddp, max_grad_norm=CLIP, pg_collection=pgc)
+    found = Checkpointer(folder, [ddp], opt, pg_collection=pgc).load("auto")
+    dp = pgc.require("dp", "data")
+    losses, records = list(found.state["losses"]), []
+    for step in range(found.step, STEPS):
+        ids = global_batch(step)[2 * dp.rank() : 2 * dp.rank() + 2]
+        ddp.zero_grad_buffer()
+        with mg.record_collectives() as log:
+            loss = ddp(input_ids=ids, labels=ids, output_router_logits=False).loss
+            loss.backward()
+            finalize_model_grads([ddp], pg_collection=pgc)
+        opt.step()
+        mean = loss.detach().clone()
+        mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+        losses.append(float(mean))
+        records = [(r.op, r.group_ranks, r.numel, r.label) for r in log]
+    ensure_params_ready(ddp.parameters())
+    experts = {id(p) for _, p, _ in expert_params(model)}
+    out = {
+        "step": found.step,
+        "losses": losses,
+        "weights": mc_moe.full_state_dict(model, pgc),
+        "records": records,
+        "groups": {n: mg.group_ranks(pgc.require(n, "test")) for n in ("dp", "ep", "expt_dp")},
+        "dense": sum(b.grad_data.numel() for b in ddp.buffers),
+        "experts": sum(p.numel() for p in model.parameters() if id(p) in experts),
+    }
+    mg.destroy_model_parallel(pgc)
+    return out
 
 
 @pytest.mark.timeout(180)
-def test_pipeline_stages_with_experts(rank_pools: RankPools) -> None:
+def test_pipeline_stages_with_experts(rank_pools: RankPools, tmp_path: Any) -> None:
     """PP = 2 × EP = 2 (4 ranks) against one process (no aux loss: a pipeline stage does
     not compute the model's loss): losses 1e-5 relative, every weight 1e-6, each weight
-    from the stage that holds it (stage 0: ranks 0, 1; stage 1: ranks 2, 3)."""
-    outcomes = rank_pools.get(4).run(_pipeline)
+    from the stage that holds it (stage 0: ranks 0, 1; stage 1: ranks 2, 3).
+
+    Its checkpoint after step 1, resumed at PP = 1 × EP = 4 × DP = 4 with the distributed
+    optimizer (``_resumed``: each expert, its momentum included, re-cut from 2 per rank of
+    a stage to 1 per rank of the whole model) into a model built from other weights, then
+    steps 2 and 3: the losses and every final weight against the same one process (1e-5,
+    1e-6); the last step's collectives: 4 all-to-alls per MoE layer over the 4-rank ``ep``,
+    the dense grads reduce-scattered over ``dp`` (4 ranks, the padded buffers), the experts
+    reduced over nothing (``expt_dp`` is one rank), nothing else but the token counts."""
+    outcomes = rank_pools.get(4).run(_pipeline, str(tmp_path))
     first, last = outcomes[0], outcomes[2]
     assert first is not None
     assert last is not None
@@ -316,6 +391,28 @@ def test_pipeline_stages_with_experts(rank_pools: RankPools) -> None:
     worst = max(float((weights[k] - v).abs().max()) for k, v in ref.weights.items())
     assert worst <= 1e-6
     print(f"PP=2 x EP=2: loss rel {rel:.1e}, weights {worst:.1e}")
+    for rank, outcome in ((0, first), (2, last)):
+        _check_resumed(outcome["resumed"], ref, rank)
+
+
+def _check_resumed(resumed: dict[str, Any], ref: Run, rank: int) -> None:
+    """One rank's run of :func:`_resumed` against the one-process run ``ref``."""
+    assert resumed["step"] == SAVED, rank
+    rel = max(abs(a - b) / b for a, b in zip(resumed["losses"], ref.losses, strict=True))
+    assert rel <= 1e-5, (rank, resumed["losses"], ref.losses)
+    worst = max(float((resumed["weights"][k] - v).abs().max()) for k, v in ref.weights.items())
+    assert worst <= 1e-6, (rank, worst)
+    groups, records = resumed["groups"], resumed["records"]
+    assert (len(groups["ep"]), len(groups["dp"]), len(groups["expt_dp"])) == (4, 4, 1), groups
+    a2a = [group for op, group, _, _ in records if op == "all_to_all"]
+    assert a2a == [groups["ep"]] * 8, (rank, a2a)  # 2 MoE layers, forward and backward
+    grads = [(op, group, n) for op, group, n, label in records if label.startswith("grad")]
+    assert grads == [("reduce_scatter", groups["dp"], resumed["dense"])], (rank, grads)
+    rest = [
+        (op, label) for op, _, _, label in records if op != "all_to_all" and "grad" not in label
+    ]
+    assert rest == [("all_gather", "moe token counts")] * 2, (rank, rest)  # one per MoE layer
+    print(f"resumed at PP=1 x EP=4 (rank {rank}): loss rel {rel:.1e}, weights {worst:.1e}")
 
 
 def _resume(folder: str) -> dict[str, list[float]] | None:
