@@ -255,8 +255,10 @@ def test_one_step_collectives(rank_pools: RankPools) -> None:
 def _pipeline(folder: str) -> dict[str, Any] | None:
     """Mixtral (2 layers) at PP = 2 × EP = 2 through ``mc_train``: split into stages, each
     stage's experts split over ep by ``mc_moe.parallelize`` with the stage's entries of the
-    model's plans, 1F1B over 4 micro-batches of one sequence per DP rank, SGD with momentum
-    and the grad norm clipped (over both stages), 3 steps; after step 1 a checkpoint in
+    model's plans, each stage's decoder layer recomputed in backward (``transformers``'
+    activation checkpointing), 1F1B over 4 micro-batches of one sequence per DP rank, SGD
+    with momentum and the grad norm clipped (over both stages), 3 steps (the last one's
+    all-to-alls counted); after step 1 a checkpoint in
     ``folder`` (``mc_train.Checkpointer``), which :func:`_resumed` continues at another
     layout."""
     import torch.distributed as dist
@@ -280,6 +282,7 @@ def _pipeline(folder: str) -> dict[str, Any] | None:
             config=cfg,
             pg_collection=pgc,
         )
+        chunk.activation_checkpointing_enable()
     pipe = mc_train.build_pipeline(
         chunks,
         config=cfg,
@@ -295,7 +298,8 @@ def _pipeline(folder: str) -> dict[str, Any] | None:
     losses = []
     for step in range(STEPS):
         ids = global_batch(step)[4 * dp.rank() : 4 * dp.rank() + 4]
-        losses.append(pipe.forward_backward(ids, mc_train.causal_targets(ids)))
+        with mg.record_collectives() as log:
+            losses.append(pipe.forward_backward(ids, mc_train.causal_targets(ids)))
         opt.step()
         if step == SAVED - 1:
             ckpt = Checkpointer(folder, pipe.chunks, opt, pg_collection=pgc)
@@ -306,7 +310,8 @@ def _pipeline(folder: str) -> dict[str, Any] | None:
     resumed = _resumed(folder)
     if dist.get_rank() not in (0, 2):
         return None
-    return {"losses": losses, "weights": weights, "resumed": resumed}
+    exchanges = sum(r.op == "all_to_all" for r in log)
+    return {"losses": losses, "weights": weights, "resumed": resumed, "all_to_alls": exchanges}
 
 
 def _resumed(folder: str) -> dict[str, Any]:
@@ -368,9 +373,12 @@ def _resumed(folder: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(180)
 def test_pipeline_stages_with_experts(rank_pools: RankPools, tmp_path: Any) -> None:
-    """PP = 2 × EP = 2 (4 ranks) against one process (no aux loss: a pipeline stage does
-    not compute the model's loss): losses 1e-5 relative, every weight 1e-6, each weight
-    from the stage that holds it (stage 0: ranks 0, 1; stage 1: ranks 2, 3).
+    """PP = 2 × EP = 2 (4 ranks), each stage's MoE layer recomputed in backward, against
+    one process (no aux loss: a pipeline stage does not compute the model's loss): losses
+    1e-5 relative, every weight 1e-6, each weight from the stage that holds it (stage 0:
+    ranks 0, 1; stage 1: ranks 2, 3); a step's all-to-alls per rank: 6 per micro-batch
+    (dispatch and combine forward, again in the recompute, and backward; without the
+    recompute ``test_pipeline_moe.py``'s 4).
 
     Its checkpoint after step 1, resumed at PP = 1 × EP = 4 × DP = 4 with the distributed
     optimizer (``_resumed``: each expert, its momentum included, re-cut from 2 per rank of
@@ -392,6 +400,7 @@ def test_pipeline_stages_with_experts(rank_pools: RankPools, tmp_path: Any) -> N
     assert worst <= 1e-6
     print(f"PP=2 x EP=2: loss rel {rel:.1e}, weights {worst:.1e}")
     for rank, outcome in ((0, first), (2, last)):
+        assert outcome["all_to_alls"] == 6 * 4, (rank, outcome["all_to_alls"])  # 4 micro-batches
         _check_resumed(outcome["resumed"], ref, rank)
 
 
