@@ -193,13 +193,15 @@ def train(
     save_dir: str | None = None,
     resume: str | None = None,
     layers: int = 2,
+    aux: bool = True,
 ) -> Run:
     """Train the tiny model on every rank of the world at ``layout``; DP = world / TP; the
-    model's own load-balancing loss on (over the global batch); SGD with momentum, the
+    model's own load-balancing loss (over the global batch) unless ``aux`` is False; SGD
+    with momentum, the
     grad norm clipped at ``CLIP``; ``expert_bias``: Megatron's aux-loss-free balancing of
     DeepSeek-V3's routers. ``save_dir``: a checkpoint after the last step; ``resume``: a
-    checkpoint folder to start from (written at any layout); ``layers``: as
-    :func:`build_model`."""
+    checkpoint folder to start from (written at any layout, a pipeline's included);
+    ``layers``, ``aux``: as :func:`reference`."""
     layout = layout or Layout()
     pgc = mg.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
@@ -238,7 +240,7 @@ def train(
     for step in range(len(losses), steps):
         ids = global_batch(step)[dp.rank() * rows : (dp.rank() + 1) * rows]  # this DP rank's
         ddp.zero_grad_buffer()
-        loss = ddp(input_ids=ids, labels=ids, output_router_logits=True).loss
+        loss = ddp(input_ids=ids, labels=ids, output_router_logits=aux).loss
         loss.backward()
         finalize_model_grads([ddp], pg_collection=pgc)
         opt.step()

@@ -282,7 +282,8 @@ def _pipeline(folder: str) -> dict[str, Any] | None:
             config=cfg,
             pg_collection=pgc,
         )
-        chunk.activation_checkpointing_enable()
+        stage: Any = chunk  # a copy of the transformers model, cut to the stage's modules
+        stage.activation_checkpointing_enable()
     pipe = mc_train.build_pipeline(
         chunks,
         config=cfg,
@@ -316,59 +317,18 @@ def _pipeline(folder: str) -> dict[str, Any] | None:
 
 def _resumed(folder: str) -> dict[str, Any]:
     """The checkpoint :func:`_pipeline` wrote at PP = 2 × EP = 2 × DP = 2 (2 experts per
-    rank, stage by stage) loaded at PP = 1 × EP = 4 × DP = 4 (one expert per rank, the whole
-    model in one mc DDP, the distributed optimizer) into a model built from other weights,
-    then the remaining steps with ``transformers``' loss on this rank's rows: the losses
-    (the saved history first), the whole weights, the groups and the collectives of the
-    last step."""
+    rank, stage by stage) resumed by ``examples.hf_moe.train`` at PP = 1 × EP = 4 × DP = 4
+    (one expert per rank, the whole model in one mc DDP, the distributed optimizer), the
+    remaining steps with ``transformers``' loss on this rank's rows: the losses (the saved
+    history first), the whole weights and the collectives of the run."""
     import mc_groups as mg
-    import mc_moe
-    from examples.hf_moe import CLIP, LR, MOMENTUM, build_model, global_batch
-    from mc_ddp import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        ShardedOptimizer,
-        ensure_params_ready,
-    )
-    from mc_finalize import finalize_model_grads
-    from mc_moe.state import expert_params
+    from examples.hf_moe import train
 
-    pgc = mg.initialize_model_parallel(expert_model_parallel_size=4)
-    cfg = mg.ModelParallelConfig(expert_model_parallel_size=4)
-    model = build_model("mixtral", seed=1)
-    mc_moe.parallelize(model, model.tp_plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
-    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True)
-    ddp = DistributedDataParallel(cfg, ddp_cfg, model, pg_collection=pgc)
-    sgd = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
-    opt = ShardedOptimizer(sgd, ddp, max_grad_norm=CLIP, pg_collection=pgc)
-    found = Checkpointer(folder, [ddp], opt, pg_collection=pgc).load("auto")
-    dp = pgc.require("dp", "data")
-    losses, records = list(found.state["losses"]), []
-    for step in range(found.step, STEPS):
-        ids = global_batch(step)[2 * dp.rank() : 2 * dp.rank() + 2]
-        ddp.zero_grad_buffer()
-        with mg.record_collectives() as log:
-            loss = ddp(input_ids=ids, labels=ids, output_router_logits=False).loss
-            loss.backward()
-            finalize_model_grads([ddp], pg_collection=pgc)
-        opt.step()
-        mean = loss.detach().clone()
-        mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
-        losses.append(float(mean))
-        records = [(r.op, r.group_ranks, r.numel, r.label) for r in log]
-    ensure_params_ready(ddp.parameters())
-    experts = {id(p) for _, p, _ in expert_params(model)}
-    out = {
-        "step": found.step,
-        "losses": losses,
-        "weights": mc_moe.full_state_dict(model, pgc),
-        "records": records,
-        "groups": {n: mg.group_ranks(pgc.require(n, "test")) for n in ("dp", "ep", "expt_dp")},
-        "dense": sum(b.grad_data.numel() for b in ddp.buffers),
-        "experts": sum(p.numel() for p in model.parameters() if id(p) in experts),
-    }
-    mg.destroy_model_parallel(pgc)
-    return out
+    layout = Layout(ep=4, distributed_optimizer=True)
+    with mg.record_collectives() as log:
+        run = train("mixtral", layout, steps=STEPS, resume=folder, aux=False)
+    records = [(r.op, r.group_ranks, r.label) for r in log]
+    return {"losses": run.losses, "weights": run.weights, "records": records}
 
 
 @pytest.mark.timeout(180)
@@ -382,11 +342,11 @@ def test_pipeline_stages_with_experts(rank_pools: RankPools, tmp_path: Any) -> N
 
     Its checkpoint after step 1, resumed at PP = 1 × EP = 4 × DP = 4 with the distributed
     optimizer (``_resumed``: each expert, its momentum included, re-cut from 2 per rank of
-    a stage to 1 per rank of the whole model) into a model built from other weights, then
-    steps 2 and 3: the losses and every final weight against the same one process (1e-5,
-    1e-6); the last step's collectives: 4 all-to-alls per MoE layer over the 4-rank ``ep``,
-    the dense grads reduce-scattered over ``dp`` (4 ranks, the padded buffers), the experts
-    reduced over nothing (``expt_dp`` is one rank), nothing else but the token counts."""
+    a stage to 1 per rank of the whole model), then steps 2 and 3: the losses and every
+    final weight against the same one process (1e-5, 1e-6); the collectives: the
+    all-to-alls of the two resumed steps only, over the 4-rank ``ep``, the dense grads
+    reduce-scattered over ``dp`` (4 ranks), the experts reduced over nothing (``expt_dp``
+    is one rank)."""
     outcomes = rank_pools.get(4).run(_pipeline, str(tmp_path))
     first, last = outcomes[0], outcomes[2]
     assert first is not None
@@ -405,22 +365,23 @@ def test_pipeline_stages_with_experts(rank_pools: RankPools, tmp_path: Any) -> N
 
 
 def _check_resumed(resumed: dict[str, Any], ref: Run, rank: int) -> None:
-    """One rank's run of :func:`_resumed` against the one-process run ``ref``."""
-    assert resumed["step"] == SAVED, rank
+    """One rank's run of :func:`_resumed` against the one-process run ``ref``: losses
+    (1e-5 relative) and whole weights (1e-6); its all-to-alls, 4 per MoE layer (2) and
+    step, on the 4 ranks of ``ep`` for the resumed steps only; its grad reductions
+    reduce-scatters over the 4 ranks of ``dp``, none for the experts (``expt_dp`` one
+    rank)."""
     rel = max(abs(a - b) / b for a, b in zip(resumed["losses"], ref.losses, strict=True))
     assert rel <= 1e-5, (rank, resumed["losses"], ref.losses)
     worst = max(float((resumed["weights"][k] - v).abs().max()) for k, v in ref.weights.items())
     assert worst <= 1e-6, (rank, worst)
-    groups, records = resumed["groups"], resumed["records"]
-    assert (len(groups["ep"]), len(groups["dp"]), len(groups["expt_dp"])) == (4, 4, 1), groups
-    a2a = [group for op, group, _, _ in records if op == "all_to_all"]
-    assert a2a == [groups["ep"]] * 8, (rank, a2a)  # 2 MoE layers, forward and backward
-    grads = [(op, group, n) for op, group, n, label in records if label.startswith("grad")]
-    assert grads == [("reduce_scatter", groups["dp"], resumed["dense"])], (rank, grads)
-    rest = [
-        (op, label) for op, _, _, label in records if op != "all_to_all" and "grad" not in label
-    ]
-    assert rest == [("all_gather", "moe token counts")] * 2, (rank, rest)  # one per MoE layer
+    world = (0, 1, 2, 3)
+    a2a = [group for op, group, _ in resumed["records"] if op == "all_to_all"]
+    assert a2a == [world] * 8 * (STEPS - SAVED), (rank, a2a)
+    grads = {
+        (op, g, label) for op, g, label in resumed["records"] if label.startswith("grad reduce")
+    }
+    assert {(op, group) for op, group, _ in grads} == {("reduce_scatter", world)}, grads
+    assert not [label for *_, label in grads if "expert" in label], grads
     print(f"resumed at PP=1 x EP=4 (rank {rank}): loss rel {rel:.1e}, weights {worst:.1e}")
 
 
