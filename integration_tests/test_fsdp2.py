@@ -1538,12 +1538,18 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
             assert torch.equal(result[key][name].reshape(value.shape), value), (key, name)
 
 
-def _pipeline(steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]] | None:
+def _pipeline(
+    steps: int, compiled: bool = False
+) -> tuple[list[float], list[float], dict[str, torch.Tensor], int] | None:
     """``examples/hf_3d.py``'s Llama (4 blocks, tied embeddings) at TP=2 × PP=2 × FSDP DP=2
     with SP: ``mc_train.build_pipeline`` with a ``TorchFullyShardedDataParallelConfig`` (each
     stage under FSDP2), 1F1B over 4 micro-batches, ``mc_ddp.clip_grad_norm`` at 1.0, SGD with
-    momentum (the example's optimizer)."""
+    momentum (the example's optimizer). ``compiled``: each stage's decoder layers compiled
+    in place after ``parallelize`` and before the wrapper (torchtitan's order); also
+    returns Dynamo's graph-break count."""
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import mc_groups as mg
     import mc_train
@@ -1559,8 +1565,12 @@ def _pipeline(steps: int) -> tuple[list[float], list[float], dict[str, torch.Ten
     model = build_model()
     plan = sequence_parallel_plan(model)
     chunks = mc_train.split_model(model, mc_train.decoder_stages(model, 2), pgc)
+    counters.clear()
     for chunk in chunks:
         parallelize(chunk, mc_train.stage_plan(plan, chunk), config=cfg, pg_collection=pgc)
+        for layer in chunk.modules() if compiled else ():
+            if isinstance(layer, LlamaDecoderLayer):
+                layer.compile(backend="aot_eager", fullgraph=True)
     pipe = mc_train.build_pipeline(
         chunks,
         config=cfg,
@@ -1585,22 +1595,27 @@ def _pipeline(steps: int) -> tuple[list[float], list[float], dict[str, torch.Ten
     mg.destroy_model_parallel(pgc)
     if dist.get_rank() != 0:
         return None
-    return losses, norms, {k: v for part in gathered for k, v in part.items()}  # type: ignore[attr-defined]
+    whole = {k: v for part in gathered for k, v in part.items()}  # type: ignore[attr-defined]
+    return losses, norms, whole, sum(counters["graph_break"].values())
 
 
 @pytest.mark.timeout(300)
-def test_tp_pp_fsdp2_on_8_ranks_matches_one_process(rank_pools: RankPools) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_tp_pp_fsdp2_on_8_ranks_matches_one_process(rank_pools: RankPools, compiled: bool) -> None:
     """TP=2 × PP=2 × FSDP2 DP=2 through ``build_pipeline``: per-step loss and grad norm
     before clipping within 1e-5 relative of one process (``transformers``' loss,
     ``torch.nn.utils.clip_grad_norm_`` at 1.0, SGD with momentum: ``hf_3d.reference``), the
     final weights of both stages within 1e-6 (the tied table summed between the first and
-    last stage by finalize over ``embd``, each copy counted once in the norm)."""
+    last stage by finalize over ``embd``, each copy counted once in the norm). Compiled:
+    torchtitan's stack, each stage's decoder layers compiled in place (``fullgraph``,
+    ``aot_eager``) between ``parallelize`` and FSDP2, trains the same, with no graph break."""
     from examples.hf_3d import reference
 
     steps = 2  # the norm is above 1 at step 2: the clip acts
-    result = rank_pools.get(8).run(_pipeline, steps)[0]
+    result = rank_pools.get(8).run(_pipeline, steps, compiled)[0]
     assert result is not None
-    losses, norms, weights = result
+    losses, norms, weights, breaks = result
+    assert breaks == 0, breaks
     ref = reference(steps)
     for got, want in ((losses, ref.losses), (norms, ref.grad_norms)):
         rel = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))

@@ -91,6 +91,15 @@ def _apply(function: type[torch.autograd.Function], *args: object) -> torch.Tens
 # -- tensor-level communication of the TP region (no autograd, one collective each) --
 
 
+def _own(part: torch.Tensor) -> torch.Tensor:
+    """``part`` (a slice of a Function's input) as a tensor of its own, even where the slice
+    is contiguous (``.contiguous()`` would return the view: dim 0 of ``[s, b, h]``, a
+    batch of one). Under ``torch.compile`` (torch 2.13, AOTAutograd) a Function output
+    that is a view of its input gets the view's gradient, not the Function's backward:
+    the all-gather of the other ranks' grads is lost, with no error."""
+    return part.clone(memory_format=torch.contiguous_format)
+
+
 def _split_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's contiguous chunk of the last dimension (no communication)."""
     size = group.size()
@@ -98,7 +107,7 @@ def _split_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         return x
     _dim_divisible(x, -1, size, "input", "last dimension")
     chunk = x.shape[-1] // size
-    return x.narrow(-1, group.rank() * chunk, chunk).contiguous()
+    return _own(x.narrow(-1, group.rank() * chunk, chunk))
 
 
 def _split_first_dim(
@@ -114,7 +123,7 @@ def _split_first_dim(
         sizes = [x.shape[0] // size] * size
     _check_total(x, sizes, "split_sizes")
     start = sum(sizes[:rank])
-    return x.narrow(0, start, sizes[rank]).contiguous()
+    return _own(x.narrow(0, start, sizes[rank]))
 
 
 def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
