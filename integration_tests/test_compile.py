@@ -333,9 +333,10 @@ def test_compiled_moe_layers_under_expert_parallelism_match_one_process(
     compiled in place (``layer.compile()``, parameter names kept) after
     ``mc_moe.parallelize`` split the experts over ``ep`` = 2, then wrapped by mc DDP
     (DP = 2), global aux loss, clipping, 2 SGD steps with momentum; 2 ranks. The dispatch
-    reads its split sizes on the host (Megatron's all-to-all dispatcher), so Dynamo breaks
-    the graph there (about 28 graphs); the all-to-alls with those sizes are traced into the
-    graphs. Against one process (``examples.hf_moe.reference``, the same global batch):
+    reads its split sizes on the host once per forward (Megatron's all-to-all dispatcher),
+    so Dynamo breaks the graph there (20 graphs; 28 when it read them five times); the
+    all-to-alls with those sizes are traced into the graphs. Against one process
+    (``examples.hf_moe.reference``, the same global batch):
     losses within 1e-5 relative, every whole weight within 1e-6 (measured: 1.1e-7,
     1.5e-8); Dynamo built graphs (the layer did compile); the compiled run recorded exactly
     the eager run's collectives (op, group, size, label: 4 all-to-alls over ``ep`` a

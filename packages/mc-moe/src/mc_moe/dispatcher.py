@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -127,7 +128,9 @@ class TokenDispatcher:
         )
 
     def _splits(self, tokens_per_expert: torch.Tensor) -> _Splits:
-        """Step 2: one all-gather of every tp_ep rank's tokens per expert, read on the host."""
+        """Step 2: one all-gather of every tp_ep rank's tokens per expert, read on the host
+        once (one device-to-host copy per layer forward; the sizes below are derived from
+        it on the device first)."""
         p, q, n = self.ep_size, self.tp_size, self.num_local_experts
         local = tokens_per_expert.to(torch.int64)
         if p * q == 1:
@@ -140,13 +143,16 @@ class TokenDispatcher:
         first = self.first_local_expert
         mine = table[:, :, first : first + n]  # [Q, P, L] rows for my local experts
         per_rank = mine.sum(dim=2)  # [Q, P]
-        return _Splits(
-            input_splits=local.view(p, n).sum(dim=1).tolist(),
-            output_splits=per_rank[mg.group_rank(self.expt_tp)].tolist(),
-            output_splits_tp=per_rank.sum(dim=1).tolist(),
-            chunk_sizes=mine.reshape(-1).tolist(),
-            tokens_per_local_expert=mine.sum(dim=(0, 1)).tolist(),
+        parts = (
+            local.view(p, n).sum(dim=1),  # input_splits [P]
+            per_rank[mg.group_rank(self.expt_tp)],  # output_splits [P]
+            per_rank.sum(dim=1),  # output_splits_tp [Q]
+            mine.reshape(-1),  # chunk_sizes [Q·P·L]
+            mine.sum(dim=(0, 1)),  # tokens_per_local_expert [L]
         )
+        values = torch.cat(parts).tolist()
+        ends = list(accumulate(part.numel() for part in parts))
+        return _Splits(*(values[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)))
 
     def _dispatch(self, rows: torch.Tensor, splits: _Splits) -> torch.Tensor:
         """Steps 3-5: to the experts' ranks, gathered over expt_tp, grouped by local expert."""

@@ -14,12 +14,14 @@ Layouts: EP = 2 on 2 ranks (2 local experts each); EP = 2 × expert TP = 2 on 4 
 EP = 4 on 4 ranks (1 local expert). Collectives of one forward, recorded: one all-gather of
 E int64 counts over tp_ep, one all-to-all of each direction over ep of
 ``rows × H × 8`` bytes (float64 here), at Q > 1 one all-gather / reduce-scatter over
-expt_tp. Exact to 1e-12 (float64).
+expt_tp. Exact to 1e-12 (float64). The split sizes are read on the host once per layer
+forward (one ``tolist`` of every size: each read is a device synchronisation on a GPU).
 """
 
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -78,12 +80,24 @@ def _run(ep: int, etp: int) -> dict[str, Any]:
     )
     records = [(r.op, r.group_ranks, r.dtype, r.bytes) for r in log]
     ranks = {n: mg.group_ranks(g) for n, g in groups.items()}
+    reads: list[int] = []  # the split sizes' host reads (each a device sync on a GPU)
+    read = torch.Tensor.tolist
+
+    def counted(tensor: torch.Tensor) -> Any:
+        reads.append(tensor.numel())
+        return read(tensor)
+
+    with mock.patch.object(torch.Tensor, "tolist", counted):
+        dispatcher._splits(torch.bincount(index.flatten(), minlength=E))
     mg.destroy_model_parallel(pgc)
-    return {"err": err, "records": records, "ranks": ranks, "rows": T * K}
+    return {"err": err, "records": records, "ranks": ranks, "rows": T * K, "reads": reads}
 
 
 def _check(outcome: dict[str, Any], ep: int, etp: int) -> None:
     assert outcome["err"] <= 1e-12, outcome["err"]
+    # one read of every size the layer needs: P + P + Q + Q·P·L + L values
+    local = E // ep
+    assert outcome["reads"] == [2 * ep + etp + etp * ep * local + local], outcome["reads"]
     ranks, records = outcome["ranks"], outcome["records"]
     expected = [("all_gather", ranks["tp_ep"], torch.int64, E * 8)]
     expected.append(("all_to_all", ranks["ep"], torch.float64, outcome["rows"] * H * 8))
