@@ -94,9 +94,10 @@ def _apply(function: type[torch.autograd.Function], *args: object) -> torch.Tens
 def _own(part: torch.Tensor) -> torch.Tensor:
     """``part`` (a slice of a Function's input) as a tensor of its own, even where the slice
     is contiguous (``.contiguous()`` would return the view: dim 0 of ``[s, b, h]``, a
-    batch of one). Under ``torch.compile`` (torch 2.13, AOTAutograd) a Function output
-    that is a view of its input gets the view's gradient, not the Function's backward:
-    the all-gather of the other ranks' grads is lost, with no error."""
+    batch of one). Under ``torch.compile`` (torch 2.13) the view's gradient replaced the
+    Function's backward where Dynamo traced the scatter in a compiled module's pre-hook
+    as a graph of its own (AOTAutograd regenerates an output that aliases an input as a
+    view of it): the all-gather of the other ranks' grads was lost, with no error."""
     return part.clone(memory_format=torch.contiguous_format)
 
 
