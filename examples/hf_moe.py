@@ -197,11 +197,10 @@ def train(
 ) -> Run:
     """Train the tiny model on every rank of the world at ``layout``; DP = world / TP; the
     model's own load-balancing loss (over the global batch) unless ``aux`` is False; SGD
-    with momentum, the
-    grad norm clipped at ``CLIP``; ``expert_bias``: Megatron's aux-loss-free balancing of
-    DeepSeek-V3's routers. ``save_dir``: a checkpoint after the last step; ``resume``: a
-    checkpoint folder to start from (written at any layout, a pipeline's included);
-    ``layers``, ``aux``: as :func:`reference`."""
+    with momentum, the grad norm clipped at ``CLIP``; ``expert_bias``: Megatron's
+    aux-loss-free balancing of DeepSeek-V3's routers. ``save_dir``: a checkpoint after the
+    last step; ``resume``: a checkpoint folder to start from (written at any layout, a
+    pipeline's included); ``layers``, ``aux``: as :func:`reference`."""
     layout = layout or Layout()
     pgc = mg.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
