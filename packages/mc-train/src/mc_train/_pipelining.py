@@ -92,6 +92,28 @@ class MCStage(PipelineStage):
         self._chunk = module.chunk
         self._in_flight = in_flight
 
+    def _forward_metadata_inference(
+        self,
+        args: Any,
+        kwargs: dict[str, Any] | None = None,
+        has_backward: bool = False,
+    ) -> Any:
+        """Pipelining's shape inference, leaving no trace: it runs the stage's forward once,
+        before the first micro-batch, on stand-ins (a later stage's are uninitialised) in
+        training mode with grad enabled, so a stateful forward would count it as a step's
+        (a router's ``local_tokens_per_expert``: the expert bias then moved on garbage
+        routing; a norm's running statistics; the RNG a dropout draws from). The stage's
+        buffers and the RNG state are put back after it."""
+        saved = [(buffer, buffer.detach().clone()) for buffer in self.submod.buffers()]
+        cuda = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=cuda):
+                return super()._forward_metadata_inference(args, kwargs, has_backward)
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+
     def forward_one_chunk(
         self,
         fwd_chunk_id: int,

@@ -5,13 +5,16 @@ changes their arguments or stops calling them must fail here, not turn into grad
 never reduced (a ``last_backward`` that never comes) or reduced every micro-batch.
 
 - Signatures (no world): the overridden methods exist on ``PipelineStage`` with the
-  parameters ``MCStage`` passes on.
+  parameters ``MCStage`` passes on (shape inference's ``_forward_metadata_inference``
+  among them: ``MCStage`` puts the stage's buffers and the RNG back after it).
 - Calls (2 ranks, a small MLP of 4 blocks, 4 micro-batches, 2 steps, each offered
   schedule): per stage and step, ``forward_one_chunk`` and ``backward_one_chunk`` run M
   times, ``last_backward=True`` exactly once and on the last of them, and the P2P ops
   returned by the ``get_*_ops`` methods are those recorded (M per boundary and direction).
   The losses equal one process's on the whole batch within 1e-6 relative (fp32; the same
-  sums split by micro-batch), so the grads the calls produce are the right ones.
+  sums split by micro-batch), so the grads the calls produce are the right ones. A
+  stateful forward (a counter buffer, as a router's tokens per expert) counts exactly the
+  M · steps training forwards: shape inference's extra forward is not one of them.
 - Refusals before anything is built (every rank the same error): a chunk already in DDP,
   a chunk without parameters (an empty stage), a chunk count the schedule does not run, a
   zero-bubble schedule, inferred shapes with gradient-accumulation fusion.
@@ -40,6 +43,7 @@ OVERRIDDEN = {
     "get_fwd_recv_ops": ["self", "fwd_chunk_id"],
     "get_bwd_send_ops": ["self", "bwd_chunk_id"],
     "get_bwd_recv_ops": ["self", "bwd_chunk_id"],
+    "_forward_metadata_inference": ["self", "args", "kwargs", "has_backward"],
 }
 
 
@@ -111,6 +115,12 @@ def _spy(calls: list[tuple[int, str, bool]]) -> Any:
     return stage_cls, forward, backward
 
 
+def _count_forward(module: nn.Module, _args: Any, _output: Any) -> None:
+    if module.training and torch.is_grad_enabled():  # as a router counts its tokens
+        forwards = module.get_buffer("forwards")
+        forwards += 1
+
+
 def _run(schedule: str, vpp: int) -> dict[str, Any]:
     pgc = mg.initialize_model_parallel(1, 2)
     calls: list[tuple[int, str, bool]] = []
@@ -118,6 +128,9 @@ def _run(schedule: str, vpp: int) -> dict[str, Any]:
     try:
         model = _MLP()
         chunks = split_model(model, decoder_stages(model, 2 * vpp), pgc)
+        for linear in (m for c in chunks for m in c.modules() if isinstance(m, nn.Linear)):
+            linear.register_buffer("forwards", torch.zeros(()))  # a stateful forward's state
+            linear.register_forward_hook(_count_forward)
         pipe = build_pipeline(
             chunks,
             config=mg.ModelParallelConfig(),
@@ -136,7 +149,9 @@ def _run(schedule: str, vpp: int) -> dict[str, Any]:
             opt.step()
             steps.append((loss, list(calls)))
             p2p.append([r.op for r in log if r.label in ("activation", "activation grad")])
-        return {"steps": steps, "p2p": p2p, "stages": [s.stage_index for s in pipe.stages]}
+        counts = {float(b) for c in pipe.chunks for n, b in c.named_buffers() if "forwards" in n}
+        stages = [s.stage_index for s in pipe.stages]
+        return {"steps": steps, "p2p": p2p, "stages": stages, "forwards": sorted(counts)}
     finally:
         stage_cls.forward_one_chunk, stage_cls.backward_one_chunk = forward, backward
         mg.destroy_model_parallel(pgc)
@@ -193,6 +208,8 @@ def test_schedules_call_the_overridden_methods_as_mc_needs(rank_pools: RankPools
                     backwards = [last for kind, last in mine if kind == "B"]
                     assert [kind for kind, _ in mine].count("F") == M, (name, stage, mine)
                     assert backwards == [False] * (M - 1) + [True], (name, stage, backwards)
+            # pipelining's shape inference (a forward on stand-ins) leaves no trace
+            assert run["forwards"] == [M * STEPS], (name, run["forwards"])
             boundaries = sum((s > 0) + (s < 2 * len(stages) - 1) for s in stages)
             for ops in run["p2p"]:
                 assert ops.count("send") == ops.count("recv") == M * boundaries, (name, ops)
