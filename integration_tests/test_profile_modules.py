@@ -1,5 +1,7 @@
 """``scripts/profile_modules.py``: its line classifier and its module tracer, against hand
-counts (the 2-rank profile itself is a measurement, run by hand: issue 38)."""
+counts, and the 2-rank routes it measures held to issue 38's targets (a route that grew
+went unnoticed once: finalize's reached 7 modules when the FSDP2 check moved to
+``mc_groups.dtensors``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import textwrap
 import torch
 
 from integration_tests._scripts import load_script
+from mc_groups.testing import RankPools
 from mc_tp_layers.utils import divide
 
 profile = load_script("profile_modules")
@@ -46,3 +49,21 @@ def test_tracer_names_mc_modules_only() -> None:
         torch.nn.functional.relu(torch.ones(1))
     assert "mc_tp_layers/utils.py" in tracer.modules
     assert all(module.split("/")[0].startswith("mc_") for module in tracer.modules)
+
+
+def _routes() -> dict[str, list[str]]:
+    return dict(profile._measure(list(profile.PARTS)))
+
+
+def test_every_step_part_stays_within_its_module_target(rank_pools: RankPools) -> None:
+    """The mc modules each step part runs through on rank 0 of 2 (Column → Row MLP, DDP's
+    backward, ``finalize_model_grads`` on a DDP chunk, ``ShardedOptimizer.step``) are at
+    most issue 38's targets (7 / 8 / 6 / 10) and never touch a check module meant for the
+    boundary only (``argcheck``)."""
+    found = rank_pools.get(2).run(_routes)[0]
+    counts = {part: len(found[part]) for part in profile.PARTS}
+    assert all(counts[part] <= target for part, target in profile.TARGETS.items()), (
+        counts,
+        found,
+    )
+    assert not any("argcheck" in m for modules in found.values() for m in modules), found

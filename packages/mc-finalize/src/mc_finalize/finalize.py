@@ -49,21 +49,19 @@ grads of one step and dtype travel as one flat all-reduce. What the steps comput
   zeroed, ``reset_global_aux_loss_tracker()`` called (global aux loss); eval mode included.
 
 **Checks.** Before step 1, on each rank, without communicating: the model list, the groups
-of the steps that run (from the checked collection, then trusted), ``num_tokens`` (one
-count, an exact dtype, the model's device), the embedding weights, the routers' state, no
-chunk finalized twice, and with tp > 1 the params' marks. ``model[0]`` keeps the settings
-read from its config (:mod:`mc_groups.config`), read and checked again only when the config
-object or one of those fields changed. What every rank sees alike fails on every rank alike.
-A missing, NaN, ±inf or negative ``num_tokens`` travels through the token reduction as NaN,
-so every rank raises the same ``ValueError`` (the step's one device-to-host read). A check
-failing on one rank only raises there, its peers waiting in their next collective until the
-group's timeout, unless ``peer_checks=True`` ends the checks in one status exchange over the
-world (:func:`mc_groups.fail_together`): one collective and (on GPUs) one device
-synchronisation per step more than Megatron's, hence off by default.
+of the steps that run (checked where they enter, then trusted), ``num_tokens`` (one count,
+an exact dtype, the model's device), the embedding weights, the routers' state, no chunk
+finalized twice, with tp > 1 the params' marks; ``model[0]`` keeps its config's checked
+settings until the config object or one of those fields changes. A missing, NaN, ±inf or
+negative ``num_tokens`` travels through the token reduction as NaN: every rank raises the
+same ``ValueError`` (the step's one device-to-host read). Another check failing on one rank
+only raises there, its peers waiting in their next collective until the group's timeout,
+unless ``peer_checks=True`` (:func:`mc_groups.fail_together`: one world exchange and, on
+GPUs, one device synchronisation per step more than Megatron's; off by default).
 
-**FSDP2 chunks** (a module under ``fully_shard``, torchtitan's way) skip step 1 (FSDP2
-reduced in backward); :mod:`mc_finalize._fsdp2` restores their marks and checks their
-meshes before any collective.
+**FSDP2 chunks** (a module under ``fully_shard`` with no ``finish_grad_sync``, torchtitan's
+way) skip step 1 (FSDP2 reduced in backward); :mod:`mc_finalize._fsdp2` restores their marks
+and checks their meshes before any collective.
 """
 
 from __future__ import annotations
@@ -73,7 +71,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple, Protocol, cast
+from typing import NamedTuple, Protocol, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -151,8 +149,7 @@ def _reshard_if_dtensor(
     return sharded
 
 
-# (param, grad attribute, the DTensor grad _commit reshards the result like or None, the
-# plain tensor reduced: the grad, a DTensor grad's local shard or its unsharded copy).
+# (param, grad attribute, the DTensor grad to reshard like or None, the plain tensor reduced)
 _GradView = tuple[Param, str, torch.Tensor | None, torch.Tensor]
 
 
@@ -186,9 +183,7 @@ def _allreduce_grads(
 ) -> None:
     """``g ← op over group of g`` for every param's grad: one flat all-reduce per dtype
     (Megatron's flatten / unflatten), nothing on one rank; ``shards``: see ``_grad_views``."""
-    views = _grad_views(params, group if shards else None) if _multi(group) else []
-    if views:
-        assert group is not None
+    if _multi(group) and (views := _grad_views(params, group if shards else None)):
         all_reduce_flat([full for *_, full in views], group, op=op, label=label)
         _commit(views)
 
@@ -258,8 +253,9 @@ def _as_chunks(
     if not model:
         raise InputValueError("model=[] holds no model chunk; pass the chunks this rank owns")
     for index, chunk in enumerate(model):
-        own = [m for m in methods if m != "finish_grad_sync" or not dtensors.is_fsdp_module(chunk)]
-        missing = [m for m in own if not callable(getattr(chunk, m, None))]
+        missing = [m for m in methods if not callable(getattr(chunk, m, None))]
+        if "finish_grad_sync" in missing and dtensors.is_fsdp_module(chunk):
+            missing.remove("finish_grad_sync")  # FSDP2 reduced its grads in backward
         if missing:
             raise InputTypeError(
                 f"model[{index}] ({type_name(chunk)}) lacks {missing}; pass a DDP-wrapped "
@@ -285,7 +281,12 @@ def _group(
     return pgc.require(field, what) if required else cast("Group | None", getattr(pgc, field))
 
 
-def _multi(group: Group | None) -> bool:
+def _fsdp2_chunk(chunk: object) -> bool:
+    """A chunk without ``finish_grad_sync``: one under ``fully_shard`` (``_as_chunks``)."""
+    return not callable(getattr(chunk, "finish_grad_sync", None))
+
+
+def _multi(group: Group | None) -> TypeGuard[Group]:
     """``group`` has a peer (a group checked where it entered: argument or collection)."""
     return group is not None and group.size() > 1
 
@@ -332,14 +333,12 @@ def _by_name(chunks: Sequence[ModelChunk], mark: str) -> list[list[Param]]:
 def _reduce_over_pp(copies: list[list[Param]], pp: Group | None, label: str) -> None:
     """``g ← Σ_pp Σ_local g`` for every copy: the local copies summed into the first, the
     firsts all-reduced, the result copied back to the other local copies."""
-    by_name = [local for local in map(_grad_views, copies) if local] if _multi(pp) else []
-    if not by_name:
+    if not _multi(pp) or not (by_name := [local for local in map(_grad_views, copies) if local]):
         return
     firsts = [local[0][3] for local in by_name]
     for first, local in zip(firsts, by_name, strict=True):
         for *_, other in local[1:]:
             first.add_(other)
-    assert pp is not None
     all_reduce_flat(firsts, pp, op=mg.ReduceOp.SUM, label=label)
     for first, local in zip(firsts, by_name, strict=True):
         for *_, other in local[1:]:
@@ -413,9 +412,7 @@ def _allreduce_embedding_grad(
     check_optional_group("embd_group", embd_group, what=what)
     check_optional_group("pp_group", pp_group, what=what)
     if not callable(weight_getter):
-        raise InputTypeError(
-            f"weight_getter={weight_getter!r} must be a callable (module → weight)"
-        )
+        raise InputTypeError(f"weight_getter={weight_getter!r} must be callable (module → weight)")
     check_flag("skip_if_none", skip_if_none)
     has_mtp = config is not None and _Settings.of(config, what).has_mtp
     chunks = _as_chunks(model)
@@ -476,9 +473,7 @@ def reset_model_temporary_tensors(
     config: TransformerConfigLike, model: Sequence[ModelChunk]
 ) -> None:
     """Step 10: reset every module's per-global-batch accumulators (no communication)."""
-    chunks = _as_chunks(model)
-    settings = _Settings.of(config, "reset_model_temporary_tensors")
-    _reset(chunks, settings)
+    _reset(_as_chunks(model), _Settings.of(config, "reset_model_temporary_tensors"))
 
 
 def _reset(chunks: Sequence[ModelChunk], settings: _Settings) -> None:
@@ -515,9 +510,7 @@ def _router_step(
     ``<field>_group``, else the default collection's ``field``), checked."""
     chunks = _as_chunks(model)
     value = getattr(_Settings.of(config, what), setting)
-    found = _group(group, f"{field}_group", field, what)
-    assert found is not None
-    return chunks, value, found
+    return chunks, value, cast(Group, _group(group, f"{field}_group", field, what))
 
 
 def _bias_routers(chunks: Sequence[ModelChunk]) -> list[object]:
@@ -532,9 +525,8 @@ def _update_expert_bias(routers: Sequence[object], rate: float, group: Group) ->
         tokens = torch.stack([_tensor(m, "local_tokens_per_expert") for m in routers])
         mg.all_reduce(tokens, group, op=mg.ReduceOp.SUM, label="router expert bias")
         counts = tokens.to(torch.float64)  # only the sign matters: large counts compare exactly
-        for router, step in zip(
-            routers, torch.sign(counts.mean(-1, keepdim=True) - counts) * rate, strict=True
-        ):
+        steps = torch.sign(counts.mean(-1, keepdim=True) - counts) * rate
+        for router, step in zip(routers, steps, strict=True):
             bias = _tensor(router, "expert_bias")
             bias.add_(step.to(bias.dtype))
 
@@ -635,10 +627,8 @@ def _tp_params(
     avgs: list[Param] = []
     for index, chunk in enumerate(chunks):
         for name, param in chunk.named_parameters():
-            summed, averaged = (
-                param_attrs.sums_grad_across_tp(param),
-                param_attrs.averages_grad_across_tp(param),
-            )
+            summed = param_attrs.sums_grad_across_tp(param)
+            averaged = param_attrs.averages_grad_across_tp(param)
             where = f"model[{index}] param '{name}'"
             if summed and averaged:
                 raise InputValueError(
@@ -755,13 +745,11 @@ def finalize_model_grads(
         flextron = settings.flextron and pp_steps
         routers = _by_name(chunks, param_attrs.FLEXTRON_ROUTER_PP_SYNC) if flextron else []
         tp_sums, tp_avgs = _tp_params(chunks, settings) if _multi(groups.tp) else ([], [])
-        bias_routers = _bias_routers(chunks) if settings.moe_router_enable_expert_bias else []
-        quantile_routers = (
-            _quantile_routers(chunks) if settings.balancing("quantile_balancing") else []
-        )
+        biased = _bias_routers(chunks) if settings.moe_router_enable_expert_bias else []
+        quantile = _quantile_routers(chunks) if settings.balancing("quantile_balancing") else []
     # 1. the data-parallel reduction of every chunk (DDP's buckets; FSDP2 reduced in backward)
     for chunk in chunks:
-        if not dtensors.is_fsdp_module(chunk):
+        if not _fsdp2_chunk(chunk):
             chunk.finish_grad_sync(force_all_reduce=force is True)
     # 2, 3. params replicated on every pipeline stage: SUM over pp
     _reduce_over_pp(embedders, groups.pp, "conditional embedding grads")
@@ -775,10 +763,10 @@ def finalize_model_grads(
     _allreduce_grads(word, groups.embd, mg.ReduceOp.SUM, "embedding grads")
     _allreduce_grads(position, groups.pos_embd, mg.ReduceOp.SUM, "embedding grads")
     # 8, 9. the routers' balancing state
-    if bias_routers and groups.tp_dp_cp is not None:
-        _update_expert_bias(bias_routers, settings.moe_router_bias_update_rate, groups.tp_dp_cp)
-    if quantile_routers and groups.data is not None:
-        _update_qb_beta(quantile_routers, settings.moe_router_quantile_balancing_ema, groups.data)
+    if biased and groups.tp_dp_cp is not None:
+        _update_expert_bias(biased, settings.moe_router_bias_update_rate, groups.tp_dp_cp)
+    if quantile and groups.data is not None:
+        _update_qb_beta(quantile, settings.moe_router_quantile_balancing_ema, groups.data)
     # 10. the per-batch counters
     _reset(chunks, settings)
     # 11. per-token loss: every grad ÷ the global token count
@@ -812,7 +800,7 @@ def _check_chunks(chunks: Sequence[ModelChunk], tp: Group, expt_dp: Group | None
     """FSDP2 chunks get their marks back; a chunk whose grads were finalized (mc's DDP until
     its next ``zero_grad_buffer()``) would have them reduced and scaled twice."""
     for index, chunk in enumerate(chunks):
-        if dtensors.is_fsdp_module(chunk):  # marks back from parallelize's record, mesh checked
+        if _fsdp2_chunk(chunk):  # marks back from parallelize's record, mesh checked
             _fsdp2.check_chunk(index, cast(torch.nn.Module, chunk), tp, expt_dp)
         if getattr(chunk, "grads_finalized", False) is True:
             raise RuntimeError(
@@ -866,10 +854,9 @@ class _Groups:
                 pgc.require(field, f"finalize_model_grads ({why})") if why else getattr(pgc, field)
             )
         for name, size in (("gtp_remat", gtp), ("expt_gtp_remat", egtp)):
-            group = found[name]
-            if size > 1 and group is not None and mg.group_size(group) != size:
+            if size > 1 and (group := found[name]) is not None and group.size() != size:
                 raise InputValueError(
-                    f"pg_collection.{name} has {mg.group_size(group)} ranks but the config says "
+                    f"pg_collection.{name} has {group.size()} ranks but the config says "
                     f"{size}; build the collection with the config's sizes"
                 )
         tp = pgc.require("tp", "finalize_model_grads (non-tensor-parallel grads over tp)")

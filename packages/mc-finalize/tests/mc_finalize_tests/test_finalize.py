@@ -637,7 +637,7 @@ EXPECTED_ERRORS = {
     ),
     "weight_getter": Expected(
         "TypeError",
-        ("weight_getter='weight' must be a callable",),
+        ("weight_getter='weight' must be callable",),
         doc_call="`_allreduce_embedding_grad(..., weight_getter)`",
         doc_input="`'weight'`",
     ),
