@@ -1538,6 +1538,96 @@ def test_expert_parallel_moe_under_the_wrapper_matches_one_process(
             assert torch.equal(result[key][name].reshape(value.shape), value), (key, name)
 
 
+def _fsdp2_moe_steps(
+    steps: int, save: str | None = None, resume: str | None = None, *, optimizer: bool = True
+) -> list[float]:
+    """Mixtral at TP 1 × EP 2 × FSDP2 DP 4 through the wrapper (SGD with momentum, clipped at
+    the example's bound), built from other weights (seed 1) when it resumes from the
+    newest checkpoint there (``optimizer`` False: the model alone, the momentum fresh); a
+    checkpoint in ``save`` after the last step. The mean loss of each step run here, after
+    the saved ones."""
+    import mc_groups as mg
+    import mc_moe
+    from examples.hf_moe import CLIP, build_model
+    from mc_ddp import clip_grad_norm
+    from mc_finalize import finalize_model_grads
+    from mc_train.checkpoint import Checkpointer
+
+    sizes: dict[str, Any] = {"tensor_model_parallel_size": 1, "expert_model_parallel_size": 2}
+    pgc = mg.initialize_model_parallel(**sizes)
+    cfg = mg.ModelParallelConfig(**sizes)
+    model = build_model("mixtral", 0 if resume is None else 1)
+    mc_moe.parallelize(model, model.tp_plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
+    chunk, opt, batch = _wrapped_moe(model, cfg, pgc)
+    losses: list[float] = []
+    if resume is not None:
+        found = Checkpointer(resume, [chunk], opt if optimizer else None, pg_collection=pgc)
+        losses = list(found.load("auto").state["losses"])
+    dp = pgc.require("dp", "data")
+    for step in range(len(losses), steps):
+        opt.zero_grad()
+        ids = batch(step)
+        loss = chunk(input_ids=ids, labels=ids, output_router_logits=True).loss
+        loss.backward()
+        finalize_model_grads([chunk], pg_collection=pgc)
+        clip_grad_norm(chunk, CLIP, pg_collection=pgc)
+        opt.step()
+        mean = loss.detach().clone()
+        mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+        losses.append(float(mean))
+    if save is not None:
+        Checkpointer(save, [chunk], opt, pg_collection=pgc).save(
+            steps, state={"losses": losses}, last=True
+        )
+    mg.destroy_model_parallel(pgc)
+    return losses
+
+
+def _moe_resumes(folder: str) -> dict[str, list[float]] | None:
+    """2 steps under FSDP2 × EP 2, saved, resumed by mc DDP at EP 4 (distributed optimizer)
+    for steps 3-4; 2 steps of mc DDP at EP 4 saved, resumed under FSDP2 × EP 2; and the
+    control: the FSDP2 checkpoint resumed under FSDP2 without the optimizer state."""
+    import torch.distributed as dist
+
+    from examples.hf_moe import Layout, train
+
+    torch.set_num_threads(1)
+    ep4 = Layout(ep=4, distributed_optimizer=True)
+    out = {"fsdp2": _fsdp2_moe_steps(2, save=f"{folder}/fsdp2")}
+    out["fsdp2 -> ddp ep4"] = train("mixtral", ep4, steps=4, resume=f"{folder}/fsdp2").losses
+    train("mixtral", ep4, steps=2, save_dir=f"{folder}/ddp")
+    out["ddp ep4 -> fsdp2"] = _fsdp2_moe_steps(4, resume=f"{folder}/ddp")
+    out["model only"] = _fsdp2_moe_steps(4, resume=f"{folder}/fsdp2", optimizer=False)
+    return out if dist.get_rank() == 0 else None
+
+
+@pytest.mark.timeout(240)
+def test_expert_parallel_checkpoints_move_between_fsdp2_and_ddp(
+    rank_pools: RankPools, tmp_path: Path
+) -> None:
+    """``mc_train.Checkpointer`` under FSDP2 with expert parallelism (the experts' params and
+    momentum DTensors on the ``expt_dp`` mesh, the rest on ``dp``) writes what mc DDP at
+    another expert-parallel size loads, and the reverse: Mixtral 2 steps under the wrapper
+    at EP 2, resumed by DDP at EP 4 with the distributed optimizer, and 2 steps of that
+    resumed under FSDP2 at EP 2 (built from other weights): every step's loss within 1e-5
+    relative of one process's 4 steps (``examples.hf_moe.reference``), as the uninterrupted
+    layouts are. The control, the FSDP2 checkpoint resumed without its momentum, moves the
+    last loss by over 100× that."""
+    from examples.hf_moe import reference
+
+    runs = rank_pools.get(4).run_with_deadline(220.0, _moe_resumes, str(tmp_path))[0]
+    assert runs is not None
+    ref = reference("mixtral", 4).losses
+    for name in ("fsdp2 -> ddp ep4", "ddp ep4 -> fsdp2"):
+        rel = max(abs(a - b) / b for a, b in zip(runs[name], ref, strict=True))
+        print(f"{name}: {rel:.1e}")
+        assert rel <= 1e-5, (name, runs[name], ref)
+    assert runs["fsdp2 -> ddp ep4"][:2] == runs["fsdp2"]  # the saved history
+    moved = abs(runs["model only"][3] - ref[3]) / ref[3]
+    print(f"resumed without the momentum: {moved:.1e}")
+    assert moved > 100 * 1e-5, (runs["model only"], ref)
+
+
 def _pipeline(
     steps: int, compiled: bool = False
 ) -> tuple[list[float], list[float], dict[str, torch.Tensor], int] | None:
