@@ -1237,13 +1237,14 @@ def _wrapped_moe(
 
 
 # (transformers MoE model, TP with SP when 2, expert TP, Megatron's expert bias, every
-# decoder layer recomputed in backward: transformers' activation checkpointing)
+# decoder layer recomputed in backward (transformers' activation checkpointing) and then
+# compiled with aot_eager: torchtitan's order)
 MOE_KINDS = [
     ("qwen3_moe", 2, 1, False, False),
     ("olmoe", 2, 2, False, False),
     ("gpt_oss", 1, 2, False, False),  # expt_dp one rank (expert TP 2 x EP 2 on 4 ranks)
     ("deepseek_v3", 2, 1, True, False),
-    ("mixtral", 2, 1, False, True),  # torchtitan's TP x EP x FSDP2 with activation checkpointing
+    ("mixtral", 2, 1, False, True),  # torchtitan's TP x EP x FSDP2 with AC and torch.compile
 ]
 
 
@@ -1253,9 +1254,9 @@ def _moe_kinds(cases: list[tuple[str, int, int, bool, bool]]) -> list[dict[str, 
     where it has one), ``finalize_model_grads`` (DeepSeek-V3: its routers' expert bias),
     ``mc_ddp.clip_grad_norm`` at the example's bound, SGD with momentum; the losses
     averaged over dp and the whole weights (``mc_moe.full_state_dict``). ``recompute``:
-    each decoder layer checkpointed (``activation_checkpointing_enable``) before the
-    wrapper shards it, so each layer's dispatch and FSDP2's gathers of its experts run
-    again in backward."""
+    each decoder layer checkpointed (``activation_checkpointing_enable``) and compiled in
+    place (``aot_eager``) before the wrapper shards it, so each layer's dispatch and
+    FSDP2's gathers of its experts run again in backward, through Dynamo's graphs."""
     import mc_groups as mg
     import mc_moe
     from examples.hf_moe import CLIP, RATE, build_model
@@ -1284,6 +1285,8 @@ def _moe_kinds(cases: list[tuple[str, int, int, bool, bool]]) -> list[dict[str, 
         mc_moe.parallelize(model, plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
         if recompute:
             model.activation_checkpointing_enable()
+            for layer in model.model.layers:
+                layer.compile(backend="aot_eager")
         chunk, opt, batch = _wrapped_moe(model, cfg, pgc)
         losses = []
         for step in range(STEPS):
@@ -1313,9 +1316,9 @@ def test_every_transformers_moe_kind_under_the_wrapper_matches_one_process(
     one rank) and DeepSeek-V3 (TP 2, Megatron's expert bias moving its routers'
     ``e_score_correction_bias``) at EP 2 under ``TorchFullyShardedDataParallel`` on 4 ranks,
     and Mixtral at TP 2 (SP) × EP 2 × FSDP2 with every decoder layer recomputed in
-    backward (transformers' activation checkpointing, torchtitan's order: split, then
-    checkpointed, then sharded), beside Mixtral's cases above: 3 steps' mean losses within
-    1e-5 relative and every weight (the routers' biases included) within 1e-6 of
+    backward (transformers' activation checkpointing) and compiled (torchtitan's order:
+    split, checkpointed, compiled, sharded), beside Mixtral's cases above: 3 steps' mean
+    losses within 1e-5 relative and every weight (the routers' biases included) within 1e-6 of
     ``examples.hf_moe.reference``; the last step's all-to-alls over ``ep`` counted (4 per
     MoE layer, 6 recomputed)."""
     from examples.hf_moe import reference
