@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -254,6 +255,80 @@ def test_expert_parallel_pipeline_stages_match_one_process(rank_pools: RankPools
             f"{worst['losses']:.1e}, "
             f"grad norm rel {worst['norms']:.1e}, weights {worst['weights']:.1e}"
         )
+
+
+def _interleaved(folder: str, steps: int, *, save: bool = False) -> list[float]:
+    """A 4-layer Mixtral at PP 2 × 2 virtual stages × EP 2 × DP (the world's rest), the
+    interleaved schedule, mc DDP with the distributed optimizer, clipped SGD with momentum:
+    resumed from the newest checkpoint in ``folder`` when there is one, trained to
+    ``steps``, then saved there when ``save``. Every step's loss (the saved ones first)."""
+    import mc_groups as mg
+    import mc_train
+    from examples.hf_moe import BATCH, CLIP, LR, MOMENTUM, global_batch
+    from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer
+    from mc_train.checkpoint import Checkpointer
+
+    pgc, cfg, chunks = _stages(1, 1, "mixtral", vp=2)
+    pipe = mc_train.build_pipeline(
+        chunks,
+        config=cfg,
+        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
+        pg_collection=pgc,
+        microbatches=MICROBATCHES,
+        loss_fn=mc_train.token_cross_entropy(),
+        schedule="interleaved",
+        forward=mc_train.HFCausalLMForward(sequence_parallel_size=1),
+    )
+    sgd = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = ShardedOptimizer(sgd, pipe.chunks, max_grad_norm=CLIP, pg_collection=pgc)
+    ckpt = Checkpointer(folder, pipe.chunks, opt, pg_collection=pgc)
+    losses = list(ckpt.load("auto").state.get("losses", []))
+    dp = pgc.require("dp", "test")
+    rows = BATCH // mg.group_size(dp)
+    for step in range(len(losses), steps):
+        ids = global_batch(step)[mg.group_rank(dp) * rows : (mg.group_rank(dp) + 1) * rows]
+        losses.append(pipe.forward_backward(ids, mc_train.causal_targets(ids)))
+        opt.step()
+    if save:
+        ckpt.save(steps, state={"losses": losses}, last=True)
+    mg.destroy_model_parallel(pgc)
+    return losses
+
+
+def _interleaved_resumes(folder: str) -> dict[str, list[float]]:
+    """2 interleaved steps saved and resumed by ``examples.hf_moe.train`` at PP 1 × EP 4
+    (one mc DDP, the distributed optimizer) for steps 3-4; and 2 steps of that saved and
+    resumed by the interleaved stages."""
+    from examples.hf_moe import Layout, train
+
+    torch.set_num_threads(1)
+    ep4 = Layout(ep=4, distributed_optimizer=True)
+    _interleaved(f"{folder}/vpp", 2, save=True)
+    out = {
+        "vpp -> ep4": train("mixtral", ep4, steps=4, resume=f"{folder}/vpp", aux=False, layers=4)
+    }
+    train("mixtral", ep4, steps=2, save_dir=f"{folder}/ep4", aux=False, layers=4)
+    return {"vpp -> ep4": out["vpp -> ep4"].losses, "ep4 -> vpp": _interleaved(f"{folder}/ep4", 4)}
+
+
+@pytest.mark.timeout(180)
+def test_interleaved_expert_stages_resume_at_another_layout(
+    rank_pools: RankPools, tmp_path: Path
+) -> None:
+    """``mc_train.Checkpointer`` over 2 virtual stages per pipeline rank with experts: a
+    checkpoint of the interleaved PP 2 × EP 2 stages (4 chunks, one MoE layer each, 2
+    experts per rank) resumed as one model at EP 4 (one expert per rank), and the reverse,
+    on 4 ranks: every step's loss (the last stage's; rank 3) within 1e-5 relative of one
+    process's 4 steps (``examples.hf_moe.reference``, no load-balancing loss: a pipeline
+    stage does not compute it)."""
+    from examples.hf_moe import reference
+
+    runs = rank_pools.get(4).run_with_deadline(160.0, _interleaved_resumes, str(tmp_path))[3]
+    ref = reference("mixtral", 4, aux=False, layers=4).losses
+    for name, losses in runs.items():
+        rel = max(abs(a - b) / b for a, b in zip(losses, ref, strict=True))
+        print(f"{name}: loss rel {rel:.1e}")
+        assert rel <= 1e-5, (name, losses, ref)
 
 
 FSDP2_CASES = [(1, 1), (2, 2)]  # (tensor-parallel size with SP, expert tensor-parallel size)
