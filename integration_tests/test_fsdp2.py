@@ -1237,26 +1237,30 @@ def _wrapped_moe(
 
 
 # (transformers MoE model, TP with SP when 2, expert TP, Megatron's expert bias, every
-# decoder layer recomputed in backward (transformers' activation checkpointing) and then
-# compiled with aot_eager: torchtitan's order)
+# decoder layer "recompute"d in backward (transformers' activation checkpointing) or
+# "compile"d in place with aot_eager before the wrapper, torchtitan's order)
 MOE_KINDS = [
-    ("qwen3_moe", 2, 1, False, False),
-    ("olmoe", 2, 2, False, False),
-    ("gpt_oss", 1, 2, False, False),  # expt_dp one rank (expert TP 2 x EP 2 on 4 ranks)
-    ("deepseek_v3", 2, 1, True, False),
-    ("mixtral", 2, 1, False, True),  # torchtitan's TP x EP x FSDP2 with AC and torch.compile
+    ("qwen3_moe", 2, 1, False, ""),
+    ("olmoe", 2, 2, False, ""),
+    ("gpt_oss", 1, 2, False, ""),  # expt_dp one rank (expert TP 2 x EP 2 on 4 ranks)
+    ("deepseek_v3", 2, 1, True, "compile"),  # torchtitan's TP x EP x FSDP2 with torch.compile
+    ("mixtral", 2, 1, False, "recompute"),  # and with activation checkpointing
 ]
 
 
-def _moe_kinds(cases: list[tuple[str, int, int, bool, bool]]) -> list[dict[str, Any]]:
+def _moe_kinds(cases: list[tuple[str, int, int, bool, str]]) -> list[dict[str, Any]]:
     """Each ``examples/hf_moe.py`` model of ``cases`` at EP 2 under the wrapper on every
     rank of a 4-rank world: 3 steps of its mean loss (with the model's load-balancing loss
     where it has one), ``finalize_model_grads`` (DeepSeek-V3: its routers' expert bias),
     ``mc_ddp.clip_grad_norm`` at the example's bound, SGD with momentum; the losses
-    averaged over dp and the whole weights (``mc_moe.full_state_dict``). ``recompute``:
-    each decoder layer checkpointed (``activation_checkpointing_enable``) and compiled in
-    place (``aot_eager``) before the wrapper shards it, so each layer's dispatch and
-    FSDP2's gathers of its experts run again in backward, through Dynamo's graphs."""
+    averaged over dp and the whole weights (``mc_moe.full_state_dict``). ``"recompute"``:
+    each decoder layer checkpointed (``activation_checkpointing_enable``) before the
+    wrapper shards it, so each layer's dispatch and FSDP2's gathers of its experts run
+    again in backward. ``"compile"``: each decoder layer compiled in place (``aot_eager``;
+    Dynamo's graph count kept). Not both: under ``transformers``' checkpointing a
+    layer's ``compile()`` captures 2 calls of its forward, not the forward (torch 2.13)."""
+    from torch._dynamo.utils import counters
+
     import mc_groups as mg
     import mc_moe
     from examples.hf_moe import CLIP, RATE, build_model
@@ -1267,7 +1271,7 @@ def _moe_kinds(cases: list[tuple[str, int, int, bool, bool]]) -> list[dict[str, 
 
     torch.set_num_threads(1)
     out = []
-    for kind, tp, etp, bias, recompute in cases:
+    for kind, tp, etp, bias, mode in cases:
         sizes: dict[str, Any] = {
             "tensor_model_parallel_size": tp,
             "expert_model_parallel_size": 2,
@@ -1283,10 +1287,11 @@ def _moe_kinds(cases: list[tuple[str, int, int, bool, bool]]) -> list[dict[str, 
         model = build_model(kind)
         plan = mc_moe.sequence_parallel_plan(model) if tp > 1 else model.tp_plan
         mc_moe.parallelize(model, plan, ep_plan=model.ep_plan, config=cfg, pg_collection=pgc)
-        if recompute:
+        if mode == "recompute":
             model.activation_checkpointing_enable()
-            for layer in model.model.layers:
-                layer.compile(backend="aot_eager")
+        counters.clear()
+        for layer in model.model.layers if mode == "compile" else ():
+            layer.compile(backend="aot_eager")
         chunk, opt, batch = _wrapped_moe(model, cfg, pgc)
         losses = []
         for step in range(STEPS):
@@ -1303,7 +1308,10 @@ def _moe_kinds(cases: list[tuple[str, int, int, bool, bool]]) -> list[dict[str, 
             losses.append(float(mean))
         exchanges = sum(r.op == "all_to_all" for r in log)  # the last step's, over ep
         weights = mc_moe.full_state_dict(model, pgc)
-        out.append({"losses": losses, "weights": weights, "all_to_alls": exchanges})
+        graphs = counters["stats"]["unique_graphs"]
+        out.append(
+            {"losses": losses, "weights": weights, "all_to_alls": exchanges, "graphs": graphs}
+        )
         mg.destroy_model_parallel(pgc)
     return out
 
@@ -1315,18 +1323,20 @@ def test_every_transformers_moe_kind_under_the_wrapper_matches_one_process(
     """Qwen3-MoE (TP 2), OLMoE (TP 2 × expert TP 2), gpt-oss (expert TP 2: its ``expt_dp`` is
     one rank) and DeepSeek-V3 (TP 2, Megatron's expert bias moving its routers'
     ``e_score_correction_bias``) at EP 2 under ``TorchFullyShardedDataParallel`` on 4 ranks,
-    and Mixtral at TP 2 (SP) × EP 2 × FSDP2 with every decoder layer recomputed in
-    backward (transformers' activation checkpointing) and compiled (torchtitan's order:
-    split, checkpointed, compiled, sharded), beside Mixtral's cases above: 3 steps' mean
+    DeepSeek-V3 with every decoder layer compiled (torchtitan's order: split, compiled,
+    sharded; Dynamo splits each layer at the dispatcher's count read and the experts'
+    ``nonzero``), and Mixtral at TP 2 (SP) × EP 2 × FSDP2 with every decoder layer
+    recomputed in backward (transformers' activation checkpointing, torchtitan's order:
+    split, then checkpointed, then sharded), beside Mixtral's cases above: 3 steps' mean
     losses within 1e-5 relative and every weight (the routers' biases included) within 1e-6 of
     ``examples.hf_moe.reference``; the last step's all-to-alls over ``ep`` counted (4 per
     MoE layer, 6 recomputed)."""
     from examples.hf_moe import reference
 
     runs = rank_pools.get(4).run_with_deadline(220.0, _moe_kinds, MOE_KINDS)[0]
-    for (kind, tp, etp, bias, recompute), run in zip(MOE_KINDS, runs, strict=True):
+    for (kind, tp, etp, bias, mode), run in zip(MOE_KINDS, runs, strict=True):
         ref = reference(kind, STEPS, expert_bias=bias)
-        got, where = run["losses"], f"{kind} TP={tp} expert TP={etp} recompute={recompute}"
+        got, where = run["losses"], f"{kind} TP={tp} expert TP={etp} {mode}"
         rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref.losses, strict=True))
         assert rel <= 1e-5, (where, got, ref.losses)
         assert sorted(run["weights"]) == sorted(ref.weights), where
@@ -1335,7 +1345,9 @@ def test_every_transformers_moe_kind_under_the_wrapper_matches_one_process(
         assert worst <= 1e-6, (where, worst)
         # per MoE layer (2): dispatch and combine, forward and backward; recomputed, the
         # forward's pair again in backward
+        recompute = mode == "recompute"
         assert run["all_to_alls"] == (6 if recompute else 4) * 2, (where, run["all_to_alls"])
+        assert (run["graphs"] > 0) == (mode == "compile"), (where, run["graphs"])
 
 
 def _moe_loss(chunk: Any, ids: torch.Tensor, per_token: bool) -> torch.Tensor:
