@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from mc_ddp.distributed_data_parallel_config import DistributedDataParallelConfig
 from mc_groups import config as mc_config
-from mc_groups import param_attrs
+from mc_groups import dtensors, param_attrs
 from mc_groups.argcheck import type_name
 from mc_groups.errors import InputTypeError, InputValueError
 
@@ -35,10 +35,24 @@ def check_ddp_config(ddp_config: object) -> DistributedDataParallelConfig:
 
 
 def trainable_params(module: object) -> list[tuple[str, Param]]:
-    """``(name, param)`` of the params that require grad, in registration order."""
+    """``(name, param)`` of the params that require grad, in registration order: plain
+    tensors on one device. A DTensor param (torch's ``parallelize_module`` or
+    ``distribute_tensor``, FSDP2's ``fully_shard``) is refused: DDP reduces every local
+    tensor over its data-parallel groups, which would average different shards (a
+    DTensor's experts sharded over ranks that DDP treats as replicas) or fail in
+    backward (its grad a DTensor, ``main_grad`` not)."""
     if not isinstance(module, torch.nn.Module):
         raise InputTypeError(f"module={type_name(module)} must be a torch.nn.Module")
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    for name, param in named:
+        if dtensors.is_dtensor(param):
+            raise InputTypeError(
+                f"module param '{name}' is a DTensor ({param.placements} on "  # type: ignore[attr-defined]
+                f"{param.device_mesh}); mc DDP reduces plain tensors: build TP layers with "  # type: ignore[attr-defined]
+                "mc_tp_layers.parallelize and experts with mc_moe.parallelize (plain local "
+                "tensors, marked), or train a DTensor model under "
+                "mc_ddp.TorchFullyShardedDataParallel (FSDP2)"
+            )
     if not named:
         raise InputValueError(
             f"module={type_name(module)} has no parameter with requires_grad=True: DDP "

@@ -72,6 +72,19 @@ def _meta() -> nn.Module:
     return mlp().to("meta")
 
 
+def _dtensor_experts() -> nn.Module:
+    """An MLP whose middle weight torch sharded over the world (as torch's own expert or
+    tensor parallelism would): every rank holds a different half."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = mlp()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    layer: Any = model[2]
+    layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
+    return model
+
+
 def _expert() -> nn.Module:
     model = mlp()
     model[2].weight.allreduce = False  # type: ignore[union-attr]
@@ -112,6 +125,7 @@ def _construction_errors() -> dict[str, tuple[str, int]]:
             "frozen": lambda: loose(MP, cfg, _frozen(), pg_collection=pgc),
             "devices": lambda: loose(MP, cfg, _mixed_devices(), pg_collection=pgc),
             "meta": lambda: loose(MP, cfg, _meta(), pg_collection=pgc),
+            "dtensor": lambda: loose(MP, cfg, _dtensor_experts(), pg_collection=pgc),
             "not_module": lambda: loose(MP, cfg, object(), pg_collection=pgc),
             "missing_dp": lambda: loose(
                 MP, cfg, mlp(), pg_collection=mg.ProcessGroupCollection(dp_cp=world)
@@ -158,6 +172,12 @@ CONSTRUCTION = {
         "the data-parallel group runs 'gloo'",
         doc_call="`DistributedDataParallel(..., module)`",
         doc_input="a module on the meta device",
+    ),
+    "dtensor": Expect(
+        "TypeError: module param '2.weight' is a DTensor ((Shard(dim=0),) on DeviceMesh(",
+        doc_call="`DistributedDataParallel(..., module)`",
+        doc_input="a param sharded by torch (`distribute_tensor`)",
+        also=("mc_moe.parallelize", "mc_ddp.TorchFullyShardedDataParallel"),
     ),
     "not_module": Expect(
         "TypeError: module=object must be a torch.nn.Module",
