@@ -177,11 +177,11 @@ class GQAttention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: ``w2(silu(w1(x)) * w3(x))``."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
-        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
-        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w1 = nn.Linear(DIM, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, DIM, bias=False)
+        self.w3 = nn.Linear(DIM, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -120,12 +120,21 @@ class TokenDispatcher:
         their outputs in the same order (at expert TP > 1, this rank's partial sums)."""
         routing_map, probs = routing_map_from_top_k(top_k_index, top_k_weights, self.num_experts)
         permuted = permute(hidden_states, routing_map)
-        splits = self._splits(routing_map.sum(dim=0))
-        rows = self._dispatch(permuted.tokens, splits)
-        out = self._combine(experts(rows, splits.tokens_per_local_expert), splits)
+        out = self.grouped(permuted.tokens, routing_map.sum(dim=0), experts)
         return unpermute(
             out, permuted.sorted_indices, hidden_states.shape, probs=probs, routing_map=routing_map
         )
+
+    def grouped(
+        self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, experts: _ExpertCompute
+    ) -> torch.Tensor:
+        """Steps 2-9 on rows already grouped by global expert (step 1 done by the caller:
+        torchtitan's MoE module sorts its rows before its experts): ``rows`` ``[N, H]``,
+        ``tokens_per_expert`` ``[E]`` (rows per expert, in order); the experts' outputs for
+        those rows, in the same order."""
+        splits = self._splits(tokens_per_expert)
+        out = self._dispatch(rows, splits)
+        return self._combine(experts(out, splits.tokens_per_local_expert), splits)
 
     def _splits(self, tokens_per_expert: torch.Tensor) -> _Splits:
         """Step 2: one all-gather of every tp_ep rank's tokens per expert, read on the host

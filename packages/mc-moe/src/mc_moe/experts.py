@@ -34,6 +34,14 @@ parameter names (so its state-dict keys stay the model's):
 
   every local expert's weights are used even when it got no rows (an empty product), so
   DDP's gradient hooks fire on every rank.
+
+torchtitan's ``GroupedExperts`` (``w1`` ``[E, I, H]``, ``w2`` ``[E, H, I]``, ``w3``
+``[E, I, H]``; ``forward(x, num_tokens_per_expert)`` on rows its MoE module already grouped
+by expert) is converted the same way (``grouped`` layout): ``w1`` / ``w3`` split over
+expt_tp along I (dim 1), ``w2`` along I (dim 2); its forward becomes
+:meth:`~mc_moe.dispatcher.TokenDispatcher.grouped` around the module's own class forward on
+the local experts' rows (at expert TP > 1 it returns partial sums, which the dispatcher's
+reduce-scatter adds).
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ class ExpertWeights:
         transposed: weights stored ``[E, in, out]`` (``x @ W``) rather than ``[E, out, in]``.
         concatenated: ``[gate; up]`` halves (else interleaved pairs).
         bias: ``<up>_bias`` and ``down_proj_bias`` exist.
+        grouped: torchtitan's ``GroupedExperts`` (``w1``, ``w2``, ``w3``; module notes).
     """
 
     num_experts: int
@@ -79,14 +88,19 @@ class ExpertWeights:
     transposed: bool
     concatenated: bool
     bias: bool
+    grouped: bool = False
 
     def names(self) -> tuple[str, ...]:
         """The expert parameters' names."""
+        if self.grouped:
+            return ("w1", "w2", "w3")
         base = (self.up, "down_proj")
         return (*base, f"{self.up}_bias", "down_proj_bias") if self.bias else base
 
     def split_dim(self, name: str) -> int | None:
         """The dim ``name`` is split along over expt_tp (None: kept whole)."""
+        if self.grouped:
+            return 2 if name == "w2" else 1  # I: dim 1 of [E, I, H], dim 2 of [E, H, I]
         if name == "down_proj_bias":
             return None
         if name == f"{self.up}_bias":
@@ -96,12 +110,13 @@ class ExpertWeights:
 
     def stride(self, name: str) -> int:
         """``[gate; up]`` outputs are split half by half (stride 2); everything else plainly."""
-        return 2 if self.gated and self.concatenated and name in (self.up, f"{self.up}_bias") else 1
+        packed = self.gated and self.concatenated and not self.grouped
+        return 2 if packed and name in (self.up, f"{self.up}_bias") else 1
 
 
 def read_experts(module: torch.nn.Module, name: str) -> ExpertWeights:
-    """The layout of ``transformers`` experts module ``name``, or an error naming what it
-    lacks (a module that is not one of ``transformers``' 3-D experts modules)."""
+    """The layout of ``transformers`` (or torchtitan's ``GroupedExperts``) experts module
+    ``name``, or an error naming what it lacks (a module that is neither)."""
     if getattr(module, "has_post_expert_norm", False):
         raise InputValueError(
             f"{name} ({type_name(module)}) applies a norm after each expert "
@@ -111,6 +126,8 @@ def read_experts(module: torch.nn.Module, name: str) -> ExpertWeights:
     gated = bool(getattr(module, "has_gate", True))
     up = "gate_up_proj" if gated else "up_proj"
     params = dict(module.named_parameters(recurse=False))
+    if up not in params and all(n in params and params[n].dim() == 3 for n in ("w1", "w2", "w3")):
+        return _read_grouped(module, name, params)
     missing = [n for n in (up, "down_proj") if n not in params or params[n].dim() != 3]
     if missing:
         raise InputTypeError(
@@ -136,6 +153,29 @@ def read_experts(module: torch.nn.Module, name: str) -> ExpertWeights:
         bias=bool(getattr(module, "has_bias", False)),
     )
     _check_shapes(module, name, layout, params)
+    return layout
+
+
+def _read_grouped(
+    module: torch.nn.Module, name: str, params: dict[str, torch.nn.Parameter]
+) -> ExpertWeights:
+    """torchtitan's ``GroupedExperts``: ``w1`` / ``w3`` ``[E, I, H]``, ``w2`` ``[E, H, I]``."""
+    experts, inter, hidden = (int(n) for n in params["w1"].shape)
+    layout = ExpertWeights(experts, inter, hidden, "w1", True, False, True, False, grouped=True)
+    expected = {"w1": (experts, inter, hidden), "w2": (experts, hidden, inter)}
+    expected["w3"] = expected["w1"]
+    for pname, shape in expected.items():
+        if tuple(params[pname].shape) != shape:
+            raise InputValueError(
+                f"{name}.{pname} has shape {tuple(params[pname].shape)}, expected {shape} for "
+                f"{type_name(module)} ({experts} experts, hidden {hidden}, width {inter}): mc_moe "
+                "reads torchtitan's GroupedExperts layout (w1, w3 [E, I, H]; w2 [E, H, I])"
+            )
+    if set(params) != set(expected):
+        raise InputValueError(
+            f"{name} ({type_name(module)}) holds parameters {sorted(set(params) - set(expected))} "
+            "besides w1, w2, w3; mc_moe splits only torchtitan's expert weights"
+        )
     return layout
 
 
@@ -209,7 +249,7 @@ def shard_experts(
     module.__dict__.pop(param_attrs.MARK_RECORD, None)
     setattr(module, "tp_group", expt_tp)  # noqa: B010  (mc_tp_layers.full_state_dict: its group)
     setattr(module, DISPATCHER_ATTR, dispatcher)
-    module.forward = types.MethodType(_forward, module)
+    module.forward = types.MethodType(_grouped_forward if layout.grouped else _forward, module)
 
 
 def _etp_piece(piece: torch.Tensor, dim: int, stride: int, rank: int, world: int) -> torch.Tensor:
@@ -228,6 +268,21 @@ def _forward(
     return dispatcher(
         hidden_states, top_k_index, top_k_weights, lambda x, n: _local_experts(self, x, n)
     )
+
+
+def _grouped_forward(
+    self: torch.nn.Module, x: torch.Tensor, num_tokens_per_expert: torch.Tensor
+) -> torch.Tensor:
+    """torchtitan's interface: ``x`` grouped by expert, ``num_tokens_per_expert`` ``[E]``; the
+    local experts run through the module's own class forward."""
+    dispatcher: TokenDispatcher = getattr(self, DISPATCHER_ATTR)
+    own = type(self).forward
+
+    def local(rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        out: torch.Tensor = own(self, rows, torch.tensor(list(counts), device=rows.device))
+        return out
+
+    return dispatcher.grouped(x, num_tokens_per_expert, local)
 
 
 class _OnFirstRank(torch.autograd.Function):

@@ -22,6 +22,10 @@ The plan entries it reads (the others are dense and go to ``mc_tp_layers.paralle
                                                                  transformers; route with the
                                                                  model's own router)
 
+torchtitan's MoE models carry no plan of their own: name each block's experts module,
+``ep_plan={"layers.*.moe.experts": "ep_dispatch_experts"}`` (tested with EP and expert TP at
+tensor-parallel size 1, under mc DDP and FSDP2).
+
 Sizes come from ``pg_collection``: P ranks in ``ep``, Q in ``expt_tp``. With P = 1 the
 experts stay whole over ep; with Q = 1 whole over expt_tp; an ``ep_plan`` at P = 1 is no
 error.
@@ -102,7 +106,8 @@ def parallelize(
     Args:
         module: a model whose MoE layers hold ``transformers``' experts modules (3-D
             ``gate_up_proj`` / ``down_proj``; Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3,
-            gpt-oss), on CPU or a device.
+            gpt-oss) or torchtitan's ``GroupedExperts`` (``w1`` / ``w2`` / ``w3``; its MoE
+            module without ``expert_bias``), on CPU or a device.
         plan: the tensor-parallel plan (``model.tp_plan``): dense entries go to
             :func:`mc_tp_layers.parallelize`, expert entries split the experts over
             ``expt_tp``. ``None`` or ``{}``: no dense layer is split.
@@ -138,6 +143,7 @@ def parallelize(
     dense, experts = _check(module, plan, ep_plan, config, pg_collection, sequence_dim)
     check_flag("global_aux_loss", global_aux_loss)
     _refuse_aux_loss_in_stage(module, experts, pg_collection)
+    _refuse_titan_expert_bias(module, experts)
     expert_bias = bool(config_value(config, "moe_router_enable_expert_bias"))
     if expert_bias and not routers_with_bias(module):
         enable_expert_bias(module)  # raises, naming the flag, before anything changed
@@ -183,6 +189,22 @@ def _refuse_aux_loss_in_stage(
             "it, or train at pipeline_model_parallel_size=1 (mc_moe then computes it on the "
             "global batch)"
         )
+
+
+def _refuse_titan_expert_bias(module: torch.nn.Module, experts: list[_Experts]) -> None:
+    """torchtitan's MoE module keeps its ``expert_bias`` (``load_balance_coeff`` set) moved
+    by torchtitan's trainer, in an optimizer pre-hook mc does not run: under mc it would
+    stay at its first value while the model routes by it, silently unbalanced."""
+    for found in experts:
+        parent_name = found.name.rpartition(".")[0]
+        parent = module.get_submodule(parent_name) if parent_name else module
+        if found.layout.grouped and getattr(parent, "expert_bias", None) is not None:
+            raise InputValueError(
+                f"{parent_name or type_name(module)}.expert_bias is set (load_balance_coeff="
+                f"{getattr(parent, 'load_balance_coeff', None)!r}): torchtitan moves it in its "
+                "trainer's optimizer pre-hook, which mc does not run, so it would never move; "
+                "build the model with load_balance_coeff=None"
+            )
 
 
 def _aux_routers(

@@ -1,0 +1,147 @@
+"""torchtitan's MoE layout (``examples/titan_moe.py``: ``GroupedExperts`` with ``w1`` /
+``w2`` / ``w3`` on rows its MoE module grouped by expert, a softmax top-2 router, a shared
+expert) through ``mc_moe.parallelize`` with ``ep_plan={"layers.*.moe.experts":
+"ep_dispatch_experts"}``, against one process.
+
+On 4 gloo ranks, 3 steps of SGD with momentum on the mean next-token cross entropy of the
+global batch (each rank its data-parallel rows), ``finalize_model_grads``; layouts: EP 2 ×
+DP 4 under mc DDP, EP 2 × expert TP 2 under mc DDP with the distributed optimizer
+(``expt_dp`` one rank: each expert's ``w1`` / ``w3`` split along I, ``w2`` along I, the
+partial sums reduce-scattered over expt_tp), EP 4 under mc DDP, and EP 2 under
+``mc_ddp.TorchFullyShardedDataParallel`` (the experts sharded over ``expt_dp``). Every
+step's mean loss within 1e-5 relative and every final weight (``mc_moe.full_state_dict``:
+whole experts, the model's names) within 1e-6 of ``examples.titan_moe.reference``; each
+rank holds E/EP experts of width I/expert TP; a step's all-to-alls are on ``ep``, 4 per MoE
+layer (dispatch and combine, forward and backward). A torchtitan MoE module with an
+``expert_bias`` (torchtitan's trainer moves it; mc does not) is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from mc_groups.testing import RankPools
+
+# (EP size, expert TP size, FSDP2 wrapper, distributed optimizer)
+LAYOUTS = [(2, 1, False, False), (2, 2, False, True), (4, 1, False, False), (2, 1, True, False)]
+STEPS = 3
+
+
+def _train(ep: int, etp: int, fsdp: bool, distributed: bool) -> dict[str, Any]:
+    import mc_groups as mg
+    import mc_moe
+    from examples.titan_moe import BATCH, LR, MOMENTUM, build_model, global_batch, loss_of
+    from mc_ddp import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        ShardedOptimizer,
+        TorchFullyShardedDataParallel,
+        TorchFullyShardedDataParallelConfig,
+        ensure_params_ready,
+    )
+    from mc_finalize import finalize_model_grads
+
+    sizes: dict[str, Any] = {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
+    pgc = mg.initialize_model_parallel(**sizes)
+    cfg = mg.ModelParallelConfig(**sizes)
+    model: Any = build_model()
+    ep_plan = {"layers.*.moe.experts": "ep_dispatch_experts"}
+    mc_moe.parallelize(model, {}, ep_plan=ep_plan, config=cfg, pg_collection=pgc)
+    shape = tuple(model.layers["0"].moe.experts.w1.shape)
+    chunk: Any
+    if fsdp:
+        wrapper = TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True)
+        chunk = TorchFullyShardedDataParallel(cfg, wrapper, model, pg_collection=pgc)
+        opt: Any = torch.optim.SGD(chunk.parameters(), lr=LR, momentum=MOMENTUM)
+    else:
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=distributed, overlap_grad_reduce=True
+        )
+        chunk = DistributedDataParallel(cfg, ddp_config, model, pg_collection=pgc)
+        sgd = torch.optim.SGD(chunk.parameters(), lr=LR, momentum=MOMENTUM)
+        opt = ShardedOptimizer(sgd, chunk, pg_collection=pgc)
+    dp = pgc.require("dp", "test")
+    rows = BATCH // dp.size()
+    losses = []
+    for step in range(STEPS):
+        ids = global_batch(step)[dp.rank() * rows : (dp.rank() + 1) * rows]
+        if fsdp:
+            opt.zero_grad()
+        else:
+            chunk.zero_grad_buffer()
+        with mg.record_collectives() as log:
+            loss = loss_of(chunk, ids)
+            loss.backward()  # type: ignore[no-untyped-call]
+        finalize_model_grads([chunk], pg_collection=pgc)
+        opt.step()
+        mean = loss.detach().clone()
+        mg.all_reduce(mean, dp, op=mg.ReduceOp.AVG, label="loss for logging")
+        losses.append(float(mean))
+    if not fsdp:
+        ensure_params_ready(chunk.parameters())
+    a2a = [r.group_ranks for r in log if r.op == "all_to_all"]
+    out = {
+        "losses": losses,
+        "weights": mc_moe.full_state_dict(model, pg_collection=pgc),
+        "shape": shape,
+        "all_to_alls": a2a,
+        "ep": mg.group_ranks(pgc.require("ep", "test")),
+    }
+    mg.destroy_model_parallel(pgc)
+    return out
+
+
+def _refused() -> str:
+    import mc_groups as mg
+    import mc_moe
+    from examples.titan_moe import build_model
+
+    pgc = mg.initialize_model_parallel(expert_model_parallel_size=2)
+    model: Any = build_model()
+    moe = model.layers["1"].moe
+    moe.load_balance_coeff, moe.expert_bias = 1e-3, torch.zeros(4)
+    try:
+        mc_moe.parallelize(
+            model,
+            {},
+            ep_plan={"layers.*.moe.experts": "ep_dispatch_experts"},
+            config=mg.ModelParallelConfig(expert_model_parallel_size=2),
+            pg_collection=pgc,
+        )
+    except ValueError as err:
+        return str(err)
+    finally:
+        mg.destroy_model_parallel(pgc)
+    return "no error"
+
+
+def _grid() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return {"runs": [_train(*layout) for layout in LAYOUTS], "refused": _refused()}
+
+
+@pytest.mark.timeout(200)
+def test_torchtitan_moe_layout_matches_one_process(rank_pools: RankPools) -> None:
+    """The module notes' layouts, losses and weights against one process; the experts'
+    local shapes and the all-to-alls counted; the ``expert_bias`` refusal."""
+    from examples.titan_moe import EXPERT_HIDDEN, EXPERTS, reference
+
+    outcomes = rank_pools.get(4).run_with_deadline(180.0, _grid)
+    ref_losses, ref_weights = reference(STEPS)
+    for rank, outcome in enumerate(outcomes):
+        for (ep, etp, fsdp, distributed), run in zip(LAYOUTS, outcome["runs"], strict=True):
+            where = f"EP {ep} x expert TP {etp} fsdp={fsdp} distopt={distributed} rank {rank}"
+            rel = max(abs(a - b) / b for a, b in zip(run["losses"], ref_losses, strict=True))
+            assert rel <= 1e-5, (where, run["losses"], ref_losses)
+            assert sorted(run["weights"]) == sorted(ref_weights), where
+            worst = max(float((run["weights"][k] - v).abs().max()) for k, v in ref_weights.items())
+            assert worst <= 1e-6, (where, worst)
+            assert run["shape"] == (EXPERTS // ep, EXPERT_HIDDEN // etp, 32), where
+            assert run["all_to_alls"] == [run["ep"]] * 4 * 2, (where, run["all_to_alls"])
+            if rank == 0:
+                print(f"{where}: loss rel {rel:.1e}, weights {worst:.1e}")
+        assert "layers.1.moe.expert_bias is set (load_balance_coeff=0.001)" in outcome["refused"]
+        assert "load_balance_coeff=None" in outcome["refused"]
