@@ -7,8 +7,11 @@ On 4 gloo ranks, 3 steps of SGD with momentum on the mean next-token cross entro
 global batch (each rank its data-parallel rows), ``finalize_model_grads``; layouts: EP 2 ×
 DP 4 under mc DDP, EP 2 × expert TP 2 under mc DDP with the distributed optimizer
 (``expt_dp`` one rank: each expert's ``w1`` / ``w3`` split along I, ``w2`` along I, the
-partial sums reduce-scattered over expt_tp), EP 4 under mc DDP, and EP 2 under
-``mc_ddp.TorchFullyShardedDataParallel`` (the experts sharded over ``expt_dp``). Every
+partial sums reduce-scattered over expt_tp), EP 4 under mc DDP, EP 2 under
+``mc_ddp.TorchFullyShardedDataParallel`` (the experts sharded over ``expt_dp``), and TP 2
+with sequence parallelism × EP 2 under both (``mc_moe.sequence_parallel_plan``: torchtitan's
+plan from the layout; each rank routes its half of the sequence, the shared experts gather
+the flattened tokens along dim 0). Every
 step's mean loss within 1e-5 relative and every final weight (``mc_moe.full_state_dict``:
 whole experts, the model's names) within 1e-6 of ``examples.titan_moe.reference``; each
 rank holds E/EP experts of width I/expert TP; a step's all-to-alls are on ``ep``, 4 per MoE
@@ -25,12 +28,19 @@ import torch
 
 from mc_groups.testing import RankPools
 
-# (EP size, expert TP size, FSDP2 wrapper, distributed optimizer)
-LAYOUTS = [(2, 1, False, False), (2, 2, False, True), (4, 1, False, False), (2, 1, True, False)]
+# (TP size with SP, EP size, expert TP size, FSDP2 wrapper, distributed optimizer)
+LAYOUTS = [
+    (1, 2, 1, False, False),
+    (1, 2, 2, False, True),
+    (1, 4, 1, False, False),
+    (1, 2, 1, True, False),
+    (2, 2, 1, False, True),
+    (2, 2, 1, True, False),
+]
 STEPS = 3
 
 
-def _train(ep: int, etp: int, fsdp: bool, distributed: bool) -> dict[str, Any]:
+def _train(tp: int, ep: int, etp: int, fsdp: bool, distributed: bool) -> dict[str, Any]:
     import mc_groups as mg
     import mc_moe
     from examples.titan_moe import BATCH, LR, MOMENTUM, build_model, global_batch, loss_of
@@ -44,12 +54,17 @@ def _train(ep: int, etp: int, fsdp: bool, distributed: bool) -> dict[str, Any]:
     )
     from mc_finalize import finalize_model_grads
 
-    sizes: dict[str, Any] = {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
+    sizes: dict[str, Any] = {
+        "tensor_model_parallel_size": tp,
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": etp,
+    }
     pgc = mg.initialize_model_parallel(**sizes)
-    cfg = mg.ModelParallelConfig(**sizes)
+    cfg = mg.ModelParallelConfig(**sizes, sequence_parallel=tp > 1)
     model: Any = build_model()
     ep_plan = {"layers.*.moe.experts": "ep_dispatch_experts"}
-    mc_moe.parallelize(model, {}, ep_plan=ep_plan, config=cfg, pg_collection=pgc)
+    plan = mc_moe.sequence_parallel_plan(model, ep_plan=ep_plan) if tp > 1 else {}
+    mc_moe.parallelize(model, plan, ep_plan=ep_plan, config=cfg, pg_collection=pgc)
     shape = tuple(model.layers["0"].moe.experts.w1.shape)
     chunk: Any
     if fsdp:
@@ -132,8 +147,8 @@ def test_torchtitan_moe_layout_matches_one_process(rank_pools: RankPools) -> Non
     outcomes = rank_pools.get(4).run_with_deadline(180.0, _grid)
     ref_losses, ref_weights = reference(STEPS)
     for rank, outcome in enumerate(outcomes):
-        for (ep, etp, fsdp, distributed), run in zip(LAYOUTS, outcome["runs"], strict=True):
-            where = f"EP {ep} x expert TP {etp} fsdp={fsdp} distopt={distributed} rank {rank}"
+        for (tp, ep, etp, fsdp, distributed), run in zip(LAYOUTS, outcome["runs"], strict=True):
+            where = f"TP {tp} EP {ep} x expert TP {etp} fsdp={fsdp} distopt={distributed} r{rank}"
             rel = max(abs(a - b) / b for a, b in zip(run["losses"], ref_losses, strict=True))
             assert rel <= 1e-5, (where, run["losses"], ref_losses)
             assert sorted(run["weights"]) == sorted(ref_weights), where

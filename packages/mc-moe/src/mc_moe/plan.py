@@ -23,8 +23,9 @@ The plan entries it reads (the others are dense and go to ``mc_tp_layers.paralle
                                                                  model's own router)
 
 torchtitan's MoE models carry no plan of their own: name each block's experts module,
-``ep_plan={"layers.*.moe.experts": "ep_dispatch_experts"}`` (tested with EP and expert TP at
-tensor-parallel size 1, under mc DDP and FSDP2).
+``ep_plan={"layers.*.moe.experts": "ep_dispatch_experts"}``; at TP > 1,
+``sequence_parallel_plan(model, ep_plan=...)`` gives the dense plan (torchtitan's, from the
+model's layout).
 
 Sizes come from ``pg_collection``: P ranks in ``ep``, Q in ``expt_tp``. With P = 1 the
 experts stay whole over ep; with Q = 1 whole over expt_tp; an ``ep_plan`` at P = 1 is no
@@ -400,7 +401,8 @@ def sequence_parallel_plan(
     if not isinstance(model, torch.nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type_name(model)}")
     _refuse_attention_sinks(model)
-    tp_plan = _mapping("base", base if base is not None else getattr(model, "tp_plan", None))
+    own = base if base is not None else getattr(model, "tp_plan", None)
+    tp_plan = _mapping("base", own)
     eps = _mapping("ep_plan", ep_plan if ep_plan is not None else getattr(model, "ep_plan", None))
     tp_moe = moe_entries(tp_plan, model)
     experts = {
@@ -412,7 +414,7 @@ def sequence_parallel_plan(
     plan: dict[str, object] = dict(
         dense_sequence_parallel_plan(
             model,
-            dense,  # type: ignore[arg-type]  # values checked by mc_tp_layers
+            dense if own is not None else None,  # type: ignore[arg-type]  # checked there
             layers=layers,
             split_qk_norms=split_qk_norms,
             sequence_local=sorted(experts),

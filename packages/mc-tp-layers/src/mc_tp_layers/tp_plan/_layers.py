@@ -183,7 +183,8 @@ class RowwiseLinear(RowParallelLinear, ConvertedModule):
     """A :class:`RowParallelLinear` holding rank r's columns of an ``nn.Linear`` (bias whole).
 
     Under sequence parallelism its output is reduce-scattered along the sequence dim (the
-    layer's own dim-0 reduce-scatter, with a batch-first input transposed around it). With
+    layer's own dim-0 reduce-scatter, with a batch-first input transposed around it; a 2-D
+    ``[tokens, h]`` input along its tokens). With
     ``split_input`` under sequence parallelism the input (the whole sequence, inside a
     ``sequence_gather`` block) is split along its last dim here (backward: all-gather), as
     Megatron's layer would without sequence parallelism, which it refuses to combine.
@@ -209,7 +210,7 @@ class RowwiseLinear(RowParallelLinear, ConvertedModule):
         """``nn.Linear``'s contract: ``[..., out]`` (this rank's part of the sequence under SP)."""
         if self.split_here:
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        if self.sequence_parallel and self.sequence_dim != 0:
+        if self.sequence_parallel and self.sequence_dim != 0 and input_.dim() > 2:
             moved = input_.transpose(0, self.sequence_dim).contiguous()
             return super().forward(moved)[0].transpose(0, self.sequence_dim)
         output, _ = super().forward(input_)

@@ -38,8 +38,10 @@ _ENTERED = "_mc_entered_tp_block"
 
 
 def along(dim: int, op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``op`` (a dim-0 mapping) applied along ``dim`` of ``x``."""
-    if dim == 0:
+    """``op`` (a dim-0 mapping) applied along ``dim`` of ``x``; along dim 0 of a 2-D ``x``
+    (``[tokens, h]``: batch and sequence flattened, this rank's tokens, as a MoE block hands
+    them to its shared experts)."""
+    if dim == 0 or x.dim() < 3:
         return op(x)
     return op(x.transpose(0, dim).contiguous()).transpose(0, dim).contiguous()
 

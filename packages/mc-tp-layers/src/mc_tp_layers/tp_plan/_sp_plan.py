@@ -195,13 +195,16 @@ def _torchtitan_base(model: torch.nn.Module) -> dict[str, str] | None:
     if not all(isinstance(children.get(n), torch.nn.Module) for n in ("tok_embeddings", "lm_head")):
         return None
     first = next(iter(layers.children()))
-    if not all(hasattr(first, n) for n in ("attention", "feed_forward")):
+    if not hasattr(first, "attention") or not any(
+        hasattr(block, n) for block in layers.children() for n in ("feed_forward", "moe")
+    ):
         return None
     plan = {"tok_embeddings": "embedding_rowwise"}
-    for name, module in first.named_modules():
-        leaf = name.rpartition(".")[2]
-        if isinstance(module, torch.nn.Linear) and leaf in _COLWISE_LEAVES + _ROWWISE_LEAVES:
-            plan[f"layers.*.{name}"] = "colwise" if leaf in _COLWISE_LEAVES else "rowwise"
+    for block in layers.children():  # dense blocks and MoE blocks (their shared experts)
+        for name, module in block.named_modules():
+            leaf = name.rpartition(".")[2]
+            if isinstance(module, torch.nn.Linear) and leaf in _COLWISE_LEAVES + _ROWWISE_LEAVES:
+                plan[f"layers.*.{name}"] = "colwise" if leaf in _COLWISE_LEAVES else "rowwise"
     plan["lm_head"] = "colwise_gather_output"
     return plan
 
