@@ -13,7 +13,9 @@ with sequence parallelism × EP 2 under both (``mc_moe.sequence_parallel_plan``:
 plan from the layout; each rank routes its half of the sequence, the shared experts gather
 the flattened tokens along dim 0). Every
 step's mean loss within 1e-5 relative and every final weight (``mc_moe.full_state_dict``:
-whole experts, the model's names) within 1e-6 of ``examples.titan_moe.reference``; each
+whole experts, the model's names) within 1e-6 of ``examples.titan_moe.reference``; the
+checkpoint views (``mc_moe.model_sharded_state_dict``, what ``mc_train.Checkpointer``
+saves) made whole equal those weights exactly; each
 rank holds E/EP experts of width I/expert TP; a step's all-to-alls are on ``ep``, 4 per MoE
 layer (dispatch and combine, forward and backward). A torchtitan MoE module with an
 ``expert_bias`` (torchtitan's trainer moves it; mc does not) is refused by name.
@@ -98,9 +100,11 @@ def _train(tp: int, ep: int, etp: int, fsdp: bool, distributed: bool) -> dict[st
     if not fsdp:
         ensure_params_ready(chunk.parameters())
     a2a = [r.group_ranks for r in log if r.op == "all_to_all"]
+    views = mc_moe.model_sharded_state_dict(model)  # DCP's views, made whole below
     out = {
         "losses": losses,
         "weights": mc_moe.full_state_dict(model, pg_collection=pgc),
+        "views": {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in views.items()},
         "shape": shape,
         "all_to_alls": a2a,
         "ep": mg.group_ranks(pgc.require("ep", "test")),
@@ -155,6 +159,9 @@ def test_torchtitan_moe_layout_matches_one_process(rank_pools: RankPools) -> Non
             worst = max(float((run["weights"][k] - v).abs().max()) for k, v in ref_weights.items())
             assert worst <= 1e-6, (where, worst)
             assert run["shape"] == (EXPERTS // ep, EXPERT_HIDDEN // etp, 32), where
+            got = {k: v.reshape(run["weights"][k].shape) for k, v in run["views"].items()}
+            assert sorted(got) == sorted(run["weights"]), where
+            assert all(torch.equal(got[k], v) for k, v in run["weights"].items()), where
             assert run["all_to_alls"] == [run["ep"]] * 4 * 2, (where, run["all_to_alls"])
             if rank == 0:
                 print(f"{where}: loss rel {rel:.1e}, weights {worst:.1e}")
