@@ -19,6 +19,12 @@ saves) made whole equal those weights exactly; each
 rank holds E/EP experts of width I/expert TP; a step's all-to-alls are on ``ep``, 4 per MoE
 layer (dispatch and combine, forward and backward). A torchtitan MoE module with an
 ``expert_bias`` (torchtitan's trainer moves it; mc does not) is refused by name.
+
+Pipeline stages: PP 2 × EP 2 through ``mc_train`` (``split_model``, ``call_module``: the
+model's forward passes the modules a stage lacks through, as torchtitan's does), the same
+losses and weights. Its rotary cache is a buffer autograd saves for backward: before
+mc-train 0.9.4 the buffers' restore after shape inference bumped its version and the first
+step failed in the backward shape inference.
 """
 
 from __future__ import annotations
@@ -113,6 +119,50 @@ def _train(tp: int, ep: int, etp: int, fsdp: bool, distributed: bool) -> dict[st
     return out
 
 
+def _pipeline() -> dict[str, Any]:
+    """PP 2 × EP 2 (DP 2): ``mc_train.split_model`` cuts the model into 2 stages (one MoE
+    block each, torchtitan's forward passing a missing embedding / norm / head through),
+    ``build_pipeline`` (1F1B over 2 micro-batches, ``mc_train.call_module``, the
+    distributed optimizer): the losses (the last stage's) and each stage's weights."""
+    import mc_groups as mg
+    import mc_moe
+    import mc_train
+    from examples.titan_moe import BATCH, LR, MOMENTUM, build_model, global_batch
+    from mc_ddp import DistributedDataParallelConfig, ShardedOptimizer, ensure_params_ready
+
+    sizes: dict[str, Any] = {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}
+    pgc = mg.initialize_model_parallel(**sizes)
+    cfg = mg.ModelParallelConfig(**sizes)
+    model = build_model()
+    chunks = mc_train.split_model(model, mc_train.decoder_stages(model, 2), pgc)
+    ep_plan = {"layers.*.moe.experts": "ep_dispatch_experts"}
+    for chunk in chunks:
+        stage_plan = mc_train.stage_plan(ep_plan, chunk)
+        mc_moe.parallelize(chunk, {}, ep_plan=stage_plan, config=cfg, pg_collection=pgc)
+    pipe = mc_train.build_pipeline(
+        list(chunks),
+        config=cfg,
+        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
+        pg_collection=pgc,
+        microbatches=2,
+        loss_fn=mc_train.token_cross_entropy(),
+        forward=mc_train.call_module,
+    )
+    sgd = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = ShardedOptimizer(sgd, pipe.chunks, pg_collection=pgc)
+    dp = pgc.require("dp", "test")
+    rows = BATCH // dp.size()
+    losses = []
+    for step in range(STEPS):
+        ids = global_batch(step)[dp.rank() * rows : (dp.rank() + 1) * rows]
+        losses.append(pipe.forward_backward(ids[:, :-1], ids[:, 1:]))
+        opt.step()
+    ensure_params_ready(pipe.parameters())
+    weights = {n: w for c in pipe.chunks for n, w in mc_moe.full_state_dict(c.module, pgc).items()}
+    mg.destroy_model_parallel(pgc)
+    return {"losses": losses, "weights": weights}
+
+
 def _refused() -> str:
     import mc_groups as mg
     import mc_moe
@@ -139,7 +189,8 @@ def _refused() -> str:
 
 def _grid() -> dict[str, Any]:
     torch.set_num_threads(1)
-    return {"runs": [_train(*layout) for layout in LAYOUTS], "refused": _refused()}
+    runs = [_train(*layout) for layout in LAYOUTS]
+    return {"runs": runs, "pipeline": _pipeline(), "refused": _refused()}
 
 
 @pytest.mark.timeout(200)
@@ -150,6 +201,10 @@ def test_torchtitan_moe_layout_matches_one_process(rank_pools: RankPools) -> Non
 
     outcomes = rank_pools.get(4).run_with_deadline(180.0, _grid)
     ref_losses, ref_weights = reference(STEPS)
+    stages = {k: v for o in outcomes for k, v in o["pipeline"]["weights"].items()}
+    assert sorted(stages) == sorted(ref_weights)  # the two stages hold every weight
+    worst = max(float((stages[k] - v).abs().max()) for k, v in ref_weights.items())
+    assert worst <= 1e-6, ("PP 2 x EP 2", worst)
     for rank, outcome in enumerate(outcomes):
         for (tp, ep, etp, fsdp, distributed), run in zip(LAYOUTS, outcome["runs"], strict=True):
             where = f"TP {tp} EP {ep} x expert TP {etp} fsdp={fsdp} distopt={distributed} r{rank}"
@@ -166,4 +221,8 @@ def test_torchtitan_moe_layout_matches_one_process(rank_pools: RankPools) -> Non
             if rank == 0:
                 print(f"{where}: loss rel {rel:.1e}, weights {worst:.1e}")
         assert "layers.1.moe.expert_bias is set (load_balance_coeff=0.001)" in outcome["refused"]
+        if rank >= 2:  # the last stage's ranks report the losses
+            got = outcome["pipeline"]["losses"]
+            rel = max(abs(a - b) / b for a, b in zip(got, ref_losses, strict=True))
+            assert rel <= 1e-5, ("PP 2 x EP 2", got, ref_losses)
         assert "load_balance_coeff=None" in outcome["refused"]

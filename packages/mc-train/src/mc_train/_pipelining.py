@@ -103,7 +103,9 @@ class MCStage(PipelineStage):
         training mode with grad enabled, so a stateful forward would count it as a step's
         (a router's ``local_tokens_per_expert``: the expert bias then moved on garbage
         routing; a norm's running statistics; the RNG a dropout draws from). The stage's
-        buffers and the RNG state are put back after it."""
+        buffers and the RNG state are put back after it: only the buffers it changed, so
+        a buffer autograd saved (a rotary cache) keeps its version for the backward shape
+        inference that follows on this forward's graph."""
         saved = [(buffer, buffer.detach().clone()) for buffer in self.submod.buffers()]
         cuda = [self.device] if self.device.type == "cuda" else []
         try:
@@ -112,7 +114,8 @@ class MCStage(PipelineStage):
         finally:
             with torch.no_grad():
                 for buffer, value in saved:
-                    buffer.copy_(value)
+                    if not torch.equal(buffer, value):
+                        buffer.copy_(value)
 
     def forward_one_chunk(
         self,

@@ -14,7 +14,9 @@ never reduced (a ``last_backward`` that never comes) or reduced every micro-batc
   The losses equal one process's on the whole batch within 1e-6 relative (fp32; the same
   sums split by micro-batch), so the grads the calls produce are the right ones. A
   stateful forward (a counter buffer, as a router's tokens per expert) counts exactly the
-  M · steps training forwards: shape inference's extra forward is not one of them.
+  M · steps training forwards: shape inference's extra forward is not one of them. A
+  buffer autograd saves for backward (a rotary cache) survives that restore: shape
+  inference's backward pass runs on the inference forward's graph after it.
 - Refusals before anything is built (every rank the same error): a chunk already in DDP,
   a chunk without parameters (an empty stage), a chunk count the schedule does not run, a
   zero-bubble schedule, inferred shapes with gradient-accumulation fusion.
@@ -121,6 +123,11 @@ def _count_forward(module: nn.Module, _args: Any, _output: Any) -> None:
         forwards += 1
 
 
+def _scaled(module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+    # a buffer autograd saves for backward (as a rotary cache buffer is: torchtitan's)
+    return output * module.get_buffer("scale")
+
+
 def _run(schedule: str, vpp: int) -> dict[str, Any]:
     pgc = mg.initialize_model_parallel(1, 2)
     calls: list[tuple[int, str, bool]] = []
@@ -131,6 +138,8 @@ def _run(schedule: str, vpp: int) -> dict[str, Any]:
         for linear in (m for c in chunks for m in c.modules() if isinstance(m, nn.Linear)):
             linear.register_buffer("forwards", torch.zeros(()))  # a stateful forward's state
             linear.register_forward_hook(_count_forward)
+            linear.register_buffer("scale", torch.ones(()))
+            linear.register_forward_hook(_scaled)
         pipe = build_pipeline(
             chunks,
             config=mg.ModelParallelConfig(),
