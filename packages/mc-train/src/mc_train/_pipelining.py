@@ -113,8 +113,8 @@ class MCStage(PipelineStage):
                 return super()._forward_metadata_inference(args, kwargs, has_backward)
         finally:
             with torch.no_grad():
-                for buffer, value in saved:
-                    if not torch.equal(buffer, value):
+                for buffer, value in saved:  # meta buffers hold no values to put back
+                    if not buffer.is_meta and not torch.equal(buffer, value):
                         buffer.copy_(value)
 
     def forward_one_chunk(

@@ -60,6 +60,35 @@ def test_overridden_methods_keep_their_signatures() -> None:
         assert getattr(MCStage, name) is not getattr(PipelineStage, name), name
 
 
+def test_shape_inference_puts_back_only_the_buffers_it_changed() -> None:
+    """``MCStage._forward_metadata_inference`` around torch's (replaced here by a forward
+    that counts into one buffer): the changed buffer gets its value back, an unchanged one
+    keeps its version (autograd may have saved it), a meta buffer (a dry run: no values)
+    is left alone instead of failing ``torch.equal``."""
+    from unittest import mock
+
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    from mc_train._pipelining import MCStage
+
+    module = nn.Module()
+    module.register_buffer("counts", torch.zeros(3))
+    module.register_buffer("cache", torch.ones(4))
+    module.register_buffer("meta", torch.zeros(2, device="meta"))
+    version = module.get_buffer("cache")._version
+
+    def inference(*_args: Any, **_kwargs: Any) -> str:
+        module.get_buffer("counts").add_(1.0)
+        return "metadata"
+
+    stage = object.__new__(MCStage)  # only what the override reads
+    stage.__dict__.update(submod=module, device=torch.device("cpu"))
+    with mock.patch.object(PipelineStage, "_forward_metadata_inference", inference):
+        assert stage._forward_metadata_inference(()) == "metadata"
+    assert torch.equal(module.get_buffer("counts"), torch.zeros(3))
+    assert module.get_buffer("cache")._version == version
+
+
 class _MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
