@@ -36,19 +36,24 @@ import torch
 
 from mc_groups.testing import RankPools
 
-# (TP size with SP, EP size, expert TP size, FSDP2 wrapper, distributed optimizer)
+# (TP size with SP, EP size, expert TP size, FSDP2 wrapper, distributed optimizer, every
+# block under torch's checkpoint_wrapper: torchtitan's activation checkpointing)
 LAYOUTS = [
-    (1, 2, 1, False, False),
-    (1, 2, 2, False, True),
-    (1, 4, 1, False, False),
-    (1, 2, 1, True, False),
-    (2, 2, 1, False, True),
-    (2, 2, 1, True, False),
+    (1, 2, 1, False, False, False),
+    (1, 2, 2, False, True, False),
+    (1, 4, 1, False, False, False),
+    (1, 2, 1, True, False, False),
+    (2, 2, 1, False, True, False),
+    (2, 2, 1, True, False, False),
+    (2, 2, 1, False, True, True),
 ]
+WRAPPED = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper: in module paths only
 STEPS = 3
 
 
-def _train(tp: int, ep: int, etp: int, fsdp: bool, distributed: bool) -> dict[str, Any]:
+def _train(
+    tp: int, ep: int, etp: int, fsdp: bool, distributed: bool, recompute: bool
+) -> dict[str, Any]:
     import mc_groups as mg
     import mc_moe
     from examples.titan_moe import BATCH, LR, MOMENTUM, build_model, global_batch, loss_of
@@ -74,6 +79,13 @@ def _train(tp: int, ep: int, etp: int, fsdp: bool, distributed: bool) -> dict[st
     plan = mc_moe.sequence_parallel_plan(model, ep_plan=ep_plan) if tp > 1 else {}
     mc_moe.parallelize(model, plan, ep_plan=ep_plan, config=cfg, pg_collection=pgc)
     shape = tuple(model.layers["0"].moe.experts.w1.shape)
+    if recompute:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
+        for name in list(model.layers.keys()):
+            model.layers[name] = checkpoint_wrapper(model.layers[name])
     chunk: Any
     if fsdp:
         wrapper = TorchFullyShardedDataParallelConfig(reduce_scatter_unused_params=True)
@@ -106,17 +118,31 @@ def _train(tp: int, ep: int, etp: int, fsdp: bool, distributed: bool) -> dict[st
     if not fsdp:
         ensure_params_ready(chunk.parameters())
     a2a = [r.group_ranks for r in log if r.op == "all_to_all"]
-    views = mc_moe.model_sharded_state_dict(model)  # DCP's views, made whole below
     out = {
         "losses": losses,
-        "weights": mc_moe.full_state_dict(model, pg_collection=pgc),
-        "views": {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in views.items()},
+        **_state(model, pgc, reload=not fsdp),
         "shape": shape,
         "all_to_alls": a2a,
         "ep": mg.group_ranks(pgc.require("ep", "test")),
     }
     mg.destroy_model_parallel(pgc)
     return out
+
+
+def _state(model: Any, pgc: Any, reload: bool) -> dict[str, Any]:
+    """The whole weights (``mc_moe.full_state_dict``) and DCP's views made whole; with
+    ``reload`` the whole weights are cut back into the model (``load_full_state_dict``) and
+    must gather to the same tensors."""
+    import mc_moe
+
+    views = mc_moe.model_sharded_state_dict(model)
+    weights = mc_moe.full_state_dict(model, pg_collection=pgc)
+    if reload:
+        mc_moe.load_full_state_dict(model, weights, pg_collection=pgc)
+        again = mc_moe.full_state_dict(model, pg_collection=pgc)
+        assert all(torch.equal(again[k], v) for k, v in weights.items())
+    whole = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in views.items()}
+    return {"weights": weights, "views": whole}
 
 
 def _pipeline() -> dict[str, Any]:
@@ -206,18 +232,22 @@ def test_torchtitan_moe_layout_matches_one_process(rank_pools: RankPools) -> Non
     worst = max(float((stages[k] - v).abs().max()) for k, v in ref_weights.items())
     assert worst <= 1e-6, ("PP 2 x EP 2", worst)
     for rank, outcome in enumerate(outcomes):
-        for (tp, ep, etp, fsdp, distributed), run in zip(LAYOUTS, outcome["runs"], strict=True):
-            where = f"TP {tp} EP {ep} x expert TP {etp} fsdp={fsdp} distopt={distributed} r{rank}"
+        for layout, run in zip(LAYOUTS, outcome["runs"], strict=True):
+            tp, ep, etp, fsdp, distributed, recompute = layout
+            where = f"TP {tp} EP {ep} x expert TP {etp} fsdp={fsdp} distopt={distributed}"
+            where += f" recompute={recompute} rank {rank}"
             rel = max(abs(a - b) / b for a, b in zip(run["losses"], ref_losses, strict=True))
             assert rel <= 1e-5, (where, run["losses"], ref_losses)
             assert sorted(run["weights"]) == sorted(ref_weights), where
             worst = max(float((run["weights"][k] - v).abs().max()) for k, v in ref_weights.items())
             assert worst <= 1e-6, (where, worst)
             assert run["shape"] == (EXPERTS // ep, EXPERT_HIDDEN // etp, 32), where
-            got = {k: v.reshape(run["weights"][k].shape) for k, v in run["views"].items()}
+            views = {k.replace(WRAPPED, ""): v for k, v in run["views"].items()}
+            got = {k: v.reshape(run["weights"][k].shape) for k, v in views.items()}
             assert sorted(got) == sorted(run["weights"]), where
             assert all(torch.equal(got[k], v) for k, v in run["weights"].items()), where
-            assert run["all_to_alls"] == [run["ep"]] * 4 * 2, (where, run["all_to_alls"])
+            per_layer = 6 if recompute else 4  # the forward's pair again in the recompute
+            assert run["all_to_alls"] == [run["ep"]] * per_layer * 2, (where, run["all_to_alls"])
             if rank == 0:
                 print(f"{where}: loss rel {rel:.1e}, weights {worst:.1e}")
         assert "layers.1.moe.expert_bias is set (load_balance_coeff=0.001)" in outcome["refused"]
