@@ -6,8 +6,8 @@ The package root holds what a training script calls:
   DeepSeek-V3, gpt-oss) split by its own ``tp_plan`` and ``ep_plan``: dense layers through
   :func:`mc_tp_layers.parallelize`, experts over the ``ep`` and ``expt_tp`` groups
   (:class:`MoEPlanWarning`: dense plan entries that matched no module, the layers they
-  name being MoE layers);
-  :func:`sequence_parallel_plan`: the plan under tensor parallelism.
+  name being MoE layers), or a torchtitan MoE model (``GroupedExperts``) named by an
+  ``ep_plan``; :func:`sequence_parallel_plan`: the plan under tensor parallelism.
 - :func:`full_state_dict` / :func:`load_full_state_dict`: one piece (the unsplit model's
   names and shapes) and back; :func:`model_sharded_state_dict`: full-shape DCP views.
 
@@ -15,8 +15,9 @@ The rest lives in the module of its mechanism:
 
 - :mod:`mc_moe.dispatcher`: :class:`~mc_moe.dispatcher.TokenDispatcher`, Megatron-Core's
   all-to-all token dispatch (dropless) over ``ep`` and ``expt_tp``.
-- :mod:`mc_moe.experts`: a ``transformers`` experts module (3-D expert weights) converted
-  in place: its experts and expert-TP shards, tagged for mc DDP's expert buffers.
+- :mod:`mc_moe.experts`: a ``transformers`` experts module (3-D expert weights) or
+  torchtitan's ``GroupedExperts`` converted in place: its experts and expert-TP shards,
+  tagged for mc DDP's expert buffers.
 - :mod:`mc_moe.router`: Megatron's aux-loss-free expert bias for routers that have one
   (updated by ``mc_finalize.finalize_model_grads``) and ``transformers``' load-balancing
   loss on the global batch.
