@@ -161,7 +161,17 @@ def _read_grouped(
 ) -> ExpertWeights:
     """torchtitan's ``GroupedExperts``: ``w1`` / ``w3`` ``[E, I, H]``, ``w2`` ``[E, H, I]``."""
     experts, inter, hidden = (int(n) for n in params["w1"].shape)
-    layout = ExpertWeights(experts, inter, hidden, "w1", True, False, True, False, grouped=True)
+    layout = ExpertWeights(
+        num_experts=experts,
+        intermediate=inter,
+        hidden=hidden,
+        up="w1",
+        gated=True,
+        transposed=False,
+        concatenated=True,
+        bias=False,
+        grouped=True,
+    )
     expected = {"w1": (experts, inter, hidden), "w2": (experts, hidden, inter)}
     expected["w3"] = expected["w1"]
     for pname, shape in expected.items():

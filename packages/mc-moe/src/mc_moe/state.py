@@ -27,7 +27,7 @@ too and are included, whole (every rank holds the same values).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -65,39 +65,14 @@ def expert_params(
                 yield prefix + pname, param, sub
 
 
-def _state_dict_keys(
-    module: torch.nn.Module, call: Callable[[], dict[str, torch.Tensor]]
-) -> tuple[dict[str, torch.Tensor], dict[tuple[int, str], str]]:
-    """``call()`` (a ``state_dict`` of ``module``) and the key it gave each expert param,
-    by ``(id(experts module), param name)``: a wrapper's own hook may rename keys after
-    the experts' (torch's ``checkpoint_wrapper`` drops ``_checkpoint_wrapped_module.``, as
-    torchtitan's activation checkpointing leaves it), so a module path is not the key. The
-    experts' parent notes each expert entry's tensor once the experts' own hooks ran; the
-    final key is the one holding that tensor."""
-    noted: dict[int, tuple[int, str]] = {}
-
-    def noting(child: str, experts: torch.nn.Module) -> Any:
-        def hook(_parent: torch.nn.Module, state: Any, prefix: str, _meta: Any) -> None:
-            for pname, _ in experts.named_parameters(recurse=False):
-                value = state.get(f"{prefix}{child}{pname}")
-                if value is not None:
-                    noted[id(value)] = (id(experts), pname)
-
-        return hook
-
-    handles = []
-    for path in {path.rpartition(".")[0] for path, _, _ in expert_params(module)}:
-        parent_path, _, child = path.rpartition(".")
-        parent = module.get_submodule(parent_path) if child else module
-        experts = module.get_submodule(path)
-        hook = noting(f"{child}." if child else "", experts)
-        handles.append(parent.register_state_dict_post_hook(hook))  # type: ignore[no-untyped-call]
-    try:
-        result = call()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return result, {noted[id(v)]: k for k, v in result.items() if id(v) in noted}
+def _state_keys(module: torch.nn.Module) -> dict[int, str]:
+    """``id(param)`` → the key ``module.state_dict()`` gives it. A wrapper's own hook may
+    rename keys (torch's ``checkpoint_wrapper`` drops ``_checkpoint_wrapped_module.``, as
+    torchtitan's activation checkpointing leaves it), so a module path is not the key.
+    FSDP2's sharded params are registered first (:func:`mc_groups.dtensors.reshard_fsdp`),
+    the ones its state-dict hooks give."""
+    dtensors.reshard_fsdp(module)
+    return {id(value): key for key, value in module.state_dict(keep_vars=True).items()}
 
 
 def _check(module: object, pg_collection: object) -> None:
@@ -118,10 +93,11 @@ def full_state_dict(
     all-gather over ``ep`` per expert parameter (none on a one-rank group). Every rank calls
     it."""
     _check(module, pg_collection)
-    state, keys = _state_dict_keys(module, lambda: full_tp_state_dict(module))
+    keys = _state_keys(module)
+    state = full_tp_state_dict(module)
     with torch.no_grad():
-        for path, _, experts in expert_params(module):
-            key = keys[id(experts), path.rpartition(".")[2]]
+        for _, param, experts in expert_params(module):
+            key = keys[id(param)]
             ep = getattr(experts, DISPATCHER_ATTR).ep
             size = mg.group_size(ep)
             if size == 1:
@@ -145,9 +121,9 @@ def load_full_state_dict(
     if not isinstance(state_dict, Mapping):
         raise InputTypeError(f"state_dict must be a mapping, got {type_name(state_dict)}")
     local = dict(state_dict)
-    _, keys = _state_dict_keys(module, lambda: module.state_dict(keep_vars=True))
-    for path, _, experts in expert_params(module):
-        key = keys[id(experts), path.rpartition(".")[2]]
+    keys = _state_keys(module)
+    for _, param, experts in expert_params(module):
+        key = keys[id(param)]
         if key in local:
             dispatcher = getattr(experts, DISPATCHER_ATTR)
             first, count = dispatcher.first_local_expert, dispatcher.num_local_experts
